@@ -1,0 +1,172 @@
+"""The engine's capacity curve SPS(B): target steps per second at a forward batch of B tokens.
+
+The verify planner (`dspark.verify.planner`) trades expected accepted tokens against step time, so
+it needs SPS at every batch-token count B = Σ_r (1 + ℓ_r) it may choose. A table is profiled per
+deployment (GPU, parallelism, context length) by `bench/profile_capacity.py`, stored as JSON with
+the device label, and looked up here.
+
+Between probes the *step time* 1/SPS is interpolated linearly: that is what an affine cost model
+(fixed overhead + per-token cost) predicts between two measurements, and linear interpolation never
+overshoots the probes, so a monotone table stays monotone. Below the first probe the first probe's
+time is used (a smaller batch is assumed no faster, the conservative choice); above the last probe
+the time grows in proportion to B (the compute-bound regime every GPU reaches eventually).
+
+Lookups are O(1): the curve is tabulated once for every integer B up to the last probe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from statistics import median
+
+import numpy as np
+
+FORMAT = "dspark-capacity/1"
+_MAX_PROBE = 1 << 20  # batch-token probes beyond this are not a realistic verify batch
+
+
+@dataclass(frozen=True)
+class CapacityTable:
+    """Profiled steps-per-second curve.
+
+    Parameters
+    ----------
+    batch_tokens : sequence of int
+        Probe batch sizes in tokens, strictly increasing, >= 1.
+    steps_per_second : sequence of float
+        Measured SPS at each probe, finite and > 0 (same length).
+    label : str
+        Where the numbers come from, e.g. "NVIDIA H200, TP1, ctx 4096" or "cpu-default (synthetic)".
+    notes : str
+        Free-form profiling conditions (commit, clocks, context length).
+
+    Raises
+    ------
+    ValueError
+        On empty or mismatched sequences, non-increasing or non-positive batch sizes, or
+        non-finite / non-positive speeds.
+    """
+
+    batch_tokens: tuple[int, ...]
+    steps_per_second: tuple[float, ...]
+    label: str
+    notes: str = ""
+    _dense: np.ndarray = field(init=False, repr=False, compare=False)  # [last probe + 1] SPS per B
+
+    def __post_init__(self):
+        bt, sps = list(self.batch_tokens), list(self.steps_per_second)
+        if not bt or len(bt) != len(sps):
+            raise ValueError(f"batch_tokens ({len(bt)}) and steps_per_second ({len(sps)}) must be "
+                             f"non-empty and of equal length")
+        if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in bt):
+            raise ValueError(f"batch_tokens must be ints, got {bt}")
+        if bt[0] < 1 or bt[-1] > _MAX_PROBE:
+            raise ValueError(f"batch_tokens must lie in [1, {_MAX_PROBE}], got {bt[0]}..{bt[-1]}")
+        for i in range(1, len(bt)):
+            if bt[i] <= bt[i - 1]:
+                raise ValueError(f"batch_tokens must be strictly increasing; {bt[i]} follows {bt[i - 1]}")
+        for b, s in zip(bt, sps):
+            if isinstance(s, bool) or not isinstance(s, (int, float, np.floating, np.integer)) \
+                    or not math.isfinite(s) or s <= 0:
+                raise ValueError(f"steps_per_second must be finite and > 0; got {s!r} at batch_tokens={b}")
+        if not isinstance(self.label, str) or not self.label:
+            raise ValueError(f"label must be a non-empty string, got {self.label!r}")
+        object.__setattr__(self, "batch_tokens", tuple(int(b) for b in bt))
+        object.__setattr__(self, "steps_per_second", tuple(float(s) for s in sps))
+        grid = np.arange(bt[-1] + 1, dtype=np.float64)
+        times = np.interp(grid, np.asarray(bt, np.float64), 1.0 / np.asarray(sps, np.float64))
+        dense = 1.0 / times
+        dense.setflags(write=False)
+        object.__setattr__(self, "_dense", dense)
+
+    def __call__(self, batch_tokens: int) -> float:
+        """SPS at one batch size (int >= 1)."""
+        b = int(batch_tokens)
+        if b < 1:
+            raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+        last = self.batch_tokens[-1]
+        if b <= last:
+            return float(self._dense[b])
+        return self.steps_per_second[-1] * last / b
+
+    def many(self, batch_tokens: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Vectorised lookup: int array [N] (values >= 1) -> float64 SPS [N]."""
+        b = np.asarray(batch_tokens, dtype=np.int64)
+        if b.size and b.min() < 1:
+            raise ValueError(f"batch_tokens must be >= 1, got {int(b.min())}")
+        last = self.batch_tokens[-1]
+        inside = self._dense[np.minimum(b, last)]
+        beyond = self.steps_per_second[-1] * last / np.maximum(b, 1)
+        return np.where(b <= last, inside, beyond)
+
+    def step_time(self, batch_tokens: int) -> float:
+        """Seconds per target step at `batch_tokens` (1 / SPS)."""
+        return 1.0 / self(batch_tokens)
+
+    def non_increasing(self) -> CapacityTable:
+        """The curve when a batch may be padded up to any larger probe: SPS'(B) = max over B' >= B.
+
+        Measured curves are jagged (tile and wave quantisation); an engine that pads to graph tiers
+        gets the running maximum from the right, which is non-increasing in B.
+        """
+        sps = np.maximum.accumulate(np.asarray(self.steps_per_second)[::-1])[::-1]
+        return CapacityTable(self.batch_tokens, tuple(sps.tolist()), self.label,
+                             (self.notes + "; " if self.notes else "") + "non-increasing envelope")
+
+    @classmethod
+    def from_step_times(cls, samples: dict[int, Sequence[float]], label: str, notes: str = "") -> CapacityTable:
+        """Build a table from repeated step-time measurements {batch_tokens: [seconds, ...]}.
+
+        Each probe is reduced to the median time (robust to stragglers), then inverted.
+        """
+        if not samples:
+            raise ValueError("samples must hold at least one probe")
+        bt = sorted(samples)
+        times = []
+        for b in bt:
+            ts = list(samples[b])
+            if not ts or any(not math.isfinite(t) or t <= 0 for t in ts):
+                raise ValueError(f"step times at batch_tokens={b} must be non-empty, finite and > 0")
+            times.append(median(ts))
+        return cls(tuple(bt), tuple(1.0 / t for t in times), label, notes)
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "label": self.label, "notes": self.notes,
+                "batch_tokens": list(self.batch_tokens), "steps_per_second": list(self.steps_per_second)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CapacityTable:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not a capacity table: expected format {FORMAT!r}, got "
+                             f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}")
+        missing = [k for k in ("label", "batch_tokens", "steps_per_second") if k not in data]
+        if missing:
+            raise ValueError(f"capacity table is missing {missing}")
+        return cls(tuple(data["batch_tokens"]), tuple(data["steps_per_second"]), data["label"],
+                   data.get("notes", ""))
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CapacityTable:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def default_cpu_table() -> CapacityTable:
+    """A synthetic table for CPU runs and tests, labelled as such: not a measurement.
+
+    Affine cost model: 20 ms per step plus 0.5 ms per batch token, probed at powers of two up to
+    1024 tokens. Use a profiled table for any throughput claim.
+    """
+    bt = tuple(2**i for i in range(11))
+    return CapacityTable(bt, tuple(1.0 / (0.020 + 0.0005 * b) for b in bt),
+                         "cpu-default (synthetic affine model, not profiled)",
+                         "step time = 20 ms + 0.5 ms x batch tokens")

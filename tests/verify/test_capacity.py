@@ -1,0 +1,89 @@
+"""dspark.verify.capacity: validation, interpolation, extrapolation, JSON round trip."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark.verify.capacity import CapacityTable, default_cpu_table
+
+
+@pytest.mark.parametrize("bt, sps, match", [
+    ((), (), "non-empty"),
+    ((1, 2), (1.0,), "equal length"),
+    ((1, 4, 4), (3.0, 2.0, 1.0), "strictly increasing"),
+    ((1, 8, 4), (3.0, 2.0, 1.0), "strictly increasing"),
+    ((0, 4), (2.0, 1.0), "batch_tokens"),
+    ((1.5, 4), (2.0, 1.0), "ints"),
+    ((1, 4), (2.0, 0.0), "steps_per_second"),
+    ((1, 4), (2.0, float("nan")), "steps_per_second"),
+    ((1, 4), (float("inf"), 1.0), "steps_per_second"),
+])
+def test_invalid_tables_raise(bt, sps, match):
+    with pytest.raises(ValueError, match=match):
+        CapacityTable(bt, sps, "x")
+
+
+def test_label_is_required():
+    with pytest.raises(ValueError, match="label"):
+        CapacityTable((1, 2), (2.0, 1.0), "")
+
+
+def test_lookup_interpolates_step_time_and_extrapolates_compute_bound():
+    # Probes: 10 ms at B=1, 20 ms at B=11, 40 ms at B=31.
+    table = CapacityTable((1, 11, 31), (100.0, 50.0, 25.0), "hand")
+    assert table(1) == pytest.approx(100.0)
+    assert table(6) == pytest.approx(1 / 0.015)  # halfway in time between 10 ms and 20 ms
+    assert table(21) == pytest.approx(1 / 0.030)
+    assert table(31) == pytest.approx(25.0)
+    assert table(62) == pytest.approx(12.5)  # beyond the last probe: time ∝ B
+    assert table.step_time(11) == pytest.approx(0.020)
+    values = [table(b) for b in range(1, 80)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # monotone data, monotone curve
+    np.testing.assert_allclose(table.many(np.arange(1, 80)), values)
+    with pytest.raises(ValueError, match="batch_tokens"):
+        table(0)
+    with pytest.raises(ValueError, match="batch_tokens"):
+        table.many([3, 0])
+
+
+def test_below_first_probe_uses_the_first_probe():
+    table = CapacityTable((4, 8), (10.0, 5.0), "hand")
+    assert table(1) == table(3) == table(4) == pytest.approx(10.0)
+
+
+def test_non_increasing_envelope_of_a_jagged_curve():
+    jagged = CapacityTable((1, 2, 3, 4), (10.0, 6.0, 7.0, 5.0), "jagged")
+    env = jagged.non_increasing()
+    assert env.steps_per_second == (10.0, 7.0, 7.0, 5.0)
+    assert env.batch_tokens == jagged.batch_tokens and env.label == jagged.label
+
+
+def test_from_step_times_takes_the_median():
+    table = CapacityTable.from_step_times({8: [0.02, 0.5, 0.021, 0.019, 0.02], 1: [0.01, 0.01, 0.02]}, "probe")
+    assert table.batch_tokens == (1, 8)
+    assert table.steps_per_second == pytest.approx((100.0, 50.0))
+    with pytest.raises(ValueError, match="batch_tokens=4"):
+        CapacityTable.from_step_times({4: []}, "probe")
+
+
+def test_json_round_trip_keeps_label_and_values(tmp_path):
+    table = CapacityTable((1, 16, 256), (90.0, 80.5, 20.25), "NVIDIA H200 (TP1, ctx 4096)", "commit abc")
+    path = tmp_path / "sps.json"
+    table.save(path)
+    loaded = CapacityTable.load(path)
+    assert loaded == table and loaded(100) == table(100)
+    data = json.loads(path.read_text())
+    assert data["label"] == "NVIDIA H200 (TP1, ctx 4096)" and data["format"] == "dspark-capacity/1"
+    data["batch_tokens"] = [1, 300, 256]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        CapacityTable.load(path)
+    with pytest.raises(ValueError, match="format"):
+        CapacityTable.from_dict({"label": "x", "batch_tokens": [1], "steps_per_second": [1.0]})
+
+
+def test_default_cpu_table_is_labelled_synthetic():
+    table = default_cpu_table()
+    assert "cpu" in table.label and "not profiled" in table.label
+    assert table(1) > table(64) > table(1024) > table(4096) > 0
