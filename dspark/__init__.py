@@ -1,7 +1,8 @@
 """dspark: exact speculative decoding with the DSpark drafter for DeepSeek-V4 targets."""
 
 from dspark.api import init_model, load_model
-from dspark.generate import GenerationOutput, GenerationStats, generate
+from dspark.generate import generate
+from dspark.request import GenerationOutput, GenerationStats
 from dspark.sampling import SamplingParams
 
 __all__ = ["GenerationOutput", "GenerationStats", "SamplingParams", "generate", "init_model", "load_model"]

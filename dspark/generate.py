@@ -1,161 +1,117 @@
-"""`dspark.generate`: the reference decoding loop over a batch of prompts.
+"""`dspark.generate`: the reference decoding loop, plain or speculative, over a batch of prompts.
 
-Plain decoding (`draft_tokens=0`) runs one ragged target call per step over all live requests.
-Every request owns a rewindable `DecodeState`; prompts are prefilled in chunks so that a long prompt
-never materialises more than `prefill_chunk` rows of attention scores at once.
+One speculative round (DSpark paper §2–3; specs/dspark.md §2.2–2.4) is four named calls:
+
+    draft   the drafter proposes a full γ-block per request from its anchor (the last committed token)
+    plan    the planner chooses how many of the γ drafts each request sends to the target (ℓ_r)
+    verify  one ragged target call over [anchor, x_0 .. x_{ℓ-1}] per request, then exact acceptance
+    commit  rewind the target state to anchor + accepted drafts, feed those rows to the drafter,
+            append accepted drafts + the correction/bonus token
+
+Plain decoding (`draft_tokens=0`) is the same round with ℓ_r = 0 and no drafter. Every request owns a
+rewindable `DecodeState`; prompts are prefilled in chunks of `prefill_chunk` tokens.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from dspark.draft import resolve_drafter
+from dspark.request import GenerationOutput, GenerationStats, Request
 from dspark.sampling import SamplingParams, probs_from_logits, sample
 from dspark.tokenizer import as_text_codec
+from dspark.verify.acceptance import verify_chain
+from dspark.verify.capacity import CapacityTable, default_cpu_table
+from dspark.verify.planner import VerifyPlan, plan_algorithm1, plan_async, plan_fixed
+from dspark.validate import check_generate_args, encode_prompts
+
+__all__ = ["GenerationOutput", "GenerationStats", "generate"]
 
 
-@dataclass
-class GenerationStats:
-    """Per-request decoding statistics.
-
-    `rounds` counts target calls after the prompt (verify steps); `tau` = tokens committed per round,
-    bonus token included (1.0 for plain decoding); the first new token comes from the prefill call and
-    belongs to no round. `accept_hist[j]` counts rounds that accepted j
-    drafts; `position_accepts[k]` counts rounds whose draft k was accepted; `rejected_tokens` counts
-    drafts that were verified but rejected.
-    """
-
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    rounds: int = 0
-    accept_hist: list[int] = field(default_factory=list)
-    position_accepts: list[int] = field(default_factory=list)
-    rejected_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
-
-    @property
-    def wall_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-
-@dataclass
-class GenerationOutput:
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens)
-    stats: GenerationStats
-
-
-@dataclass
-class _Request:
-    """Host-side bookkeeping of one prompt (no tensors beyond its decode state)."""
-
-    prompt: list[int]
-    state: object
-    generator: torch.Generator
-    out: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-
-def _eos_ids(config) -> frozenset[int]:
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
-
-
-def _encode_prompts(model, prompt) -> tuple[list[list[int]], bool]:
-    """Normalise `prompt` to a list of token-id lists; returns (prompts, was_batch)."""
-    codec = as_text_codec(getattr(model, "tokenizer", None))
-    batch = isinstance(prompt, list) and len(prompt) > 0 and not isinstance(prompt[0], int)
-    items = prompt if batch else [prompt]
-    if isinstance(prompt, list) and len(prompt) == 0:
-        raise ValueError("prompt: empty list")
-    vocab = model.config.vocab_size
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            if codec is None:
-                raise ValueError(f"prompt[{i}]: a string needs a model with a tokenizer; pass token ids")
-            item = codec.encode(item)
-        if not isinstance(item, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            raise ValueError(f"prompt[{i}]: expected a string or a list of ints, got {type(item).__name__}")
-        if len(item) == 0:
-            raise ValueError(f"prompt[{i}]: empty prompt")
-        bad = [t for t in item if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt[{i}]: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        out.append(list(item))
-    return out, batch
-
-
-def _check_args(model, prompts, max_new_tokens, draft_tokens, prefill_chunk):
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-    if draft_tokens != 0:
-        raise ValueError(f"draft_tokens={draft_tokens!r}: speculative decoding is not available yet; use 0")
-    limit = model.config.max_position_embeddings
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt[{i}]: {len(p)} prompt tokens + max_new_tokens={max_new_tokens} exceed "
-                f"max_position_embeddings={limit}")
-
-
-@torch.inference_mode()
-def _forward_last(model, requests: list[_Request], chunks: list[list[int]]) -> torch.Tensor:
-    """Feed `chunks[b]` to request b in one ragged call; returns the last row's logits [B, V]."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
+def _forward(model, requests: list[Request], chunks: list[list[int]], capture: tuple[int, ...]):
+    """Feed `chunks[b]` to request b in one ragged target call; returns (output, row offsets)."""
+    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)
     lens = [len(c) for c in chunks]
-    logits = model(ids, [r.state for r in requests], lens).logits  # [N, V]
-    last = torch.tensor(lens, device=device).cumsum(0) - 1
-    return logits[last]
+    out = model(ids, [r.state for r in requests], lens, capture_layers=capture)
+    offsets = [sum(lens[:b]) for b in range(len(lens))]
+    return out, offsets
 
 
-def _prefill(model, requests: list[_Request], chunk: int) -> torch.Tensor:
-    """Chunked prefill of every prompt; returns each request's last-prompt-row logits [B, V]."""
+def _observe(drafter, req: Request, out, rows: slice, tokens: list[int]) -> None:
+    if drafter is not None:
+        drafter.observe(req.dstate, torch.tensor(tokens), out.hidden[rows],
+                        {i: f[rows] for i, f in out.features.items()})
+
+
+def _pick(logits: torch.Tensor, req: Request, params: SamplingParams) -> int:
+    """Next token from one row of target logits [V]."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(probs_from_logits(logits.float(), params), req.generator))
+
+
+def _prefill(model, drafter, requests: list[Request], chunk: int, params: SamplingParams) -> None:
+    """Chunked prefill of every prompt, then the first token of each request."""
+    capture = drafter.capture_layers if drafter is not None else ()
     last = [None] * len(requests)
     for start in range(0, max(len(r.prompt) for r in requests), chunk):
-        live = [i for i, r in enumerate(requests) if len(r.prompt) > start]
-        rows = _forward_last(model, [requests[i] for i in live],
-                             [requests[i].prompt[start:start + chunk] for i in live])
-        for j, i in enumerate(live):
-            last[i] = rows[j]
-    return torch.stack(last)
+        live = [b for b, r in enumerate(requests) if len(r.prompt) > start]
+        pieces = [requests[b].prompt[start:start + chunk] for b in live]
+        out, offsets = _forward(model, [requests[b] for b in live], pieces, capture)
+        for b, piece, off in zip(live, pieces, offsets):
+            _observe(drafter, requests[b], out, slice(off, off + len(piece)), piece)
+            last[b] = out.logits[off + len(piece) - 1]
+    for req, logits in zip(requests, last):
+        req.stats.prompt_tokens = len(req.prompt)
+        req.commit([_pick(logits, req, params)])
 
 
-def _pick(logits: torch.Tensor, requests: list[_Request], params: SamplingParams) -> list[int]:
-    """Choose the next token of each request from its target logits [B, V]."""
-    if params.temperature == 0.0:
-        return logits.argmax(-1).tolist()
-    probs = probs_from_logits(logits.float(), params)
-    return [int(sample(probs[b], r.generator)) for b, r in enumerate(requests)]
+def _plan(live: list[Request], confidence: torch.Tensor, draft_tokens, planner: str,
+          capacity: CapacityTable, gamma: int) -> VerifyPlan:
+    """ℓ_r per request; never more drafts than the request can still commit."""
+    caps = [min(gamma, r.remaining - 1) for r in live]
+    if draft_tokens != "auto":
+        return plan_fixed(draft_tokens, gamma, len(live), caps)
+    if planner == "async":
+        stale = [r.confidences[0] if len(r.confidences) == 2 else None for r in live]
+        return plan_async(confidence, stale, capacity, caps)
+    return plan_algorithm1(confidence, capacity, caps)
 
 
-def _append(req: _Request, token: int, eos: frozenset[int], max_new: int) -> None:
-    req.out.append(token)
-    req.stats.new_tokens += 1
-    if token in eos:
-        req.finish_reason = "stop"
-    elif len(req.out) >= max_new:
-        req.finish_reason = "length"
+def _round(model, drafter, live: list[Request], params: SamplingParams, draft_tokens, planner, capacity):
+    """One draft → plan → verify → commit round over every live request."""
+    anchors = [r.out[-1] for r in live]
+    if drafter is None:
+        drafts, probs, plan = None, None, VerifyPlan((0,) * len(live))
+    else:
+        proposal = drafter.propose([r.dstate for r in live], anchors, params, [r.generator for r in live])
+        drafts, probs = proposal.tokens.tolist(), proposal.probs
+        confidence = proposal.confidence.float().cpu()
+        plan = _plan(live, confidence, draft_tokens, planner, capacity, drafter.block_size)
+        for r, c in zip(live, confidence):
+            r.confidences.append(c)
+    blocks = [[a] + (drafts[b][:n] if drafts else []) for b, (a, n) in enumerate(zip(anchors, plan.draft_lens))]
+    starts = [r.state.length for r in live]
+    out, offsets = _forward(model, live, blocks, drafter.capture_layers if drafter else ())
+    for b, (req, block, off) in enumerate(zip(live, blocks, offsets)):
+        n = len(block) - 1
+        q = probs[b, :n] if probs is not None else None
+        accepted, nxt = verify_chain(torch.tensor(block[1:], dtype=torch.long), q,
+                                     out.logits[off:off + n + 1], params, req.generator)
+        accepted = int(accepted)
+        req.state.truncate(starts[b] + 1 + accepted)
+        _observe(drafter, req, out, slice(off, off + accepted + 1), block[:accepted + 1])
+        req.stats.record_round(n, accepted, drafter.block_size if drafter else 0)
+        req.commit(block[1:accepted + 1] + [int(nxt)])
 
 
 def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None, draft_tokens: int = 0, prefill_chunk: int = 512):
-    """Generate continuations of `prompt` with `model`.
+             top_k: int = 0, seed: int | None = None, draft_tokens: int | str = 0, drafter=None,
+             planner: str = "sync", capacity: CapacityTable | None = None, prefill_chunk: int = 512):
+    """Generate continuations of `prompt` with `model`, exactly as the target alone would.
 
     Parameters
     ----------
@@ -164,41 +120,47 @@ def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 0.0, 
     max_new_tokens : int
         Upper bound on generated tokens per prompt; generation also stops at EOS (kept in the output).
     temperature, top_p, top_k, seed
-        Sampling parameters (`dspark.sampling.SamplingParams`); temperature 0 is greedy.
-    draft_tokens : int
-        0 = plain autoregressive decoding.
+        Sampling parameters of the target distribution (`dspark.sampling.SamplingParams`); 0 = greedy.
+    draft_tokens : int in [0, γ] or "auto"
+        Verification budget per round: 0 is plain decoding; n verifies the first n of the γ drafted
+        tokens; "auto" lets the confidence-scheduled planner choose per request.
+    drafter : None | "dspark" | "mtp" | "ngram" | Drafter
+        None picks the model's DSpark stages, else its MTP block, else n-gram lookup.
+    planner : "sync" (paper Algorithm 1) or "async" (budget from confidences two rounds old)
+        Used with draft_tokens="auto", over `capacity` (default: the shipped CPU table).
 
     Returns
     -------
-    GenerationOutput, or a list of them when `prompt` is a batch.
+    GenerationOutput (token_ids, text, finish_reason, stats), or a list of them for a batch.
     """
-    prompts, batched = _encode_prompts(model, prompt)
+    prompts, batched = encode_prompts(model, prompt)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    _check_args(model, prompts, max_new_tokens, draft_tokens, prefill_chunk)
-    eos = _eos_ids(model.config)
+    drafter = resolve_drafter(model, drafter) if draft_tokens != 0 else None
+    check_generate_args(model, prompts, max_new_tokens, draft_tokens, drafter, planner, prefill_chunk)
+    capacity = capacity or default_cpu_table()
+    eos = frozenset(_eos_ids(model.config))
     base_seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
-    requests = [_Request(p, model.new_state(), torch.Generator().manual_seed(base_seed + i))
-                for i, p in enumerate(prompts)]
+    requests = [Request(p, model.new_state(), torch.Generator().manual_seed(base_seed + i), max_new_tokens, eos,
+                        drafter.new_state() if drafter else None) for i, p in enumerate(prompts)]
 
     t0 = time.perf_counter()
-    first = _pick(_prefill(model, requests, prefill_chunk), requests, params)
-    t1 = time.perf_counter()
-    for req, tok in zip(requests, first):
-        req.stats.prompt_tokens, req.stats.prefill_s = len(req.prompt), t1 - t0
-        _append(req, tok, eos, max_new_tokens)
-
+    _prefill(model, drafter, requests, prefill_chunk, params)
+    for r in requests:
+        r.stats.prefill_s = time.perf_counter() - t0
     live = [r for r in requests if r.finish_reason is None]
     while live:
         t = time.perf_counter()
-        nxt = _pick(_forward_last(model, live, [[r.out[-1]] for r in live]), live, params)
-        dt = time.perf_counter() - t
-        for req, tok in zip(live, nxt):
-            req.stats.rounds += 1
-            req.stats.decode_s += dt
-            _append(req, tok, eos, max_new_tokens)
+        _round(model, drafter, live, params, draft_tokens, planner, capacity)
+        for r in live:
+            r.stats.decode_s += time.perf_counter() - t
         live = [r for r in live if r.finish_reason is None]
 
     codec = as_text_codec(getattr(model, "tokenizer", None))
     outs = [GenerationOutput(r.out, codec.decode(r.out) if codec else None, r.finish_reason, r.stats)
             for r in requests]
     return outs if batched else outs[0]
+
+
+def _eos_ids(config) -> list[int]:
+    eos = getattr(config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

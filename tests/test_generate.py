@@ -83,6 +83,10 @@ def test_stops_at_eos(tiny):
     (dict(top_p=0.0), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(prefill_chunk=0), "prefill_chunk"),
+    (dict(draft_tokens=-1), "draft_tokens"),
+    (dict(draft_tokens=9), "draft_tokens"),
+    (dict(draft_tokens="many"), "draft_tokens"),
+    (dict(planner="magic", draft_tokens="auto"), "planner"),
     (dict(max_new_tokens=10**6), "max_position_embeddings"),
 ])
 def test_bad_arguments_name_the_argument(tiny, kwargs, needle):

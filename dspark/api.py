@@ -1,0 +1,138 @@
+"""Building models: ``load_model`` (from a checkpoint directory) and ``init_model`` (random weights).
+
+Both read the HF-style ``config.json`` (``model_type`` picks the model family) and return a model in
+eval mode with a ``tokenizer`` attribute (None when the directory has none). Supporting another
+family (``deepseek_v41``) means adding one :class:`ModelFamily` entry to :data:`MODEL_FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from dspark.models.deepseek_v4 import checkpoint as deepseek_v4_checkpoint
+from dspark.models.deepseek_v4.config import DeepseekV4Config
+from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How to build one ``model_type`` from its config dict and fill it from a checkpoint."""
+
+    build: Callable[[dict, torch.device, torch.dtype], torch.nn.Module]
+    load_weights: Callable[[torch.nn.Module, Path, dict], None]
+
+
+def _build_deepseek_v4(config: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(config), dtype=dtype, device=device)
+    # Loading a checkpoint without `mtp.*` weights turns this off (checkpoint.load_checkpoint).
+    model.has_mtp = len(model.mtp) > 0
+    return model
+
+
+MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
+    {"deepseek_v4": ModelFamily(_build_deepseek_v4, deepseek_v4_checkpoint.load_checkpoint)}
+)
+
+
+def _family(config: dict, origin: str) -> ModelFamily:
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(
+            f"{origin}: unknown model_type {model_type!r}; supported: {', '.join(sorted(MODEL_FAMILIES))}"
+        )
+    return MODEL_FAMILIES[model_type]
+
+
+def _read_config(path: Path) -> dict:
+    """``config.json`` from a checkpoint directory or the file itself."""
+    file = path / CONFIG_FILE if path.is_dir() else path
+    if path.is_dir() and not file.is_file():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} has no {CONFIG_FILE}")
+    if not file.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    return json.loads(file.read_text())
+
+
+def _placement(device: str | torch.device, dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    """Default dtype: float32 on CPU (exact references, tests), bfloat16 on accelerators."""
+    device = torch.device(device)
+    return device, dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+
+
+def _load_tokenizer(path: Path):
+    """The directory's tokenizer: transformers' fast tokenizer when ``tokenizer_config.json``
+    describes it (special tokens, chat template), the bare ``tokenizers`` one otherwise."""
+    if not (path / "tokenizer.json").is_file():
+        return None
+    if (path / "tokenizer_config.json").is_file():
+        from transformers import PreTrainedTokenizerFast  # slow import, only when needed
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> torch.nn.Module:
+    """Load a model from a checkpoint directory.
+
+    Parameters
+    ----------
+    path : directory with ``config.json`` and ``model.safetensors`` or sharded safetensors with
+        ``model.safetensors.index.json``; official DeepSeek layout (FP8/FP4 or plain) or a
+        transformers ``save_pretrained`` directory.
+    device : where the weights live.
+    dtype : parameter dtype (parameters the model keeps in fp32 stay fp32); default float32 on CPU,
+        bfloat16 elsewhere.
+
+    Returns
+    -------
+    The model in eval mode, with ``model.tokenizer`` (None when the directory has no
+    ``tokenizer.json``) and ``model.has_mtp`` (False when the checkpoint has no ``mtp.*`` weights).
+
+    Raises
+    ------
+    FileNotFoundError for a missing directory, config or weights; ValueError for an unknown
+    ``model_type`` or weights that do not match the config (every bad key named).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    config = _read_config(path)
+    family = _family(config, str(path / CONFIG_FILE))
+    model = family.build(config, *_placement(device, dtype))
+    family.load_weights(model, path, config)
+    model.tokenizer = _load_tokenizer(path)
+    return model.eval()
+
+
+def init_model(
+    config: dict | str | Path,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> torch.nn.Module:
+    """Build a model with random weights (``init_weights(seed)``), in eval mode, without tokenizer.
+
+    ``config`` is a config dict or the path of a ``config.json`` (or of its directory); dtype
+    defaults as in :func:`load_model`.
+    """
+    if not isinstance(config, Mapping):
+        config = _read_config(Path(config))
+    family = _family(config, "config")
+    model = family.build(dict(config), *_placement(device, dtype))
+    model.init_weights(seed)
+    model.tokenizer = None
+    return model.eval()

@@ -1,0 +1,185 @@
+"""DeepSeek-V4 attention (spec §7-§9): shared-KV MQA over a sliding window plus compressed entries.
+
+Per token (dense over the N rows of a call):
+
+    c_q = q_norm(x·wq_aᵀ)                 [q_lora]      (also the indexer's input)
+    q   = RMS_per_head(c_q·wq_bᵀ), RoPE    [H, d]       rotary part = the last rd dims of each head
+    kv  = kv_norm(x·wkvᵀ), RoPE            [d]          one latent, used as key AND value
+
+Per request (the key set differs per request):
+
+    keys(p) = window latents of positions p−W+1 .. p  (W = sliding_window, includes p itself)
+            ∪ HCA: every entry w < (p+1)//m   |   CSA: the indexer's top-k of those   |   SWA: nothing
+    o_h     = Σ_j softmax_j(q_h·k_j / √d  ;  with the per-head sink σ_h in the denominator) · k_j
+
+Then inverse RoPE on the output's rotary dims at the query position (values carried RoPE of their
+own positions), the grouped low-rank projection `wo_a` (G groups of H/G heads -> R each) and `wo_b`.
+
+Shape symbols: N rows of the call, S rows of one request, H heads, d head_dim, rd rotary dims,
+K keys per query, G o_groups, R o_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.models.deepseek_v4.compressor import Compressor, Indexer
+from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
+from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
+from dspark.models.deepseek_v4.rope import Rope, apply_rope
+from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache
+
+# Queries are processed in chunks so that the gathered keys [S_chunk, K, d] (fp32) stay below this
+# many elements: a long prefill chunk would otherwise gather S·(W + top-k)·d values at once.
+_ATTENTION_CHUNK_ELEMENTS = 1 << 26
+
+
+def sparse_attention(
+    q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of each query over its own key list, with a per-head sink (spec §7.4).
+
+    q [S, H, d]; pool [P, d] shared K = V rows; index [S, K] rows of `pool` per query, −1 = empty;
+    sink [H] fp32 logits that join each softmax denominator only. Scores, softmax and the weighted
+    sum run in fp32. Returns [S, H, d] in q's dtype. (Same contract as a FlashMLA-style sparse
+    decode kernel, so a fused kernel can replace it one-for-one.)
+    """
+    n_keys = max(index.shape[1], 1)
+    chunk = max(1, _ATTENTION_CHUNK_ELEMENTS // (n_keys * pool.shape[-1]))
+    out = [_sparse_attention_chunk(q[i : i + chunk], pool, index[i : i + chunk], sink, scale)
+           for i in range(0, q.shape[0], chunk)]
+    return torch.cat(out).to(q.dtype)
+
+
+def _sparse_attention_chunk(q, pool, index, sink, scale):
+    keys = pool[index.clamp(min=0)].float()  # [S, K, d]
+    scores = torch.einsum("shd,skd->shk", q.float(), keys) * scale
+    scores = scores.masked_fill((index < 0).unsqueeze(1), float("-inf"))
+    sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass, gives no value
+    return torch.einsum("shk,skd->shd", probs, keys)
+
+
+def window_index(positions: torch.Tensor, window: int, first_row: int) -> torch.Tensor:
+    """[S, W] rows of the raw-latent pool for keys p−W+1 .. p; −1 for positions before 0.
+
+    positions [S] absolute query positions; `first_row` the absolute position of pool row 0.
+    """
+    keys = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)
+    return torch.where(keys >= 0, keys - first_row, -1)
+
+
+def causal_entry_index(positions: torch.Tensor, n_entries: int, rate: int, offset: int) -> torch.Tensor:
+    """HCA: [S, T] pool rows (offset + w) of entries w < (p+1)//m, −1 for the rest (spec §8.3)."""
+    entries = torch.arange(n_entries, device=positions.device)
+    visible = entries < ((positions + 1) // rate).unsqueeze(-1)
+    return torch.where(visible, entries + offset, -1)
+
+
+class Attention(nn.Module):
+    """One attention sublayer; `layer_type` picks SWA, CSA or HCA (spec §8).
+
+    Parameters (checkpoint names, Flash sizes): wq_a [1024, 4096], q_norm [1024], wq_b [32768, 1024],
+    wkv [512, 4096], kv_norm [512], wo_a [8192, 4096] (= G·R × H·d/G), wo_b [4096, 8192],
+    attn_sink [64] fp32, plus `compressor` (CSA, HCA) and `indexer` (CSA).
+    """
+
+    def __init__(self, config: DeepseekV4Config, layer_type: str, dtype=None, device=None):
+        super().__init__()
+        c = config
+        self.layer_type = layer_type
+        self.n_heads = c.num_attention_heads
+        self.head_dim = c.head_dim
+        self.window = c.sliding_window
+        self.o_groups = c.o_groups
+        self.o_lora_rank = c.o_lora_rank
+        self.eps = c.rms_norm_eps
+        self.scale = c.head_dim**-0.5  # no YaRN mscale (spec §7.4)
+        linear = dict(bias=False, dtype=dtype, device=device)
+        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, **linear)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, device=device)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, **linear)
+        self.wkv = nn.Linear(c.hidden_size, c.head_dim, **linear)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device=device)
+        group_width = c.num_attention_heads * c.head_dim // c.o_groups
+        self.wo_a = nn.Linear(group_width, c.o_groups * c.o_lora_rank, **linear)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, **linear)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32, device=device))
+        self.rope = Rope(c.rope_for(layer_type), c.head_dim, device=device)
+        self.rate = c.compress_rate(layer_type)
+        self.compressor = None
+        self.indexer = None
+        if layer_type != SLIDING:
+            self.compressor = Compressor(c.hidden_size, c.head_dim, self.rate, overlap=layer_type == CSA,
+                                         eps=c.rms_norm_eps, dtype=dtype, device=device)
+        if layer_type == CSA:
+            self.indexer = Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk,
+                                   self.rate, c.rms_norm_eps, dtype=dtype, device=device)
+
+    def new_cache(self, dtype, device) -> LayerCache:
+        """Empty per-request state for this layer (see `state.py`)."""
+        cache = LayerCache(WindowCache(self.window, self.head_dim, dtype, device))
+        if self.compressor is not None:
+            cache.compressor = CompressorCache(self.rate, self.compressor.overlap, self.head_dim, dtype, device)
+        if self.indexer is not None:
+            cache.indexer = CompressorCache(self.rate, True, self.indexer.head_dim, dtype, device)
+        return cache
+
+    def forward(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """x [N, D] (after attn_norm) -> [N, D]; appends the new tokens to each request's cache."""
+        n = x.shape[0]
+        cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
+        q_lora = self.q_norm(self.wq_a(x))  # [N, q_lora]
+        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
+        q = rms_scale(q, self.eps).to(x.dtype)  # per-head unweighted RMS (spec §5)
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [N, H, d]
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, d]
+        compressed = index_inputs = None
+        if self.compressor is not None:
+            compressed = self.compressor.project(x, batch.positions)  # (C, Z + ape) rows for all N tokens
+        if self.indexer is not None:
+            index_inputs = self.indexer.project(x, q_lora, batch.positions, cos, sin)
+
+        out = torch.empty_like(q)
+        for b, cache in enumerate(caches):
+            rows = batch.rows(b)
+            out[rows] = self._attend(q, kv, batch.positions, rows, cache, compressed, index_inputs)
+
+        out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the values' rotation
+        return self.wo_b(self._grouped_wo_a(out.reshape(n, self.o_groups, -1)).flatten(1))
+
+    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal projection: group g (heads g·H/G .. ) uses rows g·R .. (g+1)·R−1 of wo_a.
+
+        o [N, G, H·d/G] -> [N, G, R].
+        """
+        weight = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+        return torch.einsum("ngk,grk->ngr", o, weight)
+
+    def _attend(self, q, kv, positions, rows: slice, cache: LayerCache, compressed, index_inputs) -> torch.Tensor:
+        """Request owning `rows` of q [N, H, d], kv [N, d], positions [N] -> [S, H, d]; updates `cache`."""
+        q, kv, positions = q[rows], kv[rows], positions[rows]
+        window = cache.window
+        raw = torch.cat((window.latents(), kv))  # positions window.start .. p_last
+        first_row = window.start
+        window.append(kv)
+        index = window_index(positions, self.window, first_row)  # [S, W]
+        pool = raw
+        if self.compressor is not None:
+            self.compressor.update(cache.compressor, compressed[0][rows], compressed[1][rows], self.rope)
+            entries = cache.compressor.entries()
+            pool = torch.cat((raw, entries))
+            if self.indexer is None:  # HCA: every complete entry
+                picks = causal_entry_index(positions, entries.shape[0], self.rate, raw.shape[0])
+            else:  # CSA: the indexer's top-k of the complete entries
+                picks = self._index(cache, index_inputs, positions, rows)
+                picks = torch.where(picks >= 0, picks + raw.shape[0], -1)
+            index = torch.cat((index, picks), dim=-1)
+        return sparse_attention(q, pool, index, self.attn_sink, self.scale)
+
+    def _index(self, cache: LayerCache, inputs, positions, rows: slice) -> torch.Tensor:
+        """Update the indexer's compressor with this request's rows, then pick entries: [S, k]."""
+        indexer = self.indexer
+        indexer.compressor.update(cache.indexer, inputs.kv[rows], inputs.score[rows], self.rope)
+        return indexer(inputs.q[rows], inputs.weights[rows], cache.indexer.entries(), positions)

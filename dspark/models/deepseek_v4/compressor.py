@@ -1,0 +1,158 @@
+"""KV compression for CSA / HCA layers (spec §8.2, §8.4): gated pooling and the lightning indexer.
+
+`Compressor` turns every window of m consecutive tokens into one entry:
+
+    C = x·wkvᵀ, Z = x·wgateᵀ                       per token, [coff·d_c] each
+    α = softmax over the window's slots (per channel, fp32) of Z + ape[slot]
+    entry_w = RoPE_{w·m}( RMSNorm( Σ_slots α ⊙ C ) )
+
+Without overlap (HCA, m = 128) the slots are the m tokens of window w. With overlap (CSA, m = 4)
+each token's projections have two halves [a | b]; entry w pools 2m slots: the "a" halves of window
+w−1 and the "b" halves of window w (for w = 0 the "a" slots are empty). Entry w exists once token
+(w+1)·m − 1 has been fed; a query at position p may use entries w < (p+1) // m.
+
+`Indexer` (CSA only) runs a second, narrower overlapping compressor whose entries are the index
+keys κ_w, and scores query p against them with I(p, w) = Σ_h ω_h · ReLU(q_h · κ_w), keeping the
+top-k visible entries per query.
+
+Shape symbols: N tokens of the call, S tokens of one request, T entries, d_c entry width,
+Hi / di indexer heads / head dim, k = index_topk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.models.deepseek_v4.norm import RMSNorm
+from dspark.models.deepseek_v4.rope import Rope, apply_rope
+from dspark.models.deepseek_v4.state import CompressorCache
+
+# Queries scored against all index keys at once are chunked so that the [S, Hi, T] fp32 score
+# tensor stays below this many elements (long prompts would otherwise need tens of GB).
+_INDEXER_CHUNK_ELEMENTS = 1 << 26
+
+
+class Compressor(nn.Module):
+    """Gated pooling of m tokens into one entry.
+
+    Parameters (Flash CSA / HCA / indexer): `wkv`, `wgate` [coff·d_c, D] = [1024 / 512 / 256, 4096],
+    `ape` [m, coff·d_c] fp32, `norm` [d_c]. The per-request rows and entries live in a
+    `CompressorCache`; the module itself is stateless.
+    """
+
+    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rate = rate
+        self.overlap = overlap
+        width = (2 if overlap else 1) * head_dim
+        self.wkv = nn.Linear(dim, width, bias=False, dtype=dtype, device=device)
+        self.wgate = nn.Linear(dim, width, bias=False, dtype=dtype, device=device)
+        self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32, device=device))
+        self.norm = RMSNorm(head_dim, eps, device=device)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token rows for all N tokens: (C [N, coff·d_c] model dtype, Z + ape [N, coff·d_c] fp32)."""
+        score = self.wgate(x).float() + self.ape[positions % self.rate]
+        return self.wkv(x), score
+
+    def update(self, cache: CompressorCache, kv: torch.Tensor, score: torch.Tensor, rope: Rope) -> None:
+        """Append one request's new rows [S, coff·d_c] and emit every entry they complete."""
+        first = cache.n_entries
+        cache.append_rows(kv, score)
+        last = cache.rows_end // self.rate
+        if last > first:
+            cache.append_entries(self._entries(cache, first, last, rope))
+
+    def _entries(self, cache: CompressorCache, first: int, last: int, rope: Rope) -> torch.Tensor:
+        """Entries first..last−1 from the cached rows: [last − first, d_c]."""
+        m = self.rate
+        kv, score = cache.rows()
+        if self.overlap:
+            kv, score = self._overlap_slots(kv, score, cache.rows_start, first, last)
+        else:
+            lo = first * m - cache.rows_start
+            kv = kv[lo : lo + (last - first) * m].unflatten(0, (last - first, m))  # [n, m, d_c]
+            score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
+        weights = score.softmax(dim=1)  # per channel over the slots, fp32
+        pooled = (kv.float() * weights).sum(dim=1).to(kv.dtype)  # [n, d_c]
+        positions = torch.arange(first, last, device=kv.device) * m
+        cos, sin = rope.cos_sin(positions)
+        return apply_rope(self.norm(pooled), cos, sin)
+
+    def _overlap_slots(self, kv, score, rows_start: int, first: int, last: int):
+        """Slots [n, 2m, d_c] of entries first..last−1: "a" halves of window w−1, then "b" halves of w."""
+        m, d, n = self.rate, self.head_dim, last - first
+        if first == 0:
+            # Window −1 does not exist: its slots get value 0 and logit −inf (weight 0). Rows start
+            # at position 0 here, since nothing before the first window is ever pruned.
+            kv = torch.cat((kv.new_zeros(m, 2 * d), kv[: last * m]))
+            score = torch.cat((score.new_full((m, 2 * d), float("-inf")), score[: last * m]))
+        else:
+            lo = (first - 1) * m - rows_start
+            kv, score = kv[lo : lo + (n + 1) * m], score[lo : lo + (n + 1) * m]
+        kv = kv.unflatten(0, (n + 1, m))  # [n+1, m, 2d]: window first−1 .. last−1
+        score = score.unflatten(0, (n + 1, m))
+        kv = torch.cat((kv[:-1, :, :d], kv[1:, :, d:]), dim=1)  # [n, 2m, d]
+        score = torch.cat((score[:-1, :, :d], score[1:, :, d:]), dim=1)
+        return kv, score
+
+
+@dataclass(frozen=True)
+class IndexerQueries:
+    """Indexer inputs for all N tokens of a call, computed densely before the per-request loop."""
+
+    q: torch.Tensor  # [N, Hi, di] rotated queries, model dtype
+    weights: torch.Tensor  # [N, Hi] fp32 head weights ω · Hi^-1/2
+    kv: torch.Tensor  # [N, 2·di] compressor rows C
+    score: torch.Tensor  # [N, 2·di] compressor rows Z + ape, fp32
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: `wq_b` [Hi·di, q_lora], `weights_proj` [Hi, D], `compressor`."""
+
+    def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, rate: int,
+                 eps: float, dtype=None, device=None):
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.topk = topk
+        self.rate = rate
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype, device=device)
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False, dtype=dtype, device=device)
+        self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device)
+
+    def project(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, cos, sin) -> IndexerQueries:
+        """Dense part for all N tokens: x [N, D] (attention input), q_lora [N, q_lora_rank] (normed c_q)."""
+        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        kv, score = self.compressor.project(x, positions)
+        return IndexerQueries(q, weights, kv, score)
+
+    def forward(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """Top-k visible entries per query of one request.
+
+        q [S, Hi, di], weights [S, Hi], keys [T, di], positions [S] -> [S, min(k, T)] long entry ids
+        (unordered), −1 where fewer than k entries are visible. Ties are broken by `torch.topk`.
+        """
+        n_keys = keys.shape[0]
+        if n_keys == 0:
+            return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+        chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (self.n_heads * n_keys))
+        picks = [self._select(q[i : i + chunk], weights[i : i + chunk], keys, positions[i : i + chunk])
+                 for i in range(0, q.shape[0], chunk)]
+        return torch.cat(picks)
+
+    def _select(self, q, weights, keys, positions) -> torch.Tensor:
+        scores = torch.einsum("shd,td->sht", q.float(), keys.float()).relu() * self.head_dim**-0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, T]
+        visible = (positions + 1) // self.rate  # entries w < visible are complete for the query
+        future = torch.arange(keys.shape[0], device=q.device) >= visible.unsqueeze(-1)
+        scores = scores.masked_fill(future, float("-inf"))
+        picks = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return picks.masked_fill(picks >= visible.unsqueeze(-1), -1)

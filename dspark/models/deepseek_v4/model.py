@@ -1,0 +1,308 @@
+"""DeepSeek-V4 (Flash / Pro) in PyTorch, in paper order, with exact rewindable decode state.
+
+    e  = embed(ids)                                    [N, D]
+    X  = e copied into n_hc streams                    [N, n_hc, D]      (mHC residual, spec §6)
+    for each layer:                                                      (spec §4)
+        u = mHC_pre(X; hc_attn);  X = mHC_post(attn(attn_norm(u)), X)    (attention: spec §7-§9)
+        v = mHC_pre(X; hc_ffn);   X = mHC_post(ffn(ffn_norm(v), ids), X) (MoE: spec §11)
+    logits = head(norm(hc_head(X)))                    [N, V] fp32
+
+One ragged call serves chunked prefill, one-token decode and multi-token verify (docs/design.md):
+the N rows are the concatenated new tokens of several requests; dense parts (projections, MoE, mHC)
+run over all N rows at once, attention / compressors / indexer per request. Parameter names are
+the official checkpoint keys (`embed.weight`, `layers.{i}.attn.wq_a.weight`, ..., `mtp.0.*`).
+
+The MTP block (`mtp.0`, spec §12) is a sliding-window, score-routed layer with its own input
+projections and HC head, sharing the embedding and the LM head; `forward_mtp` runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dspark.models.deepseek_v4.attention import Attention
+from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4Config
+from dspark.models.deepseek_v4.mhc import hc_head, hc_post, hc_pre
+from dspark.models.deepseek_v4.moe import MoE
+from dspark.models.deepseek_v4.norm import RMSNorm
+from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch
+
+
+@dataclass
+class DeepseekV4Output:
+    """Result of one ragged forward call.
+
+    logits   fp32 [N, V]
+    hidden   [N, n_hc, D] final residual streams before the HC head (the MTP block's input)
+    features {layer id: [N, n_hc, D]} input streams of each captured layer (id = num_hidden_layers:
+             the final streams)
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _hc_params(n_mix: int, width: int, n_scales: int, device) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+    """fp32 (fn [n_mix, width], base [n_mix], scale [n_scales]) of one mHC site; neutral init."""
+    fn = nn.Parameter(torch.zeros(n_mix, width, dtype=torch.float32, device=device))
+    base = nn.Parameter(torch.zeros(n_mix, dtype=torch.float32, device=device))
+    scale = nn.Parameter(torch.ones(n_scales, dtype=torch.float32, device=device))
+    return fn, base, scale
+
+
+class Block(nn.Module):
+    """One layer: [mHC-pre, attn_norm, attention, mHC-post] then [mHC-pre, ffn_norm, MoE, mHC-post].
+
+    The mHC parameters sit on the block under their checkpoint names `hc_attn_{fn,base,scale}` /
+    `hc_ffn_{fn,base,scale}` (fp32; fn [24, 4·D] for n_hc = 4).
+    """
+
+    def __init__(self, config: DeepseekV4Config, layer_type: str, mlp_type: str, dtype=None, device=None):
+        super().__init__()
+        c = config
+        self.n_hc = c.hc_mult
+        self.sinkhorn_iters = c.hc_sinkhorn_iters
+        self.hc_eps = c.hc_eps
+        self.norm_eps = c.rms_norm_eps
+        self.attn = Attention(c, layer_type, dtype=dtype, device=device)
+        self.ffn = MoE(c, hashed=mlp_type == HASH_MOE, dtype=dtype, device=device)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size  # [pre | post | comb] mixes
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(n_mix, width, 3, device)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(n_mix, width, 3, device)
+
+    def forward(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """x [N, n_hc, D] -> [N, n_hc, D]."""
+        u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        x = hc_post(self.attn(self.attn_norm(u), batch, caches), x, post, comb)
+        v, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        return hc_post(self.ffn(self.ffn_norm(v), batch.input_ids), x, post, comb)
+
+    def _pre(self, x, fn, base, scale):
+        return hc_pre(x, fn, base, scale, self.n_hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+
+
+class MTPBlock(Block):
+    """The next-token-prediction block `mtp.{k}` (spec §12): a sliding-window, score-routed layer.
+
+    Input for draft position t: the main model's final streams X_t [n_hc, D] and the embedding of
+    token t+1: z = e_proj(enorm(embed(id))) (same for every stream) + h_proj(hnorm(X_t)) (per stream).
+    Output collapse: its own `hc_head_*`, then `norm`, then the shared LM head.
+    """
+
+    def __init__(self, config: DeepseekV4Config, dtype=None, device=None):
+        super().__init__(config, SLIDING, MOE, dtype=dtype, device=device)
+        c = config
+        linear = dict(bias=False, dtype=dtype, device=device)
+        self.e_proj = nn.Linear(c.hidden_size, c.hidden_size, **linear)
+        self.h_proj = nn.Linear(c.hidden_size, c.hidden_size, **linear)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
+        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head
+
+    def mix_inputs(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """embedded [N, D] (embedding of the next token), hidden [N, n_hc, D] -> block input [N, n_hc, D]."""
+        return self.e_proj(self.enorm(embedded)).unsqueeze(-2) + self.h_proj(self.hnorm(hidden))
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, n_hc, D] -> [N, D], normalised, ready for the shared head."""
+        h = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.norm_eps)
+        return self.norm(h)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """DeepSeek-V4 causal LM with the MTP block(s) of the checkpoint.
+
+    Build with `DeepseekV4ForCausalLM(config, dtype, device)`; `dtype` (default fp32) is the
+    activation and weight dtype of the linears and embeddings; norms, sinks, `ape`, router bias and
+    all mHC parameters stay fp32 as in the checkpoint. Do not re-cast the module afterwards.
+    """
+
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        c = config
+        self.config = config
+        self.dtype = dtype or torch.float32
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=self.dtype, device=device)
+        self.layers = nn.ModuleList(
+            Block(c, layer_type, mlp_type, dtype=self.dtype, device=device)
+            for layer_type, mlp_type in zip(c.layer_types, c.mlp_layer_types)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=self.dtype, device=device)
+        head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
+        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head
+        self.mtp = nn.ModuleList(
+            MTPBlock(c, dtype=self.dtype, device=device) for _ in range(c.num_nextn_predict_layers)
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    # ---------------------------------------------------------------------------------------
+    # Decode state
+    # ---------------------------------------------------------------------------------------
+
+    def new_state(self) -> DecodeState:
+        """Empty state for one request of the main model."""
+        return DecodeState([layer.attn.new_cache(self.dtype, self.device) for layer in self.layers], self.device)
+
+    def new_mtp_state(self, depth: int = 0) -> DecodeState:
+        """Empty state (one sliding-window layer) for one request of MTP block `depth`."""
+        self._check_mtp_depth(depth)
+        return DecodeState([self.mtp[depth].attn.new_cache(self.dtype, self.device)], self.device)
+
+    # ---------------------------------------------------------------------------------------
+    # Forward
+    # ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        states: list[DecodeState],
+        seq_lens: list[int],
+        capture_layers: tuple[int, ...] = (),
+    ) -> DeepseekV4Output:
+        """Feed request b's `seq_lens[b]` new tokens and append them to `states[b]`.
+
+        input_ids  LongTensor [N], the requests' new tokens concatenated in the order of `states`
+        states     one DecodeState per request (from `new_state`); positions continue at `.length`
+        seq_lens   new tokens per request, each >= 1, summing to N
+        capture_layers  layer ids whose input streams to return in `features`
+
+        Returns logits fp32 [N, V] for every row, the final streams [N, n_hc, D] and the features.
+        """
+        capture = self._check_capture(capture_layers)
+        batch = self._plan(input_ids, states, seq_lens, len(self.layers))
+        x = self.embed(batch.input_ids)
+        x = x.unsqueeze(-2).expand(-1, self.config.hc_mult, -1).contiguous()  # [N, n_hc, D]
+        features = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                features[i] = x
+            x = layer(x, batch, [state.layers[i] for state in states])
+        if len(self.layers) in capture:
+            features[len(self.layers)] = x
+        h = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.config.hc_eps,
+                    self.config.rms_norm_eps)
+        self._commit(states, batch)
+        return DeepseekV4Output(self._logits(self.norm(h)), x, features)
+
+    @torch.no_grad()
+    def forward_mtp(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        states: list[DecodeState],
+        seq_lens: list[int],
+        depth: int = 0,
+    ) -> DeepseekV4Output:
+        """Run MTP block `depth` (spec §12) as a ragged call, like `forward`.
+
+        Row r pairs the streams that predicted a token, `hidden[r]` [n_hc, D] (main model:
+        `DeepseekV4Output.hidden` at position t), with that token's id `input_ids[r]` (t+1); it
+        sits at position t in its MTP state (`new_mtp_state`), which must advance in step with
+        the main model. Returns the draft logits [N, V] and the block's output streams
+        [N, n_hc, D] (the input of a following MTP block).
+        """
+        self._check_mtp_depth(depth)
+        if hidden.shape != (input_ids.shape[0], self.config.hc_mult, self.config.hidden_size):
+            raise ValueError(f"forward_mtp: hidden has shape {tuple(hidden.shape)}, expected "
+                             f"[{input_ids.shape[0]}, {self.config.hc_mult}, {self.config.hidden_size}]")
+        mtp = self.mtp[depth]
+        batch = self._plan(input_ids, states, seq_lens, 1)
+        x = mtp.mix_inputs(self.embed(batch.input_ids), hidden.to(self.dtype))
+        x = mtp(x, batch, [state.layers[0] for state in states])
+        self._commit(states, batch)
+        return DeepseekV4Output(self._logits(mtp.collapse(x)), x)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head in the model dtype, returned as fp32 [N, V]."""
+        return self.head(h).float()
+
+    def _plan(self, input_ids: torch.Tensor, states: list[DecodeState], seq_lens: list[int],
+              n_layers: int) -> RaggedBatch:
+        """Validate one ragged call, start a step on every state, build the batch metadata.
+
+        Everything is checked before the first state is touched, so a rejected call changes nothing.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be a 1-D LongTensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+        seq_lens = [int(n) for n in seq_lens]
+        if len(seq_lens) != len(states):
+            raise ValueError(f"seq_lens has {len(seq_lens)} entries for {len(states)} states")
+        if any(n < 1 for n in seq_lens) or sum(seq_lens) != input_ids.shape[0]:
+            raise ValueError(f"seq_lens={seq_lens} must be >= 1 each and sum to len(input_ids)={input_ids.shape[0]}")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("the same DecodeState appears twice in one call")
+        wrong = [b for b, s in enumerate(states) if len(s.layers) != n_layers]
+        if not states or wrong:
+            raise ValueError(f"states {wrong} do not belong to this model ({n_layers} attention layer(s) expected)")
+        starts = tuple(state.begin_step() for state in states)
+        offsets = tuple(sum(seq_lens[:b]) for b in range(len(seq_lens)))
+        device = self.device
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)]).to(device)
+        return RaggedBatch(input_ids.to(device), positions, tuple(seq_lens), offsets, starts)
+
+    @staticmethod
+    def _commit(states: list[DecodeState], batch: RaggedBatch) -> None:
+        for b, state in enumerate(states):
+            state.end_step(batch.input_ids[batch.rows(b)])
+
+    def _check_capture(self, capture_layers) -> frozenset[int]:
+        capture = frozenset(int(i) for i in capture_layers)
+        bad = [i for i in capture if not 0 <= i <= len(self.layers)]
+        if bad:
+            raise ValueError(f"capture_layers {sorted(bad)} outside [0, {len(self.layers)}]")
+        return capture
+
+    def _check_mtp_depth(self, depth: int) -> None:
+        if not 0 <= depth < len(self.mtp):
+            raise ValueError(f"MTP depth {depth} outside [0, {len(self.mtp)}) (num_nextn_predict_layers)")
+
+    # ---------------------------------------------------------------------------------------
+    # Random initialisation for tests and smoke runs
+    # ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> DeepseekV4ForCausalLM:
+        """Draw every parameter and buffer from a seeded CPU generator (device-independent).
+
+        Values are chosen so that a test notices any wiring mistake (N(mean, std)): linear weights
+        and mHC `fn` N(0, 1/√fan_in) so activations stay O(1), embedding N(0, 1), norm weights
+        1 + N(0, 0.1), attention sinks, `ape` and mHC `base` N(0, 0.5), mHC `scale` U(0.5, 1.5),
+        router bias N(0, 0.1), and each `tid2eid` row K distinct random experts.
+        """
+        g = torch.Generator().manual_seed(seed)
+        for name, tensor in sorted(self.state_dict(keep_vars=True).items()):
+            tensor.copy_(_random_value(name, tuple(tensor.shape), g, self.config.n_routed_experts))
+        return self
+
+
+def _random_value(name: str, shape: tuple[int, ...], g: torch.Generator, n_experts: int) -> torch.Tensor:
+    """A sensitive random value for the tensor called `name` (see `init_weights`)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "tid2eid":
+        vocab, k = shape
+        return torch.rand(vocab, n_experts, generator=g).argsort(dim=-1)[:, :k]
+    if leaf.endswith("_scale"):  # mHC scales, never block scales
+        return torch.rand(shape, generator=g) + 0.5
+    if leaf in ("attn_sink", "ape") or leaf.endswith("_base"):
+        return torch.randn(shape, generator=g) * 0.5
+    if leaf == "bias":
+        return torch.randn(shape, generator=g) * 0.1
+    if name.endswith("norm.weight"):
+        return 1 + torch.randn(shape, generator=g) * 0.1
+    if name == "embed.weight":
+        return torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g) * shape[-1] ** -0.5
+

@@ -1,0 +1,102 @@
+"""Host-side bookkeeping of one generation request: its tokens, stop rules and statistics.
+
+Nothing here touches a device; `generate.py` owns the model calls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    """Per-request decoding statistics.
+
+    `rounds` counts target calls after the prompt (verify steps). `tau` = tokens committed per round,
+    bonus/correction token included (1.0 for plain decoding); the first new token comes from the
+    prefill call and belongs to no round. `accept_hist[j]` counts rounds that accepted j drafts;
+    `position_accepts[k]` counts rounds whose draft k was accepted (so `position_accepts[k] /
+    rounds` is the unconditional prefix survival); `verified_tokens` counts drafts sent to the target
+    and `rejected_tokens` the verified drafts it rejected.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    accept_hist: list[int] = field(default_factory=list)
+    position_accepts: list[int] = field(default_factory=list)
+    verified_tokens: int = 0
+    rejected_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def record_round(self, verified: int, accepted: int, block_size: int) -> None:
+        if not self.accept_hist:
+            self.accept_hist = [0] * (block_size + 1)
+            self.position_accepts = [0] * block_size
+        self.rounds += 1
+        self.accept_hist[accepted] += 1
+        for k in range(accepted):
+            self.position_accepts[k] += 1
+        self.verified_tokens += verified
+        self.rejected_tokens += verified - accepted
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens)
+    stats: GenerationStats
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt in flight.
+
+    `state` is the target's rewindable decode state, `dstate` the drafter's (None for plain
+    decoding). `out[-1]` is the anchor of the next round: committed, not yet fed to the target.
+    `confidences` keeps the last two rounds' draft confidences for the asynchronous planner.
+    """
+
+    prompt: list[int]
+    state: object
+    generator: torch.Generator
+    max_new: int
+    eos: frozenset[int]
+    dstate: object = None
+    out: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    confidences: deque = field(default_factory=lambda: deque(maxlen=2))
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.out)
+
+    def commit(self, tokens: list[int]) -> int:
+        """Append `tokens` up to and including the first EOS or the length limit; returns how many
+        were kept (an accepted EOS ends the round without its bonus token)."""
+        kept = 0
+        for token in tokens:
+            self.out.append(token)
+            kept += 1
+            if token in self.eos:
+                self.finish_reason = "stop"
+            elif self.remaining <= 0:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        self.stats.new_tokens += kept
+        return kept
