@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.sampling import SamplingParams
+
 
 @dataclass
 class GenerationStats:
@@ -67,7 +69,8 @@ class Request:
 
     `state` is the target's rewindable decode state, `dstate` the drafter's (None for plain
     decoding). `out[-1]` is the anchor of the next round: committed, not yet fed to the target.
-    `confidences` keeps the last two rounds' draft confidences for the asynchronous planner.
+    `prefilled` counts prompt tokens already fed (chunked prefill). `confidences` keeps the last two
+    rounds' draft confidences for the asynchronous planner.
     """
 
     prompt: list[int]
@@ -75,11 +78,18 @@ class Request:
     generator: torch.Generator
     max_new: int
     eos: frozenset[int]
+    params: SamplingParams = SamplingParams()
     dstate: object = None
+    request_id: str = ""
+    prefilled: int = 0
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     confidences: deque = field(default_factory=lambda: deque(maxlen=2))
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < len(self.prompt)
 
     @property
     def remaining(self) -> int:

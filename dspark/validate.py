@@ -37,17 +37,14 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_generate_args(model, prompts, max_new_tokens, draft_tokens, drafter, planner, prefill_chunk) -> None:
+def check_draft_tokens(draft_tokens) -> None:
+    if draft_tokens != "auto" and (isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int)
+                                   or draft_tokens < 0):
+        raise ValueError(f"draft_tokens must be an int >= 0 or 'auto', got {draft_tokens!r}")
+
+
+def check_generate_args(model, prompts, max_new_tokens) -> None:
     _positive_int("max_new_tokens", max_new_tokens)
-    _positive_int("prefill_chunk", prefill_chunk)
-    if planner not in PLANNERS:
-        raise ValueError(f"planner must be one of {PLANNERS}, got {planner!r}")
-    if draft_tokens != "auto":
-        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
-            raise ValueError(f"draft_tokens must be an int >= 0 or 'auto', got {draft_tokens!r}")
-        if drafter is not None and draft_tokens > drafter.block_size:
-            raise ValueError(f"draft_tokens={draft_tokens} exceeds the drafter's block size "
-                             f"γ={drafter.block_size}")
     limit = model.config.max_position_embeddings
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens > limit:

@@ -87,6 +87,7 @@ def test_stops_at_eos(tiny):
     (dict(draft_tokens=9), "draft_tokens"),
     (dict(draft_tokens="many"), "draft_tokens"),
     (dict(planner="magic", draft_tokens="auto"), "planner"),
+    (dict(prefill_chunk=True), "prefill_chunk"),
     (dict(max_new_tokens=10**6), "max_position_embeddings"),
 ])
 def test_bad_arguments_name_the_argument(tiny, kwargs, needle):

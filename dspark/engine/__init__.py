@@ -1,0 +1,3 @@
+from dspark.engine.engine import Engine, EngineConfig, EngineFull, StepEvent
+
+__all__ = ["Engine", "EngineConfig", "EngineFull", "StepEvent"]

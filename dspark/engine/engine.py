@@ -1,0 +1,188 @@
+"""`Engine`: every request in flight advanced together, one step at a time (continuous batching).
+
+A step (1) admits waiting requests up to `max_running`, (2) feeds one prompt chunk to every request
+still in prefill (one ragged target call), (3) runs one draft → plan → verify → commit round over
+every decoding request (one more ragged target call). Requests admitted between two steps join the
+next one. The engine is synchronous and single-threaded; it touches the device only through
+`dspark.round`. State of a finished or aborted request is dropped at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.draft import resolve_drafter
+from dspark.request import GenerationStats, Request
+from dspark.round import RoundConfig, prefill_step, speculative_round
+from dspark.sampling import SamplingParams
+from dspark.validate import PLANNERS, check_draft_tokens
+from dspark.verify.capacity import CapacityTable, default_cpu_table
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue is full; retry later (the server answers 429)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits and decoding policy of one engine, validated once.
+
+    max_running : requests decoded together; more wait in a FIFO queue of at most `max_waiting`.
+    max_prompt_tokens, max_new_tokens : per-request limits (also capped by the model's positions).
+    prefill_chunk : prompt tokens per request per step.
+    draft_tokens : 0 (plain), n ≤ γ (fixed verification budget) or "auto" (confidence-scheduled).
+    drafter : None | "dspark" | "mtp" | "ngram" | a Drafter object; used when draft_tokens != 0.
+    planner : "sync" (Algorithm 1) or "async" (budget from confidences two rounds old).
+    capacity : SPS(B) table the planner reads; default: the shipped CPU table.
+    trace : keep one record per request per round (see `take_trace`).
+    """
+
+    max_running: int = 64
+    max_waiting: int = 1024
+    max_prompt_tokens: int = 32768
+    max_new_tokens: int = 4096
+    prefill_chunk: int = 512
+    draft_tokens: int | str = 0
+    drafter: object = None
+    planner: str = "sync"
+    capacity: CapacityTable | None = None
+    trace: bool = False
+
+    def __post_init__(self):
+        for name in ("max_running", "max_waiting", "max_prompt_tokens", "max_new_tokens", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
+        check_draft_tokens(self.draft_tokens)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step did for one request: tokens committed, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stats: GenerationStats = field(repr=False)
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.config = config
+        self.drafter = resolve_drafter(model, config.drafter) if config.draft_tokens != 0 else None
+        if self.drafter is not None and config.draft_tokens != "auto" and config.draft_tokens > self.drafter.block_size:
+            raise ValueError(f"draft_tokens={config.draft_tokens} exceeds the drafter's block size "
+                             f"γ={self.drafter.block_size}")
+        self.round_config = RoundConfig(config.draft_tokens, config.planner, config.capacity or default_cpu_table())
+        self.eos = frozenset(_eos_ids(model.config))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self._trace: list[dict] = []
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+                    max_new_tokens: int = 64, stop_token_ids=(), request_id: str | None = None) -> str:
+        """Queue one request; returns its id. ValueError names a bad argument; EngineFull when full."""
+        self._check_request(prompt_ids, max_new_tokens, request_id)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise EngineFull(f"{len(self.waiting)} requests already waiting (max_waiting={self.config.max_waiting})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        req = Request(list(prompt_ids), None, torch.Generator().manual_seed(seed), max_new_tokens,
+                      self.eos | frozenset(stop_token_ids), params, request_id=rid)
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and its state; returns whether it was known."""
+        for queue in (self.waiting, self.running):
+            for req in list(queue):
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    req.state = req.dstate = None
+                    return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_trace(self) -> list[dict]:
+        trace, self._trace = self._trace, []
+        return trace
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[StepEvent]:
+        self._admit()
+        before = {id(r): len(r.out) for r in self.running}
+        prefilling = [r for r in self.running if r.in_prefill]
+        decoding = [r for r in self.running if not r.in_prefill]
+        if prefilling:
+            t = time.perf_counter()
+            prefill_step(self.model, self.drafter, prefilling, self.config.prefill_chunk)
+            _charge(prefilling, "prefill_s", time.perf_counter() - t)
+        if decoding:
+            t = time.perf_counter()
+            speculative_round(self.model, self.drafter, decoding, self.round_config,
+                              self._trace if self.config.trace else None)
+            _charge(decoding, "decode_s", time.perf_counter() - t)
+        return self._events(before)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting.popleft()
+            req.state = self.model.new_state()
+            req.dstate = self.drafter.new_state() if self.drafter is not None else None
+            self.running.append(req)
+
+    def _events(self, before: dict[int, int]) -> list[StepEvent]:
+        events = []
+        for req in list(self.running):
+            new = req.out[before[id(req)]:]
+            if new or req.finish_reason:
+                events.append(StepEvent(req.request_id, new, req.finish_reason is not None,
+                                        req.finish_reason, req.stats))
+            if req.finish_reason:
+                self.running.remove(req)
+                req.state = req.dstate = None
+        return events
+
+    def _check_request(self, prompt_ids, max_new_tokens, request_id) -> None:
+        vocab, limit = self.model.config.vocab_size, self.model.config.max_position_embeddings
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError("prompt: expected a non-empty list of token ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            bad = next(t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab)
+            raise ValueError(f"prompt: token id {bad!r} outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) > self.config.max_prompt_tokens:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens exceed max_prompt_tokens={self.config.max_prompt_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= self.config.max_new_tokens:
+            raise ValueError(f"max_new_tokens must be an int in [1, {self.config.max_new_tokens}], got {max_new_tokens!r}")
+        if len(prompt_ids) + max_new_tokens > limit:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceed "
+                             f"max_position_embeddings={limit}")
+        if request_id is not None and any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+
+
+def _charge(requests: list[Request], what: str, seconds: float) -> None:
+    """Add a step's wall time to every request that took part in it."""
+    for r in requests:
+        setattr(r.stats, what, getattr(r.stats, what) + seconds)
+
+
+def _eos_ids(config) -> list[int]:
+    eos = getattr(config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

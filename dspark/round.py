@@ -1,0 +1,136 @@
+"""One decoding round: draft → plan → verify → commit (DSpark paper §2–3; specs/dspark.md §2.2–2.4).
+
+    draft   the drafter proposes a full γ-block per request from its anchor (the last committed token)
+    plan    the planner chooses how many of the γ drafts each request sends to the target (ℓ_r)
+    verify  one ragged target call over [anchor, x_0 .. x_{ℓ-1}] per request, then exact acceptance
+    commit  rewind the target state to anchor + accepted drafts, feed those rows to the drafter,
+            append accepted drafts + the correction/bonus token
+
+Plain decoding is the same round with no drafter (ℓ_r = 0). `prefill_step` feeds prompt chunks.
+Host bookkeeping lives in `dspark.request`; this module only sequences the device calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.request import Request
+from dspark.sampling import probs_from_logits, sample
+from dspark.verify.acceptance import verify_chain
+from dspark.verify.capacity import CapacityTable
+from dspark.verify.planner import VerifyPlan, plan_algorithm1, plan_async, plan_fixed
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """How rounds verify: `draft_tokens` 0 (plain), n (fixed budget) or "auto" (planner)."""
+
+    draft_tokens: int | str = 0
+    planner: str = "sync"
+    capacity: CapacityTable | None = None
+
+
+def _forward(model, requests: list[Request], chunks: list[list[int]], drafter):
+    """Feed `chunks[b]` to request b in one ragged target call; returns (output, row offsets)."""
+    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)
+    lens = [len(c) for c in chunks]
+    capture = drafter.capture_layers if drafter is not None else ()
+    out = model(ids, [r.state for r in requests], lens, capture_layers=capture)
+    return out, [sum(lens[:b]) for b in range(len(lens))]
+
+
+def _observe(drafter, req: Request, out, rows: slice, tokens: list[int]) -> None:
+    if drafter is not None:
+        drafter.observe(req.dstate, torch.tensor(tokens), out.hidden[rows],
+                        {i: f[rows] for i, f in out.features.items()})
+
+
+def _pick(logits: torch.Tensor, req: Request) -> int:
+    """Next token from one row of target logits [V] under the request's sampling parameters."""
+    if req.params.greedy:
+        return int(logits.argmax())
+    return int(sample(probs_from_logits(logits.float(), req.params), req.generator))
+
+
+def prefill_step(model, drafter, requests: list[Request], chunk: int) -> None:
+    """Feed the next ≤ `chunk` prompt tokens of every request; a request whose prompt is complete
+    gets its first token from the last prompt row."""
+    pieces = [r.prompt[r.prefilled:r.prefilled + chunk] for r in requests]
+    out, offsets = _forward(model, requests, pieces, drafter)
+    for req, piece, off in zip(requests, pieces, offsets):
+        _observe(drafter, req, out, slice(off, off + len(piece)), piece)
+        req.prefilled += len(piece)
+        if not req.in_prefill:
+            req.stats.prompt_tokens = len(req.prompt)
+            req.commit([_pick(out.logits[off + len(piece) - 1], req)])
+
+
+def _draft(drafter, live: list[Request]):
+    """Full γ-blocks for every request, grouped by temperature (the only parameter q depends on)."""
+    tokens, probs, conf = [None] * len(live), [None] * len(live), [None] * len(live)
+    groups: dict[float, list[int]] = {}
+    for b, r in enumerate(live):
+        groups.setdefault(r.params.temperature, []).append(b)
+    anchors = [r.out[-1] for r in live]
+    for members in groups.values():
+        prop = drafter.propose([live[b].dstate for b in members], [anchors[b] for b in members],
+                               live[members[0]].params, [live[b].generator for b in members])
+        for j, b in enumerate(members):
+            tokens[b] = prop.tokens[j].tolist()
+            probs[b] = prop.probs[j] if prop.probs is not None else None
+            conf[b] = prop.confidence[j].float().cpu()
+    return tokens, probs, torch.stack(conf)
+
+
+def _plan(live: list[Request], confidence: torch.Tensor, cfg: RoundConfig, gamma: int) -> VerifyPlan:
+    """ℓ_r per request; never more drafts than the request can still commit."""
+    caps = [min(gamma, r.remaining - 1) for r in live]
+    if cfg.draft_tokens != "auto":
+        return plan_fixed(cfg.draft_tokens, gamma, len(live), caps)
+    if cfg.planner == "async":
+        stale = [r.confidences[0] if len(r.confidences) == 2 else None for r in live]
+        return plan_async(confidence, stale, cfg.capacity, caps)
+    return plan_algorithm1(confidence, cfg.capacity, caps)
+
+
+def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, trace: list | None = None) -> None:
+    """One draft → plan → verify → commit round over every live (decoding) request."""
+    anchors = [r.out[-1] for r in live]
+    if drafter is None:
+        drafts, probs, confidence = [[] for _ in live], [None] * len(live), None
+        plan = VerifyPlan((0,) * len(live))
+    else:
+        drafts, probs, confidence = _draft(drafter, live)                        # draft
+        plan = _plan(live, confidence, cfg, drafter.block_size)                  # plan
+        for r, c in zip(live, confidence):
+            r.confidences.append(c)
+    blocks = [[a] + d[:n] for a, d, n in zip(anchors, drafts, plan.draft_lens)]
+    starts = [r.state.length for r in live]
+    out, offsets = _forward(model, live, blocks, drafter)                        # verify
+    for b, (req, block, off) in enumerate(zip(live, blocks, offsets)):
+        n = len(block) - 1
+        q = probs[b][:n] if probs[b] is not None else None
+        accepted, nxt = verify_chain(torch.tensor(block[1:], dtype=torch.long), q,
+                                     out.logits[off:off + n + 1], req.params, req.generator)
+        accepted = int(accepted)
+        req.state.truncate(starts[b] + 1 + accepted)                             # commit
+        _observe(drafter, req, out, slice(off, off + accepted + 1), block[:accepted + 1])
+        req.stats.record_round(n, accepted, drafter.block_size if drafter else 0)
+        position = len(req.out)
+        kept = req.commit(block[1:accepted + 1] + [int(nxt)])
+        if trace is not None:
+            trace.append(_trace_record(req, drafts[b], confidence, b, n, accepted, kept, position, len(live)))
+
+
+def _trace_record(req: Request, draft: list[int], confidence, b: int, verified: int, accepted: int,
+                  kept: int, position: int, load: int) -> dict:
+    """One row of the round trace (schema in docs/traces.md)."""
+    return {
+        "request_id": req.request_id, "position": position, "draft": draft,
+        "confidence": confidence[b].tolist() if confidence is not None else [],
+        "verified": verified, "accepted": accepted, "committed": kept,
+        "bonus": accepted == verified and kept == accepted + 1, "load": load,
+        "temperature": req.params.temperature,
+    }
