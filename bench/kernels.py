@@ -1,0 +1,305 @@
+"""Fused kernels vs their torch references on one GPU (dspark/kernels).
+
+For each op at decode-sized (M = 1, 8, 64, 256 tokens) and prefill-sized (M = 4096) inputs of a
+V4-Flash-like layer and of the v4-mini layer, it times the fused (Triton) op with
+`triton.testing.do_bench` (CUDA events, L2 flushed before each run, median) and its `_ref` with a
+bounded CUDA-event loop (median), checks the fused output against the reference, and reports
+effective bandwidth and rate against the floors:
+
+* bytes = the fewest bytes the op must move (each input read once, each output written once;
+  for MoE only the weights of the experts the router actually picked), GB/s = bytes / time;
+* FLOP = the arithmetic of the op's GEMMs; TFLOP/s = FLOP / time;
+* % HBM of 4.4 TB/s and % bf16 of 790 TFLOP/s: the ceilings measured on one H200 (peers.md §7.1).
+
+    python bench/kernels.py                      # everything, JSON to bench/results/kernels.json
+    python bench/kernels.py --configs mini --ops mhc_pre,fused_moe --tokens 1,4096
+    python bench/kernels.py --dry-run            # list the cases (works without a GPU)
+
+Conditions (GPU, clocks, torch/triton versions, commit) are printed first and stored in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from any directory
+    sys.path.insert(0, str(REPO))
+
+HBM_BYTES_PER_S = 4.4e12  # measured copy bandwidth of one H200 (peers.md §7.1)
+BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
+TOKENS = (1, 8, 64, 256, 4096)
+OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "moe_route", "fused_moe", "fused_moe_fp8_128", "fused_moe_fp8_32")
+EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer's kernel-relevant sizes."""
+
+    name: str
+    dim: int  # D
+    n_hc: int  # mHC streams
+    n_experts: int  # E
+    top_k: int  # K
+    inter: int  # I, routed and shared expert width
+
+
+CONFIGS = {
+    "flash": LayerShape("v4-flash", dim=4096, n_hc=4, n_experts=256, top_k=6, inter=2048),  # spec §2.2
+    "mini": LayerShape("v4-mini", dim=2048, n_hc=4, n_experts=64, top_k=6, inter=512),  # shared/bench/v4-mini.json
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/kernels.json", help="JSON output path")
+    p.add_argument("--configs", default="flash,mini", help=f"comma list of {sorted(CONFIGS)}")
+    p.add_argument("--ops", default=",".join(OPS), help="comma list of ops")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts M")
+    p.add_argument("--flash-experts", type=int, default=256, help="scale E of the flash layer down if memory needs")
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse; copies may lack .git)")
+    p.add_argument("--dry-run", action="store_true", help="print the cases and exit (no GPU needed)")
+    args = p.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    args.ops = [o for o in args.ops.split(",") if o]
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    for name, given, known in (("config", args.configs, CONFIGS), ("op", args.ops, OPS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            p.error(f"unknown {name}(s) {unknown}; known: {sorted(known)}")
+    return args
+
+
+def layer_shapes(args: argparse.Namespace) -> list[LayerShape]:
+    shapes = []
+    for name in args.configs:
+        shape = CONFIGS[name]
+        if name == "flash" and args.flash_experts != shape.n_experts:
+            shape = LayerShape(f"{shape.name}-E{args.flash_experts}", shape.dim, shape.n_hc,
+                               args.flash_experts, shape.top_k, shape.inter)
+        shapes.append(shape)
+    return shapes
+
+
+def plan(args: argparse.Namespace) -> list[tuple[LayerShape, str, int]]:
+    """Every (layer, op, M) case, in run order."""
+    return [(shape, op, m) for shape in layer_shapes(args) for op in args.ops for m in args.tokens]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def conditions(commit: str) -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    clocks = "unknown"
+    try:
+        clocks = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu",
+                                 "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit,
+            "clocks_sm_mem_power_temp": clocks, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "hbm_ceiling_TBps": HBM_BYTES_PER_S / 1e12, "bf16_ceiling_TFLOPs": BF16_FLOP_PER_S / 1e12}
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def build_layer(shape: LayerShape, device: str) -> dict:
+    """Random layer parameters on the GPU (never zeros): mHC site, router, bf16 and FP8 experts."""
+    from dspark.kernels.fp8 import FP8BlockWeight
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    d, e, i = shape.dim, shape.n_experts, shape.inter
+    n_mix = (2 + shape.n_hc) * shape.n_hc
+
+    def randn(*size, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*size, generator=gen, device=device) * scale).to(dtype)
+
+    layer = {
+        "fn": randn(n_mix, shape.n_hc * d, scale=0.02, dtype=torch.float32),
+        "base": randn(n_mix, scale=0.5, dtype=torch.float32),
+        "scale": torch.rand(3, generator=gen, device=device) + 0.5,
+        "gate": randn(e, d, scale=d ** -0.5), "bias": randn(e, scale=0.1, dtype=torch.float32),
+        "bf16": (randn(e, i, d, scale=d ** -0.5), randn(e, d, i, scale=i ** -0.5), randn(e, i, d, scale=d ** -0.5),
+                 randn(i, d, scale=d ** -0.5), randn(d, i, scale=i ** -0.5), randn(i, d, scale=d ** -0.5)),
+    }
+    for block in (128, 32):
+        layer[f"fp8_{block}"] = tuple(quantize_per_expert(w, block, FP8BlockWeight) for w in layer["bf16"])
+    return layer
+
+
+def quantize_per_expert(w: torch.Tensor, block: int, cls):
+    """FP8BlockWeight of a stacked [E, out, in] weight, one expert at a time (bounded temporaries)."""
+    if w.dim() == 2:
+        return cls.quantize(w, block)
+    parts = [cls.quantize(w[e], block) for e in range(w.shape[0])]
+    return cls(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), block)
+
+
+def weight_bytes(w) -> int:
+    if hasattr(w, "data") and hasattr(w, "block"):
+        return w.data.numel() + w.scale.numel()
+    return w.numel() * w.element_size()
+
+
+# ------------------------------------------------------------------------------------------- cases
+
+
+def mhc_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of one mHC op at M tokens, bf16 streams."""
+    from dspark.kernels import mhc
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    x = torch.randn(m, shape.n_hc, shape.dim, generator=gen, device=device).bfloat16()
+    f = torch.randn(m, shape.dim, generator=gen, device=device).bfloat16()
+    site = (layer["fn"], layer["base"], layer["scale"])
+    post, comb, _ = mhc.mhc_pre_ref(x, *site, **EPS)
+    streams, row, fn_bytes = x.numel() * 2, m * shape.dim * 2, layer["fn"].numel() * 4
+    gemm_flop = 2 * m * layer["fn"].shape[0] * layer["fn"].shape[1]
+    if op == "mhc_pre":
+        args, kw, n_bytes, flop = (x, *site), EPS, streams + fn_bytes + row, gemm_flop
+    elif op == "mhc_post":
+        args, kw, n_bytes, flop = (f, x, post, comb), {}, 2 * streams + row, 2 * m * shape.n_hc ** 2 * shape.dim
+    else:
+        args, kw, n_bytes, flop = (f, x, post, comb, *site), EPS, 2 * streams + 2 * row + fn_bytes, gemm_flop
+    fused, ref = getattr(mhc, op), getattr(mhc, f"{op}_ref")
+    return (lambda: fused(*args, **kw)), (lambda: ref(*args, **kw)), n_bytes, flop
+
+
+def moe_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of the router or the whole MoE at M tokens, bf16 x."""
+    from dspark.kernels import moe
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    x = torch.randn(m, shape.dim, generator=gen, device=device).bfloat16()
+    router = (x, layer["gate"], layer["bias"], None, None)
+    route_kw = dict(top_k=shape.top_k, routed_scaling_factor=1.5, hash_routing=False)
+    route_bytes = x.numel() * 2 + layer["gate"].numel() * 2
+    route_flop = 2 * m * shape.n_experts * shape.dim
+    if op == "moe_route":
+        return (lambda: moe.moe_route(*router, **route_kw)), (lambda: moe.moe_route_ref(*router, **route_kw)), \
+            route_bytes, route_flop
+    weights = layer["bf16" if op == "fused_moe" else op.replace("fused_moe_", "")]
+    _, ids = moe.moe_route_ref(*router, **route_kw)
+    touched = int(torch.unique(ids).numel())  # host sync here, outside the timed region
+    per_expert = sum(weight_bytes(w) for w in weights[:3]) // shape.n_experts
+    n_bytes = route_bytes + touched * per_expert + sum(weight_bytes(w) for w in weights[3:]) + x.numel() * 2
+    flop = route_flop + 2 * m * (shape.top_k + 1) * 3 * shape.inter * shape.dim
+    kw = dict(route_kw, swiglu_limit=10.0)
+    return (lambda: moe.fused_moe(*router, *weights, **kw)), (lambda: moe.fused_moe_ref(*router, *weights, **kw)), \
+        n_bytes, flop
+
+
+def rel_err(out, ref) -> float:
+    outs = out if isinstance(out, tuple) else (out,)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    errs = [((a.double() - b.double()).norm() / b.double().norm()).item()
+            for a, b in zip(outs, refs) if a.is_floating_point()]
+    return max(errs)
+
+
+def cuda_timer(args: argparse.Namespace):
+    """Median seconds of fn() by CUDA events, L2 flushed before each run (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    return lambda fn: do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median") * 1e-3
+
+
+def slow_timer(args: argparse.Namespace, max_runs: int = 20):
+    """Median seconds of fn() over as many runs as fit in --rep-ms (1 to max_runs), by CUDA events.
+
+    For the references: some take ~1 s per call at prefill sizes (FP8 dequantisation of every
+    expert), where do_bench's fixed estimate-and-warmup runs alone would cost many seconds."""
+
+    def time_it(fn):
+        fn()  # warm
+        times, spent = [], 0.0
+        while len(times) < max_runs and (not times or spent < args.rep_ms * 1e-3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+            spent += times[-1]
+        return sorted(times)[len(times) // 2]
+
+    return time_it
+
+
+def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, device: str = "cuda") -> dict:
+    """Check and time one case; `timer(fn)` / `ref_timer(fn)` return seconds."""
+    make = mhc_case if op.startswith("mhc") else moe_case
+    fused, ref, n_bytes, flop = make(op, shape, layer, m, device)
+    err = rel_err(fused(), ref())  # also compiles the kernels before timing
+    t_fused, t_ref = timer(fused), ref_timer(ref)
+    return {"layer": shape.name, "op": op, "M": m, "fused_us": t_fused * 1e6, "ref_us": t_ref * 1e6,
+            "speedup": t_ref / t_fused, "rel_err": err, "bytes": n_bytes, "flop": flop,
+            "GBps": n_bytes / t_fused / 1e9, "TFLOPs": flop / t_fused / 1e12,
+            "pct_hbm": 100 * n_bytes / t_fused / HBM_BYTES_PER_S,
+            "pct_bf16": 100 * flop / t_fused / BF16_FLOP_PER_S}
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'layer':<14}{'op':<19}{'M':>5}{'fused us':>10}{'ref us':>10}{'x':>7}{'GB/s':>8}{'%HBM':>6}" \
+           f"{'TFLOP/s':>9}{'%bf16':>6}{'rel err':>9}"
+    print(head)
+    for r in rows:
+        print(f"{r['layer']:<14}{r['op']:<19}{r['M']:>5}{r['fused_us']:>10.1f}{r['ref_us']:>10.1f}"
+              f"{r['speedup']:>7.1f}{r['GBps']:>8.0f}{r['pct_hbm']:>6.1f}{r['TFLOPs']:>9.1f}{r['pct_bf16']:>6.1f}"
+              f"{r['rel_err']:>9.1e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cases = plan(args)
+    if args.dry_run:
+        for shape, op, m in cases:
+            print(f"{shape.name:<14}{op:<19}M={m}")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU (use --dry-run to list the cases)", file=sys.stderr)
+        return 2
+    cond = conditions(args.commit or git_commit())
+    print(json.dumps(cond, indent=1), flush=True)
+    rows, layers, start = [], {}, time.time()
+    timer, ref_timer = cuda_timer(args), slow_timer(args)
+    for shape, op, m in cases:
+        if shape.name not in layers:
+            layers.clear()  # one layer's weights on the GPU at a time
+            torch.cuda.empty_cache()
+            layers[shape.name] = build_layer(shape, "cuda")
+        rows.append(run_case(shape, op, m, layers[shape.name], timer, ref_timer))
+        r = rows[-1]
+        print(f"[{time.time() - start:6.1f}s] {r['layer']} {op} M={m}: {r['fused_us']:.1f} us "
+              f"({r['speedup']:.1f}x ref, {r['pct_hbm']:.0f}% HBM, rel err {r['rel_err']:.1e})", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"conditions": cond, "args": vars(args), "results": rows}, indent=1))
+    print_table(rows)
+    print(f"wrote {out} ({len(rows)} cases, {time.time() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""Manifold-constrained hyper-connections (mHC, deepseek_v4 spec §6): pre, post, and post+pre fused.
+
+Ops (each `<op>` is Triton, `<op>_ref` is torch, same signature):
+
+* ``mhc_pre(x, fn, base, scale, *, rms_eps, hc_eps, sinkhorn_iters) -> (post, comb, u)`` (§6.2)
+* ``mhc_post(f, x, post, comb) -> x_new``  with ``X' = post ⊗ f + combᵀ X`` (§6.3)
+* ``mhc_post_pre(f, x, post, comb, fn, base, scale, *, ...) -> (x_new, post2, comb2, u2)``: the post
+  of one site followed by the pre of the next (§6.5 overlap).
+
+Shape symbols: N tokens, H = n_hc streams, D hidden size, M = (2+H)·H mixes (24 for H = 4).
+
+Fused pre, two launches:
+
+1. *statistics* (`_mhc_stats_kernel`): ONE pass over the flattened state x̂ [N, H·D] computes the
+   24-column mixing GEMM d = x̂·fnᵀ and the RMS statistic s = Σx̂² together (the norm is unweighted,
+   so it commutes with the GEMM, spec §6.5). The pass is split over K (D-blocks) so that decode-sized
+   N still fills the GPU; partials go to [splits, N, M] and [splits, N].
+2. *epilogue* (`_mhc_epilogue_kernel`): reduces the partials, μ = d·rsqrt(s/(H·D) + rms_eps), the
+   sigmoids, softmax and Sinkhorn (exact order of §6.2 step 8), then the collapse u = Σ_k pre_k x_k.
+   The collapse needs `pre`, which needs the full reduction: that second read of x cannot be fused
+   into the first without a grid-wide barrier.
+
+`mhc_post_pre` runs the statistics kernel with the post fused into its prologue: it computes each
+X' tile from (f, x, post, comb), stores it, and accumulates the next site's GEMM and Σx'² from the
+stored (rounded) values, so X' is never re-read for the statistics.
+
+All math is fp32: the GEMM runs on TF32 tensor cores with fn split into two TF32 halves (bf16 x is
+exactly TF32, so two passes give ≈ fp32 accuracy; fp32 x takes three); u and X' are cast to x.dtype.
+CUDA-graph capturable: no host sync, buffers sized from shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels.registry import require_triton
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # the torch references below must import without the optional gpu extra
+    triton = tl = None
+
+    def _jit(fn):
+        return fn
+
+
+# --------------------------------------------------------------------------------------- checks
+
+
+def _check_pre_args(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    sinkhorn_iters: int) -> tuple[int, int, int]:
+    """Validate mhc_pre shapes; return (N, H, D)."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [N, n_hc, D], got shape {tuple(x.shape)}")
+    n_tok, n_hc, dim = x.shape
+    n_mix = (2 + n_hc) * n_hc
+    if tuple(fn.shape) != (n_mix, n_hc * dim):
+        raise ValueError(f"fn must be [(2+n_hc)*n_hc, n_hc*D] = [{n_mix}, {n_hc * dim}], got {tuple(fn.shape)}")
+    if tuple(base.shape) != (n_mix,):
+        raise ValueError(f"base must be [(2+n_hc)*n_hc] = [{n_mix}], got {tuple(base.shape)}")
+    if tuple(scale.shape) != (3,):
+        raise ValueError(f"scale must be [3], got {tuple(scale.shape)}")
+    for name, t in (("fn", fn), ("base", base), ("scale", scale)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 (mHC parameters stay fp32), got {t.dtype}")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    return n_tok, n_hc, dim
+
+
+def _check_post_args(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"x must be [N, n_hc, D], got shape {tuple(x.shape)}")
+    n_tok, n_hc, dim = x.shape
+    if tuple(f.shape) != (n_tok, dim):
+        raise ValueError(f"f must be [N, D] = [{n_tok}, {dim}], got {tuple(f.shape)}")
+    if tuple(post.shape) != (n_tok, n_hc):
+        raise ValueError(f"post must be [N, n_hc] = [{n_tok}, {n_hc}], got {tuple(post.shape)}")
+    if tuple(comb.shape) != (n_tok, n_hc, n_hc):
+        raise ValueError(f"comb must be [N, n_hc, n_hc] = [{n_tok}, {n_hc}, {n_hc}], got {tuple(comb.shape)}")
+
+
+# ----------------------------------------------------------------------------------- references
+
+
+def _split_sinkhorn_ref(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_hc: int,
+                        hc_eps: float, sinkhorn_iters: int):
+    """mix [N, M] fp32 (already multiplied by ρ) -> pre [N, H], post [N, H], comb [N, H, H] (§6.2 4-8)."""
+    pre_mix, post_mix, comb_mix = mix.split([n_hc, n_hc, n_hc * n_hc], dim=-1)
+    pre = torch.sigmoid(pre_mix * scale[0] + base[:n_hc]) + hc_eps
+    post = 2.0 * torch.sigmoid(post_mix * scale[1] + base[n_hc:2 * n_hc])
+    logits = (comb_mix * scale[2] + base[2 * n_hc:]).view(-1, n_hc, n_hc)  # [N, j, k] row-major
+    comb = torch.softmax(logits, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)  # the first step is a column norm
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def mhc_pre_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                rms_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """mHC pre (spec §6.2): mixing weights of one site and the collapsed sublayer input.
+
+    Parameters
+    ----------
+    x : [N, H, D] bf16 or fp32 -- the H residual streams of N tokens.
+    fn : [(2+H)·H, H·D] fp32; base : [(2+H)·H] fp32; scale : [3] fp32 -- the site's parameters.
+    rms_eps : eps of the RMS statistic (rms_norm_eps); hc_eps : eps of pre/comb and Sinkhorn;
+    sinkhorn_iters : column normalisations (row normalisations are one fewer).
+
+    Returns
+    -------
+    post : [N, H] fp32 in (0, 2); comb : [N, H, H] fp32, columns sum to 1; u : [N, D] x.dtype,
+    u = Σ_k pre_k · x[:, k].
+    """
+    n_tok, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    xf = x.float().reshape(n_tok, n_hc * dim)  # [N, H·D]
+    rho = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + rms_eps)  # [N, 1]
+    mix = (xf @ fn.T) * rho  # [N, M]; GEMM on un-normalised x̂, scaled after (same value)
+    pre, post, comb = _split_sinkhorn_ref(mix, base, scale, n_hc, hc_eps, sinkhorn_iters)
+    u = (pre.unsqueeze(-1) * x.float()).sum(dim=1)  # [N, D]
+    return post, comb, u.to(x.dtype)
+
+
+def mhc_post_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC post (spec §6.3): X'[:, k] = post_k · f + Σ_j comb[j, k] · X[:, j], fp32 math.
+
+    Shape: f [N, D] (sublayer output), x [N, H, D], post [N, H], comb [N, H, H] -> X' [N, H, D] x.dtype.
+    """
+    _check_post_args(f, x, post, comb)
+    mixed = comb.float().transpose(1, 2) @ x.float()  # [N, k, D]: sums over the FIRST index of comb
+    out = post.float().unsqueeze(-1) * f.float().unsqueeze(1) + mixed
+    return out.to(x.dtype)
+
+
+def mhc_post_pre_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                     rms_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """mhc_post of one site, then mhc_pre of the next site on its output (spec §6.5).
+
+    Shape: f [N, D], x [N, H, D], post [N, H], comb [N, H, H] (previous site); fn, base, scale of the
+    next site as in `mhc_pre_ref`. Returns (x_new [N, H, D] x.dtype, post2 [N, H], comb2 [N, H, H],
+    u2 [N, D] x.dtype).
+    """
+    x_new = mhc_post_ref(f, x, post, comb)
+    post2, comb2, u2 = mhc_pre_ref(x_new, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
+                                   sinkhorn_iters=sinkhorn_iters)
+    return x_new, post2, comb2, u2
+
+
+# --------------------------------------------------------------------------------- Triton kernels
+
+
+@_jit
+def _post_stream(x3, f, post_ptr, comb_ptr, offs_t, offs_j, t_mask, k, HC: tl.constexpr):
+    """Stream k of X' = post ⊗ f + combᵀ X for a [BLOCK_T, BLOCK_D] tile, fp32.
+
+    x3 [BLOCK_T, HC_PAD, BLOCK_D] fp32 (all input streams of the tile), f [BLOCK_T, BLOCK_D] fp32.
+    """
+    post_k = tl.load(post_ptr + offs_t * HC + k, mask=t_mask, other=0.0)  # [BT]
+    j_mask = t_mask[:, None] & (offs_j[None, :] < HC)
+    comb_col = tl.load(comb_ptr + offs_t[:, None] * (HC * HC) + offs_j[None, :] * HC + k,
+                       mask=j_mask, other=0.0)  # [BT, HC_PAD]: comb[t, j, k]
+    return post_k[:, None] * f + tl.sum(comb_col[:, :, None] * x3, axis=1)
+
+
+@_jit
+def _dot_fp32(x, w, acc, X_IS_TF32: tl.constexpr):
+    """acc + x·wᵀ at ≈ fp32 accuracy on TF32 tensor cores: w = w_hi + w_lo (both TF32) and, unless
+    x is exactly TF32 already (bf16/fp16 data is), x likewise; the lo·lo term (< 2^-22) is dropped."""
+    w_hi = (w.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # keep 10 mantissa bits
+    w_lo = w - w_hi
+    if X_IS_TF32:
+        acc = tl.dot(x, tl.trans(w_hi), acc, input_precision="tf32")
+        acc = tl.dot(x, tl.trans(w_lo), acc, input_precision="tf32")
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+    return acc
+
+
+@_jit
+def _mhc_stats_kernel(
+    x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr,
+    n_tok, dim, splits, iters,
+    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
+):
+    """Split-K partials of d = x̂·fnᵀ [splits, N, MIX_PAD] and s = Σx̂² [splits, N].
+
+    Program (t-block, split) walks D-blocks split, split+splits, ... (`iters` of them); per D-block
+    it handles all HC streams, so with FUSE_POST the inputs of X' (all streams of x) load once per tile.
+    """
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    offs_j = tl.arange(0, HC_PAD)
+    offs_m = tl.arange(0, MIX_PAD)
+    m_mask = offs_m < MIX
+    row = HC * dim  # elements per token of x, X' and a row of fn
+    acc = tl.zeros((BLOCK_T, MIX_PAD), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    # A fixed trip count (not range(pid_s, n_dblocks, splits)): the Triton interpreter cannot loop
+    # over program-id-dependent bounds. A D-block past the end is fully masked by d_mask.
+    for it in range(0, iters):
+        offs_d = (pid_s + it * splits) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < dim
+        td_mask = t_mask[:, None] & d_mask[None, :]
+        if FUSE_POST:
+            x3_mask = t_mask[:, None, None] & (offs_j[None, :, None] < HC) & d_mask[None, None, :]
+            x3 = tl.load(x_ptr + offs_t[:, None, None] * row + offs_j[None, :, None] * dim
+                         + offs_d[None, None, :], mask=x3_mask, other=0.0).to(tl.float32)
+            f = tl.load(f_ptr + offs_t[:, None] * dim + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+        for k in range(HC):  # a loop, not static_range: unrolled, the 4 streams' tiles spilled registers
+            tile_off = offs_t[:, None] * row + k * dim + offs_d[None, :]
+            if FUSE_POST:
+                xk = _post_stream(x3, f, post_ptr, comb_ptr, offs_t, offs_j, t_mask, k, HC)
+                xk = xk.to(xout_ptr.dtype.element_ty)
+                tl.store(xout_ptr + tile_off, xk, mask=td_mask)
+                xk = xk.to(tl.float32)  # statistics of the stored (rounded) X', as an unfused pre sees it
+            else:
+                xk = tl.load(x_ptr + tile_off, mask=td_mask, other=0.0).to(tl.float32)
+            sq += tl.sum(xk * xk, axis=1)
+            w = tl.load(fn_ptr + offs_m[:, None] * row + k * dim + offs_d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [MIX_PAD, BD]
+            acc = _dot_fp32(xk, w, acc, X_IS_TF32)
+    part = pid_s * n_tok + offs_t
+    tl.store(dpart_ptr + part[:, None] * MIX_PAD + offs_m[None, :], acc, mask=t_mask[:, None])
+    tl.store(sqpart_ptr + part, sq, mask=t_mask)
+
+
+@_jit
+def _sinkhorn(logits, valid, hc_eps, sinkhorn_iters):
+    """Row softmax + hc_eps, one column norm, then (iters-1) × (row norm, column norm).
+
+    logits, valid: [BT, HC_PAD (j), HC_PAD (k)]; padded entries stay exactly 0.
+    """
+    logits = tl.where(valid, logits, -1.0e30)  # finite: padded rows must not produce inf - inf
+    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+    comb = e / tl.sum(e, axis=2)[:, :, None]
+    comb = tl.where(valid, comb + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    return comb
+
+
+@_jit
+def _mhc_epilogue_kernel(
+    x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
+    n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
+    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Reduce partials -> pre/post/comb (every D-block recomputes them: 4×4 work per token, cheaper
+    than another launch); the first D-block stores post and comb; each stores its slice of u."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    offs_j = tl.arange(0, HC_PAD)
+    j_ok = offs_j < HC
+    tj_mask = t_mask[:, None] & j_ok[None, :]
+    jk_ok = j_ok[:, None] & j_ok[None, :]
+    jk = 2 * HC + offs_j[:, None] * HC + offs_j[None, :]  # [j, k] offset of comb in the mix vector
+
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    pre_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
+    post_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
+    comb_mix = tl.zeros((BLOCK_T, HC_PAD, HC_PAD), dtype=tl.float32)
+    for s in range(splits):
+        part = (s * n_tok + offs_t) * MIX_PAD  # [BT]
+        sq += tl.load(sqpart_ptr + s * n_tok + offs_t, mask=t_mask, other=0.0)
+        pre_mix += tl.load(dpart_ptr + part[:, None] + offs_j[None, :], mask=tj_mask, other=0.0)
+        post_mix += tl.load(dpart_ptr + part[:, None] + HC + offs_j[None, :], mask=tj_mask, other=0.0)
+        comb_mix += tl.load(dpart_ptr + part[:, None, None] + jk[None, :, :],
+                            mask=t_mask[:, None, None] & jk_ok[None, :, :], other=0.0)
+
+    rho = tl.rsqrt(sq / (HC * dim) + rms_eps)  # [BT]
+    s_pre = tl.load(scale_ptr)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + offs_j, mask=j_ok, other=0.0)
+    b_post = tl.load(base_ptr + HC + offs_j, mask=j_ok, other=0.0)
+    b_comb = tl.load(base_ptr + jk, mask=jk_ok, other=0.0)
+    pre = tl.sigmoid(pre_mix * rho[:, None] * s_pre + b_pre[None, :]) + hc_eps
+    pre = tl.where(j_ok[None, :], pre, 0.0)
+    post = 2.0 * tl.sigmoid(post_mix * rho[:, None] * s_post + b_post[None, :])
+    comb = _sinkhorn(comb_mix * rho[:, None, None] * s_comb + b_comb[None, :, :],
+                     t_mask[:, None, None] & jk_ok[None, :, :], hc_eps, sinkhorn_iters)
+    if pid_d == 0:
+        tl.store(post_ptr + offs_t[:, None] * HC + offs_j[None, :], post, mask=tj_mask)
+        tl.store(comb_ptr + offs_t[:, None, None] * (HC * HC) + offs_j[None, :, None] * HC
+                 + offs_j[None, None, :], comb, mask=t_mask[:, None, None] & jk_ok[None, :, :])
+
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < dim
+    x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
+                 mask=tj_mask[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
+    u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
+    tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & d_mask[None, :])
+
+
+@_jit
+def _mhc_post_kernel(
+    f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_tok, dim,
+    HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """X'[t, k, d] for a [BLOCK_T, BLOCK_D] tile, all HC output streams (inputs loaded once)."""
+    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_j = tl.arange(0, HC_PAD)
+    t_mask = offs_t < n_tok
+    d_mask = offs_d < dim
+    td_mask = t_mask[:, None] & d_mask[None, :]
+    x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
+                 mask=t_mask[:, None, None] & (offs_j[None, :, None] < HC) & d_mask[None, None, :],
+                 other=0.0).to(tl.float32)
+    f = tl.load(f_ptr + offs_t[:, None] * dim + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+    for k in tl.static_range(HC):
+        xk = _post_stream(x3, f, post_ptr, comb_ptr, offs_t, offs_j, t_mask, k, HC)
+        tl.store(out_ptr + offs_t[:, None] * (HC * dim) + k * dim + offs_d[None, :],
+                 xk.to(out_ptr.dtype.element_ty), mask=td_mask)
+
+
+# ------------------------------------------------------------------------------------ launchers
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # Triton interpreter on CPU: few programs keep it fast, yet >1 split is exercised
+
+
+def _stats_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps) of the statistics kernel. tl.dot needs >= 16 token rows; more
+    rows per tile re-read fn (1.5 MB for Flash) from L2 fewer times. The sizes are the largest that
+    compile for sm_90 without register spills (ptxas report, AOT-compiled on a CPU machine)."""
+    if n_tok <= 256:
+        return 16, 64, 8
+    return (32, 32, 8) if fused else (128, 32, 8)
+
+
+def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fused=None):
+    """Statistics pass over `src` [N, H, D]; with `fused` = (f, post, comb, x_out) the tiles of
+    `src` are not read directly but computed as X' and written to x_out. Returns (dpart, sqpart)."""
+    n_tok = src.shape[0]
+    n_mix = fn.shape[0]
+    block_t, block_d, warps = _stats_tiles(n_tok, fused is not None)
+    n_tblocks = triton.cdiv(n_tok, block_t)
+    n_dblocks = triton.cdiv(dim, block_d)
+    # Split K until the grid covers ~2 waves of SMs: a decode step has one t-block only.
+    splits = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(src.device), n_tblocks)))
+    mix_pad = max(16, triton.next_power_of_2(n_mix))  # tl.dot needs N >= 16 on the GPU
+    dpart = torch.empty((splits, n_tok, mix_pad), device=src.device, dtype=torch.float32)
+    sqpart = torch.empty((splits, n_tok), device=src.device, dtype=torch.float32)
+    f, post, comb, x_out = fused if fused is not None else (src, src, src, src)  # unused if not fused
+    _mhc_stats_kernel[(n_tblocks, splits)](
+        src, f, post, comb, x_out, fn, dpart, sqpart, n_tok, dim, splits, triton.cdiv(n_dblocks, splits),
+        HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX=n_mix, MIX_PAD=mix_pad,
+        BLOCK_T=block_t, BLOCK_D=block_d, FUSE_POST=fused is not None, X_IS_TF32=src.dtype != torch.float32,
+        num_warps=warps,
+    )
+    return dpart, sqpart
+
+
+def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters):
+    """post [N, H] fp32, comb [N, H, H] fp32, u [N, D] x.dtype from the statistics partials."""
+    n_tok, n_hc, dim = x.shape
+    post = torch.empty((n_tok, n_hc), device=x.device, dtype=torch.float32)
+    comb = torch.empty((n_tok, n_hc, n_hc), device=x.device, dtype=torch.float32)
+    u = torch.empty((n_tok, dim), device=x.device, dtype=x.dtype)
+    block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
+    grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
+    _mhc_epilogue_kernel[grid](
+        x, dpart, sqpart, base, scale, post, comb, u, n_tok, dim, dpart.shape[0],
+        float(rms_eps), float(hc_eps), int(sinkhorn_iters),
+        HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
+        BLOCK_T=block_t, BLOCK_D=block_d,
+    )
+    return post, comb, u
+
+
+def mhc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+            rms_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """Fused `mhc_pre_ref` (same signature, shapes and dtypes): statistics pass + epilogue."""
+    require_triton()
+    _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    x = x.contiguous()
+    dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim)
+    return _launch_epilogue(x, dpart, sqpart, base.contiguous(), scale.contiguous(),
+                            rms_eps, hc_eps, sinkhorn_iters)
+
+
+def mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Fused `mhc_post_ref` (same signature): one pass, X' [N, H, D] in x.dtype."""
+    require_triton()
+    _check_post_args(f, x, post, comb)
+    n_tok, n_hc, dim = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
+    grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
+    _mhc_post_kernel[grid](
+        f.contiguous(), x.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
+        n_tok, dim, HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), BLOCK_T=block_t, BLOCK_D=block_d,
+    )
+    return out
+
+
+def mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                 rms_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """Fused `mhc_post_pre_ref`: X' written and the next site's statistics accumulated in one pass."""
+    require_triton()
+    _check_post_args(f, x, post, comb)
+    _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    x = x.contiguous()
+    x_new = torch.empty_like(x)
+    fused = (f.contiguous(), post.float().contiguous(), comb.float().contiguous(), x_new)
+    dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim, fused=fused)
+    post2, comb2, u2 = _launch_epilogue(x_new, dpart, sqpart, base.contiguous(), scale.contiguous(),
+                                        rms_eps, hc_eps, sinkhorn_iters)
+    return x_new, post2, comb2, u2

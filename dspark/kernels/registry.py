@@ -1,0 +1,102 @@
+"""Which implementation runs each fused op: chosen from a frozen config, never from the environment.
+
+The model holds a `KernelConfig` (built once at the edge, from the device the model lives on) and asks
+`get_op(config, "mhc_pre")` for a callable. Every op has two implementations with one signature:
+
+* ``"ref"``    -- plain torch (`<op>_ref`): runs anywhere, the numerical reference of the tests;
+* ``"triton"`` -- the fused Triton kernels (`<op>`): CUDA tensors, or CPU tensors under the Triton
+  interpreter in tests.
+
+Triton is an optional dependency (the ``gpu`` extra): importing this package never imports it;
+asking for a ``"triton"`` op without it raises an ImportError that says how to install it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+
+Impl = Literal["ref", "triton"]
+IMPLS: tuple[str, ...] = ("ref", "triton")
+
+# op name -> module under dspark.kernels that defines `<op>` (Triton) and `<op>_ref` (torch).
+_OP_MODULES: dict[str, str] = {
+    "mhc_pre": "mhc",
+    "mhc_post": "mhc",
+    "mhc_post_pre": "mhc",
+    "moe_route": "moe",
+    "fused_moe": "moe",
+}
+OPS: tuple[str, ...] = tuple(_OP_MODULES)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when `import triton` succeeds (answered once per process; the answer cannot change)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def require_triton() -> None:
+    """Raise a clear ImportError when the Triton implementation is asked for without Triton."""
+    if not triton_available():
+        raise ImportError(
+            "the 'triton' kernel implementation needs the triton package: "
+            "pip install -e '.[gpu]' (or choose impl 'ref' in KernelConfig)"
+        )
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Implementation per fused op, each ``"ref"`` or ``"triton"``.
+
+    Build it at the edge with `KernelConfig.for_device(device)` (CUDA with Triton installed ->
+    every op ``"triton"``; otherwise ``"ref"``) or explicitly, e.g.
+    ``KernelConfig(fused_moe="ref")`` to isolate one op. Validated once; immutable.
+    """
+
+    mhc_pre: Impl = "ref"
+    mhc_post: Impl = "ref"
+    mhc_post_pre: Impl = "ref"
+    moe_route: Impl = "ref"
+    fused_moe: Impl = "ref"
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value not in IMPLS:
+                raise ValueError(f"KernelConfig.{field.name}={value!r}: must be one of {IMPLS}")
+
+    @classmethod
+    def uniform(cls, impl: Impl) -> KernelConfig:
+        """The same implementation for every op."""
+        return cls(**{op: impl for op in OPS})
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> KernelConfig:
+        """Default for a model on `device`: Triton on CUDA when it is installed, torch otherwise."""
+        device = torch.device(device)
+        use_triton = device.type == "cuda" and triton_available()
+        return cls.uniform("triton" if use_triton else "ref")
+
+
+def get_op(config: KernelConfig, name: str) -> Callable[..., Any]:
+    """The implementation of op `name` that `config` selects (same signature for both impls).
+
+    Raises ValueError for an unknown op name, ImportError for ``"triton"`` without Triton.
+    """
+    if name not in _OP_MODULES:
+        raise ValueError(f"unknown kernel op {name!r}; known ops: {OPS}")
+    impl = getattr(config, name)
+    if impl == "triton":
+        require_triton()
+    module = importlib.import_module(f"dspark.kernels.{_OP_MODULES[name]}")
+    return getattr(module, name if impl == "triton" else f"{name}_ref")

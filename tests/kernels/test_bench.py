@@ -1,0 +1,67 @@
+"""bench/kernels.py must import, parse its arguments and plan its cases on a machine without a GPU."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.kernels import triton_available
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_default_plan_covers_every_op_layer_and_size(bench):
+    args = bench.parse_args([])
+    assert args.out == "bench/results/kernels.json"
+    cases = bench.plan(args)
+    assert len(cases) == 2 * len(bench.OPS) * 5
+    assert {m for _, _, m in cases} == {1, 8, 64, 256, 4096}
+    assert {s.name for s, _, _ in cases} == {"v4-flash", "v4-mini"}
+
+
+def test_options_select_and_scale(bench):
+    args = bench.parse_args(["--configs", "flash", "--ops", "mhc_pre,fused_moe", "--tokens", "1,64",
+                             "--flash-experts", "64", "--out", "x.json"])
+    cases = bench.plan(args)
+    assert [(s.n_experts, op, m) for s, op, m in cases] == [
+        (64, "mhc_pre", 1), (64, "mhc_pre", 64), (64, "fused_moe", 1), (64, "fused_moe", 64)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ops", "attention"])
+
+
+def test_dry_run_lists_cases_without_gpu(bench, capsys):
+    assert bench.main(["--dry-run", "--configs", "mini", "--ops", "mhc_post"]) == 0
+    assert capsys.readouterr().out.count("mhc_post") == 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
+def test_refuses_to_time_without_gpu(bench, capsys):
+    assert bench.main(["--configs", "mini", "--tokens", "1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton not installed")
+@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32"])
+def test_case_pipeline_on_a_tiny_layer(bench, op):
+    """Inputs, checks and floor accounting of a case, on a tiny layer (interpreter on CPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = bench.LayerShape("tiny", dim=64, n_hc=4, n_experts=4, top_k=2, inter=64)
+    layer = bench.build_layer(shape, device)
+    row = bench.run_case(shape, op, 3, layer, timer=lambda fn: 1e-3, ref_timer=lambda fn: 1e-3, device=device)
+    assert row["rel_err"] < 1e-2 and row["speedup"] == 1.0
+    if op == "mhc_post_pre":  # x read + X' written (3·4·64 bf16 each), f read + u written, fn fp32
+        assert row["bytes"] == 2 * 3 * 4 * 64 * 2 + 2 * 3 * 64 * 2 + 24 * 256 * 4
+    else:
+        assert row["flop"] == 2 * 3 * 4 * 64 + 2 * 3 * 3 * 3 * 64 * 64
