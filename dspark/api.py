@@ -15,7 +15,6 @@ from types import MappingProxyType
 
 import torch
 
-from dspark.draft.io import dspark_from_checkpoint
 from dspark.models.deepseek_v4 import checkpoint as deepseek_v4_checkpoint
 from dspark.models.deepseek_v4.config import DeepseekV4Config
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -38,14 +37,8 @@ def _build_deepseek_v4(config: dict, device: torch.device, dtype: torch.dtype) -
     return model
 
 
-def _load_deepseek_v4(model: torch.nn.Module, path: Path, config: dict) -> None:
-    deepseek_v4_checkpoint.load_checkpoint(model, path, config)
-    # A DSpark checkpoint carries its drafter too (stages under `mtp.*`); None otherwise.
-    model.dspark = dspark_from_checkpoint(model, path, config)
-
-
 MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
-    {"deepseek_v4": ModelFamily(_build_deepseek_v4, _load_deepseek_v4)}
+    {"deepseek_v4": ModelFamily(_build_deepseek_v4, deepseek_v4_checkpoint.load_checkpoint)}
 )
 
 
@@ -107,8 +100,7 @@ def load_model(
     Returns
     -------
     The model in eval mode, with ``model.tokenizer`` (None when the directory has no
-    ``tokenizer.json``), ``model.has_mtp`` (False when the checkpoint has no ``mtp.*`` weights) and
-    ``model.dspark`` (the DSpark drafter of a DSpark checkpoint, else None).
+    ``tokenizer.json``) and ``model.has_mtp`` (False when the checkpoint has no ``mtp.*`` weights).
 
     Raises
     ------
@@ -123,7 +115,7 @@ def load_model(
     model = family.build(config, *_placement(device, dtype))
     family.load_weights(model, path, config)
     model.tokenizer = _load_tokenizer(path)
-    return model.eval().requires_grad_(False)
+    return model.eval()
 
 
 def init_model(
@@ -143,4 +135,4 @@ def init_model(
     model = family.build(dict(config), *_placement(device, dtype))
     model.init_weights(seed)
     model.tokenizer = None
-    return model.eval().requires_grad_(False)
+    return model.eval()
