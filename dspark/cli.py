@@ -1,4 +1,4 @@
-"""`dspark` command line: `dspark generate "prompt"`."""
+"""`dspark` command line: `dspark generate "prompt"`, `dspark eval-accept --out DIR`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,47 @@ def _generate(args) -> int:
     return 0
 
 
+def _eval_accept(args) -> int:
+    from dspark.evaluate import EvalConfig, eval_accept, load_eval_model  # only this subcommand needs it
+    from dspark.verify.capacity import CapacityTable
+
+    config = EvalConfig(tuple(d.strip() for d in args.dataset.split(",") if d.strip()), args.limit,
+                        args.temperature, args.budget, args.drafter, args.max_new_tokens, args.concurrency,
+                        args.seed, args.planner, args.data_dir)
+    capacity = CapacityTable.load(args.capacity) if args.capacity else None
+    summary = eval_accept(load_eval_model(args.model, args.device), config, args.out, model_name=args.model,
+                          capacity=capacity, progress=True)
+    for row in summary.get("domains", []):
+        survival = " ".join("-" if x is None else f"{x:.2f}" for x in row["accept_rate_at_k"])
+        print(f"{row['domain']:>14}  tau {row['tau']:.3f}  rounds {row['rounds']:>6}  accept_rate@k {survival}")
+    print(f"wrote {args.out}/traces.jsonl and {args.out}/summary.json", file=sys.stderr)
+    return 0
+
+
+def _add_eval_accept(sub) -> None:
+    from dspark.evaluate import DEFAULT_DATASETS, DEFAULT_SEED, parse_budget
+
+    e = sub.add_parser("eval-accept", help="acceptance-rate evaluation on prompt sets (traces + summary)")
+    e.add_argument("--model", default=RANDOM_TINY, help=f"checkpoint directory, or {RANDOM_TINY}")
+    e.add_argument("--dataset", default=",".join(DEFAULT_DATASETS),
+                   help="comma-separated prompt sets (gsm8k, math500, humaneval, mbpp, mt-bench, arena-hard-v2)")
+    e.add_argument("--data-dir", default=None,
+                   help="folder of <set>.jsonl files (default: the 20-prompt subsets shipped with dspark; "
+                        "../shared/data/eval holds the full sets)")
+    e.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    e.add_argument("--temperature", type=float, default=1.0)
+    e.add_argument("--budget", type=parse_budget, default="all", help="all (verify γ), auto (planner) or n")
+    e.add_argument("--drafter", default="ngram", help="ngram, mtp or dspark")
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--concurrency", type=int, default=1, help="requests decoded together")
+    e.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    e.add_argument("--planner", default="sync", help="sync or async (with --budget auto)")
+    e.add_argument("--capacity", default=None, help="capacity table JSON for --budget auto (default: CPU table)")
+    e.add_argument("--out", required=True, help="output folder for traces.jsonl and summary.json")
+    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    e.set_defaults(run=_eval_accept)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dspark")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft-tokens", type=_draft_tokens, default=0)
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.set_defaults(run=_generate)
+    _add_eval_accept(sub)
     args = parser.parse_args(argv)
     try:
-        return _generate(args)
+        return args.run(args)
     except ValueError as e:
         parser.exit(2, f"dspark: error: {e}\n")
 

@@ -70,7 +70,8 @@ class Request:
     `state` is the target's rewindable decode state, `dstate` the drafter's (None for plain
     decoding). `out[-1]` is the anchor of the next round: committed, not yet fed to the target.
     `prefilled` counts prompt tokens already fed (chunked prefill). `confidences` keeps the last two
-    rounds' draft confidences for the asynchronous planner.
+    rounds' draft confidences for the asynchronous planner. `domain` is a free-form tag (e.g. the
+    evaluation set) copied into every round trace record so analyses can group by it.
     """
 
     prompt: list[int]
@@ -81,6 +82,7 @@ class Request:
     params: SamplingParams = SamplingParams()
     dstate: object = None
     request_id: str = ""
+    domain: str = ""
     prefilled: int = 0
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None

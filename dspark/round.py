@@ -68,8 +68,11 @@ def prefill_step(model, drafter, requests: list[Request], chunk: int) -> None:
 
 
 def _draft(drafter, live: list[Request]):
-    """Full γ-blocks for every request, grouped by temperature (the only parameter q depends on)."""
-    tokens, probs, conf = [None] * len(live), [None] * len(live), [None] * len(live)
+    """Full γ-blocks for every request, grouped by temperature (the only parameter q depends on).
+
+    Returns per-request token lists, draft distributions, confidences [B, γ] and the raw confidence
+    logits (a list of [γ] tensors, None for drafters without a head; kept for the trace only)."""
+    tokens, probs, conf, logits = [None] * len(live), [None] * len(live), [None] * len(live), [None] * len(live)
     groups: dict[float, list[int]] = {}
     for b, r in enumerate(live):
         groups.setdefault(r.params.temperature, []).append(b)
@@ -77,11 +80,13 @@ def _draft(drafter, live: list[Request]):
     for members in groups.values():
         prop = drafter.propose([live[b].dstate for b in members], [anchors[b] for b in members],
                                live[members[0]].params, [live[b].generator for b in members])
+        z = getattr(prop, "confidence_logits", None)  # duck-typed proposals may predate the field
         for j, b in enumerate(members):
             tokens[b] = prop.tokens[j].tolist()
             probs[b] = prop.probs[j] if prop.probs is not None else None
             conf[b] = prop.confidence[j].float().cpu()
-    return tokens, probs, torch.stack(conf)
+            logits[b] = z[j].float().cpu() if z is not None else None
+    return tokens, probs, torch.stack(conf), logits
 
 
 def _plan(live: list[Request], confidence: torch.Tensor, cfg: RoundConfig, gamma: int) -> VerifyPlan:
@@ -99,10 +104,10 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
     """One draft → plan → verify → commit round over every live (decoding) request."""
     anchors = [r.out[-1] for r in live]
     if drafter is None:
-        drafts, probs, confidence = [[] for _ in live], [None] * len(live), None
+        drafts, probs, confidence, logits = [[] for _ in live], [None] * len(live), None, [None] * len(live)
         plan = VerifyPlan((0,) * len(live))
     else:
-        drafts, probs, confidence = _draft(drafter, live)                        # draft
+        drafts, probs, confidence, logits = _draft(drafter, live)                # draft
         plan = _plan(live, confidence, cfg, drafter.block_size)                  # plan
         for r, c in zip(live, confidence):
             r.confidences.append(c)
@@ -121,16 +126,19 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
         position = len(req.out)
         kept = req.commit(block[1:accepted + 1] + [int(nxt)])
         if trace is not None:
-            trace.append(_trace_record(req, drafts[b], confidence, b, n, accepted, kept, position, len(live)))
+            trace.append(_trace_record(req, drafts[b], confidence, logits[b], b, n, accepted, kept, position,
+                                       len(live)))
 
 
-def _trace_record(req: Request, draft: list[int], confidence, b: int, verified: int, accepted: int,
+def _trace_record(req: Request, draft: list[int], confidence, logits, b: int, verified: int, accepted: int,
                   kept: int, position: int, load: int) -> dict:
-    """One row of the round trace (schema in docs/traces.md)."""
+    """One row of the round trace (schema in docs/traces.md); called after `req.commit`."""
     return {
-        "request_id": req.request_id, "position": position, "draft": draft,
+        "request_id": req.request_id, "domain": req.domain, "round": req.stats.rounds - 1,
+        "position": position, "draft": draft,
         "confidence": confidence[b].tolist() if confidence is not None else [],
-        "verified": verified, "accepted": accepted, "committed": kept,
-        "bonus": accepted == verified and kept == accepted + 1, "load": load,
-        "temperature": req.params.temperature,
+        "confidence_logits": logits.tolist() if logits is not None else None,
+        "verified": verified, "accepted": accepted, "committed": kept, "tokens": req.out[position:],
+        "bonus": accepted == verified and kept == accepted + 1, "stop": req.finish_reason == "stop",
+        "load": load, "temperature": req.params.temperature,
     }

@@ -93,15 +93,20 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                    max_new_tokens: int = 64, stop_token_ids=(), request_id: str | None = None) -> str:
-        """Queue one request; returns its id. ValueError names a bad argument; EngineFull when full."""
+                    max_new_tokens: int = 64, stop_token_ids=(), request_id: str | None = None,
+                    domain: str = "") -> str:
+        """Queue one request; returns its id. ValueError names a bad argument; EngineFull when full.
+
+        `domain` tags the request's trace records (docs/traces.md), e.g. with its evaluation set."""
         self._check_request(prompt_ids, max_new_tokens, request_id)
+        if not isinstance(domain, str):
+            raise ValueError(f"domain must be a str, got {domain!r}")
         if len(self.waiting) >= self.config.max_waiting:
             raise EngineFull(f"{len(self.waiting)} requests already waiting (max_waiting={self.config.max_waiting})")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         req = Request(list(prompt_ids), None, torch.Generator().manual_seed(seed), max_new_tokens,
-                      self.eos | frozenset(stop_token_ids), params, request_id=rid)
+                      self.eos | frozenset(stop_token_ids), params, request_id=rid, domain=domain)
         self.waiting.append(req)
         return rid
 
