@@ -18,16 +18,25 @@ import torch
 from dspark.models.deepseek_v4 import checkpoint as deepseek_v4_checkpoint
 from dspark.models.deepseek_v4.config import DeepseekV4Config
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from dspark.models.deepseek_v41 import checkpoint as deepseek_v41_checkpoint
+from dspark.models.deepseek_v41.config import DeepseekV41Config
+from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 CONFIG_FILE = "config.json"
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """How to build one ``model_type`` from its config dict and fill it from a checkpoint."""
+    """How to build one ``model_type`` from its config dict and fill it from a checkpoint.
 
-    build: Callable[[dict, torch.device, torch.dtype], torch.nn.Module]
+    ``options`` names the keyword options ``build`` accepts (model-level settings fixed at
+    construction, e.g. DeepSeek-V4.1's ``prefill_mode``), passed through ``load_model`` /
+    ``init_model``.
+    """
+
+    build: Callable[..., torch.nn.Module]
     load_weights: Callable[[torch.nn.Module, Path, dict], None]
+    options: frozenset[str] = frozenset()
 
 
 def _build_deepseek_v4(config: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -37,8 +46,18 @@ def _build_deepseek_v4(config: dict, device: torch.device, dtype: torch.dtype) -
     return model
 
 
+def _build_deepseek_v41(config: dict, device: torch.device, dtype: torch.dtype, **options) -> torch.nn.Module:
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_dict(config), dtype=dtype, device=device, **options)
+    model.dspark = None  # the V4.1 DSpark stages (`mtp.*`) are not wired to a drafter yet
+    return model
+
+
 MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
-    {"deepseek_v4": ModelFamily(_build_deepseek_v4, deepseek_v4_checkpoint.load_checkpoint)}
+    {
+        "deepseek_v4": ModelFamily(_build_deepseek_v4, deepseek_v4_checkpoint.load_checkpoint),
+        "deepseek_v41": ModelFamily(_build_deepseek_v41, deepseek_v41_checkpoint.load_checkpoint,
+                                    frozenset({"prefill_mode", "engram_tables", "cache_qat"})),
+    }
 )
 
 
@@ -49,6 +68,14 @@ def _family(config: dict, origin: str) -> ModelFamily:
             f"{origin}: unknown model_type {model_type!r}; supported: {', '.join(sorted(MODEL_FAMILIES))}"
         )
     return MODEL_FAMILIES[model_type]
+
+
+def _build(family: ModelFamily, config: dict, device, dtype, options: dict) -> torch.nn.Module:
+    unknown = sorted(set(options) - family.options)
+    if unknown:
+        accepted = ", ".join(sorted(family.options)) or "none"
+        raise ValueError(f"model_type {config.get('model_type')!r}: unknown option(s) {unknown}; accepted: {accepted}")
+    return family.build(config, *_placement(device, dtype), **options)
 
 
 def _read_config(path: Path) -> dict:
@@ -85,6 +112,7 @@ def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    **options,
 ) -> torch.nn.Module:
     """Load a model from a checkpoint directory.
 
@@ -96,6 +124,9 @@ def load_model(
     device : where the weights live.
     dtype : parameter dtype (parameters the model keeps in fp32 stay fp32); default float32 on CPU,
         bfloat16 elsewhere.
+    **options : model-level options of the family, fixed for the model's life; DeepSeek-V4.1:
+        ``prefill_mode`` ("bounded_replay" default, or "exact"), ``engram_tables`` ("auto",
+        "device", "host") and ``cache_qat`` (True default). DeepSeek-V4 has none.
 
     Returns
     -------
@@ -105,17 +136,17 @@ def load_model(
     Raises
     ------
     FileNotFoundError for a missing directory, config or weights; ValueError for an unknown
-    ``model_type`` or weights that do not match the config (every bad key named).
+    ``model_type``, an unknown option or weights that do not match the config (every bad key named).
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     config = _read_config(path)
     family = _family(config, str(path / CONFIG_FILE))
-    model = family.build(config, *_placement(device, dtype))
+    model = _build(family, config, device, dtype, options)
     family.load_weights(model, path, config)
     model.tokenizer = _load_tokenizer(path)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def init_model(
@@ -123,16 +154,17 @@ def init_model(
     seed: int = 0,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    **options,
 ) -> torch.nn.Module:
     """Build a model with random weights (``init_weights(seed)``), in eval mode, without tokenizer.
 
-    ``config`` is a config dict or the path of a ``config.json`` (or of its directory); dtype
-    defaults as in :func:`load_model`.
+    ``config`` is a config dict or the path of a ``config.json`` (or of its directory); dtype and
+    ``options`` as in :func:`load_model`.
     """
     if not isinstance(config, Mapping):
         config = _read_config(Path(config))
     family = _family(config, "config")
-    model = family.build(dict(config), *_placement(device, dtype))
+    model = _build(family, dict(config), device, dtype, options)
     model.init_weights(seed)
     model.tokenizer = None
-    return model.eval()
+    return model.eval().requires_grad_(False)

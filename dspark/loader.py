@@ -1,4 +1,4 @@
-"""Generic safetensors checkpoint reading and the weight-loading loop.
+"""Generic safetensors checkpoint reading, the weight-loading loop and the sharded writer.
 
 Nothing here knows a model. A checkpoint directory holds either one ``model.safetensors`` or
 shards listed by ``model.safetensors.index.json``. :class:`SafetensorsReader` opens them lazily
@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from dspark.quant import block_grid, dequantize
 
@@ -136,7 +138,8 @@ def _quant_codec(reader: SafetensorsReader, key: str) -> str | None:
 def _quantised_source(
     reader: SafetensorsReader, key: str, codec: str, fp8_block: tuple[int, int], fp4_block: tuple[int, int]
 ) -> tuple[TensorSource | None, str | None]:
-    """The dequantising source for a quantised weight, or a problem description."""
+    """The dequantising source for a quantised weight (``fp8_block`` already resolved for ``key``),
+    or a problem description."""
     scale_key = _scale_key(key)
     if scale_key not in reader:
         return None, f"{key}: {reader.dtype(key)} weight without its block scale {scale_key}"
@@ -159,7 +162,7 @@ def _quantised_source(
 def plan_sources(
     reader: SafetensorsReader,
     rename: Callable[[str], str | None],
-    fp8_block: tuple[int, int],
+    fp8_block: tuple[int, int] | Callable[[str], tuple[int, int]],
     fp4_block: tuple[int, int],
 ) -> tuple[dict[str, TensorSource], dict[str, str]]:
     """Describe every model tensor a checkpoint provides, reading headers only.
@@ -168,7 +171,9 @@ def plan_sources(
     ----------
     reader : open checkpoint.
     rename : on-disk key -> model name, or None for a deliberately ignored key.
-    fp8_block : block of FP8 weights' scales, e.g. (128, 128) (config ``weight_block_size``).
+    fp8_block : block of FP8 weights' scales, e.g. (128, 128) (config ``weight_block_size``), or a
+        function on-disk key -> block for checkpoints that mix FP8 layouts (DeepSeek-V4.1: 32 x 32
+        dense linears, 1 x 32 Engram table rows).
     fp4_block : block of packed-FP4 weights' scales, (1, 32) for DeepSeek experts.
 
     Returns
@@ -187,7 +192,8 @@ def plan_sources(
         if codec is None:
             source, problem = TensorSource(reader.shape(key), lambda device, key=key: reader.get(key)), None
         else:
-            source, problem = _quantised_source(reader, key, codec, fp8_block, fp4_block)
+            block = fp8_block(key) if callable(fp8_block) else fp8_block
+            source, problem = _quantised_source(reader, key, codec, block, fp4_block)
         if problem:
             problems[name] = problem
         elif name in sources:
@@ -276,3 +282,67 @@ def load_tensors(
             target = model_tensors[name]
             target.copy_(source.read(target.device))
     return [name for name in model_tensors if name not in sources]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+def natural_key(name: str) -> list:
+    """Sort `layers.2` before `layers.10`, so shards hold consecutive layers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _encoded_shards(
+    state: Mapping[str, torch.Tensor],
+    encode: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    max_shard_bytes: int,
+) -> Iterable[dict[str, torch.Tensor]]:
+    """Encode tensors one by one into shards of at most ``max_shard_bytes`` (one oversized
+    tensor gets a shard of its own), so at most one shard is held in memory."""
+    shard, size = {}, 0
+    for name in sorted(state, key=natural_key):
+        encoded = encode(name, state[name])
+        nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
+        if shard and size + nbytes > max_shard_bytes:
+            yield shard
+            shard, size = {}, 0
+        shard.update(encoded)
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def save_sharded(
+    path: str | Path,
+    state: Mapping[str, torch.Tensor],
+    encode: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    config: dict,
+    max_shard_bytes: int,
+) -> None:
+    """Write a sharded safetensors checkpoint: ``model-0000i-of-0000N.safetensors``,
+    ``model.safetensors.index.json`` and ``config.json``.
+
+    ``encode(name, tensor)`` returns the on-disk tensors of one model tensor (the weight, plus
+    e.g. its block scale), on the CPU and contiguous. Model-specific formats live in the model's
+    ``checkpoint.py``; this is only the file layout.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    # Shard names carry the total count, known only at the end: write under temporary names first.
+    written: list[tuple[Path, list[str]]] = []
+    total_size = 0
+    for i, shard in enumerate(_encoded_shards(state, encode, max_shard_bytes)):
+        temporary = path / f"shard-{i:05d}.safetensors.partial"
+        save_file(shard, str(temporary), metadata={"format": "pt"})
+        written.append((temporary, list(shard)))
+        total_size += sum(t.numel() * t.element_size() for t in shard.values())
+    weight_map = {}
+    for i, (temporary, keys) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        temporary.rename(path / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

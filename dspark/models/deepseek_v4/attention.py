@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
-from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
+from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
 from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
 from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache
@@ -77,24 +77,26 @@ def causal_entry_index(positions: torch.Tensor, n_entries: int, rate: int, offse
     return torch.where(visible, entries + offset, -1)
 
 
-class Attention(nn.Module):
-    """One attention sublayer; `layer_type` picks SWA, CSA or HCA (spec §8).
+class LatentAttention(nn.Module):
+    """The shared-KV MQA core common to DeepSeek-V4 and V4.1 (spec §7.1, §7.2, §7.5).
 
-    Parameters (checkpoint names, Flash sizes): wq_a [1024, 4096], q_norm [1024], wq_b [32768, 1024],
-    wkv [512, 4096], kv_norm [512], wo_a [8192, 4096] (= G·R × H·d/G), wo_b [4096, 8192],
-    attn_sink [64] fp32, plus `compressor` (CSA, HCA) and `indexer` (CSA).
+    Parameters (checkpoint names, V4-Flash sizes): wq_a [1024, 4096], q_norm [1024],
+    wq_b [32768, 1024], wkv [512, 4096], kv_norm [512], wo_a [8192, 4096] (= G·R × H·d/G),
+    wo_b [4096, 8192], attn_sink [64] fp32; `rope` is the layer's RoPE table. Which keys a query
+    sees (window, compressed entries) is the subclass's business; `q_head_norm` selects V4's
+    per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1).
     """
 
-    def __init__(self, config: DeepseekV4Config, layer_type: str, dtype=None, device=None):
+    def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None):
         super().__init__()
         c = config
-        self.layer_type = layer_type
         self.n_heads = c.num_attention_heads
         self.head_dim = c.head_dim
         self.window = c.sliding_window
         self.o_groups = c.o_groups
         self.o_lora_rank = c.o_lora_rank
         self.eps = c.rms_norm_eps
+        self.q_head_norm = q_head_norm
         self.scale = c.head_dim**-0.5  # no YaRN mscale (spec §7.4)
         linear = dict(bias=False, dtype=dtype, device=device)
         self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, **linear)
@@ -106,7 +108,45 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(group_width, c.o_groups * c.o_lora_rank, **linear)
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, **linear)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32, device=device))
-        self.rope = Rope(c.rope_for(layer_type), c.head_dim, device=device)
+        self.rope = Rope(rope, c.head_dim, device=device)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [N, D] (after attn_norm), cos/sin [N, rd/2] -> (c_q [N, q_lora], q [N, H, d], kv [N, d]).
+
+        c_q = q_norm(x·wq_aᵀ) is also the indexer's input; q and kv carry RoPE at their positions.
+        """
+        q_lora = self.q_norm(self.wq_a(x))  # [N, q_lora]
+        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
+        if self.q_head_norm:
+            q = rms_scale(q, self.eps).to(x.dtype)  # per-head unweighted RMS (spec §5)
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [N, H, d]
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, d]
+        return q_lora, q, kv
+
+    def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention output [N, H, d] -> [N, D]: inverse RoPE, grouped `wo_a`, `wo_b` (spec §7.5)."""
+        out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the values' rotation
+        return self.wo_b(self._grouped_wo_a(out.reshape(out.shape[0], self.o_groups, -1)).flatten(1))
+
+    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal projection: group g (heads g·H/G .. ) uses rows g·R .. (g+1)·R−1 of wo_a.
+
+        o [N, G, H·d/G] -> [N, G, R].
+        """
+        weight = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+        return torch.einsum("ngk,grk->ngr", o, weight)
+
+
+class Attention(LatentAttention):
+    """One attention sublayer; `layer_type` picks SWA, CSA or HCA (spec §8).
+
+    Parameters: those of `LatentAttention`, plus `compressor` (CSA, HCA) and `indexer` (CSA).
+    """
+
+    def __init__(self, config: DeepseekV4Config, layer_type: str, dtype=None, device=None):
+        c = config
+        super().__init__(c, c.rope_for(layer_type), q_head_norm=True, dtype=dtype, device=device)
+        self.layer_type = layer_type
         self.rate = c.compress_rate(layer_type)
         self.compressor = None
         self.indexer = None
@@ -128,13 +168,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
         """x [N, D] (after attn_norm) -> [N, D]; appends the new tokens to each request's cache."""
-        n = x.shape[0]
         cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
-        q_lora = self.q_norm(self.wq_a(x))  # [N, q_lora]
-        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
-        q = rms_scale(q, self.eps).to(x.dtype)  # per-head unweighted RMS (spec §5)
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [N, H, d]
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, d]
+        q_lora, q, kv = self.project_qkv(x, cos, sin)
         compressed = index_inputs = None
         if self.compressor is not None:
             compressed = self.compressor.project(x, batch.positions)  # (C, Z + ape) rows for all N tokens
@@ -146,16 +181,7 @@ class Attention(nn.Module):
             rows = batch.rows(b)
             out[rows] = self._attend(q, kv, batch.positions, rows, cache, compressed, index_inputs)
 
-        out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the values' rotation
-        return self.wo_b(self._grouped_wo_a(out.reshape(n, self.o_groups, -1)).flatten(1))
-
-    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
-        """Block-diagonal projection: group g (heads g·H/G .. ) uses rows g·R .. (g+1)·R−1 of wo_a.
-
-        o [N, G, H·d/G] -> [N, G, R].
-        """
-        weight = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-        return torch.einsum("ngk,grk->ngr", o, weight)
+        return self.project_out(out, cos, sin)
 
     def _attend(self, q, kv, positions, rows: slice, cache: LayerCache, compressed, index_inputs) -> torch.Tensor:
         """Request owning `rows` of q [N, H, d], kv [N, d], positions [N] -> [S, H, d]; updates `cache`."""

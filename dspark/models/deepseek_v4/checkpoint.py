@@ -18,20 +18,18 @@ release is the generic loop of :mod:`dspark.loader` plus the knowledge kept here
 
 The MTP rule: transformers drops ``mtp.*``. When a checkpoint has no ``mtp.*`` key at all, the MTP
 block keeps its random initialisation and ``model.has_mtp`` is False; when it has some, all of
-them must be present.
+them must be present. A DSpark checkpoint (:func:`holds_dspark_stages`) stores the DSpark drafter's
+stages under ``mtp.*`` instead: the target leaves them to ``dspark.draft.io``.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
-from dspark.loader import INDEX_FILE, SafetensorsReader, load_tensors, plan_sources, sources_from_tensors
+from dspark.loader import SafetensorsReader, load_tensors, plan_sources, save_sharded, sources_from_tensors
 from dspark.models.deepseek_v4 import hf_keys
 from dspark.quant import FP4_BLOCK, V4_DENSE_BLOCK, dequantize, quantize_fp4, quantize_fp8
 
@@ -42,7 +40,7 @@ FP8, FP4, BF16, FP32, INT64 = "fp8", "fp4", "bf16", "fp32", "int64"
 DISK_FORMATS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$"), FP4),
     (re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123])\.weight$"), FP8),
-    (re.compile(r"^mtp\.\d+\.(e_proj|h_proj)\.weight$"), FP8),
+    (re.compile(r"^mtp\.\d+\.(e_proj|h_proj|main_proj)\.weight$"), FP8),
     # `hc_*_scale` land here: mHC parameters that merely end in "scale", never block scales.
     (re.compile(r"(\.attn_sink|\.ape|\.gate\.bias|(^|\.)hc_[a-z]+_[a-z]+)$"), FP32),
     (re.compile(r"\.ffn\.gate\.tid2eid$"), INT64),
@@ -131,6 +129,12 @@ def routing_table_problems(tensors: dict[str, torch.Tensor]) -> list[str]:
     return problems
 
 
+def holds_dspark_stages(config: dict, keys: Iterable[str]) -> bool:
+    """True for a DSpark checkpoint: ``dspark_*`` config keys and stage 0's ``mtp.0.main_proj``
+    (dspark spec §7.1), whose ``mtp.*`` tensors are the drafter's stages, not an MTP block."""
+    return any(key.startswith("dspark_") for key in config) and "mtp.0.main_proj.weight" in set(keys)
+
+
 def load_checkpoint(model: torch.nn.Module, path: str | Path, config: dict) -> None:
     """Load the weights of checkpoint directory ``path`` into ``model`` (any of the three layouts).
 
@@ -141,6 +145,9 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, config: dict) -> N
     tensors = model.state_dict(keep_vars=True)
     with SafetensorsReader(path) as reader:
         sources, problems = _sources(reader, detect_layout(reader.keys()), block)
+        if holds_dspark_stages(config, sources):
+            sources = {name: src for name, src in sources.items() if not name.startswith("mtp.")}
+            problems = {name: msg for name, msg in problems.items() if not name.startswith("mtp.")}
         has_mtp = any(name.startswith("mtp.") for name in sources)
         if not has_mtp and any(name.startswith("mtp.") for name in tensors):
             # The MTP block stays as initialised: make that a seeded init, not whatever memory held.
@@ -194,29 +201,6 @@ def round_to_checkpoint_(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _natural_key(name: str) -> list:
-    """Sort `layers.2` before `layers.10`, so shards hold consecutive layers."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def _encoded_shards(
-    state: dict[str, torch.Tensor], quantize: bool, max_shard_bytes: int
-) -> Iterable[dict[str, torch.Tensor]]:
-    """Encode tensors one by one into shards of at most ``max_shard_bytes`` (one oversized
-    tensor gets a shard of its own), so at most one shard is held in memory."""
-    shard, size = {}, 0
-    for name in sorted(state, key=_natural_key):
-        encoded = encode_tensor(name, state[name], quantize)
-        nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
-        if shard and size + nbytes > max_shard_bytes:
-            yield shard
-            shard, size = {}, 0
-        shard.update(encoded)
-        size += nbytes
-    if shard:
-        yield shard
-
-
 def checkpoint_config(model: torch.nn.Module, quantize: bool) -> dict:
     """``config.json`` contents: the model's config, plus the official ``quantization_config`` and
     top-level ``expert_dtype`` when quantised; ``torch_dtype`` is the dtype of the unquantised
@@ -245,24 +229,8 @@ def save_checkpoint(
     tensors keep the model's dtypes. An MTP block that was never loaded (``model.has_mtp`` False)
     is not written, so it is not mistaken for trained weights later.
     """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
     if not getattr(model, "has_mtp", True):
         state = {name: tensor for name, tensor in state.items() if not name.startswith("mtp.")}
-    # Shard names carry the total count, known only at the end: write under temporary names first.
-    written: list[tuple[Path, list[str]]] = []
-    total_size = 0
-    for i, shard in enumerate(_encoded_shards(state, quantize, max_shard_bytes)):
-        temporary = path / f"shard-{i:05d}.safetensors.partial"
-        save_file(shard, str(temporary), metadata={"format": "pt"})
-        written.append((temporary, list(shard)))
-        total_size += sum(t.numel() * t.element_size() for t in shard.values())
-    weight_map = {}
-    for i, (temporary, keys) in enumerate(written):
-        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-        temporary.rename(path / final)
-        weight_map.update(dict.fromkeys(keys, final))
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (path / "config.json").write_text(json.dumps(checkpoint_config(model, quantize), indent=2) + "\n")
+    save_sharded(path, state, lambda name, tensor: encode_tensor(name, tensor, quantize),
+                 checkpoint_config(model, quantize), max_shard_bytes)

@@ -159,7 +159,7 @@ class DeepseekV4Config:
         rope = self.rope_parameters
         if rope is None or not all(isinstance(v, RopeParameters) for v in rope.values()):
             # None, a flat YaRN dict or HF's nested {"main": {...}, "compress": {...}} form.
-            object.__setattr__(self, "rope_parameters", _resolve_rope(rope, self))
+            object.__setattr__(self, "rope_parameters", resolve_rope(rope, self))
         _validate(self)
 
     # ---------------------------------------------------------------------------------------
@@ -313,12 +313,14 @@ def _quantization_config(d: dict) -> dict | None:
     return q
 
 
-def _resolve_rope(source: dict | None, config: DeepseekV4Config) -> dict[str, RopeParameters]:
+def resolve_rope(source: dict | None, config: DeepseekV4Config) -> dict[str, RopeParameters]:
     """Resolve the {"main", "compress"} RoPE sets as HF does (spec §2.3).
 
     `source` is either the nested HF form {"main": {...}, "compress": {...}} or a flat YaRN dict
     (`rope_scaling` of the released config, or a flat `rope_parameters`); a flat dict applies to the
-    compress rope only, the main rope is always plain RoPE with `rope_theta`.
+    compress rope only, the main rope is always plain RoPE with `rope_theta`. `config` needs only
+    `partial_rotary_factor`, `rope_theta`, `compress_rope_theta` and `max_position_embeddings`, so
+    DeepSeek-V4.1 (same two-rope scheme, deepseek_v41 spec §2.3) resolves its ropes here too.
     """
     prf = config.partial_rotary_factor
     nested = isinstance(source, dict) and all(isinstance(source.get(k), dict) for k in ("main", "compress"))

@@ -28,7 +28,7 @@ from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4C
 from dspark.models.deepseek_v4.mhc import hc_head, hc_post, hc_pre
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.norm import RMSNorm
-from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch
+from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch, plan_batch
 
 
 @dataclass
@@ -166,8 +166,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     # Forward
     # ---------------------------------------------------------------------------------------
 
-    # No no_grad here: the model is frozen (requires_grad False), so inference builds no graph, and
-    # training code can unfreeze what it trains and differentiate through this.
+    # No no_grad here: `load_model`/`init_model` freeze the weights (requires_grad False), so inference
+    # builds no graph, and training code can unfreeze what it trains and differentiate through this.
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -233,27 +233,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _plan(self, input_ids: torch.Tensor, states: list[DecodeState], seq_lens: list[int],
               n_layers: int) -> RaggedBatch:
-        """Validate one ragged call, start a step on every state, build the batch metadata.
-
-        Everything is checked before the first state is touched, so a rejected call changes nothing.
-        """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.dtype != torch.long:
-            raise ValueError(f"input_ids must be a 1-D LongTensor, got {getattr(input_ids, 'shape', input_ids)!r}")
-        seq_lens = [int(n) for n in seq_lens]
-        if len(seq_lens) != len(states):
-            raise ValueError(f"seq_lens has {len(seq_lens)} entries for {len(states)} states")
-        if any(n < 1 for n in seq_lens) or sum(seq_lens) != input_ids.shape[0]:
-            raise ValueError(f"seq_lens={seq_lens} must be >= 1 each and sum to len(input_ids)={input_ids.shape[0]}")
-        if len({id(s) for s in states}) != len(states):
-            raise ValueError("the same DecodeState appears twice in one call")
-        wrong = [b for b, s in enumerate(states) if len(s.layers) != n_layers]
-        if not states or wrong:
-            raise ValueError(f"states {wrong} do not belong to this model ({n_layers} attention layer(s) expected)")
-        starts = tuple(state.begin_step() for state in states)
-        offsets = tuple(sum(seq_lens[:b]) for b in range(len(seq_lens)))
-        device = self.device
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)]).to(device)
-        return RaggedBatch(input_ids.to(device), positions, tuple(seq_lens), offsets, starts)
+        """Validate one ragged call, start a step on every state, build the batch metadata."""
+        return plan_batch(input_ids, states, seq_lens, n_layers, self.device)
 
     @staticmethod
     def _commit(states: list[DecodeState], batch: RaggedBatch) -> None:

@@ -83,12 +83,17 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts + one shared expert; `gate`, `experts.{e}`, `shared_experts` (checkpoint names)."""
+    """Routed experts + one shared expert; `gate`, `experts.{e}`, `shared_experts` (checkpoint names).
 
-    def __init__(self, config: DeepseekV4Config, hashed: bool, dtype=None, device=None):
+    `gate` replaces the V4 router by another one with the same call signature
+    `(x [N, D], input_ids [N]) -> (weights [N, K], expert ids [N, K])` (DeepSeek-V4.1's adds a
+    temperature and an image-token bias); `hashed` is then ignored.
+    """
+
+    def __init__(self, config: DeepseekV4Config, hashed: bool, dtype=None, device=None, gate: nn.Module | None = None):
         super().__init__()
         c = config
-        self.gate = Gate(c, hashed, dtype=dtype, device=device)
+        self.gate = gate if gate is not None else Gate(c, hashed, dtype=dtype, device=device)
         self.experts = nn.ModuleList(
             Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype=dtype, device=device)
             for _ in range(c.n_routed_experts)

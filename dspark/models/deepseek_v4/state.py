@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 
-class _Rows:
+class Rows:
     """Rows [n, *tail] with amortised O(1) append, drop-front and truncate (a growable buffer)."""
 
     def __init__(self, tail: tuple[int, ...], dtype: torch.dtype, device):
@@ -82,7 +82,7 @@ class WindowCache:
     def __init__(self, window: int, dim: int, dtype: torch.dtype, device):
         self.window = window
         self.start = 0
-        self._rows = _Rows((dim,), dtype, device)
+        self._rows = Rows((dim,), dtype, device)
 
     @property
     def end(self) -> int:
@@ -123,9 +123,9 @@ class CompressorCache:
         self.head_dim = head_dim
         width = (2 if overlap else 1) * head_dim
         self.rows_start = 0
-        self._kv = _Rows((width,), dtype, device)
-        self._score = _Rows((width,), torch.float32, device)
-        self._entries = _Rows((head_dim,), dtype, device)
+        self._kv = Rows((width,), dtype, device)
+        self._score = Rows((width,), torch.float32, device)
+        self._entries = Rows((head_dim,), dtype, device)
 
     @property
     def rows_end(self) -> int:
@@ -190,7 +190,7 @@ class DecodeState:
     def __init__(self, layers: list[LayerCache], device=None):
         self.layers = layers
         self.rewind_floor = 0
-        self._tokens = _Rows((), torch.long, device)
+        self._tokens = Rows((), torch.long, device)
 
     @property
     def length(self) -> int:
@@ -272,3 +272,30 @@ class RaggedBatch:
 
     def rows(self, b: int) -> slice:
         return slice(self.offsets[b], self.offsets[b] + self.seq_lens[b])
+
+
+def plan_batch(input_ids: torch.Tensor, states: list, seq_lens: list[int], n_layers: int,
+               device: torch.device) -> RaggedBatch:
+    """Validate one ragged call, start a step on every state, build the batch metadata.
+
+    input_ids LongTensor [N]; `states` one `DecodeState` per request, each with `n_layers` layer
+    caches; `seq_lens` new tokens per request (>= 1 each, summing to N). Everything is checked
+    before the first state is touched, so a rejected call changes nothing. Shared by every model
+    family that uses this state layout.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be a 1-D LongTensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+    seq_lens = [int(n) for n in seq_lens]
+    if len(seq_lens) != len(states):
+        raise ValueError(f"seq_lens has {len(seq_lens)} entries for {len(states)} states")
+    if any(n < 1 for n in seq_lens) or sum(seq_lens) != input_ids.shape[0]:
+        raise ValueError(f"seq_lens={seq_lens} must be >= 1 each and sum to len(input_ids)={input_ids.shape[0]}")
+    if len({id(s) for s in states}) != len(states):
+        raise ValueError("the same DecodeState appears twice in one call")
+    wrong = [b for b, s in enumerate(states) if len(s.layers) != n_layers]
+    if not states or wrong:
+        raise ValueError(f"states {wrong} do not belong to this model ({n_layers} attention layer(s) expected)")
+    starts = tuple(state.begin_step() for state in states)
+    offsets = tuple(sum(seq_lens[:b]) for b in range(len(seq_lens)))
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)]).to(device)
+    return RaggedBatch(input_ids.to(device), positions, tuple(seq_lens), offsets, starts)

@@ -1,0 +1,102 @@
+"""CSA2 attention of one DeepSeek-V4.1 layer (deepseek_v41 spec §5.1).
+
+Every layer, whatever its role (`roles.py`), runs V4's shared-KV MQA core (`LatentAttention`)
+without V4's per-head query norm, over its own window:
+
+    c_q = q_norm(x·wq_aᵀ);  q = RoPE(c_q·wq_bᵀ)                [H, d]
+    kv  = FP8(RoPE(kv_norm(x·wkvᵀ)))                           [d]   window latent, K = V, QAT (§11.3)
+    keys(p) = window latents p−W+1 .. p
+            ∪ (ratio > 0) the entries of the layer's KV source picked by the latest index source
+
+then sink softmax, inverse RoPE, grouped `wo_a`, `wo_b` exactly as V4. A KV-source layer first
+publishes its new entries and index keys (`publish`, `csa2.py`); an index source then picks
+entries (and the candidate source its pool) into the per-request `SharedSlots` the later layers
+read. Every ratio > 0 layer uses the compress rope (θ 160000 + YaRN), ratio 0 the main one.
+
+Shape symbols: N rows of the call, S rows of one request, H heads, d head_dim, T entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.models.deepseek_v4.attention import LatentAttention, sparse_attention, window_index
+from dspark.models.deepseek_v4.rope import apply_rope
+from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache
+from dspark.models.deepseek_v41.csa2 import Compressor, Indexer, SharedSlots
+from dspark.models.deepseek_v41.qat import CacheQuant
+from dspark.models.deepseek_v41.roles import LayerRole
+from dspark.models.deepseek_v41.state import SourceCache
+
+
+class Attention(LatentAttention):
+    """Parameters: `LatentAttention`'s (wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink),
+    plus `compressor` (KV sources) and `indexer` (index sources; with `wk`, `k_norm` on KV sources)."""
+
+    def __init__(self, config, role: LayerRole, quant: CacheQuant, dtype=None, device=None):
+        super().__init__(config, config.rope_parameters[role.rope], q_head_norm=False, dtype=dtype, device=device)
+        self.role = role
+        self.quant = quant
+        self.ratio = role.ratio
+        self.compressor = None
+        self.indexer = None
+        if role.owns_compressor:
+            self.compressor = Compressor(config.hidden_size, config.head_dim, role.ratio, config.rms_norm_eps,
+                                         dtype=dtype, device=device)
+        if role.owns_indexer:
+            self.indexer = Indexer(config, role, quant, dtype=dtype, device=device)
+
+    def publish(self, x: torch.Tensor, batch: RaggedBatch, sources: list[SourceCache]) -> None:
+        """KV source (spec §5.2-§5.3): x [N, D] (after attn_norm) -> append each request's new
+        entries FP4(RoPE(latent)) and index keys to its `SourceCache`."""
+        kv, gate = self.compressor.project(x)
+        for b, cache in enumerate(sources):
+            rows = batch.rows(b)
+            first = cache.n_entries
+            if gate is None:
+                latents = kv[rows]  # ratio 1: one entry per token
+            else:
+                latents = self.compressor.pool(cache, kv[rows], gate[rows], x.dtype)
+            if latents.shape[0] == 0:
+                continue
+            # Entry j stands for position j·ratio; keys come from the latent before its rotation.
+            positions = torch.arange(first, first + latents.shape[0], device=x.device) * self.ratio
+            cos, sin = self.rope.cos_sin(positions)
+            entries = self.quant.entries(apply_rope(latents, cos, sin))
+            cache.append_entries(entries, self.indexer.keys(latents, cos, sin))
+
+    def forward(self, x: torch.Tensor, batch: RaggedBatch, windows: list[WindowCache],
+                sources: list[SourceCache | None], slots: list[SharedSlots], publish: bool = True) -> torch.Tensor:
+        """x [N, D] (after attn_norm) -> [N, D]; appends the rows to each request's window.
+
+        windows / sources / slots: per request, this layer's window, its KV source's cache (None
+        for ratio 0) and the call's shared slots. `publish=False` skips the KV source's global
+        projections when they already ran on these rows' call (bounded replay, spec §6.2).
+        """
+        cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
+        q_lora, q, kv = self.project_qkv(x, cos, sin)
+        kv = self.quant.window(kv)  # the window cache is FP8 (QAT over all dims, blocks of 32)
+        if self.compressor is not None and publish:
+            self.publish(x, batch, sources)
+        index_q = self.indexer.queries(x, q_lora, cos, sin) if self.indexer is not None else None
+        out = torch.empty_like(q)
+        for b, window in enumerate(windows):
+            rows = batch.rows(b)
+            out[rows] = self._attend(q[rows], kv[rows], batch.positions[rows], window, sources[b], slots[b],
+                                     None if index_q is None else (index_q[0][rows], index_q[1][rows]))
+        return self.project_out(out, cos, sin)
+
+    def _attend(self, q, kv, positions, window: WindowCache, source: SourceCache | None, slots: SharedSlots,
+                index_q) -> torch.Tensor:
+        """One request: q [S, H, d], kv [S, d], positions [S] -> [S, H, d]; appends kv to the window."""
+        raw = torch.cat((window.latents(), kv))  # positions window.start .. p_last
+        index = window_index(positions, self.window, window.start)  # [S, W]
+        window.append(kv)
+        pool = raw
+        if self.ratio:
+            if self.indexer is not None:
+                slots.topk = self.indexer.select(*index_q, source.index_keys(), positions, slots)
+            picks = slots.topk  # [S, k'] of the latest index source, same rows in the same call
+            pool = torch.cat((raw, source.entries()))
+            index = torch.cat((index, torch.where(picks >= 0, picks + raw.shape[0], -1)), dim=-1)
+        return sparse_attention(q, pool, index, self.attn_sink, self.scale)

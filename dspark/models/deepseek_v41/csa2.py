@@ -1,0 +1,179 @@
+"""CSA2's global branch (deepseek_v41 spec §5.2-§5.4): compressor, indexer, candidate pool.
+
+KV-source layers own a `Compressor` that turns their attention input into pre-RoPE latents:
+
+    ratio 2  latent_j = norm( Σ_{t ∈ {2j, 2j+1}} softmax_t(x_t·wgateᵀ) ⊙ (x_t·wkvᵀ) )   fp32 pooling,
+             no overlap, no position bias; complete groups only (the odd token waits)
+    ratio 1  latent_t = norm(x_t·wkvᵀ)                                                     no gate
+
+Entry j stands for position j·ratio. From each new latent the source derives its index key
+k_j = FP4(RoPE(k_norm(latent_j·wkᵀ))) and its entry FP4(RoPE(latent_j)) (spec §5.2-§5.3; the
+keys are taken before the latent is rotated).
+
+Index-source layers own an `Indexer`. A query at p scores the visible entries t < (p+1) // ratio
+
+    I[p, t] = Σ_h w_h · ReLU(q_h · k_t),   q = FP4(RoPE(c_q·wq_bᵀ)),  w = weights_proj(x) / √(Hi·di)
+
+and keeps the top `index_topk` (ascending by position, −1 where fewer are visible). The candidate
+source publishes a two-level pool (`candidate_mask`): the best `candidate_topk_blocks` blocks of
+`candidate_block_size` entries, the block holding the query's newest entry pinned in; later index
+sources score only inside it. Reuse layers take the latest list as it is.
+
+Shape symbols: N tokens of a call, S tokens of one request, T entries, d latent width (head_dim),
+Hi / di indexer heads / head dim, k = index_topk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.deepseek_v4.norm import RMSNorm
+from dspark.models.deepseek_v4.rope import apply_rope
+from dspark.models.deepseek_v41.qat import CacheQuant
+from dspark.models.deepseek_v41.state import SourceCache
+
+# Queries scored at once are chunked so that the [S, Hi, T] fp32 score tensor stays below this
+# many elements (a long prompt against a ratio-1 source would otherwise need gigabytes).
+_INDEXER_CHUNK_ELEMENTS = 1 << 26
+
+
+class Compressor(nn.Module):
+    """`wkv` [d, D], `wgate` [d, D] (ratio > 1 only), `norm` [d]. Stateless: rows live in a `SourceCache`."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device)
+        self.wgate = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device) if ratio > 1 else None
+        self.norm = RMSNorm(head_dim, eps, device=device)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dense part for all N tokens, x [N, D]. Ratio > 1: fp32 (kv rows, gate rows) [N, d] each;
+        ratio 1: (latents [N, d] in x's dtype, None) — every token is its own entry."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x)), None
+        x32 = x.float()  # the reference pools in fp32, weights promoted from BF16
+        return F.linear(x32, self.wkv.weight.float()), F.linear(x32, self.wgate.weight.float())
+
+    def pool(self, cache: SourceCache, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Append one request's rows [S, d] (ratio > 1) and return the latents [n_new, d] of the
+        groups they complete, normalised, pre-RoPE, in `dtype`."""
+        first = cache.n_entries
+        cache.append_rows(kv, gate)
+        last = cache.rows_end // self.ratio
+        kv_rows, gate_rows = cache.rows()
+        lo = first * self.ratio - cache.rows_start
+        span = slice(lo, lo + (last - first) * self.ratio)
+        kv_rows = kv_rows[span].unflatten(0, (last - first, self.ratio))  # [n_new, ratio, d]
+        weights = gate_rows[span].unflatten(0, (last - first, self.ratio)).softmax(dim=1)  # per channel
+        return self.norm((kv_rows * weights).sum(dim=1).to(dtype))
+
+
+@dataclass
+class SharedSlots:
+    """Per-request cross-layer slots of one forward call (spec §5.5): what the latest index source
+    chose, read by the layers after it. Entries and index keys live in the `SourceCache`.
+
+    topk        [S, k'] long entry ids (k' = min(k, T)), ascending, −1 = none
+    candidates  [S, T] bool, the candidate source's pool (None before it ran or when T = 0)
+    """
+
+    topk: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+
+def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """Two-level top-k, level one (spec §5.4): scores [S, T] (−inf = unreachable), visible [S]
+    entries per query -> bool [S, T] marking the kept blocks' entries.
+
+    Block score = max over its `block` entries; the block of the newest visible entry is pinned
+    (it is partly filled and would otherwise lose to older full blocks); the best `topk_blocks`
+    blocks with a score above −inf are kept.
+    """
+    width = scores.shape[-1]
+    blocks = F.pad(scores, (0, -width % block), value=float("-inf")).unflatten(-1, (-1, block)).amax(-1)
+    newest = ((visible - 1) // block).unsqueeze(-1)  # −1 (matches nothing) when nothing is visible
+    ids = torch.arange(blocks.shape[-1], device=scores.device)
+    blocks = blocks.masked_fill(ids == newest, float("inf"))
+    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[:, :width]
+
+
+class Indexer(nn.Module):
+    """`wq_b` [Hi·di, q_lora], `weights_proj` [Hi, D]; KV sources also own the index-key
+    projection `wk` [di, d] and `k_norm` [di]."""
+
+    def __init__(self, config, role, quant: CacheQuant, dtype=None, device=None):
+        super().__init__()
+        c = config
+        self.quant = quant
+        self.n_heads = c.index_n_heads
+        self.head_dim = c.index_head_dim
+        self.topk = c.index_topk
+        self.ratio = role.ratio
+        self.is_candidate_source = role.is_candidate_source
+        self.uses_candidates = role.uses_candidates
+        self.candidate_blocks = c.candidate_topk_blocks
+        self.candidate_block_size = c.candidate_block_size
+        linear = dict(bias=False, dtype=dtype, device=device)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, **linear)
+        self.weights_proj = nn.Linear(c.hidden_size, c.index_n_heads, **linear)
+        self.wk = self.k_norm = None
+        if role.owns_compressor:
+            self.wk = nn.Linear(c.head_dim, c.index_head_dim, **linear)
+            self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, device=device)
+
+    def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE latents [n, d] with the entries' cos/sin [n, rd/2] -> index keys [n, di]."""
+        return self.quant.index(apply_rope(self.k_norm(self.wk(latents)), cos, sin))
+
+    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Dense part for all N tokens -> (q [N, Hi, di] rotated + FP4, weights [N, Hi] fp32)."""
+        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
+        q = self.quant.index(apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+        # Both score scales folded into the head weights: (Hi · di)^-1/2.
+        weights = self.weights_proj(x).float() * (self.n_heads * self.head_dim) ** -0.5
+        return q, weights
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+               slots: SharedSlots) -> torch.Tensor:
+        """One request's picks: q [S, Hi, di], weights [S, Hi], keys [T, di], positions [S] ->
+        [S, min(k, T)] ascending entry ids, −1 = none. Publishes the candidate pool into `slots`
+        (candidate source) or scores inside it (later index sources)."""
+        n_keys = keys.shape[0]
+        if n_keys == 0:  # nothing compressed yet: the indexer is not run (spec §5.3)
+            return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+        chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (self.n_heads * n_keys))
+        picks, pools = [], []
+        for i in range(0, q.shape[0], chunk):
+            rows = slice(i, i + chunk)
+            scores = torch.einsum("shd,td->sht", q[rows].float(), keys.float()).relu_()  # [s, Hi, T]
+            scores = torch.bmm(weights[rows].unsqueeze(1), scores).squeeze(1)  # Σ_h w_h · ReLU(.), [s, T]
+            visible = (positions[rows] + 1) // self.ratio
+            scores = scores.masked_fill(torch.arange(n_keys, device=q.device) >= visible.unsqueeze(-1),
+                                        float("-inf"))
+            if self.is_candidate_source:
+                pools.append(candidate_mask(scores, visible, self.candidate_blocks, self.candidate_block_size))
+            elif self.uses_candidates and slots.candidates is not None:
+                scores = scores.masked_fill(~slots.candidates[rows], float("-inf"))
+            picks.append(_top_entries(scores, self.topk))
+        if self.is_candidate_source:
+            slots.candidates = torch.cat(pools)
+        return torch.cat(picks)
+
+
+def _top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[S, T] scores -> [S, min(k, T)] ids of the best reachable entries, ascending, −1 padded.
+
+    Sorting by position makes the key order (and so the attention's summation order) independent
+    of how many entries exist, which keeps chunked and one-shot runs in step.
+    """
+    n_keys = scores.shape[-1]
+    top = scores.topk(min(k, n_keys), dim=-1)
+    ids = torch.where(top.values > float("-inf"), top.indices, n_keys).sort(dim=-1).values
+    return ids.masked_fill(ids == n_keys, -1)
