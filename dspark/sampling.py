@@ -32,6 +32,11 @@ Generators = torch.Generator | Sequence[torch.Generator]
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed accepts seeds in [0, 2**64)
 
 
+# The smallest normal float32: a smaller positive temperature rounds to 0 (or a denormal) in the
+# float32 division below and turns the argmax row into 0/0 = NaN.
+MIN_TEMPERATURE = 1.1754944e-38
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, validated once at construction.
@@ -63,6 +68,8 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, Real) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, Real) or not 0.0 < p <= 1.0:  # NaN fails too
             raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
@@ -133,7 +140,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         # non-decreasing and `mass_before < top_p` is a prefix of the sorted order.
         inclusive = torch.cumsum(desc, dim=-1)
         mass_before = torch.cat([torch.zeros_like(desc[..., :1]), inclusive[..., :-1]], dim=-1)
-        n_keep = (mass_before < params.top_p).sum(dim=-1, keepdim=True)  # >= 1: mass_before[0] = 0
+        # >= 1 even when top_p rounds to 0 in float32: the most likely token is always kept.
+        n_keep = (mass_before < params.top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
         crossing = desc.gather(-1, n_keep - 1)  # [..., 1] the token whose mass crosses top_p
         probs = _keep_at_least(probs, crossing)
     return probs

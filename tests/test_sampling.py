@@ -194,3 +194,11 @@ def test_sample_from_logits_greedy_draws_nothing():
     untied = torch.tensor([[0.0, 2.0, 1.0], [4.0, 3.0, 0.0]])
     assert sample_from_logits(untied, SamplingParams(1.0, top_k=1), gen).tolist() == [1, 0]
     assert not torch.equal(gen.get_state(), state)  # sampled path: the generator advanced
+
+
+def test_tiny_temperature_is_refused_and_tiny_top_p_keeps_the_argmax():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=1e-40)
+    logits = torch.tensor([[0.3, 2.0, -1.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=1e-40))
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
