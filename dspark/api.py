@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 import torch
 
+from dspark.draft.io import dspark_from_checkpoint
 from dspark.models.deepseek_v4 import checkpoint as deepseek_v4_checkpoint
 from dspark.models.deepseek_v4.config import DeepseekV4Config
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -46,6 +47,12 @@ def _build_deepseek_v4(config: dict, device: torch.device, dtype: torch.dtype) -
     return model
 
 
+def _load_deepseek_v4(model: torch.nn.Module, path: Path, config: dict) -> None:
+    deepseek_v4_checkpoint.load_checkpoint(model, path, config)
+    # A DSpark checkpoint carries its drafter too (stages under `mtp.*`); None otherwise.
+    model.dspark = dspark_from_checkpoint(model, path, config)
+
+
 def _build_deepseek_v41(config: dict, device: torch.device, dtype: torch.dtype, **options) -> torch.nn.Module:
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_dict(config), dtype=dtype, device=device, **options)
     model.dspark = None  # the V4.1 DSpark stages (`mtp.*`) are not wired to a drafter yet
@@ -54,7 +61,7 @@ def _build_deepseek_v41(config: dict, device: torch.device, dtype: torch.dtype, 
 
 MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
     {
-        "deepseek_v4": ModelFamily(_build_deepseek_v4, deepseek_v4_checkpoint.load_checkpoint),
+        "deepseek_v4": ModelFamily(_build_deepseek_v4, _load_deepseek_v4),
         "deepseek_v41": ModelFamily(_build_deepseek_v41, deepseek_v41_checkpoint.load_checkpoint,
                                     frozenset({"prefill_mode", "engram_tables", "cache_qat"})),
     }
@@ -131,7 +138,8 @@ def load_model(
     Returns
     -------
     The model in eval mode, with ``model.tokenizer`` (None when the directory has no
-    ``tokenizer.json``) and ``model.has_mtp`` (False when the checkpoint has no ``mtp.*`` weights).
+    ``tokenizer.json``), ``model.has_mtp`` (False when the checkpoint has no ``mtp.*`` weights) and
+    ``model.dspark`` (the DSpark drafter of a DSpark checkpoint, else None).
 
     Raises
     ------

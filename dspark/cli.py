@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.set_defaults(run=_generate)
     _add_eval_accept(sub)
+    from dspark.train.cli import add_subcommands  # train-draft, calibrate-draft: imported on use of the CLI
+    add_subcommands(sub, _load, RANDOM_TINY)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

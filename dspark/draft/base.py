@@ -25,11 +25,15 @@ class DraftProposal:
         deterministic drafter, whose proposal is then a point mass on `tokens`.
     confidence : float32 [B, γ]
         c_k: the drafter's estimate that x_k survives verification given x_0..x_{k-1} did.
+    confidence_logits : float32 [B, γ] or None
+        The raw head logits z_k before calibration (c_k = σ(z_k / T_k)), for drafters with a
+        confidence head; what STS calibration records.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     confidence: torch.Tensor
+    confidence_logits: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2 or self.confidence.shape != self.tokens.shape:
@@ -37,6 +41,8 @@ class DraftProposal:
                              f"{tuple(self.confidence.shape)} must both be [B, γ]")
         if self.probs is not None and self.probs.shape[:2] != self.tokens.shape:
             raise ValueError(f"DraftProposal: probs {tuple(self.probs.shape)} must be [B, γ, V]")
+        if self.confidence_logits is not None and self.confidence_logits.shape != self.tokens.shape:
+            raise ValueError(f"DraftProposal: confidence_logits {tuple(self.confidence_logits.shape)} must be [B, γ]")
 
 
 class Drafter(Protocol):

@@ -1,0 +1,176 @@
+"""The DSpark draft network for a DeepSeek-V4 target: three stages `mtp.0..2` (dspark spec §7).
+
+    main_x_i  = main_norm(main_proj(concat_ℓ mean_streams(F^ℓ_i)))      [D]   stage 0's weights
+    X         = embed([anchor, noise × (γ−1)]) copied into n_hc streams  [γ, n_hc, D]  frozen target embed
+    for each stage s:  X = Stage_s(X; context keys RoPE(kv_norm(wkv_s · main_x)) of the window)
+    x_k       = hc_head(X)_k          (pre-norm collapse; the confidence head's input)   [D]
+    U_k       = head(norm(x_k))       (frozen target LM head)                               [V]
+    L_k       = U_k + MarkovBias(x_{k−1}),  z_k = proj([x_k ; W1[x_{k−1}]])
+
+F^ℓ_i are the target's *input* streams of layer ℓ at position i (`DeepseekV4Output.features`).
+Parameter names are the shipped checkpoint keys: `mtp.0.main_proj.weight`, `mtp.0.main_norm.weight`,
+`mtp.{s}.attn.*`, `mtp.{s}.ffn.*`, `mtp.{s}.hc_{attn,ffn}_*`, `mtp.2.norm.weight`, `mtp.2.hc_head_*`,
+`mtp.2.markov_head.{embed,head}.weight`, `mtp.2.confidence_head.proj.weight`. The target's embedding
+and head are *not* parameters here: they are passed in (shared and frozen, spec §1.5).
+
+This module only computes; `DSparkDrafter` (inference) and `dspark.train` (training) assemble its
+inputs. Shape symbols: N blocks, γ slots, S = N·γ block rows, P context pool rows, W window,
+D hidden, d head_dim, V vocabulary, r Markov rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.draft.confidence import ConfidenceHead
+from dspark.draft.config import DSparkConfig
+from dspark.draft.markov_head import MarkovHead, build_head
+from dspark.draft.stages import DSparkStage
+
+
+@dataclass
+class BlockOutput:
+    """Backbone output for N blocks of γ slots.
+
+    hidden_pre [N, γ, D] pre-norm collapse (confidence input); hidden [N, γ, D] after `norm`
+    (LM-head and RNN-head input); base fp32 [N, γ, V] base logits U_k.
+    """
+
+    hidden_pre: torch.Tensor
+    hidden: torch.Tensor
+    base: torch.Tensor
+
+
+def stage_config(config: DSparkConfig, target_config):
+    """The target config with the stages' expert counts and window: what each stage block is built from."""
+    return dataclasses.replace(target_config, n_routed_experts=config.n_routed_experts(target_config),
+                               num_experts_per_tok=config.n_activated_experts(target_config),
+                               sliding_window=config.window(target_config))
+
+
+class DSparkModel(nn.Module):
+    """The trainable part of DSpark: `mtp` (one `DSparkStage` per target layer id) and its heads.
+
+    Built with the module dtype of the linears (`dtype`, default fp32); norms, sinks, mHC
+    parameters, the Markov and confidence heads stay fp32. Do not re-cast it afterwards.
+    """
+
+    def __init__(self, config: DSparkConfig, target_config, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        config.check_target(target_config)
+        self.config = config
+        self.dtype = dtype or torch.float32
+        self.gamma = config.dspark_block_size
+        self.window = config.window(target_config)
+        self.n_hc = target_config.hc_mult
+        self.head_dim = target_config.head_dim
+        c = stage_config(config, target_config)
+        n, d = config.num_stages, target_config.hidden_size
+        self.mtp = nn.ModuleList(DSparkStage(c, i == 0, i == n - 1, n, dtype=self.dtype, device=device)
+                                 for i in range(n))
+        last = self.mtp[-1]
+        r = config.dspark_markov_rank
+        last.markov_head = build_head(config.dspark_markov_head_type, target_config.vocab_size, r, d, device)
+        last.confidence_head = ConfidenceHead(d, r, config.dspark_confidence_with_markov, device)
+
+    @property
+    def markov_head(self) -> MarkovHead:
+        return self.mtp[-1].markov_head
+
+    @property
+    def confidence_head(self) -> ConfidenceHead:
+        return self.mtp[-1].confidence_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.mtp[0].main_proj.weight.device
+
+    # ---------------------------------------------------------------------------------------
+    # Context
+    # ---------------------------------------------------------------------------------------
+
+    def main_x(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Fused target features: {layer id: [n, n_hc, D]} -> [n, D] (stream mean, concat, project, norm)."""
+        parts = [features[i].float().mean(dim=-2) for i in self.config.dspark_target_layer_ids]
+        first = self.mtp[0]
+        return first.main_norm(first.main_proj(torch.cat(parts, dim=-1).to(self.dtype)))
+
+    def context_latents(self, main_x: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Per stage the context keys of rows main_x [n, D] at positions [n]: list of [n, d]."""
+        return [stage.context_latents(main_x, positions) for stage in self.mtp]
+
+    # ---------------------------------------------------------------------------------------
+    # Blocks
+    # ---------------------------------------------------------------------------------------
+
+    def blocks(self, embeds: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+               pools: list[torch.Tensor], ctx_index: torch.Tensor, head_weight: torch.Tensor) -> BlockOutput:
+        """Run the stages over N blocks.
+
+        embeds [S, D] target embeddings of the block ids [S] (γ consecutive rows per block);
+        positions [S]; pools per stage [P, d]; ctx_index [S, W] pool rows each row sees;
+        head_weight [V, D] the target LM head (frozen: pass it detached when training).
+        """
+        x = embeds.to(self.dtype).unsqueeze(-2).expand(-1, self.n_hc, -1).contiguous()  # [S, n_hc, D]
+        for stage, pool in zip(self.mtp, pools):
+            x = stage(x, ids, positions, pool, ctx_index, self.gamma)
+        last = self.mtp[-1]
+        pre = last.collapse(x)  # [S, D]
+        hidden = last.norm(pre)
+        # The head runs in its own (the target's) dtype, as the target's logits do; casting the small
+        # hidden rather than the [V, D] head avoids copying the head every call.
+        base = F.linear(hidden.to(head_weight.dtype), head_weight).float()  # [S, V]
+        n = embeds.shape[0] // self.gamma
+        return BlockOutput(pre.view(n, self.gamma, -1), hidden.view(n, self.gamma, -1),
+                           base.view(n, self.gamma, -1))
+
+    def teacher_forced(self, out: BlockOutput, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training view (spec §5.4): draft logits and confidence logits from the true previous tokens.
+
+        prev LongTensor [N, γ] = [x_a, x*_0, .., x*_{γ−2}] -> (logits fp32 [N, γ, V], z fp32 [N, γ]).
+        """
+        head = self.markov_head
+        logits = out.base + head.teacher_forced(prev, out.hidden)
+        return logits, self.confidence_head(out.hidden_pre, head.embed(prev))
+
+    # ---------------------------------------------------------------------------------------
+    # Random initialisation
+    # ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> DSparkModel:
+        """Draw every parameter from a seeded CPU generator (device-independent); see `initial_value`."""
+        g = torch.Generator().manual_seed(seed)
+        for name, tensor in sorted(self.state_dict(keep_vars=True).items()):
+            tensor.copy_(initial_value(name, tuple(tensor.shape), g))
+        return self
+
+
+def initial_value(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Starting value of parameter `name`.
+
+    Linears N(0, 1/fan_in) so activations stay O(1) through a stage; norms 1; sinks and router bias 0;
+    mHC `fn` small N(0, 0.1/√fan_in) with `base` 0 and `scale` 1, so every site starts near the
+    neutral mix (pre = σ(0), post = 1, comb ≈ uniform) but still depends on its input; Markov W1 N(0, 1)
+    and W2 N(0, 0.1/√r), so the bias starts small against the target head's logits; the confidence
+    projection N(0, 1/fan_in).
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if leaf in ("attn_sink", "bias") or leaf.endswith("_base"):
+        return torch.zeros(shape)
+    if leaf.endswith("_scale"):
+        return torch.ones(shape)
+    if leaf.endswith("_fn"):
+        return torch.randn(shape, generator=g) * 0.1 * shape[-1] ** -0.5
+    if name.endswith("markov_head.embed.weight"):
+        return torch.randn(shape, generator=g)
+    if name.endswith("markov_head.head.weight"):
+        return torch.randn(shape, generator=g) * 0.1 * shape[-1] ** -0.5
+    return torch.randn(shape, generator=g) * shape[-1] ** -0.5

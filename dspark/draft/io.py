@@ -1,0 +1,138 @@
+"""Saving and loading DSpark drafters: on their own, and inside a DeepSeek-V4 checkpoint.
+
+Two homes for the same weights (keys `mtp.{i}.*`, dspark spec §7.1):
+
+* a **drafter directory** (what `dspark train-draft` writes):
+      config.json        {"format": "dspark-drafter/1", dspark_* keys, "target": {...}}
+      model.safetensors  the `mtp.*` tensors, unquantised
+      sts.json           optional STS calibration (`dspark.verify.sts.StsCalibration`)
+  `target` records the target's shape-defining fields; loading refuses a target that differs.
+* the **target checkpoint** itself, as released (V4-Flash-DSpark): `dspark_*` keys in the target's
+  `config.json` and the stages stored as `mtp.0..2`, where a plain V4 checkpoint keeps its MTP
+  block. `dspark.load_model` then attaches the drafter as `model.dspark`
+  (`dspark_from_checkpoint`); `add_to_checkpoint` writes one such checkpoint (tests, exports).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dspark.draft.config import PREFIX, DSparkConfig
+from dspark.draft.drafter import DSparkDrafter
+from dspark.draft.dspark_v4 import DSparkModel
+from dspark.loader import INDEX_FILE, SINGLE_FILE, SafetensorsReader, load_tensors, plan_sources
+from dspark.models.deepseek_v4.checkpoint import encode_tensor, holds_dspark_stages
+from dspark.quant import FP4_BLOCK, V4_DENSE_BLOCK
+from dspark.verify.sts import StsCalibration
+
+FORMAT = "dspark-drafter/1"
+CONFIG_FILE = "config.json"
+STS_FILE = "sts.json"
+# Target fields a drafter's weights depend on (shapes, features, vocabulary); recorded and checked.
+TARGET_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "hc_mult", "head_dim",
+                 "num_attention_heads", "q_lora_rank", "o_groups", "o_lora_rank", "moe_intermediate_size")
+
+
+def target_reference(target_config) -> dict:
+    """The target fields recorded next to a drafter."""
+    return {name: getattr(target_config, name, None) for name in TARGET_FIELDS}
+
+
+def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
+    """Write `drafter` as a drafter directory at `path` (created if needed)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"format": FORMAT, **drafter.config.to_dict(), "target": target_reference(drafter.target.config)}
+    tensors = {name: t.detach().cpu().contiguous() for name, t in drafter.model.state_dict().items()}
+    save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    if drafter.calibration is not None:
+        drafter.calibration.save(path / STS_FILE)
+
+
+def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> DSparkDrafter:
+    """Load a drafter directory for `target` (the model it was trained on, or one of equal shape).
+
+    The drafter lives on the target's device, in `dtype` (default: the target's; training continues
+    in float32); `sts.json`, when present, sets its calibration. Raises FileNotFoundError for a
+    missing directory, ValueError for another format, a target that differs in a recorded field
+    (named), or weights that do not match the config.
+    """
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a drafter directory (no {CONFIG_FILE})")
+    config = json.loads((path / CONFIG_FILE).read_text())
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{path / CONFIG_FILE}: format {config.get('format')!r}, expected {FORMAT!r}")
+    recorded, actual = config.get("target", {}), target_reference(target.config)
+    wrong = [f"{k}: drafter trained for {recorded[k]!r}, target has {actual[k]!r}"
+             for k in TARGET_FIELDS if k in recorded and recorded[k] != actual[k]]
+    if wrong:
+        raise ValueError(f"{path}: drafter does not fit this target ({'; '.join(wrong)})")
+    dspark_config = DSparkConfig.from_dict(config)
+    model = DSparkModel(dspark_config, target.config, dtype=dtype or target.dtype, device=target.device).eval()
+    drafter = DSparkDrafter(target, dspark_config, model)
+    _load_weights(drafter, path, lambda key: key)
+    if (path / STS_FILE).is_file():
+        drafter.set_calibration(StsCalibration.load(path / STS_FILE, gamma=drafter.block_size))
+    return drafter
+
+
+def _load_weights(drafter: DSparkDrafter, path: Path, rename, block=V4_DENSE_BLOCK) -> None:
+    """Every `mtp.*` tensor of `path` into the drafter; all of them must be there."""
+    with SafetensorsReader(path) as reader:
+        sources, problems = plan_sources(reader, rename, tuple(block), FP4_BLOCK)
+        load_tensors(drafter.model.state_dict(keep_vars=True), sources, problems=problems, where=str(path))
+
+
+# -------------------------------------------------------------------------------------------------
+# Inside a target checkpoint
+# -------------------------------------------------------------------------------------------------
+
+
+def dspark_from_checkpoint(model, path: str | Path, config: dict) -> DSparkDrafter | None:
+    """The DSpark drafter stored in target checkpoint `path`, or None when it holds none.
+
+    `config` is the checkpoint's `config.json` dict: its `dspark_*` keys configure the drafter, and
+    its `mtp.*` tensors are the stages only when `mtp.0.main_proj` exists (else they are the MTP block).
+    """
+    path = Path(path)
+    with SafetensorsReader(path) as reader:
+        if not holds_dspark_stages(config, reader.keys()):
+            return None
+    drafter = DSparkDrafter(model, DSparkConfig.from_dict(config))
+    block = (config.get("quantization_config") or {}).get("weight_block_size", V4_DENSE_BLOCK)
+    _load_weights(drafter, path, lambda key: key if key.startswith("mtp.") else None, block)
+    drafter.model.requires_grad_(False)  # frozen like the target it came with; training unfreezes
+    return drafter
+
+
+def add_to_checkpoint(drafter: DSparkDrafter, path: str | Path, quantize: bool = False) -> None:
+    """Store `drafter` inside the target checkpoint directory `path` (written by `save_checkpoint`).
+
+    Adds a shard `model-dspark.safetensors` with the stages under `mtp.*` (quantised like the
+    release when `quantize`), lists it in the shard index, and merges the `dspark_*` keys into
+    `config.json`. The checkpoint must not hold an MTP block: both would claim `mtp.*`.
+    """
+    path = Path(path)
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        index = json.loads(index_file.read_text())
+    else:
+        with SafetensorsReader(path) as reader:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(reader.keys(), SINGLE_FILE)}
+    if any(key.startswith("mtp.") for key in index["weight_map"]):
+        raise ValueError(f"{path}: already holds mtp.* tensors; a DSpark checkpoint keeps its stages there")
+    shard = {}
+    for name, tensor in drafter.model.state_dict().items():
+        shard.update(encode_tensor(name, tensor, quantize))
+    save_file(shard, str(path / "model-dspark.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(shard, "model-dspark.safetensors"))
+    index_file.write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((path / CONFIG_FILE).read_text())
+    config.update({k: v for k, v in drafter.config.to_dict().items() if k.startswith(PREFIX)})
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,122 @@
+"""One DSpark draft stage (`mtp.{i}`, dspark spec §7.2): a V4 block whose attention reads the
+committed context through keys injected from the target's features.
+
+A stage is a DeepSeek-V4 `Block` (mHC around a sliding-window attention and a score-routed MoE,
+the same parameter names as a target layer) with one difference in attention (spec §1.2, §1.4):
+
+    context keys   k_i = RoPE_i(kv_norm(wkv · main_x_i))     for committed positions i (K = V)
+    block keys     k_j = RoPE_j(kv_norm(wkv · attn_norm(u_j)))   for the γ block rows j
+    query of block row j (anchor position a) sees context i ∈ [a − W, a − 1] and every row of its
+    own block (bidirectional inside the block), nothing else.
+
+`main_x` enters only as keys/values; it never joins the residual. The MoE is score-routed, like the
+MTP block's: the router kind of the shipped stages is unverified (spec §7.2), and hash routing by
+token id would send every noise slot to the same experts. The query side is exactly V4's:
+low-rank q with per-head RMS, partial RoPE on the last dims, per-head sink, inverse RoPE on the
+output, grouped low-rank `wo_a` then `wo_b`.
+
+Context keys are a per-position quantity, so inference caches them per request (the draft state,
+`dspark.draft.context`) and training computes them for a whole sequence; both then call
+`DSparkStage.forward` with a key pool and an index telling each query which pool rows it sees.
+
+Shape symbols: S block rows (γ per block), P context pool rows, W window, n_hc streams, D hidden,
+H heads, d head_dim, G o_groups, R o_lora_rank, F number of target features.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.models.deepseek_v4.attention import sparse_attention
+from dspark.models.deepseek_v4.config import MOE, SLIDING
+from dspark.models.deepseek_v4.mhc import hc_head, hc_post
+from dspark.models.deepseek_v4.model import Block
+from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
+from dspark.models.deepseek_v4.rope import apply_rope
+
+
+def _hc_head_params(n_hc: int, dim: int, device) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+    """fp32 (fn [n_hc, n_hc·D], base [n_hc], scale [1]) of the final stream collapse."""
+    return (nn.Parameter(torch.zeros(n_hc, n_hc * dim, dtype=torch.float32, device=device)),
+            nn.Parameter(torch.zeros(n_hc, dtype=torch.float32, device=device)),
+            nn.Parameter(torch.ones(1, dtype=torch.float32, device=device)))
+
+
+def block_index(n_rows: int, gamma: int, pool_offset: int, device) -> torch.Tensor:
+    """[S, γ] pool rows of each block row's own block: rows pool_offset + (j // γ)·γ + 0..γ−1."""
+    first = torch.arange(n_rows, device=device) // gamma * gamma
+    return pool_offset + first[:, None] + torch.arange(gamma, device=device)
+
+
+class DSparkStage(Block):
+    """Draft stage i: a V4 block (`attn`, `ffn`, `attn_norm`, `ffn_norm`, `hc_attn_*`, `hc_ffn_*`).
+
+    Stage 0 also owns the feature projection `main_proj` [D, F·D] and `main_norm` [D]; the last
+    stage owns the output collapse `hc_head_{fn,base,scale}`, `norm`, and — attached by
+    `DSparkModel` — `markov_head` and `confidence_head`. `config` is the target config with the
+    stages' expert counts and window substituted.
+    """
+
+    def __init__(self, config, first: bool, last: bool, n_features: int, dtype=None, device=None):
+        super().__init__(config, SLIDING, MOE, dtype=dtype, device=device)
+        d = config.hidden_size
+        if first:
+            self.main_proj = nn.Linear(n_features * d, d, bias=False, dtype=dtype, device=device)
+            self.main_norm = RMSNorm(d, config.rms_norm_eps, device=device)
+        if last:
+            self.norm = RMSNorm(d, config.rms_norm_eps, device=device)
+            self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_head_params(config.hc_mult, d, device)
+
+    # ---------------------------------------------------------------------------------------
+    # Context keys
+    # ---------------------------------------------------------------------------------------
+
+    def context_latents(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys (= values) of committed rows: main_x [n, D], positions [n] -> [n, d] (RoPE applied)."""
+        attn = self.attn
+        cos, sin = attn.rope.cos_sin(positions)
+        return apply_rope(attn.kv_norm(attn.wkv(main_x)), cos, sin)
+
+    # ---------------------------------------------------------------------------------------
+    # Block forward
+    # ---------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor,
+                ctx_index: torch.Tensor, gamma: int) -> torch.Tensor:
+        """x [S, n_hc, D] block streams -> [S, n_hc, D].
+
+        ids [S] block token ids (router input only for hash layers, which stages are not);
+        positions [S] absolute positions of the block rows; ctx_pool [P, d] context keys;
+        ctx_index [S, W] pool rows each query sees (−1 = none); rows are grouped γ per block.
+        """
+        u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        x = hc_post(self._attend(self.attn_norm(u), positions, ctx_pool, ctx_index, gamma), x, post, comb)
+        v, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        return hc_post(self.ffn(self.ffn_norm(v), ids), x, post, comb)
+
+    def _attend(self, x: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor, ctx_index: torch.Tensor,
+                gamma: int) -> torch.Tensor:
+        """Attention of the block rows x [S, D] (after attn_norm) -> [S, D]."""
+        attn = self.attn
+        n = x.shape[0]
+        cos, sin = attn.rope.cos_sin(positions)  # [S, rd/2] fp32
+        q = attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.n_heads, attn.head_dim))
+        q = rms_scale(q, attn.eps).to(x.dtype)  # per-head unweighted RMS, as in the target
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [S, H, d]
+        kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)  # [S, d] block keys, transient
+        pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
+        index = torch.cat((ctx_index, block_index(n, gamma, ctx_pool.shape[0], x.device)), dim=-1)  # [S, W + γ]
+        out = sparse_attention(q, pool, index, attn.attn_sink, attn.scale)
+        out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the values' rotation
+        groups = out.reshape(n, attn.o_groups, -1)  # [S, G, H·d/G]
+        weight = attn.wo_a.weight.view(attn.o_groups, attn.o_lora_rank, -1)  # block-diagonal wo_a
+        return attn.wo_b(torch.einsum("ngk,grk->ngr", groups, weight).flatten(1))
+
+    # ---------------------------------------------------------------------------------------
+    # Output (last stage)
+    # ---------------------------------------------------------------------------------------
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        """Sigmoid-gated collapse of the streams, before `norm`: [S, n_hc, D] -> [S, D]."""
+        return hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.norm_eps)
