@@ -8,6 +8,7 @@ family (``deepseek_v41``) means adding one :class:`ModelFamily` entry to :data:`
 from __future__ import annotations
 
 import json
+from importlib import resources
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from types import MappingProxyType
 
 import torch
 
-from dspark.draft.io import dspark_from_checkpoint
+from dspark.draft.io import dspark_from_checkpoint, load_drafter
 from dspark.models.deepseek_v4 import checkpoint as deepseek_v4_checkpoint
 from dspark.models.deepseek_v4.config import DeepseekV4Config
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -24,6 +25,10 @@ from dspark.models.deepseek_v41.config import DeepseekV41Config
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 CONFIG_FILE = "config.json"
+DRAFTER_DIR = "drafter"
+# Models shipped inside the package, by name: `load_model("tiny")`.
+EMBEDDED: Mapping[str, Path] = MappingProxyType(
+    {"tiny": Path(str(resources.files("dspark") / "assets" / "dspark-tiny"))})
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,10 @@ def _load_deepseek_v4(model: torch.nn.Module, path: Path, config: dict) -> None:
 
 
 def _build_deepseek_v41(config: dict, device: torch.device, dtype: torch.dtype, **options) -> torch.nn.Module:
+    # A checkpoint trained without the FP8 cache rounding (dspark-tiny) says so in its config.json;
+    # running it with the rounding on would change its numerics. An explicit option still wins.
+    if "cache_qat" in config:
+        options.setdefault("cache_qat", bool(config["cache_qat"]))
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_dict(config), dtype=dtype, device=device, **options)
     model.dspark = None  # the V4.1 DSpark stages (`mtp.*`) are not wired to a drafter yet
     return model
@@ -125,8 +134,9 @@ def load_model(
 
     Parameters
     ----------
-    path : directory with ``config.json`` and ``model.safetensors`` or sharded safetensors with
-        ``model.safetensors.index.json``; official DeepSeek layout (FP8/FP4 or plain) or a
+    path : the name of an embedded model (``"tiny"``: dspark-tiny, a trained V4.1-architecture
+        model with its DSpark drafter), or a directory with ``config.json`` and
+        ``model.safetensors`` or sharded safetensors with ``model.safetensors.index.json``; official DeepSeek layout (FP8/FP4 or plain) or a
         transformers ``save_pretrained`` directory.
     device : where the weights live.
     dtype : parameter dtype (parameters the model keeps in fp32 stay fp32); default float32 on CPU,
@@ -146,7 +156,7 @@ def load_model(
     FileNotFoundError for a missing directory, config or weights; ValueError for an unknown
     ``model_type``, an unknown option or weights that do not match the config (every bad key named).
     """
-    path = Path(path)
+    path = EMBEDDED[path] if isinstance(path, str) and path in EMBEDDED else Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     config = _read_config(path)
@@ -154,6 +164,10 @@ def load_model(
     model = _build(family, config, device, dtype, options)
     family.load_weights(model, path, config)
     model.tokenizer = _load_tokenizer(path)
+    if (path / DRAFTER_DIR / CONFIG_FILE).is_file():
+        # A trained drafter shipped beside the weights (`dspark train-draft` output) becomes the
+        # model's own DSpark drafter, which `generate` picks by default.
+        model.dspark = load_drafter(path / DRAFTER_DIR, model)
     return model.eval().requires_grad_(False)
 
 

@@ -30,10 +30,12 @@ def _draft_tokens(text: str):
 
 
 def _generate(args) -> int:
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)  # process-wide, set here at the edge only
     model = _load(args.model, args.device)
     out = dspark.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          seed=args.seed, draft_tokens=args.draft_tokens)
+                          seed=args.seed, draft_tokens=args.draft_tokens, drafter=args.drafter)
     print(args.prompt + out.text if out.text is not None else out.token_ids)
     s = out.stats
     print(f"[{s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
@@ -88,15 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt")
     g.add_argument("prompt")
-    g.add_argument("--model", default=RANDOM_TINY,
-                   help=f"checkpoint directory (HF layout), or {RANDOM_TINY} (default until a trained model ships)")
+    g.add_argument("--model", default="tiny",
+                   help=f"tiny (the embedded trained model, default), a checkpoint directory, or {RANDOM_TINY}")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft-tokens", type=_draft_tokens, default=0)
+    g.add_argument("--drafter", default=None, help="dspark, mtp or ngram (default: the model's best)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: the small models here lose time to thread hand-offs)")
     g.set_defaults(run=_generate)
     _add_eval_accept(sub)
     from dspark.train.cli import add_subcommands  # train-draft, calibrate-draft: imported on use of the CLI

@@ -31,6 +31,7 @@ from dspark.draft.confidence import ConfidenceHead
 from dspark.draft.config import DSparkConfig
 from dspark.draft.markov_head import MarkovHead, build_head
 from dspark.draft.stages import DSparkStage
+from dspark.models.deepseek_v4.config import DeepseekV4Config
 
 
 @dataclass
@@ -47,10 +48,32 @@ class BlockOutput:
 
 
 def stage_config(config: DSparkConfig, target_config):
-    """The target config with the stages' expert counts and window: what each stage block is built from."""
+    """The target config with the stages' expert counts and window: what each stage block is built from.
+
+    A DeepSeek-V4.1 target gets V4-style stages of its own shapes (a one-layer sliding-window V4
+    config): our drafter for a V4.1 target is trained by us, so its stages need not be V4.1 blocks.
+    """
+    if not isinstance(target_config, DeepseekV4Config):
+        target_config = _v4_stage_base(target_config)
     return dataclasses.replace(target_config, n_routed_experts=config.n_routed_experts(target_config),
                                num_experts_per_tok=config.n_activated_experts(target_config),
                                sliding_window=config.window(target_config))
+
+
+_STAGE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups",
+                 "o_lora_rank", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+                 "n_shared_experts", "sliding_window", "qk_rope_head_dim", "rope_theta", "compress_rope_theta",
+                 "max_position_embeddings", "routed_scaling_factor", "swiglu_limit", "scoring_func", "hc_mult",
+                 "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps")
+
+
+def _v4_stage_base(target_config) -> DeepseekV4Config:
+    """A one-layer SWA/score-MoE V4 config with the shapes of another DeepSeek target (V4.1)."""
+    fields = {name: getattr(target_config, name) for name in _STAGE_FIELDS}
+    return DeepseekV4Config.from_dict(dict(fields, model_type="deepseek_v4", num_hidden_layers=1,
+                                           layer_types=["sliding_attention"], mlp_layer_types=["moe"],
+                                           num_nextn_predict_layers=0, index_n_heads=1, index_head_dim=8,
+                                           index_topk=1))
 
 
 class DSparkModel(nn.Module):

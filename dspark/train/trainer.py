@@ -106,9 +106,14 @@ def new_training_drafter(target, config: DSparkConfig | None = None, seed: int =
 
 
 def target_pass(target, ids: torch.Tensor, capture: tuple[int, ...]):
-    """Frozen target over one whole sequence: ids [L] -> (features {ℓ: [L, n_hc, D]}, logits fp32 [L, V])."""
+    """Frozen target over one whole sequence: ids [L] -> (features {ℓ: [L, n_hc, D]}, logits fp32 [L, V]).
+
+    Every row is needed (features and teacher at every anchor), so a target with a bounded-replay
+    prefill (DeepSeek-V4.1) runs it exactly here.
+    """
+    extra = {"prefill_mode": "exact"} if hasattr(target, "prefill_mode") else {}
     with torch.no_grad():
-        out = target(ids.to(target.device), [target.new_state()], [ids.shape[0]], capture_layers=capture)
+        out = target(ids.to(target.device), [target.new_state()], [ids.shape[0]], capture_layers=capture, **extra)
     return out.features, out.logits
 
 

@@ -1,0 +1,42 @@
+"""The shipped dspark-tiny pair: loads offline, speculative greedy output equals plain output, and
+the trained drafter keeps its acceptance (a floor set from the measured value, so a regression in the
+drafter, the verifier or the loop shows up here)."""
+
+import pytest
+import torch
+
+import dspark
+
+PROMPTS = {
+    "code": ["def read_config(path):\n    ", "import os\nimport sys\n\n\ndef main(argv):\n",
+             "class Cache:\n    def __init__(self, size):\n", "    for key, value in items:\n        if "],
+    "prose": ["ROMEO.\nBut soft, what light through yonder", "KING.\nNow, my good lords,",
+              "Enter HAMLET.\n\nHAMLET.\n", "What say you to this, my lord?\n"],
+}
+# Measured on this pair at commit time (budget 5, 48 new tokens, greedy): τ 1.49 (code), 1.66 (prose).
+TAU_FLOOR = {"code": 1.3, "prose": 1.45}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return dspark.load_model("tiny")
+
+
+def test_embedded_pair_loads_with_tokenizer_and_drafter(tiny):
+    assert type(tiny).__name__ == "DeepseekV41ForCausalLM"
+    assert tiny.tokenizer is not None and tiny.dspark is not None
+    assert tiny.dspark.block_size == 5
+    assert tiny.cache_qat is False  # trained without the FP8 cache rounding; its config.json says so
+    text = dspark.generate(tiny, "def fibonacci(n):", max_new_tokens=8).text
+    assert isinstance(text, str) and text
+
+
+@pytest.mark.parametrize("domain", sorted(PROMPTS))
+def test_speculative_equals_plain_and_tau_stays_above_floor(tiny, domain):
+    plain = dspark.generate(tiny, PROMPTS[domain], max_new_tokens=48)
+    spec = dspark.generate(tiny, PROMPTS[domain], max_new_tokens=48, draft_tokens=5)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    rounds = sum(o.stats.rounds for o in spec)
+    tau = sum(o.stats.new_tokens - 1 for o in spec) / rounds
+    print(f"{domain}: tau {tau:.2f} over {rounds} rounds")
+    assert tau >= TAU_FLOOR[domain]
