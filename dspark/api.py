@@ -26,6 +26,9 @@ from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 CONFIG_FILE = "config.json"
 DRAFTER_DIR = "drafter"
+# The architecture-complete tiny V4 of `dspark/configs/tiny-v4.json` with random weights and a byte
+# tokenizer: noise, but it runs everything without a checkpoint.
+RANDOM_TINY = "random-tiny"
 # Models shipped inside the package, by name: `load_model("tiny")`.
 EMBEDDED: Mapping[str, Path] = MappingProxyType(
     {"tiny": Path(str(resources.files("dspark") / "assets" / "dspark-tiny"))})
@@ -135,7 +138,8 @@ def load_model(
     Parameters
     ----------
     path : the name of an embedded model (``"tiny"``: dspark-tiny, a trained V4.1-architecture
-        model with its DSpark drafter), or a directory with ``config.json`` and
+        model with its DSpark drafter; ``"random-tiny"``: the tiny V4 with random weights and a byte
+        tokenizer), or a directory with ``config.json`` and
         ``model.safetensors`` or sharded safetensors with ``model.safetensors.index.json``; official DeepSeek layout (FP8/FP4 or plain) or a
         transformers ``save_pretrained`` directory.
     device : where the weights live.
@@ -156,6 +160,8 @@ def load_model(
     FileNotFoundError for a missing directory, config or weights; ValueError for an unknown
     ``model_type``, an unknown option or weights that do not match the config (every bad key named).
     """
+    if isinstance(path, str) and path == RANDOM_TINY:
+        return _random_tiny(device, dtype)
     path = EMBEDDED[path] if isinstance(path, str) and path in EMBEDDED else Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
@@ -169,6 +175,15 @@ def load_model(
         # model's own DSpark drafter, which `generate` picks by default.
         model.dspark = load_drafter(path / DRAFTER_DIR, model)
     return model.eval().requires_grad_(False)
+
+
+def _random_tiny(device, dtype) -> torch.nn.Module:
+    from dspark.tokenizer import ByteTokenizer
+
+    config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
+    model = init_model(config, seed=0, device=device, dtype=dtype)
+    model.tokenizer = ByteTokenizer(config["vocab_size"])
+    return model
 
 
 def init_model(

@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from importlib import resources
 
 import torch
 
 import dspark
-from dspark.tokenizer import ByteTokenizer
 
-RANDOM_TINY = "random-tiny"
+from dspark.api import RANDOM_TINY
 
 
 def _load(name: str, device: str):
-    """A checkpoint directory, or `random-tiny`: the architecture-complete tiny V4 with random weights."""
-    if name == RANDOM_TINY:
-        config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
-        model = dspark.init_model(config, seed=0, device=device)
-        model.tokenizer = ByteTokenizer(config["vocab_size"])
-        return model
+    """`tiny`, `random-tiny` or a checkpoint directory (`dspark.load_model`)."""
     return dspark.load_model(name, device=device)
 
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-from importlib import resources
 
 import torch
 import uvicorn
@@ -14,23 +12,16 @@ import uvicorn
 import dspark
 from dspark.draft import DRAFTER_NAMES
 from dspark.engine import Engine, EngineConfig
-from dspark.tokenizer import ByteTokenizer
 from dspark.validate import PLANNERS
 
 from .app import create_app
 
-RANDOM_TINY = "random-tiny"
+from dspark.api import RANDOM_TINY
 _DEFAULTS = EngineConfig()
 
 
 def load_model(name: str, device: str):
-    """A checkpoint directory, or `random-tiny`: the tiny V4 config with random weights and a byte
-    tokenizer (the same model `dspark generate` uses when given no model)."""
-    if name == RANDOM_TINY:
-        config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
-        model = dspark.init_model(config, seed=0, device=device)
-        model.tokenizer = ByteTokenizer(config["vocab_size"])
-        return model
+    """`tiny` (the embedded trained model), `random-tiny` or a checkpoint directory."""
     return dspark.load_model(name, device=device)
 
 
@@ -58,8 +49,8 @@ def _torch_threads(requested: int | None, device: str) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-serve", description="OpenAI-compatible server for dspark models.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=RANDOM_TINY,
-                   help=f"checkpoint directory (HF layout), or {RANDOM_TINY} (default until a trained model ships)")
+    p.add_argument("--model", default="tiny",
+                   help=f"tiny (the embedded trained model, default), a checkpoint directory, or {RANDOM_TINY}")
     p.add_argument("--served-model-name", default=None, help="id clients pass as `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to listen on every interface")
     p.add_argument("--port", type=int, default=8000)
