@@ -28,7 +28,7 @@ from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4C
 from dspark.models.deepseek_v4.mhc import hc_head, hc_post, hc_pre
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.norm import RMSNorm
-from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch, plan_batch
+from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch, check_capture, plan_batch
 
 
 @dataclass
@@ -242,11 +242,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             state.end_step(batch.input_ids[batch.rows(b)])
 
     def _check_capture(self, capture_layers) -> frozenset[int]:
-        capture = frozenset(int(i) for i in capture_layers)
-        bad = [i for i in capture if not 0 <= i <= len(self.layers)]
-        if bad:
-            raise ValueError(f"capture_layers {sorted(bad)} outside [0, {len(self.layers)}]")
-        return capture
+        return check_capture(capture_layers, len(self.layers))
 
     def _check_mtp_depth(self, depth: int) -> None:
         if not 0 <= depth < len(self.mtp):

@@ -299,3 +299,13 @@ def plan_batch(input_ids: torch.Tensor, states: list, seq_lens: list[int], n_lay
     offsets = tuple(sum(seq_lens[:b]) for b in range(len(seq_lens)))
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)]).to(device)
     return RaggedBatch(input_ids.to(device), positions, tuple(seq_lens), offsets, starts)
+
+
+def check_capture(capture_layers, n_layers: int) -> frozenset[int]:
+    """Validated `capture_layers` of a forward call: layer ids in [0, n_layers] (n_layers = the final
+    streams), shared by every model family."""
+    capture = frozenset(int(i) for i in capture_layers)
+    bad = [i for i in capture if not 0 <= i <= n_layers]
+    if bad:
+        raise ValueError(f"capture_layers {sorted(bad)} outside [0, {n_layers}]")
+    return capture

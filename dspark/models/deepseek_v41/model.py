@@ -35,7 +35,7 @@ from torch import nn
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.model import DeepseekV4Output
 from dspark.models.deepseek_v4.norm import RMSNorm
-from dspark.models.deepseek_v4.state import LayerCache, RaggedBatch, WindowCache, plan_batch
+from dspark.models.deepseek_v4.state import LayerCache, RaggedBatch, WindowCache, check_capture, plan_batch
 from dspark.models.deepseek_v41 import engram_hash
 from dspark.models.deepseek_v41.block import Block, initial_pre
 from dspark.models.deepseek_v41.config import DeepseekV41Config
@@ -252,11 +252,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return DeepseekV41Output(logits, x, features, valid)
 
     def _check_capture(self, capture_layers) -> frozenset[int]:
-        capture = frozenset(int(i) for i in capture_layers)
-        bad = [i for i in capture if not 0 <= i <= len(self.layers)]
-        if bad:
-            raise ValueError(f"capture_layers {sorted(bad)} outside [0, {len(self.layers)}]")
-        return capture
+        return check_capture(capture_layers, len(self.layers))
 
     # ---------------------------------------------------------------------------------------
     # Random initialisation for tests and smoke runs
