@@ -1,4 +1,4 @@
-"""The analysis notebooks run top to bottom on random-tiny + n-gram with tiny parameters.
+"""The analysis notebooks run top to bottom on the embedded dspark-tiny pair with tiny parameters.
 
 Each notebook's first cell holds its parameters; the test appends overrides to that cell (tiny
 subsets, greedy decoding, output folder under tmp_path), executes with nbclient and checks the
