@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import torch
 
-from dspark.draft.io import dspark_from_checkpoint, load_drafter
+from dspark.draft.io import dspark_from_checkpoint, dspark_from_v41_checkpoint, load_drafter
 from dspark.models.deepseek_v4 import checkpoint as deepseek_v4_checkpoint
 from dspark.models.deepseek_v4.config import DeepseekV4Config
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -67,14 +67,20 @@ def _build_deepseek_v41(config: dict, device: torch.device, dtype: torch.dtype, 
     if "cache_qat" in config:
         options.setdefault("cache_qat", bool(config["cache_qat"]))
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_dict(config), dtype=dtype, device=device, **options)
-    model.dspark = None  # the V4.1 DSpark stages (`mtp.*`) are not wired to a drafter yet
+    model.dspark = None  # set by loading a checkpoint that ships its DSpark stages (`mtp.*`)
     return model
+
+
+def _load_deepseek_v41(model: torch.nn.Module, path: Path, config: dict) -> None:
+    deepseek_v41_checkpoint.load_checkpoint(model, path, config)
+    # The released stages `mtp.0..2` (V4.1 blocks) become the model's DSpark drafter; None otherwise.
+    model.dspark = dspark_from_v41_checkpoint(model, path, config)
 
 
 MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
     {
         "deepseek_v4": ModelFamily(_build_deepseek_v4, _load_deepseek_v4),
-        "deepseek_v41": ModelFamily(_build_deepseek_v41, deepseek_v41_checkpoint.load_checkpoint,
+        "deepseek_v41": ModelFamily(_build_deepseek_v41, _load_deepseek_v41,
                                     frozenset({"prefill_mode", "engram_tables", "cache_qat"})),
     }
 )

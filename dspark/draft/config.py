@@ -3,7 +3,8 @@
 The released V4-Flash-DSpark `config.json` carries the drafter's settings next to the target's as
 `dspark_*` keys (dspark spec §7.1): `dspark_block_size` γ = 5, `dspark_noise_token_id` = 128799,
 `dspark_target_layer_ids` = [40, 41, 42], `dspark_markov_rank` = 256; V4.1 adds
-`dspark_n_routed_experts` / `dspark_n_activated_experts` for the stages' MoE. The remaining keys
+`dspark_n_routed_experts` / `dspark_n_activated_experts` for the stages' MoE (spelled
+`dspark_num_experts_per_tok` in the V4.1 release; `from_dict` reads both). The remaining keys
 (head type, confidence input, window) have no checkpoint spelling; they follow DeepSpec's names
 with the same prefix. One stage is built per target layer id (spec §8: three stages `mtp.0..2`).
 
@@ -20,6 +21,8 @@ from typing import Any
 HEAD_TYPES = ("markov", "rnn")
 V4_NOISE_TOKEN_ID = 128799
 PREFIX = "dspark_"
+# Other spellings of a field: the V4.1 `config.json` names the stages' top-k like the target's.
+ALIASES = {"dspark_num_experts_per_tok": "dspark_n_activated_experts"}
 
 
 def _is_int(value) -> bool:
@@ -82,7 +85,11 @@ class DSparkConfig:
         if not isinstance(d, dict):
             raise ValueError(f"config: expected a dict, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kwargs = {k: v for k, v in d.items() if k in names}
+        for alias, name in ALIASES.items():  # the V4.1 release's spellings
+            if alias in d and name not in kwargs:
+                kwargs[name] = d[alias]
+        return cls(**kwargs)
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> DSparkConfig:

@@ -31,7 +31,15 @@ from dspark.draft.confidence import ConfidenceHead
 from dspark.draft.config import DSparkConfig
 from dspark.draft.markov_head import MarkovHead, build_head
 from dspark.draft.stages import DSparkStage
+from dspark.draft.stages_v41 import DSparkStageV41
 from dspark.models.deepseek_v4.config import DeepseekV4Config
+from dspark.models.deepseek_v4.mhc import collapse
+from dspark.models.deepseek_v41.block import initial_pre
+from dspark.models.deepseek_v41.config import DeepseekV41Config
+
+# Stage kinds: "v4" V4 blocks (what `dspark train-draft` builds, for any DeepSeek target);
+# "shipped" the target family's own released stages (a V4.1 target: V4.1 blocks, `stages_v41.py`).
+STAGE_KINDS = ("v4", "shipped")
 
 
 @dataclass
@@ -47,12 +55,24 @@ class BlockOutput:
     base: torch.Tensor
 
 
-def stage_config(config: DSparkConfig, target_config):
+def uses_v41_stages(target_config, stage_kind: str) -> bool:
+    """Whether stages of `stage_kind` for `target_config` are V4.1 blocks (released V4.1 stages)."""
+    if stage_kind not in STAGE_KINDS:
+        raise ValueError(f"stage_kind: {stage_kind!r} is not one of {STAGE_KINDS}")
+    return stage_kind == "shipped" and isinstance(target_config, DeepseekV41Config)
+
+
+def stage_config(config: DSparkConfig, target_config, stage_kind: str = "v4"):
     """The target config with the stages' expert counts and window: what each stage block is built from.
 
-    A DeepSeek-V4.1 target gets V4-style stages of its own shapes (a one-layer sliding-window V4
-    config): our drafter for a V4.1 target is trained by us, so its stages need not be V4.1 blocks.
+    With `stage_kind` "v4" a DeepSeek-V4.1 target gets V4-style stages of its own shapes (a one-layer
+    sliding-window V4 config): a drafter we train need not use V4.1 blocks. With "shipped" a V4.1
+    target keeps its own config (the released stages are V4.1 blocks, deepseek_v41 spec §9).
     """
+    if uses_v41_stages(target_config, stage_kind):
+        return dataclasses.replace(target_config, n_routed_experts=config.n_routed_experts(target_config),
+                                   num_experts_per_tok=config.n_activated_experts(target_config),
+                                   sliding_window=config.window(target_config))
     if not isinstance(target_config, DeepseekV4Config):
         target_config = _v4_stage_base(target_config)
     return dataclasses.replace(target_config, n_routed_experts=config.n_routed_experts(target_config),
@@ -81,21 +101,31 @@ class DSparkModel(nn.Module):
 
     Built with the module dtype of the linears (`dtype`, default fp32); norms, sinks, mHC
     parameters, the Markov and confidence heads stay fp32. Do not re-cast it afterwards.
+    `stage_kind` (see `STAGE_KINDS`) picks the stage module: "shipped" for a V4.1 target builds
+    `DSparkStageV41` (the released `mtp.0..2`), otherwise `DSparkStage`; `cache_qat` is the V4.1
+    target's FP8 window rounding, used by V4.1 stages only.
     """
 
-    def __init__(self, config: DSparkConfig, target_config, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, config: DSparkConfig, target_config, dtype: torch.dtype | None = None, device=None,
+                 stage_kind: str = "v4", cache_qat: bool = True):
         super().__init__()
         config.check_target(target_config)
         self.config = config
+        self.stage_kind = stage_kind
         self.dtype = dtype or torch.float32
         self.gamma = config.dspark_block_size
         self.window = config.window(target_config)
         self.n_hc = target_config.hc_mult
         self.head_dim = target_config.head_dim
-        c = stage_config(config, target_config)
+        c = stage_config(config, target_config, stage_kind)
         n, d = config.num_stages, target_config.hidden_size
-        self.mtp = nn.ModuleList(DSparkStage(c, i == 0, i == n - 1, n, dtype=self.dtype, device=device)
-                                 for i in range(n))
+        self.carries_pre = uses_v41_stages(target_config, stage_kind)
+        if self.carries_pre:
+            stages = (DSparkStageV41(c, i, i == 0, i == n - 1, n, cache_qat, dtype=self.dtype, device=device)
+                      for i in range(n))
+        else:
+            stages = (DSparkStage(c, i == 0, i == n - 1, n, dtype=self.dtype, device=device) for i in range(n))
+        self.mtp = nn.ModuleList(stages)
         last = self.mtp[-1]
         r = config.dspark_markov_rank
         last.markov_head = build_head(config.dspark_markov_head_type, target_config.vocab_size, r, d, device)
@@ -140,10 +170,16 @@ class DSparkModel(nn.Module):
         head_weight [V, D] the target LM head (frozen: pass it detached when training).
         """
         x = embeds.to(self.dtype).unsqueeze(-2).expand(-1, self.n_hc, -1).contiguous()  # [S, n_hc, D]
-        for stage, pool in zip(self.mtp, pools):
-            x = stage(x, ids, positions, pool, ctx_index, self.gamma)
         last = self.mtp[-1]
-        pre = last.collapse(x)  # [S, D]
+        if self.carries_pre:  # V4.1 stages: single-pass mHC, one-hot pre into stage 0, last FFN pre out
+            mix = initial_pre(x.shape[0], self.n_hc, x.device)
+            for stage, pool in zip(self.mtp, pools):
+                x, mix = stage(x, mix, ids, positions, pool, ctx_index, self.gamma)
+            pre = collapse(x, mix)  # [S, D]
+        else:
+            for stage, pool in zip(self.mtp, pools):
+                x = stage(x, ids, positions, pool, ctx_index, self.gamma)
+            pre = last.collapse(x)  # [S, D]
         hidden = last.norm(pre)
         # The head runs in its own (the target's) dtype, as the target's logits do; casting the small
         # hidden rather than the [V, D] head avoids copying the head every call.
@@ -186,7 +222,7 @@ def initial_value(name: str, shape: tuple[int, ...], g: torch.Generator) -> torc
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if leaf in ("attn_sink", "bias") or leaf.endswith("_base"):
+    if leaf in ("attn_sink", "bias", "bias_vl") or leaf.endswith("_base"):
         return torch.zeros(shape)
     if leaf.endswith("_scale"):
         return torch.ones(shape)

@@ -11,6 +11,8 @@ Two homes for the same weights (keys `mtp.{i}.*`, dspark spec §7.1):
   `config.json` and the stages stored as `mtp.0..2`, where a plain V4 checkpoint keeps its MTP
   block. `dspark.load_model` then attaches the drafter as `model.dspark`
   (`dspark_from_checkpoint`); `add_to_checkpoint` writes one such checkpoint (tests, exports).
+  A DeepSeek-V4.1 checkpoint ships its stages the same way, as V4.1 blocks (deepseek_v41 spec §9,
+  `stages_v41.py`) with MXFP8 32 × 32 dense weights: `dspark_from_v41_checkpoint`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from dspark.draft.drafter import DSparkDrafter
 from dspark.draft.dspark_v4 import DSparkModel
 from dspark.loader import INDEX_FILE, SINGLE_FILE, SafetensorsReader, load_tensors, plan_sources
 from dspark.models.deepseek_v4.checkpoint import encode_tensor, holds_dspark_stages
-from dspark.quant import FP4_BLOCK, V4_DENSE_BLOCK
+from dspark.models.deepseek_v41 import checkpoint as v41_checkpoint
+from dspark.models.deepseek_v41.config import DeepseekV41Config
+from dspark.quant import FP4_BLOCK, V4_DENSE_BLOCK, V41_DENSE_BLOCK
 from dspark.verify.sts import StsCalibration
 
 FORMAT = "dspark-drafter/1"
@@ -111,12 +115,54 @@ def dspark_from_checkpoint(model, path: str | Path, config: dict) -> DSparkDraft
     return drafter
 
 
+def v41_dspark_config(target_config: DeepseekV41Config) -> DSparkConfig:
+    """The drafter config of a V4.1 checkpoint: its `dspark_*` fields (the stages' top-k is spelled
+    `dspark_num_experts_per_tok` there); window and heads as released (target window, Markov head,
+    confidence on [x ; W1[x_{k−1}]])."""
+    c = target_config
+    return DSparkConfig(dspark_block_size=c.dspark_block_size, dspark_noise_token_id=c.dspark_noise_token_id,
+                        dspark_target_layer_ids=tuple(c.dspark_target_layer_ids),
+                        dspark_markov_rank=c.dspark_markov_rank, dspark_n_routed_experts=c.dspark_n_routed_experts,
+                        dspark_n_activated_experts=c.dspark_num_experts_per_tok)
+
+
+def _has_dspark_keys(config: dict) -> bool:
+    text = config.get("text_config") or {}
+    return any(key.startswith(PREFIX) for key in (*config, *text))
+
+
+def dspark_from_v41_checkpoint(model, path: str | Path, config: dict) -> DSparkDrafter | None:
+    """The released DSpark stages of DeepSeek-V4.1 checkpoint `path` as a drafter of `model`, or None.
+
+    A checkpoint holds them when its `config.json` (top level or `text_config`) has `dspark_*` keys
+    and `mtp.0.main_proj.weight` is stored. The stages are V4.1 blocks (`DSparkStageV41`), in the
+    target's dtype and device, with the target's cache QAT; their FP8 weights use the checkpoint's
+    dense block (32 × 32 MXFP8 by default). Raises ValueError naming every missing, unexpected or
+    mis-shaped `mtp.*` key.
+    """
+    path = Path(path)
+    with SafetensorsReader(path) as reader:
+        if not (_has_dspark_keys(config) and "mtp.0.main_proj.weight" in set(reader.keys())):
+            return None
+    dspark_config = v41_dspark_config(model.config)
+    stages = DSparkModel(dspark_config, model.config, dtype=model.dtype, device=model.device, stage_kind="shipped",
+                         cache_qat=getattr(model, "cache_qat", True)).eval()
+    drafter = DSparkDrafter(model, dspark_config, stages)
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    block = quant.get("weight_block_size", V41_DENSE_BLOCK)
+    _load_weights(drafter, path, lambda key: key if key.startswith("mtp.") else None, block)
+    drafter.model.requires_grad_(False)
+    return drafter
+
+
 def add_to_checkpoint(drafter: DSparkDrafter, path: str | Path, quantize: bool = False) -> None:
     """Store `drafter` inside the target checkpoint directory `path` (written by `save_checkpoint`).
 
     Adds a shard `model-dspark.safetensors` with the stages under `mtp.*` (quantised like the
     release when `quantize`), lists it in the shard index, and merges the `dspark_*` keys into
-    `config.json`. The checkpoint must not hold an MTP block: both would claim `mtp.*`.
+    `config.json`. The checkpoint must not hold an MTP block: both would claim `mtp.*`. For a V4.1
+    target the drafter must have the released V4.1 stages and the target's `dspark_*` fields (its
+    `config.json` already has them); tensors are encoded in the V4.1 formats (MXFP8 32 × 32).
     """
     path = Path(path)
     index_file = path / INDEX_FILE
@@ -127,12 +173,19 @@ def add_to_checkpoint(drafter: DSparkDrafter, path: str | Path, quantize: bool =
             index = {"metadata": {}, "weight_map": dict.fromkeys(reader.keys(), SINGLE_FILE)}
     if any(key.startswith("mtp.") for key in index["weight_map"]):
         raise ValueError(f"{path}: already holds mtp.* tensors; a DSpark checkpoint keeps its stages there")
+    v41 = isinstance(drafter.target.config, DeepseekV41Config)
+    if v41 and (drafter.model.stage_kind != "shipped" or drafter.config != v41_dspark_config(drafter.target.config)):
+        raise ValueError("drafter: a V4.1 checkpoint ships V4.1 stages (stage_kind 'shipped') configured by the "
+                         "target's own dspark_* fields")
+    encode = v41_checkpoint.encode_tensor if v41 else encode_tensor
     shard = {}
     for name, tensor in drafter.model.state_dict().items():
-        shard.update(encode_tensor(name, tensor, quantize))
+        shard.update(encode(name, tensor, quantize))
     save_file(shard, str(path / "model-dspark.safetensors"), metadata={"format": "pt"})
     index["weight_map"].update(dict.fromkeys(shard, "model-dspark.safetensors"))
     index_file.write_text(json.dumps(index, indent=2) + "\n")
+    if v41:
+        return  # the V4.1 config.json already carries the (checked) dspark_* fields
     config = json.loads((path / CONFIG_FILE).read_text())
     config.update({k: v for k, v in drafter.config.to_dict().items() if k.startswith(PREFIX)})
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

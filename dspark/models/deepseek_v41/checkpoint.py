@@ -16,7 +16,8 @@ everything else (embed, head, norms, compressor,       BF16       —
 indexer wk / weights_proj, gate.weight, q/k_weight)
 =====================================================  =========  ===============================
 
-Ignored on load (:data:`IGNORED_KEYS`): the DSpark stages `mtp.*` (the drafter reads them), the
+Ignored on load (:data:`IGNORED_KEYS`): the DSpark stages `mtp.*` (the drafter reads them:
+`dspark.draft.io.dspark_from_v41_checkpoint`, same formats as the layers), the
 vision tower `vision.*`, `aligner.*` and the image delimiter embeddings. `load_checkpoint` also
 binds the directory's `tokenizer.json` to the Engram hashing (spec §8.1); without one the model
 keeps the identity compressed-id table.
@@ -38,8 +39,8 @@ FP8, FP8_ROWS, FP4, BF16, FP32 = "fp8", "fp8_rows", "fp4", "bf16", "fp32"
 DISK_FORMATS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$"), FP4),
     (re.compile(r"\.engram\.embed\.weight$"), FP8_ROWS),
-    (re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]|\.engram\.wkv)"
-                r"\.weight$"), FP8),
+    (re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]|\.engram\.wkv"
+                r"|^mtp\.0\.main_proj)\.weight$"), FP8),
     # `hc_*_scale` land here: mHC parameters that merely end in "scale", never block scales.
     (re.compile(r"(\.attn_sink|\.gate\.bias|\.gate\.bias_vl|(^|\.)hc_[a-z]+_[a-z]+)$"), FP32),
 )
