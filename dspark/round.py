@@ -43,7 +43,7 @@ def _forward(model, requests: list[Request], chunks: list[list[int]], drafter):
 
 def _observe(drafter, req: Request, out, rows: slice, tokens: list[int]) -> None:
     if drafter is not None:
-        drafter.observe(req.dstate, torch.tensor(tokens), out.hidden[rows],
+        drafter.observe(req.dstate, torch.tensor(tokens, device=out.hidden.device), out.hidden[rows],
                         {i: f[rows] for i, f in out.features.items()})
 
 
@@ -117,7 +117,7 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
     for b, (req, block, off) in enumerate(zip(live, blocks, offsets)):
         n = len(block) - 1
         q = probs[b][:n] if probs[b] is not None else None
-        accepted, nxt = verify_chain(torch.tensor(block[1:], dtype=torch.long), q,
+        accepted, nxt = verify_chain(torch.tensor(block[1:], dtype=torch.long, device=out.logits.device), q,
                                      out.logits[off:off + n + 1], req.params, req.generator)
         accepted = int(accepted)
         req.state.truncate(starts[b] + 1 + accepted)                             # commit
