@@ -1,7 +1,6 @@
 """Speculative `generate` is exact: greedy output is token-identical to plain decoding, and sampled
 output follows the target's distribution (χ² against exact enumeration)."""
 
-import itertools
 import json
 from importlib import resources
 
@@ -70,28 +69,13 @@ def test_stats_are_consistent(tiny):
     assert s.tau == pytest.approx((s.new_tokens - 1) / s.rounds)
 
 
-def _exact_pair_distribution(model, prompt, vocab, params):
-    """Exact joint law of generated tokens 2 and 3 (1-based) under the target, by enumeration."""
-    def probs_after(seq):
-        logits = model(torch.tensor(seq), [model.new_state()], [len(seq)]).logits[-1]
-        return dspark.sampling.probs_from_logits(logits, params).double()
-
-    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
-    p1 = probs_after(prompt)
-    for t1 in range(vocab):
-        p2 = probs_after(prompt + [t1])
-        for t2 in range(vocab):
-            joint[t2] += p1[t1] * p2[t2] * probs_after(prompt + [t1, t2])
-    return joint
-
-
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_sampled_speculative_matches_target_distribution(temperature, top_p):
+def test_sampled_speculative_matches_target_distribution(temperature, top_p, exact_pair_distribution):
     vocab = 4
     model = dspark.init_model(_config(vocab_size=vocab, bos_token_id=None, eos_token_id=None), seed=1)
     prompt = [0, 1, 2, 0, 1, 2, 0, 1]
     params = dspark.SamplingParams(temperature=temperature, top_p=top_p)
-    exact = _exact_pair_distribution(model, prompt, vocab, params).flatten()
+    exact = exact_pair_distribution(model, prompt, vocab, params).flatten()
     n = 1500
     outs = dspark.generate(model, [prompt] * n, max_new_tokens=4, temperature=temperature, top_p=top_p,
                            seed=11, draft_tokens=GAMMA, drafter=NgramDrafter(block_size=GAMMA))

@@ -73,29 +73,14 @@ def test_default_drafter_of_a_model_with_mtp_is_mtp(tiny, plain):
     assert all(len(o.stats.accept_hist) == 2 for o in outs)  # γ = 1: MTP-1 was picked
 
 
-def _exact_pair_distribution(model, prompt, vocab, params):
-    """Exact joint law of generated tokens 2 and 3 (1-based) under the target, by enumeration."""
-    def probs_after(seq):
-        logits = model(torch.tensor(seq), [model.new_state()], [len(seq)]).logits[-1]
-        return dspark.sampling.probs_from_logits(logits, params).double()
-
-    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
-    p1 = probs_after(prompt)
-    for t1 in range(vocab):
-        p2 = probs_after(prompt + [t1])
-        for t2 in range(vocab):
-            joint[t2] += p1[t1] * p2[t2] * probs_after(prompt + [t1, t2])
-    return joint
-
-
-def test_sampled_dspark_matches_target_distribution():
+def test_sampled_dspark_matches_target_distribution(exact_pair_distribution):
     vocab = 4
     model = dspark.init_model(_config(vocab_size=vocab, bos_token_id=None, eos_token_id=None), seed=1)
     drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=4)).init_weights(2)
     prompt = [0, 1, 2, 0, 1, 2, 0, 1]
     params = dspark.SamplingParams(temperature=1.0)
     with torch.no_grad():
-        exact = _exact_pair_distribution(model, prompt, vocab, params).flatten()
+        exact = exact_pair_distribution(model, prompt, vocab, params).flatten()
     n = 1000
     outs = dspark.generate(model, [prompt] * n, max_new_tokens=4, temperature=1.0, seed=11, draft_tokens=GAMMA,
                            drafter=drafter)
