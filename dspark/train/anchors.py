@@ -32,6 +32,8 @@ class AnchorBlocks:
     sequence, so out-of-range slots point at valid rows; their `weights` are 0.
 
     anchors [N]; input_ids, positions, labels, prev, teacher_rows, weights [N, γ] (weights fp32).
+    pool_offset [N] or None: row of the block's sequence start in a key pool that holds several
+    sequences one after another (`concat_blocks`); None for a single sequence (offset 0).
     """
 
     anchors: torch.Tensor
@@ -41,6 +43,7 @@ class AnchorBlocks:
     prev: torch.Tensor
     teacher_rows: torch.Tensor
     weights: torch.Tensor
+    pool_offset: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -95,8 +98,27 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     )
 
 
-def context_index(anchors: torch.Tensor, window: int) -> torch.Tensor:
-    """[N, W] rows of a whole-sequence key pool (row = position) visible to each anchor's block:
-    positions a−W .. a−1, −1 before 0. Same order as at inference (`dspark.draft.context`)."""
+def context_index(anchors: torch.Tensor, window: int, pool_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, W] rows of a key pool visible to each anchor's block: positions a−W .. a−1 of its own
+    sequence, −1 before 0. The pool holds one sequence (row = position) or several laid end to end,
+    sequence b starting at row pool_offset[n]. Same order as at inference (`dspark.draft.context`)."""
     zeros = torch.zeros_like(anchors)
-    return window_rows(anchors, window, zeros, zeros)
+    return window_rows(anchors, window, zeros, zeros if pool_offset is None else pool_offset)
+
+
+def concat_blocks(groups: list[AnchorBlocks], lengths: list[int]) -> AnchorBlocks:
+    """The blocks of several sequences as one group over their concatenation (sequence b of length
+    lengths[b] starts at row Σ lengths[:b]): teacher rows move to the concatenated rows, positions stay
+    per sequence (they are RoPE positions), and `pool_offset` keeps each block's context inside its
+    own sequence. One drafter call then covers a whole optimizer step instead of one per sequence."""
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist()
+    return AnchorBlocks(
+        anchors=torch.cat([g.anchors for g in groups]),
+        input_ids=torch.cat([g.input_ids for g in groups]),
+        positions=torch.cat([g.positions for g in groups]),
+        labels=torch.cat([g.labels for g in groups]),
+        prev=torch.cat([g.prev for g in groups]),
+        teacher_rows=torch.cat([g.teacher_rows + s for g, s in zip(groups, starts)]),
+        weights=torch.cat([g.weights for g in groups]),
+        pool_offset=torch.cat([torch.full_like(g.anchors, s) for g, s in zip(groups, starts)]),
+    )

@@ -33,7 +33,7 @@ from dspark.draft.config import DSparkConfig
 from dspark.draft.drafter import DSparkDrafter
 from dspark.draft.dspark_v4 import DSparkModel
 from dspark.draft.io import save_drafter
-from dspark.train.anchors import AnchorBlocks, build_blocks, context_index, sample_anchors
+from dspark.train.anchors import AnchorBlocks, build_blocks, concat_blocks, context_index, sample_anchors
 from dspark.train.data import TrainingSequence
 from dspark.train.losses import LossWeights, dspark_loss, probabilistic_tau
 
@@ -46,7 +46,8 @@ class TrainConfig:
     lr, weight_decay, warmup_ratio, grad_clip : AdamW with linear warmup then cosine to 0;
     loss_weights : CE / TV / confidence mix; decay : g of exp(−k/g), None = 4·γ/7;
     max_length : sequences are cut to this many tokens; seed; save_every : also write
-    `checkpoint-{step}` every that many steps (0 = only the final drafter); progress : tqdm bar.
+    `checkpoint-{step}` every that many steps (0 = only the final drafter); progress : tqdm bar;
+    micro_batch : sequences per target/drafter call (same loss to rounding; more uses more memory).
     """
 
     steps: int = 1000
@@ -62,9 +63,10 @@ class TrainConfig:
     seed: int = 42
     save_every: int = 0
     progress: bool = True
+    micro_batch: int = 1
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "num_anchors", "max_length"):
+        for name in ("steps", "batch_size", "num_anchors", "max_length", "micro_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -105,47 +107,60 @@ def new_training_drafter(target, config: DSparkConfig | None = None, seed: int =
     return DSparkDrafter(target, config, model).init_weights(seed)
 
 
-def target_pass(target, ids: torch.Tensor, capture: tuple[int, ...]):
-    """Frozen target over one whole sequence: ids [L] -> (features {ℓ: [L, n_hc, D]}, logits fp32 [L, V]).
+def target_pass(target, ids: torch.Tensor | list[torch.Tensor], capture: tuple[int, ...]):
+    """Frozen target over whole sequences in one ragged call: ids [L] or a list of [L_b] ->
+    (features {ℓ: [ΣL, n_hc, D]}, logits fp32 [ΣL, V]), the sequences' rows one after another.
 
     Every row is needed (features and teacher at every anchor), so a target with a bounded-replay
     prefill (DeepSeek-V4.1) runs it exactly here.
     """
+    seqs = [ids] if isinstance(ids, torch.Tensor) else list(ids)
     extra = {"prefill_mode": "exact"} if hasattr(target, "prefill_mode") else {}
+    flat = torch.cat(seqs).to(target.device)
     with torch.no_grad():
-        out = target(ids.to(target.device), [target.new_state()], [ids.shape[0]], capture_layers=capture, **extra)
+        out = target(flat, [target.new_state() for _ in seqs], [s.shape[0] for s in seqs],
+                     capture_layers=capture, **extra)
     return out.features, out.logits
 
 
-def draft_forward(drafter: DSparkDrafter, features: dict[int, torch.Tensor],
-                  blocks: AnchorBlocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced draft logits fp32 [N, γ, V] and confidence logits fp32 [N, γ] of the blocks of
-    one sequence, from its target features {ℓ: [L, n_hc, D]}; differentiable in the drafter."""
+def draft_forward(drafter: DSparkDrafter, features: dict[int, torch.Tensor], blocks: AnchorBlocks,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced draft logits fp32 [N, γ, V] and confidence logits fp32 [N, γ] of `blocks`, from
+    target features {ℓ: [L, n_hc, D]}; differentiable in the drafter. positions [L]: the position of
+    each feature row (default 0..L−1, one sequence; `concat_blocks` groups pass each sequence's own)."""
     model, target, gamma = drafter.model, drafter.target, drafter.block_size
     device = model.device
     length = next(iter(features.values())).shape[0]
+    positions = torch.arange(length) if positions is None else positions
     main_x = model.main_x(features)  # [L, D]
-    pools = model.context_latents(main_x, torch.arange(length, device=device))  # keys of every position
+    pools = model.context_latents(main_x, positions.to(device))  # keys of every row
     block_ids = blocks.input_ids.flatten().to(device)
     with torch.no_grad():
         embeds = target.embed(block_ids.to(target.device)).to(device)  # frozen, shared embedding
-    index = context_index(blocks.anchors, drafter.window).to(device).repeat_interleave(gamma, dim=0)
-    out = model.blocks(embeds, block_ids, blocks.positions.flatten().to(device), pools, index,
-                       target.head.weight.detach())
+    index = context_index(blocks.anchors, drafter.window, blocks.pool_offset).to(device)
+    out = model.blocks(embeds, block_ids, blocks.positions.flatten().to(device), pools,
+                       index.repeat_interleave(gamma, dim=0), target.head.weight.detach())
     return model.teacher_forced(out, blocks.prev.to(device))
 
 
-def block_losses(drafter: DSparkDrafter, ids: torch.Tensor, blocks: AnchorBlocks, loss_weights: LossWeights,
+def block_losses(drafter: DSparkDrafter, ids: torch.Tensor | list[torch.Tensor],
+                 blocks: AnchorBlocks | list[AnchorBlocks], loss_weights: LossWeights,
                  normalizer: float) -> tuple[torch.Tensor, dict]:
-    """Loss share and metrics of the blocks of one sequence ids [L] (module docstring)."""
-    features, target_logits = target_pass(drafter.target, ids, drafter.capture_layers)
-    logits, conf_logits = draft_forward(drafter, features, blocks)
+    """Loss share and metrics of the blocks of one sequence ids [L], or of several sequences (lists
+    of ids [L_b] and their blocks) in one target call and one drafter call (module docstring)."""
+    seqs = [ids] if isinstance(ids, torch.Tensor) else list(ids)
+    groups = [blocks] if isinstance(blocks, AnchorBlocks) else list(blocks)
+    lengths = [s.shape[0] for s in seqs]
+    merged = groups[0] if len(groups) == 1 else concat_blocks(groups, lengths)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    features, target_logits = target_pass(drafter.target, seqs, drafter.capture_layers)
+    logits, conf_logits = draft_forward(drafter, features, merged, positions)
     device = logits.device
-    teacher = target_logits[blocks.teacher_rows.to(target_logits.device)].to(device).float().softmax(dim=-1)
-    loss, metrics = dspark_loss(logits, conf_logits, teacher, blocks.labels.to(device), blocks.weights,
+    teacher = target_logits[merged.teacher_rows.to(target_logits.device)].to(device).float().softmax(dim=-1)
+    loss, metrics = dspark_loss(logits, conf_logits, teacher, merged.labels.to(device), merged.weights,
                                 loss_weights, normalizer)
     accept = (1 - 0.5 * (logits.detach().softmax(-1) - teacher).abs().sum(-1)).clamp(0, 1)
-    metrics["tau"] = probabilistic_tau(accept.cpu(), blocks.weights > 0)
+    metrics["tau"] = probabilistic_tau(accept.cpu(), merged.weights > 0)
     return loss, metrics
 
 
@@ -215,10 +230,14 @@ def _step(drafter: DSparkDrafter, batch: list[tuple[torch.Tensor, torch.Tensor]]
     normalizer = float(sum(b.weights.sum() for b in blocks))  # global weighting over the whole step
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
-    for (ids, _), group in zip(batch, blocks):
+    # Sequences go through the target and the drafter `micro_batch` at a time: one ragged call each
+    # rather than one per sequence, which is what bounds a small model's step time on a GPU.
+    for i in range(0, len(batch), config.micro_batch):
+        ids = [seq for seq, _ in batch[i:i + config.micro_batch]]
+        group = blocks[i:i + config.micro_batch]
         loss, metrics = block_losses(drafter, ids, group, config.loss_weights, normalizer)
         loss.backward()
-        share = float(group.weights.sum()) / normalizer
+        share = float(sum(g.weights.sum() for g in group)) / normalizer
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + share * value
         totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())

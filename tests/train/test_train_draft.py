@@ -71,7 +71,7 @@ def _fixed_loss(drafter, data, seed=5):
             ids, mask = torch.tensor(seq.input_ids), torch.tensor(seq.loss_mask)
             blocks = build_blocks(ids, mask, sample_anchors(mask, 8, g), GAMMA, drafter.config.dspark_noise_token_id)
             loss, _ = block_losses(drafter, ids, blocks, LossWeights(), float(blocks.weights.sum()))
-            total += float(loss)
+            total += float(loss.detach())
     return total / len(data)
 
 
@@ -190,3 +190,38 @@ def test_cli_trains_and_calibrates_a_drafter_directory(tmp_path):
     target = dspark.init_model(_config(), seed=0)
     drafter = dspark.load_drafter(out, target)
     assert drafter.block_size == 3 and drafter.calibration is not None and drafter.calibration.gamma == 3
+
+
+def test_micro_batched_step_equals_per_sequence_losses(tiny, dspark_config):
+    """Several sequences in one target call and one drafter call (`concat_blocks`) give the loss and
+    gradients of one call per sequence: each block's context stays inside its own sequence."""
+    drafter = new_training_drafter(tiny, dspark_config, seed=3)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 256, (n,), generator=g) for n in (40, 23, 57)]
+    # Anchors near each sequence's start: a context window leaking into the previous sequence
+    # would change their loss.
+    groups = [build_blocks(ids, torch.ones_like(ids), torch.tensor([0, 2, 9, n - 3]), GAMMA,
+                           dspark_config.dspark_noise_token_id) for ids, n in zip(seqs, (40, 23, 57))]
+    norm = float(sum(b.weights.sum() for b in groups))
+
+    def loss_and_grads(split):
+        drafter.model.zero_grad(set_to_none=True)
+        drafter.model.requires_grad_(True)
+        total = 0.0
+        if split:
+            for ids, blocks in zip(seqs, groups):
+                loss, _ = block_losses(drafter, ids, blocks, LossWeights(), norm)
+                loss.backward()
+                total += float(loss.detach())
+        else:
+            loss, _ = block_losses(drafter, seqs, groups, LossWeights(), norm)
+            loss.backward()
+            total = float(loss)
+        return total, {n: p.grad.clone() for n, p in drafter.model.named_parameters() if p.grad is not None}
+
+    loss_one, grads_one = loss_and_grads(split=True)
+    loss_all, grads_all = loss_and_grads(split=False)
+    assert loss_all == pytest.approx(loss_one, rel=1e-5)
+    assert grads_one.keys() == grads_all.keys() and grads_one
+    for name in grads_one:
+        torch.testing.assert_close(grads_all[name], grads_one[name], atol=1e-5, rtol=1e-4, msg=name)
