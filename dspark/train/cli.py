@@ -41,6 +41,8 @@ def add_subcommands(sub, load_model: Callable[[str, str], object], default_model
     t.add_argument("--init-from", default=None, help="drafter directory to continue from")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=1)
+    t.add_argument("--cache-target", action="store_true",
+                   help="keep the target's features/logits of each sequence after its first pass (memory!)")
     t.add_argument("--micro-batch", type=int, default=1,
                    help="sequences per target/drafter call (faster on GPUs; same loss to rounding)")
     t.add_argument("--num-anchors", type=int, default=512)
@@ -110,7 +112,7 @@ def _train(args, load_model) -> int:
                          weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip,
                          loss_weights=LossWeights(*args.loss_weights), decay=args.decay, max_length=args.max_length,
                          seed=args.seed, save_every=args.save_every,
-                         micro_batch=args.micro_batch)
+                         micro_batch=args.micro_batch, cache_target=args.cache_target)
     drafter = load_drafter(args.init_from, target, dtype=torch.float32) if args.init_from else None
     result = train_draft(target, data, config, drafter=drafter,
                          dspark_config=None if drafter else _dspark_config(args, target), out_dir=args.out)

@@ -12,7 +12,8 @@ One optimizer step over `batch_size` sequences:
     clip the gradient norm to 1.0, AdamW step, LR schedule step (linear warmup, cosine to 0)
 
 The target's embedding and head are shared and frozen (used detached); the features and teacher
-distributions come from the target at train time, so no cache is written. The drafter's weights are
+distributions come from the target at train time (kept in memory after the first pass with
+`cache_target`; nothing is written to disk). The drafter's weights are
 kept in fp32 whatever the target's dtype (fp32 master weights; inference casts at its inputs).
 Everything random flows from `seed`: the drafter's init, the sequence order and the anchors.
 
@@ -36,6 +37,7 @@ from dspark.draft.io import save_drafter
 from dspark.train.anchors import AnchorBlocks, build_blocks, concat_blocks, context_index, sample_anchors
 from dspark.train.data import TrainingSequence
 from dspark.train.losses import LossWeights, dspark_loss, probabilistic_tau
+from dspark.train.target_cache import TargetCache
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class TrainConfig:
     loss_weights : CE / TV / confidence mix; decay : g of exp(−k/g), None = 4·γ/7;
     max_length : sequences are cut to this many tokens; seed; save_every : also write
     `checkpoint-{step}` every that many steps (0 = only the final drafter); progress : tqdm bar;
-    micro_batch : sequences per target/drafter call (same loss to rounding; more uses more memory).
+    micro_batch : sequences per target/drafter call (same loss to rounding; more uses more memory);
+    cache_target : keep each sequence's target features and logits after its first pass
+    (`dspark.train.target_cache`): later epochs run the drafter only.
     """
 
     steps: int = 1000
@@ -64,6 +68,7 @@ class TrainConfig:
     save_every: int = 0
     progress: bool = True
     micro_batch: int = 1
+    cache_target: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "num_anchors", "max_length", "micro_batch"):
@@ -145,15 +150,16 @@ def draft_forward(drafter: DSparkDrafter, features: dict[int, torch.Tensor], blo
 
 def block_losses(drafter: DSparkDrafter, ids: torch.Tensor | list[torch.Tensor],
                  blocks: AnchorBlocks | list[AnchorBlocks], loss_weights: LossWeights,
-                 normalizer: float) -> tuple[torch.Tensor, dict]:
+                 normalizer: float, target_out: tuple[dict, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
     """Loss share and metrics of the blocks of one sequence ids [L], or of several sequences (lists
-    of ids [L_b] and their blocks) in one target call and one drafter call (module docstring)."""
+    of ids [L_b] and their blocks) in one target call and one drafter call (module docstring).
+    target_out: the target's (features, logits) of these sequences when already known (a cache)."""
     seqs = [ids] if isinstance(ids, torch.Tensor) else list(ids)
     groups = [blocks] if isinstance(blocks, AnchorBlocks) else list(blocks)
     lengths = [s.shape[0] for s in seqs]
     merged = groups[0] if len(groups) == 1 else concat_blocks(groups, lengths)
     positions = torch.cat([torch.arange(n) for n in lengths])
-    features, target_logits = target_pass(drafter.target, seqs, drafter.capture_layers)
+    features, target_logits = target_out or target_pass(drafter.target, seqs, drafter.capture_layers)
     logits, conf_logits = draft_forward(drafter, features, merged, positions)
     device = logits.device
     teacher = target_logits[merged.teacher_rows.to(target_logits.device)].to(device).float().softmax(dim=-1)
@@ -203,10 +209,11 @@ def train_draft(target, sequences: list[TrainingSequence], config: TrainConfig =
         optimizer, lambda step: lr_factor(step, config.steps, config.warmup_ratio))
     generator = torch.Generator().manual_seed(config.seed)
     result = TrainResult(drafter)
+    cache = TargetCache(lambda seqs: target_pass(target, seqs, drafter.capture_layers)) if config.cache_target else None
     bar = tqdm(_order(len(data), config.steps, config.batch_size, generator), desc="train-draft",
                disable=not config.progress)
     for step, members in enumerate(bar, 1):
-        metrics = _step(drafter, [data[i] for i in members], config, generator, optimizer, params)
+        metrics = _step(drafter, members, data, config, generator, optimizer, params, cache)
         metrics["lr"] = schedule.get_last_lr()[0]
         schedule.step()
         result.history.append(metrics)
@@ -221,9 +228,12 @@ def train_draft(target, sequences: list[TrainingSequence], config: TrainConfig =
     return result
 
 
-def _step(drafter: DSparkDrafter, batch: list[tuple[torch.Tensor, torch.Tensor]], config: TrainConfig,
-          generator: torch.Generator, optimizer: torch.optim.Optimizer, params: list) -> dict:
-    """One optimizer step; returns its metrics (weighted over the step's supervised slots)."""
+def _step(drafter: DSparkDrafter, members: list[int], data: list[tuple[torch.Tensor, torch.Tensor]],
+          config: TrainConfig, generator: torch.Generator, optimizer: torch.optim.Optimizer, params: list,
+          cache: TargetCache | None) -> dict:
+    """One optimizer step over the sequences data[members]; returns its metrics (weighted over the
+    step's supervised slots)."""
+    batch = [data[i] for i in members]
     gamma, noise = drafter.block_size, drafter.config.dspark_noise_token_id
     blocks = [build_blocks(ids, mask, sample_anchors(mask, config.num_anchors, generator), gamma, noise,
                            config.decay) for ids, mask in batch]
@@ -235,7 +245,8 @@ def _step(drafter: DSparkDrafter, batch: list[tuple[torch.Tensor, torch.Tensor]]
     for i in range(0, len(batch), config.micro_batch):
         ids = [seq for seq, _ in batch[i:i + config.micro_batch]]
         group = blocks[i:i + config.micro_batch]
-        loss, metrics = block_losses(drafter, ids, group, config.loss_weights, normalizer)
+        known = cache.get(members[i:i + config.micro_batch], ids) if cache is not None else None
+        loss, metrics = block_losses(drafter, ids, group, config.loss_weights, normalizer, known)
         loss.backward()
         share = float(sum(g.weights.sum() for g in group)) / normalizer
         for name, value in metrics.items():
