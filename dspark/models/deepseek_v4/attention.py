@@ -24,41 +24,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
 from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
 from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache
 
-# Queries are processed in chunks so that the gathered keys [S_chunk, K, d] (fp32) stay below this
-# many elements: a long prefill chunk would otherwise gather S·(W + top-k)·d values at once.
-_ATTENTION_CHUNK_ELEMENTS = 1 << 26
-
-
-def sparse_attention(
-    q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of each query over its own key list, with a per-head sink (spec §7.4).
-
-    q [S, H, d]; pool [P, d] shared K = V rows; index [S, K] rows of `pool` per query, −1 = empty;
-    sink [H] fp32 logits that join each softmax denominator only. Scores, softmax and the weighted
-    sum run in fp32. Returns [S, H, d] in q's dtype. (Same contract as a FlashMLA-style sparse
-    decode kernel, so a fused kernel can replace it one-for-one.)
-    """
-    n_keys = max(index.shape[1], 1)
-    chunk = max(1, _ATTENTION_CHUNK_ELEMENTS // (n_keys * pool.shape[-1]))
-    out = [_sparse_attention_chunk(q[i : i + chunk], pool, index[i : i + chunk], sink, scale)
-           for i in range(0, q.shape[0], chunk)]
-    return torch.cat(out).to(q.dtype)
-
-
-def _sparse_attention_chunk(q, pool, index, sink, scale):
-    keys = pool[index.clamp(min=0)].float()  # [S, K, d]
-    scores = torch.einsum("shd,skd->shk", q.float(), keys) * scale
-    scores = scores.masked_fill((index < 0).unsqueeze(1), float("-inf"))
-    sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
-    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass, gives no value
-    return torch.einsum("shk,skd->shd", probs, keys)
+# The attention core is the kernel op's torch reference (`dspark.kernels.attention_ref`): the model
+# calls the registry's choice, the drafter stages call this name.
+sparse_attention = sparse_attention_ref
 
 
 def window_index(positions: torch.Tensor, window: int, first_row: int) -> torch.Tensor:
