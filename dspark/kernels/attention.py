@@ -81,11 +81,15 @@ def _partial_kernel(
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
         if DOT_FP32:
             acc = tl.dot(p, k, acc * alpha[:, None], input_precision="tf32x3")
         else:
-            acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
+            # P·V takes P in the keys' dtype; l sums that same rounded P, so the weights of the
+            # values stay exactly normalised (no bias from rounding P, whatever the rounding mode).
+            p = p.to(k.dtype)
+            acc = tl.dot(p, k, acc * alpha[:, None])
+            p = p.to(tl.float32)
+        l = l * alpha + tl.sum(p, axis=1)
         m = m_new
     part = (c * n_q + s) * n_heads + offs_h  # [BH]
     tl.store(m_ptr + part, m, mask=h_mask)

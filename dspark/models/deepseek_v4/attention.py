@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
@@ -59,12 +60,16 @@ class LatentAttention(nn.Module):
     wq_b [32768, 1024], wkv [512, 4096], kv_norm [512], wo_a [8192, 4096] (= G·R × H·d/G),
     wo_b [4096, 8192], attn_sink [64] fp32; `rope` is the layer's RoPE table. Which keys a query
     sees (window, compressed entries) is the subclass's business; `q_head_norm` selects V4's
-    per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1).
+    per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1). `kernels` picks the
+    attention core (`sparse_attention` of the kernel registry; default the torch reference).
     """
 
-    def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None):
+    def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
         c = config
+        # q [S, H, d], pool [P, d], index [S, K], sink [H], scale -> [S, H, d]
+        self.attend_op = get_op(KernelConfig() if kernels is None else kernels, "sparse_attention")
         self.n_heads = c.num_attention_heads
         self.head_dim = c.head_dim
         self.window = c.sliding_window
@@ -118,9 +123,10 @@ class Attention(LatentAttention):
     Parameters: those of `LatentAttention`, plus `compressor` (CSA, HCA) and `indexer` (CSA).
     """
 
-    def __init__(self, config: DeepseekV4Config, layer_type: str, dtype=None, device=None):
+    def __init__(self, config: DeepseekV4Config, layer_type: str, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         c = config
-        super().__init__(c, c.rope_for(layer_type), q_head_norm=True, dtype=dtype, device=device)
+        super().__init__(c, c.rope_for(layer_type), q_head_norm=True, dtype=dtype, device=device, kernels=kernels)
         self.layer_type = layer_type
         self.rate = c.compress_rate(layer_type)
         self.compressor = None
@@ -177,7 +183,7 @@ class Attention(LatentAttention):
                 picks = self._index(cache, index_inputs, positions, rows)
                 picks = torch.where(picks >= 0, picks + raw.shape[0], -1)
             index = torch.cat((index, picks), dim=-1)
-        return sparse_attention(q, pool, index, self.attn_sink, self.scale)
+        return self.attend_op(q, pool, index, self.attn_sink, self.scale)
 
     def _index(self, cache: LayerCache, inputs, positions, rows: slice) -> torch.Tensor:
         """Update the indexer's compressor with this request's rows, then pick entries: [S, k]."""
