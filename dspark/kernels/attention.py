@@ -100,20 +100,21 @@ def _partial_kernel(
 @_jit
 def _combine_kernel(
     m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, n_q, n_heads, head_dim, n_chunks,
-    BLOCK_H: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """out[s, heads of block] = merged chunks with the sink in the denominator, cast to out's dtype."""
+    """out[s, heads of block, d-block] = merged chunks with the sink in the denominator, cast to
+    out's dtype (each d-block recomputes m and l: [BLOCK_H] work, cheaper than another pass)."""
     s = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < n_heads
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     hd_mask = h_mask[:, None] & (offs_d[None, :] < head_dim)
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
     m = sink
     for c in range(0, n_chunks):
         m = tl.maximum(m, tl.load(m_ptr + (c * n_q + s) * n_heads + offs_h, mask=h_mask, other=-1.0e30))
     l = tl.exp(sink - m)
-    acc = tl.zeros((BLOCK_H, D_PAD), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     for c in range(0, n_chunks):
         part = (c * n_q + s) * n_heads + offs_h
         w = tl.exp(tl.load(m_ptr + part, mask=h_mask, other=-1.0e30) - m)
@@ -170,8 +171,9 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, s
         n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale),
         BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DOT_FP32=dot_fp32, num_warps=warps,
     )
-    _combine_kernel[(n_q, n_hblocks)](
+    block_d = min(d_pad, 128)  # a [BLOCK_H, 512] fp32 tile would spill registers
+    _combine_kernel[(n_q, n_hblocks, triton.cdiv(head_dim, block_d))](
         m, l, acc, sink.float().contiguous(), out, n_q, n_heads, head_dim, n_chunks,
-        BLOCK_H=block_h, D_PAD=d_pad, num_warps=warps,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
     )
     return out
