@@ -37,7 +37,11 @@ if str(REPO) not in sys.path:  # run as a script from any directory
 HBM_BYTES_PER_S = 4.4e12  # measured copy bandwidth of one H200 (peers.md §7.1)
 BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
-OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "moe_route", "fused_moe", "fused_moe_fp8_128", "fused_moe_fp8_32")
+OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
+       "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa")
+CONTEXT = 32768  # attention cases: queries at the end of a 32K-token context
+WINDOW, HCA_RATE, CSA_RATE, CSA_TOPK = 128, 128, 4, 512  # V4 attention (spec §7-§8)
+MODEL_CONFIG = "shared/bench/v4-mini.json"  # whole-model step (looked up under the repo, then /work)
 EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
 
 
@@ -51,11 +55,13 @@ class LayerShape:
     n_experts: int  # E
     top_k: int  # K
     inter: int  # I, routed and shared expert width
+    n_heads: int = 64  # attention heads H (head_dim 512, one shared KV latent)
+    head_dim: int = 512
 
 
 CONFIGS = {
     "flash": LayerShape("v4-flash", dim=4096, n_hc=4, n_experts=256, top_k=6, inter=2048),  # spec §2.2
-    "mini": LayerShape("v4-mini", dim=2048, n_hc=4, n_experts=64, top_k=6, inter=512),  # shared/bench/v4-mini.json
+    "mini": LayerShape("v4-mini", dim=2048, n_hc=4, n_experts=64, top_k=6, inter=512, n_heads=32),  # shared/bench/v4-mini.json
 }
 
 
@@ -69,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse; copies may lack .git)")
+    p.add_argument("--model-steps", type=int, default=8, help="timed decode steps of the whole-model case (0: skip)")
     p.add_argument("--dry-run", action="store_true", help="print the cases and exit (no GPU needed)")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
@@ -87,14 +94,16 @@ def layer_shapes(args: argparse.Namespace) -> list[LayerShape]:
         shape = CONFIGS[name]
         if name == "flash" and args.flash_experts != shape.n_experts:
             shape = LayerShape(f"{shape.name}-E{args.flash_experts}", shape.dim, shape.n_hc,
-                               args.flash_experts, shape.top_k, shape.inter)
+                               args.flash_experts, shape.top_k, shape.inter, shape.n_heads, shape.head_dim)
         shapes.append(shape)
     return shapes
 
 
 def plan(args: argparse.Namespace) -> list[tuple[LayerShape, str, int]]:
     """Every (layer, op, M) case, in run order."""
-    return [(shape, op, m) for shape in layer_shapes(args) for op in args.ops for m in args.tokens]
+    # Above M·K = 64 assignments fused_moe itself takes the packed path: fused_moe_packed would repeat it.
+    return [(shape, op, m) for shape in layer_shapes(args) for op in args.ops for m in args.tokens
+            if not (op == "fused_moe_packed" and m * shape.top_k > 64)]
 
 
 def git_commit() -> str:
@@ -199,14 +208,51 @@ def moe_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
     if op == "moe_route":
         return (lambda: moe.moe_route(*router, **route_kw)), (lambda: moe.moe_route_ref(*router, **route_kw)), \
             route_bytes, route_flop
-    weights = layer["bf16" if op == "fused_moe" else op.replace("fused_moe_", "")]
+    weights = layer["bf16" if op in ("fused_moe", "fused_moe_packed") else op.replace("fused_moe_", "")]
     _, ids = moe.moe_route_ref(*router, **route_kw)
     touched = int(torch.unique(ids).numel())  # host sync here, outside the timed region
     per_expert = sum(weight_bytes(w) for w in weights[:3]) // shape.n_experts
     n_bytes = route_bytes + touched * per_expert + sum(weight_bytes(w) for w in weights[3:]) + x.numel() * 2
     flop = route_flop + 2 * m * (shape.top_k + 1) * 3 * shape.inter * shape.dim
     kw = dict(route_kw, swiglu_limit=10.0)
-    return (lambda: moe.fused_moe(*router, *weights, **kw)), (lambda: moe.fused_moe_ref(*router, *weights, **kw)), \
+    ref = lambda: moe.fused_moe_ref(*router, *weights, **kw)  # noqa: E731
+    if op == "fused_moe_packed":  # the packed path at every M (fused_moe takes the decode path for M·K <= 64)
+        def packed():
+            w, i = moe.moe_route(*router, **route_kw)
+            return moe._packed_experts(x, w, i, *weights, 10.0)
+        return packed, ref, n_bytes, flop
+    return (lambda: moe.fused_moe(*router, *weights, **kw)), ref, n_bytes, flop
+
+
+def attention_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of sparse attention for M query rows at the end of a
+    32K context: window 128 (attn_swa), + all 256 HCA entries (attn_hca), or + the top-512 of 8192
+    CSA entries (attn_csa). Bytes count each distinct pool row once (the keys M queries share)."""
+    from dspark.kernels import attention
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    h, d = shape.n_heads, shape.head_dim
+    positions = torch.arange(CONTEXT - m, CONTEXT, device=device)
+    index = positions[:, None] - (WINDOW - 1) + torch.arange(WINDOW, device=device)  # [M, W], rows = positions
+    n_raw = CONTEXT
+    if op == "attn_hca":
+        entries = CONTEXT // HCA_RATE
+        w = torch.arange(entries, device=device)
+        index = torch.cat((index, torch.where(w < ((positions + 1) // HCA_RATE)[:, None], w + n_raw, -1)), 1)
+    elif op == "attn_csa":
+        entries = CONTEXT // CSA_RATE
+        picks = torch.rand(m, entries, generator=gen, device=device).topk(CSA_TOPK, dim=-1).indices
+        index = torch.cat((index, picks + n_raw), 1)
+    else:
+        entries = 0
+    pool = (torch.randn(n_raw + entries, d, generator=gen, device=device) * 0.5).bfloat16()
+    q = torch.randn(m, h, d, generator=gen, device=device).bfloat16()
+    sink = torch.randn(h, generator=gen, device=device) * 0.5
+    args = (q, pool, index, sink, d ** -0.5)
+    rows = int(torch.unique(index[index >= 0]).numel())  # host sync outside the timed region
+    n_bytes = rows * d * 2 + 2 * q.numel() * 2 + index.numel() * 8
+    flop = 4 * m * h * index.shape[1] * d
+    return (lambda: attention.sparse_attention(*args)), (lambda: attention.sparse_attention_ref(*args)), \
         n_bytes, flop
 
 
@@ -249,7 +295,7 @@ def slow_timer(args: argparse.Namespace, max_runs: int = 20):
 
 def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, device: str = "cuda") -> dict:
     """Check and time one case; `timer(fn)` / `ref_timer(fn)` return seconds."""
-    make = mhc_case if op.startswith("mhc") else moe_case
+    make = mhc_case if op.startswith("mhc") else attention_case if op.startswith("attn") else moe_case
     fused, ref, n_bytes, flop = make(op, shape, layer, m, device)
     err = rel_err(fused(), ref())  # also compiles the kernels before timing
     t_fused, t_ref = timer(fused), ref_timer(ref)
@@ -258,6 +304,60 @@ def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, 
             "GBps": n_bytes / t_fused / 1e9, "TFLOPs": flop / t_fused / 1e12,
             "pct_hbm": 100 * n_bytes / t_fused / HBM_BYTES_PER_S,
             "pct_bf16": 100 * flop / t_fused / BF16_FLOP_PER_S}
+
+
+def model_config_path() -> Path | None:
+    for root in (REPO, Path("/work")):
+        if (root / MODEL_CONFIG).is_file():
+            return root / MODEL_CONFIG
+    return None
+
+
+def model_case(args: argparse.Namespace, prompt_len: int = 512, batch: int = 1) -> list[dict]:
+    """Whole-model step time of the v4-mini config (random bf16 weights), fused vs reference kernels:
+    one prefill of `prompt_len` tokens per request, then --model-steps greedy decode steps of
+    `batch` requests; median step time by CUDA events, and the logits' agreement."""
+    from dspark.api import init_model
+    from dspark.kernels import KernelConfig
+
+    path = model_config_path()
+    if path is None or args.model_steps <= 0:
+        return []
+    config = json.loads(path.read_text())
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, config["vocab_size"], (batch * prompt_len,), generator=gen).cuda()
+    rows, timings = [], {}
+    for impl in ("triton", "ref"):
+        model = init_model(config, seed=0, device="cuda", dtype=torch.bfloat16, kernels=KernelConfig.uniform(impl))
+        for warm in (True, False):  # the first pass compiles the kernels of every shape class
+            states = [model.new_state() for _ in range(batch)]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = model(prompt, states, [prompt_len] * batch)
+            end.record()
+            end.synchronize()
+            prefill_s, steps, logits = start.elapsed_time(end) * 1e-3, [], [out.logits[prompt_len - 1::prompt_len]]
+            for _ in range(args.model_steps):
+                nxt = logits[-1].argmax(-1) if impl == "triton" else timings["triton"]["tokens"][len(steps)]
+                start.record()
+                out = model(nxt, states, [1] * batch)
+                end.record()
+                end.synchronize()
+                steps.append(start.elapsed_time(end) * 1e-3)
+                logits.append(out.logits)
+        tokens = [lg.argmax(-1) for lg in logits[:-1]] if impl == "triton" else None
+        timings[impl] = {"prefill_s": prefill_s, "step_s": sorted(steps)[len(steps) // 2], "logits": logits,
+                         "tokens": tokens}
+        del model, states, out
+        torch.cuda.empty_cache()
+    fused, ref = timings["triton"], timings["ref"]
+    # Both runs decode the fused run's greedy tokens, so every step's logits are comparable.
+    errs = [rel_err(a.float(), b.float()) for a, b in zip(fused["logits"], ref["logits"])]
+    for op, key, m in (("model_prefill", "prefill_s", batch * prompt_len), ("model_decode", "step_s", batch)):
+        rows.append({"layer": "v4-mini-model", "op": op, "M": m, "fused_us": fused[key] * 1e6,
+                     "ref_us": ref[key] * 1e6, "speedup": ref[key] / fused[key], "rel_err": max(errs),
+                     "bytes": 0, "flop": 0, "GBps": 0.0, "TFLOPs": 0.0, "pct_hbm": 0.0, "pct_bf16": 0.0})
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
@@ -293,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(f"[{time.time() - start:6.1f}s] {r['layer']} {op} M={m}: {r['fused_us']:.1f} us "
               f"({r['speedup']:.1f}x ref, {r['pct_hbm']:.0f}% HBM, rel err {r['rel_err']:.1e})", flush=True)
+    layers.clear()
+    torch.cuda.empty_cache()
+    for batch in (1, 8):
+        rows.extend(model_case(args, batch=batch))
+    if rows and rows[-1]["op"].startswith("model"):
+        print(f"[{time.time() - start:6.1f}s] whole-model cases done", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"conditions": cond, "args": vars(args), "results": rows}, indent=1))

@@ -48,8 +48,8 @@ class ModelFamily:
     options: frozenset[str] = frozenset()
 
 
-def _build_deepseek_v4(config: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(config), dtype=dtype, device=device)
+def _build_deepseek_v4(config: dict, device: torch.device, dtype: torch.dtype, **options) -> torch.nn.Module:
+    model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(config), dtype=dtype, device=device, **options)
     # Loading a checkpoint without `mtp.*` weights turns this off (checkpoint.load_checkpoint).
     model.has_mtp = len(model.mtp) > 0
     return model
@@ -79,9 +79,9 @@ def _load_deepseek_v41(model: torch.nn.Module, path: Path, config: dict) -> None
 
 MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
     {
-        "deepseek_v4": ModelFamily(_build_deepseek_v4, _load_deepseek_v4),
+        "deepseek_v4": ModelFamily(_build_deepseek_v4, _load_deepseek_v4, frozenset({"kernels"})),
         "deepseek_v41": ModelFamily(_build_deepseek_v41, _load_deepseek_v41,
-                                    frozenset({"prefill_mode", "engram_tables", "cache_qat"})),
+                                    frozenset({"prefill_mode", "engram_tables", "cache_qat", "kernels"})),
     }
 )
 
@@ -153,7 +153,9 @@ def load_model(
         bfloat16 elsewhere.
     **options : model-level options of the family, fixed for the model's life; DeepSeek-V4.1:
         ``prefill_mode`` ("bounded_replay" default, or "exact"), ``engram_tables`` ("auto",
-        "device", "host") and ``cache_qat`` (True default). DeepSeek-V4 has none.
+        "device", "host") and ``cache_qat`` (True default). Both families: ``kernels``, a
+        ``dspark.kernels.KernelConfig`` choosing the fused Triton kernels or the torch references
+        per op (default ``KernelConfig.for_device(device)``: Triton on CUDA, references elsewhere).
 
     Returns
     -------

@@ -135,10 +135,48 @@ def _expert_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.T
     return (F.silu(gate) * up) @ w2.T
 
 
+def _check_routing_args(x, weights, ids, n_exp) -> None:
+    n_tok = x.shape[0]
+    if weights.dim() != 2 or weights.shape[0] != n_tok:
+        raise ValueError(f"weights must be [N={n_tok}, K], got {tuple(weights.shape)}")
+    if tuple(ids.shape) != tuple(weights.shape):
+        raise ValueError(f"ids must be [N, K] = {tuple(weights.shape)}, got {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point:
+        raise ValueError(f"ids must be an integer tensor, got {ids.dtype}")
+    if weights.shape[1] > n_exp:
+        raise ValueError(f"K={weights.shape[1]} routing slots exceed E={n_exp} experts")
+
+
+def moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
+                    swiglu_limit: float) -> torch.Tensor:
+    """y = Σ_k weights_k · Expert_{ids_k}(x) + Shared(x) for a routing computed elsewhere (spec §11.2).
+
+    Shape: x [N, D] bf16/fp32; weights [N, K] fp32 (final routing weights, scaling included);
+    ids [N, K] int in [0, E); w1, w3 [E, I, D]; w2 [E, D, I]; shared_w1, shared_w3 [I_s, D];
+    shared_w2 [D, I_s] (tensors or `FP8BlockWeight`). Returns y [N, D] in x.dtype; fp32 math,
+    loop over experts (a host sync per expert: fine in a reference).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
+    n_exp = w1.shape[0]
+    _check_routing_args(x, weights, ids, n_exp)
+    _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3)
+    xf = x.float()
+    y = _expert_ref(xf, _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
+    for e in range(n_exp):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        out = _expert_ref(xf[tok], _dense(w1, e), _dense(w2, e), _dense(w3, e), swiglu_limit)
+        y.index_add_(0, tok, weights[tok, slot, None].float() * out)
+    return y.to(x.dtype)
+
+
 def fused_moe_ref(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_w1, shared_w2,
                   shared_w3, *, top_k: int, routed_scaling_factor: float, swiglu_limit: float,
                   hash_routing: bool) -> torch.Tensor:
-    """MoE(x) = Σ_k g_k · Expert_{ids_k}(x) + Shared(x) (spec §11), fp32 math, loop over experts.
+    """MoE(x) = Σ_k g_k · Expert_{ids_k}(x) + Shared(x) (spec §11): `moe_route_ref`, then
+    `moe_experts_ref`.
 
     Shape: x [N, D] bf16/fp32; router args as in `moe_route_ref`; w1, w3 [E, I, D]; w2 [E, D, I];
     shared_w1, shared_w3 [I_s, D]; shared_w2 [D, I_s]; weights are tensors or `FP8BlockWeight`.
@@ -148,15 +186,8 @@ def fused_moe_ref(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, sha
     _check_expert_args(x, gate_weight.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
     weights, ids = moe_route_ref(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
                                  routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
-    xf = x.float()
-    y = _expert_ref(xf, _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
-    for e in range(gate_weight.shape[0]):
-        tok, slot = torch.nonzero(ids == e, as_tuple=True)  # host sync: fine in a reference
-        if tok.numel() == 0:
-            continue
-        out = _expert_ref(xf[tok], _dense(w1, e), _dense(w2, e), _dense(w3, e), swiglu_limit)
-        y.index_add_(0, tok, weights[tok, slot, None] * out)
-    return y.to(x.dtype)
+    return moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
+                           swiglu_limit=swiglu_limit)
 
 
 # --------------------------------------------------------------------------------- Triton kernels
@@ -454,18 +485,37 @@ def moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
     return weights, ids
 
 
-def fused_moe(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_w1, shared_w2,
-              shared_w3, *, top_k: int, routed_scaling_factor: float, swiglu_limit: float,
-              hash_routing: bool) -> torch.Tensor:
-    """Fused `fused_moe_ref` (same signature, shapes and dtypes): router, packing, two grouped
-    GEMMs (SwiGLU in the first one's epilogue) for routed and shared experts, one finalize."""
+# Decode-sized calls (at most this many (token, expert) assignments) skip the packing and run the
+# GEMV kernels of `moe_decode` over the picked experts' weights: 2 launches instead of ~20.
+DECODE_MAX_ASSIGNMENTS = 64
+
+
+def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
+                swiglu_limit: float) -> torch.Tensor:
+    """Fused `moe_experts_ref` (same signature): with at most DECODE_MAX_ASSIGNMENTS assignments,
+    the two decode GEMV kernels; otherwise packing, two grouped GEMMs (SwiGLU in the first one's
+    epilogue) for routed and shared experts, and one finalize."""
     require_triton()
-    _check_expert_args(x, gate_weight.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
-    weights, ids = moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
-                             routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
+    n_exp = w1.shape[0]
+    _check_routing_args(x, weights, ids, n_exp)
+    _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3)
     x = x.contiguous()
+    weights, ids = weights.float().contiguous(), ids.to(torch.int32).contiguous()
+    if ids.numel() <= DECODE_MAX_ASSIGNMENTS:
+        from dspark.kernels import moe_decode  # here, not at the top: moe_decode imports this module
+
+        return moe_decode.decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
+                                         swiglu_limit)
+    return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit)
+
+
+def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit):
+    """The prefill-sized path of `moe_experts` (checked, contiguous inputs; ids int32)."""
     n_tok, dim = x.shape
-    n_exp, n_assign = gate_weight.shape[0], n_tok * top_k
+    n_exp, top_k = w1.shape[0], ids.shape[1]
+    n_assign = n_tok * top_k
     tiles = _tiles(n_assign / min(n_exp, n_assign))
     rows, block_expert, slot = _pack_by_expert(ids, n_exp, tiles[0])
     h = _launch_up(x, w1, w3, rows, block_expert, n_assign, rows.numel(), top_k, swiglu_limit, tiles)
@@ -479,3 +529,15 @@ def fused_moe(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_
         routed, slot, weights, shared, y, n_tok, dim, TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d,
     )
     return y
+
+
+def fused_moe(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_w1, shared_w2,
+              shared_w3, *, top_k: int, routed_scaling_factor: float, swiglu_limit: float,
+              hash_routing: bool) -> torch.Tensor:
+    """Fused `fused_moe_ref` (same signature, shapes and dtypes): the router kernel, then
+    `moe_experts`."""
+    require_triton()
+    _check_expert_args(x, gate_weight.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
+    weights, ids = moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
+                             routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
+    return moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit=swiglu_limit)

@@ -31,6 +31,8 @@ _OP_MODULES: dict[str, str] = {
     "mhc_post_pre": "mhc",
     "moe_route": "moe",
     "fused_moe": "moe",
+    "moe_experts": "moe",
+    "sparse_attention": "attention",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 
@@ -68,6 +70,8 @@ class KernelConfig:
     mhc_post_pre: Impl = "ref"
     moe_route: Impl = "ref"
     fused_moe: Impl = "ref"
+    moe_experts: Impl = "ref"
+    sparse_attention: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -26,7 +26,7 @@ def test_default_plan_covers_every_op_layer_and_size(bench):
     args = bench.parse_args([])
     assert args.out == "bench/results/kernels.json"
     cases = bench.plan(args)
-    assert len(cases) == 2 * len(bench.OPS) * 5
+    assert len(cases) == 2 * (len(bench.OPS) * 5 - 3)  # fused_moe_packed only where M·K <= 64 (M = 1, 8)
     assert {m for _, _, m in cases} == {1, 8, 64, 256, 4096}
     assert {s.name for s, _, _ in cases} == {"v4-flash", "v4-mini"}
 
@@ -53,15 +53,17 @@ def test_refuses_to_time_without_gpu(bench, capsys):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
-@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32"])
+@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32", "fused_moe_packed", "attn_csa"])
 def test_case_pipeline_on_a_tiny_layer(bench, op):
     """Inputs, checks and floor accounting of a case, on a tiny layer (interpreter on CPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = bench.LayerShape("tiny", dim=64, n_hc=4, n_experts=4, top_k=2, inter=64)
+    shape = bench.LayerShape("tiny", dim=64, n_hc=4, n_experts=4, top_k=2, inter=64, n_heads=2, head_dim=32)
     layer = bench.build_layer(shape, device)
     row = bench.run_case(shape, op, 3, layer, timer=lambda fn: 1e-3, ref_timer=lambda fn: 1e-3, device=device)
     assert row["rel_err"] < 1e-2 and row["speedup"] == 1.0
     if op == "mhc_post_pre":  # x read + X' written (3·4·64 bf16 each), f read + u written, fn fp32
         assert row["bytes"] == 2 * 3 * 4 * 64 * 2 + 2 * 3 * 64 * 2 + 24 * 256 * 4
+    elif op == "attn_csa":  # 3 queries x 2 heads over window 128 + top-512, QK and PV
+        assert row["flop"] == 4 * 3 * 2 * (128 + 512) * 32
     else:
         assert row["flop"] == 2 * 3 * 4 * 64 + 2 * 3 * 3 * 3 * 64 * 64

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import mhc, moe, triton_available
+from dspark.kernels import attention, mhc, moe, moe_decode, triton_available
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -33,7 +33,9 @@ def _triton_minor() -> str:
 TUNED_FOR = "3.6"
 
 KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"),
-           moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel")}
+           moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel"),
+           moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
+           attention: ("_partial_kernel", "_combine_kernel")}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,6 +87,14 @@ def run_every_tile_class():
                 *(t.to(DEVICE) for t in (q.data, q.scale)), block) for w in dense
                 for q in [FP8BlockWeight.quantize(w, block or 16)]]
             moe.fused_moe(*router, *weights, top_k=2, routed_scaling_factor=1.5, swiglu_limit=10.0, hash_routing=False)
+            if n_tok == 3:  # fused_moe took the decode path: the packed path's decode tiles too
+                w, ids = moe.moe_route(*router, top_k=2, routed_scaling_factor=1.5, hash_routing=False)
+                moe._packed_experts(x, w, ids.int(), *weights, 10.0)
+    for n_heads in (64, 32):  # V4-Flash and v4-mini attention: d 512, bf16
+        q = torch.randn(2, n_heads, 512, generator=g).bfloat16().to(DEVICE)
+        pool = torch.randn(40, 512, generator=g).bfloat16().to(DEVICE)
+        index = torch.randint(-1, 40, (2, 70), generator=g).to(DEVICE)
+        attention.sparse_attention(q, pool, index, torch.zeros(n_heads, device=DEVICE), 512 ** -0.5)
 
 
 COMPILE = textwrap.dedent("""

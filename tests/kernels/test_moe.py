@@ -198,3 +198,68 @@ def test_v4_mini_shapes_on_gpu(n_tok, fp8_block):
     assert same.float().mean() > 0.999
     y, ref = moe.fused_moe(*args, **kwargs), moe.fused_moe_ref(*args, **kwargs)
     assert rel_err(y[same], ref[same]) < TOL[torch.bfloat16]
+
+
+# ------------------------------------------------------------- moe_experts: decode and packed paths
+
+
+EXPERT_CASES = [  # (N, D, E, K, I, I_s, fp8 block)
+    (1, 64, 16, 6, 32, 32, None),  # one decode token
+    (3, 96, 8, 2, 48, 80, None),  # D, I off the tiles; a wider shared expert
+    (2, 256, 4, 2, 160, 160, 128),  # V4 128×128 blocks, ragged last block along I
+    (5, 64, 8, 3, 96, 96, 32),  # MXFP8-style 32×32 blocks
+]
+
+
+def _routing(n_tok, n_exp, top_k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(n_tok)]).int()
+    weights = torch.rand(n_tok, top_k, generator=g) + 0.1
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["decode", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_tok,dim,n_exp,top_k,inter,inter_s,fp8_block", EXPERT_CASES)
+def test_moe_experts_paths_match_ref(n_tok, dim, n_exp, top_k, inter, inter_s, fp8_block, dtype, path, poisoned):
+    """Both paths of `moe_experts` against `moe_experts_ref`, on the same routing."""
+    from dspark.kernels import moe_decode
+
+    x = router_inputs(n_tok, dim, n_exp, top_k, dtype, seed=dim)[0]
+    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, dtype, seed=inter, fp8_block=fp8_block)
+    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, dtype, seed=inter_s + 1, fp8_block=fp8_block)
+    weights, ids = _routing(n_tok, n_exp, top_k, seed=n_tok)
+    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
+    with poisoned():
+        if path == "decode":
+            y = moe_decode.decode_experts(*args, 10.0)
+        else:
+            y = moe._packed_experts(*args, 10.0)
+    ref = moe.moe_experts_ref(*args, swiglu_limit=10.0)
+    assert y.dtype == dtype and rel_err(y, ref) < TOL[dtype]
+
+
+@needs_triton
+def test_moe_experts_picks_decode_path_for_few_assignments(monkeypatch):
+    """Decode-sized calls must not pack (the packing is what the decode path removes)."""
+    x = router_inputs(2, 64, 8, 2, torch.float32, seed=0)[0]
+    weights, ids = _routing(2, 8, 2, seed=0)
+    experts = expert_weights(8, 64, 32, torch.float32, seed=0)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("packed path used for a decode-sized call")
+
+    monkeypatch.setattr(moe, "_pack_by_expert", fail)
+    y = moe.moe_experts(x, weights, ids, *experts, swiglu_limit=10.0)
+    assert rel_err(y, moe.moe_experts_ref(x, weights, ids, *experts, swiglu_limit=10.0)) < 1e-4
+
+
+def test_moe_experts_rejects_bad_routing():
+    x = router_inputs(3, 16, 4, 2, torch.float32, seed=0)[0]
+    experts = expert_weights(4, 16, 8, torch.float32, seed=0)
+    weights, ids = _routing(3, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="ids must be"):
+        moe.moe_experts_ref(x, weights, ids[:, :1], *experts, swiglu_limit=10.0)
+    with pytest.raises(ValueError, match="weights must be"):
+        moe.moe_experts_ref(x, weights[:2], ids[:2], *experts, swiglu_limit=10.0)

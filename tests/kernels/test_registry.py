@@ -1,5 +1,6 @@
 """Kernel registry (dspark/kernels/registry.py): config-driven op selection, optional Triton."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from dspark.kernels import OPS, KernelConfig, get_op, triton_available
-from dspark.kernels import mhc, moe
+from dspark.kernels import mhc, moe, registry
 
 
 def test_default_config_is_reference_everywhere():
@@ -32,7 +33,7 @@ def test_for_device_picks_triton_on_cuda():
 def test_every_op_has_both_implementations():
     ref, fused = KernelConfig.uniform("ref"), KernelConfig.uniform("triton")
     for op in OPS:
-        module = mhc if op.startswith("mhc") else moe
+        module = importlib.import_module(f"dspark.kernels.{registry._OP_MODULES[op]}")
         assert get_op(ref, op) is getattr(module, f"{op}_ref")
         assert get_op(fused, op) is getattr(module, op)
 

@@ -24,41 +24,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.kernels import KernelConfig, get_op
+from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
 from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
 from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache
 
-# Queries are processed in chunks so that the gathered keys [S_chunk, K, d] (fp32) stay below this
-# many elements: a long prefill chunk would otherwise gather S·(W + top-k)·d values at once.
-_ATTENTION_CHUNK_ELEMENTS = 1 << 26
-
-
-def sparse_attention(
-    q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of each query over its own key list, with a per-head sink (spec §7.4).
-
-    q [S, H, d]; pool [P, d] shared K = V rows; index [S, K] rows of `pool` per query, −1 = empty;
-    sink [H] fp32 logits that join each softmax denominator only. Scores, softmax and the weighted
-    sum run in fp32. Returns [S, H, d] in q's dtype. (Same contract as a FlashMLA-style sparse
-    decode kernel, so a fused kernel can replace it one-for-one.)
-    """
-    n_keys = max(index.shape[1], 1)
-    chunk = max(1, _ATTENTION_CHUNK_ELEMENTS // (n_keys * pool.shape[-1]))
-    out = [_sparse_attention_chunk(q[i : i + chunk], pool, index[i : i + chunk], sink, scale)
-           for i in range(0, q.shape[0], chunk)]
-    return torch.cat(out).to(q.dtype)
-
-
-def _sparse_attention_chunk(q, pool, index, sink, scale):
-    keys = pool[index.clamp(min=0)].float()  # [S, K, d]
-    scores = torch.einsum("shd,skd->shk", q.float(), keys) * scale
-    scores = scores.masked_fill((index < 0).unsqueeze(1), float("-inf"))
-    sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
-    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass, gives no value
-    return torch.einsum("shk,skd->shd", probs, keys)
+# The attention core is the kernel op's torch reference (`dspark.kernels.attention_ref`): the model
+# calls the registry's choice, the drafter stages call this name.
+sparse_attention = sparse_attention_ref
 
 
 def window_index(positions: torch.Tensor, window: int, first_row: int) -> torch.Tensor:
@@ -84,12 +60,16 @@ class LatentAttention(nn.Module):
     wq_b [32768, 1024], wkv [512, 4096], kv_norm [512], wo_a [8192, 4096] (= G·R × H·d/G),
     wo_b [4096, 8192], attn_sink [64] fp32; `rope` is the layer's RoPE table. Which keys a query
     sees (window, compressed entries) is the subclass's business; `q_head_norm` selects V4's
-    per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1).
+    per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1). `kernels` picks the
+    attention core (`sparse_attention` of the kernel registry; default the torch reference).
     """
 
-    def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None):
+    def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
         c = config
+        # q [S, H, d], pool [P, d], index [S, K], sink [H], scale -> [S, H, d]
+        self.attend_op = get_op(KernelConfig() if kernels is None else kernels, "sparse_attention")
         self.n_heads = c.num_attention_heads
         self.head_dim = c.head_dim
         self.window = c.sliding_window
@@ -143,9 +123,10 @@ class Attention(LatentAttention):
     Parameters: those of `LatentAttention`, plus `compressor` (CSA, HCA) and `indexer` (CSA).
     """
 
-    def __init__(self, config: DeepseekV4Config, layer_type: str, dtype=None, device=None):
+    def __init__(self, config: DeepseekV4Config, layer_type: str, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         c = config
-        super().__init__(c, c.rope_for(layer_type), q_head_norm=True, dtype=dtype, device=device)
+        super().__init__(c, c.rope_for(layer_type), q_head_norm=True, dtype=dtype, device=device, kernels=kernels)
         self.layer_type = layer_type
         self.rate = c.compress_rate(layer_type)
         self.compressor = None
@@ -202,7 +183,7 @@ class Attention(LatentAttention):
                 picks = self._index(cache, index_inputs, positions, rows)
                 picks = torch.where(picks >= 0, picks + raw.shape[0], -1)
             index = torch.cat((index, picks), dim=-1)
-        return sparse_attention(q, pool, index, self.attn_sink, self.scale)
+        return self.attend_op(q, pool, index, self.attn_sink, self.scale)
 
     def _index(self, cache: LayerCache, inputs, positions, rows: slice) -> torch.Tensor:
         """Update the indexer's compressor with this request's rows, then pick entries: [S, k]."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.attention import Attention
 from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4Config
 from dspark.models.deepseek_v4.mhc import hc_head, hc_post, hc_pre
@@ -46,6 +47,15 @@ class DeepseekV4Output:
     features: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def resolve_kernels(kernels: KernelConfig | None, device) -> KernelConfig:
+    """The model's kernel choice: `kernels` as given, or the default for `device` when None."""
+    if kernels is None:
+        return KernelConfig.for_device(torch.device(device or "cpu"))
+    if not isinstance(kernels, KernelConfig):
+        raise ValueError(f"kernels must be a dspark.kernels.KernelConfig (or None), got {kernels!r}")
+    return kernels
+
+
 def _hc_params(n_mix: int, width: int, n_scales: int, device) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
     """fp32 (fn [n_mix, width], base [n_mix], scale [n_scales]) of one mHC site; neutral init."""
     fn = nn.Parameter(torch.zeros(n_mix, width, dtype=torch.float32, device=device))
@@ -59,17 +69,26 @@ class Block(nn.Module):
 
     The mHC parameters sit on the block under their checkpoint names `hc_attn_{fn,base,scale}` /
     `hc_ffn_{fn,base,scale}` (fp32; fn [24, 4·D] for n_hc = 4).
+
+    `kernels` (default: torch references) picks attention and MoE implementations, and with
+    ``kernels.mhc_pre == "triton"`` the three mHC sites of the block run as the registry's fused
+    `mhc_pre`, `mhc_post_pre` (the attention's post fused with the MoE's pre) and `mhc_post`.
     """
 
-    def __init__(self, config: DeepseekV4Config, layer_type: str, mlp_type: str, dtype=None, device=None):
+    def __init__(self, config: DeepseekV4Config, layer_type: str, mlp_type: str, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
         c = config
+        kernels = KernelConfig() if kernels is None else kernels
         self.n_hc = c.hc_mult
         self.sinkhorn_iters = c.hc_sinkhorn_iters
         self.hc_eps = c.hc_eps
         self.norm_eps = c.rms_norm_eps
-        self.attn = Attention(c, layer_type, dtype=dtype, device=device)
-        self.ffn = MoE(c, hashed=mlp_type == HASH_MOE, dtype=dtype, device=device)
+        self.attn = Attention(c, layer_type, dtype=dtype, device=device, kernels=kernels)
+        self.ffn = MoE(c, hashed=mlp_type == HASH_MOE, dtype=dtype, device=device, kernels=kernels)
+        self.fused_mhc = kernels.mhc_pre == "triton"
+        if self.fused_mhc:
+            self._mhc = {op: get_op(kernels, op) for op in ("mhc_pre", "mhc_post_pre", "mhc_post")}
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
         n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size  # [pre | post | comb] mixes
@@ -78,6 +97,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
         """x [N, n_hc, D] -> [N, n_hc, D]."""
+        if self.fused_mhc:
+            return self._forward_fused(x, batch, caches)
         u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         x = hc_post(self.attn(self.attn_norm(u), batch, caches), x, post, comb)
         v, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
@@ -85,6 +106,15 @@ class Block(nn.Module):
 
     def _pre(self, x, fn, base, scale):
         return hc_pre(x, fn, base, scale, self.n_hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+
+    def _forward_fused(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """`forward` with the fused mHC ops: pre, attention, post+pre, MoE, post."""
+        eps = dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
+        post, comb, u = self._mhc["mhc_pre"](x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, **eps)
+        a = self.attn(self.attn_norm(u), batch, caches)
+        x, post, comb, v = self._mhc["mhc_post_pre"](a, x, post, comb, self.hc_ffn_fn, self.hc_ffn_base,
+                                                     self.hc_ffn_scale, **eps)
+        return self._mhc["mhc_post"](self.ffn(self.ffn_norm(v), batch.input_ids), x, post, comb)
 
 
 class MTPBlock(Block):
@@ -95,8 +125,8 @@ class MTPBlock(Block):
     Output collapse: its own `hc_head_*`, then `norm`, then the shared LM head.
     """
 
-    def __init__(self, config: DeepseekV4Config, dtype=None, device=None):
-        super().__init__(config, SLIDING, MOE, dtype=dtype, device=device)
+    def __init__(self, config: DeepseekV4Config, dtype=None, device=None, kernels: KernelConfig | None = None):
+        super().__init__(config, SLIDING, MOE, dtype=dtype, device=device, kernels=kernels)
         c = config
         linear = dict(bias=False, dtype=dtype, device=device)
         self.e_proj = nn.Linear(c.hidden_size, c.hidden_size, **linear)
@@ -123,16 +153,20 @@ class DeepseekV4ForCausalLM(nn.Module):
     Build with `DeepseekV4ForCausalLM(config, dtype, device)`; `dtype` (default fp32) is the
     activation and weight dtype of the linears and embeddings; norms, sinks, `ape`, router bias and
     all mHC parameters stay fp32 as in the checkpoint. Do not re-cast the module afterwards.
+    `kernels` picks the implementation of each fused op (`dspark.kernels.KernelConfig`); default
+    `KernelConfig.for_device(device)`: the Triton kernels on CUDA, the torch references elsewhere.
     """
 
-    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype | None = None, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
         c = config
         self.config = config
+        self.kernels = resolve_kernels(kernels, device)
         self.dtype = dtype or torch.float32
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=self.dtype, device=device)
         self.layers = nn.ModuleList(
-            Block(c, layer_type, mlp_type, dtype=self.dtype, device=device)
+            Block(c, layer_type, mlp_type, dtype=self.dtype, device=device, kernels=self.kernels)
             for layer_type, mlp_type in zip(c.layer_types, c.mlp_layer_types)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
@@ -140,7 +174,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head
         self.mtp = nn.ModuleList(
-            MTPBlock(c, dtype=self.dtype, device=device) for _ in range(c.num_nextn_predict_layers)
+            MTPBlock(c, dtype=self.dtype, device=device, kernels=self.kernels) for _ in range(c.num_nextn_predict_layers)
         )
         # Frozen by default: inference builds no autograd graph. Training unfreezes what it trains.
         self.requires_grad_(False)

@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.config import DeepseekV4Config
+
+_EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
@@ -88,20 +91,66 @@ class MoE(nn.Module):
     `gate` replaces the V4 router by another one with the same call signature
     `(x [N, D], input_ids [N]) -> (weights [N, K], expert ids [N, K])` (DeepSeek-V4.1's adds a
     temperature and an image-token bias); `hashed` is then ignored.
+
+    `kernels` picks the implementation (default: the torch reference below). With
+    ``kernels.fused_moe == "triton"`` the layer runs the registry's `moe_route` (V4 router only;
+    another gate runs as a module) and `moe_experts` ops. Those read the routed experts as stacked
+    [E, I, D] / [E, D, I] tensors: every `experts.{e}.w*.weight` is a view into one stacked tensor
+    per projection, so the checkpoint names and the per-expert modules stay as they are, and no
+    weight is copied per call.
     """
 
-    def __init__(self, config: DeepseekV4Config, hashed: bool, dtype=None, device=None, gate: nn.Module | None = None):
+    def __init__(self, config: DeepseekV4Config, hashed: bool, dtype=None, device=None, gate: nn.Module | None = None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
         c = config
+        kernels = KernelConfig() if kernels is None else kernels
+        if not isinstance(kernels, KernelConfig):
+            raise ValueError(f"kernels must be a KernelConfig, got {kernels!r}")
         self.gate = gate if gate is not None else Gate(c, hashed, dtype=dtype, device=device)
+        # Built on the meta device, then pointed at slices of the stacked weights (no double allocation).
         self.experts = nn.ModuleList(
-            Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype=dtype, device=device)
+            Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype=dtype, device="meta")
             for _ in range(c.n_routed_experts)
         )
+        self._stacked: dict[str, torch.Tensor] = {}
+        shapes = {"w1": (c.moe_intermediate_size, c.hidden_size), "w2": (c.hidden_size, c.moe_intermediate_size),
+                  "w3": (c.moe_intermediate_size, c.hidden_size)}
+        for name, shape in shapes.items():
+            self._tie(name, torch.empty(c.n_routed_experts, *shape, dtype=dtype, device=device))
         self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype=dtype, device=device)
+        self.swiglu_limit = c.swiglu_limit
+        self.fused = kernels.fused_moe == "triton"
+        if self.fused:
+            self._route = get_op(kernels, "moe_route")
+            self._experts_op = get_op(kernels, "moe_experts")
+
+    def _tie(self, name: str, stacked: torch.Tensor) -> None:
+        """Make expert e's `name` weight the view stacked[e]."""
+        self._stacked[name] = stacked
+        for e, expert in enumerate(self.experts):
+            getattr(expert, name).weight = nn.Parameter(stacked[e], requires_grad=False)
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 [E, I, D], w2 [E, D, I], w3 [E, I, D]): the experts' weights as stacked tensors.
+
+        They alias the per-expert parameters. If something replaced those parameters (e.g. a
+        `module.to(...)`), they are stacked once more and the parameters re-pointed at the new stack.
+        """
+        first, last = self.experts[0], self.experts[-1]
+        for name in _EXPERT_WEIGHTS:
+            stacked = self._stacked[name]
+            w0, w_last = getattr(first, name).weight, getattr(last, name).weight
+            if w0.data_ptr() != stacked.data_ptr() or w_last.data_ptr() != stacked[-1].data_ptr() \
+                    or w0.device != stacked.device or w0.dtype != stacked.dtype:
+                with torch.no_grad():
+                    self._tie(name, torch.stack([getattr(ex, name).weight.detach() for ex in self.experts]))
+        return self._stacked["w1"], self._stacked["w2"], self._stacked["w3"]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [N, D] (after ffn_norm), input_ids [N] -> [N, D]. Routed outputs accumulate in fp32."""
+        if self.fused:
+            return self._forward_fused(x, input_ids)
         weights, experts = self.gate(x, input_ids)
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         # Host loop over the experts that received tokens (one sync for the counts: reference path).
@@ -113,3 +162,17 @@ class MoE(nn.Module):
             y = self.experts[e](x[token]).float() * weights[token, slot].unsqueeze(-1)
             routed.index_add_(0, token, y)
         return (routed + self.shared_experts(x).float()).to(x.dtype)
+
+    def _forward_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The registry's ops: fused router when the gate is V4's own, then the experts kernel."""
+        gate = self.gate
+        if type(gate) is Gate and gate.score_fn is sqrtsoftplus and gate.renormalize:
+            weights, experts = self._route(
+                x, gate.weight, None if gate.hashed else gate.bias, gate.tid2eid if gate.hashed else None,
+                input_ids, top_k=gate.top_k, routed_scaling_factor=gate.routed_scaling_factor,
+                hash_routing=gate.hashed)
+        else:
+            weights, experts = gate(x, input_ids)
+        shared = self.shared_experts
+        return self._experts_op(x, weights, experts, *self.stacked_weights(), shared.w1.weight, shared.w2.weight,
+                                shared.w3.weight, swiglu_limit=self.swiglu_limit)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.models.deepseek_v4.attention import LatentAttention, sparse_attention, window_index
+from dspark.models.deepseek_v4.attention import LatentAttention, window_index
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache
 from dspark.models.deepseek_v41.csa2 import Compressor, Indexer, SharedSlots
@@ -33,8 +33,9 @@ class Attention(LatentAttention):
     """Parameters: `LatentAttention`'s (wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink),
     plus `compressor` (KV sources) and `indexer` (index sources; with `wk`, `k_norm` on KV sources)."""
 
-    def __init__(self, config, role: LayerRole, quant: CacheQuant, dtype=None, device=None):
-        super().__init__(config, config.rope_parameters[role.rope], q_head_norm=False, dtype=dtype, device=device)
+    def __init__(self, config, role: LayerRole, quant: CacheQuant, dtype=None, device=None, kernels=None):
+        super().__init__(config, config.rope_parameters[role.rope], q_head_norm=False, dtype=dtype, device=device,
+                         kernels=kernels)
         self.role = role
         self.quant = quant
         self.ratio = role.ratio
@@ -99,4 +100,4 @@ class Attention(LatentAttention):
             picks = slots.topk  # [S, k'] of the latest index source, same rows in the same call
             pool = torch.cat((raw, source.entries()))
             index = torch.cat((index, torch.where(picks >= 0, picks + raw.shape[0], -1)), dim=-1)
-        return sparse_attention(q, pool, index, self.attn_sink, self.scale)
+        return self.attend_op(q, pool, index, self.attn_sink, self.scale)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.mhc import collapse, hc_post, split_mixes, stream_mixes
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.norm import RMSNorm
@@ -46,12 +47,19 @@ def initial_pre(n: int, n_hc: int, device) -> torch.Tensor:
 class Block(nn.Module):
     """Parameters (checkpoint names): `attn`, `ffn` (V4's MoE with the V4.1 `Gate`), `attn_norm`,
     `ffn_norm`, `hc_{attn,ffn}_{fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]}` (fp32), and
-    `engram` on Engram layers (the model applies it before the layer, see `model.py`)."""
+    `engram` on Engram layers (the model applies it before the layer, see `model.py`).
+
+    `kernels` (default: torch references) picks attention and MoE implementations; with
+    ``kernels.mhc_post == "triton"`` both posts run as the registry's fused `mhc_post` (the mixes
+    stay in torch: single-pass mHC collapses with the carried pre, which the fused pre op does not
+    take)."""
 
     def __init__(self, config, role: LayerRole, quant: CacheQuant = CacheQuant(), dtype=None, device=None,
-                 host_engram: bool = False):
+                 host_engram: bool = False, kernels: KernelConfig | None = None):
         super().__init__()
         c = config
+        kernels = KernelConfig() if kernels is None else kernels
+        self.hc_post = get_op(kernels, "mhc_post") if kernels.mhc_post == "triton" else hc_post
         self.role = role
         self.n_hc = c.hc_mult
         self.sinkhorn_iters = c.hc_sinkhorn_iters
@@ -61,8 +69,9 @@ class Block(nn.Module):
         if role.has_engram:
             rows = c.engram_num_embeddings[c.engram_layer_ids.index(role.layer_id)]
             self.engram = Engram(c, rows, dtype=dtype, device=device, host_table=host_engram)
-        self.attn = Attention(c, role, quant, dtype=dtype, device=device)
-        self.ffn = MoE(c, hashed=False, dtype=dtype, device=device, gate=Gate(c, dtype=dtype, device=device))
+        self.attn = Attention(c, role, quant, dtype=dtype, device=device, kernels=kernels)
+        self.ffn = MoE(c, hashed=False, dtype=dtype, device=device, gate=Gate(c, dtype=dtype, device=device),
+                       kernels=kernels)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
         n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size  # [pre | post | comb] mixes
@@ -84,10 +93,10 @@ class Block(nn.Module):
         """x [N, hc, D], carried pre [N, hc] fp32 -> (streams [N, hc, D], this layer's FFN pre [N, hc])."""
         a_pre, a_post, a_comb = self._mixes(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         a = self.attn(self.attn_input(x, pre), batch, windows, sources, slots, publish)
-        y = hc_post(a, x, a_post, a_comb)
+        y = self.hc_post(a, x, a_post, a_comb)
         f_pre, f_post, f_comb = self._mixes(y, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
         f = self.ffn(self.ffn_norm(collapse(y, a_pre)), batch.input_ids)
-        return hc_post(f, y, f_post, f_comb), f_pre
+        return self.hc_post(f, y, f_post, f_comb), f_pre
 
     def _mixes(self, x, fn, base, scale):
         return split_mixes(stream_mixes(x, fn, self.norm_eps), scale, base, self.n_hc, self.sinkhorn_iters,

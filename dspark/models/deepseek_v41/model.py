@@ -19,7 +19,9 @@ the last `sliding_window` rows of a long prompt chunk, see `replay.py`; "exact" 
 reference), `engram_tables` ("device", "host", or "auto": host when the tables exceed
 `ENGRAM_DEVICE_LIMIT_BYTES` and the model is not on the CPU) and `cache_qat` (True: the FP8/FP4
 cache formats the model was trained with, spec §11.3; False keeps those vectors unquantised, a
-continuous function for exactness tests and ablations, see `qat.py`).
+continuous function for exactness tests and ablations, see `qat.py`), and `kernels` (a
+`dspark.kernels.KernelConfig`; default `KernelConfig.for_device(device)`: Triton on CUDA, the torch
+references elsewhere).
 
 Numerics follow the HF port (spec §12.2) rather than the official kernels: cache QAT included,
 no FP8 quantisation of GEMM activations, the LM head in the model dtype, index scores in fp32.
@@ -33,7 +35,8 @@ import torch
 from torch import nn
 
 from dspark.models.deepseek_v4.mhc import collapse
-from dspark.models.deepseek_v4.model import DeepseekV4Output
+from dspark.kernels import KernelConfig
+from dspark.models.deepseek_v4.model import DeepseekV4Output, resolve_kernels
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import LayerCache, RaggedBatch, WindowCache, check_capture, plan_batch
 from dspark.models.deepseek_v41 import engram_hash
@@ -71,7 +74,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     re-cast the module after construction (host-placed Engram tables and RoPE tables rely on it)."""
 
     def __init__(self, config: DeepseekV41Config, dtype: torch.dtype | None = None, device=None,
-                 prefill_mode: str = BOUNDED_REPLAY, engram_tables: str = "auto", cache_qat: bool = True):
+                 prefill_mode: str = BOUNDED_REPLAY, engram_tables: str = "auto", cache_qat: bool = True,
+                 kernels: KernelConfig | None = None):
         super().__init__()
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode: {prefill_mode!r} is not one of {PREFILL_MODES}")
@@ -87,8 +91,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"cache_qat: expected a bool, got {cache_qat!r}")
         self.cache_qat = cache_qat
         quant = CacheQuant(cache_qat)
-        self.layers = nn.ModuleList(Block(c, role, quant, dtype=self.dtype, device=device, host_engram=host)
-                                    for role in c.layer_roles)
+        self.kernels = resolve_kernels(kernels, device)
+        self.layers = nn.ModuleList(Block(c, role, quant, dtype=self.dtype, device=device, host_engram=host,
+                                          kernels=self.kernels) for role in c.layer_roles)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=self.dtype, device=device)
         self.engram_ids = tuple(c.engram_layer_ids)

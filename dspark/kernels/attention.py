@@ -1,0 +1,179 @@
+"""Sparse MQA with an attention sink (deepseek_v4 spec §7.4): window, CSA and HCA attention in one op.
+
+Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
+
+* ``sparse_attention(q, pool, index, sink, scale) -> out``: query s attends to the rows
+  ``pool[index[s, j]]`` (−1 = no key), each row both key and value (shared-KV MQA), with a per-head
+  sink logit that joins the softmax denominator only.
+
+The model builds `index` per request: the sliding window (W = 128 rows, p−W+1 .. p), then the
+compressed entries (all visible ones for HCA, the indexer's top-k for CSA). Decode, verify and
+prefill blocks are the same call with S = 1, a few, or many query rows.
+
+Shape symbols: S query rows, H heads, d head_dim, P pool rows, K keys per query.
+
+Fused kernel (flash-decoding): the K keys of a query are split into C chunks so that a single
+decode query still spreads over the SMs; program (s, head block, chunk) gathers its keys once for
+all heads of the block (MQA: one key row serves every head), keeps an online softmax (running max
+m, sum l, weighted values) in fp32 and writes partials; `_combine_kernel` merges the chunks and the
+sink: out = Σ_c acc_c e^{m_c − m} / (e^{sink − m} + Σ_c l_c e^{m_c − m}), m = max(sink, m_c).
+QKᵀ and P·V run on tensor cores with fp32 accumulation (bf16 P; fp32 inputs use 3-pass TF32).
+No host sync; CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # noqa: F401 (the op's ref)
+from dspark.kernels.registry import require_triton
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # the torch reference below must import without the optional gpu extra
+    triton = tl = None
+
+    def _jit(fn):
+        return fn
+
+
+# --------------------------------------------------------------------------------- Triton kernels
+
+
+@_jit
+def _partial_kernel(
+    q_ptr, pool_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr,
+    n_q, n_heads, head_dim, n_keys, keys_per_chunk, scale,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Online softmax of query s, heads of block hb, over keys [c·keys_per_chunk, (c+1)·...):
+    writes m, l [C, S, H] and acc [C, S, H, d] (fp32, un-normalised)."""
+    s = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c = tl.program_id(2)
+    h_mask = offs_h < n_heads
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < head_dim
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + (s * n_heads + offs_h)[:, None] * head_dim + offs_d[None, :], mask=hd_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)  # finite: no inf − inf
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, D_PAD), dtype=tl.float32)
+    start = c * keys_per_chunk
+    for n0 in range(0, keys_per_chunk, BLOCK_N):  # fixed trip count: the interpreter needs it
+        offs_n = start + n0 + tl.arange(0, BLOCK_N)
+        in_range = (offs_n < n_keys) & (offs_n < start + keys_per_chunk)
+        rows = tl.load(idx_ptr + s * n_keys + offs_n, mask=in_range, other=-1).to(tl.int64)
+        valid = rows >= 0
+        k = tl.load(pool_ptr + rows[:, None] * head_dim + offs_d[None, :],
+                    mask=valid[:, None] & d_mask[None, :], other=0.0)  # [BN, D]: key and value
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # [BH, BN]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        if DOT_FP32:
+            acc = tl.dot(p, k, acc * alpha[:, None], input_precision="tf32x3")
+        else:
+            # P·V takes P in the keys' dtype; l sums that same rounded P, so the weights of the
+            # values stay exactly normalised (no bias from rounding P, whatever the rounding mode).
+            p = p.to(k.dtype)
+            acc = tl.dot(p, k, acc * alpha[:, None])
+            p = p.to(tl.float32)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    part = (c * n_q + s) * n_heads + offs_h  # [BH]
+    tl.store(m_ptr + part, m, mask=h_mask)
+    tl.store(l_ptr + part, l, mask=h_mask)
+    tl.store(acc_ptr + part[:, None] * head_dim + offs_d[None, :], acc, mask=hd_mask)
+
+
+@_jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, n_q, n_heads, head_dim, n_chunks,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[s, heads of block, d-block] = merged chunks with the sink in the denominator, cast to
+    out's dtype (each d-block recomputes m and l: [BLOCK_H] work, cheaper than another pass)."""
+    s = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < n_heads
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    hd_mask = h_mask[:, None] & (offs_d[None, :] < head_dim)
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    m = sink
+    for c in range(0, n_chunks):
+        m = tl.maximum(m, tl.load(m_ptr + (c * n_q + s) * n_heads + offs_h, mask=h_mask, other=-1.0e30))
+    l = tl.exp(sink - m)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for c in range(0, n_chunks):
+        part = (c * n_q + s) * n_heads + offs_h
+        w = tl.exp(tl.load(m_ptr + part, mask=h_mask, other=-1.0e30) - m)
+        l += w * tl.load(l_ptr + part, mask=h_mask, other=0.0)
+        acc += w[:, None] * tl.load(acc_ptr + part[:, None] * head_dim + offs_d[None, :], mask=hd_mask, other=0.0)
+    out = acc / l[:, None]
+    tl.store(out_ptr + (s * n_heads + offs_h)[:, None] * head_dim + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+
+
+# ------------------------------------------------------------------------------------- launcher
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # Triton interpreter on CPU: few programs keep it fast, yet > 1 chunk is exercised
+
+
+def _tiles(n_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps): every head of a key tile in one program when they fit (the
+    keys are then read once), otherwise 16-head blocks; tl.dot needs >= 16 on each side."""
+    block_h = max(16, min(64, triton.next_power_of_2(n_heads)))
+    d_pad = triton.next_power_of_2(head_dim)
+    if block_h * d_pad > 16 * 512:  # the fp32 accumulator [BLOCK_H, d] must stay in registers
+        block_h = max(16, 16 * 512 // d_pad)
+    return block_h, 16 if d_pad >= 256 else 32, 8 if d_pad >= 256 else 4
+
+
+def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Fused `sparse_attention_ref` (same signature, shapes and dtypes)."""
+    require_triton()
+    _check_args(q, pool, index, sink)
+    n_q, n_heads, head_dim = q.shape
+    n_keys = index.shape[1]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if n_q == 0:
+        return out
+    block_h, block_n, warps = _tiles(n_heads, head_dim)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    n_hblocks = triton.cdiv(n_heads, block_h)
+    # Split the keys until the grid covers ~2 waves of SMs, but keep >= 4 key tiles per chunk.
+    max_chunks = max(1, triton.cdiv(n_keys, 4 * block_n))
+    n_chunks = max(1, min(max_chunks, triton.cdiv(2 * _num_sms(q.device), n_q * n_hblocks)))
+    keys_per_chunk = triton.cdiv(triton.cdiv(max(n_keys, 1), n_chunks), block_n) * block_n
+    n_chunks = triton.cdiv(max(n_keys, 1), keys_per_chunk)
+    m = torch.empty((n_chunks, n_q, n_heads), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((n_chunks, n_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
+    dot_fp32 = q.dtype == torch.float32 or pool.dtype == torch.float32
+    _partial_kernel[(n_q, n_hblocks, n_chunks)](
+        q.contiguous(), pool.contiguous(), index.contiguous(), m, l, acc,
+        n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale),
+        BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DOT_FP32=dot_fp32, num_warps=warps,
+    )
+    block_d = min(d_pad, 128)  # a [BLOCK_H, 512] fp32 tile would spill registers
+    _combine_kernel[(n_q, n_hblocks, triton.cdiv(head_dim, block_d))](
+        m, l, acc, sink.float().contiguous(), out, n_q, n_heads, head_dim, n_chunks,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+    )
+    return out

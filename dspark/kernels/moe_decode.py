@@ -1,0 +1,125 @@
+"""Decode-sized MoE experts (M = 1..8 tokens): GEMV kernels straight over the picked experts' weights.
+
+The packed path of `moe.moe_experts` sorts the N·K assignments by expert and pads each group to a
+16-row tensor-core tile; for a handful of tokens that bookkeeping (a dozen small torch ops plus five
+kernel launches) costs more than reading the weights. Here each (token, expert) assignment is one
+row of work and nothing is packed:
+
+1. `_decode_up_kernel`, grid (N·K + N, ⌈I/BLOCK_N⌉): row a < N·K is assignment a (token a // K,
+   expert ids[a]); row N·K + t is token t's shared expert. h[a] = silu(min(x·W1ᵀ, L)) ·
+   clamp(x·W3ᵀ, −L, L), kept in fp32.
+2. `_decode_down_kernel`, grid (N, ⌈D/BLOCK_N⌉): y[t] = h[shared t]·W2_sᵀ + Σ_k w[t, k] ·
+   h[t·K + k]·W2[ids[t, k]]ᵀ, accumulated in fp32 and cast once: the down projection and the
+   finalize are one pass, so the routed rows never reach memory.
+
+Two launches, no host sync, CUDA-graph capturable. Weights may be dense or `FP8BlockWeight`
+(dequantised per tile in registers, as in the packed kernels). Shape symbols as in `moe.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels.moe import _jit, _weight_parts, _weight_tile, tl, triton
+
+_BLOCK_N = 16  # output rows per program: small, so that one token still spreads over the SMs
+_BLOCK_K = 128  # reduction step; FP8 weights cap it at the scale block
+
+
+@_jit
+def _gemv(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, FP8: tl.constexpr, SB: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N]: W[e, offs_n, :] · v for one input row v (n_in long) of any float dtype."""
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(v_ptr + offs_k, mask=offs_k < n_in, other=0.0).to(tl.float32)
+        w = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, FP8, SB, tl.float32)
+        acc += tl.sum(w * v[None, :], axis=1)
+    return acc
+
+
+@_jit
+def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim, limit,
+                FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Clamped SwiGLU of one token for rows offs_n of expert e, fp32 [BLOCK_N]."""
+    gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
+    up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
+    if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@_jit
+def _decode_up_kernel(
+    x_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, h_ptr,
+    n_assign, dim, inter, inter_s, h_width, limit,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
+    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
+):
+    """h[a, offs_n] for one work row a (routed assignment or shared expert of a token)."""
+    a = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if a < n_assign:
+        e = tl.load(ids_ptr + a).to(tl.int64)
+        x_row = x_ptr + (a // TOP_K).to(tl.int64) * dim
+        h = _swiglu_row(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, inter, dim, limit,
+                        FP8, SB, CLAMP, BLOCK_K)
+        n_out = inter
+    else:
+        x_row = x_ptr + (a - n_assign).to(tl.int64) * dim
+        h = _swiglu_row(x_row, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, 0, offs_n, inter_s, dim, limit,
+                        FP8_S, SB_S, CLAMP, BLOCK_K_S)
+        n_out = inter_s
+    tl.store(h_ptr + a.to(tl.int64) * h_width + offs_n, h, mask=offs_n < n_out)
+
+
+@_jit
+def _decode_down_kernel(
+    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
+    n_assign, dim, inter, inter_s, h_width,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
+):
+    """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
+                FP8_S, SB_S, BLOCK_K_S)
+    for k in tl.static_range(TOP_K):
+        a = t * TOP_K + k
+        e = tl.load(ids_ptr + a).to(tl.int64)
+        weight = tl.load(wts_ptr + a)
+        acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K)
+    tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
+
+
+def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float):
+    """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
+    int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype."""
+    n_tok, dim = x.shape
+    top_k = ids.shape[1]
+    n_assign = n_tok * top_k
+    d1, s1, fp8, sb = _weight_parts(w1)
+    d3, s3, _, _ = _weight_parts(w3)
+    d2, s2, _, _ = _weight_parts(w2)
+    ds1, ss1, fp8_s, sb_s = _weight_parts(shared_w1)
+    ds3, ss3, _, _ = _weight_parts(shared_w3)
+    ds2, ss2, _, _ = _weight_parts(shared_w2)
+    inter, inter_s = d1.shape[1], ds1.shape[0]
+    h_width = max(inter, inter_s)
+    h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
+    block_k = min(_BLOCK_K, sb) if fp8 else _BLOCK_K
+    block_k_s = min(_BLOCK_K, sb_s) if fp8_s else _BLOCK_K
+    common = dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_N=_BLOCK_N,
+                  BLOCK_K=block_k, BLOCK_K_S=block_k_s, num_warps=4)
+    _decode_up_kernel[(n_assign + n_tok, triton.cdiv(h_width, _BLOCK_N))](
+        x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, n_assign, dim, inter, inter_s, h_width,
+        float(swiglu_limit), CLAMP=swiglu_limit > 0, **common,
+    )
+    y = torch.empty_like(x)
+    _decode_down_kernel[(n_tok, triton.cdiv(dim, _BLOCK_N))](
+        h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width, **common,
+    )
+    return y

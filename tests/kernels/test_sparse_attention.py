@@ -1,0 +1,107 @@
+"""Sparse MQA with sink (dspark/kernels/attention.py): fused Triton vs the torch reference.
+
+Index lists are built as the model builds them: the sliding window (−1 before position 0) followed
+by compressed entries (HCA: every visible one; CSA: a top-k subset with −1 holes), so one test
+covers decode (S = 1), verify blocks (a few rows) and prefill rows; chunking of the keys across
+programs is exercised by key lists longer than one chunk.
+"""
+
+import pytest
+import torch
+
+from dspark.kernels import attention, attention_ref, triton_available
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+def rel_err(out, ref):
+    assert not out.isnan().any(), "NaN in output: an element was not written"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_inputs(n_q, n_heads, head_dim, start, window, n_entries, top_k, dtype, seed):
+    """q [S, H, d], pool [window rows + entries, d], index [S, W (+ top_k)], sink [H]; random, no zeros.
+
+    Queries sit at positions start .. start+S−1; pool row r holds position r (window part), then
+    the compressed entries. CSA-like picks (top_k > 0) are random entries with some −1 holes."""
+    g = torch.Generator().manual_seed(seed)
+    n_raw = start + n_q
+    pool = torch.randn(n_raw + n_entries, head_dim, generator=g)
+    q = torch.randn(n_q, n_heads, head_dim, generator=g)
+    sink = torch.randn(n_heads, generator=g) * 0.5 + 0.5
+    positions = torch.arange(start, start + n_q)
+    keys = positions[:, None] - (window - 1) + torch.arange(window)
+    index = torch.where(keys >= 0, keys, -1)
+    if n_entries:
+        if top_k:
+            picks = torch.stack([torch.randperm(n_entries, generator=g)[:top_k] for _ in range(n_q)]) + n_raw
+            picks[torch.rand(n_q, top_k, generator=g) < 0.2] = -1
+        else:  # HCA: every entry w < (p + 1) // 4 is visible
+            w = torch.arange(n_entries)
+            picks = torch.where(w[None, :] < ((positions + 1) // 4)[:, None], w + n_raw, -1)
+        index = torch.cat((index, picks), dim=1)
+    return (q.to(DEVICE, dtype), pool.to(DEVICE, dtype), index.to(DEVICE), sink.to(DEVICE))
+
+
+CASES = [  # (S, H, d, first position, window, compressed entries, top-k)
+    (1, 4, 32, 0, 8, 0, 0),  # first decode token: one key, the rest −1
+    (1, 3, 48, 40, 16, 0, 0),  # decode with a full window; H, d off the tiles
+    (4, 4, 32, 37, 16, 9, 0),  # verify block, HCA entries
+    (3, 16, 64, 70, 16, 30, 12),  # verify block, CSA top-k with holes
+    (20, 2, 32, 5, 8, 0, 0),  # prefill rows, window only
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_q,n_heads,head_dim,start,window,n_entries,top_k", CASES)
+def test_sparse_attention_matches_ref(n_q, n_heads, head_dim, start, window, n_entries, top_k, dtype, poisoned):
+    args = make_inputs(n_q, n_heads, head_dim, start, window, n_entries, top_k, dtype, seed=n_q + head_dim)
+    scale = head_dim ** -0.5
+    with poisoned():
+        out = attention.sparse_attention(*args, scale)
+    ref = attention.sparse_attention_ref(*args, scale)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@needs_triton
+def test_sparse_attention_sink_and_empty_rows():
+    """A row with no key returns 0 (all mass on the sink); a large sink shrinks the output."""
+    q, pool, index, sink = make_inputs(2, 4, 32, 10, 8, 0, 0, torch.float32, seed=1)
+    index[0] = -1
+    out = attention.sparse_attention(q, pool, index, sink, 0.2)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    big = attention.sparse_attention(q, pool, index, sink + 30.0, 0.2)
+    assert big[1].abs().max() < 1e-6 * out[1].abs().max() + 1e-9
+    assert rel_err(out, attention.sparse_attention_ref(q, pool, index, sink, 0.2)) < 1e-4
+
+
+def test_model_uses_the_kernel_reference():
+    """The model's attention core is the op's reference (one definition)."""
+    from dspark.models.deepseek_v4 import attention as model_attention
+
+    assert model_attention.sparse_attention is attention_ref.sparse_attention_ref
+
+
+def test_sparse_attention_rejects_bad_arguments():
+    q, pool, index, sink = make_inputs(2, 4, 32, 10, 8, 0, 0, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="pool"):
+        attention_ref.sparse_attention_ref(q, pool[:, :16], index, sink, 0.2)
+    with pytest.raises(ValueError, match="index"):
+        attention_ref.sparse_attention_ref(q, pool, index.float(), sink, 0.2)
+    with pytest.raises(ValueError, match="sink"):
+        attention_ref.sparse_attention_ref(q, pool, index, sink[:2], 0.2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q", [1, 4, 512])
+@pytest.mark.parametrize("n_entries,top_k", [(256, 0), (8192, 512)])
+def test_flash_shapes_on_gpu(n_q, n_entries, top_k):
+    """V4-Flash attention at 32K context: 64 heads, d 512, window 128, HCA (256 entries) or CSA
+    (top-512 of 8192 entries), bf16."""
+    args = make_inputs(n_q, 64, 512, 32768 - n_q, 128, n_entries, top_k, torch.bfloat16, seed=n_q)
+    out = attention.sparse_attention(*args, 512 ** -0.5)
+    assert rel_err(out, attention.sparse_attention_ref(*args, 512 ** -0.5)) < TOL[torch.bfloat16]
