@@ -73,7 +73,7 @@ class DispatchMoE(nn.Module):
         rows = self.comm.exchange_rows(x[order // k], send_rank, recv_rank)  # [R, D]
         out = self._run_experts(rows, recv_counts, [sum(col) for col in zip(*got)])  # [R, D] x.dtype
         back = self.comm.exchange_rows(out, recv_rank, send_rank)  # [N·K, D], in `order`
-        per_slot = torch.empty_like(back).index_copy_(0, order, back).view(n, k, -1)  # [N, K, D]
+        per_slot = torch.empty_like(back).index_copy_(0, order, back).view(n, k, x.shape[1])  # [N, K, D]
         routed = (per_slot.float() * weights.unsqueeze(-1)).sum(dim=1)  # [N, D] fp32
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
