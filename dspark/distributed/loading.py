@@ -42,6 +42,9 @@ def load_sharded(path: str | Path, parallel: ParallelConfig, comm: Comm, device:
     tokenizer and its DSpark drafter (`model.dspark`, replicated on every rank) like `load_model`.
     Raises ValueError naming every missing, unexpected or mis-shaped key, and for the HF layout.
     """
+    if parallel.layout == "tp":
+        raise ValueError("load_sharded: the 'tp' layout slices whole experts in memory; use "
+                         "dspark.load_model then parallelize")
     path = EMBEDDED[path] if isinstance(path, str) and path in EMBEDDED else Path(path)
     config = json.loads((path / CONFIG_FILE).read_text())
     model = build_model(config, device, dtype, **options)
