@@ -133,6 +133,19 @@ def _load_tokenizer(path: Path):
     return Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
+def build_model(config: Mapping, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                **options) -> torch.nn.Module:
+    """The model of a ``config.json`` dict with *uninitialised* weights, for loaders that fill every
+    tensor themselves (``dspark.distributed.load_sharded``); options as in :func:`load_model`."""
+    config = dict(config)
+    return _build(_family(config, "config"), config, device, dtype, options)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of checkpoint directory ``path`` (as ``load_model`` attaches it), or None."""
+    return _load_tokenizer(Path(path))
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",

@@ -22,6 +22,13 @@ def _draft_tokens(text: str):
 
 
 def _generate(args) -> int:
+    if args.ep > 1 or args.tp > 1:  # one rank of a torchrun launch
+        from dspark.distributed.launch import generate_distributed
+
+        return generate_distributed(args)
+    if len(args.prompt) != 1:
+        raise ValueError(f"{len(args.prompt)} prompts given: several prompts need --ep or --tp (a parallel run)")
+    args.prompt = args.prompt[0]
     if args.device == "cpu":
         torch.set_num_threads(args.threads)  # process-wide, set here at the edge only
     model = _load(args.model, args.device)
@@ -81,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dspark")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="+", help="prompt (several only with --ep/--tp: one request each)")
     g.add_argument("--model", default="tiny",
                    help=f"tiny (the embedded trained model, default), a checkpoint directory, or {RANDOM_TINY}")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -94,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1: the small models here lose time to thread hand-offs)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree (= torchrun's world size)")
+    g.add_argument("--tp", type=int, default=1, help="MoE tensor-parallel degree (= torchrun's world size)")
+    g.add_argument("--dp-attention", action="store_true", help="with --ep: each rank serves its own requests")
+    g.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo", help="nccl or gloo")
     g.set_defaults(run=_generate)
     _add_eval_accept(sub)
     from dspark.train.cli import add_subcommands  # train-draft, calibrate-draft: imported on use of the CLI

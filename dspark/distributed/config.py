@@ -1,0 +1,81 @@
+"""`ParallelConfig`: how one process takes part in a multi-process run, validated once at the edge.
+
+Three layouts, each over all `world_size` ranks of the default process group:
+
+* ``dep``  (``ep = world_size``, ``dp_attention=True``) — DP attention + expert parallelism: each
+  rank owns its own requests and runs attention, mHC and the head for them (replicated weights);
+  routed experts are split into `ep` contiguous slices and tokens travel to the rank owning their
+  experts (all-to-all dispatch / combine). The seeds' DEP4 prefill and DEP64 decode are this layout.
+* ``ep``   (``ep = world_size``, ``dp_attention=False``) — every rank runs the same requests; each
+  computes its expert slice for all tokens and one all-reduce sums the partial MoE outputs.
+* ``tp``   (``tp = world_size``) — every rank runs the same requests; every expert (and the shared
+  expert) is split along its width I, partial outputs summed by one all-reduce. For small decode
+  batches, where all-to-all latency dominates.
+
+Attention weights are replicated in every layout (head-split tensor-parallel attention is not
+implemented). `world_size = 1` with `ep = tp = 1` is the single-process run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """world_size, rank : this process in the default group (torchrun's WORLD_SIZE / RANK).
+    local_rank : device index on this host (torchrun's LOCAL_RANK), for `cuda:{local_rank}`.
+    ep, tp : expert- / tensor-parallel degree (at most one above 1, and then equal to world_size).
+    dp_attention : each rank serves its own requests (needs ep = world_size > 1).
+    backend : "gloo" (CPU tensors) or "nccl" (CUDA tensors)."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    ep: int = 1
+    tp: int = 1
+    dp_attention: bool = False
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "ep", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("rank", "local_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} outside [0, world_size={self.world_size})")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.dp_attention, bool):
+            raise ValueError(f"dp_attention must be a bool, got {self.dp_attention!r}")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(f"ep={self.ep} and tp={self.tp}: combining expert and tensor parallelism is not supported")
+        degree = max(self.ep, self.tp)
+        if degree != self.world_size:
+            raise ValueError(f"ep={self.ep}, tp={self.tp}: the parallel degree must equal world_size={self.world_size}")
+        if self.dp_attention and self.ep == 1:
+            raise ValueError(f"dp_attention needs ep = world_size > 1, got ep={self.ep}")
+
+    @property
+    def layout(self) -> str:
+        """"single", "dep", "ep" or "tp" (see the module docstring)."""
+        if self.world_size == 1:
+            return "single"
+        if self.tp > 1:
+            return "tp"
+        return "dep" if self.dp_attention else "ep"
+
+    @property
+    def dp_size(self) -> int:
+        """Independent request streams: world_size under DP attention, else 1."""
+        return self.world_size if self.dp_attention else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank if self.dp_attention else 0

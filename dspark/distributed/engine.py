@@ -1,0 +1,62 @@
+"""`LockstepEngine`: the engine of one DP-attention rank, kept in step with the other ranks.
+
+Every target forward call runs each layer's `DispatchMoE`, and every rank must join every
+exchange. Ranks own different requests, so one rank may have prompt chunks to feed while another
+has none, or finish earlier. Each step therefore starts with one small all-reduce deciding which
+phases (prefill, decode) run anywhere; a rank with nothing to do in a running phase joins each
+layer's exchanges with zero tokens (`DispatchMoE.idle`). Drafting and planning stay local: the
+drafter, the planner and the sampling of each rank only see its own requests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dspark.distributed.comm import Comm
+from dspark.engine.engine import Engine, EngineConfig, StepEvent, _charge
+from dspark.round import prefill_step, speculative_round
+
+
+class LockstepEngine(Engine):
+    """`Engine` for DP attention + EP: same API (`add_request`, `step`, `abort`); loop on
+    `has_work_anywhere()` instead of `has_work()`, on every rank."""
+
+    def __init__(self, model, config: EngineConfig, comm: Comm, moe_layers: list):
+        super().__init__(model, config)
+        self.comm = comm
+        self.moe_layers = moe_layers
+
+    def has_work_anywhere(self) -> bool:
+        """Any rank has a waiting or running request (collective)."""
+        return self.comm.any([self.has_work()])[0]
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """One step of `Engine.step` (admit, prefill chunk, speculative round); collective."""
+        self._admit()
+        before = {id(r): len(r.out) for r in self.running}
+        prefilling = [r for r in self.running if r.in_prefill]
+        decoding = [r for r in self.running if not r.in_prefill]
+        any_prefill, any_decode = self.comm.any([bool(prefilling), bool(decoding)])
+        if prefilling:
+            t = time.perf_counter()
+            prefill_step(self.model, self.drafter, prefilling, self.config.prefill_chunk)
+            _charge(prefilling, "prefill_s", time.perf_counter() - t)
+        elif any_prefill:
+            self.idle_forward()
+        if decoding:
+            t = time.perf_counter()
+            speculative_round(self.model, self.drafter, decoding, self.round_config,
+                              self._trace if self.config.trace else None)
+            _charge(decoding, "decode_s", time.perf_counter() - t)
+        elif any_decode:
+            self.idle_forward()
+        return self._events(before)
+
+    def idle_forward(self) -> None:
+        """Stand in for one target forward call of this rank: every layer's exchanges, no tokens."""
+        m = self.model
+        for moe in self.moe_layers:
+            moe.idle(m.config.hidden_size, m.dtype, m.device)

@@ -1,0 +1,38 @@
+"""`parallelize`: swap the MoE block of every target layer for its parallel version, from outside.
+
+The model files stay single-device; this walks `model.layers[i].ffn` (DeepSeek-V4 and V4.1 alike)
+and replaces each by the module of `ParallelConfig.layout`. The MTP block and the DSpark drafter's
+own MoE blocks are left as they are: they run per DP rank, replicated, and join no collective, so
+a rank may draft for its own requests whatever the other ranks do.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dspark.distributed.comm import Comm
+from dspark.distributed.config import ParallelConfig
+from dspark.distributed.moe import ColumnMoE, DispatchMoE, SliceMoE
+
+_MODULES = {"dep": DispatchMoE, "ep": SliceMoE, "tp": ColumnMoE}
+
+
+def parallelize(model: nn.Module, config: ParallelConfig, comm: Comm) -> list[nn.Module]:
+    """Replace each `model.layers[i].ffn` in place; returns the new modules in layer order.
+
+    A single-process config leaves the model untouched (and returns []). Experts a rank does not
+    own are dropped here: build the model, `parallelize`, then load (`load_sharded`) so that only
+    owned experts are ever read. Raises ValueError when the process group does not match `config`
+    or the experts do not split evenly.
+    """
+    if config.layout == "single":
+        return []
+    if (comm.rank, comm.size) != (config.rank, config.world_size):
+        raise ValueError(f"process group rank {comm.rank} of {comm.size} does not match "
+                         f"ParallelConfig rank {config.rank} of {config.world_size}")
+    module = _MODULES[config.layout]
+    swapped = []
+    for layer in model.layers:
+        layer.ffn = module(layer.ffn, comm)
+        swapped.append(layer.ffn)
+    return swapped
