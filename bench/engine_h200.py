@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import statistics
 import subprocess
 import time
