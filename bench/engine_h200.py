@@ -380,13 +380,18 @@ def main() -> None:
     results["roofline"] = active_bytes(model, args["contexts"][0])
     # time kept back for the phases after each context's decode grid: 32K decode, peer and prefill
     keep = {args["contexts"][0]: 0.45 * budget, args["contexts"][-1]: 0.2 * budget}
+    def save():  # after every phase, so a run cut short still leaves what it measured
+        summarise(results, args)
+        results["elapsed_s"] = budget - clock.left()
+        with open(cli.out, "w") as f:
+            json.dump(results, f, indent=1)
+
     run_decode(model, drafters, args, clock, keep, results, results["skipped"], g)
+    save()
     run_peer(config, args, device, results)
+    save()
     run_prefill(model, args, clock, results, results["skipped"], g)
-    summarise(results, args)
-    results["elapsed_s"] = budget - clock.left()
-    with open(cli.out, "w") as f:
-        json.dump(results, f, indent=1)
+    save()
     print(json.dumps(results["summary"], indent=1))
 
 
