@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 import torch
 
+from dspark import configs
 from dspark.draft.io import dspark_from_checkpoint, dspark_from_v41_checkpoint, load_drafter
 from dspark.models.deepseek_v4 import checkpoint as deepseek_v4_checkpoint
 from dspark.models.deepseek_v4.config import DeepseekV4Config
@@ -216,9 +217,12 @@ def init_model(
 ) -> torch.nn.Module:
     """Build a model with random weights (``init_weights(seed)``), in eval mode, without tokenizer.
 
-    ``config`` is a config dict or the path of a ``config.json`` (or of its directory); dtype and
-    ``options`` as in :func:`load_model`.
+    ``config`` is a config dict, the name of a shipped config (``dspark.configs.NAMES``, e.g.
+    ``"v4-mini"``) or the path of a ``config.json`` (or of its directory); dtype and ``options`` as
+    in :func:`load_model`.
     """
+    if isinstance(config, str) and config in configs.NAMES:
+        config = configs.load_config(config)
     if not isinstance(config, Mapping):
         config = _read_config(Path(config))
     family = _family(config, "config")

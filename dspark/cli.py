@@ -1,4 +1,4 @@
-"""`dspark` command line: `dspark generate "prompt"`, `dspark eval-accept --out DIR`."""
+"""`dspark` command line: `dspark generate "prompt"`, `dspark eval-accept --out DIR`, `dspark profile --out FILE`."""
 
 from __future__ import annotations
 
@@ -31,10 +31,14 @@ def _generate(args) -> int:
     args.prompt = args.prompt[0]
     if args.device == "cpu":
         torch.set_num_threads(args.threads)  # process-wide, set here at the edge only
+    from dspark.verify.capacity import CapacityTable
+
+    capacity = CapacityTable.load(args.capacity) if args.capacity else None
     model = _load(args.model, args.device)
     out = dspark.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          seed=args.seed, draft_tokens=args.draft_tokens, drafter=args.drafter)
+                          seed=args.seed, draft_tokens=args.draft_tokens, drafter=args.drafter,
+                          planner=args.planner, capacity=capacity)
     print(args.prompt + out.text if out.text is not None else out.token_ids)
     s = out.stats
     print(f"[{s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
@@ -58,6 +62,47 @@ def _eval_accept(args) -> int:
         print(f"{row['domain']:>14}  tau {row['tau']:.3f}  rounds {row['rounds']:>6}  accept_rate@k {survival}")
     print(f"wrote {args.out}/traces.jsonl and {args.out}/summary.json", file=sys.stderr)
     return 0
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _profile(args) -> int:
+    from dspark.profile import ProfileConfig, profile_capacity  # only this subcommand needs it
+
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    config = ProfileConfig(args.batch_tokens, args.context, args.width, args.warmup, args.repeats, args.prefill_chunk)
+    model = _load(args.model, args.device)
+    table = profile_capacity(model, config, model_name=args.model,
+                             progress=lambda b, s: print(f"B={b:>6}  {s * 1e3:9.3f} ms  {1 / s:9.1f} steps/s",
+                                                         file=sys.stderr))
+    table.save(args.out)
+    print(f"wrote {args.out} ({table.label})", file=sys.stderr)
+    return 0
+
+
+def _add_profile(sub) -> None:
+    from dspark.profile import ProfileConfig
+
+    d = ProfileConfig()
+    p = sub.add_parser("profile", help="measure SPS(B) (target steps/s vs tokens per step) and write the "
+                                       "capacity table the planner reads (--capacity)")
+    p.add_argument("--model", default="tiny", help=f"tiny, a checkpoint directory, or {RANDOM_TINY}")
+    p.add_argument("--batch-tokens", type=_int_list, default=d.batch_tokens, help="probe sizes B, e.g. 1,2,4,8")
+    p.add_argument("--context", type=int, default=d.context, help="tokens of state per request during probes")
+    p.add_argument("--width", type=int, default=d.width, help="tokens verified per request (1 + drafts)")
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    p.add_argument("--out", required=True, help="capacity table JSON to write")
+    p.set_defaults(run=_profile)
 
 
 def _add_eval_accept(sub) -> None:
@@ -98,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft-tokens", type=_draft_tokens, default=0)
     g.add_argument("--drafter", default=None, help="dspark, mtp or ngram (default: the model's best)")
+    g.add_argument("--planner", default="sync", help="sync or async (with --draft-tokens auto)")
+    g.add_argument("--capacity", default=None,
+                   help="capacity table JSON from `dspark profile` for --draft-tokens auto (default: CPU table)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1: the small models here lose time to thread hand-offs)")
@@ -107,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo", help="nccl or gloo")
     g.set_defaults(run=_generate)
     _add_eval_accept(sub)
+    _add_profile(sub)
     from dspark.train.cli import add_subcommands  # train-draft, calibrate-draft: imported on use of the CLI
     add_subcommands(sub, _load, RANDOM_TINY)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad arguments, missing model or table files
         parser.exit(2, f"dspark: error: {e}\n")
 
 

@@ -34,6 +34,7 @@ class GenerationStats:
     rejected_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    preemptions: int = 0
 
     @property
     def tau(self) -> float:
@@ -69,7 +70,9 @@ class Request:
 
     `state` is the target's rewindable decode state, `dstate` the drafter's (None for plain
     decoding). `out[-1]` is the anchor of the next round: committed, not yet fed to the target.
-    `prefilled` counts prompt tokens already fed (chunked prefill). `confidences` keeps the last two
+    `feed` is what prefill feeds: the prompt, or after a preemption the prompt plus every committed
+    token but the anchor; `prefilled` counts the tokens of `feed` already fed (chunked prefill).
+    `confidences` keeps the last two
     rounds' draft confidences for the asynchronous planner. `domain` is a free-form tag (e.g. the
     evaluation set) copied into every round trace record so analyses can group by it.
     """
@@ -88,10 +91,29 @@ class Request:
     finish_reason: str | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     confidences: deque = field(default_factory=lambda: deque(maxlen=2))
+    feed: list[int] | None = None
+
+    def __post_init__(self):
+        if self.feed is None:
+            self.feed = list(self.prompt)
 
     @property
     def in_prefill(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < len(self.feed)
+
+    @property
+    def fed_length(self) -> int:
+        """Tokens the target state holds once prefill is done: prompt + output − the anchor."""
+        return len(self.prompt) + max(len(self.out) - 1, 0)
+
+    def preempt(self) -> None:
+        """Drop the device state; the next prefill rebuilds it from prompt + output − the anchor,
+        after which decoding resumes from the same anchor (nothing is sampled again)."""
+        self.state = self.dstate = None
+        self.feed = self.prompt + self.out[:-1]
+        self.prefilled = 0
+        self.confidences.clear()  # the asynchronous planner treats the rebuilt request as new
+        self.stats.preemptions += 1
 
     @property
     def remaining(self) -> int:

@@ -56,13 +56,14 @@ def _pick(logits: torch.Tensor, req: Request) -> int:
 
 def prefill_step(model, drafter, requests: list[Request], chunk: int) -> None:
     """Feed the next ≤ `chunk` prompt tokens of every request; a request whose prompt is complete
-    gets its first token from the last prompt row."""
-    pieces = [r.prompt[r.prefilled:r.prefilled + chunk] for r in requests]
+    gets its first token from the last prompt row, unless it is resuming after a preemption (it
+    already has its anchor)."""
+    pieces = [r.feed[r.prefilled:r.prefilled + chunk] for r in requests]
     out, offsets = _forward(model, requests, pieces, drafter)
     for req, piece, off in zip(requests, pieces, offsets):
         _observe(drafter, req, out, slice(off, off + len(piece)), piece)
         req.prefilled += len(piece)
-        if not req.in_prefill:
+        if not req.in_prefill and not req.out:
             req.stats.prompt_tokens = len(req.prompt)
             req.commit([_pick(out.logits[off + len(piece) - 1], req)])
 

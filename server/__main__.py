@@ -12,6 +12,7 @@ import uvicorn
 import dspark
 from dspark.draft import DRAFTER_NAMES
 from dspark.engine import Engine, EngineConfig
+from dspark.verify.capacity import CapacityTable
 from dspark.validate import PLANNERS
 
 from .app import create_app
@@ -68,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=_DEFAULTS.max_prompt_tokens)
     p.add_argument("--max-tokens", type=int, default=_DEFAULTS.max_new_tokens, help="max new tokens per request")
     p.add_argument("--prefill-chunk", type=int, default=_DEFAULTS.prefill_chunk)
+    p.add_argument("--capacity", default=None,
+                   help="capacity table JSON from `dspark profile` for --draft-tokens auto (default: CPU table)")
+    p.add_argument("--state-budget-bytes", type=int, default=None,
+                   help="device memory for per-request decode state; the newest requests are preempted "
+                        "(and recomputed) when it runs out (default: enough for --max-running at their longest)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight may finish after a shutdown signal before being aborted")
@@ -86,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                               max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
                               prefill_chunk=args.prefill_chunk, draft_tokens=args.draft_tokens,
-                              drafter=args.drafter, planner=args.planner)
+                              drafter=args.drafter, planner=args.planner,
+                              capacity=CapacityTable.load(args.capacity) if args.capacity else None,
+                              state_budget_bytes=args.state_budget_bytes)
         engine = Engine(load_model(args.model, args.device), config)
         app = create_app(engine, model_name=args.served_model_name or args.model, api_key=args.api_key,
                          drain_s=args.drain_timeout, max_body_bytes=args.max_body_bytes)

@@ -1,10 +1,15 @@
 """`Engine`: every request in flight advanced together, one step at a time (continuous batching).
 
-A step (1) admits waiting requests up to `max_running`, (2) feeds one prompt chunk to every request
-still in prefill (one ragged target call), (3) runs one draft → plan → verify → commit round over
-every decoding request (one more ragged target call). Requests admitted between two steps join the
-next one. The engine is synchronous and single-threaded; it touches the device only through
-`dspark.round`. State of a finished or aborted request is dropped at once.
+A step (1) lets the `Scheduler` settle, grow and admit requests within the state-memory budget
+(preempting the newest ones when it runs out, see `dspark.engine.scheduler`), (2) feeds one prompt
+chunk to every request still in prefill (one ragged target call), (3) runs one draft → plan →
+verify → commit round over every decoding request (one more ragged target call). Requests admitted
+between two steps join the next one. The engine is synchronous and single-threaded; it touches the
+device only through `dspark.round` and when it creates a request's state. State and pages of a
+finished, aborted or preempted request are dropped at once.
+
+The budget governs admission and preemption; the device tensors themselves still live in
+per-request growable buffers, not in a paged device pool.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.draft import resolve_drafter
+from dspark.engine.footprint import request_footprint
+from dspark.engine.pages import StateAllocator
+from dspark.engine.scheduler import Scheduler
 from dspark.request import GenerationStats, Request
 from dspark.round import RoundConfig, prefill_step, speculative_round
 from dspark.sampling import SamplingParams
@@ -41,6 +49,10 @@ class EngineConfig:
     planner : "sync" (Algorithm 1) or "async" (budget from confidences two rounds old).
     capacity : SPS(B) table the planner reads; default: the shipped CPU table.
     trace : keep one record per request per round (see `take_trace`).
+    state_budget_bytes : device memory for per-request decode state (target and drafter), in bytes;
+        None sizes it for `max_running` requests at their longest, so nothing is ever preempted.
+    page_bytes : page size of the state allocator; None picks the smallest power of two holding
+        16 rows of the widest kind of state.
     """
 
     max_running: int = 64
@@ -53,6 +65,8 @@ class EngineConfig:
     planner: str = "sync"
     capacity: CapacityTable | None = None
     trace: bool = False
+    state_budget_bytes: int | None = None
+    page_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("max_running", "max_waiting", "max_prompt_tokens", "max_new_tokens", "prefill_chunk"):
@@ -62,6 +76,10 @@ class EngineConfig:
         if self.planner not in PLANNERS:
             raise ValueError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
         check_draft_tokens(self.draft_tokens)
+        for name in ("state_budget_bytes", "page_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -85,10 +103,17 @@ class Engine:
                              f"γ={self.drafter.block_size}")
         self.round_config = RoundConfig(config.draft_tokens, config.planner, config.capacity or default_cpu_table())
         self.eos = frozenset(_eos_ids(model.config))
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.scheduler = _scheduler(model, self.drafter, config)
         self._ids = itertools.count()
         self._trace: list[dict] = []
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -107,18 +132,12 @@ class Engine:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         req = Request(list(prompt_ids), None, torch.Generator().manual_seed(seed), max_new_tokens,
                       self.eos | frozenset(stop_token_ids), params, request_id=rid, domain=domain)
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return rid
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request and its state; returns whether it was known."""
-        for queue in (self.waiting, self.running):
-            for req in list(queue):
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    req.state = req.dstate = None
-                    return True
-        return False
+        """Drop a request, its state and its pages; returns whether it was known."""
+        return self.scheduler.remove(request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -131,7 +150,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        self._admit()
+        self._schedule()
         before = {id(r): len(r.out) for r in self.running}
         prefilling = [r for r in self.running if r.in_prefill]
         decoding = [r for r in self.running if not r.in_prefill]
@@ -146,12 +165,11 @@ class Engine:
             _charge(decoding, "decode_s", time.perf_counter() - t)
         return self._events(before)
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_running:
-            req = self.waiting.popleft()
+    def _schedule(self) -> None:
+        admitted, _ = self.scheduler.schedule()  # preempted requests had their state dropped there
+        for req in admitted:
             req.state = self.model.new_state()
             req.dstate = self.drafter.new_state() if self.drafter is not None else None
-            self.running.append(req)
 
     def _events(self, before: dict[int, int]) -> list[StepEvent]:
         events = []
@@ -161,8 +179,7 @@ class Engine:
                 events.append(StepEvent(req.request_id, new, req.finish_reason is not None,
                                         req.finish_reason, req.stats))
             if req.finish_reason:
-                self.running.remove(req)
-                req.state = req.dstate = None
+                self.scheduler.finish(req)
         return events
 
     def _check_request(self, prompt_ids, max_new_tokens, request_id) -> None:
@@ -179,8 +196,31 @@ class Engine:
         if len(prompt_ids) + max_new_tokens > limit:
             raise ValueError(f"prompt: {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceed "
                              f"max_position_embeddings={limit}")
+        if not self.scheduler.fits(len(prompt_ids), max_new_tokens):
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} need more decode "
+                             f"state than state_budget_bytes={self.config.state_budget_bytes} holds")
         if request_id is not None and any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
             raise ValueError(f"request_id {request_id!r} is already in flight")
+
+
+def _scheduler(model, drafter, config: EngineConfig) -> Scheduler:
+    """The scheduler over a page allocator sized from `config` for this (target, drafter) pair."""
+    footprint = request_footprint(model, drafter)
+    gamma = 0 if drafter is None else drafter.block_size
+    budget = gamma if config.draft_tokens == "auto" else min(config.draft_tokens, gamma)
+    page_bytes = config.page_bytes or 1 << (16 * footprint.max_row_bytes - 1).bit_length()
+    allocator = StateAllocator(footprint, 1, page_bytes)  # sized below, once pages_needed is known
+    widest = max(config.prefill_chunk, 1 + budget)
+    if config.state_budget_bytes is None:
+        longest = config.max_prompt_tokens + config.max_new_tokens
+        num_pages = config.max_running * sum(allocator.pages_needed(longest, widest))
+    else:
+        num_pages = config.state_budget_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"state_budget_bytes={config.state_budget_bytes} is less than one page "
+                             f"({page_bytes} bytes)")
+    return Scheduler(StateAllocator(footprint, num_pages, page_bytes), config.max_running,
+                     config.prefill_chunk, 1 + budget)
 
 
 def _charge(requests: list[Request], what: str, seconds: float) -> None:

@@ -2,8 +2,8 @@
 
 The verify planner (`dspark.verify.planner`) trades expected accepted tokens against step time, so
 it needs SPS at every batch-token count B = Σ_r (1 + ℓ_r) it may choose. A table is profiled per
-deployment (GPU, parallelism, context length) by `bench/profile_capacity.py`, stored as JSON with
-the device label, and looked up here.
+deployment (GPU, parallelism, context length) by `dspark profile` (`dspark.profile`), stored as
+JSON with the device label and the profiling conditions, and looked up here.
 
 Between probes the *step time* 1/SPS is interpolated linearly: that is what an affine cost model
 (fixed overhead + per-token cost) predicts between two measurements, and linear interpolation never
@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median
+from types import MappingProxyType
 
 import numpy as np
 
@@ -43,6 +44,9 @@ class CapacityTable:
         Where the numbers come from, e.g. "NVIDIA H200, TP1, ctx 4096" or "cpu-default (synthetic)".
     notes : str
         Free-form profiling conditions (commit, clocks, context length).
+    conditions : mapping, optional
+        Structured profiling conditions (device, torch version, model config, date, ...), kept
+        through JSON as they are; not compared.
 
     Raises
     ------
@@ -55,6 +59,7 @@ class CapacityTable:
     steps_per_second: tuple[float, ...]
     label: str
     notes: str = ""
+    conditions: Mapping = field(default_factory=dict, compare=False)
     _dense: np.ndarray = field(init=False, repr=False, compare=False)  # [last probe + 1] SPS per B
 
     def __post_init__(self):
@@ -75,6 +80,9 @@ class CapacityTable:
                 raise ValueError(f"steps_per_second must be finite and > 0; got {s!r} at batch_tokens={b}")
         if not isinstance(self.label, str) or not self.label:
             raise ValueError(f"label must be a non-empty string, got {self.label!r}")
+        if not isinstance(self.conditions, Mapping):
+            raise ValueError(f"conditions must be a mapping, got {type(self.conditions).__name__}")
+        object.__setattr__(self, "conditions", MappingProxyType(dict(self.conditions)))
         object.__setattr__(self, "batch_tokens", tuple(int(b) for b in bt))
         object.__setattr__(self, "steps_per_second", tuple(float(s) for s in sps))
         grid = np.arange(bt[-1] + 1, dtype=np.float64)
@@ -115,10 +123,11 @@ class CapacityTable:
         """
         sps = np.maximum.accumulate(np.asarray(self.steps_per_second)[::-1])[::-1]
         return CapacityTable(self.batch_tokens, tuple(sps.tolist()), self.label,
-                             (self.notes + "; " if self.notes else "") + "non-increasing envelope")
+                             (self.notes + "; " if self.notes else "") + "non-increasing envelope", self.conditions)
 
     @classmethod
-    def from_step_times(cls, samples: dict[int, Sequence[float]], label: str, notes: str = "") -> CapacityTable:
+    def from_step_times(cls, samples: dict[int, Sequence[float]], label: str, notes: str = "",
+                        conditions: Mapping = MappingProxyType({})) -> CapacityTable:
         """Build a table from repeated step-time measurements {batch_tokens: [seconds, ...]}.
 
         Each probe is reduced to the median time (robust to stragglers), then inverted.
@@ -132,10 +141,10 @@ class CapacityTable:
             if not ts or any(not math.isfinite(t) or t <= 0 for t in ts):
                 raise ValueError(f"step times at batch_tokens={b} must be non-empty, finite and > 0")
             times.append(median(ts))
-        return cls(tuple(bt), tuple(1.0 / t for t in times), label, notes)
+        return cls(tuple(bt), tuple(1.0 / t for t in times), label, notes, conditions)
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "label": self.label, "notes": self.notes,
+        return {"format": FORMAT, "label": self.label, "notes": self.notes, "conditions": dict(self.conditions),
                 "batch_tokens": list(self.batch_tokens), "steps_per_second": list(self.steps_per_second)}
 
     @classmethod
@@ -147,7 +156,7 @@ class CapacityTable:
         if missing:
             raise ValueError(f"capacity table is missing {missing}")
         return cls(tuple(data["batch_tokens"]), tuple(data["steps_per_second"]), data["label"],
-                   data.get("notes", ""))
+                   data.get("notes", ""), data.get("conditions", {}))
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:

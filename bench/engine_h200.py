@@ -1,0 +1,425 @@
+"""The batched engine on one GPU: decode step time vs load and speculation mode, prefill throughput,
+the HF transformers peer and the batch-1 HBM roofline, on v4-mini (random weights, bf16).
+
+    PYTHONPATH=. python bench/engine_h200.py --out $OUT/engine-h200.json            # one H200, < 8 min
+    PYTHONPATH=. python bench/engine_h200.py --smoke --out /tmp/engine-smoke.json    # CPU, tiny config, ~1 min
+
+What it measures (issue 7; seeds' conditions):
+
+* decode: requests R ∈ {1, 8, 16, 32, 64, 128, 256} × mode ∈ {none, mtp1, dspark3, auto} at contexts
+  4K and 32K. Every request's decode state (target and drafter) is *fabricated* at the context
+  length: random tensors of exactly the shapes a prefill of that length leaves (window latents,
+  compressor rows, compressed entries, indexer keys, token ids; DSpark's last-W context keys, the
+  MTP block's window and pending streams), not a real prefill (the smoke run checks the shapes
+  against a real prefill). A cell is `warmup` untimed then `steps` timed `Engine.step()` calls over
+  R injected requests (CUDA synchronised around each step); its step time is the median.
+  Weights are random, so the measured acceptance is meaningless: tokens/s are converted at
+  `TAU` committed tokens per step, as the seeds do (3.25 for 3 verified drafts; MTP-1 at its
+  ceiling of 2, flagged), next to the measured tokens/step. "auto" is the synchronous planner
+  (Algorithm 1) over a capacity table profiled here at the same context (width 4).
+* prefill: one target forward of N ∈ {4K, 8K, 16K, 32K, 64K} new tokens over a fabricated context
+  of 128K − N tokens (so the call ends at 128K), tokens/s = N / time; OOM is recorded, not fatal.
+* peer: HF transformers' `DeepseekV4ForCausalLM` (eager) on the same config at batch 1, greedy
+  `generate` of 32 tokens after a 512-token prompt; our figure for the ratio is the batch-1
+  no-speculation decode at 4K context (a longer context than the peer's: conservative).
+* roofline: active bytes of one batch-1 decode token (every weight a token touches, routed experts
+  at top-k / E, plus the decode state it reads at 4K) / 4.4 TB/s, against the measured step.
+
+The grid is trimmed to fit `--budget-s` (default 450 s): a cell whose predicted time (from the
+previous cell of the same mode) would overrun its phase's share is skipped and listed in
+`skipped` with the reason. The reference attention path runs (per-request loop, no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+
+import dspark
+from dspark.configs import load_config
+from dspark.draft import DSparkDrafter, MtpDrafter
+from dspark.draft.context import DSparkState
+from dspark.draft.mtp import MtpState
+from dspark.engine import Engine, EngineConfig
+from dspark.profile import split_tokens, time_step
+from dspark.request import Request
+from dspark.verify.capacity import CapacityTable
+
+HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
+TAU = {"none": 1.0, "mtp1": 2.0, "dspark3": 3.25, "auto": 3.25}
+MODES = ("none", "mtp1", "dspark3", "auto")
+FULL = dict(config="v4-mini", requests=(1, 8, 16, 32, 64, 128, 256), contexts=(4096, 32768),
+            prefill=(4096, 8192, 16384, 32768, 65536), prefill_context=131072, warmup=1, steps=3,
+            hf_prompt=512, hf_new=32, capacity_probes=(1, 4, 16, 64, 256, 1024))
+SMOKE = dict(config="tiny-v4", requests=(1, 4), contexts=(40, 100), prefill=(16, 32), prefill_context=128,
+             warmup=1, steps=2, hf_prompt=16, hf_new=4, capacity_probes=(1, 4, 16))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -------------------------------------------------------------------------------------------------
+# Fabricated decode state
+# -------------------------------------------------------------------------------------------------
+
+
+def fabricate_state(state, context: int, g: torch.Generator, vocab: int):
+    """Fill an empty V4 `DecodeState` as if `context` tokens had been fed: the rows a prefill keeps,
+    with random values (RoPE'd, normalised values would differ only numerically)."""
+    device = state.token_ids.device
+    state.end_step(torch.randint(0, vocab, (context,), generator=g, device=device))
+    for layer in state.layers:
+        w = layer.window
+        w.start = max(0, context - (w.window - 1))
+        w.append(_randn((context - w.start, w.latents().shape[-1]), w.latents().dtype, device, g))
+        for part in (layer.compressor, layer.indexer):
+            if part is None:
+                continue
+            kv, score = part.rows()
+            part.rows_start = part.live_from(context)
+            n = context - part.rows_start
+            part.append_rows(_randn((n, kv.shape[-1]), kv.dtype, device, g),
+                             _randn((n, score.shape[-1]), score.dtype, device, g))
+            part.append_entries(_randn((context // part.rate, part.head_dim), kv.dtype, device, g))
+    state.rewind_floor = context
+    return state
+
+
+def _randn(shape, dtype, device, g):
+    """Random values made on the device itself (`g` is a generator of that device): fabricating
+    hundreds of 32K-token states must not go through host memory."""
+    return torch.randn(shape, generator=g, device=device).to(dtype)
+
+
+def fabricate_drafter_state(drafter, context: int, g: torch.Generator, vocab: int):
+    if drafter is None:
+        return None
+    dstate = drafter.new_state()
+    if isinstance(dstate, DSparkState):
+        m = drafter.model
+        dstate.length = context
+        dstate.latents = [_randn((min(context, drafter.window), m.head_dim), m.dtype, m.device, g)
+                          for _ in dstate.latents]
+        return dstate
+    if isinstance(dstate, MtpState):
+        t = drafter.target
+        fabricate_state(dstate.state, context, g, vocab)
+        dstate.pending = _randn((t.config.hc_mult, t.config.hidden_size), t.dtype, t.device, g)
+        return dstate
+    raise ValueError(f"cannot fabricate a state for {type(drafter).__name__}")
+
+
+def check_fabrication(model, drafter, context: int) -> dict:
+    """Shapes of a fabricated state equal those of a real prefill of `context` tokens (smoke check)."""
+    g = torch.Generator(device=model.device).manual_seed(0)
+    real, fake = model.new_state(), fabricate_state(model.new_state(), context, g, model.config.vocab_size)
+    with torch.inference_mode():
+        model(torch.randint(0, model.config.vocab_size, (context,), generator=g, device=model.device), [real], [context])
+    a, b = real.snapshot(live_only=True), fake.snapshot(live_only=True)  # what the next call reads
+    shape = lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    bad = [k for k in a if shape(a[k]) != shape(b.get(k))]
+    if bad:
+        raise RuntimeError(f"fabricated state differs from a real prefill at {bad[:5]}")
+    return {"context": context, "keys_checked": len(a)}
+
+
+def inject(engine: Engine, model, drafter, requests: int, context: int, g: torch.Generator) -> None:
+    """Put `requests` decoding requests with fabricated state straight into the engine's running set."""
+    vocab = model.config.vocab_size
+    prompt = [0] * context  # shared, never mutated: only its length matters to the bookkeeping
+    for i in range(requests):
+        req = Request(prompt, fabricate_state(model.new_state(), context, g, vocab), torch.Generator().manual_seed(i),
+                      10**6, frozenset(), request_id=f"r{i}", feed=prompt, prefilled=context)
+        req.dstate = fabricate_drafter_state(drafter, context, g, vocab)
+        req.out.append(int(torch.randint(0, vocab, (1,), generator=g, device=g.device)))  # the anchor
+        engine.scheduler.running.append(req)
+
+
+# -------------------------------------------------------------------------------------------------
+# Phases
+# -------------------------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, budget_s: float):
+        self.start, self.budget = time.perf_counter(), budget_s
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.start)
+
+
+def profile_table(model, context: int, probes, g) -> CapacityTable:
+    """SPS(B) at `context` over fabricated states, width 4 (anchor + 3 drafts)."""
+    lens_max = split_tokens(probes[-1], 4)
+    states = [fabricate_state(model.new_state(), context, g, model.config.vocab_size) for _ in lens_max]
+    samples, g = {}, torch.Generator().manual_seed(2)  # host generator for the probe ids
+    with torch.inference_mode():
+        for b in probes:
+            lens = split_tokens(b, 4)
+            time_step(model, states[:len(lens)], lens, g)
+            samples[b] = [time_step(model, states[:len(lens)], lens, g) for _ in range(2)]
+    return CapacityTable.from_step_times(samples, f"{_device_name(model.device)}, ctx {context}, width 4 (bench)")
+
+
+def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dict:
+    drafter = drafters[mode]
+    budget = {"none": 0, "mtp1": 1, "dspark3": 3, "auto": "auto"}[mode]
+    engine = Engine(model, EngineConfig(max_running=requests, max_prompt_tokens=context + 1, max_new_tokens=10**6,
+                                        draft_tokens=budget, drafter=drafter, capacity=table))
+    inject(engine, model, drafter, requests, context, g)
+    times, committed, verified = [], [], []
+    for i in range(args["warmup"] + args["steps"]):
+        drafts_before = sum(r.stats.verified_tokens for r in engine.running)
+        before = sum(len(r.out) for r in engine.running)
+        _sync(model.device)
+        t = time.perf_counter()
+        engine.step()
+        _sync(model.device)
+        if i >= args["warmup"]:
+            times.append(time.perf_counter() - t)
+            committed.append(sum(len(r.out) for r in engine.running) - before)
+            verified.append(sum(r.stats.verified_tokens for r in engine.running) - drafts_before)
+    step = statistics.median(times)
+    tau = TAU[mode]
+    row = {"mode": mode, "requests": requests, "context": context, "step_ms": step * 1e3,
+           "step_ms_all": [t * 1e3 for t in times], "measured_tokens_per_step_per_request": sum(committed) / len(committed) / requests,
+           "mean_drafts_verified_per_request": sum(verified) / len(verified) / requests, "tau_converted": tau, "tok_s_per_user": tau / step, "tok_s_total": tau * requests / step}
+    if mode == "mtp1":
+        row["note"] = "MTP-1 converted at its ceiling of 2 tokens/step (every draft accepted)"
+    if mode == "auto":
+        row["note"] = ("converted at 3.25 like budget 3; with random weights the confidences are noise, so its "
+                       "verify width (mean_drafts_verified_per_request) is not what a trained drafter would get")
+    for r in list(engine.running):
+        engine.abort(r.request_id)
+    return row
+
+
+def run_decode(model, drafters, args, clock, share_s, results, skipped, g):
+    for context in args["contexts"]:
+        phase_end = clock.left() - share_s[context]
+        table = profile_table(model, context, tuple(b for b in args["capacity_probes"]
+                                                    if b <= 4 * max(args["requests"])), g)
+        results["capacity"][str(context)] = table.to_dict()
+        last: dict[str, tuple[int, float]] = {}
+        for requests in args["requests"]:
+            for mode in MODES:
+                if mode not in drafters:
+                    skipped.append({"phase": "decode", "mode": mode, "requests": requests, "context": context,
+                                    "why": "drafter unavailable"})
+                    continue
+                if mode in last:  # predict from the previous load: step time grows at most linearly in R
+                    r0, t0 = last[mode]
+                    predicted = t0 * requests / r0 * (args["warmup"] + args["steps"]) + 2.0
+                    if clock.left() - predicted < phase_end:
+                        skipped.append({"phase": "decode", "mode": mode, "requests": requests, "context": context,
+                                        "why": f"predicted {predicted:.0f} s exceeds the time left for this phase"})
+                        continue
+                try:
+                    row = decode_cell(model, drafters, mode, requests, context, table, args, g)
+                except torch.OutOfMemoryError as e:
+                    skipped.append({"phase": "decode", "mode": mode, "requests": requests, "context": context,
+                                    "why": f"out of memory: {str(e)[:160]}"})
+                    _free()
+                    continue
+                last[mode] = (requests, row["step_ms"] / 1e3)
+                results["decode"].append(row)
+                print(json.dumps(row), flush=True)
+        _free()
+
+
+def run_prefill(model, args, clock, results, skipped, g):
+    with torch.inference_mode():  # warm the kernels once at a small size, so the first probe is not the cold one
+        time_step(model, [fabricate_state(model.new_state(), 1024, g, model.config.vocab_size)], [256],
+                  torch.Generator().manual_seed(0))
+    for n in args["prefill"]:
+        ctx = args["prefill_context"] - n
+        if results["prefill"] and clock.left() < 3 * results["prefill"][-1]["seconds"] * n / results["prefill"][-1]["new_tokens"] + 5:
+            skipped.append({"phase": "prefill", "new_tokens": n, "why": "not enough time left"})
+            continue
+        try:
+            state = fabricate_state(model.new_state(), ctx, g, model.config.vocab_size)
+            with torch.inference_mode():
+                seconds = time_step(model, [state], [n], torch.Generator().manual_seed(n))
+            row = {"new_tokens": n, "context_before": ctx, "context_after": ctx + n, "seconds": seconds,
+                   "tok_s": n / seconds, "note": "one target forward (first call at this size; kernels warmed at 256 tokens)"}
+            results["prefill"].append(row)
+            print(json.dumps(row), flush=True)
+        except torch.OutOfMemoryError as e:
+            skipped.append({"phase": "prefill", "new_tokens": n, "why": f"out of memory: {str(e)[:160]}"})
+        finally:
+            state = None
+            _free()
+
+
+def run_peer(config: dict, args, device, results):
+    """HF transformers' DeepSeek-V4 generate at batch 1; records why when it cannot run."""
+    try:
+        import transformers
+    except ImportError as e:
+        results["peer"] = {"available": False, "why": f"transformers not importable: {e}"}
+        return
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        results["peer"] = {"available": False, "transformers": transformers.__version__,
+                           "why": "this transformers has no DeepseekV4ForCausalLM"}
+        return
+    try:
+        hf_config = transformers.DeepseekV4Config(**{k: v for k, v in config.items() if k != "architectures"})
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        with torch.device(device):
+            hf = transformers.DeepseekV4ForCausalLM._from_config(hf_config, dtype=dtype).eval()
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, config["vocab_size"], (1, args["hf_prompt"]), generator=g).to(device)
+        gen = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **gen)  # warm-up
+            walls = {}
+            for new in (1, args["hf_new"]):
+                _sync(device)
+                t = time.perf_counter()
+                hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **gen)
+                _sync(device)
+                walls[new] = time.perf_counter() - t
+        decode_s = (walls[args["hf_new"]] - walls[1]) / (args["hf_new"] - 1)
+        results["peer"] = {"available": True, "transformers": transformers.__version__, "class": "DeepseekV4ForCausalLM",
+                           "attn_implementation": getattr(hf.config, "_attn_implementation", None), "prompt": args["hf_prompt"], "new_tokens": args["hf_new"],
+                           "wall_s": walls[args["hf_new"]], "tok_s_wall": args["hf_new"] / walls[args["hf_new"]],
+                           "decode_s_per_token": decode_s, "tok_s_decode": 1 / decode_s}
+        del hf
+    except Exception as e:  # any failure of the peer is a result to record, not a crash of the bench
+        results["peer"] = {"available": False, "transformers": transformers.__version__,
+                           "why": f"{type(e).__name__}: {str(e)[:300]}"}
+    _free()
+
+
+def active_bytes(model, context: int) -> dict:
+    """Bytes one batch-1 decode token must read: weights it touches + the decode state it reads."""
+    c, item = model.config, model.dtype.itemsize
+    routed = shared = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            continue
+        if ".ffn.experts." in name:
+            routed += p.numel() * p.element_size()
+        else:
+            shared += p.numel() * p.element_size()
+    embed = model.embed.weight
+    shared -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()  # one embedding row
+    weights = shared + routed * c.num_experts_per_tok / c.n_routed_experts
+    state = 0
+    for t in c.layer_types:  # window + (top-k or all) compressed entries + all indexer keys (scored)
+        state += c.sliding_window * c.head_dim * item
+        if t == "compressed_sparse_attention":
+            rate = c.compress_rates[t]
+            state += min(c.index_topk, context // rate) * c.head_dim * item
+            state += context // rate * c.index_head_dim * item
+        elif t == "heavily_compressed_attention":
+            state += context // c.compress_rates[t] * c.head_dim * item
+    total = weights + state
+    return {"weight_bytes": weights, "state_bytes": state, "total_bytes": total,
+            "roofline_s": total / HBM_BYTES_PER_S, "hbm_bytes_per_s": HBM_BYTES_PER_S, "context": context}
+
+
+def _free():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _device_name(device) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU, tiny grid: checks the script")
+    ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 450, smoke 120)")
+    cli = ap.parse_args()
+    args = SMOKE if cli.smoke else FULL
+    budget = cli.budget_s or (120.0 if cli.smoke else 450.0)
+    device = torch.device("cpu" if cli.smoke else "cuda")
+    clock = Clock(budget)
+    torch.manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
+    config = load_config(args["config"])
+    dtype = torch.float32 if cli.smoke else torch.bfloat16
+    model = dspark.init_model(config, seed=0, device=device, dtype=dtype)
+    drafters = {"none": None, "mtp1": MtpDrafter(model),
+                "dspark3": DSparkDrafter(model).init_weights(1)}
+    drafters["auto"] = drafters["dspark3"]
+    results = {
+        "conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
+                       "dtype": str(dtype), "weights": "random", "commit": _commit(), "smoke": cli.smoke,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "budget_s": budget, "path": "reference attention (per-request loop), no CUDA graphs",
+                       "decode_state": "fabricated at the context length (random values, prefill shapes), not prefilled",
+                       "tau_conversion": TAU, "dspark_gamma": drafters["dspark3"].block_size,
+                       "grid": {k: v for k, v in args.items() if k != "config"}},
+        "decode": [], "prefill": [], "capacity": {}, "skipped": [],
+    }
+    if cli.smoke:
+        results["fabrication_check"] = [check_fabrication(model, None, n) for n in (37, 64)]
+    results["roofline"] = active_bytes(model, args["contexts"][0])
+    # time kept back for the phases after each context's decode grid: 32K decode, peer and prefill
+    keep = {args["contexts"][0]: 0.45 * budget, args["contexts"][-1]: 0.2 * budget}
+    def save():  # after every phase, so a run cut short still leaves what it measured
+        summarise(results, args)
+        results["elapsed_s"] = budget - clock.left()
+        with open(cli.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    run_decode(model, drafters, args, clock, keep, results, results["skipped"], g)
+    save()
+    run_peer(config, args, device, results)
+    save()
+    run_prefill(model, args, clock, results, results["skipped"], g)
+    save()
+    print(json.dumps(results["summary"], indent=1))
+
+
+def summarise(results: dict, args: dict) -> None:
+    rows = {(r["mode"], r["requests"], r["context"]): r for r in results["decode"]}
+    c0 = args["contexts"][0]
+    s = {}
+    b1 = rows.get(("none", 1, c0))
+    if b1:
+        roof = results["roofline"]["roofline_s"]
+        s["batch1_step_ms"] = b1["step_ms"]
+        s["batch1_pct_of_hbm_roofline"] = 100 * roof / (b1["step_ms"] / 1e3)
+        peer = results.get("peer", {})
+        if peer.get("available"):
+            s["ratio_vs_hf_decode"] = b1["tok_s_per_user"] / peer["tok_s_decode"]
+            s["ratio_vs_hf_wall"] = b1["tok_s_per_user"] / peer["tok_s_wall"]
+    for ctx in args["contexts"]:
+        for r in args["requests"]:
+            base, dsp = rows.get(("none", r, ctx)), rows.get(("dspark3", r, ctx))
+            if base and dsp:
+                s.setdefault("dspark3_over_none_total", {})[f"{r}@{ctx}"] = dsp["tok_s_total"] / base["tok_s_total"]
+            auto = rows.get(("auto", r, ctx))
+            fixed = [rows[(m, r, ctx)]["tok_s_total"] for m in ("none", "mtp1", "dspark3") if (m, r, ctx) in rows]
+            if auto and fixed:
+                s.setdefault("auto_over_best_fixed", {})[f"{r}@{ctx}"] = auto["tok_s_total"] / max(fixed)
+    s["skipped_cells"] = len(results["skipped"])
+    results["summary"] = s
+
+
+if __name__ == "__main__":
+    main()

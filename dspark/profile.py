@@ -1,0 +1,133 @@
+"""`dspark profile`: measure SPS(B), target steps per second at B tokens per step, on this device.
+
+The verify planner (`dspark.verify.planner`) reads SPS(B) from a `CapacityTable`; this measures one
+for the loaded model where it runs. A probe at B batch tokens is one target forward over
+R = ceil(B / width) requests that each verify `width` tokens (anchor + drafts; the last request
+takes the remainder), every request already holding `context` tokens of state, which is what a
+verify step at that load costs. The states are built once by prefilling random tokens and are
+rewound to `context` after every probe (`DecodeState.truncate`), so every probe sees the same
+context. Each probe is timed `repeats` times after `warmup` untimed runs, with the device
+synchronised around each run; the table keeps the median.
+
+The table is labelled with the device and torch version and carries the model config, context,
+width and date in `conditions`, so a table is never read as a measurement of something else.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark.verify.capacity import CapacityTable
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to probe.
+
+    batch_tokens : probe sizes B, strictly increasing, each >= 1.
+    context : tokens of state every request holds during a probe (>= 1).
+    width : tokens each request verifies (1 + drafts), >= 1.
+    warmup, repeats : untimed and timed runs per probe (repeats >= 1).
+    prefill_chunk : tokens per prefill call while building the context.
+    """
+
+    batch_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    context: int = 4096
+    width: int = 4
+    warmup: int = 2
+    repeats: int = 5
+    prefill_chunk: int = 4096
+
+    def __post_init__(self):
+        bt = tuple(self.batch_tokens)
+        if not bt or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in bt) \
+                or any(b2 <= b1 for b1, b2 in zip(bt, bt[1:])):
+            raise ValueError(f"batch_tokens must be strictly increasing ints >= 1, got {list(bt)}")
+        object.__setattr__(self, "batch_tokens", bt)
+        for name, low in (("context", 1), ("width", 1), ("warmup", 0), ("repeats", 1), ("prefill_chunk", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def split_tokens(batch_tokens: int, width: int) -> list[int]:
+    """Tokens per request of one probe: `width` each, the last request the remainder."""
+    full, rest = divmod(batch_tokens, width)
+    return [width] * full + ([rest] if rest else [])
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()})"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_states(model, requests: int, context: int, chunk: int, seed: int = 0) -> list:
+    """`requests` fresh target states, each fed `context` random tokens (chunked, batched)."""
+    g = torch.Generator().manual_seed(seed)
+    states = [model.new_state() for _ in range(requests)]
+    vocab = model.config.vocab_size
+    for start in range(0, context, chunk):
+        n = min(chunk, context - start)
+        for lo in range(0, requests, max(1, chunk // n)):  # about `chunk` tokens per call
+            group = states[lo:lo + max(1, chunk // n)]
+            ids = torch.randint(0, vocab, (n * len(group),), generator=g).to(model.device)
+            model(ids, group, [n] * len(group))
+    return states
+
+
+def time_step(model, states: list, lens: Sequence[int], generator: torch.Generator) -> float:
+    """Seconds of one target forward feeding lens[b] random tokens to states[b], then rewinding."""
+    ids = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=generator).to(model.device)
+    starts = [s.length for s in states]
+    _sync(model.device)
+    t = time.perf_counter()
+    model(ids, states, list(lens))
+    _sync(model.device)
+    seconds = time.perf_counter() - t
+    for state, start in zip(states, starts):
+        state.truncate(start)
+    return seconds
+
+
+@torch.inference_mode()
+def profile_capacity(model, config: ProfileConfig = ProfileConfig(), model_name: str = "",
+                     progress=None) -> CapacityTable:
+    """Measure SPS at every `config.batch_tokens` probe; returns the labelled table.
+
+    `progress(batch_tokens, seconds)` (optional) is called after each probe.
+    """
+    device = torch.device(model.device)
+    requests = math.ceil(config.batch_tokens[-1] / config.width)
+    states = build_states(model, requests, config.context, config.prefill_chunk)
+    g = torch.Generator().manual_seed(1)
+    samples = {}
+    for b in config.batch_tokens:
+        lens = split_tokens(b, config.width)
+        for _ in range(config.warmup):
+            time_step(model, states[:len(lens)], lens, g)
+        samples[b] = [time_step(model, states[:len(lens)], lens, g) for _ in range(config.repeats)]
+        if progress is not None:
+            progress(b, min(samples[b]))
+    name = device_name(device)
+    conditions = {
+        "device": name, "torch": torch.__version__, "model": model_name, "dtype": str(model.dtype),
+        "model_config": model.config.to_dict() if hasattr(model.config, "to_dict") else repr(model.config),
+        "context": config.context, "width": config.width, "warmup": config.warmup, "repeats": config.repeats,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method": "median of timed target forwards over ceil(B/width) requests with `context` tokens of state",
+    }
+    label = f"{name}, torch {torch.__version__}, {model_name or type(model).__name__}, ctx {config.context}"
+    return CapacityTable.from_step_times(samples, label, f"width {config.width}, {conditions['date']}", conditions)

@@ -1,0 +1,28 @@
+"""bench/engine_h200.py runs end to end on the CPU (`--smoke`: tiny config, tiny grid), and its
+fabricated decode states have the shapes of a real prefill (checked inside the script)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_bench_smoke_writes_every_section(tmp_path):
+    out = tmp_path / "engine.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "engine_h200.py"), "--smoke", "--out", str(out)],
+                   check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["conditions"]["decode_state"].startswith("fabricated") and r["fabrication_check"]
+    cells = {(d["mode"], d["requests"], d["context"]) for d in r["decode"]} | {
+        (s["mode"], s["requests"], s["context"]) for s in r["skipped"] if s["phase"] == "decode"}
+    assert cells == {(m, n, c) for m in ("none", "mtp1", "dspark3", "auto") for n in (1, 4) for c in (40, 100)}
+    for d in r["decode"]:
+        assert d["step_ms"] > 0 and d["tok_s_total"] == d["tok_s_per_user"] * d["requests"]
+        assert d["mean_drafts_verified_per_request"] == {"none": 0, "mtp1": 1, "dspark3": 3}.get(d["mode"], d["mean_drafts_verified_per_request"])
+    assert {p["new_tokens"] for p in r["prefill"]} | {s.get("new_tokens") for s in r["skipped"]} >= {16, 32}
+    assert r["roofline"]["roofline_s"] > 0 and "peer" in r and "summary" in r
+    assert set(r["capacity"]) == {"40", "100"}
