@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU threads for torch (default 1: the small models here lose time to thread hand-offs)")
     g.set_defaults(run=_generate)
     _add_eval_accept(sub)
-    from dspark.train.cli import add_subcommands  # train-draft, calibrate-draft: imported on use of the CLI
+    from dspark.train.cli import add_subcommands  # target-cache, train-draft, calibrate-draft
     add_subcommands(sub, _load, RANDOM_TINY)
     args = parser.parse_args(argv)
     try:
