@@ -31,13 +31,22 @@ import torch
 
 import dspark
 from dspark.draft import DSparkConfig, NgramDrafter
-from dspark.evaluate import encode_prompt, load_prompts
+from dspark.evaluate import encode_prompt as encode_text
+from dspark.evaluate import load_prompts
 from dspark.train.calibrate import calibrate_sts
 from dspark.train.data import self_distill
 from dspark.train.trainer import TrainConfig, train_draft
 
 EVAL_SETS = {"math": "gsm8k", "code": "humaneval", "chat": "mt-bench"}
 TRAIN_SETS = {"math": "gsm8k", "code": "mbpp", "chat": "arena-hard-v2"}
+
+
+def encode_prompt(model, text: str) -> list[int]:
+    """The evaluation encoding (chat template when the tokenizer has one), with the tokenizer's BOS
+    first when it defines one: Gemma's base model degenerates without it."""
+    ids = encode_text(model, text)
+    bos = getattr(model.tokenizer, "bos_token_id", None)
+    return ids if bos is None or ids[:1] == [bos] else [bos] + ids
 
 
 def training_prompts(model, train_dir: Path, per_domain: int, max_tokens: int) -> list[list[int]]:
@@ -49,7 +58,6 @@ def training_prompts(model, train_dir: Path, per_domain: int, max_tokens: int) -
         texts = [t for t in load_prompts(name, train_dir) if t not in held_out]
         ids = [encode_prompt(model, t) for t in texts[:4 * per_domain]]
         out += [p for p in ids if len(p) <= max_tokens][:per_domain]
-    assert not held_out & {model.tokenizer.decode(p) for p in out}, "an evaluation prompt leaked into training"
     return out
 
 
