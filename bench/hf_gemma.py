@@ -3,7 +3,7 @@
     python -m dspark.models.hf_causal.gguf --gemma --out models/gemma-3-270m        # once
     PYTHONPATH=. python bench/hf_gemma.py --model models/gemma-3-270m --out bench/results/hf-gemma-cpu.json
 
-1. Training prompts: first turns of the full prompt sets in `--train-dir` (default ../shared/data/eval)
+1. Training prompts: first text turns of the full prompt sets in `--train-dir` (default ../shared/data/eval)
    *minus* every prompt of the shipped evaluation subsets (dspark/data/eval, checked by exact text),
    `--train-prompts` per domain (math: gsm8k, code: mbpp, chat: arena-hard-v2).
 2. Target cache: the target's greedy continuations of them (`--distill-tokens`), then `train_draft`
@@ -55,9 +55,22 @@ def training_prompts(model, train_dir: Path, per_domain: int, max_tokens: int) -
                 for p in load_prompts(name)}
     out = []
     for name in TRAIN_SETS.values():
-        texts = [t for t in load_prompts(name, train_dir) if t not in held_out]
+        texts = [t for t in _first_turns(train_dir / f"{name}.jsonl") if t not in held_out]
         ids = [encode_prompt(model, t) for t in texts[:4 * per_domain]]
         out += [p for p in ids if len(p) <= max_tokens][:per_domain]
+    return out
+
+
+def _first_turns(path: Path) -> list[str]:
+    """First user turns of a full prompt set; lines whose first turn is not text are skipped."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            turns = json.loads(line).get("turns")
+        except (json.JSONDecodeError, AttributeError):  # the full arena-hard file has broken lines
+            continue
+        if isinstance(turns, list) and turns and isinstance(turns[0], str):
+            out.append(turns[0])
     return out
 
 
@@ -93,7 +106,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=980406)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    train_dir = Path(args.train_dir or next(p for p in ("../shared/data/eval", "shared/data/eval") if Path(p).is_dir()))
+    train_dir = Path(args.train_dir or next(p for p in ("../shared/data/eval", "shared/data/eval", "/work/shared/data/eval") if Path(p).is_dir()))
     t0 = time.perf_counter()
     model = dspark.load_model(args.model, device=args.device,
                               dtype=getattr(torch, args.dtype) if args.dtype else None)
