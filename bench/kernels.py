@@ -41,7 +41,7 @@ OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "moe_route", "fused_moe", "fused_m
        "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa")
 CONTEXT = 32768  # attention cases: queries at the end of a 32K-token context
 WINDOW, HCA_RATE, CSA_RATE, CSA_TOPK = 128, 128, 4, 512  # V4 attention (spec §7-§8)
-MODEL_CONFIG = "bench/configs/v4-mini.json"  # whole-model step: the copy of ../shared/bench/v4-mini.json
+MODEL_CONFIG = "dspark/configs/v4-mini.json"  # whole-model step: the copy of ../shared/bench/v4-mini.json
 EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
 
 

@@ -3,6 +3,8 @@
 Both read the HF-style ``config.json`` (``model_type`` picks the model family) and return a model in
 eval mode with a ``tokenizer`` attribute (None when the directory has none). Supporting another
 family (``deepseek_v41``) means adding one :class:`ModelFamily` entry to :data:`MODEL_FAMILIES`.
+Any other transformers causal LM (a model object, or a directory whose ``model_type`` transformers
+knows) is wrapped by ``dspark.models.hf_causal``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from dspark.models.deepseek_v41 import checkpoint as deepseek_v41_checkpoint
 from dspark.models.deepseek_v41.config import DeepseekV41Config
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from dspark.models.hf_causal import is_transformers_causal_lm, load_hf_directory, wrap_hf_model
 
 CONFIG_FILE = "config.json"
 DRAFTER_DIR = "drafter"
@@ -114,9 +117,9 @@ def _read_config(path: Path) -> dict:
     return json.loads(file.read_text())
 
 
-def _placement(device: str | torch.device, dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
-    """Default dtype: float32 on CPU (exact references, tests), bfloat16 on accelerators."""
-    device = torch.device(device)
+def _placement(device: str | torch.device | None, dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    """Default device CPU; default dtype: float32 on CPU (exact references, tests), bfloat16 on accelerators."""
+    device = torch.device(device or "cpu")
     return device, dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
 
 
@@ -148,12 +151,12 @@ def load_tokenizer(path: str | Path):
 
 
 def load_model(
-    path: str | Path,
-    device: str | torch.device = "cpu",
+    path,
+    device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     **options,
 ) -> torch.nn.Module:
-    """Load a model from a checkpoint directory.
+    """Load a model from a checkpoint directory, or wrap a transformers causal LM.
 
     Parameters
     ----------
@@ -161,15 +164,20 @@ def load_model(
         model with its DSpark drafter; ``"random-tiny"``: the tiny V4 with random weights and a byte
         tokenizer), or a directory with ``config.json`` and
         ``model.safetensors`` or sharded safetensors with ``model.safetensors.index.json``; official DeepSeek layout (FP8/FP4 or plain) or a
-        transformers ``save_pretrained`` directory.
-    device : where the weights live.
+        transformers ``save_pretrained`` directory. Any other transformers causal LM — a
+        ``PreTrainedModel`` object or a directory whose ``model_type`` transformers knows — becomes an
+        ``HFCausalLM`` target (``dspark.models.hf_causal``).
+    device : where the weights live; default CPU for a directory, and for a model object where it
+        already is.
     dtype : parameter dtype (parameters the model keeps in fp32 stay fp32); default float32 on CPU,
-        bfloat16 elsewhere.
+        bfloat16 elsewhere (a model object keeps its own unless one is given).
     **options : model-level options of the family, fixed for the model's life; DeepSeek-V4.1:
         ``prefill_mode`` ("bounded_replay" default, or "exact"), ``engram_tables`` ("auto",
-        "device", "host") and ``cache_qat`` (True default). Both families: ``kernels``, a
+        "device", "host") and ``cache_qat`` (True default). Both DeepSeek families: ``kernels``, a
         ``dspark.kernels.KernelConfig`` choosing the fused Triton kernels or the torch references
         per op (default ``KernelConfig.for_device(device)``: Triton on CUDA, references elsewhere).
+        A transformers causal LM: ``tokenizer`` (its tokenizer; a directory's own is loaded by
+        default) and ``draft_stage`` (``DraftStageShape`` or dict: sizes of DSpark stages built for it).
 
     Returns
     -------
@@ -182,16 +190,21 @@ def load_model(
     FileNotFoundError for a missing directory, config or weights; ValueError for an unknown
     ``model_type``, an unknown option or weights that do not match the config (every bad key named).
     """
+    if isinstance(path, torch.nn.Module):
+        return wrap_hf_model(path, device, dtype, **options)
     if isinstance(path, str) and path == RANDOM_TINY:
         return _random_tiny(device, dtype)
     path = EMBEDDED[path] if isinstance(path, str) and path in EMBEDDED else Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     config = _read_config(path)
-    family = _family(config, str(path / CONFIG_FILE))
-    model = _build(family, config, device, dtype, options)
-    family.load_weights(model, path, config)
-    model.tokenizer = _load_tokenizer(path)
+    if config.get("model_type") not in MODEL_FAMILIES and is_transformers_causal_lm(config.get("model_type")):
+        model = load_hf_directory(path, *_placement(device, dtype), **options)
+    else:
+        family = _family(config, str(path / CONFIG_FILE))
+        model = _build(family, config, device, dtype, options)
+        family.load_weights(model, path, config)
+        model.tokenizer = _load_tokenizer(path)
     if (path / DRAFTER_DIR / CONFIG_FILE).is_file():
         # A trained drafter shipped beside the weights (`dspark train-draft` output) becomes the
         # model's own DSpark drafter, which `generate` picks by default.

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(run=_generate)
     _add_eval_accept(sub)
     _add_profile(sub)
-    from dspark.train.cli import add_subcommands  # train-draft, calibrate-draft: imported on use of the CLI
+    from dspark.train.cli import add_subcommands  # target-cache, train-draft, calibrate-draft: imported on use
     add_subcommands(sub, _load, RANDOM_TINY)
     args = parser.parse_args(argv)
     try:

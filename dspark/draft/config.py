@@ -93,7 +93,8 @@ class DSparkConfig:
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> DSparkConfig:
-        """Defaults fitted to `target_config` (a `DeepseekV4Config`), then `overrides`.
+        """Defaults fitted to `target_config` (a `DeepseekV4Config`, or a config with `dspark_defaults()`),
+        then `overrides`.
 
         Target layers: the inputs of the last three layers (V4-Flash: 40, 41, 42 of 43). Noise token:
         V4's 128799 when the vocabulary holds it, else the last id (any fixed id works: its embedding
@@ -105,6 +106,8 @@ class DSparkConfig:
             dspark_target_layer_ids=tuple(range(max(0, n - 3), n)),
             dspark_noise_token_id=V4_NOISE_TOKEN_ID if V4_NOISE_TOKEN_ID < vocab else vocab - 1,
         )
+        if hasattr(target_config, "dspark_defaults"):  # a non-DeepSeek target's own (hf_causal: γ = 7, ...)
+            defaults.update(target_config.dspark_defaults())
         return cls(**{**defaults, **overrides})
 
     def to_dict(self) -> dict[str, Any]:

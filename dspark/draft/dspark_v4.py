@@ -73,7 +73,9 @@ def stage_config(config: DSparkConfig, target_config, stage_kind: str = "v4"):
         return dataclasses.replace(target_config, n_routed_experts=config.n_routed_experts(target_config),
                                    num_experts_per_tok=config.n_activated_experts(target_config),
                                    sliding_window=config.window(target_config))
-    if not isinstance(target_config, DeepseekV4Config):
+    if hasattr(target_config, "draft_stage_config"):  # a non-DeepSeek target sizes its stages (hf_causal)
+        target_config = target_config.draft_stage_config()
+    elif not isinstance(target_config, DeepseekV4Config):
         target_config = _v4_stage_base(target_config)
     return dataclasses.replace(target_config, n_routed_experts=config.n_routed_experts(target_config),
                                num_experts_per_tok=config.n_activated_experts(target_config),
@@ -115,9 +117,9 @@ class DSparkModel(nn.Module):
         self.dtype = dtype or torch.float32
         self.gamma = config.dspark_block_size
         self.window = config.window(target_config)
-        self.n_hc = target_config.hc_mult
-        self.head_dim = target_config.head_dim
         c = stage_config(config, target_config, stage_kind)
+        self.n_hc = c.hc_mult  # the stages' streams (a DeepSeek target's own; an HF target's stage shape)
+        self.head_dim = c.head_dim
         n, d = config.num_stages, target_config.hidden_size
         self.carries_pre = uses_v41_stages(target_config, stage_kind)
         if self.carries_pre:

@@ -1,11 +1,13 @@
-"""`dspark train-draft` and `dspark calibrate-draft`: argparse front ends of `dspark.train`.
+"""`dspark target-cache`, `train-draft` and `calibrate-draft`: argparse front ends of `dspark.train`.
 
+    dspark target-cache --model CKPT --prompts prompts.jsonl --out train.jsonl [--max-new-tokens N]
     dspark train-draft --model CKPT --data train.jsonl --out drafter/ [--steps N ...]
     dspark calibrate-draft --model CKPT --drafter drafter/ --prompts heldout.jsonl [--temperature T]
 
+`target-cache` records the target's own (greedy or sampled) continuations of training prompts;
 `train-draft` writes a drafter directory (`dspark.draft.io`), loadable with
 `dspark.load_drafter(path, target)`; `calibrate-draft` writes `sts.json` into it. `dspark.cli`
-registers both through `add_subcommands`, passing its model loader (checkpoint or `random-tiny`).
+registers them through `add_subcommands`, passing its model loader (checkpoint or `random-tiny`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dspark.draft.config import HEAD_TYPES, DSparkConfig
 from dspark.draft.io import STS_FILE, load_drafter
 from dspark.tokenizer import as_text_codec
 from dspark.train.calibrate import calibrate_sts
-from dspark.train.data import parse_record, read_jsonl, self_distill
+from dspark.train.data import parse_record, read_jsonl, self_distill, write_jsonl
 from dspark.train.losses import LossWeights
 from dspark.train.trainer import TrainConfig, train_draft
 
@@ -64,6 +66,17 @@ def add_subcommands(sub, load_model: Callable[[str, str], object], default_model
     t.add_argument("--n-activated-experts", type=int, default=None)
     t.add_argument("--device", default=device)
     t.set_defaults(run=lambda args: _train(args, load_model))
+
+    r = sub.add_parser("target-cache", help="record the target's own continuations of training prompts")
+    r.add_argument("--model", default=default_model, help="target checkpoint directory, or random-tiny")
+    r.add_argument("--prompts", required=True, help="JSONL of training prompts (prompt | text | input_ids)")
+    r.add_argument("--out", required=True, help="JSONL to write: input_ids + loss_mask, for train-draft --data")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 records greedy continuations")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default=device)
+    r.set_defaults(run=lambda args: _target_cache(args, load_model))
 
     c = sub.add_parser("calibrate-draft", help="fit STS confidence temperatures on held-out prompts")
     c.add_argument("--model", default=default_model)
@@ -119,6 +132,17 @@ def _train(args, load_model) -> int:
     last = result.history[-1]
     print(f"[{len(result.history)} steps, loss {last['loss']:.4f}, analytic tau {last['tau']:.2f}; "
           f"drafter written to {args.out}]", file=sys.stderr)
+    return 0
+
+
+def _target_cache(args, load_model) -> int:
+    """The paper's data step (spec §5.1): prompt + the target's own continuation, masked to the latter."""
+    target = load_model(args.model, args.device)
+    data = self_distill(target, read_prompts(args.prompts, target.tokenizer), args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    write_jsonl(data, args.out)
+    print(f"[{len(data)} sequences, {sum(sum(s.loss_mask) for s in data)} target tokens written to {args.out}]",
+          file=sys.stderr)
     return 0
 
 
