@@ -68,13 +68,13 @@ def _correctness(config, comm, device) -> dict:
     tiny = json.loads((REPO / "dspark/configs/tiny-v4.json").read_text())
     prompts = [list(range(3, 14)), [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] + [4] * 9, [7] * 13]
     mine = [i for i in range(len(prompts)) if i % 2 == config.rank]
-    ref_model = init_model(tiny, seed=0, device=device)
+    ref_model = init_model(tiny, seed=0, device=device, dtype=torch.float32)
     states = [ref_model.new_state() for _ in prompts]
     ref = ref_model(torch.tensor(sum(prompts, []), device=device), states, [len(p) for p in prompts]).logits
     rows = torch.cat([torch.arange(sum(map(len, prompts[:i])), sum(map(len, prompts[:i + 1]))) for i in mine])
     ecfg = EngineConfig(max_running=4, draft_tokens=1, drafter="mtp")
     ref_tokens = _generate(Engine(ref_model, ecfg), prompts, range(len(prompts)), lambda e: e.has_work())
-    model = init_model(tiny, seed=0, device=device)
+    model = init_model(tiny, seed=0, device=device, dtype=torch.float32)
     layers = parallelize(model, config, comm)
     states = [model.new_state() for _ in mine]
     out = model(torch.tensor(sum((prompts[i] for i in mine), []), device=device), states,

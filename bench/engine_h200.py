@@ -369,7 +369,7 @@ def main() -> None:
         "conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                        "dtype": str(dtype), "weights": "random", "commit": _commit(), "smoke": cli.smoke,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "budget_s": budget, "path": "reference attention (per-request loop), no CUDA graphs",
+                       "budget_s": budget, "kernels": str(model.kernels), "graphs": False,
                        "decode_state": "fabricated at the context length (random values, prefill shapes), not prefilled",
                        "tau_conversion": TAU, "dspark_gamma": drafters["dspark3"].block_size,
                        "grid": {k: v for k, v in args.items() if k != "config"}},

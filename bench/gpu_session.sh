@@ -5,8 +5,13 @@
 #   run(command="bash bench/gpu_session.sh b", kind="nvidia-h200-x2", timeout_s=600)
 #
 # a: GPU 0 — kernel tests at real sizes, then bench/kernels.py (timings: GPU 0 runs nothing else);
-#    GPU 1 — dspark-tiny drafter second round (three recipes on the self-distilled data at once),
-#    then τ of each on the 48 held-out prompts (bench/tiny_drafter.py).
+#    GPU 1 — dspark-tiny drafter second round (`bench/tiny_drafter.sh train`: three recipes on the
+#    self-distilled data at once, then τ of each on the 48 held-out prompts).
+# (As run, part a returned one tar of all three drafters, over the 16 MB file limit; each drafter
+#  now comes back in its own tar. The eval JSONs of part a were lost to a CUDA sampling bug at T = 1,
+#  fixed since (request generators on the model's device): its T = 0 rows are in its logs.
+#  Part b's DEP2 correctness ran the tiny model in bf16 by mistake; it was re-run in fp32 (as the
+#  script now does) with `DIST_BUDGET_S=0 torchrun --nproc-per-node 2 bench/dist_x2.py`.)
 # b: both GPUs — bench/dist_x2.py (DEP2 correctness and v4-mini decode); then GPU 0 —
 #    bench/engine_h200.py (v4-mini decode/prefill grid, HF peer), GPU 1 — bench/tiny_gpu.py.
 # NCCL_NVLS_ENABLE=0 / TORCH_SYMM_MEM_DISABLE_MULTICAST=1 stay as the machine sets them.
@@ -15,24 +20,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 W=/tmp/gpu-session && mkdir -p $W/logs
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee $W/logs/gpu.txt
-DATA=tiny-data/v2/selfdistill-greedy384.jsonl
 
 part_a() {
-  (
-    export CUDA_VISIBLE_DEVICES=1
-    for r in paper ce ce-lr; do
-      python3 bench/tiny_drafter.py train --data $DATA --out $W/drafter-$r --recipe $r --seconds 150 \
-        > $W/logs/train-$r.log 2>&1 &
-    done
-    wait
-    for d in dspark/assets/dspark-tiny/drafter $W/drafter-paper $W/drafter-ce $W/drafter-ce-lr; do
-      python3 bench/tiny_drafter.py eval --drafters $d --out $W/logs/eval-$(basename $d).json \
-        > $W/logs/eval-$(basename $d).log 2>&1 &
-    done
-    wait
-    python3 bench/tiny_drafter.py ship $W/drafter-paper $W/drafter-ce $W/drafter-ce-lr
-    tar -C $W -cf "$OUT/drafters.tar" drafter-paper drafter-ce drafter-ce-lr
-  ) &
+  (CUDA_VISIBLE_DEVICES=1 W=$W bash bench/tiny_drafter.sh train) &
   (
     export CUDA_VISIBLE_DEVICES=0
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels -s > $W/logs/kernel-tests.txt 2>&1

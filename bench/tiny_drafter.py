@@ -55,15 +55,22 @@ def prompts(args) -> None:
     rng = random.Random(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # calib: more held-out prompts (same documents, other cuts) for STS calibration, kept apart
+    # from the evaluation prompts; drawn last so the other two files do not change.
     for split, counts in (("train", {"code": args.train_code, "prose": args.train_prose}),
-                          ("heldout", {"code": args.eval_n, "prose": args.eval_n})):
+                          ("heldout", {"code": args.eval_n, "prose": args.eval_n}),
+                          ("calib", {"code": args.calib_n, "prose": args.calib_n})):
         rows = []
+        seen = set()
+        if split == "calib":
+            seen = {json.loads(line)["prompt"] for line in open(out / "prompts.heldout.jsonl")}
         for domain, n in counts.items():
-            docs = [json.loads(line)["text"] for line in open(f"{args.corpus}/{domain}.{split}.jsonl")]
+            source = "heldout" if split == "calib" else split
+            docs = [json.loads(line)["text"] for line in open(f"{args.corpus}/{domain}.{source}.jsonl")]
             docs = [d for d in docs if len(d) > 2000]
             while len([r for r in rows if r["domain"] == domain]) < n:
                 text = _cut(rng.choice(docs), rng, 120, 480)
-                if len(text) >= 60:
+                if len(text) >= 60 and text not in seen:
                     rows.append({"prompt": text, "domain": domain})
         with open(out / f"prompts.{split}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -209,6 +216,7 @@ def main() -> None:
     p.add_argument("--train-code", type=int, default=1536)
     p.add_argument("--train-prose", type=int, default=768)
     p.add_argument("--eval-n", type=int, default=24)
+    p.add_argument("--calib-n", type=int, default=16)
     g = sub.add_parser("gen")
     g.add_argument("--prompts", default="tiny-data/v2/prompts.train.jsonl")
     g.add_argument("--out", required=True)

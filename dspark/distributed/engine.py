@@ -34,8 +34,8 @@ class LockstepEngine(Engine):
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """One step of `Engine.step` (admit, prefill chunk, speculative round); collective."""
-        self._admit()
+        """One step of `Engine.step` (schedule, prefill chunk, speculative round); collective."""
+        self._schedule()
         before = {id(r): len(r.out) for r in self.running}
         prefilling = [r for r in self.running if r.in_prefill]
         decoding = [r for r in self.running if not r.in_prefill]

@@ -130,7 +130,9 @@ class Engine:
             raise EngineFull(f"{len(self.waiting)} requests already waiting (max_waiting={self.config.max_waiting})")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        req = Request(list(prompt_ids), None, torch.Generator().manual_seed(seed), max_new_tokens,
+        # The request's random stream lives where its sampling noise is drawn: on the model's device.
+        generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        req = Request(list(prompt_ids), None, generator, max_new_tokens,
                       self.eos | frozenset(stop_token_ids), params, request_id=rid, domain=domain)
         self.scheduler.add(req)
         return rid

@@ -10,6 +10,7 @@ draft state hold. Those hold rows of a few kinds, each growing in one of two way
     indexer_keys         per CSA layer (V4.1: per KV source), rate m        L // m
     compressor_buffers   per compressor, per-token rows still to be pooled  min(L, (1 + overlap)·m − 1 + f)
     engram_ids           V4.1 Engram look-back                              min(L, N − 1 + f)
+    kv_cache             transformers targets: K and V of every layer       L
     drafter_context      DSpark: per stage, last W committed keys           min(L, W)
                          MTP: its window layer (+ its token ids)            as window_kv / token_ids
 
@@ -84,8 +85,11 @@ class StateFootprint:
 
 
 def target_footprint(config, itemsize: int) -> tuple[StateKind, ...]:
-    """State kinds of one DeepSeek-V4 or V4.1 request; `config` the model config, `itemsize` the
-    bytes of one element in the model dtype (fp32 compressor scores are 4 bytes regardless)."""
+    """State kinds of one DeepSeek-V4, V4.1 or transformers-target request; `config` the model
+    config, `itemsize` the bytes of one element in the model dtype (fp32 compressor scores are 4
+    bytes regardless)."""
+    if hasattr(config, "kv_values_per_token"):  # a transformers causal LM: token ids + its KV cache
+        return (StateKind("token_ids", _ID), StateKind("kv_cache", config.kv_values_per_token * itemsize))
     if hasattr(config, "kv_source_layer_ids"):
         return _v41_kinds(config, itemsize)
     return _v4_kinds(config, itemsize)

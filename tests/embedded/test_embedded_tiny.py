@@ -13,8 +13,9 @@ PROMPTS = {
     "prose": ["ROMEO.\nBut soft, what light through yonder", "KING.\nNow, my good lords,",
               "Enter HAMLET.\n\nHAMLET.\n", "What say you to this, my lord?\n"],
 }
-# Measured on this pair at commit time (budget 5, 48 new tokens, greedy): τ 1.49 (code), 1.66 (prose).
-TAU_FLOOR = {"code": 1.3, "prose": 1.45}
+# Measured on this pair at commit time (budget 5, 48 new tokens, greedy): τ 2.89 (code), 4.18 (prose)
+# (`bench/tiny_acceptance.py`); the first-round drafter had 1.49 / 1.66, below these floors.
+TAU_FLOOR = {"code": 2.5, "prose": 3.6}
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,8 @@ def test_embedded_pair_loads_with_tokenizer_and_drafter(tiny):
     assert type(tiny).__name__ == "DeepseekV41ForCausalLM"
     assert tiny.tokenizer is not None and tiny.dspark is not None
     assert tiny.dspark.block_size == 5
+    # STS-calibrated on held-out rounds (sts.json beside the drafter), one temperature per position
+    assert tiny.dspark.calibration is not None and len(tiny.dspark.calibration.temperatures) == 5
     assert tiny.cache_qat is False  # trained without the FP8 cache rounding; its config.json says so
     text = dspark.generate(tiny, "def fibonacci(n):", max_new_tokens=8).text
     assert isinstance(text, str) and text

@@ -147,3 +147,17 @@ def test_load_model_reads_a_transformers_directory(make_tiny_hf, tmp_path):
                                rtol=0, atol=2e-6)
     with pytest.raises(ValueError, match="unknown option"):
         dspark.load_model(hf, prefill_mode="exact")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_charges_the_kv_cache_it_holds(hf_targets, family):
+    """The engine's state budget charges a transformers target exactly the K/V rows its cache holds."""
+    from dspark.engine.footprint import request_footprint
+
+    target = hf_targets[family]
+    state = target.new_state()
+    target(_seq(11, 4), [state], [11])
+    held = sum(v.numel() * v.element_size() for k, v in state.snapshot().items() if k.startswith("layers."))
+    footprint = request_footprint(target, None)
+    assert [k.name for k in footprint.kinds] == ["token_ids", "kv_cache"]
+    assert footprint.kinds[1].row_bytes * 11 == held

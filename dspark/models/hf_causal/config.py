@@ -94,7 +94,9 @@ class HFTargetConfig:
     vocab_size, hidden_size, num_hidden_layers, max_position_embeddings, rms_norm_eps, rope_theta;
     eos_token_id : the ids that end generation (config and generation_config merged);
     pad_token_id : the default noise token of a DSpark drafter (else the last id);
-    stage : the resolved `DraftStageShape` of DSpark stages built for this target.
+    stage : the resolved `DraftStageShape` of DSpark stages built for this target;
+    kv_values_per_token : K and V values one token adds to the cache over all layers (every layer
+    keeps every row: sliding layers are limited by the mask), for the engine's state budget.
     """
 
     model_type: str
@@ -107,6 +109,7 @@ class HFTargetConfig:
     rms_norm_eps: float
     rope_theta: float
     stage: DraftStageShape
+    kv_values_per_token: int = 0
 
     # The drafter defaults that `DSparkConfig` reads from any target config.
     @property
@@ -149,6 +152,9 @@ class HFTargetConfig:
         eos = set(_ids(getattr(hf_config, "eos_token_id", None)) + _ids(getattr(c, "eos_token_id", None)))
         eos |= set(_ids(getattr(generation_config, "eos_token_id", None)))
         hidden = int(c.hidden_size)
+        heads = int(getattr(c, "num_attention_heads", None) or 1)
+        kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = getattr(c, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None)
         return cls(model_type=str(c.model_type), vocab_size=int(c.vocab_size), hidden_size=hidden,
@@ -157,7 +163,8 @@ class HFTargetConfig:
                    eos_token_id=tuple(sorted(eos)), pad_token_id=getattr(c, "pad_token_id", None),
                    rms_norm_eps=float(getattr(c, "rms_norm_eps", None) or 1e-6),
                    rope_theta=float(theta or 10000.0),
-                   stage=(stage or DraftStageShape()).resolved(hidden))
+                   stage=(stage or DraftStageShape()).resolved(hidden),
+                   kv_values_per_token=int(c.num_hidden_layers) * 2 * kv_heads * head_dim)
 
 
 def _ids(value) -> list[int]:
