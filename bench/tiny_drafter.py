@@ -2,15 +2,16 @@
 
     # here (CPU): prompts cut from the corpus splits (tiny-data/corpus, dspark.tiny.corpus)
     python bench/tiny_drafter.py prompts --out tiny-data/v2
-    # device tool (one H200, < 10 min): bash bench/tiny_drafter.sh, carry=["tiny-data/v2"]
-    #   = gen (self-distilled continuations) -> train (several recipes at once) -> eval (τ per recipe)
+    # device tool: bash bench/tiny_drafter.sh gen, then bash bench/tiny_drafter.sh train
+    #   (self-distilled continuations; several recipes at once, then τ per recipe)
 
-`prompts` draws training prompts from the *train* split and evaluation prompts from the *held-out*
-split, so the τ this script reports is on text neither model saw. `gen` decodes the training prompts
-with the frozen target (greedy for most, T = 1 for the rest: spec §5.1 regenerates responses with the
-target). `train` continues the shipped drafter with one recipe under a wall-clock budget (the step
-count is set from a timed probe step, so the cosine schedule ends on time). `eval` decodes the
-held-out prompts with the new drafter and reports τ per domain, temperature and budget.
+`prompts` draws training prompts from the *train* split and evaluation and calibration prompts from
+the *held-out* split, so the τ this script reports is on text neither model saw. `gen` decodes the
+training prompts with the frozen target (greedy, and every `--sample-every`-th batch at T = 1: spec
+§5.1 regenerates responses with the target). `train` continues a drafter (`--init-from`) with one
+recipe under a wall-clock budget (the step count is set from a timed probe step, so the cosine
+schedule ends on time). `eval` decodes the held-out prompts with given drafters and reports τ per
+domain, temperature and budget; `ship` stores a drafter's matrices in bf16, as shipped.
 """
 
 from __future__ import annotations
@@ -167,6 +168,14 @@ def train(args) -> None:
     print(json.dumps(summary), flush=True)
 
 
+def _position_accepts(outs) -> list[int]:
+    """Accepted drafts per draft position summed over requests (a request that ended before its
+    first round has an empty list)."""
+    width = max(len(o.stats.position_accepts) for o in outs)
+    return [sum(o.stats.position_accepts[k] for o in outs if k < len(o.stats.position_accepts))
+            for k in range(width)]
+
+
 def _tau(outs) -> float:
     return sum(o.stats.new_tokens - 1 for o in outs) / max(1, sum(o.stats.rounds for o in outs))
 
@@ -183,11 +192,11 @@ def evaluate(args) -> None:
         for temperature in (0.0, 1.0):
             for domain in ("code", "prose"):
                 ids = [model.tokenizer.encode(r["prompt"]) for r in rows if r["domain"] == domain]
-                for budget in (1, 3, 5):
+                for budget in range(1, 6):
                     outs = dspark.generate(model, ids, max_new_tokens=args.new_tokens, temperature=temperature,
                                            seed=0, draft_tokens=budget, drafter=drafter)
                     runs.append({"domain": domain, "temperature": temperature, "budget": budget, "tau": _tau(outs),
-                                 "position_accepts": [sum(c) for c in zip(*(o.stats.position_accepts for o in outs))]})
+                                 "position_accepts": _position_accepts(outs)})
                     print(path, runs[-1], flush=True)
         result["drafters"][path] = runs
     Path(args.out).write_text(json.dumps(result, indent=2))

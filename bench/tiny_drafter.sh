@@ -21,12 +21,17 @@ case "${1:?gen or train}" in
   gen)
     python3 bench/tiny_drafter.py gen --out "$OUT/selfdistill.jsonl" --seconds 1 ;;
   train)
+    # start from the first-round drafter (the shipped one before this round replaced it)
+    mkdir -p $W/first-round
+    for f in config.json model.safetensors; do
+      git show 8e32f36:dspark/assets/dspark-tiny/drafter/$f > $W/first-round/$f
+    done
     for r in paper ce ce-lr; do
       python3 bench/tiny_drafter.py train --data $DATA --out $W/drafter-$r --recipe $r --seconds 150 \
-        > $W/logs/train-$r.log 2>&1 &
+        --init-from $W/first-round > $W/logs/train-$r.log 2>&1 &
     done
     wait
-    for d in dspark/assets/dspark-tiny/drafter $W/drafter-paper $W/drafter-ce $W/drafter-ce-lr; do
+    for d in $W/first-round $W/drafter-paper $W/drafter-ce $W/drafter-ce-lr; do
       python3 bench/tiny_drafter.py eval --drafters $d --out $W/logs/eval-$(basename $d).json \
         > $W/logs/eval-$(basename $d).log 2>&1 &
     done

@@ -10,13 +10,8 @@ drafter, the planner and the sampling of each rank only see its own requests.
 
 from __future__ import annotations
 
-import time
-
-import torch
-
 from dspark.distributed.comm import Comm
-from dspark.engine.engine import Engine, EngineConfig, StepEvent, _charge
-from dspark.round import prefill_step, speculative_round
+from dspark.engine.engine import Engine, EngineConfig
 
 
 class LockstepEngine(Engine):
@@ -32,28 +27,18 @@ class LockstepEngine(Engine):
         """Any rank has a waiting or running request (collective)."""
         return self.comm.any([self.has_work()])[0]
 
-    @torch.inference_mode()
-    def step(self) -> list[StepEvent]:
-        """One step of `Engine.step` (schedule, prefill chunk, speculative round); collective."""
-        self._schedule()
-        before = {id(r): len(r.out) for r in self.running}
-        prefilling = [r for r in self.running if r.in_prefill]
-        decoding = [r for r in self.running if not r.in_prefill]
+    def _run_phases(self, prefilling: list, decoding: list) -> None:
+        """`Engine`'s phases, run wherever any rank has work: a rank without work in a running phase
+        joins that call's exchanges with zero tokens. Collective: every rank calls `step` together."""
         any_prefill, any_decode = self.comm.any([bool(prefilling), bool(decoding)])
         if prefilling:
-            t = time.perf_counter()
-            prefill_step(self.model, self.drafter, prefilling, self.config.prefill_chunk)
-            _charge(prefilling, "prefill_s", time.perf_counter() - t)
+            self._prefill(prefilling)
         elif any_prefill:
             self.idle_forward()
         if decoding:
-            t = time.perf_counter()
-            speculative_round(self.model, self.drafter, decoding, self.round_config,
-                              self._trace if self.config.trace else None)
-            _charge(decoding, "decode_s", time.perf_counter() - t)
+            self._decode(decoding)
         elif any_decode:
             self.idle_forward()
-        return self._events(before)
 
     def idle_forward(self) -> None:
         """Stand in for one target forward call of this rank: every layer's exchanges, no tokens."""

@@ -154,18 +154,26 @@ class Engine:
     def step(self) -> list[StepEvent]:
         self._schedule()
         before = {id(r): len(r.out) for r in self.running}
-        prefilling = [r for r in self.running if r.in_prefill]
-        decoding = [r for r in self.running if not r.in_prefill]
-        if prefilling:
-            t = time.perf_counter()
-            prefill_step(self.model, self.drafter, prefilling, self.config.prefill_chunk)
-            _charge(prefilling, "prefill_s", time.perf_counter() - t)
-        if decoding:
-            t = time.perf_counter()
-            speculative_round(self.model, self.drafter, decoding, self.round_config,
-                              self._trace if self.config.trace else None)
-            _charge(decoding, "decode_s", time.perf_counter() - t)
+        self._run_phases([r for r in self.running if r.in_prefill], [r for r in self.running if not r.in_prefill])
         return self._events(before)
+
+    def _run_phases(self, prefilling: list[Request], decoding: list[Request]) -> None:
+        """The step's target calls: one prompt chunk per prefilling request, one round over the rest."""
+        if prefilling:
+            self._prefill(prefilling)
+        if decoding:
+            self._decode(decoding)
+
+    def _prefill(self, requests: list[Request]) -> None:
+        t = time.perf_counter()
+        prefill_step(self.model, self.drafter, requests, self.config.prefill_chunk)
+        _charge(requests, "prefill_s", time.perf_counter() - t)
+
+    def _decode(self, requests: list[Request]) -> None:
+        t = time.perf_counter()
+        speculative_round(self.model, self.drafter, requests, self.round_config,
+                          self._trace if self.config.trace else None)
+        _charge(requests, "decode_s", time.perf_counter() - t)
 
     def _schedule(self) -> None:
         admitted, _ = self.scheduler.schedule()  # preempted requests had their state dropped there
