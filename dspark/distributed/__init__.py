@@ -1,4 +1,4 @@
-"""Beyond one device: expert parallelism, DP attention and MoE tensor parallelism over torch.distributed.
+"""Beyond one device: expert parallelism, DP attention and tensor parallelism over torch.distributed.
 
     config = ParallelConfig(world_size=2, rank=r, ep=2, dp_attention=True, backend="nccl")
     comm = init_distributed(config)                          # joins the default process group
@@ -10,6 +10,7 @@ The launcher (`dspark.distributed.launch`, used by the CLI under torchrun) is th
 reads the environment. See docs/distributed.md.
 """
 
+from dspark.distributed.attention import ReduceLinear, split_heads
 from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
 from dspark.distributed.engine import LockstepEngine
@@ -18,5 +19,5 @@ from dspark.distributed.moe import ColumnMoE, DispatchMoE, SliceMoE, expert_slic
 from dspark.distributed.setup import device_for, init_distributed, shutdown
 from dspark.distributed.shard import parallelize
 
-__all__ = ["ColumnMoE", "Comm", "DispatchMoE", "LockstepEngine", "ParallelConfig", "SliceMoE", "device_for",
-           "expert_slice", "init_distributed", "load_sharded", "parallelize", "shutdown"]
+__all__ = ["ColumnMoE", "Comm", "DispatchMoE", "LockstepEngine", "ParallelConfig", "ReduceLinear", "SliceMoE",
+           "device_for", "expert_slice", "init_distributed", "load_sharded", "parallelize", "shutdown", "split_heads"]

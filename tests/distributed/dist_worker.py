@@ -5,6 +5,7 @@ Each rank computes the single-process reference itself (same seeds, all requests
 the test to compare.
 """
 
+import copy
 import json
 from importlib import resources
 
@@ -23,6 +24,32 @@ MAX_NEW = [10, 14, 5]
 def tiny_v4():
     config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
     return init_model(config, seed=0)
+
+
+def bf16_layer_checks(comm, rank):
+    """Layer 2 of a bf16 tiny V4, one process vs this rank's tp pieces, on the same inputs: the
+    MoE block's output, this rank's query heads and the attention output projection. Returns the
+    parallel and reference tensors (bf16), for the test to count bitwise-equal elements."""
+    from dspark.distributed.attention import split_heads
+    from dspark.distributed.moe import ColumnMoE
+
+    layer = tiny_v4_bf16().layers[2]
+    attn, moe = copy.deepcopy(layer.attn), copy.deepcopy(layer.ffn)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 64, generator=gen).to(torch.bfloat16)  # [N, D], the same on both ranks
+    ids = torch.randint(0, 258, (16,), generator=gen)
+    cos, sin = attn.rope.cos_sin(torch.arange(16))
+    out = torch.randn(16, 4, 32, generator=gen).to(torch.bfloat16)  # an attention core output [N, H, d]
+    heads = slice(2 * rank, 2 * rank + 2)  # H = 4, 2 ranks
+    res = {"moe": (ColumnMoE(moe, comm)(x, ids), layer.ffn(x, ids)),
+           "q": (split_heads(attn, comm).project_qkv(x, cos, sin)[1], layer.attn.project_qkv(x, cos, sin)[1][:, heads]),
+           "o": (attn.project_out(out[:, heads], cos, sin), layer.attn.project_out(out, cos, sin))}
+    return res
+
+
+def tiny_v4_bf16():
+    config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
+    return init_model(config, seed=0, dtype=torch.bfloat16)
 
 
 def forward_logits(model, prompts):
@@ -52,6 +79,7 @@ def run(rank: int, port: int, out_dir: str) -> None:
     results["ref_logits"] = forward_logits(tiny_v4(), PROMPTS)
     results["ref_v4_tokens"] = generate(Engine, tiny_v4(), range(3), mtp)
     results["ref_v41_tokens"] = generate(Engine, load_model("tiny"), range(3), dspark_auto)
+    results["ref_v41_logits"] = forward_logits(load_model("tiny", prefill_mode="exact"), PROMPTS)
 
     comms = {}
     for layout, kwargs in (("dep", dict(ep=2, dp_attention=True)), ("ep", dict(ep=2)), ("tp", dict(tp=2))):
@@ -62,6 +90,16 @@ def run(rank: int, port: int, out_dir: str) -> None:
         parallelize(model, config, comm)
         prompts = [PROMPTS[i] for i in mine] if layout == "dep" else PROMPTS
         results[f"{layout}_logits"] = forward_logits(model, prompts)
+        if layout == "tp":
+            results["tp_shapes"] = {k: tuple(v.shape) for k, v in model.layers[0].attn.state_dict().items()}
+            results["tp_v4_tokens"] = generate(Engine, model, range(3), mtp)
+            model = load_model("tiny", prefill_mode="exact")
+            parallelize(model, config, comm)
+            results["tp_v41_logits"] = forward_logits(model, PROMPTS)
+            model = load_model("tiny")
+            parallelize(model, config, comm)
+            results["tp_v41_tokens"] = generate(Engine, model, range(3), dspark_auto)
+            results["tp_bf16"] = bf16_layer_checks(comm, rank)
 
     config = ParallelConfig(2, rank, ep=2, dp_attention=True)
     comm = comms["c"]
