@@ -13,11 +13,13 @@ reads the environment. See docs/distributed.md.
 from dspark.distributed.attention import ReduceLinear, split_heads
 from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
+from dspark.distributed.deferred import deferred_weights, materialize
 from dspark.distributed.engine import LockstepEngine
-from dspark.distributed.loading import load_sharded
+from dspark.distributed.loading import build_sharded, load_sharded
 from dspark.distributed.moe import ColumnMoE, DispatchMoE, SliceMoE, expert_slice
 from dspark.distributed.setup import device_for, init_distributed, shutdown
 from dspark.distributed.shard import parallelize
 
 __all__ = ["ColumnMoE", "Comm", "DispatchMoE", "LockstepEngine", "ParallelConfig", "ReduceLinear", "SliceMoE",
-           "device_for", "expert_slice", "init_distributed", "load_sharded", "parallelize", "shutdown", "split_heads"]
+           "build_sharded", "deferred_weights", "device_for", "expert_slice", "init_distributed", "load_sharded",
+           "materialize", "parallelize", "shutdown", "split_heads"]

@@ -11,7 +11,7 @@ from importlib import resources
 
 import torch
 
-from dspark.api import init_model, load_model
+from dspark.api import EMBEDDED, build_model, init_model, load_model
 from dspark.distributed import LockstepEngine, ParallelConfig, init_distributed, load_sharded, parallelize, shutdown
 from dspark.engine.engine import Engine, EngineConfig
 from dspark.sampling import SamplingParams
@@ -50,6 +50,30 @@ def bf16_layer_checks(comm, rank):
 def tiny_v4_bf16():
     config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
     return init_model(config, seed=0, dtype=torch.bfloat16)
+
+
+def expert_bytes(model) -> int:
+    """Bytes of the distinct real storages behind the target layers' routed expert weights."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for name, p in model.named_parameters() if ".ffn.experts." in name and name.startswith("layers.")
+                and not p.is_meta}
+    return sum(storages.values())
+
+
+def expert_bytes_by_stage(config, comm):
+    """Routed-expert storage of the V4.1 dspark-tiny on this rank after each step of `build_sharded`,
+    and what all experts of all layers take (fp32)."""
+    from dspark.distributed.deferred import deferred_weights, materialize
+
+    with deferred_weights("cpu"):
+        model = build_model(json.loads((EMBEDDED["tiny"] / "config.json").read_text()), "cpu")
+    c = model.config
+    total = len(model.layers) * c.n_routed_experts * 3 * c.moe_intermediate_size * c.hidden_size * 4
+    stages = {"built": expert_bytes(model)}
+    parallelize(model, config, comm)
+    stages["parallelized"] = expert_bytes(model)
+    stages["materialized"] = expert_bytes(materialize(model, "cpu"))
+    return stages, total
 
 
 def forward_logits(model, prompts):
@@ -106,7 +130,9 @@ def run(rank: int, port: int, out_dir: str) -> None:
     model = tiny_v4()
     layers = parallelize(model, config, comm)
     results["dep_v4_tokens"] = generate(LockstepEngine, model, mine, mtp, comm, layers)
+    results["expert_bytes"], results["expert_total"] = expert_bytes_by_stage(config, comm)
     model, layers = load_sharded("tiny", config, comm)
+    results["expert_bytes"]["loaded"] = expert_bytes(model)
     results["v41_expert_keys"] = sorted(k for k in model.state_dict() if ".ffn.experts." in k and k.startswith("layers."))
     results["dep_v41_tokens"] = generate(LockstepEngine, model, mine, dspark_auto, comm, layers)
     results["dep_v41_drafter"] = type(model.dspark).__name__

@@ -75,6 +75,15 @@ def test_sharded_load_holds_only_owned_experts(ranks):
         assert experts == set(range(4 * rank, 4 * rank + 4))  # 8 experts, 2 ranks
 
 
+def test_sharded_build_never_allocates_other_ranks_experts(ranks):
+    """Routed-expert storage at every step of build_sharded / load_sharded is this rank's share,
+    E / ep experts per layer: nothing while built on meta, exactly total / 2 once allocated."""
+    for res in ranks:
+        stages, total = res["expert_bytes"], res["expert_total"]
+        assert stages["built"] == stages["parallelized"] == 0
+        assert stages["materialized"] == stages["loaded"] == total // 2
+
+
 def test_tp_splits_attention_heads(ranks):
     for res in ranks:  # tiny V4: H = 4 heads of d = 32, G = 2 groups of R = 16, D = 64, q_lora 16
         shapes = res["tp_shapes"]
