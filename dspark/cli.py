@@ -149,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1: the small models here lose time to thread hand-offs)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree (= torchrun's world size)")
-    g.add_argument("--tp", type=int, default=1, help="MoE tensor-parallel degree (= torchrun's world size)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree (= torchrun's world size): each rank builds and reads only "
+                        "its E/ep routed experts")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree (= torchrun's world size), for small decode batches: attention "
+                        "split by output group (query heads, wo_a/wo_b; the KV latent replicated) and every expert "
+                        "split along its width, one all-reduce after each; weights loaded whole, then sliced")
     g.add_argument("--dp-attention", action="store_true", help="with --ep: each rank serves its own requests")
     g.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo", help="nccl or gloo")
     g.set_defaults(run=_generate)

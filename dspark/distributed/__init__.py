@@ -1,4 +1,4 @@
-"""Beyond one device: expert parallelism, DP attention and MoE tensor parallelism over torch.distributed.
+"""Beyond one device: expert parallelism, DP attention and tensor parallelism over torch.distributed.
 
     config = ParallelConfig(world_size=2, rank=r, ep=2, dp_attention=True, backend="nccl")
     comm = init_distributed(config)                          # joins the default process group
@@ -10,13 +10,16 @@ The launcher (`dspark.distributed.launch`, used by the CLI under torchrun) is th
 reads the environment. See docs/distributed.md.
 """
 
+from dspark.distributed.attention import ReduceLinear, split_heads
 from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
+from dspark.distributed.deferred import deferred_weights, materialize
 from dspark.distributed.engine import LockstepEngine
-from dspark.distributed.loading import load_sharded
+from dspark.distributed.loading import build_sharded, load_sharded
 from dspark.distributed.moe import ColumnMoE, DispatchMoE, SliceMoE, expert_slice
 from dspark.distributed.setup import device_for, init_distributed, shutdown
 from dspark.distributed.shard import parallelize
 
-__all__ = ["ColumnMoE", "Comm", "DispatchMoE", "LockstepEngine", "ParallelConfig", "SliceMoE", "device_for",
-           "expert_slice", "init_distributed", "load_sharded", "parallelize", "shutdown"]
+__all__ = ["ColumnMoE", "Comm", "DispatchMoE", "LockstepEngine", "ParallelConfig", "ReduceLinear", "SliceMoE",
+           "build_sharded", "deferred_weights", "device_for", "expert_slice", "init_distributed", "load_sharded",
+           "materialize", "parallelize", "shutdown", "split_heads"]

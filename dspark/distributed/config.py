@@ -8,12 +8,13 @@ Three layouts, each over all `world_size` ranks of the default process group:
   experts (all-to-all dispatch / combine). The seeds' DEP4 prefill and DEP64 decode are this layout.
 * ``ep``   (``ep = world_size``, ``dp_attention=False``) — every rank runs the same requests; each
   computes its expert slice for all tokens and one all-reduce sums the partial MoE outputs.
-* ``tp``   (``tp = world_size``) — every rank runs the same requests; every expert (and the shared
-  expert) is split along its width I, partial outputs summed by one all-reduce. For small decode
-  batches, where all-to-all latency dominates.
+* ``tp``   (``tp = world_size``) — every rank runs the same requests; attention is split by output
+  group (its query heads, `wo_a` rows and `wo_b` columns; the shared KV latent is replicated) and
+  every expert (and the shared expert) along its width I; one all-reduce after each. For small
+  decode batches, where all-to-all latency dominates.
 
-Attention weights are replicated in every layout (head-split tensor-parallel attention is not
-implemented). `world_size = 1` with `ep = tp = 1` is the single-process run.
+Attention weights are replicated in the other layouts. `world_size = 1` with `ep = tp = 1` is the
+single-process run.
 """
 
 from __future__ import annotations

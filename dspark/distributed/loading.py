@@ -1,7 +1,8 @@
 """Sharded loading: each rank reads only the tensors it holds after `parallelize`.
 
-`load_sharded` builds the model with uninitialised weights, swaps in the parallel MoE blocks
-(dropping the experts other ranks own), then plans the checkpoint from its safetensors headers and
+`load_sharded` builds the model on the meta device (`deferred.py`), swaps in the parallel MoE
+blocks (dropping the experts other ranks own), allocates what is left (`build_sharded`: a rank
+never allocates another rank's experts), then plans the checkpoint from its safetensors headers and
 copies only the tensors this rank's model has: a routed expert owned by another rank is renamed to
 "ignored" before planning, so its FP4 data and scales are never read. Everything else (attention,
 router, shared expert, embeddings, head, Engram tables) is replicated and read by every rank.
@@ -24,6 +25,7 @@ import torch
 from dspark.api import CONFIG_FILE, DRAFTER_DIR, EMBEDDED, build_model, load_tokenizer
 from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
+from dspark.distributed.deferred import deferred_weights, materialize
 from dspark.distributed.shard import parallelize
 from dspark.draft.io import dspark_from_checkpoint, dspark_from_v41_checkpoint, load_drafter
 from dspark.loader import SafetensorsReader, load_tensors, plan_sources
@@ -47,8 +49,7 @@ def load_sharded(path: str | Path, parallel: ParallelConfig, comm: Comm, device:
                          "dspark.load_model then parallelize")
     path = EMBEDDED[path] if isinstance(path, str) and path in EMBEDDED else Path(path)
     config = json.loads((path / CONFIG_FILE).read_text())
-    model = build_model(config, device, dtype, **options)
-    moe_layers = parallelize(model, parallel, comm)
+    model, moe_layers = build_sharded(config, parallel, comm, device, dtype, **options)
     if config.get("model_type") == "deepseek_v41":
         _load_v41(model, path, config)
         model.dspark = dspark_from_v41_checkpoint(model, path, config)
@@ -59,6 +60,17 @@ def load_sharded(path: str | Path, parallel: ParallelConfig, comm: Comm, device:
     if (path / DRAFTER_DIR / CONFIG_FILE).is_file():
         model.dspark = load_drafter(path / DRAFTER_DIR, model)
     return model.eval().requires_grad_(False), moe_layers
+
+
+def build_sharded(config: dict, parallel: ParallelConfig, comm: Comm, device: str | torch.device = "cpu",
+                  dtype: torch.dtype | None = None, **options) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """This rank's model of a `config.json` dict, parallelised, with uninitialised weights; returns
+    (model, parallel MoE layers). Built on the meta device first (`deferred_weights`), so only the
+    tensors this rank keeps are ever allocated: its E / ep routed experts per layer, not all E."""
+    with deferred_weights(device):
+        model = build_model(config, device, dtype, **options)
+    moe_layers = parallelize(model, parallel, comm)
+    return materialize(model, device), moe_layers
 
 
 def _owned_only(rename, held: set[str]):

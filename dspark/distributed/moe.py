@@ -9,11 +9,13 @@ of the module it replaces, so a layer cannot tell the difference:
   load reads exactly those.
 * `SliceMoE` (EP over replicated requests): owned experts over all tokens, shared expert on rank 0,
   one all-reduce.
-* `ColumnMoE` (TP over replicated requests): every expert split along its width I, one all-reduce.
+* `ColumnMoE` (TP over replicated requests): every expert split along its width I, one all-reduce
+  of the per-slot partial outputs, then the single-device finalize (same bf16 rounding points).
 
-The router and the shared expert are replicated. Routed outputs are combined in fp32 like the
-single-process block; the summation order differs (slot order instead of expert order, and over
-ranks), so results agree with it to fp32 rounding, not bit for bit.
+The router is replicated (and the shared expert, except under `ColumnMoE`). Routed outputs are
+combined in fp32 like the single-process block; in `DispatchMoE` / `SliceMoE` the summation order
+differs (slot order instead of expert order, and over ranks), so results agree with it to fp32
+rounding, not bit for bit; `ColumnMoE` differs only inside each expert's last GEMM.
 
 Shape symbols: N tokens of this rank, K experts per token, D hidden, E routed experts, m = E / ranks
 experts per rank, R rows received by this rank.
@@ -22,6 +24,7 @@ experts per rank, R rows received by this rank.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.distributed.comm import Comm
@@ -120,8 +123,17 @@ class SliceMoE(nn.Module):
 class ColumnMoE(nn.Module):
     """Tensor-parallel MoE over replicated tokens: rank r holds columns [r·I/t, (r+1)·I/t) of w1 and w3
     and the same rows of w2 for every routed expert and the shared expert. The clamped SwiGLU is
-    element-wise in I, so the partial outputs sum to the full expert output; one fp32 all-reduce.
-    Partial outputs leave each expert in x.dtype (a bf16 model rounds per partial, unlike one GPU)."""
+    element-wise in I, so the partial outputs sum to the full expert output.
+
+    The rounding points of the single-device block are kept: each rank's w2 partials stay fp32, one
+    all-reduce sums the K + 1 partial outputs of every token (its routed slots and the shared
+    expert), each summed expert output is rounded to x.dtype (where one device rounds the expert's
+    GEMM), and the finalize Σ_k g_k · out_k + shared runs in fp32 in the single-device order
+    (ascending expert id). Only the fp32 sum order inside w2 differs (I/t columns, then over ranks).
+    This sends K + 1 rows per token instead of one: the price of exact rounding, small at decode
+    batch sizes, which is what this layout is for; the fused finalize + all-reduce kernel of
+    docs/distributed.md would push the same rows.
+    """
 
     def __init__(self, moe: nn.Module, comm: Comm):
         super().__init__()
@@ -132,10 +144,44 @@ class ColumnMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [N, D] (identical on every rank), input_ids [N] -> [N, D] in x.dtype."""
-        weights, ids = self.gate(x, input_ids)
-        partial = _routed_sum(x, weights, ids, dict(enumerate(self.experts)))
-        partial += self.shared_experts(x).float()
-        return self.comm.all_reduce_sum(partial).to(x.dtype)
+        weights, ids = self.gate(x, input_ids)  # [N, K] fp32, [N, K]
+        k = ids.shape[1]
+        partial = torch.zeros((x.shape[0], k + 1, x.shape[1]), dtype=torch.float32, device=x.device)  # [N, K+1, D]
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()  # one host sync
+        for e, count in enumerate(counts):
+            if count:
+                token, slot = torch.where(ids == e)
+                partial[token, slot] = _partial_output(self.experts[e], x[token])
+        partial[:, k] = _partial_output(self.shared_experts, x)
+        out = self.comm.all_reduce_sum(partial).to(x.dtype)  # [N, K+1, D]: whole expert outputs, rounded
+        return _finalize(out, weights, ids)
+
+
+def _partial_output(expert: Expert, x: torch.Tensor) -> torch.Tensor:
+    """`Expert.forward` of a width slice with the last GEMM left in fp32: x [n, D] -> [n, D] fp32.
+
+    Up to w2's input every value equals the full expert's (the SwiGLU is element-wise in I)."""
+    gate, up = expert.w1(x).float(), expert.w3(x).float()
+    if expert.limit > 0:
+        gate = gate.clamp(max=expert.limit)
+        up = up.clamp(min=-expert.limit, max=expert.limit)
+    hidden = (F.silu(gate) * up).to(x.dtype)
+    return F.linear(hidden.float(), expert.w2.weight.float())  # bf16 products are exact in fp32
+
+
+def _finalize(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """out [N, K+1, D] (routed slots, then shared) -> Σ_k g_k · out_k + out_K in out.dtype.
+
+    The routed terms are added in ascending expert id, as the single-device block's index_add loop
+    does, so given the same expert outputs the result is bit-identical to it."""
+    k = ids.shape[1]
+    order = torch.argsort(ids, dim=1, stable=True)  # [N, K] slots by expert id
+    routed = torch.zeros(out.shape[0], out.shape[2], dtype=torch.float32, device=out.device)  # [N, D]
+    for j in range(k):
+        slot = order[:, j:j + 1]  # [N, 1]
+        term = out.gather(1, slot.unsqueeze(-1).expand(-1, -1, out.shape[2])).squeeze(1)  # [N, D]
+        routed += term.float() * weights.gather(1, slot)
+    return (routed + out[:, k].float()).to(out.dtype)
 
 
 def _column_slice(expert: Expert, rank: int, size: int) -> Expert:

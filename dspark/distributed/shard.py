@@ -1,8 +1,9 @@
 """`parallelize`: swap the MoE block of every target layer for its parallel version, from outside.
 
 The model files stay single-device; this walks `model.layers[i].ffn` (DeepSeek-V4 and V4.1 alike)
-and replaces each by the module of `ParallelConfig.layout`. The MTP block and the DSpark drafter's
-own MoE blocks are left as they are: they run per DP rank, replicated, and join no collective, so
+and replaces each by the module of `ParallelConfig.layout`; under "tp" it also keeps each rank's
+attention heads of `model.layers[i].attn` (`split_heads`). The MTP block and the DSpark drafter's
+own blocks are left as they are: they run per DP rank, replicated, and join no collective, so
 a rank may draft for its own requests whatever the other ranks do.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from dspark.distributed.attention import split_heads
 from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
 from dspark.distributed.moe import ColumnMoE, DispatchMoE, SliceMoE
@@ -23,7 +25,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, comm: Comm) -> list[nn
     A single-process config leaves the model untouched (and returns []). Experts a rank does not
     own are dropped here: build the model, `parallelize`, then load (`load_sharded`) so that only
     owned experts are ever read. Raises ValueError when the process group does not match `config`
-    or the experts do not split evenly.
+    or the experts (or, under "tp", the attention's output groups) do not split evenly.
     """
     if config.layout == "single":
         return []
@@ -33,6 +35,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, comm: Comm) -> list[nn
     module = _MODULES[config.layout]
     swapped = []
     for layer in model.layers:
+        if config.layout == "tp":
+            split_heads(layer.attn, comm)
         layer.ffn = module(layer.ffn, comm)
         swapped.append(layer.ffn)
     return swapped
