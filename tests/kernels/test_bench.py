@@ -26,7 +26,8 @@ def test_default_plan_covers_every_op_layer_and_size(bench):
     args = bench.parse_args([])
     assert args.out == "bench/results/kernels.json"
     cases = bench.plan(args)
-    assert len(cases) == 2 * (len(bench.OPS) * 5 - 3)  # fused_moe_packed only where M·K <= 64 (M = 1, 8)
+    # fused_moe_packed only where M·K <= 64 (M = 1, 8); the indexer ops at decode sizes (M <= 256)
+    assert len(cases) == 2 * (len(bench.OPS) * 5 - 3 - len(bench.DECODE_ONLY))
     assert {m for _, _, m in cases} == {1, 8, 64, 256, 4096}
     assert {s.name for s, _, _ in cases} == {"v4-flash", "v4-mini"}
 
@@ -53,7 +54,7 @@ def test_refuses_to_time_without_gpu(bench, capsys):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
-@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32", "fused_moe_packed", "attn_csa"])
+@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32", "fused_moe_packed", "attn_csa", "indexer_v41"])
 def test_case_pipeline_on_a_tiny_layer(bench, op):
     """Inputs, checks and floor accounting of a case, on a tiny layer (interpreter on CPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,5 +66,8 @@ def test_case_pipeline_on_a_tiny_layer(bench, op):
         assert row["bytes"] == 2 * 3 * 4 * 64 * 2 + 2 * 3 * 64 * 2 + 24 * 256 * 4
     elif op == "attn_csa":  # 3 queries x 2 heads over window 128 + top-512, QK and PV
         assert row["flop"] == 4 * 3 * 2 * (128 + 512) * 32
+    elif op == "indexer_v41":  # 3 rows x 32 heads x 32K entries x di 128; scores written, pool read
+        assert row["flop"] == 2 * 3 * 32 * 32768 * 128
+        assert row["bytes"] == (32768 + 3 * 32) * 128 * 2 + 3 * 32 * 4 + 3 * 32768 * (4 + 1) + 3 * 512 * 8
     else:
         assert row["flop"] == 2 * 3 * 4 * 64 + 2 * 3 * 3 * 3 * 64 * 64
