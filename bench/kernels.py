@@ -280,7 +280,8 @@ def indexer_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
     pool = None
     if v41:
         n_blocks = n_keys // V41_POOL_BLOCK
-        kept = torch.rand(m, n_blocks, generator=gen, device=device).topk(V41_POOL_BLOCKS, dim=-1).indices
+        n_kept = min(V41_POOL_BLOCKS, n_blocks // 2)  # half the blocks at 32K (the pool binds)
+        kept = torch.rand(m, n_blocks, generator=gen, device=device).topk(n_kept, dim=-1).indices
         pool = torch.zeros(m, n_blocks, dtype=torch.bool, device=device).scatter_(1, kept, True)
         pool = pool.repeat_interleave(V41_POOL_BLOCK, dim=1)
     args, kw = (q, weights, keys, visible, pool), dict(topk=CSA_TOPK)
