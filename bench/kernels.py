@@ -40,8 +40,10 @@ HBM_BYTES_PER_S = 4.4e12  # measured copy bandwidth of one H200 (peers.md §7.1)
 BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
 OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
-       "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41")
+       "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
+       "compressor_csa", "compressor_hca")
 DECODE_ONLY = ("indexer_csa", "indexer_v41")  # decode / verify ops: M <= 256 rows
+COMPRESSOR_SLOTS = {"compressor_csa": 8, "compressor_hca": 128}  # rows pooled per entry (CSA: 2m half-rows)
 CONTEXT = 32768  # attention cases: queries at the end of a 32K-token context
 WINDOW, HCA_RATE, CSA_RATE, CSA_TOPK = 128, 128, 4, 512  # V4 attention (spec §7-§8)
 INDEX_DIM, V41_INDEX_HEADS, V41_POOL_BLOCKS, V41_POOL_BLOCK = 128, 32, 2048, 8  # deepseek_v41 spec §5.3-§5.4
@@ -292,6 +294,24 @@ def indexer_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
         n_bytes, flop
 
 
+def compressor_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of the compressor update emitting M entries of width
+    d = head_dim: CSA (8 overlapping half-rows each) or HCA (128 rows each), bf16 values, fp32
+    logits. Bytes: values and logits read once, entries written once."""
+    from dspark.kernels import compressor
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    slots, d = COMPRESSOR_SLOTS[op], shape.head_dim
+    kv = torch.randn(m, slots, d, generator=gen, device=device).bfloat16()
+    score = torch.randn(m, slots, d, generator=gen, device=device)
+    weight = torch.rand(d, generator=gen, device=device) + 0.5
+    kw = dict(eps=1e-6, out_dtype=torch.bfloat16)
+    n_bytes = kv.numel() * 2 + score.numel() * 4 + d * 4 + m * d * 2
+    flop = 2 * kv.numel()
+    return (lambda: compressor.compressor_pool(kv, score, weight, **kw)), \
+        (lambda: compressor.compressor_pool_ref(kv, score, weight, **kw)), n_bytes, flop
+
+
 def rel_err(out, ref) -> float:
     """max over the float outputs of ‖out − ref‖ / ‖ref‖ on the reference's finite entries (the
     indexer's scores hold −inf on masked entries; they must be −inf in both), inf on a mismatch."""
@@ -341,7 +361,7 @@ def slow_timer(args: argparse.Namespace, max_runs: int = 20):
 def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, device: str = "cuda") -> dict:
     """Check and time one case; `timer(fn)` / `ref_timer(fn)` return seconds."""
     make = mhc_case if op.startswith("mhc") else attention_case if op.startswith("attn") else \
-        indexer_case if op.startswith("indexer") else moe_case
+        indexer_case if op.startswith("indexer") else compressor_case if op.startswith("compressor") else moe_case
     fused, ref, n_bytes, flop = make(op, shape, layer, m, device)
     err = rel_err(fused(), ref())  # also compiles the kernels before timing
     t_fused, t_ref = timer(fused), ref_timer(ref)

@@ -34,6 +34,7 @@ _OP_MODULES: dict[str, str] = {
     "moe_experts": "moe",
     "sparse_attention": "attention",
     "lightning_indexer": "indexer",
+    "compressor_pool": "compressor",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 
@@ -74,6 +75,7 @@ class KernelConfig:
     moe_experts: Impl = "ref"
     sparse_attention: Impl = "ref"
     lightning_indexer: Impl = "ref"
+    compressor_pool: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -54,7 +54,8 @@ def test_refuses_to_time_without_gpu(bench, capsys):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
-@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32", "fused_moe_packed", "attn_csa", "indexer_v41"])
+@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32", "fused_moe_packed", "attn_csa", "indexer_v41",
+                                "compressor_hca"])
 def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
     """Inputs, checks and floor accounting of a case, on a tiny layer (interpreter on CPU)."""
     if op.startswith("indexer"):
@@ -71,5 +72,7 @@ def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
     elif op == "indexer_v41":  # 3 rows x 32 heads x 4K entries x di 128; scores written, pool read
         assert row["flop"] == 2 * 3 * 32 * 4096 * 128
         assert row["bytes"] == (4096 + 3 * 32) * 128 * 2 + 3 * 32 * 4 + 3 * 4096 * (4 + 1) + 3 * 512 * 8
+    elif op == "compressor_hca":  # 3 entries x 128 rows x d 32: bf16 values + fp32 logits, entries out
+        assert row["bytes"] == 3 * 128 * 32 * (2 + 4) + 32 * 4 + 3 * 32 * 2
     else:
         assert row["flop"] == 2 * 3 * 4 * 64 + 2 * 3 * 3 * 3 * 64 * 64

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import attention, indexer, mhc, moe, moe_decode, triton_available
+from dspark.kernels import attention, compressor, indexer, mhc, moe, moe_decode, triton_available
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -36,7 +36,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
-           indexer: ("_score_kernel", "_select_kernel")}
+           indexer: ("_score_kernel", "_select_kernel"),
+           compressor: ("_pool_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +109,12 @@ def run_every_tile_class():
             indexer.lightning_indexer(q, torch.randn(2, n_heads, device=DEVICE), keys, visible, pool, topk=64)
         finally:
             indexer._REGISTER_ROW = limit
+    # Compressor: V4 CSA (8 slots x 512, bf16), its indexer (8 x 128), HCA (128 x 512), V4.1 (fp32 rows).
+    for slots, dim, dtype in ((8, 512, torch.bfloat16), (8, 128, torch.bfloat16), (128, 512, torch.bfloat16),
+                              (2, 512, torch.float32)):
+        kv = torch.randn(2, slots, dim, generator=g).to(DEVICE, dtype)
+        compressor.compressor_pool(kv, torch.randn(2, slots, dim, generator=g).to(DEVICE), torch.ones(dim, device=DEVICE),
+                                   eps=1e-6, out_dtype=torch.bfloat16)
 
 
 COMPILE = textwrap.dedent("""

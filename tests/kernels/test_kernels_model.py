@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dspark.api import init_model
-from dspark.kernels import KernelConfig, indexer, indexer_ref, triton_available
+from dspark.kernels import KernelConfig, compressor, indexer, indexer_ref, triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,6 +152,8 @@ def test_v4_fused_matches_reference():
     assert not ref.layers[0].fused_mhc and not ref.layers[0].ffn.fused
     assert fused.layers[1].attn.indexer.select_op is indexer.lightning_indexer
     assert ref.layers[1].attn.indexer.select_op is indexer_ref.lightning_indexer_ref
+    assert fused.layers[2].attn.compressor.pool_op is compressor.compressor_pool  # HCA
+    assert fused.layers[1].attn.indexer.compressor.pool_op is compressor.compressor_pool
     compare(fused, ref, torch.float32, prompts(config["vocab_size"], lengths=(11, 5)), steps=3)
 
 
@@ -162,6 +164,7 @@ def test_v41_fused_matches_reference():
     fused, ref = build(config, "triton", torch.float32, **options), build(config, "ref", torch.float32, **options)
     reindex = fused.layers[6].attn.indexer  # candidate consumer: the pool is fused into its top-k
     assert reindex.uses_candidates and reindex.select_op is indexer.lightning_indexer
+    assert fused.layers[1].attn.compressor.pool_op is compressor.compressor_pool  # ratio-2 KV source
     compare(fused, ref, torch.float32, prompts(config["text_config"]["vocab_size"], lengths=(11, 5)), steps=2)
 
 

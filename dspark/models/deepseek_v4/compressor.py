@@ -44,8 +44,11 @@ class Compressor(nn.Module):
     `CompressorCache`; the module itself is stateless.
     """
 
-    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, eps: float, dtype=None, device=None):
+    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, eps: float, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
+        # kv [n, slots, d], score [n, slots, d], norm weight [d] -> RMSNorm(Σ softmax(score)·kv) [n, d]
+        self.pool_op = get_op(KernelConfig() if kernels is None else kernels, "compressor_pool")
         self.head_dim = head_dim
         self.rate = rate
         self.overlap = overlap
@@ -78,11 +81,11 @@ class Compressor(nn.Module):
             lo = first * m - cache.rows_start
             kv = kv[lo : lo + (last - first) * m].unflatten(0, (last - first, m))  # [n, m, d_c]
             score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
-        weights = score.softmax(dim=1)  # per channel over the slots, fp32
-        pooled = (kv.float() * weights).sum(dim=1).to(kv.dtype)  # [n, d_c]
+        # Per-channel softmax over the slots (fp32), weighted sum, RMSNorm: the registry's op.
+        normed = self.pool_op(kv, score, self.norm.weight, eps=self.norm.eps, out_dtype=kv.dtype)  # [n, d_c]
         positions = torch.arange(first, last, device=kv.device) * m
         cos, sin = rope.cos_sin(positions)
-        return apply_rope(self.norm(pooled), cos, sin)
+        return apply_rope(normed, cos, sin)
 
     def _overlap_slots(self, kv, score, rows_start: int, first: int, last: int):
         """Slots [n, 2m, d_c] of entries first..last−1: "a" halves of window w−1, then "b" halves of w."""
@@ -130,7 +133,8 @@ class Indexer(nn.Module):
         self.select_op = get_op(KernelConfig() if kernels is None else kernels, "lightning_indexer")
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype, device=device)
         self.weights_proj = nn.Linear(dim, n_heads, bias=False, dtype=dtype, device=device)
-        self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device)
+        self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device,
+                                     kernels=kernels)
 
     def project(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, cos, sin) -> IndexerQueries:
         """Dense part for all N tokens: x [N, D] (attention input), q_lora [N, q_lora_rank] (normed c_q)."""

@@ -43,7 +43,7 @@ class Attention(LatentAttention):
         self.indexer = None
         if role.owns_compressor:
             self.compressor = Compressor(config.hidden_size, config.head_dim, role.ratio, config.rms_norm_eps,
-                                         dtype=dtype, device=device)
+                                         dtype=dtype, device=device, kernels=kernels)
         if role.owns_indexer:
             self.indexer = Indexer(config, role, quant, dtype=dtype, device=device, kernels=kernels)
 

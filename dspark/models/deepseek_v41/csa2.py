@@ -46,8 +46,11 @@ _INDEXER_CHUNK_ELEMENTS = 1 << 26
 class Compressor(nn.Module):
     """`wkv` [d, D], `wgate` [d, D] (ratio > 1 only), `norm` [d]. Stateless: rows live in a `SourceCache`."""
 
-    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, dtype=None, device=None):
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
+        # kv [n, ratio, d], gate [n, ratio, d], norm weight [d] -> norm(Σ softmax(gate)·kv) [n, d]
+        self.pool_op = get_op(KernelConfig() if kernels is None else kernels, "compressor_pool")
         self.ratio = ratio
         self.wkv = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device) if ratio > 1 else None
@@ -71,8 +74,8 @@ class Compressor(nn.Module):
         lo = first * self.ratio - cache.rows_start
         span = slice(lo, lo + (last - first) * self.ratio)
         kv_rows = kv_rows[span].unflatten(0, (last - first, self.ratio))  # [n_new, ratio, d]
-        weights = gate_rows[span].unflatten(0, (last - first, self.ratio)).softmax(dim=1)  # per channel
-        return self.norm((kv_rows * weights).sum(dim=1).to(dtype))
+        gate_rows = gate_rows[span].unflatten(0, (last - first, self.ratio))
+        return self.pool_op(kv_rows, gate_rows, self.norm.weight, eps=self.norm.eps, out_dtype=dtype)
 
 
 @dataclass
