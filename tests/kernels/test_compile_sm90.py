@@ -113,8 +113,8 @@ def run_every_tile_class():
     for slots, dim, dtype in ((8, 512, torch.bfloat16), (8, 128, torch.bfloat16), (128, 512, torch.bfloat16),
                               (2, 512, torch.float32)):
         kv = torch.randn(2, slots, dim, generator=g).to(DEVICE, dtype)
-        compressor.compressor_pool(kv, torch.randn(2, slots, dim, generator=g).to(DEVICE), torch.ones(dim, device=DEVICE),
-                                   eps=1e-6, out_dtype=torch.bfloat16)
+        score = torch.randn(2, slots, dim, generator=g).to(DEVICE)
+        compressor.compressor_pool(kv, score, torch.ones(dim, device=DEVICE), eps=1e-6, out_dtype=torch.bfloat16)
 
 
 COMPILE = textwrap.dedent("""
