@@ -14,6 +14,7 @@ effective bandwidth and rate against the floors:
     python bench/kernels.py                      # everything, JSON to bench/results/kernels.json
     python bench/kernels.py --configs mini --ops mhc_pre,fused_moe --tokens 1,4096
     python bench/kernels.py --dry-run            # list the cases (works without a GPU)
+    python bench/kernels.py --configs flash --ops indexer_csa,indexer_v41 --tokens 1,8,64,256
 
 Conditions (GPU, clocks, torch/triton versions, commit) are printed first and stored in the JSON.
 """
@@ -21,6 +22,7 @@ Conditions (GPU, clocks, torch/triton versions, commit) are printed first and st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -38,9 +40,13 @@ HBM_BYTES_PER_S = 4.4e12  # measured copy bandwidth of one H200 (peers.md §7.1)
 BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
 OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
-       "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa")
+       "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
+       "compressor_csa", "compressor_hca")
+DECODE_ONLY = ("indexer_csa", "indexer_v41")  # decode / verify ops: M <= 256 rows
+COMPRESSOR_SLOTS = {"compressor_csa": 8, "compressor_hca": 128}  # rows pooled per entry (CSA: 2m half-rows)
 CONTEXT = 32768  # attention cases: queries at the end of a 32K-token context
 WINDOW, HCA_RATE, CSA_RATE, CSA_TOPK = 128, 128, 4, 512  # V4 attention (spec §7-§8)
+INDEX_DIM, V41_INDEX_HEADS, V41_POOL_BLOCKS, V41_POOL_BLOCK = 128, 32, 2048, 8  # deepseek_v41 spec §5.3-§5.4
 MODEL_CONFIG = "dspark/configs/v4-mini.json"  # whole-model step: the copy of ../shared/bench/v4-mini.json
 EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
 
@@ -57,6 +63,7 @@ class LayerShape:
     inter: int  # I, routed and shared expert width
     n_heads: int = 64  # attention heads H (head_dim 512, one shared KV latent)
     head_dim: int = 512
+    index_heads: int = 64  # V4 lightning indexer Hi (di = 128, top-512)
 
 
 CONFIGS = {
@@ -93,8 +100,8 @@ def layer_shapes(args: argparse.Namespace) -> list[LayerShape]:
     for name in args.configs:
         shape = CONFIGS[name]
         if name == "flash" and args.flash_experts != shape.n_experts:
-            shape = LayerShape(f"{shape.name}-E{args.flash_experts}", shape.dim, shape.n_hc,
-                               args.flash_experts, shape.top_k, shape.inter, shape.n_heads, shape.head_dim)
+            shape = dataclasses.replace(shape, name=f"{shape.name}-E{args.flash_experts}",
+                                        n_experts=args.flash_experts)
         shapes.append(shape)
     return shapes
 
@@ -102,8 +109,9 @@ def layer_shapes(args: argparse.Namespace) -> list[LayerShape]:
 def plan(args: argparse.Namespace) -> list[tuple[LayerShape, str, int]]:
     """Every (layer, op, M) case, in run order."""
     # Above M·K = 64 assignments fused_moe itself takes the packed path: fused_moe_packed would repeat it.
+    # The indexer ops are decode / verify ops (a prefill scores in row chunks): M <= 256 only.
     return [(shape, op, m) for shape in layer_shapes(args) for op in args.ops for m in args.tokens
-            if not (op == "fused_moe_packed" and m * shape.top_k > 64)]
+            if not (op == "fused_moe_packed" and m * shape.top_k > 64) and not (op in DECODE_ONLY and m > 256)]
 
 
 def git_commit() -> str:
@@ -256,11 +264,68 @@ def attention_case(op: str, shape: LayerShape, layer: dict, m: int, device: str)
         n_bytes, flop
 
 
+def indexer_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of the lightning indexer for M query rows at the end of
+    a 32K context: V4 CSA (indexer_csa: Hi of the layer, T = 8192 entries, top-512) or V4.1
+    reindex (indexer_v41: 32 heads, ratio 1 so T = 32768, top-512 inside a candidate pool of 2048
+    blocks of 8 = half the entries). Bytes: keys, q, weights and the pool mask read once; scores
+    [M, T] fp32 and ids written once."""
+    from dspark.kernels import indexer
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    v41 = op == "indexer_v41"
+    heads, n_keys = (V41_INDEX_HEADS, CONTEXT) if v41 else (shape.index_heads, CONTEXT // CSA_RATE)
+    q = torch.randn(m, heads, INDEX_DIM, generator=gen, device=device).bfloat16()
+    keys = torch.randn(n_keys, INDEX_DIM, generator=gen, device=device).bfloat16()
+    weights = torch.randn(m, heads, generator=gen, device=device) * (heads * INDEX_DIM) ** -0.5
+    visible = torch.full((m,), n_keys, device=device)
+    pool = None
+    if v41:
+        n_blocks = n_keys // V41_POOL_BLOCK
+        n_kept = min(V41_POOL_BLOCKS, n_blocks // 2)  # half the blocks at 32K (the pool binds)
+        kept = torch.rand(m, n_blocks, generator=gen, device=device).topk(n_kept, dim=-1).indices
+        pool = torch.zeros(m, n_blocks, dtype=torch.bool, device=device).scatter_(1, kept, True)
+        pool = pool.repeat_interleave(V41_POOL_BLOCK, dim=1)
+    args, kw = (q, weights, keys, visible, pool), dict(topk=CSA_TOPK)
+    n_bytes = (keys.numel() + q.numel()) * 2 + weights.numel() * 4 + m * n_keys * 4 + m * CSA_TOPK * 8
+    n_bytes += 0 if pool is None else pool.numel()
+    flop = 2 * m * heads * n_keys * INDEX_DIM
+    return (lambda: indexer.lightning_indexer(*args, **kw)), (lambda: indexer.lightning_indexer_ref(*args, **kw)), \
+        n_bytes, flop
+
+
+def compressor_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of the compressor update emitting M entries of width
+    d = head_dim: CSA (8 overlapping half-rows each) or HCA (128 rows each), bf16 values, fp32
+    logits. Bytes: values and logits read once, entries written once."""
+    from dspark.kernels import compressor
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    slots, d = COMPRESSOR_SLOTS[op], shape.head_dim
+    kv = torch.randn(m, slots, d, generator=gen, device=device).bfloat16()
+    score = torch.randn(m, slots, d, generator=gen, device=device)
+    weight = torch.rand(d, generator=gen, device=device) + 0.5
+    kw = dict(eps=1e-6, out_dtype=torch.bfloat16)
+    n_bytes = kv.numel() * 2 + score.numel() * 4 + d * 4 + m * d * 2
+    flop = 2 * kv.numel()
+    return (lambda: compressor.compressor_pool(kv, score, weight, **kw)), \
+        (lambda: compressor.compressor_pool_ref(kv, score, weight, **kw)), n_bytes, flop
+
+
 def rel_err(out, ref) -> float:
+    """max over the float outputs of ‖out − ref‖ / ‖ref‖ on the reference's finite entries (the
+    indexer's scores hold −inf on masked entries; they must be −inf in both), inf on a mismatch."""
     outs = out if isinstance(out, tuple) else (out,)
     refs = ref if isinstance(ref, tuple) else (ref,)
-    errs = [((a.double() - b.double()).norm() / b.double().norm()).item()
-            for a, b in zip(outs, refs) if a.is_floating_point()]
+    errs = []
+    for a, b in zip(outs, refs):
+        if not a.is_floating_point():
+            continue
+        finite = b.isfinite()
+        if not torch.equal(a.isfinite(), finite):
+            return float("inf")
+        a, b = a[finite].double(), b[finite].double()
+        errs.append(((a - b).norm() / b.norm()).item())
     return max(errs)
 
 
@@ -295,7 +360,8 @@ def slow_timer(args: argparse.Namespace, max_runs: int = 20):
 
 def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, device: str = "cuda") -> dict:
     """Check and time one case; `timer(fn)` / `ref_timer(fn)` return seconds."""
-    make = mhc_case if op.startswith("mhc") else attention_case if op.startswith("attn") else moe_case
+    make = mhc_case if op.startswith("mhc") else attention_case if op.startswith("attn") else \
+        indexer_case if op.startswith("indexer") else compressor_case if op.startswith("compressor") else moe_case
     fused, ref, n_bytes, flop = make(op, shape, layer, m, device)
     err = rel_err(fused(), ref())  # also compiles the kernels before timing
     t_fused, t_ref = timer(fused), ref_timer(ref)

@@ -33,6 +33,8 @@ _OP_MODULES: dict[str, str] = {
     "fused_moe": "moe",
     "moe_experts": "moe",
     "sparse_attention": "attention",
+    "lightning_indexer": "indexer",
+    "compressor_pool": "compressor",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 
@@ -72,6 +74,8 @@ class KernelConfig:
     fused_moe: Impl = "ref"
     moe_experts: Impl = "ref"
     sparse_attention: Impl = "ref"
+    lightning_indexer: Impl = "ref"
+    compressor_pool: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -26,7 +26,8 @@ def test_default_plan_covers_every_op_layer_and_size(bench):
     args = bench.parse_args([])
     assert args.out == "bench/results/kernels.json"
     cases = bench.plan(args)
-    assert len(cases) == 2 * (len(bench.OPS) * 5 - 3)  # fused_moe_packed only where M·K <= 64 (M = 1, 8)
+    # fused_moe_packed only where M·K <= 64 (M = 1, 8); the indexer ops at decode sizes (M <= 256)
+    assert len(cases) == 2 * (len(bench.OPS) * 5 - 3 - len(bench.DECODE_ONLY))
     assert {m for _, _, m in cases} == {1, 8, 64, 256, 4096}
     assert {s.name for s, _, _ in cases} == {"v4-flash", "v4-mini"}
 
@@ -53,9 +54,12 @@ def test_refuses_to_time_without_gpu(bench, capsys):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
-@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32", "fused_moe_packed", "attn_csa"])
-def test_case_pipeline_on_a_tiny_layer(bench, op):
+@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32", "fused_moe_packed", "attn_csa", "indexer_v41",
+                                "compressor_hca"])
+def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
     """Inputs, checks and floor accounting of a case, on a tiny layer (interpreter on CPU)."""
+    if op.startswith("indexer"):
+        monkeypatch.setattr(bench, "CONTEXT", 4096)  # the interpreter scores every entry: 32K is slow
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = bench.LayerShape("tiny", dim=64, n_hc=4, n_experts=4, top_k=2, inter=64, n_heads=2, head_dim=32)
     layer = bench.build_layer(shape, device)
@@ -65,5 +69,10 @@ def test_case_pipeline_on_a_tiny_layer(bench, op):
         assert row["bytes"] == 2 * 3 * 4 * 64 * 2 + 2 * 3 * 64 * 2 + 24 * 256 * 4
     elif op == "attn_csa":  # 3 queries x 2 heads over window 128 + top-512, QK and PV
         assert row["flop"] == 4 * 3 * 2 * (128 + 512) * 32
+    elif op == "indexer_v41":  # 3 rows x 32 heads x 4K entries x di 128; scores written, pool read
+        assert row["flop"] == 2 * 3 * 32 * 4096 * 128
+        assert row["bytes"] == (4096 + 3 * 32) * 128 * 2 + 3 * 32 * 4 + 3 * 4096 * (4 + 1) + 3 * 512 * 8
+    elif op == "compressor_hca":  # 3 entries x 128 rows x d 32: bf16 values + fp32 logits, entries out
+        assert row["bytes"] == 3 * 128 * 32 * (2 + 4) + 32 * 4 + 3 * 32 * 2
     else:
         assert row["flop"] == 2 * 3 * 4 * 64 + 2 * 3 * 3 * 3 * 64 * 64

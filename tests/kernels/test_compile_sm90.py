@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import attention, mhc, moe, moe_decode, triton_available
+from dspark.kernels import attention, compressor, indexer, mhc, moe, moe_decode, triton_available
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -35,7 +35,9 @@ TUNED_FOR = "3.6"
 KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
-           attention: ("_partial_kernel", "_combine_kernel")}
+           attention: ("_partial_kernel", "_combine_kernel"),
+           indexer: ("_score_kernel", "_select_kernel"),
+           compressor: ("_pool_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,6 +97,24 @@ def run_every_tile_class():
         pool = torch.randn(40, 512, generator=g).bfloat16().to(DEVICE)
         index = torch.randint(-1, 40, (2, 70), generator=g).to(DEVICE)
         attention.sparse_attention(q, pool, index, torch.zeros(n_heads, device=DEVICE), 512 ** -0.5)
+    # Indexer, V4-Flash (64 heads) and V4.1 (32 heads), di 128, bf16: the widest register row
+    # (4096 < T <= 8192) and, with the register limit lowered, the streaming selection tiles.
+    for n_heads, n_keys, register_row in ((64, 5000, indexer._REGISTER_ROW), (32, 100, 64)):
+        q = torch.randn(2, n_heads, 128, generator=g).bfloat16().to(DEVICE)
+        keys = torch.randn(n_keys, 128, generator=g).bfloat16().to(DEVICE)
+        visible = torch.tensor([n_keys - 1, n_keys], device=DEVICE)
+        pool = torch.rand(2, n_keys, generator=g).to(DEVICE) < 0.5 if n_heads == 32 else None
+        limit, indexer._REGISTER_ROW = indexer._REGISTER_ROW, register_row
+        try:
+            indexer.lightning_indexer(q, torch.randn(2, n_heads, device=DEVICE), keys, visible, pool, topk=64)
+        finally:
+            indexer._REGISTER_ROW = limit
+    # Compressor: V4 CSA (8 slots x 512, bf16), its indexer (8 x 128), HCA (128 x 512), V4.1 (fp32 rows).
+    for slots, dim, dtype in ((8, 512, torch.bfloat16), (8, 128, torch.bfloat16), (128, 512, torch.bfloat16),
+                              (2, 512, torch.float32)):
+        kv = torch.randn(2, slots, dim, generator=g).to(DEVICE, dtype)
+        score = torch.randn(2, slots, dim, generator=g).to(DEVICE)
+        compressor.compressor_pool(kv, score, torch.ones(dim, device=DEVICE), eps=1e-6, out_dtype=torch.bfloat16)
 
 
 COMPILE = textwrap.dedent("""

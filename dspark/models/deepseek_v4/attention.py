@@ -133,10 +133,10 @@ class Attention(LatentAttention):
         self.indexer = None
         if layer_type != SLIDING:
             self.compressor = Compressor(c.hidden_size, c.head_dim, self.rate, overlap=layer_type == CSA,
-                                         eps=c.rms_norm_eps, dtype=dtype, device=device)
+                                         eps=c.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
         if layer_type == CSA:
             self.indexer = Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk,
-                                   self.rate, c.rms_norm_eps, dtype=dtype, device=device)
+                                   self.rate, c.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
 
     def new_cache(self, dtype, device) -> LayerCache:
         """Empty per-request state for this layer (see `state.py`)."""

@@ -13,7 +13,7 @@ w−1 and the "b" halves of window w (for w = 0 the "a" slots are empty). Entry 
 
 `Indexer` (CSA only) runs a second, narrower overlapping compressor whose entries are the index
 keys κ_w, and scores query p against them with I(p, w) = Σ_h ω_h · ReLU(q_h · κ_w), keeping the
-top-k visible entries per query.
+top-k visible entries per query (ties: the lower entry id).
 
 Shape symbols: N tokens of the call, S tokens of one request, T entries, d_c entry width,
 Hi / di indexer heads / head dim, k = index_topk.
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
 from dspark.models.deepseek_v4.state import CompressorCache
@@ -43,8 +44,11 @@ class Compressor(nn.Module):
     `CompressorCache`; the module itself is stateless.
     """
 
-    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, eps: float, dtype=None, device=None):
+    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, eps: float, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
+        # kv [n, slots, d], score [n, slots, d], norm weight [d] -> RMSNorm(Σ softmax(score)·kv) [n, d]
+        self.pool_op = get_op(KernelConfig() if kernels is None else kernels, "compressor_pool")
         self.head_dim = head_dim
         self.rate = rate
         self.overlap = overlap
@@ -77,11 +81,11 @@ class Compressor(nn.Module):
             lo = first * m - cache.rows_start
             kv = kv[lo : lo + (last - first) * m].unflatten(0, (last - first, m))  # [n, m, d_c]
             score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
-        weights = score.softmax(dim=1)  # per channel over the slots, fp32
-        pooled = (kv.float() * weights).sum(dim=1).to(kv.dtype)  # [n, d_c]
+        # Per-channel softmax over the slots (fp32), weighted sum, RMSNorm: the registry's op.
+        normed = self.pool_op(kv, score, self.norm.weight, eps=self.norm.eps, out_dtype=kv.dtype)  # [n, d_c]
         positions = torch.arange(first, last, device=kv.device) * m
         cos, sin = rope.cos_sin(positions)
-        return apply_rope(self.norm(pooled), cos, sin)
+        return apply_rope(normed, cos, sin)
 
     def _overlap_slots(self, kv, score, rows_start: int, first: int, last: int):
         """Slots [n, 2m, d_c] of entries first..last−1: "a" halves of window w−1, then "b" halves of w."""
@@ -106,30 +110,38 @@ class IndexerQueries:
     """Indexer inputs for all N tokens of a call, computed densely before the per-request loop."""
 
     q: torch.Tensor  # [N, Hi, di] rotated queries, model dtype
-    weights: torch.Tensor  # [N, Hi] fp32 head weights ω · Hi^-1/2
+    weights: torch.Tensor  # [N, Hi] fp32 head weights ω · (Hi · di)^-1/2
     kv: torch.Tensor  # [N, 2·di] compressor rows C
     score: torch.Tensor  # [N, 2·di] compressor rows Z + ape, fp32
 
 
 class Indexer(nn.Module):
-    """Lightning indexer of a CSA layer: `wq_b` [Hi·di, q_lora], `weights_proj` [Hi, D], `compressor`."""
+    """Lightning indexer of a CSA layer: `wq_b` [Hi·di, q_lora], `weights_proj` [Hi, D], `compressor`.
+
+    Scoring and top-k run as the kernel registry's `lightning_indexer` (`kernels`; default the
+    torch reference), whose tie rule (equal scores: the lower entry id wins) the model inherits.
+    """
 
     def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, rate: int,
-                 eps: float, dtype=None, device=None):
+                 eps: float, dtype=None, device=None, kernels: KernelConfig | None = None):
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = head_dim
         self.topk = topk
         self.rate = rate
+        # q [S, Hi, di], weights [S, Hi], keys [T, di], visible [S], candidates, topk -> (ids, scores)
+        self.select_op = get_op(KernelConfig() if kernels is None else kernels, "lightning_indexer")
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype, device=device)
         self.weights_proj = nn.Linear(dim, n_heads, bias=False, dtype=dtype, device=device)
-        self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device)
+        self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device,
+                                     kernels=kernels)
 
     def project(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, cos, sin) -> IndexerQueries:
         """Dense part for all N tokens: x [N, D] (attention input), q_lora [N, q_lora_rank] (normed c_q)."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        # Both score constants folded into the head weights (ReLU commutes with a positive scale).
+        weights = self.weights_proj(x).float() * (self.n_heads * self.head_dim) ** -0.5
         kv, score = self.compressor.project(x, positions)
         return IndexerQueries(q, weights, kv, score)
 
@@ -137,22 +149,14 @@ class Indexer(nn.Module):
                 positions: torch.Tensor) -> torch.Tensor:
         """Top-k visible entries per query of one request.
 
-        q [S, Hi, di], weights [S, Hi], keys [T, di], positions [S] -> [S, min(k, T)] long entry ids
-        (unordered), −1 where fewer than k entries are visible. Ties are broken by `torch.topk`.
+        q [S, Hi, di], weights [S, Hi], keys [T, di], positions [S] -> [S, min(k, T)] long entry ids,
+        ascending, −1 where fewer than k entries are visible (future entries w ≥ (p+1)//m never).
         """
         n_keys = keys.shape[0]
         if n_keys == 0:
             return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
-        chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (self.n_heads * n_keys))
-        picks = [self._select(q[i : i + chunk], weights[i : i + chunk], keys, positions[i : i + chunk])
-                 for i in range(0, q.shape[0], chunk)]
-        return torch.cat(picks)
-
-    def _select(self, q, weights, keys, positions) -> torch.Tensor:
-        scores = torch.einsum("shd,td->sht", q.float(), keys.float()).relu() * self.head_dim**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, T]
         visible = (positions + 1) // self.rate  # entries w < visible are complete for the query
-        future = torch.arange(keys.shape[0], device=q.device) >= visible.unsqueeze(-1)
-        scores = scores.masked_fill(future, float("-inf"))
-        picks = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return picks.masked_fill(picks >= visible.unsqueeze(-1), -1)
+        chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (self.n_heads * n_keys))
+        picks = [self.select_op(q[i : i + chunk], weights[i : i + chunk], keys, visible[i : i + chunk], None,
+                                topk=self.topk)[0] for i in range(0, q.shape[0], chunk)]
+        return torch.cat(picks)

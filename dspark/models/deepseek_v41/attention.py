@@ -43,9 +43,9 @@ class Attention(LatentAttention):
         self.indexer = None
         if role.owns_compressor:
             self.compressor = Compressor(config.hidden_size, config.head_dim, role.ratio, config.rms_norm_eps,
-                                         dtype=dtype, device=device)
+                                         dtype=dtype, device=device, kernels=kernels)
         if role.owns_indexer:
-            self.indexer = Indexer(config, role, quant, dtype=dtype, device=device)
+            self.indexer = Indexer(config, role, quant, dtype=dtype, device=device, kernels=kernels)
 
     def publish(self, x: torch.Tensor, batch: RaggedBatch, sources: list[SourceCache]) -> None:
         """KV source (spec §5.2-§5.3): x [N, D] (after attn_norm) -> append each request's new

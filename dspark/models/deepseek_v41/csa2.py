@@ -14,7 +14,8 @@ Index-source layers own an `Indexer`. A query at p scores the visible entries t 
 
     I[p, t] = Σ_h w_h · ReLU(q_h · k_t),   q = FP4(RoPE(c_q·wq_bᵀ)),  w = weights_proj(x) / √(Hi·di)
 
-and keeps the top `index_topk` (ascending by position, −1 where fewer are visible). The candidate
+and keeps the top `index_topk` (ascending by position, −1 where fewer are visible; equal scores:
+the lower entry id wins -- the kernel registry's `lightning_indexer` defines it). The candidate
 source publishes a two-level pool (`candidate_mask`): the best `candidate_topk_blocks` blocks of
 `candidate_block_size` entries, the block holding the query's newest entry pinned in; later index
 sources score only inside it. Reuse layers take the latest list as it is.
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v41.qat import CacheQuant
@@ -44,8 +46,11 @@ _INDEXER_CHUNK_ELEMENTS = 1 << 26
 class Compressor(nn.Module):
     """`wkv` [d, D], `wgate` [d, D] (ratio > 1 only), `norm` [d]. Stateless: rows live in a `SourceCache`."""
 
-    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, dtype=None, device=None):
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
+        # kv [n, ratio, d], gate [n, ratio, d], norm weight [d] -> norm(Σ softmax(gate)·kv) [n, d]
+        self.pool_op = get_op(KernelConfig() if kernels is None else kernels, "compressor_pool")
         self.ratio = ratio
         self.wkv = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device) if ratio > 1 else None
@@ -69,8 +74,8 @@ class Compressor(nn.Module):
         lo = first * self.ratio - cache.rows_start
         span = slice(lo, lo + (last - first) * self.ratio)
         kv_rows = kv_rows[span].unflatten(0, (last - first, self.ratio))  # [n_new, ratio, d]
-        weights = gate_rows[span].unflatten(0, (last - first, self.ratio)).softmax(dim=1)  # per channel
-        return self.norm((kv_rows * weights).sum(dim=1).to(dtype))
+        gate_rows = gate_rows[span].unflatten(0, (last - first, self.ratio))
+        return self.pool_op(kv_rows, gate_rows, self.norm.weight, eps=self.norm.eps, out_dtype=dtype)
 
 
 @dataclass
@@ -108,10 +113,12 @@ class Indexer(nn.Module):
     """`wq_b` [Hi·di, q_lora], `weights_proj` [Hi, D]; KV sources also own the index-key
     projection `wk` [di, d] and `k_norm` [di]."""
 
-    def __init__(self, config, role, quant: CacheQuant, dtype=None, device=None):
+    def __init__(self, config, role, quant: CacheQuant, dtype=None, device=None, kernels: KernelConfig | None = None):
         super().__init__()
         c = config
         self.quant = quant
+        # q [S, Hi, di], weights [S, Hi], keys [T, di], visible [S], candidates, topk -> (ids, scores)
+        self.select_op = get_op(KernelConfig() if kernels is None else kernels, "lightning_indexer")
         self.n_heads = c.index_n_heads
         self.head_dim = c.index_head_dim
         self.topk = c.index_topk
@@ -144,36 +151,22 @@ class Indexer(nn.Module):
                slots: SharedSlots) -> torch.Tensor:
         """One request's picks: q [S, Hi, di], weights [S, Hi], keys [T, di], positions [S] ->
         [S, min(k, T)] ascending entry ids, −1 = none. Publishes the candidate pool into `slots`
-        (candidate source) or scores inside it (later index sources)."""
+        (candidate source) or scores inside it (later index sources: the registry op never picks
+        outside the pool). Scoring and top-k are the registry's `lightning_indexer`."""
         n_keys = keys.shape[0]
         if n_keys == 0:  # nothing compressed yet: the indexer is not run (spec §5.3)
             return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
         chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (self.n_heads * n_keys))
+        visible = (positions + 1) // self.ratio
+        pool = slots.candidates if self.uses_candidates and not self.is_candidate_source else None
         picks, pools = [], []
         for i in range(0, q.shape[0], chunk):
             rows = slice(i, i + chunk)
-            scores = torch.einsum("shd,td->sht", q[rows].float(), keys.float()).relu_()  # [s, Hi, T]
-            scores = torch.bmm(weights[rows].unsqueeze(1), scores).squeeze(1)  # Σ_h w_h · ReLU(.), [s, T]
-            visible = (positions[rows] + 1) // self.ratio
-            scores = scores.masked_fill(torch.arange(n_keys, device=q.device) >= visible.unsqueeze(-1),
-                                        float("-inf"))
-            if self.is_candidate_source:
-                pools.append(candidate_mask(scores, visible, self.candidate_blocks, self.candidate_block_size))
-            elif self.uses_candidates and slots.candidates is not None:
-                scores = scores.masked_fill(~slots.candidates[rows], float("-inf"))
-            picks.append(_top_entries(scores, self.topk))
+            ids, scores = self.select_op(q[rows], weights[rows], keys, visible[rows],
+                                         None if pool is None else pool[rows], topk=self.topk)
+            if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
+                pools.append(candidate_mask(scores, visible[rows], self.candidate_blocks, self.candidate_block_size))
+            picks.append(ids)
         if self.is_candidate_source:
             slots.candidates = torch.cat(pools)
         return torch.cat(picks)
-
-
-def _top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[S, T] scores -> [S, min(k, T)] ids of the best reachable entries, ascending, −1 padded.
-
-    Sorting by position makes the key order (and so the attention's summation order) independent
-    of how many entries exist, which keeps chunked and one-shot runs in step.
-    """
-    n_keys = scores.shape[-1]
-    top = scores.topk(min(k, n_keys), dim=-1)
-    ids = torch.where(top.values > float("-inf"), top.indices, n_keys).sort(dim=-1).values
-    return ids.masked_fill(ids == n_keys, -1)

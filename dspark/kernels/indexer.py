@@ -1,0 +1,190 @@
+"""Lightning indexer (deepseek_v4 spec §8.4, deepseek_v41 spec §5.3-§5.4): scores and top-k.
+
+Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
+
+* ``lightning_indexer(q, weights, keys, visible, candidates, *, topk) -> (ids, scores)``:
+  I[s, t] = Σ_h weights[s, h] · ReLU(q[s, h] · keys[t]) over the entries t < visible[s] (and,
+  for V4.1 candidate consumers, inside the candidate pool), then the top-k entries per row,
+  ascending by id, −1 padded. Ties: higher score first, then lower entry id (`indexer_ref.py`).
+
+Shape symbols: S query rows, Hi index heads, di index head dim, T compressed entries, k = topk.
+
+Fused kernels, two launches:
+
+1. `_score_kernel`, grid (T tiles, S blocks): each program loads one tile of keys once and scores
+   it against every row of its block (one [Hi, di] × [di, BLOCK_T] tensor-core dot per row, ReLU,
+   head weights, Σ over heads in fp32), applying the visibility and candidate masks as −inf before
+   it writes [S, T] fp32 scores (the masked entries can therefore never be selected).
+2. `_select_kernel`, one program per row: radix-style bisection over the scores' order-preserving
+   int32 keys finds the k-th largest score θ in 32 counting passes (one register-resident tile for
+   T ≤ 8192, else passes over L2-resident tiles); one more pass writes the entries > θ and the
+   first (k − #(> θ)) entries equal to θ, in id order, via prefix sums -- so ids come out ascending
+   and the tie rule is exactly the reference's.
+
+No host sync, buffers sized from shapes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels.indexer_ref import _check_args, lightning_indexer_ref  # noqa: F401 (the op's ref)
+from dspark.kernels.registry import require_triton
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # the torch reference must import without the optional gpu extra
+    triton = tl = None
+
+    def _jit(fn):
+        return fn
+
+
+_REGISTER_ROW = 8192  # rows up to this many entries stay in registers during selection
+_STREAM_TILE = 4096  # tile of the passes over longer rows
+
+
+# --------------------------------------------------------------------------------- Triton kernels
+
+
+@_jit
+def _score_kernel(
+    q_ptr, w_ptr, k_ptr, vis_ptr, cand_ptr, out_ptr,
+    n_q, n_heads, head_dim, n_keys,
+    HAS_CAND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """scores[s, t] for the rows s of block program_id(1) and entries t of tile program_id(0)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    s0 = tl.program_id(1).to(tl.int64) * BLOCK_S
+    t_mask = offs_t < n_keys
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D_PAD)
+    h_mask = offs_h < n_heads
+    d_mask = offs_d < head_dim
+    keys = tl.load(k_ptr + offs_t.to(tl.int64)[:, None] * head_dim + offs_d[None, :],
+                   mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BT, D], read once per block
+    if DOT_FP32:
+        keys = keys.to(tl.float32)
+    for i in range(BLOCK_S):
+        s = s0 + i
+        row_ok = s < n_q
+        q = tl.load(q_ptr + (s * n_heads + offs_h)[:, None] * head_dim + offs_d[None, :],
+                    mask=row_ok & h_mask[:, None] & d_mask[None, :], other=0.0)  # [BH, D]
+        w = tl.load(w_ptr + s * n_heads + offs_h, mask=row_ok & h_mask, other=0.0).to(tl.float32)
+        if DOT_FP32:
+            dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="tf32x3")
+        else:
+            dots = tl.dot(q, tl.trans(keys))  # [BH, BT] fp32 accumulation
+        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)  # padded heads: w = 0
+        reachable = offs_t < tl.load(vis_ptr + s, mask=row_ok, other=0)
+        if HAS_CAND:
+            reachable &= tl.load(cand_ptr + s * n_keys + offs_t, mask=row_ok & t_mask, other=0) != 0
+        tl.store(out_ptr + s * n_keys + offs_t, tl.where(reachable, score, float("-inf")), mask=row_ok & t_mask)
+
+
+@_jit
+def _order_keys(scores):
+    """fp32 -> int32 with the same order (−0 folded onto +0 so that they tie, as floats do)."""
+    scores = tl.where(scores == 0.0, 0.0, scores)
+    bits = scores.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@_jit
+def _count_at_least(row_ptr, n_keys, keys, threshold, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """How many entries of the row have an order key >= threshold (int32 scalar)."""
+    if ONE_TILE:
+        total = tl.sum((keys >= threshold).to(tl.int32), axis=0)
+    else:
+        total = tl.full((), 0, tl.int32)
+        for t0 in range(0, n_keys, BLOCK_T):
+            offs = t0 + tl.arange(0, BLOCK_T)
+            tile = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
+            total += tl.sum(((tile >= threshold) & (offs < n_keys)).to(tl.int32), axis=0)
+    return total
+
+
+@_jit
+def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """ids[s, :n_out] of row s = program_id(0): the top-k (ties: lower id) ascending, −1 padded."""
+    s = tl.program_id(0).to(tl.int64)
+    row_ptr = score_ptr + s * n_keys
+    offs = tl.arange(0, BLOCK_T)
+    keys = offs  # placeholder for the streaming case (never read)
+    if ONE_TILE:
+        keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
+    # Finite entries: order key above _order_keys(−inf) = 0xFF800000 ^ 0x7FFFFFFF = −2139095041.
+    n_take = tl.minimum(_count_at_least(row_ptr, n_keys, keys, -2139095040, ONE_TILE, BLOCK_T), topk)
+    # Largest θ with #(key >= θ) >= n_take; bisection over the int32 range (int64 arithmetic).
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1  # arithmetic shift: floor, also for negative sums
+        enough = _count_at_least(row_ptr, n_keys, keys, mid.to(tl.int32), ONE_TILE, BLOCK_T) >= n_take
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    theta = lo.to(tl.int32)
+    n_above = tl.where(n_take > 0, _count_at_least(row_ptr, n_keys, keys, theta + 1, ONE_TILE, BLOCK_T), 0)
+    n_ties = n_take - n_above  # entries equal to θ that are taken (the lowest ids among them)
+    out_row = out_ptr + s * n_out
+    written = tl.full((), 0, tl.int32)
+    ties_seen = tl.full((), 0, tl.int32)
+    for t0 in range(0, n_keys, BLOCK_T):
+        ids = t0 + offs
+        in_row = ids < n_keys
+        if ONE_TILE:
+            tile = keys
+        else:
+            tile = _order_keys(tl.load(row_ptr + ids, mask=in_row, other=float("-inf")))
+        tie = ((tile == theta) & in_row).to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tie, axis=0) - 1
+        take = (((tile > theta) & in_row) | ((tie != 0) & (tie_rank < n_ties))).to(tl.int32)
+        slot = written + tl.cumsum(take, axis=0) - 1
+        tl.store(out_row + slot, ids.to(tl.int64), mask=take != 0)
+        written += tl.sum(take, axis=0)
+        ties_seen += tl.sum(tie, axis=0)
+    for o0 in range(0, n_out, BLOCK_T):
+        slot = o0 + offs
+        tl.store(out_row + slot, tl.full((BLOCK_T,), -1, tl.int64), mask=(slot >= n_take) & (slot < n_out))
+
+
+# ------------------------------------------------------------------------------------- launcher
+
+
+def _score_tiles(n_q: int, n_heads: int, head_dim: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_S, BLOCK_H, BLOCK_T, D_PAD, num_warps); tl.dot needs >= 16 on every side."""
+    block_h = max(16, triton.next_power_of_2(n_heads))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_t = 64 if block_h * d_pad <= 64 * 128 else 32  # the [BH, BT] fp32 dot stays in registers
+    return min(8, triton.next_power_of_2(n_q)), block_h, block_t, d_pad, 4
+
+
+def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                      candidates: torch.Tensor | None, *, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused `lightning_indexer_ref` (same signature, shapes, dtypes and tie rule)."""
+    require_triton()
+    _check_args(q, weights, keys, visible, candidates, topk)
+    n_q, n_heads, head_dim = q.shape
+    n_keys = keys.shape[0]
+    n_out = min(topk, n_keys)
+    scores = torch.empty((n_q, n_keys), dtype=torch.float32, device=q.device)
+    ids = torch.empty((n_q, n_out), dtype=torch.int64, device=q.device)
+    if n_q == 0 or n_keys == 0:
+        return ids, scores
+    block_s, block_h, block_t, d_pad, warps = _score_tiles(n_q, n_heads, head_dim)
+    cand = candidates.view(torch.uint8) if candidates is not None else visible  # dummy pointer when absent
+    _score_kernel[(triton.cdiv(n_keys, block_t), triton.cdiv(n_q, block_s))](
+        q.contiguous(), weights.float().contiguous(), keys.contiguous(), visible.contiguous(), cand.contiguous(),
+        scores, n_q, n_heads, head_dim, n_keys,
+        HAS_CAND=candidates is not None, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
+        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, num_warps=warps,
+    )
+    one_tile = n_keys <= _REGISTER_ROW
+    block = max(16, triton.next_power_of_2(n_keys)) if one_tile else _STREAM_TILE
+    _select_kernel[(n_q,)](scores, ids, n_keys, min(topk, n_keys), n_out, ONE_TILE=one_tile, BLOCK_T=block,
+                           num_warps=8 if block >= 2048 else 4)
+    return ids, scores

@@ -1,0 +1,83 @@
+"""Compressor update (dspark/kernels/compressor.py): fused Triton vs the torch reference.
+
+Groups as the models build them: V4 CSA (8 overlapping half-row slots; the first entry's "a"
+slots empty, logit −inf), V4 HCA (128 slots, several slot tiles per program), V4.1 ratio 2
+(fp32 rows, entries in the model dtype); bf16 and fp32.
+"""
+
+import pytest
+import torch
+
+from dspark.kernels import compressor, compressor_ref, triton_available
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def make_inputs(n, slots, dim, kv_dtype, seed, empty_first=False):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(n, slots, dim, generator=g)
+    score = torch.randn(n, slots, dim, generator=g) * 2
+    if empty_first:  # entry 0 of an overlapping compressor: window −1 does not exist
+        kv[0, : slots // 2] = 0
+        score[0, : slots // 2] = float("-inf")
+    weight = torch.rand(dim, generator=g) + 0.5
+    return kv.to(DEVICE, kv_dtype), score.to(DEVICE), weight.to(DEVICE)
+
+
+CASES = [  # (n, slots, d, kv dtype, out dtype, empty first slots)
+    (3, 8, 32, torch.bfloat16, torch.bfloat16, True),  # V4 CSA / indexer compressor, bf16 model
+    (2, 8, 48, torch.float32, torch.float32, True),  # fp32 model, d off the tiles
+    (2, 128, 64, torch.bfloat16, torch.bfloat16, False),  # V4 HCA: 128 slots in two tiles
+    (4, 2, 40, torch.float32, torch.bfloat16, False),  # V4.1 ratio 2: fp32 rows, bf16 entries
+    (1, 2, 512, torch.float32, torch.float32, False),  # one decode entry at the real width
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("n,slots,dim,kv_dtype,out_dtype,empty_first", CASES)
+def test_compressor_pool_matches_ref(n, slots, dim, kv_dtype, out_dtype, empty_first, poisoned):
+    kv, score, weight = make_inputs(n, slots, dim, kv_dtype, seed=slots + dim, empty_first=empty_first)
+    with poisoned():
+        out = compressor.compressor_pool(kv, score, weight, eps=1e-6, out_dtype=out_dtype)
+    ref = compressor.compressor_pool_ref(kv, score, weight, eps=1e-6, out_dtype=out_dtype)
+    assert out.shape == (n, dim) and out.dtype == out_dtype and not out.isnan().any()
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < TOL[out_dtype]
+
+
+@needs_triton
+def test_compressor_pool_without_entries():
+    kv, score, weight = make_inputs(0, 2, 16, torch.float32, seed=0)
+    assert compressor.compressor_pool(kv, score, weight, eps=1e-6, out_dtype=torch.float32).shape == (0, 16)
+
+
+def test_reference_is_pooling_then_norm():
+    """One channel by hand: slots with logits 0 and ln 3 weigh 1/4 and 3/4; the norm rescales."""
+    kv = torch.tensor([[[4.0, 1.0], [8.0, 1.0]]])  # [1 entry, 2 slots, 2 channels]
+    score = torch.tensor([[[0.0, 0.0], [torch.log(torch.tensor(3.0)), 0.0]]])
+    out = compressor_ref.compressor_pool_ref(kv, score, torch.ones(2), eps=0.0, out_dtype=torch.float32)
+    pooled = torch.tensor([7.0, 1.0])  # 4/4 + 8·3/4, and 1
+    torch.testing.assert_close(out[0], pooled / pooled.square().mean().sqrt())
+
+
+def test_reference_validates_arguments():
+    kv, score, weight = make_inputs(2, 4, 8, torch.float32, seed=0)
+    op = compressor_ref.compressor_pool_ref
+    with pytest.raises(ValueError, match="score"):
+        op(kv, score[:, :2], weight, eps=1e-6, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="norm_weight"):
+        op(kv, score, weight[:4], eps=1e-6, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="out_dtype"):
+        op(kv, score, weight, eps=1e-6, out_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,slots,dim", [(1, 8, 512), (1, 8, 128), (1, 128, 512), (256, 8, 512), (64, 128, 512)])
+def test_real_shapes_on_gpu(n, slots, dim):
+    """V4-Flash widths: CSA (8 slots × 512), its indexer (8 × 128), HCA (128 × 512), bf16."""
+    kv, score, weight = make_inputs(n, slots, dim, torch.bfloat16, seed=n, empty_first=slots == 8)
+    out = compressor.compressor_pool(kv, score, weight, eps=1e-6, out_dtype=torch.bfloat16)
+    ref = compressor.compressor_pool_ref(kv, score, weight, eps=1e-6, out_dtype=torch.bfloat16)
+    assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < TOL[torch.bfloat16]

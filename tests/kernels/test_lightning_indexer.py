@@ -1,0 +1,136 @@
+"""Lightning indexer (dspark/kernels/indexer.py): fused Triton vs the torch reference, and the tie rule.
+
+Rows are decode / verify / prefill-like: each row s sees entries t < visible[s] (0 for a query
+before the first complete entry), optionally only inside a V4.1 candidate pool. Ids must be equal
+(random inputs have no near-ties); scores agree within the dtype's bound and are −inf exactly where
+the reference masks. The tie rule is tested on integer-valued inputs, whose scores are exact in
+every implementation, so ties are real ties for both.
+"""
+
+import pytest
+import torch
+
+from dspark.kernels import indexer, indexer_ref, triton_available
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-5}  # bf16 operands are exact in fp32: only the sum order differs
+
+
+def make_inputs(n_q, n_heads, head_dim, n_keys, dtype, seed, pool=False, integer=False):
+    """q [S, Hi, di], weights [S, Hi] fp32, keys [T, di], visible [S], candidates [S, T] bool or None."""
+    g = torch.Generator().manual_seed(seed)
+    if integer:  # small integers, power-of-two weights: every score exact, many exact ties
+        q = torch.randint(-2, 3, (n_q, n_heads, head_dim), generator=g).float()
+        keys = torch.randint(-1, 2, (n_keys, head_dim), generator=g).float()
+        weights = 2.0 ** torch.randint(-2, 2, (n_q, n_heads), generator=g).float()
+    else:
+        q = torch.randn(n_q, n_heads, head_dim, generator=g)
+        keys = torch.randn(n_keys, head_dim, generator=g)
+        weights = torch.randn(n_q, n_heads, generator=g)  # negative head weights occur in real models
+    visible = torch.randint(0, n_keys + 1, (n_q,), generator=g)
+    visible[-1] = n_keys  # the newest row sees everything
+    candidates = torch.rand(n_q, n_keys, generator=g) < 0.6 if pool else None
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return q.to(DEVICE, dtype), to(weights), keys.to(DEVICE, dtype), to(visible), to(candidates)
+
+
+def check(args, topk, dtype):
+    ids, scores = indexer.lightning_indexer(*args, topk=topk)
+    ref_ids, ref_scores = indexer.lightning_indexer_ref(*args, topk=topk)
+    assert ids.dtype == torch.int64 and ids.shape == ref_ids.shape == (args[0].shape[0], min(topk, args[2].shape[0]))
+    assert torch.equal(ids, ref_ids)
+    finite = ref_scores.isfinite()
+    assert torch.equal(scores.isfinite(), finite) and not scores.isnan().any()
+    assert torch.equal(scores[~finite], ref_scores[~finite])  # −inf on every unreachable entry
+    if finite.any():
+        a, b = scores[finite].double(), ref_scores[finite].double()
+        assert ((a - b).norm() / b.norm().clamp(min=1e-30)).item() < TOL[dtype]
+    return ids, scores
+
+
+CASES = [  # (S, Hi, di, T, k, candidate pool)
+    (1, 4, 32, 1, 4, False),  # first entry, k > T
+    (1, 64, 128, 70, 16, False),  # one decode row, V4-Flash heads/dims
+    (4, 3, 24, 45, 8, True),  # verify block, heads and dims off the tiles, candidate pool
+    (11, 16, 32, 130, 7, True),  # several row blocks and key tiles
+    (3, 32, 128, 20, 32, False),  # k > T: all visible entries, −1 padded
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_q,n_heads,head_dim,n_keys,topk,pool", CASES)
+def test_lightning_indexer_matches_ref(n_q, n_heads, head_dim, n_keys, topk, pool, dtype, poisoned):
+    args = make_inputs(n_q, n_heads, head_dim, n_keys, dtype, seed=n_q * 7 + n_keys, pool=pool)
+    with poisoned():
+        ids, _ = check(args, topk, dtype)
+    visible = args[3]
+    assert ((ids < visible[:, None]) | (ids == -1)).all()
+    if pool:  # the candidate mask is fused: nothing outside the pool is ever picked
+        rows = torch.arange(n_q, device=ids.device)[:, None].expand_as(ids)
+        assert args[4][rows[ids >= 0], ids[ids >= 0]].all()
+
+
+@needs_triton
+@pytest.mark.parametrize("pool", [False, True])
+def test_streaming_selection_over_long_rows(monkeypatch, poisoned, pool):
+    """Rows longer than the register tile take the multi-pass path (shrunk here to 16 entries)."""
+    monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
+    monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+    for integer in (False, True):
+        args = make_inputs(5, 4, 16, 77, torch.float32, seed=5, pool=pool, integer=integer)
+        with poisoned():
+            check(args, 9, torch.float32)
+
+
+def test_tie_rule_prefers_lower_ids():
+    """Scores [1, 3, 3, 0, 3, (invisible)]: ties at 3 go to the lower ids; output ascending."""
+    scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, float("-inf")]])
+    assert indexer_ref.select_topk_ref(scores, 2).tolist() == [[1, 2]]
+    assert indexer_ref.select_topk_ref(scores, 4).tolist() == [[0, 1, 2, 4]]
+    assert indexer_ref.select_topk_ref(scores, 8).tolist() == [[0, 1, 2, 3, 4, -1]]
+    zeros = torch.tensor([[0.0, -0.0, 0.0, -1.0]])  # −0 ties with +0 like any float comparison
+    assert indexer_ref.select_topk_ref(zeros, 2).tolist() == [[0, 1]]
+
+
+@needs_triton
+def test_kernel_follows_the_tie_rule():
+    """The same hand-made row through the kernel (one head, di 1: score = key value), then many
+    exact ties (integer inputs, ReLU zeros) against the reference."""
+    q = torch.ones(1, 1, 1, device=DEVICE)
+    keys = torch.tensor([[1.0], [3.0], [3.0], [0.0], [3.0], [5.0]], device=DEVICE)
+    args = (q, torch.ones(1, 1, device=DEVICE), keys, torch.tensor([5], device=DEVICE), None)
+    assert indexer.lightning_indexer(*args, topk=2)[0].tolist() == [[1, 2]]
+    assert indexer.lightning_indexer(*args, topk=4)[0].tolist() == [[0, 1, 2, 4]]
+    for pool in (False, True):
+        args = make_inputs(6, 4, 8, 60, torch.float32, seed=11, pool=pool, integer=True)
+        _, scores = check(args, 10, torch.float32)
+        # The inputs do tie at the cut: some row has more entries at its k-th score than it takes.
+        kth = scores.sort(dim=-1, descending=True).values[:, 9:10]
+        assert ((scores == kth).sum(-1) > 1).any()
+
+
+def test_reference_validates_arguments():
+    q, w, keys, visible, _ = make_inputs(2, 4, 8, 10, torch.float32, seed=0)
+    op = indexer_ref.lightning_indexer_ref
+    with pytest.raises(ValueError, match="weights"):
+        op(q, w[:, :2], keys, visible, None, topk=3)
+    with pytest.raises(ValueError, match="keys"):
+        op(q, w, keys[:, :4], visible, None, topk=3)
+    with pytest.raises(ValueError, match="visible"):
+        op(q, w, keys, visible.float(), None, topk=3)
+    with pytest.raises(ValueError, match="candidates"):
+        op(q, w, keys, visible, torch.ones(2, 10), topk=3)
+    with pytest.raises(ValueError, match="topk"):
+        op(q, w, keys, visible, None, topk=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q", [1, 8, 64, 256])
+@pytest.mark.parametrize("n_heads,n_keys,topk,pool", [(64, 8192, 512, False), (32, 32768, 1024, True)])
+def test_real_shapes_on_gpu(n_q, n_heads, n_keys, topk, pool):
+    """32K context: V4-Flash CSA (64 heads, T = 8192 entries, top-512) and V4.1 ratio-1 reindex
+    (32 heads, T = 32768, top-1024 inside a candidate pool; the streaming selection path), bf16."""
+    args = make_inputs(n_q, n_heads, 128, n_keys, torch.bfloat16, seed=n_q, pool=pool)
+    check(args, topk, torch.bfloat16)
