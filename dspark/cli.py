@@ -123,7 +123,7 @@ def _add_eval_accept(sub) -> None:
     e.add_argument("--concurrency", type=int, default=1, help="requests decoded together")
     e.add_argument("--seed", type=int, default=DEFAULT_SEED)
     e.add_argument("--planner", default="sync", help="sync or async (with --budget auto)")
-    e.add_argument("--capacity", default=None, help="capacity table JSON for --budget auto (default: CPU table)")
+    e.add_argument("--capacity", default=None, help="capacity table JSON or shipped name (e.g. h200-v4-mini-ctx4k) for --budget auto (default: CPU table)")
     e.add_argument("--out", required=True, help="output folder for traces.jsonl and summary.json")
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     e.set_defaults(run=_eval_accept)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--drafter", default=None, help="dspark, mtp or ngram (default: the model's best)")
     g.add_argument("--planner", default="sync", help="sync or async (with --draft-tokens auto)")
     g.add_argument("--capacity", default=None,
-                   help="capacity table JSON from `dspark profile` for --draft-tokens auto (default: CPU table)")
+                   help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: CPU table)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1: the small models here lose time to thread hand-offs)")

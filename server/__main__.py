@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=_DEFAULTS.max_new_tokens, help="max new tokens per request")
     p.add_argument("--prefill-chunk", type=int, default=_DEFAULTS.prefill_chunk)
     p.add_argument("--capacity", default=None,
-                   help="capacity table JSON from `dspark profile` for --draft-tokens auto (default: CPU table)")
+                   help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: CPU table)")
     p.add_argument("--state-budget-bytes", type=int, default=None,
                    help="device memory for per-request decode state; the newest requests are preempted "
                         "(and recomputed) when it runs out (default: enough for --max-running at their longest)")

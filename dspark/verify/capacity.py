@@ -21,12 +21,14 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from statistics import median
 from types import MappingProxyType
 
 import numpy as np
 
 FORMAT = "dspark-capacity/1"
+_TABLES = resources.files("dspark.verify") / "tables"
 _MAX_PROBE = 1 << 20  # batch-token probes beyond this are not a realistic verify batch
 
 
@@ -165,8 +167,20 @@ class CapacityTable:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CapacityTable:
+        """A table from a JSON file, or one of the shipped tables by name (`shipped_tables()`)."""
+        if isinstance(path, str) and path in shipped_tables():
+            return cls.from_dict(json.loads(_TABLES.joinpath(f"{path}.json").read_text()))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"capacity table {str(path)!r}: no such file, and not a shipped table "
+                                    f"({', '.join(shipped_tables())})")
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def shipped_tables() -> tuple[str, ...]:
+    """Names of the measured tables shipped with dspark (dspark/verify/tables/*.json), each labelled
+    with the GPU, model and context it was profiled on."""
+    return tuple(sorted(p.name[:-5] for p in _TABLES.iterdir() if p.name.endswith(".json")))
 
 
 def default_cpu_table() -> CapacityTable:

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark.verify.capacity import CapacityTable, default_cpu_table
+from dspark.verify.capacity import CapacityTable, default_cpu_table, shipped_tables
 
 
 @pytest.mark.parametrize("bt, sps, match", [
@@ -87,3 +87,17 @@ def test_default_cpu_table_is_labelled_synthetic():
     table = default_cpu_table()
     assert "cpu" in table.label and "not profiled" in table.label
     assert table(1) > table(64) > table(1024) > table(4096) > 0
+
+
+def test_shipped_tables_load_by_name_and_name_their_gpu():
+    names = shipped_tables()
+    assert "h200-v4-mini-ctx4k" in names and "h200-v4-mini-ctx32k" in names
+    for name in names:
+        table = CapacityTable.load(name)
+        assert table.label.startswith("NVIDIA H200") and table.conditions["device"] == "NVIDIA H200"
+        assert table.conditions["config"] == "v4-mini" and table(1) > table(1024) > 0
+
+
+def test_unknown_table_names_the_shipped_ones(tmp_path):
+    with pytest.raises(FileNotFoundError, match="h200-v4-mini-ctx4k"):
+        CapacityTable.load(str(tmp_path / "nope.json"))
