@@ -28,16 +28,7 @@ import torch
 from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # noqa: F401 (the op's ref)
 from dspark.kernels.registry import require_triton
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # the torch reference below must import without the optional gpu extra
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 
 
 # --------------------------------------------------------------------------------- Triton kernels

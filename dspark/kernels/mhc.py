@@ -35,16 +35,7 @@ import torch
 
 from dspark.kernels.registry import require_triton
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # the torch references below must import without the optional gpu extra
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 
 
 # --------------------------------------------------------------------------------------- checks

@@ -37,16 +37,7 @@ import torch.nn.functional as F
 from dspark.kernels.fp8 import FP8BlockWeight
 from dspark.kernels.registry import require_triton
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # the torch references below must import without the optional gpu extra
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 
 
 _RENORM_EPS = 1e-20  # added to Σ of the selected scores before renormalising (HF; OFF adds none)
