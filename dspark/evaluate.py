@@ -31,7 +31,7 @@ from dspark.analysis.traces import number_steps, write_traces
 from dspark.draft import DRAFTER_NAMES, resolve_drafter
 from dspark.engine import Engine, EngineConfig
 from dspark.sampling import SamplingParams
-from dspark.tokenizer import as_text_codec
+from dspark.tokenizer import prompt_codec
 from dspark.verify.capacity import CapacityTable, default_cpu_table
 
 FORMAT = "dspark-eval-accept/1"
@@ -128,7 +128,7 @@ def encode_prompt(model, text: str) -> list[int]:
                                             tokenize=True)
         # transformers 5 returns a BatchEncoding by default, 4.x a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    codec = as_text_codec(tokenizer)
+    codec = prompt_codec(model)
     if codec is None:
         raise ValueError("the model has no tokenizer; text prompts cannot be encoded")
     return codec.encode(text)

@@ -34,15 +34,22 @@ class TextCodec:
     decode: Callable[[list[int]], str]
 
 
-def as_text_codec(tokenizer) -> TextCodec | None:
-    """Wrap any supported tokenizer object (or None) as an encode/decode pair."""
+def prompt_codec(model) -> TextCodec | None:
+    """The codec of `model`'s tokenizer for prompts: special tokens added when the model asks for them
+    (`model.prompt_special_tokens`: transformers targets expect their BOS, as `tokenizer(text)` adds it)."""
+    return as_text_codec(getattr(model, "tokenizer", None), getattr(model, "prompt_special_tokens", False))
+
+
+def as_text_codec(tokenizer, add_special_tokens: bool = False) -> TextCodec | None:
+    """Wrap any supported tokenizer object (or None) as an encode/decode pair; `add_special_tokens`
+    lets the tokenizer add what its post-processor adds (e.g. BOS) when encoding."""
     if tokenizer is None:
         return None
     if isinstance(tokenizer, ByteTokenizer):
         return TextCodec(tokenizer.encode, tokenizer.decode)
     # tokenizers.Tokenizer: encode() returns an Encoding; transformers tokenizers return a list.
     def encode(text: str) -> list[int]:
-        enc = tokenizer.encode(text, add_special_tokens=False)
+        enc = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return list(enc.ids) if hasattr(enc, "ids") else list(enc)
 
     def decode(ids: list[int]) -> str:

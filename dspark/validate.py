@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dspark.tokenizer import as_text_codec
+from dspark.tokenizer import prompt_codec
 
 PLANNERS = ("sync", "async")
 
@@ -12,7 +12,7 @@ def encode_prompts(model, prompt) -> tuple[list[list[int]], bool]:
     if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
         raise ValueError("prompt: empty list")
     batch = isinstance(prompt, (list, tuple)) and not isinstance(prompt[0], int)
-    codec = as_text_codec(getattr(model, "tokenizer", None))
+    codec = prompt_codec(model)
     vocab = model.config.vocab_size
     out = []
     for i, item in enumerate(prompt if batch else [prompt]):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from dspark.engine import EngineFull
 from dspark.request import GenerationStats
 from dspark.sampling import SamplingParams
-from dspark.tokenizer import as_text_codec
+from dspark.tokenizer import prompt_codec
 
 from .async_engine import AsyncEngine, EngineFailed, RequestHandle, ShuttingDown
 from .errors import APIError
@@ -56,7 +56,7 @@ class Piece:
 class Serving:
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMetrics):
         self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
-        self.codec = as_text_codec(tokenizer)
+        self.codec = prompt_codec(engine.engine.model)
         config, model_config = engine.engine.config, engine.engine.model.config
         self.max_prompt_tokens, self.max_new_tokens = config.max_prompt_tokens, config.max_new_tokens
         self.context, self.vocab = model_config.max_position_embeddings, model_config.vocab_size

@@ -20,7 +20,7 @@ import torch
 
 from dspark.draft.config import HEAD_TYPES, DSparkConfig
 from dspark.draft.io import STS_FILE, load_drafter
-from dspark.tokenizer import as_text_codec
+from dspark.tokenizer import prompt_codec
 from dspark.train.calibrate import calibrate_sts
 from dspark.train.data import parse_record, read_jsonl, self_distill, write_jsonl
 from dspark.train.losses import LossWeights
@@ -100,9 +100,10 @@ def _dspark_config(args, target) -> DSparkConfig:
     return DSparkConfig.for_target(target.config, **overrides)
 
 
-def read_prompts(path: str, tokenizer) -> list[list[int]]:
-    """Prompt ids of a JSONL file: the prompt of prompt+completion records, else the whole record."""
-    codec = as_text_codec(tokenizer)
+def read_prompts(path: str, model) -> list[list[int]]:
+    """Prompt ids of a JSONL file for `model`: the prompt of prompt+completion records, else the
+    whole record (text encoded as `model`'s prompts are, `dspark.tokenizer.prompt_codec`)."""
+    codec = prompt_codec(model)
     prompts = []
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -118,7 +119,7 @@ def read_prompts(path: str, tokenizer) -> list[list[int]]:
 def _train(args, load_model) -> int:
     target = load_model(args.model, args.device)
     if args.regenerate:
-        data = self_distill(target, read_prompts(args.data, target.tokenizer), args.regenerate, seed=args.seed)
+        data = self_distill(target, read_prompts(args.data, target), args.regenerate, seed=args.seed)
     else:
         data = read_jsonl(args.data, target.tokenizer, target.config.vocab_size)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
@@ -138,7 +139,7 @@ def _train(args, load_model) -> int:
 def _target_cache(args, load_model) -> int:
     """The paper's data step (spec §5.1): prompt + the target's own continuation, masked to the latter."""
     target = load_model(args.model, args.device)
-    data = self_distill(target, read_prompts(args.prompts, target.tokenizer), args.max_new_tokens,
+    data = self_distill(target, read_prompts(args.prompts, target), args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     write_jsonl(data, args.out)
     print(f"[{len(data)} sequences, {sum(sum(s.loss_mask) for s in data)} target tokens written to {args.out}]",
@@ -149,7 +150,7 @@ def _target_cache(args, load_model) -> int:
 def _calibrate(args, load_model) -> int:
     target = load_model(args.model, args.device)
     drafter = load_drafter(args.drafter, target)
-    cal = calibrate_sts(target, drafter, read_prompts(args.prompts, target.tokenizer), args.max_new_tokens,
+    cal = calibrate_sts(target, drafter, read_prompts(args.prompts, target), args.max_new_tokens,
                         args.temperature, args.top_p, args.seed, args.objective, dataset=args.prompts)
     cal.save(f"{args.drafter}/{STS_FILE}")
     print(f"[{cal.num_samples} rounds; temperatures {', '.join(f'{t:.3f}' for t in cal.temperatures)}; "

@@ -161,3 +161,44 @@ def test_engine_charges_the_kv_cache_it_holds(hf_targets, family):
     footprint = request_footprint(target, None)
     assert [k.name for k in footprint.kinds] == ["token_ids", "kv_cache"]
     assert footprint.kinds[1].row_bytes * 11 == held
+
+
+def test_text_prompts_get_the_tokenizers_bos(make_tiny_hf):
+    """A transformers target's text prompts are encoded as `tokenizer(text)` encodes them (BOS
+    first), in `generate`, evaluation and the CLI's prompt files; DeepSeek targets keep raw text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from dspark.evaluate import encode_prompt
+    from dspark.validate import encode_prompts
+
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate("the cat sat on a mat".split())}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
+    target = dspark.load_model(make_tiny_hf("llama"), tokenizer=tokenizer)
+    expected = tokenizer("the cat sat")["input_ids"]
+    assert expected[0] == 1
+    assert encode_prompts(target, "the cat sat")[0] == [expected]
+    assert encode_prompt(target, "the cat sat") == expected
+    out = dspark.generate(target, "the cat sat", max_new_tokens=4)
+    assert out.text is not None and len(out.token_ids) == 4
+    tiny = dspark.load_model("random-tiny")
+    assert encode_prompts(tiny, "the")[0] == [list(b"the")]
+
+
+def test_prompt_files_are_encoded_like_prompts(make_tiny_hf, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from dspark.train.cli import read_prompts
+
+    raw = Tokenizer(models.WordLevel({"<unk>": 0, "<bos>": 1, "a": 2, "b": 3}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", unk_token="<unk>")
+    target = dspark.load_model(make_tiny_hf("llama"), tokenizer=tokenizer)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a b"}\n{"text": "b a"}\n')
+    assert read_prompts(str(path), target) == [[1, 2, 3], [1, 3, 2]]

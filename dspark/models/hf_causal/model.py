@@ -67,6 +67,10 @@ class HFCausalLM(nn.Module):
     draft_stage : the `DraftStageShape` of DSpark stages built for this target (default sizes).
     """
 
+    # Text prompts are encoded as `tokenizer(text)` encodes them, special tokens included: a
+    # transformers model was trained on its tokenizer's framing (Gemma degenerates without its BOS).
+    prompt_special_tokens = True
+
     def __init__(self, hf_model, tokenizer=None, draft_stage: DraftStageShape | None = None):
         super().__init__()
         check_rewindable(hf_model)
