@@ -105,7 +105,7 @@ def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constex
     s = tl.program_id(0).to(tl.int64)
     row_ptr = score_ptr + s * n_keys
     offs = tl.arange(0, BLOCK_T)
-    keys = offs  # placeholder for the streaming case (never read)
+    keys = offs  # bound on both paths for the compiler; only the one-tile path reads it
     if ONE_TILE:
         keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
     # Finite entries: order key above _order_keys(−inf) = 0xFF800000 ^ 0x7FFFFFFF = −2139095041.
