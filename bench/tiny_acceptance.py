@@ -18,6 +18,7 @@ import time
 import torch
 
 import dspark
+from dspark.request import summed_counts
 
 PROMPTS = {
     "code": ["def read_config(path):\n    ", "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -32,8 +33,8 @@ def _run(model, prompts, **kw):
     outs = dspark.generate(model, prompts, max_new_tokens=48, seed=0, **kw)
     wall = time.perf_counter() - t
     rounds = sum(o.stats.rounds for o in outs)
-    hist = [sum(col) for col in zip(*(o.stats.accept_hist for o in outs))] if outs[0].stats.accept_hist else []
-    pos = [sum(col) for col in zip(*(o.stats.position_accepts for o in outs))] if outs[0].stats.position_accepts else []
+    hist = summed_counts([o.stats.accept_hist for o in outs])
+    pos = summed_counts([o.stats.position_accepts for o in outs])
     return {"tau": sum(o.stats.new_tokens - 1 for o in outs) / rounds, "rounds": rounds, "wall_s": wall,
             "accept_hist": hist, "position_accepts": pos}
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 import dspark
-from dspark.draft.io import load_drafter, save_drafter
+from dspark.draft.io import load_drafter
+from dspark.request import summed_counts
 from dspark.train.anchors import build_blocks, sample_anchors
 from dspark.train.data import TrainingSequence
 from dspark.train.losses import LossWeights
@@ -168,14 +169,6 @@ def train(args) -> None:
     print(json.dumps(summary), flush=True)
 
 
-def _position_accepts(outs) -> list[int]:
-    """Accepted drafts per draft position summed over requests (a request that ended before its
-    first round has an empty list)."""
-    width = max(len(o.stats.position_accepts) for o in outs)
-    return [sum(o.stats.position_accepts[k] for o in outs if k < len(o.stats.position_accepts))
-            for k in range(width)]
-
-
 def _tau(outs) -> float:
     return sum(o.stats.new_tokens - 1 for o in outs) / max(1, sum(o.stats.rounds for o in outs))
 
@@ -196,7 +189,7 @@ def evaluate(args) -> None:
                     outs = dspark.generate(model, ids, max_new_tokens=args.new_tokens, temperature=temperature,
                                            seed=0, draft_tokens=budget, drafter=drafter)
                     runs.append({"domain": domain, "temperature": temperature, "budget": budget, "tau": _tau(outs),
-                                 "position_accepts": _position_accepts(outs)})
+                                 "position_accepts": summed_counts([o.stats.position_accepts for o in outs])})
                     print(path, runs[-1], flush=True)
         result["drafters"][path] = runs
     Path(args.out).write_text(json.dumps(result, indent=2))

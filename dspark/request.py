@@ -56,6 +56,13 @@ class GenerationStats:
         self.rejected_tokens += verified - accepted
 
 
+def summed_counts(per_request: list[list[int]]) -> list[int]:
+    """Element-wise sum of per-request count lists (`accept_hist`, `position_accepts`) of a batch;
+    a request that ended before its first round has an empty list and adds nothing."""
+    width = max((len(c) for c in per_request), default=0)
+    return [sum(c[k] for c in per_request if k < len(c)) for k in range(width)]
+
+
 @dataclass
 class GenerationOutput:
     token_ids: list[int]
