@@ -217,7 +217,7 @@ def test_micro_batched_step_equals_per_sequence_losses(tiny, dspark_config):
         else:
             loss, _ = block_losses(drafter, seqs, groups, LossWeights(), norm)
             loss.backward()
-            total = float(loss)
+            total = float(loss.detach())
         return total, {n: p.grad.clone() for n, p in drafter.model.named_parameters() if p.grad is not None}
 
     loss_one, grads_one = loss_and_grads(split=True)
