@@ -47,6 +47,7 @@ from dspark.draft import DSparkDrafter, MtpDrafter
 from dspark.draft.context import DSparkState
 from dspark.draft.mtp import MtpState
 from dspark.engine import Engine, EngineConfig
+from dspark.models.deepseek_v41.state import DecodeStateV41
 from dspark.profile import split_tokens, time_step
 from dspark.request import Request
 from dspark.verify.capacity import CapacityTable
@@ -71,11 +72,26 @@ def _sync(device):
 # -------------------------------------------------------------------------------------------------
 
 
-def fabricate_state(state, context: int, g: torch.Generator, vocab: int):
-    """Fill an empty V4 `DecodeState` as if `context` tokens had been fed: the rows a prefill keeps,
-    with random values (RoPE'd, normalised values would differ only numerically)."""
+def fabricate_state(state, context: int, g: torch.Generator, vocab: int, token_map: torch.Tensor | None = None):
+    """Fill an empty V4 or V4.1 decode state as if `context` tokens had been fed: the rows a prefill
+    keeps, with random values (RoPE'd, normalised values would differ only numerically).
+    `token_map`: a V4.1 target's Engram token map (its `engram_token_map`), for the n-gram history."""
     device = state.token_ids.device
-    state.end_step(torch.randint(0, vocab, (context,), generator=g, device=device))
+    ids = torch.randint(0, vocab, (context,), generator=g, device=device)
+    if isinstance(state, DecodeStateV41):
+        state.end_step(ids, None if state.ngram is None else token_map[ids])
+        for source in state.sources.values():
+            kv, gate = source.rows()
+            if source.pooled:
+                source.rows_start = source.live_from(context)
+                n = context - source.rows_start
+                source.append_rows(_randn((n, kv.shape[-1]), kv.dtype, device, g), _randn((n, gate.shape[-1]), gate.dtype, device, g))
+            entries, keys = source.entries(), source.index_keys()
+            n_e = context // source.rate
+            source.append_entries(_randn((n_e, entries.shape[-1]), entries.dtype, device, g),
+                                  _randn((n_e, keys.shape[-1]), keys.dtype, device, g))
+    else:
+        state.end_step(ids)
     for layer in state.layers:
         w = layer.window
         w.start = max(0, context - (w.window - 1))
@@ -91,6 +107,10 @@ def fabricate_state(state, context: int, g: torch.Generator, vocab: int):
             part.append_entries(_randn((context // part.rate, part.head_dim), kv.dtype, device, g))
     state.rewind_floor = context
     return state
+
+
+def _token_map(model) -> torch.Tensor | None:
+    return getattr(model, "engram_token_map", None)
 
 
 def _randn(shape, dtype, device, g):
@@ -120,7 +140,7 @@ def fabricate_drafter_state(drafter, context: int, g: torch.Generator, vocab: in
 def check_fabrication(model, drafter, context: int) -> dict:
     """Shapes of a fabricated state equal those of a real prefill of `context` tokens (smoke check)."""
     g = torch.Generator(device=model.device).manual_seed(0)
-    real, fake = model.new_state(), fabricate_state(model.new_state(), context, g, model.config.vocab_size)
+    real, fake = model.new_state(), fabricate_state(model.new_state(), context, g, model.config.vocab_size, _token_map(model))
     with torch.inference_mode():
         model(torch.randint(0, model.config.vocab_size, (context,), generator=g, device=model.device), [real], [context])
     a, b = real.snapshot(live_only=True), fake.snapshot(live_only=True)  # what the next call reads
@@ -136,7 +156,7 @@ def inject(engine: Engine, model, drafter, requests: int, context: int, g: torch
     vocab = model.config.vocab_size
     prompt = [0] * context  # shared, never mutated: only its length matters to the bookkeeping
     for i in range(requests):
-        req = Request(prompt, fabricate_state(model.new_state(), context, g, vocab), torch.Generator().manual_seed(i),
+        req = Request(prompt, fabricate_state(model.new_state(), context, g, vocab, _token_map(model)), torch.Generator().manual_seed(i),
                       10**6, frozenset(), request_id=f"r{i}", feed=prompt, prefilled=context)
         req.dstate = fabricate_drafter_state(drafter, context, g, vocab)
         req.out.append(int(torch.randint(0, vocab, (1,), generator=g, device=g.device)))  # the anchor
@@ -159,7 +179,7 @@ class Clock:
 def profile_table(model, context: int, probes, g) -> CapacityTable:
     """SPS(B) at `context` over fabricated states, width 4 (anchor + 3 drafts)."""
     lens_max = split_tokens(probes[-1], 4)
-    states = [fabricate_state(model.new_state(), context, g, model.config.vocab_size) for _ in lens_max]
+    states = [fabricate_state(model.new_state(), context, g, model.config.vocab_size, _token_map(model)) for _ in lens_max]
     samples, g = {}, torch.Generator().manual_seed(2)  # host generator for the probe ids
     with torch.inference_mode():
         for b in probes:
@@ -237,17 +257,17 @@ def run_decode(model, drafters, args, clock, share_s, results, skipped, g):
 
 def run_prefill(model, args, clock, results, skipped, g):
     with torch.inference_mode():  # warm the kernels once at a small size, so the first probe is not the cold one
-        time_step(model, [fabricate_state(model.new_state(), 1024, g, model.config.vocab_size)], [256],
-                  torch.Generator().manual_seed(0))
+        time_step(model, [fabricate_state(model.new_state(), 1024, g, model.config.vocab_size, _token_map(model))], [256],
+                  torch.Generator().manual_seed(0), rewind=False)
     for n in args["prefill"]:
         ctx = args["prefill_context"] - n
         if results["prefill"] and clock.left() < 3 * results["prefill"][-1]["seconds"] * n / results["prefill"][-1]["new_tokens"] + 5:
             skipped.append({"phase": "prefill", "new_tokens": n, "why": "not enough time left"})
             continue
         try:
-            state = fabricate_state(model.new_state(), ctx, g, model.config.vocab_size)
+            state = fabricate_state(model.new_state(), ctx, g, model.config.vocab_size, _token_map(model))
             with torch.inference_mode():
-                seconds = time_step(model, [state], [n], torch.Generator().manual_seed(n))
+                seconds = time_step(model, [state], [n], torch.Generator().manual_seed(n), rewind=False)
             row = {"new_tokens": n, "context_before": ctx, "context_after": ctx + n, "seconds": seconds,
                    "tok_s": n / seconds, "note": "one target forward (first call at this size; kernels warmed at 256 tokens)"}
             results["prefill"].append(row)
@@ -265,6 +285,10 @@ def run_peer(config: dict, args, device, results):
         import transformers
     except ImportError as e:
         results["peer"] = {"available": False, "why": f"transformers not importable: {e}"}
+        return
+    if config.get("model_type") != "deepseek_v4":
+        results["peer"] = {"available": False, "transformers": transformers.__version__,
+                           "why": f"transformers has no class for model_type {config.get('model_type')!r}"}
         return
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         results["peer"] = {"available": False, "transformers": transformers.__version__,
@@ -304,7 +328,7 @@ def active_bytes(model, context: int) -> dict:
     c, item = model.config, model.dtype.itemsize
     routed = shared = 0
     for name, p in model.named_parameters():
-        if name.startswith("mtp."):
+        if name.startswith("mtp.") or "engram" in name:  # Engram: a few table rows per token, not the tables
             continue
         if ".ffn.experts." in name:
             routed += p.numel() * p.element_size()
@@ -313,8 +337,8 @@ def active_bytes(model, context: int) -> dict:
     embed = model.embed.weight
     shared -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()  # one embedding row
     weights = shared + routed * c.num_experts_per_tok / c.n_routed_experts
-    state = 0
-    for t in c.layer_types:  # window + (top-k or all) compressed entries + all indexer keys (scored)
+    state = _state_bytes(c, context, item) if hasattr(c, "layer_roles") else 0
+    for t in getattr(c, "layer_types", ()):  # window + (top-k or all) compressed entries + all indexer keys (scored)
         state += c.sliding_window * c.head_dim * item
         if t == "compressed_sparse_attention":
             rate = c.compress_rates[t]
@@ -325,6 +349,22 @@ def active_bytes(model, context: int) -> dict:
     total = weights + state
     return {"weight_bytes": weights, "state_bytes": state, "total_bytes": total,
             "roofline_s": total / HBM_BYTES_PER_S, "hbm_bytes_per_s": HBM_BYTES_PER_S, "context": context}
+
+
+def _state_bytes(c, context: int, item: int) -> int:
+    """V4.1: decode state one token reads: each layer's window, then the entries of its KV source
+    (the top-k of them where the layer reads an index source's list, else all) and, on an index
+    source, every index key it scores."""
+    state = 0
+    for role in c.layer_roles:
+        state += c.sliding_window * c.head_dim * item
+        if role.ratio == 0:
+            continue
+        entries = context // role.ratio
+        state += (min(c.index_topk, entries) if role.index_source is not None else entries) * c.head_dim * item
+        if role.index_source == role.layer_id:
+            state += entries * c.index_head_dim * item
+    return state
 
 
 def _free():
@@ -352,8 +392,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU, tiny grid: checks the script")
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 450, smoke 120)")
+    ap.add_argument("--config", default=None,
+                    help="shipped config name (default v4-mini; smoke tiny-v4), e.g. v41-mini for the V4.1 analogue")
     cli = ap.parse_args()
-    args = SMOKE if cli.smoke else FULL
+    args = dict(SMOKE if cli.smoke else FULL)
+    if cli.config:
+        args["config"] = cli.config
     budget = cli.budget_s or (120.0 if cli.smoke else 450.0)
     device = torch.device("cpu" if cli.smoke else "cuda")
     clock = Clock(budget)
@@ -362,8 +406,11 @@ def main() -> None:
     config = load_config(args["config"])
     dtype = torch.float32 if cli.smoke else torch.bfloat16
     model = dspark.init_model(config, seed=0, device=device, dtype=dtype)
-    drafters = {"none": None, "mtp1": MtpDrafter(model),
-                "dspark3": DSparkDrafter(model).init_weights(1)}
+    drafters = {"none": None, "dspark3": DSparkDrafter(model).init_weights(1)}
+    try:  # V4.1's next-token layers are DSpark stages, not an MTP block: no MTP-1 mode there
+        drafters["mtp1"] = MtpDrafter(model)
+    except ValueError as e:
+        print(f"no MTP-1 mode: {e}", flush=True)
     drafters["auto"] = drafters["dspark3"]
     results = {
         "conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],

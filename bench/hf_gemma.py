@@ -44,7 +44,7 @@ import transformers
 
 import dspark
 from dspark.draft import DSparkConfig, NgramDrafter
-from dspark.draft.io import save_drafter
+from dspark.draft.io import load_drafter, save_drafter
 from dspark.evaluate import encode_prompt as encode_text
 from dspark.evaluate import load_prompts
 from dspark.train.calibrate import calibrate_sts
@@ -144,13 +144,29 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4, help="evaluation prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--save-drafter", default=None, help="also write the drafter directory here (not committed)")
+    ap.add_argument("--phase", choices=("all", "train", "eval"), default="all",
+                    help="train: steps 1-2 only, written to --drafter-dir; eval: step 3 with the drafter of --drafter-dir")
+    ap.add_argument("--drafter-dir", default=None, help="where --phase train writes and --phase eval reads the drafter")
+    ap.add_argument("--domains", default=",".join(EVAL_SETS), help="evaluation domains, comma-separated")
+    ap.add_argument("--temperatures", default="0,1", help="evaluation temperatures, comma-separated (0 and/or 1)")
+    ap.add_argument("--merge", nargs="+", default=None,
+                    help="only merge these result files of --phase eval runs over disjoint domains into --out")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=(None, "float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=980406)
     args = ap.parse_args()
+    if args.merge:
+        return merge_results(args.merge, args.out)
+    domains = args.domains.split(",")
+    if not set(domains) <= set(EVAL_SETS) or not domains:
+        raise ValueError(f"--domains must name some of {sorted(EVAL_SETS)}, got {args.domains!r}")
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    if not set(temperatures) <= {0.0, 1.0} or not temperatures:
+        raise ValueError(f"--temperatures must name 0 and/or 1, got {args.temperatures!r}")
+    if args.phase != "all" and not args.drafter_dir:
+        raise ValueError(f"--phase {args.phase} needs --drafter-dir")
     torch.set_num_threads(args.threads)
-    train_dir = Path(args.train_dir or next(p for p in ("../shared/data/eval", "shared/data/eval", "/work/shared/data/eval") if Path(p).is_dir()))
     t0 = time.perf_counter()
     model = dspark.load_model(args.model, device=args.device,
                               dtype=getattr(torch, args.dtype) if args.dtype else None)
@@ -158,10 +174,44 @@ def main() -> None:
                   "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                   "cpu": _cpu_name(), "threads": args.threads, "batch": 1, "python": platform.python_version(),
                   "torch": torch.__version__, "transformers": transformers.__version__, "commit": _commit(),
-                  "command": " ".join(["python"] + sys.argv), "train_dir": str(train_dir),
+                  "command": " ".join(["python"] + sys.argv),
                   **{k: v for k, v in vars(args).items() if k not in ("model", "out")}}
     print(json.dumps(conditions), flush=True)
+    if args.phase == "eval":
+        drafter = load_drafter(args.drafter_dir, model)
+        saved = json.loads((Path(args.drafter_dir) / SUMMARY_FILE).read_text())
+        training, calibration = saved["training"], saved["calibration"]
+        config = DSparkConfig.from_dict(saved["dspark_config"])
+        conditions["train_conditions"] = saved["conditions"]
+    else:
+        drafter, training, calibration, config = train_phase(model, args, conditions)
+        if args.phase == "train":
+            return
+    t1 = time.perf_counter()
+    rows = evaluate(model, drafter, args, domains, temperatures)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"format": "dspark-hf-gemma/2", "conditions": conditions,
+                                          "deviations": paper_deviations(vars(args), config.to_dict()),
+                                          "training": training, "calibration": calibration,
+                                          "eval": {"sets": {d: f"dspark/data/eval/{EVAL_SETS[d]}.jsonl, first "
+                                                               f"{args.limit} lines" for d in domains},
+                                                   "seconds": time.perf_counter() - t1,
+                                                   "greedy_outputs_equal_plain": True},
+                                          "results": rows, "total_s": time.perf_counter() - t0}, indent=1) + "\n")
+    print(f"[written {args.out}]", flush=True)
 
+
+SUMMARY_FILE = "hf-gemma-summary.json"
+
+
+def train_phase(model, args, conditions: dict):
+    """Steps 1-2: training and calibration prompts, target cache, `train_draft`, STS.
+
+    Returns (drafter, training summary, calibration summary, DSparkConfig). With `--drafter-dir`,
+    the drafter (with its `sts.json`) and the summaries are written there for `--phase eval`."""
+    train_dir = Path(args.train_dir or next(p for p in ("../shared/data/eval", "shared/data/eval",
+                                                         "/work/shared/data/eval") if Path(p).is_dir()))
+    conditions["train_dir"] = str(train_dir)
     train, calib = training_prompts(model, train_dir, (args.train_prompts, args.calib_prompts),
                                     args.max_prompt_tokens, args.prompt_format)
     t1 = time.perf_counter()
@@ -181,8 +231,6 @@ def main() -> None:
     calib_s = time.perf_counter() - t1
     drafter.set_calibration(cal)
     drafter_bytes = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
-    if args.save_drafter:
-        save_drafter(drafter, args.save_drafter)
     tail = result.history[-min(20, len(result.history)):]
     training = {"prompts": [{"set": r["set"], "line": r["line"], "tokens": len(r["ids"])} for r in train],
                 "sequences": len(data), "target_tokens": sum(sum(s.loss_mask) for s in data),
@@ -202,14 +250,24 @@ def main() -> None:
                    "mean_ece_after": sum(cal.ece_after) / len(cal.ece_after), "seconds": calib_s}
     print(json.dumps({"training": {k: v for k, v in training.items() if k != "prompts"},
                       "calibration": calibration}), flush=True)
+    for path in filter(None, (args.save_drafter, args.drafter_dir)):
+        save_drafter(drafter, path)
+        (Path(path) / SUMMARY_FILE).write_text(json.dumps(
+            {"conditions": conditions, "training": training, "calibration": calibration,
+             "dspark_config": config.to_dict()}, indent=1) + "\n")
+    return drafter, training, calibration, config
 
+
+def evaluate(model, drafter, args, domains: list[str], temperatures: list[float]) -> list[dict]:
+    """Step 3 over `domains` × `temperatures`: one row per (domain, T, method), with speedups over
+    plain in the same run."""
     methods = {"plain": (None, 0), "ngram": (NgramDrafter(block_size=7), 7), "dspark": (drafter, 7),
                "dspark-auto": (drafter, "auto")}
     rows = []
-    t1 = time.perf_counter()
-    for domain, name in EVAL_SETS.items():
+    for domain in domains:
+        name = EVAL_SETS[domain]
         eval_prompts = [encode_prompt(model, t, args.prompt_format) for t in load_prompts(name)[: args.limit]]
-        for temperature in (0.0, 1.0):
+        for temperature in temperatures:
             outputs = {}
             for method, (d, budget) in methods.items():
                 row, outputs[method] = measure(model, eval_prompts, temperature, args.max_new_tokens, d, budget,
@@ -219,23 +277,30 @@ def main() -> None:
             if temperature == 0.0:  # greedy speculative decoding must reproduce plain decoding exactly
                 for method, out in outputs.items():
                     assert out == outputs["plain"], f"{method} differs from plain greedy decoding on {name}"
-    eval_s = time.perf_counter() - t1
     for row in rows:
         plain = next(r for r in rows if r["method"] == "plain" and r["domain"] == row["domain"]
                      and r["temperature"] == row["temperature"])
         row["speedup_vs_plain"] = row["tok_per_s"] / plain["tok_per_s"] if plain["tok_per_s"] else None
         row["e2e_speedup_vs_plain"] = ((plain["decode_s"] + plain["prefill_s"]) / (row["decode_s"] + row["prefill_s"])
                                        * row["new_tokens"] / plain["new_tokens"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"format": "dspark-hf-gemma/2", "conditions": conditions,
-                                          "deviations": paper_deviations(vars(args), config.to_dict()),
-                                          "training": training, "calibration": calibration,
-                                          "eval": {"sets": {d: f"dspark/data/eval/{n}.jsonl, first {args.limit} lines"
-                                                            for d, n in EVAL_SETS.items()},
-                                                   "seconds": eval_s, "greedy_outputs_equal_plain": True},
-                                          "results": rows, "total_s": time.perf_counter() - t0}, indent=1) + "\n")
-    print(f"[written {args.out}]", flush=True)
+    return rows
 
+
+def merge_results(paths: list[str], out: str) -> None:
+    """One result file from `--phase eval` runs over disjoint domains (the first file's header)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    merged = dict(parts[0])
+    merged["results"] = [row for part in parts for row in part["results"]]
+    merged["eval"] = dict(parts[0]["eval"], sets={k: v for part in parts for k, v in part["eval"]["sets"].items()},
+                          seconds=sum(part["eval"]["seconds"] for part in parts), parallel_runs=[
+                              {"command": part["conditions"]["command"], "gpu": part["conditions"]["gpu"]}
+                              for part in parts])
+    keys = [(r["domain"], r["temperature"], r["method"]) for r in merged["results"]]
+    if len(keys) != len(set(keys)):
+        raise ValueError(f"--merge: the files {paths} overlap in (domain, temperature, method)")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(merged, indent=1) + "\n")
+    print(f"[written {out}]", flush=True)
 
 # The DSpark paper's offline recipe as dspark ships it (TrainConfig defaults, spec §5.6; γ = 7, one
 # stage per target layer id, Markov rank 256), against which a run's settings are listed.

@@ -88,8 +88,9 @@ def build_states(model, requests: int, context: int, chunk: int, seed: int = 0) 
     return states
 
 
-def time_step(model, states: list, lens: Sequence[int], generator: torch.Generator) -> float:
-    """Seconds of one target forward feeding lens[b] random tokens to states[b], then rewinding."""
+def time_step(model, states: list, lens: Sequence[int], generator: torch.Generator, rewind: bool = True) -> float:
+    """Seconds of one target forward feeding lens[b] random tokens to states[b], then rewinding
+    (unless `rewind` is False: a V4.1 call long enough for bounded replay cannot be rewound)."""
     ids = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=generator).to(model.device)
     starts = [s.length for s in states]
     _sync(model.device)
@@ -98,7 +99,8 @@ def time_step(model, states: list, lens: Sequence[int], generator: torch.Generat
     _sync(model.device)
     seconds = time.perf_counter() - t
     for state, start in zip(states, starts):
-        state.truncate(start)
+        if rewind:
+            state.truncate(start)
     return seconds
 
 

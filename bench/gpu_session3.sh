@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU steps of the third 2026-11-30 session, on one warm nvidia-h200-x2 machine (two H200s).
+#
+# The 253 MB Gemma-3 270M GGUF does not fit one call's 64 MiB transfer beside the 38 MiB working
+# tree, so it travels in ten 25 MiB parts (`split -b 26214400 -d -a 2 FILE .gpu/gg/part`, an
+# ignored folder), one part per call to a warm machine; every call first stashes the parts it
+# finds into /tmp/gg. The small files (the `gguf` wheel, the training prompt sets of
+# ../shared/data/eval, a gzip of the converted tokenizer, the file's sha256) travel in .gpu/small.
+#
+#   run(command="bash bench/gpu_session3.sh k", kind="nvidia-h200-x2", carry=[".gpu/gg/part00"])
+#   run(command="bash bench/gpu_session3.sh stash", carry=[".gpu/gg/part01"])   # ... part08
+#   run(command="bash bench/gpu_session3.sh gemma_train", carry=[".gpu/gg/part09", ".gpu/small"])
+#   run(command="bash bench/gpu_session3.sh gemma_eval")
+#
+# k: GPU 0 — kernel tests at real sizes (tests/kernels: the lightning indexer, compressor and the
+#    bf16 whole-model bound are new), the CUDA sampling tests, then bench/kernels.py on the indexer
+#    and compressor ops; GPU 1 — bench/engine_h200.py on v41-mini (the V4.1 analogue).
+# gemma_train: assemble + check the GGUF, install `gguf`, convert to safetensors, then
+#    bench/hf_gemma.py --phase train on GPU 0 (target cache, train_draft, STS) into /tmp/gemma.
+# gemma_eval: bench/hf_gemma.py --phase eval as six batch-1 runs, (domain, T) each, three after
+#    one another on each GPU (one process per GPU, so timings never share a GPU), then --merge.
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+W=/tmp/gpu-session && mkdir -p $W/logs /tmp/gg /tmp/gemma
+
+stash() {
+  for f in .gpu/gg/part*; do [ -f "$f" ] && cp -n "$f" /tmp/gg/; done
+  ls -la /tmp/gg | tail -n +2
+}
+
+part_k() {
+  (CUDA_VISIBLE_DEVICES=1 timeout 330 python3 bench/engine_h200.py --config v41-mini --budget-s 270 \
+     --out "$OUT/engine-v41-mini-h200.json" > $W/logs/engine-v41.txt 2>&1; echo "engine rc=$?" >> $W/logs/engine-v41.txt) &
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels -rs > $W/logs/kernel-tests.txt 2>&1
+    echo "kernel tests rc=$?" >> $W/logs/kernel-tests.txt
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_speculative_gpu.py > $W/logs/spec-gpu.txt 2>&1
+    echo "speculative gpu rc=$?" >> $W/logs/spec-gpu.txt
+    timeout 100 python3 bench/kernels.py --configs flash,mini --ops indexer_csa,indexer_v41,compressor_csa,compressor_hca \
+      --model-steps 0 --out "$OUT/kernels-indexer-h200.json" > $W/logs/kernels-bench.txt 2>&1
+    echo "kernels bench rc=$?" >> $W/logs/kernels-bench.txt
+  ) &
+  wait
+  tail -n 15 $W/logs/kernel-tests.txt; tail -n 5 $W/logs/spec-gpu.txt $W/logs/kernels-bench.txt $W/logs/engine-v41.txt
+}
+
+part_stash() { :; }
+
+GEMMA_MODEL=/tmp/gemma/model
+GEMMA_DRAFTER=/tmp/gemma/drafter
+
+part_gemma_train() {
+  cat /tmp/gg/part* > /tmp/gemma/gemma-3-270m-q4_k_m.gguf
+  echo "$(cat .gpu/small/gguf.sha256)  /tmp/gemma/gemma-3-270m-q4_k_m.gguf" | sha256sum -c - || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/small/*.whl || return 1
+  export PYTHONPATH=.:/tmp/site
+  timeout 240 python3 -c "from dspark.models.hf_causal.gguf import convert_gguf as c; c('/tmp/gemma/gemma-3-270m-q4_k_m.gguf', '$GEMMA_MODEL')" \
+    > $W/logs/convert.txt 2>&1 || tail -n 20 $W/logs/convert.txt
+  if [ ! -f $GEMMA_MODEL/tokenizer.json ] && [ -f $GEMMA_MODEL/model.safetensors ]; then  # this transformers' GGUF tokenizer path failed
+    gunzip -c .gpu/small/tokenizer.json.gz > $GEMMA_MODEL/tokenizer.json && cp .gpu/small/tokenizer_config.json $GEMMA_MODEL/
+    echo "tokenizer: the one converted on the CPU machine (transformers 5.23)" | tee -a $W/logs/convert.txt
+  fi
+  [ -f $GEMMA_MODEL/model.safetensors ] || return 1
+  ls -la $GEMMA_MODEL
+  timeout 450 python3 bench/hf_gemma.py --model $GEMMA_MODEL --device cuda --threads 4 --phase train \
+    --drafter-dir $GEMMA_DRAFTER --train-dir .gpu/small/eval --out "$OUT/unused.json" \
+    --train-prompts 32 --calib-prompts 4 --distill-tokens 128 --steps 800 --batch-size 8 --micro-batch 8 \
+    --cache-target --num-anchors 64 --markov-rank 256 --calib-tokens 64 > $W/logs/gemma-train.txt 2>&1
+  echo "gemma train rc=$?" >> $W/logs/gemma-train.txt
+  tail -n 4 $W/logs/gemma-train.txt | cut -c1-1500
+  cp $GEMMA_DRAFTER/hf-gemma-summary.json "$OUT/" 2>/dev/null
+}
+
+gemma_eval_one() {  # GPU domain temperature
+  CUDA_VISIBLE_DEVICES=$1 timeout 200 python3 bench/hf_gemma.py --model $GEMMA_MODEL --device cuda --threads 4 \
+    --phase eval --drafter-dir $GEMMA_DRAFTER --domains $2 --temperatures $3 --limit 6 --max-new-tokens 128 \
+    --out /tmp/gemma/eval-$2-$3.json > $W/logs/gemma-eval-$2-$3.txt 2>&1
+  echo "eval $2 T=$3 rc=$?" >> $W/logs/gemma-eval-$2-$3.txt
+}
+
+part_gemma_eval() {
+  (gemma_eval_one 0 math 0; gemma_eval_one 0 code 0; gemma_eval_one 0 chat 0) &
+  (gemma_eval_one 1 math 1; gemma_eval_one 1 code 1; gemma_eval_one 1 chat 1) &
+  wait
+  python3 bench/hf_gemma.py --model $GEMMA_MODEL --merge /tmp/gemma/eval-*.json --out "$OUT/hf-gemma-h200.json"
+  tail -n 2 $W/logs/gemma-eval-*.txt | cut -c1-400
+}
+
+stash
+part_$1
+tar -C $W -cf "$OUT/logs-$1.tar" logs
+ls -la "$OUT"
