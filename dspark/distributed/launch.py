@@ -42,8 +42,8 @@ def config_from_env(ep: int, tp: int, dp_attention: bool, backend: str,
 
 
 def _model(name: str, config: ParallelConfig, comm):
-    """(model, parallel MoE layers); `random-tiny` and the "tp" layout load whole, then parallelise."""
-    if name == RANDOM_TINY or config.layout == "tp":
+    """(model, parallel MoE layers); `random-tiny` (no checkpoint) is built whole, then parallelised."""
+    if name == RANDOM_TINY:
         model = load_model(name, device=device_for(config))
         return model, parallelize(model, config, comm)
     return load_sharded(name, config, comm, device=device_for(config))

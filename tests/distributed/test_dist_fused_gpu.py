@@ -29,8 +29,10 @@ PROMPTS = [list(range(3, 14)), [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] + [4] *
 def _tiny_tp(epilogue, rank, comm):
     from dspark.api import init_model
     from dspark.distributed import ParallelConfig, parallelize
+    from dspark.kernels import KernelConfig
 
-    model = init_model("tiny-v4", seed=0, device=f"cuda:{rank}", dtype=torch.bfloat16)
+    model = init_model("tiny-v4", seed=0, device=f"cuda:{rank}", dtype=torch.bfloat16,
+                       kernels=KernelConfig.uniform("ref"))  # the MoE epilogue is what differs
     layers = parallelize(model, ParallelConfig(2, rank, local_rank=rank, tp=2, backend="nccl",
                                                tp_epilogue=epilogue), comm)
     return model, layers
