@@ -143,13 +143,14 @@ def main() -> int:
     comm = init_distributed(config)
     device = torch.device("cuda", config.local_rank)
     try:
+        # Buffers and model are made outside inference mode (they are written in place later).
+        workspace = PushWorkspace.create(comm, max(TOKENS) * (TOP_K + 1), DIM)
+        model = init_model("v4-mini", seed=0, device=device, dtype=torch.bfloat16, kernels=KernelConfig.uniform("ref"))
+        layers = parallelize(model, config, comm)  # tp_epilogue="fused": raises with the reason if it cannot run
+        model_workspace = layers[0].workspace
         with torch.inference_mode():
-            workspace = PushWorkspace.create(comm, max(TOKENS) * (TOP_K + 1), DIM)
             epilogue = _epilogue_rows(comm, workspace, device)
             print(f"rank {config.rank} epilogue {epilogue}", flush=True)
-            model = init_model("v4-mini", seed=0, device=device, dtype=torch.bfloat16, kernels=KernelConfig.uniform("ref"))
-            layers = parallelize(model, config, comm)  # tp_epilogue="fused": raises with the reason if it cannot run
-            model_workspace = layers[0].workspace
             check = _model_check(model, layers, model_workspace, device)
             decode = []
             for batch in BATCHES:

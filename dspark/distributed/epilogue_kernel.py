@@ -28,7 +28,8 @@ def epilogue_kernel(slots_ptr, ids_ptr, weights_ptr, out_ptr, dim, rank_stride,
     ids = tl.load(ids_ptr + n * K + k, mask=valid, other=0)
     w = tl.load(weights_ptr + n * K + k, mask=valid, other=0.0)
     # Position of slot k in ascending (expert id, slot) order: the stable argsort of the reference.
-    before = valid[None, :] & ((ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (k[None, :] < k[:, None])))
+    earlier = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (k[None, :] < k[:, None]))
+    before = valid[None, :] & earlier  # [K_PAD, K_PAD]: slot k' (column) sorts before slot k (row)
     pos = tl.sum(before.to(tl.int32), axis=1)  # [K_PAD]
     out_ty = out_ptr.dtype.element_ty
     row0 = n * (K + 1)

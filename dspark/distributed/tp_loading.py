@@ -68,7 +68,8 @@ def _slice_source(reader: SafetensorsReader, key: str, axis: int, rank: int, siz
     start = rank * part
     shape[axis] = part
     if codec is None:
-        return TensorSource(tuple(shape), lambda device: reader.get_part(key, axis, start, start + part).to(device)), None
+        return TensorSource(tuple(shape),
+                            lambda device: reader.get_part(key, axis, start, start + part).to(device)), None
     scales, blocks = scale_key(key), fp8_block if codec == "fp8" else fp4_block
     full = tuple(size * n if i == axis else n for i, n in enumerate(shape))
     if scales not in reader or reader.shape(scales) != block_grid(full, blocks):
