@@ -13,8 +13,8 @@ token; v4-mini: plain greedy). Part 2, decode step time of v4-mini (bf16) at B =
 requests (the same requests on both ranks, as TP runs them): (a) one GPU, the unsplit model;
 (b) TP2. CONTEXT prompt tokens are prefilled for real, then STEPS greedy decode steps are timed
 after WARMUP with CUDA synchronisation. Both use the torch reference kernels
-(`KernelConfig.uniform("ref")`): this measures the split and its two all-reduces per layer, not the
-fused kernels (the fused finalize + all-reduce kernel is not written).
+(`KernelConfig.uniform("ref")`); TP2 takes the default `tp_epilogue="auto"`, i.e. the fused MoE
+epilogue on GPUs (bench/dist_tp_fused_x2.py compares it with the unfused one).
 """
 
 from __future__ import annotations

@@ -155,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree (= torchrun's world size), for small decode batches: attention "
                         "split by output group (query heads, wo_a/wo_b; the KV latent replicated) and every expert "
-                        "split along its width, one all-reduce after each; weights loaded whole, then sliced")
+                        "split along its width, one all-reduce after each; each rank reads only its slices "
+                        "of the weights")
     g.add_argument("--dp-attention", action="store_true", help="with --ep: each rank serves its own requests")
+    g.add_argument("--tp-epilogue", default="auto", choices=("auto", "fused", "ref"),
+                   help="with --tp: the MoE epilogue, fused on GPUs when possible (auto), always (fused) "
+                        "or never (ref)")
     g.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo", help="nccl or gloo")
     g.set_defaults(run=_generate)
     _add_eval_accept(sub)

@@ -109,6 +109,11 @@ class SafetensorsReader:
     def get(self, key: str) -> torch.Tensor:
         return self._handle_of[key].get_tensor(key)
 
+    def get_part(self, key: str, axis: int, start: int, stop: int) -> torch.Tensor:
+        """Entries [start, stop) of `key` along `axis`, reading only those bytes from the file."""
+        index = (slice(None),) * axis + (slice(start, stop),)
+        return self._handle_of[key].get_slice(key)[index]
+
 
 @dataclass(frozen=True)
 class TensorSource:
@@ -123,11 +128,11 @@ class TensorSource:
     read: Callable[[torch.device], torch.Tensor]
 
 
-def _scale_key(weight_key: str) -> str:
+def scale_key(weight_key: str) -> str:
     return weight_key[: -len("weight")] + "scale"
 
 
-def _quant_codec(reader: SafetensorsReader, key: str) -> str | None:
+def quant_codec(reader: SafetensorsReader, key: str) -> str | None:
     """``"fp8"`` / ``"fp4"`` for a quantised ``*.weight``, else None (stored as is)."""
     if not key.endswith(".weight"):
         return None
@@ -140,21 +145,21 @@ def _quantised_source(
 ) -> tuple[TensorSource | None, str | None]:
     """The dequantising source for a quantised weight (``fp8_block`` already resolved for ``key``),
     or a problem description."""
-    scale_key = _scale_key(key)
-    if scale_key not in reader:
-        return None, f"{key}: {reader.dtype(key)} weight without its block scale {scale_key}"
+    scales = scale_key(key)
+    if scales not in reader:
+        return None, f"{key}: {reader.dtype(key)} weight without its block scale {scales}"
     stored = reader.shape(key)
     shape = stored if codec == "fp8" else (*stored[:-1], 2 * stored[-1])
     block = fp8_block if codec == "fp8" else fp4_block
     expected_grid = block_grid(shape, block)
-    if reader.shape(scale_key) != expected_grid:
+    if reader.shape(scales) != expected_grid:
         return None, (
-            f"{scale_key}: scale shape {reader.shape(scale_key)} does not fit weight {shape} "
+            f"{scales}: scale shape {reader.shape(scales)} does not fit weight {shape} "
             f"with block {tuple(block)}: expected {expected_grid}"
         )
 
     def read(device: torch.device) -> torch.Tensor:
-        return dequantize(reader.get(key).to(device), reader.get(scale_key).to(device), fp8_block, fp4_block)
+        return dequantize(reader.get(key).to(device), reader.get(scales).to(device), fp8_block, fp4_block)
 
     return TensorSource(shape, read), None
 
@@ -181,8 +186,8 @@ def plan_sources(
     sources : model name -> :class:`TensorSource`; a quantised weight's ``*.scale`` is consumed.
     problems : model name -> what is wrong with its stored form (missing scale, scale grid mismatch).
     """
-    codecs = {key: _quant_codec(reader, key) for key in reader.keys()}
-    consumed_scales = {_scale_key(key) for key, codec in codecs.items() if codec}
+    codecs = {key: quant_codec(reader, key) for key in reader.keys()}
+    consumed_scales = {scale_key(key) for key, codec in codecs.items() if codec}
     sources: dict[str, TensorSource] = {}
     problems: dict[str, str] = {}
     for key, codec in codecs.items():

@@ -15,11 +15,12 @@ from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
 from dspark.distributed.deferred import deferred_weights, materialize
 from dspark.distributed.engine import LockstepEngine
+from dspark.distributed.fused_allreduce import PushWorkspace, moe_epilogue, moe_epilogue_ref
 from dspark.distributed.loading import build_sharded, load_sharded
 from dspark.distributed.moe import ColumnMoE, DispatchMoE, SliceMoE, expert_slice
 from dspark.distributed.setup import device_for, init_distributed, shutdown
 from dspark.distributed.shard import parallelize
 
-__all__ = ["ColumnMoE", "Comm", "DispatchMoE", "LockstepEngine", "ParallelConfig", "ReduceLinear", "SliceMoE",
-           "build_sharded", "deferred_weights", "device_for", "expert_slice", "init_distributed", "load_sharded",
-           "materialize", "parallelize", "shutdown", "split_heads"]
+__all__ = ["ColumnMoE", "Comm", "DispatchMoE", "LockstepEngine", "ParallelConfig", "PushWorkspace", "ReduceLinear",
+           "SliceMoE", "build_sharded", "deferred_weights", "device_for", "expert_slice", "init_distributed",
+           "load_sharded", "materialize", "moe_epilogue", "moe_epilogue_ref", "parallelize", "shutdown", "split_heads"]

@@ -15,6 +15,11 @@ Three layouts, each over all `world_size` ranks of the default process group:
 
 Attention weights are replicated in the other layouts. `world_size = 1` with `ep = tp = 1` is the
 single-process run.
+
+Under "tp" the MoE epilogue (cross-rank sum, finalize, shared-expert add) runs either as NCCL's
+all-reduce plus torch ops or fused (`dspark.distributed.fused_allreduce`): `tp_epilogue` "auto"
+fuses where the group supports it (CUDA, NCCL, one host, Triton) and batches fit
+`tp_fused_tokens`, "fused" requires it, "ref" never fuses.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKENDS = ("gloo", "nccl")
+EPILOGUES = ("auto", "fused", "ref")
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,10 @@ class ParallelConfig:
     local_rank : device index on this host (torchrun's LOCAL_RANK), for `cuda:{local_rank}`.
     ep, tp : expert- / tensor-parallel degree (at most one above 1, and then equal to world_size).
     dp_attention : each rank serves its own requests (needs ep = world_size > 1).
-    backend : "gloo" (CPU tensors) or "nccl" (CUDA tensors)."""
+    backend : "gloo" (CPU tensors) or "nccl" (CUDA tensors).
+    tp_epilogue : "auto", "fused" or "ref": the TP MoE epilogue (see the module docstring).
+    tp_fused_tokens : the most tokens per MoE call the fused epilogue takes (it sizes the symmetric
+        buffers: 2·t·tokens·(K+1)·D fp32 per rank); larger calls use the reference."""
 
     world_size: int = 1
     rank: int = 0
@@ -39,9 +48,11 @@ class ParallelConfig:
     tp: int = 1
     dp_attention: bool = False
     backend: str = "gloo"
+    tp_epilogue: str = "auto"
+    tp_fused_tokens: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "ep", "tp"):
+        for name in ("world_size", "ep", "tp", "tp_fused_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -53,6 +64,10 @@ class ParallelConfig:
             raise ValueError(f"rank {self.rank} outside [0, world_size={self.world_size})")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.tp_epilogue not in EPILOGUES:
+            raise ValueError(f"tp_epilogue must be one of {EPILOGUES}, got {self.tp_epilogue!r}")
+        if self.tp_epilogue == "fused" and (self.tp == 1 or self.backend != "nccl"):
+            raise ValueError(f"tp_epilogue='fused' needs tp > 1 on nccl, got tp={self.tp}, backend={self.backend!r}")
         if not isinstance(self.dp_attention, bool):
             raise ValueError(f"dp_attention must be a bool, got {self.dp_attention!r}")
         if self.ep > 1 and self.tp > 1:

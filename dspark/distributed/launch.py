@@ -28,7 +28,7 @@ from dspark.validate import encode_prompts
 
 
 def config_from_env(ep: int, tp: int, dp_attention: bool, backend: str,
-                    environ: Mapping[str, str] = os.environ) -> ParallelConfig:
+                    environ: Mapping[str, str] = os.environ, tp_epilogue: str = "auto") -> ParallelConfig:
     """ParallelConfig from torchrun's variables (absent: a single process) and the CLI flags."""
     def number(name: str, default: int) -> int:
         value = environ.get(name, str(default))
@@ -38,12 +38,12 @@ def config_from_env(ep: int, tp: int, dp_attention: bool, backend: str,
 
     return ParallelConfig(world_size=number("WORLD_SIZE", 1), rank=number("RANK", 0),
                           local_rank=number("LOCAL_RANK", 0), ep=ep, tp=tp, dp_attention=dp_attention,
-                          backend=backend)
+                          backend=backend, tp_epilogue=tp_epilogue)
 
 
 def _model(name: str, config: ParallelConfig, comm):
-    """(model, parallel MoE layers); `random-tiny` and the "tp" layout load whole, then parallelise."""
-    if name == RANDOM_TINY or config.layout == "tp":
+    """(model, parallel MoE layers); `random-tiny` (no checkpoint) is built whole, then parallelised."""
+    if name == RANDOM_TINY:
         model = load_model(name, device=device_for(config))
         return model, parallelize(model, config, comm)
     return load_sharded(name, config, comm, device=device_for(config))
@@ -51,7 +51,7 @@ def _model(name: str, config: ParallelConfig, comm):
 
 def generate_distributed(args) -> int:
     """Body of `dspark generate` when --ep/--tp > 1 (args from dspark.cli)."""
-    config = config_from_env(args.ep, args.tp, args.dp_attention, args.backend)
+    config = config_from_env(args.ep, args.tp, args.dp_attention, args.backend, tp_epilogue=args.tp_epilogue)
     comm = init_distributed(config)
     try:
         model, moe_layers = _model(args.model, config, comm)

@@ -4,14 +4,15 @@
 blocks (dropping the experts other ranks own), allocates what is left (`build_sharded`: a rank
 never allocates another rank's experts), then plans the checkpoint from its safetensors headers and
 copies only the tensors this rank's model has: a routed expert owned by another rank is renamed to
-"ignored" before planning, so its FP4 data and scales are never read. Everything else (attention,
-router, shared expert, embeddings, head, Engram tables) is replicated and read by every rank.
+"ignored" before planning, so its FP4 data and scales are never read; under "tp" the split tensors
+are read as this rank's slices. Everything else (router, embeddings, head, Engram tables, and the
+attention and shared expert outside "tp") is replicated and read by every rank.
 
 Supported: DeepSeek-V4 and V4.1 checkpoints in the official layout (quantised or not), for the
-"dep" and "ep" layouts. The "tp" layout splits every expert along its width: its ranks read whole
-experts and slice them in memory (safetensors could read the column slices directly, but FP4 and
-FP8 blocks would have to be decoded per slice; not done). transformers' own layout (merged
-experts) is translated as a whole state dict by the single-process loader and is refused here.
+"dep", "ep" and "tp" layouts. Under "tp" the split tensors (attention heads, expert widths) are read
+as slices (`tp_loading.plan_split_sources`): each rank reads 1/t of them, quantised ones with their
+scale blocks. transformers' own layout (merged experts) is translated as a whole state dict by the
+single-process loader and is refused here.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
 from dspark.distributed.deferred import deferred_weights, materialize
 from dspark.distributed.shard import parallelize
+from dspark.distributed.tp_loading import plan_split_sources
 from dspark.draft.io import dspark_from_checkpoint, dspark_from_v41_checkpoint, load_drafter
 from dspark.loader import SafetensorsReader, load_tensors, plan_sources
 from dspark.models.deepseek_v4 import checkpoint as v4
@@ -44,17 +46,14 @@ def load_sharded(path: str | Path, parallel: ParallelConfig, comm: Comm, device:
     tokenizer and its DSpark drafter (`model.dspark`, replicated on every rank) like `load_model`.
     Raises ValueError naming every missing, unexpected or mis-shaped key, and for the HF layout.
     """
-    if parallel.layout == "tp":
-        raise ValueError("load_sharded: the 'tp' layout slices whole experts in memory; use "
-                         "dspark.load_model then parallelize")
     path = EMBEDDED[path] if isinstance(path, str) and path in EMBEDDED else Path(path)
     config = json.loads((path / CONFIG_FILE).read_text())
     model, moe_layers = build_sharded(config, parallel, comm, device, dtype, **options)
     if config.get("model_type") == "deepseek_v41":
-        _load_v41(model, path, config)
+        _load_v41(model, path, config, parallel)
         model.dspark = dspark_from_v41_checkpoint(model, path, config)
     else:
-        _load_v4(model, path, config)
+        _load_v4(model, path, config, parallel)
         model.dspark = dspark_from_checkpoint(model, path, config)
     model.tokenizer = load_tokenizer(path)
     if (path / DRAFTER_DIR / CONFIG_FILE).is_file():
@@ -81,7 +80,14 @@ def _owned_only(rename, held: set[str]):
     return owned
 
 
-def _load_v4(model, path: Path, config: dict) -> None:
+def _plan(reader, rename, fp8_block, fp4_block, parallel: ParallelConfig):
+    """`plan_sources`, or under "tp" its slicing version (this rank's blocks of the split tensors)."""
+    if parallel.layout == "tp":
+        return plan_split_sources(reader, rename, fp8_block, fp4_block, parallel.rank, parallel.world_size)
+    return plan_sources(reader, rename, fp8_block, fp4_block)
+
+
+def _load_v4(model, path: Path, config: dict, parallel: ParallelConfig) -> None:
     """DeepSeek-V4 official / hf_saved layouts (the rules of `deepseek_v4.checkpoint.load_checkpoint`)."""
     block = tuple((config.get("quantization_config") or {}).get("weight_block_size", V4_DENSE_BLOCK))
     tensors = model.state_dict(keep_vars=True)
@@ -90,7 +96,7 @@ def _load_v4(model, path: Path, config: dict) -> None:
         if layout == "hf":
             raise ValueError(f"{path}: sharded loading needs the official layout, not transformers' merged experts")
         rename = _owned_only(lambda key: v4.official_name(key, layout), set(tensors))
-        sources, problems = plan_sources(reader, rename, block, FP4_BLOCK)
+        sources, problems = _plan(reader, rename, block, FP4_BLOCK, parallel)
         if v4.holds_dspark_stages(config, sources):  # the stages belong to the drafter
             sources = {n: s for n, s in sources.items() if not n.startswith("mtp.")}
             problems = {n: p for n, p in problems.items() if not n.startswith("mtp.")}
@@ -112,7 +118,7 @@ def _zero_mtp(model) -> None:
             tensor.zero_()
 
 
-def _load_v41(model, path: Path, config: dict) -> None:
+def _load_v41(model, path: Path, config: dict, parallel: ParallelConfig) -> None:
     """DeepSeek-V4.1 official layout (the rules of `deepseek_v41.checkpoint.load_checkpoint`)."""
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
     dense = tuple(quant.get("weight_block_size", V41_DENSE_BLOCK))
@@ -122,7 +128,7 @@ def _load_v41(model, path: Path, config: dict) -> None:
 
     tensors = model.state_dict(keep_vars=True)
     with SafetensorsReader(path) as reader:
-        sources, problems = plan_sources(reader, _owned_only(v41.official_name, set(tensors)), fp8_block, FP4_BLOCK)
+        sources, problems = _plan(reader, _owned_only(v41.official_name, set(tensors)), fp8_block, FP4_BLOCK, parallel)
         load_tensors(tensors, sources, problems=problems, where=str(path))
     tokenizer_file = path / "tokenizer.json"
     if tokenizer_file.is_file() and model.engram_ids:

@@ -9,8 +9,9 @@ of the module it replaces, so a layer cannot tell the difference:
   load reads exactly those.
 * `SliceMoE` (EP over replicated requests): owned experts over all tokens, shared expert on rank 0,
   one all-reduce.
-* `ColumnMoE` (TP over replicated requests): every expert split along its width I, one all-reduce
-  of the per-slot partial outputs, then the single-device finalize (same bf16 rounding points).
+* `ColumnMoE` (TP over replicated requests): every expert split along its width I, then the
+  epilogue of `fused_allreduce` (cross-rank sum of the per-slot partials, finalize, shared add;
+  fused on CUDA) with the single-device bf16 rounding points.
 
 The router is replicated (and the shared expert, except under `ColumnMoE`). Routed outputs are
 combined in fp32 like the single-process block; in `DispatchMoE` / `SliceMoE` the summation order
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.distributed.comm import Comm
+from dspark.distributed.fused_allreduce import PushWorkspace, moe_epilogue, moe_epilogue_ref
 from dspark.models.deepseek_v4.moe import Expert
 
 
@@ -125,36 +127,43 @@ class ColumnMoE(nn.Module):
     and the same rows of w2 for every routed expert and the shared expert. The clamped SwiGLU is
     element-wise in I, so the partial outputs sum to the full expert output.
 
-    The rounding points of the single-device block are kept: each rank's w2 partials stay fp32, one
-    all-reduce sums the K + 1 partial outputs of every token (its routed slots and the shared
-    expert), each summed expert output is rounded to x.dtype (where one device rounds the expert's
-    GEMM), and the finalize Σ_k g_k · out_k + shared runs in fp32 in the single-device order
-    (ascending expert id). Only the fp32 sum order inside w2 differs (I/t columns, then over ranks).
-    This sends K + 1 rows per token instead of one: the price of exact rounding, small at decode
-    batch sizes, which is what this layout is for; the fused finalize + all-reduce kernel of
-    docs/distributed.md would push the same rows.
+    The rounding points of the single-device block are kept: each rank's w2 partials stay fp32, the
+    K + 1 partial outputs of every token (its routed slots and the shared expert) are summed over
+    ranks in fp32, each summed expert output is rounded to x.dtype (where one device rounds the
+    expert's GEMM), and the finalize Σ_k g_k · out_k + shared runs in fp32 in the single-device
+    order (ascending expert id). Only the fp32 sum order inside w2 differs (I/t columns, then over
+    ranks). The epilogue (`fused_allreduce`) sends K + 1 rows per token instead of one: the price of
+    exact rounding, small at the decode batch sizes this layout is for. With a `workspace` it runs
+    fused (one-shot push all-reduce + one kernel) whenever the call's N·(K+1) rows fit it, else
+    as NCCL/gloo all-reduce + torch ops; every rank sees the same N, so all take the same path.
     """
 
-    def __init__(self, moe: nn.Module, comm: Comm):
+    def __init__(self, moe: nn.Module, comm: Comm, workspace: PushWorkspace | None = None):
         super().__init__()
         self.gate = moe.gate
         self.comm = comm
+        self.workspace = workspace
         self.shared_experts = _column_slice(moe.shared_experts, comm.rank, comm.size)
         self.experts = nn.ModuleList(_column_slice(e, comm.rank, comm.size) for e in moe.experts)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [N, D] (identical on every rank), input_ids [N] -> [N, D] in x.dtype."""
         weights, ids = self.gate(x, input_ids)  # [N, K] fp32, [N, K]
-        k = ids.shape[1]
-        partial = torch.zeros((x.shape[0], k + 1, x.shape[1]), dtype=torch.float32, device=x.device)  # [N, K+1, D]
+        n, k = ids.shape
+        fused = self.workspace is not None and self.workspace.fits(n * (k + 1))
+        if fused:  # computed straight into this rank's symmetric slot; every row is written below
+            partial = self.workspace.partial(n, k)  # [N, K+1, D]
+        else:
+            partial = torch.zeros((n, k + 1, x.shape[1]), dtype=torch.float32, device=x.device)
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()  # one host sync
         for e, count in enumerate(counts):
             if count:
                 token, slot = torch.where(ids == e)
                 partial[token, slot] = _partial_output(self.experts[e], x[token])
         partial[:, k] = _partial_output(self.shared_experts, x)
-        out = self.comm.all_reduce_sum(partial).to(x.dtype)  # [N, K+1, D]: whole expert outputs, rounded
-        return _finalize(out, weights, ids)
+        if fused:
+            return moe_epilogue(partial, weights, ids, x.dtype, self.workspace)
+        return moe_epilogue_ref(partial, weights, ids, x.dtype, self.comm)
 
 
 def _partial_output(expert: Expert, x: torch.Tensor) -> torch.Tensor:
@@ -167,21 +176,6 @@ def _partial_output(expert: Expert, x: torch.Tensor) -> torch.Tensor:
         up = up.clamp(min=-expert.limit, max=expert.limit)
     hidden = (F.silu(gate) * up).to(x.dtype)
     return F.linear(hidden.float(), expert.w2.weight.float())  # bf16 products are exact in fp32
-
-
-def _finalize(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """out [N, K+1, D] (routed slots, then shared) -> Σ_k g_k · out_k + out_K in out.dtype.
-
-    The routed terms are added in ascending expert id, as the single-device block's index_add loop
-    does, so given the same expert outputs the result is bit-identical to it."""
-    k = ids.shape[1]
-    order = torch.argsort(ids, dim=1, stable=True)  # [N, K] slots by expert id
-    routed = torch.zeros(out.shape[0], out.shape[2], dtype=torch.float32, device=out.device)  # [N, D]
-    for j in range(k):
-        slot = order[:, j:j + 1]  # [N, 1]
-        term = out.gather(1, slot.unsqueeze(-1).expand(-1, -1, out.shape[2])).squeeze(1)  # [N, D]
-        routed += term.float() * weights.gather(1, slot)
-    return (routed + out[:, k].float()).to(out.dtype)
 
 
 def _column_slice(expert: Expert, rank: int, size: int) -> Expert:

@@ -14,6 +14,7 @@ from torch import nn
 from dspark.distributed.attention import split_heads
 from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
+from dspark.distributed.fused_allreduce import PushWorkspace, fused_unsupported
 from dspark.distributed.moe import ColumnMoE, DispatchMoE, SliceMoE
 
 _MODULES = {"dep": DispatchMoE, "ep": SliceMoE, "tp": ColumnMoE}
@@ -32,11 +33,28 @@ def parallelize(model: nn.Module, config: ParallelConfig, comm: Comm) -> list[nn
     if (comm.rank, comm.size) != (config.rank, config.world_size):
         raise ValueError(f"process group rank {comm.rank} of {comm.size} does not match "
                          f"ParallelConfig rank {config.rank} of {config.world_size}")
-    module = _MODULES[config.layout]
-    swapped = []
-    for layer in model.layers:
-        if config.layout == "tp":
+    if config.layout == "tp":
+        workspace = tp_workspace(model, config, comm)
+        for layer in model.layers:
             split_heads(layer.attn, comm)
-        layer.ffn = module(layer.ffn, comm)
-        swapped.append(layer.ffn)
-    return swapped
+            layer.ffn = ColumnMoE(layer.ffn, comm, workspace)
+        return [layer.ffn for layer in model.layers]
+    for layer in model.layers:
+        layer.ffn = _MODULES[config.layout](layer.ffn, comm)
+    return [layer.ffn for layer in model.layers]
+
+
+def tp_workspace(model: nn.Module, config: ParallelConfig, comm: Comm) -> PushWorkspace | None:
+    """The symmetric buffers of the fused TP MoE epilogue, shared by every layer (they run one after
+    the other), or None for the reference epilogue. Collective. `tp_epilogue` "auto" falls back to
+    the reference where `fused_unsupported` says why; "fused" raises ValueError with that reason."""
+    if config.tp_epilogue == "ref":
+        return None
+    reason = fused_unsupported(comm)
+    if reason is not None:
+        if config.tp_epilogue == "fused":
+            raise ValueError(f"tp_epilogue='fused' cannot run here: {reason}")
+        return None
+    ffn = model.layers[0].ffn
+    k, dim = ffn.gate.top_k, ffn.shared_experts.w1.in_features
+    return PushWorkspace.create(comm, config.tp_fused_tokens * (k + 1), dim)

@@ -24,6 +24,10 @@ def test_layouts(kwargs, layout):
     (dict(world_size=2, tp=2, dp_attention=True), "dp_attention"),
     (dict(backend="mpi"), "'mpi'"),
     (dict(world_size=0), "world_size"),
+    (dict(world_size=2, tp=2, tp_epilogue="fast"), "'fast'"),
+    (dict(world_size=2, tp=2, tp_epilogue="fused"), "backend='gloo'"),
+    (dict(world_size=2, ep=2, backend="nccl", tp_epilogue="fused"), "tp=1"),
+    (dict(world_size=2, tp=2, tp_fused_tokens=0), "tp_fused_tokens"),
 ])
 def test_bad_configs_name_the_value(kwargs, word):
     with pytest.raises(ValueError, match=word):
