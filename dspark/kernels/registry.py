@@ -29,6 +29,8 @@ _OP_MODULES: dict[str, str] = {
     "mhc_pre": "mhc",
     "mhc_post": "mhc",
     "mhc_post_pre": "mhc",
+    "mhc_v41_pre": "mhc_v41",
+    "mhc_v41_post_pre": "mhc_v41",
     "moe_route": "moe",
     "fused_moe": "moe",
     "moe_experts": "moe",
@@ -70,6 +72,8 @@ class KernelConfig:
     mhc_pre: Impl = "ref"
     mhc_post: Impl = "ref"
     mhc_post_pre: Impl = "ref"
+    mhc_v41_pre: Impl = "ref"
+    mhc_v41_post_pre: Impl = "ref"
     moe_route: Impl = "ref"
     fused_moe: Impl = "ref"
     moe_experts: Impl = "ref"

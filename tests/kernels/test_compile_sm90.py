@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import attention, compressor, indexer, mhc, moe, moe_decode, triton_available
+from dspark.kernels import attention, compressor, indexer, mhc, mhc_v41, moe, moe_decode, triton_available
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -33,6 +33,7 @@ def _triton_minor() -> str:
 TUNED_FOR = "3.6"
 
 KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"),
+           mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
@@ -78,6 +79,9 @@ def run_every_tile_class():
         post, comb, _ = mhc.mhc_pre(x, *site, **eps)
         mhc.mhc_post(x[:, 0], x, post, comb)
         mhc.mhc_post_pre(x[:, 0], x, post, comb, *site, **eps)
+        v41 = (post, *site, torch.ones(256, device=DEVICE))  # carried pre, site, norm weight
+        mhc_v41.mhc_v41_pre(x, *v41, **eps, norm_eps=1e-6)
+        mhc_v41.mhc_v41_post_pre(x[:, 0], x, post, comb, *v41, **eps, norm_eps=1e-6)
     for n_tok, n_exp in ((3, 256), (40, 2)):  # MoE tiles switch above 32 rows per expert; E = 256 as Flash
         x = torch.randn(n_tok, 64, generator=g).bfloat16().to(DEVICE)
         router = (x, (torch.randn(n_exp, 64, generator=g) / 8).bfloat16().to(DEVICE), torch.zeros(n_exp, device=DEVICE),

@@ -4,6 +4,7 @@ QAT codes; visibility; the single-pass mHC start; compressed token ids from a to
 import pytest
 import torch
 
+from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v41.csa2 import SharedSlots, candidate_mask
 from dspark.models.deepseek_v41.engram_hash import (
     DEAD,
@@ -128,11 +129,21 @@ def test_single_pass_start_is_the_embedding(make_model, random_ids):
     is the embedding row exactly (V4's mixed pre gave about 2x the embedding)."""
     model = make_model(seed=2)
     ids = random_ids(5, seed=3)
-    seen = {}
-    handle = model.layers[0].attn_norm.register_forward_hook(lambda mod, args, out: seen.update(u=args[0]))
-    model(ids, [model.new_state()], [5])
-    handle.remove()
+    layer = model.layers[0]
+    op, seen = layer.pre_op, {}
+
+    def record(x, pre_in, *args, **kwargs):  # the attention site's op, its collapse recorded
+        out = op(x, pre_in, *args, **kwargs)
+        seen.update(u=collapse(x, pre_in), h=out[3])
+        return out
+
+    layer.pre_op = record
+    try:
+        model(ids, [model.new_state()], [5])
+    finally:
+        layer.pre_op = op
     assert torch.equal(seen["u"], model.embed(ids))
+    assert torch.equal(seen["h"], layer.attn_norm(model.embed(ids)))
 
 
 def test_compressed_token_map_from_a_tokenizer(bpe_tokenizer):
