@@ -36,6 +36,7 @@ _OP_MODULES: dict[str, str] = {
     "moe_experts": "moe",
     "sparse_attention": "attention",
     "lightning_indexer": "indexer",
+    "indexer_pool": "indexer_pool",
     "compressor_pool": "compressor",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
@@ -79,6 +80,7 @@ class KernelConfig:
     moe_experts: Impl = "ref"
     sparse_attention: Impl = "ref"
     lightning_indexer: Impl = "ref"
+    indexer_pool: Impl = "ref"
     compressor_pool: Impl = "ref"
 
     def __post_init__(self) -> None:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dspark.models.deepseek_v4.mhc import collapse
-from dspark.models.deepseek_v41.csa2 import SharedSlots, candidate_mask
+from dspark.kernels.indexer_pool import indexer_pool_ref
+from dspark.models.deepseek_v41.csa2 import SharedSlots
 from dspark.models.deepseek_v41.engram_hash import (
     DEAD,
     build_token_map,
@@ -86,10 +87,10 @@ def test_candidate_mask_vector():
     inf = float("inf")
     scores = torch.tensor([[0.1, 0.9, 0.2, 0, 0.5, 0.4, 0.3, 0.2, 2, 0.1, 0, 0,
                             0.3, 0.3, 0.3, 0.3, 0.1, 0, -inf, -inf]])  # 20 positions, 18 visible
-    mask = candidate_mask(scores, torch.tensor([18]), topk_blocks=2, block=4)
+    mask = indexer_pool_ref(scores, torch.tensor([18]), topk_blocks=2, block=4)
     assert mask[0].nonzero().flatten().tolist() == [8, 9, 10, 11, 16, 17, 18, 19]
     # Nothing visible: nothing pinned, nothing kept.
-    assert not candidate_mask(torch.full((1, 6), -inf), torch.tensor([0]), 2, 4).any()
+    assert not indexer_pool_ref(torch.full((1, 6), -inf), torch.tensor([0]), topk_blocks=2, block=4).any()
     assert SharedSlots().topk is None
 
 
