@@ -15,6 +15,7 @@ effective bandwidth and rate against the floors:
     python bench/kernels.py --configs mini --ops mhc_pre,fused_moe --tokens 1,4096
     python bench/kernels.py --dry-run            # list the cases (works without a GPU)
     python bench/kernels.py --configs flash --ops indexer_csa,indexer_v41 --tokens 1,8,64,256
+    python bench/kernels.py --configs flash --ops mhc_v41_pre,mhc_v41_post_pre,indexer_pool --model-steps 0
 
 Conditions (GPU, clocks, torch/triton versions, commit) are printed first and stored in the JSON.
 """
@@ -39,10 +40,10 @@ if str(REPO) not in sys.path:  # run as a script from any directory
 HBM_BYTES_PER_S = 4.4e12  # measured copy bandwidth of one H200 (peers.md §7.1)
 BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
-OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
+OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "mhc_v41_pre", "mhc_v41_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
        "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
-       "compressor_csa", "compressor_hca")
-DECODE_ONLY = ("indexer_csa", "indexer_v41")  # decode / verify ops: M <= 256 rows
+       "indexer_pool", "compressor_csa", "compressor_hca")
+DECODE_ONLY = ("indexer_csa", "indexer_v41", "indexer_pool")  # decode / verify ops: M <= 256 rows
 COMPRESSOR_SLOTS = {"compressor_csa": 8, "compressor_hca": 128}  # rows pooled per entry (CSA: 2m half-rows)
 CONTEXT = 32768  # attention cases: queries at the end of a 32K-token context
 WINDOW, HCA_RATE, CSA_RATE, CSA_TOPK = 128, 128, 4, 512  # V4 attention (spec §7-§8)
@@ -203,6 +204,36 @@ def mhc_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
     return (lambda: fused(*args, **kw)), (lambda: ref(*args, **kw)), n_bytes, flop
 
 
+def mhc_v41_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of one V4.1 single-pass mHC site at M tokens, bf16
+    streams. Bytes: streams (and for the post+pre site f, post, comb) read once, Y written once, fn,
+    the carried pre and the norm weight read once, pre/post/comb and h written once; the collapse
+    u that the kernels store and re-read (2 rows) is not in the floor."""
+    from dspark.kernels import mhc, mhc_v41
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    h, d = shape.n_hc, shape.dim
+    x = torch.randn(m, h, d, generator=gen, device=device).bfloat16()
+    f = torch.randn(m, d, generator=gen, device=device).bfloat16()
+    pre_in = torch.rand(m, h, generator=gen, device=device) + 0.1
+    weight = torch.rand(d, generator=gen, device=device) + 0.5
+    site = (layer["fn"], layer["base"], layer["scale"])
+    post, comb, _ = mhc.mhc_pre_ref(x, *site, **EPS)
+    streams, row, fn_bytes = x.numel() * 2, m * d * 2, layer["fn"].numel() * 4
+    mixes = m * (2 * h + h * h) * 4  # pre, post, comb fp32
+    n_bytes = streams + fn_bytes + m * h * 4 + d * 4 + mixes + row
+    flop = 2 * m * layer["fn"].shape[0] * layer["fn"].shape[1]
+    kw = dict(EPS, norm_eps=1e-6)
+    if op == "mhc_v41_pre":
+        args = (x, pre_in, *site, weight)
+    else:
+        args = (f, x, post, comb, pre_in, *site, weight)
+        n_bytes += streams + row + m * (h + h * h) * 4
+        flop += 2 * m * h * h * d
+    fused, ref = getattr(mhc_v41, op), getattr(mhc_v41, f"{op}_ref")
+    return (lambda: fused(*args, **kw)), (lambda: ref(*args, **kw)), n_bytes, flop
+
+
 def moe_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
     """(fused thunk, ref thunk, bytes, flop) of the router or the whole MoE at M tokens, bf16 x."""
     from dspark.kernels import moe
@@ -294,6 +325,22 @@ def indexer_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
         n_bytes, flop
 
 
+def pool_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of the V4.1 candidate pool for M query rows at the end
+    of a 32K context (ratio 1: T = 32768 entries, blocks of 8, the best 2048 blocks kept: the pool
+    binds above 16384 entries). Bytes: the masked scores [M, T] fp32 read once, the mask written once."""
+    from dspark.kernels import indexer_pool
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    scores = torch.randn(m, CONTEXT, generator=gen, device=device).clamp(min=0)  # ReLU-like: ties at 0
+    visible = CONTEXT - m + 1 + torch.arange(m, device=device)  # rows at the end of the context
+    scores = scores.masked_fill(torch.arange(CONTEXT, device=device) >= visible[:, None], float("-inf"))
+    kw = dict(topk_blocks=V41_POOL_BLOCKS, block=V41_POOL_BLOCK)
+    n_bytes = m * CONTEXT * (4 + 1) + m * 8
+    return (lambda: indexer_pool.indexer_pool(scores, visible, **kw)), \
+        (lambda: indexer_pool.indexer_pool_ref(scores, visible, **kw)), n_bytes, 0
+
+
 def compressor_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
     """(fused thunk, ref thunk, bytes, flop) of the compressor update emitting M entries of width
     d = head_dim: CSA (8 overlapping half-rows each) or HCA (128 rows each), bf16 values, fp32
@@ -314,11 +361,15 @@ def compressor_case(op: str, shape: LayerShape, layer: dict, m: int, device: str
 
 def rel_err(out, ref) -> float:
     """max over the float outputs of ‖out − ref‖ / ‖ref‖ on the reference's finite entries (the
-    indexer's scores hold −inf on masked entries; they must be −inf in both), inf on a mismatch."""
+    indexer's scores hold −inf on masked entries; they must be −inf in both), inf on a mismatch;
+    bool outputs (masks) count 0 when equal, inf otherwise; other integer outputs are not compared."""
     outs = out if isinstance(out, tuple) else (out,)
     refs = ref if isinstance(ref, tuple) else (ref,)
     errs = []
     for a, b in zip(outs, refs):
+        if a.dtype == torch.bool:  # a mask (the candidate pool): exact, or a mismatch
+            errs.append(0.0 if torch.equal(a, b) else float("inf"))
+            continue
         if not a.is_floating_point():
             continue
         finite = b.isfinite()
@@ -360,7 +411,8 @@ def slow_timer(args: argparse.Namespace, max_runs: int = 20):
 
 def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, device: str = "cuda") -> dict:
     """Check and time one case; `timer(fn)` / `ref_timer(fn)` return seconds."""
-    make = mhc_case if op.startswith("mhc") else attention_case if op.startswith("attn") else \
+    make = mhc_v41_case if op.startswith("mhc_v41") else mhc_case if op.startswith("mhc") else \
+        attention_case if op.startswith("attn") else pool_case if op == "indexer_pool" else \
         indexer_case if op.startswith("indexer") else compressor_case if op.startswith("compressor") else moe_case
     fused, ref, n_bytes, flop = make(op, shape, layer, m, device)
     err = rel_err(fused(), ref())  # also compiles the kernels before timing

@@ -100,14 +100,9 @@ def _count_at_least(row_ptr, n_keys, keys, threshold, ONE_TILE: tl.constexpr, BL
 
 
 @_jit
-def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr):
-    """ids[s, :n_out] of row s = program_id(0): the top-k (ties: lower id) ascending, −1 padded."""
-    s = tl.program_id(0).to(tl.int64)
-    row_ptr = score_ptr + s * n_keys
-    offs = tl.arange(0, BLOCK_T)
-    keys = offs  # bound on both paths for the compiler; only the one-tile path reads it
-    if ONE_TILE:
-        keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
+def _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Threshold of a row's top-k: (θ, n_take, n_ties) -- θ the order key of the k-th largest
+    finite score, n_take = min(k, #finite) entries to take, n_ties of them equal to θ (the rest > θ)."""
     # Finite entries: order key above _order_keys(−inf) = 0xFF800000 ^ 0x7FFFFFFF = −2139095041.
     n_take = tl.minimum(_count_at_least(row_ptr, n_keys, keys, -2139095040, ONE_TILE, BLOCK_T), topk)
     # Largest θ with #(key >= θ) >= n_take; bisection over the int32 range (int64 arithmetic).
@@ -120,7 +115,30 @@ def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constex
         hi = tl.where(enough, hi, mid - 1)
     theta = lo.to(tl.int32)
     n_above = tl.where(n_take > 0, _count_at_least(row_ptr, n_keys, keys, theta + 1, ONE_TILE, BLOCK_T), 0)
-    n_ties = n_take - n_above  # entries equal to θ that are taken (the lowest ids among them)
+    return theta, n_take, n_take - n_above
+
+
+@_jit
+def _take_flags(tile, in_row, theta, n_ties, ties_seen):
+    """Which entries of one id-ordered tile of order keys are in the top-k: all > θ and the first
+    `n_ties` equal to θ of the row (`ties_seen` of them in earlier tiles). Returns (take int32
+    [BLOCK_T], ties_seen after this tile)."""
+    tie = ((tile == theta) & in_row).to(tl.int32)
+    tie_rank = ties_seen + tl.cumsum(tie, axis=0) - 1
+    take = (((tile > theta) & in_row) | ((tie != 0) & (tie_rank < n_ties))).to(tl.int32)
+    return take, ties_seen + tl.sum(tie, axis=0)
+
+
+@_jit
+def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """ids[s, :n_out] of row s = program_id(0): the top-k (ties: lower id) ascending, −1 padded."""
+    s = tl.program_id(0).to(tl.int64)
+    row_ptr = score_ptr + s * n_keys
+    offs = tl.arange(0, BLOCK_T)
+    keys = offs  # bound on both paths for the compiler; only the one-tile path reads it
+    if ONE_TILE:
+        keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
+    theta, n_take, n_ties = _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE, BLOCK_T)
     out_row = out_ptr + s * n_out
     written = tl.full((), 0, tl.int32)
     ties_seen = tl.full((), 0, tl.int32)
@@ -131,13 +149,10 @@ def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constex
             tile = keys
         else:
             tile = _order_keys(tl.load(row_ptr + ids, mask=in_row, other=float("-inf")))
-        tie = ((tile == theta) & in_row).to(tl.int32)
-        tie_rank = ties_seen + tl.cumsum(tie, axis=0) - 1
-        take = (((tile > theta) & in_row) | ((tie != 0) & (tie_rank < n_ties))).to(tl.int32)
+        take, ties_seen = _take_flags(tile, in_row, theta, n_ties, ties_seen)
         slot = written + tl.cumsum(take, axis=0) - 1
         tl.store(out_row + slot, ids.to(tl.int64), mask=take != 0)
         written += tl.sum(take, axis=0)
-        ties_seen += tl.sum(tie, axis=0)
     for o0 in range(0, n_out, BLOCK_T):
         slot = o0 + offs
         tl.store(out_row + slot, tl.full((BLOCK_T,), -1, tl.int64), mask=(slot >= n_take) & (slot < n_out))

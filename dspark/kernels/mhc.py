@@ -242,18 +242,11 @@ def _sinkhorn(logits, valid, hc_eps, sinkhorn_iters):
 
 
 @_jit
-def _mhc_epilogue_kernel(
-    x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
-    n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
-    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Reduce partials -> pre/post/comb (every D-block recomputes them: 4×4 work per token, cheaper
-    than another launch); the first D-block stores post and comb; each stores its slice of u."""
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t_mask = offs_t < n_tok
+def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
+                rms_eps, hc_eps, sinkhorn_iters,
+                HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Reduce the statistics partials of tokens `offs_t` [BT] -> (pre [BT, HC_PAD] (0 on padded
+    streams), post [BT, HC_PAD], comb [BT, HC_PAD, HC_PAD]), fp32, in the order of spec §6.2."""
     offs_j = tl.arange(0, HC_PAD)
     j_ok = offs_j < HC
     tj_mask = t_mask[:, None] & j_ok[None, :]
@@ -284,10 +277,38 @@ def _mhc_epilogue_kernel(
     post = 2.0 * tl.sigmoid(post_mix * rho[:, None] * s_post + b_post[None, :])
     comb = _sinkhorn(comb_mix * rho[:, None, None] * s_comb + b_comb[None, :, :],
                      t_mask[:, None, None] & jk_ok[None, :, :], hc_eps, sinkhorn_iters)
+    return pre, post, comb
+
+
+@_jit
+def _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC: tl.constexpr, HC_PAD: tl.constexpr):
+    """Store post [BT, HC_PAD] and comb [BT, HC_PAD, HC_PAD] of tokens `offs_t` (padding dropped)."""
+    offs_j = tl.arange(0, HC_PAD)
+    j_ok = offs_j < HC
+    tl.store(post_ptr + offs_t[:, None] * HC + offs_j[None, :], post, mask=t_mask[:, None] & j_ok[None, :])
+    tl.store(comb_ptr + offs_t[:, None, None] * (HC * HC) + offs_j[None, :, None] * HC + offs_j[None, None, :],
+             comb, mask=t_mask[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :])
+
+
+@_jit
+def _mhc_epilogue_kernel(
+    x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
+    n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
+    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Reduce partials -> pre/post/comb (every D-block recomputes them: 4×4 work per token, cheaper
+    than another launch); the first D-block stores post and comb; each stores its slice of u."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    offs_j = tl.arange(0, HC_PAD)
+    tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
+    pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
+                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T)
     if pid_d == 0:
-        tl.store(post_ptr + offs_t[:, None] * HC + offs_j[None, :], post, mask=tj_mask)
-        tl.store(comb_ptr + offs_t[:, None, None] * (HC * HC) + offs_j[None, :, None] * HC
-                 + offs_j[None, None, :], comb, mask=t_mask[:, None, None] & jk_ok[None, :, :])
+        _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
 
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim

@@ -29,11 +29,14 @@ _OP_MODULES: dict[str, str] = {
     "mhc_pre": "mhc",
     "mhc_post": "mhc",
     "mhc_post_pre": "mhc",
+    "mhc_v41_pre": "mhc_v41",
+    "mhc_v41_post_pre": "mhc_v41",
     "moe_route": "moe",
     "fused_moe": "moe",
     "moe_experts": "moe",
     "sparse_attention": "attention",
     "lightning_indexer": "indexer",
+    "indexer_pool": "indexer_pool",
     "compressor_pool": "compressor",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
@@ -70,11 +73,14 @@ class KernelConfig:
     mhc_pre: Impl = "ref"
     mhc_post: Impl = "ref"
     mhc_post_pre: Impl = "ref"
+    mhc_v41_pre: Impl = "ref"
+    mhc_v41_post_pre: Impl = "ref"
     moe_route: Impl = "ref"
     fused_moe: Impl = "ref"
     moe_experts: Impl = "ref"
     sparse_attention: Impl = "ref"
     lightning_indexer: Impl = "ref"
+    indexer_pool: Impl = "ref"
     compressor_pool: Impl = "ref"
 
     def __post_init__(self) -> None:

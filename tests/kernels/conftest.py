@@ -75,8 +75,8 @@ if HAVE_TRITON and INTERPRET:
         _patch_scalar_index(_interpreter)
         _patch_bf16_dot(_interpreter)
         _interpreter._dspark_patched = True
-    for _name in ("dspark.kernels.mhc", "dspark.kernels.moe", "dspark.kernels.moe_decode",
-                  "dspark.kernels.attention", "dspark.kernels.indexer",
+    for _name in ("dspark.kernels.mhc", "dspark.kernels.mhc_v41", "dspark.kernels.moe", "dspark.kernels.moe_decode",
+                  "dspark.kernels.attention", "dspark.kernels.indexer", "dspark.kernels.indexer_pool",
                   "dspark.kernels.compressor"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])

@@ -54,8 +54,8 @@ def test_refuses_to_time_without_gpu(bench, capsys):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
-@pytest.mark.parametrize("op", ["mhc_post_pre", "fused_moe_fp8_32", "fused_moe_packed", "attn_csa", "indexer_v41",
-                                "compressor_hca"])
+@pytest.mark.parametrize("op", ["mhc_post_pre", "mhc_v41_post_pre", "fused_moe_fp8_32", "fused_moe_packed",
+                                "attn_csa", "indexer_v41", "indexer_pool", "compressor_hca"])
 def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
     """Inputs, checks and floor accounting of a case, on a tiny layer (interpreter on CPU)."""
     if op.startswith("indexer"):
@@ -67,6 +67,13 @@ def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
     assert row["rel_err"] < 1e-2 and row["speedup"] == 1.0
     if op == "mhc_post_pre":  # x read + X' written (3·4·64 bf16 each), f read + u written, fn fp32
         assert row["bytes"] == 2 * 3 * 4 * 64 * 2 + 2 * 3 * 64 * 2 + 24 * 256 * 4
+    elif op == "mhc_v41_post_pre":  # + f, post, comb, carried pre, norm weight in; pre/post/comb, h out
+        streams, one_row = 3 * 4 * 64 * 2, 3 * 64 * 2
+        assert row["bytes"] == (2 * streams + 2 * one_row + 24 * 256 * 4 + 3 * 4 * 4 + 64 * 4 + 3 * 24 * 4
+                                + 3 * 20 * 4)
+        assert row["flop"] == 2 * 3 * 24 * 256 + 2 * 3 * 16 * 64
+    elif op == "indexer_pool":  # 3 rows of 4K fp32 scores read, the bool mask written
+        assert row["bytes"] == 3 * 4096 * 5 + 3 * 8 and row["rel_err"] == 0.0
     elif op == "attn_csa":  # 3 queries x 2 heads over window 128 + top-512, QK and PV
         assert row["flop"] == 4 * 3 * 2 * (128 + 512) * 32
     elif op == "indexer_v41":  # 3 rows x 32 heads x 4K entries x di 128; scores written, pool read

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import attention, compressor, indexer, mhc, moe, moe_decode, triton_available
+from dspark.kernels import attention, compressor, indexer, indexer_pool, mhc, mhc_v41, moe, moe_decode, triton_available
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -33,13 +33,15 @@ def _triton_minor() -> str:
 TUNED_FOR = "3.6"
 
 KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"),
+           mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
            indexer: ("_score_kernel", "_select_kernel"),
+           indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
            compressor: ("_pool_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
-         torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
+         torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -78,6 +80,9 @@ def run_every_tile_class():
         post, comb, _ = mhc.mhc_pre(x, *site, **eps)
         mhc.mhc_post(x[:, 0], x, post, comb)
         mhc.mhc_post_pre(x[:, 0], x, post, comb, *site, **eps)
+        v41 = (post, *site, torch.ones(256, device=DEVICE))  # carried pre, site, norm weight
+        mhc_v41.mhc_v41_pre(x, *v41, **eps, norm_eps=1e-6)
+        mhc_v41.mhc_v41_post_pre(x[:, 0], x, post, comb, *v41, **eps, norm_eps=1e-6)
     for n_tok, n_exp in ((3, 256), (40, 2)):  # MoE tiles switch above 32 rows per expert; E = 256 as Flash
         x = torch.randn(n_tok, 64, generator=g).bfloat16().to(DEVICE)
         router = (x, (torch.randn(n_exp, 64, generator=g) / 8).bfloat16().to(DEVICE), torch.zeros(n_exp, device=DEVICE),
@@ -109,6 +114,14 @@ def run_every_tile_class():
             indexer.lightning_indexer(q, torch.randn(2, n_heads, device=DEVICE), keys, visible, pool, topk=64)
         finally:
             indexer._REGISTER_ROW = limit
+    # V4.1 candidate pool, blocks of 8: the widest register row (4096 < B <= 8192) and the streamed rows.
+    for n_blocks, register_row in ((5000, indexer_pool._REGISTER_ROW), (100, 64)):
+        scores = torch.randn(2, 8 * n_blocks, generator=g).to(DEVICE)
+        limit, indexer_pool._REGISTER_ROW = indexer_pool._REGISTER_ROW, register_row
+        try:
+            indexer_pool.indexer_pool(scores, torch.tensor([3, 8 * n_blocks], device=DEVICE), topk_blocks=2048, block=8)
+        finally:
+            indexer_pool._REGISTER_ROW = limit
     # Compressor: V4 CSA (8 slots x 512, bf16), its indexer (8 x 128), HCA (128 x 512), V4.1 (fp32 rows).
     for slots, dim, dtype in ((8, 512, torch.bfloat16), (8, 128, torch.bfloat16), (128, 512, torch.bfloat16),
                               (2, 512, torch.float32)):

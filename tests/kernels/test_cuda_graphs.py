@@ -8,7 +8,7 @@ replay after the inputs are overwritten in place must give exactly the eager res
 import pytest
 import torch
 
-from dspark.kernels import mhc, moe
+from dspark.kernels import indexer_pool, mhc, mhc_v41, moe
 from dspark.kernels.fp8 import FP8BlockWeight
 
 EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
@@ -47,6 +47,34 @@ def test_mhc_ops_replay(n_tok):
 
     graph, outs = capture(step)
     refill(x, f)
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, eager in zip(outs, step()):
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tok", [1, 64])
+def test_v41_ops_replay(n_tok):
+    """V4.1 single-pass mHC sites and the candidate pool (a streamed row: 131072 entries)."""
+    x = torch.randn(n_tok, 4, 2048, device="cuda").bfloat16()
+    f = torch.randn(n_tok, 2048, device="cuda").bfloat16()
+    pre_in, post = torch.rand(n_tok, 4, device="cuda") + 0.1, torch.rand(n_tok, 4, device="cuda") * 2
+    comb = torch.rand(n_tok, 4, 4, device="cuda")
+    site = (torch.randn(24, 8192, device="cuda") * 0.02, torch.randn(24, device="cuda"),
+            torch.rand(3, device="cuda") + 0.5, torch.rand(2048, device="cuda") + 0.5)
+    scores = torch.randn(n_tok, 131072, device="cuda").clamp(min=0)
+    visible = torch.full((n_tok,), 131072, device="cuda")
+    eps = dict(EPS, norm_eps=1e-6)
+
+    def step():
+        return (*mhc_v41.mhc_v41_pre(x, pre_in, *site, **eps),
+                *mhc_v41.mhc_v41_post_pre(f, x, post, comb, pre_in, *site, **eps),
+                indexer_pool.indexer_pool(scores, visible, topk_blocks=2048, block=8))
+
+    graph, outs = capture(step)
+    refill(x, f, scores)
+    scores.clamp_(min=0)  # ties at 0, as ReLU'd index scores have
     graph.replay()
     torch.cuda.synchronize()
     for out, eager in zip(outs, step()):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dspark.api import init_model
-from dspark.kernels import KernelConfig, compressor, indexer, indexer_ref, triton_available
+from dspark.kernels import KernelConfig, compressor, indexer, indexer_pool, indexer_ref, mhc_v41, triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,6 +165,10 @@ def test_v41_fused_matches_reference():
     reindex = fused.layers[6].attn.indexer  # candidate consumer: the pool is fused into its top-k
     assert reindex.uses_candidates and reindex.select_op is indexer.lightning_indexer
     assert fused.layers[1].attn.compressor.pool_op is compressor.compressor_pool  # ratio-2 KV source
+    source = fused.layers[config["text_config"]["candidate_source_layer_id"]].attn.indexer
+    assert source.is_candidate_source and source.pool_op is indexer_pool.indexer_pool
+    assert fused.layers[0].pre_op is mhc_v41.mhc_v41_pre and fused.layers[0].post_pre_op is mhc_v41.mhc_v41_post_pre
+    assert ref.layers[0].pre_op is mhc_v41.mhc_v41_pre_ref
     compare(fused, ref, torch.float32, prompts(config["text_config"]["vocab_size"], lengths=(11, 5)), steps=2)
 
 

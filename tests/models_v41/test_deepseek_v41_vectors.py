@@ -4,7 +4,9 @@ QAT codes; visibility; the single-pass mHC start; compressed token ids from a to
 import pytest
 import torch
 
-from dspark.models.deepseek_v41.csa2 import SharedSlots, candidate_mask
+from dspark.models.deepseek_v4.mhc import collapse
+from dspark.kernels.indexer_pool import indexer_pool_ref
+from dspark.models.deepseek_v41.csa2 import SharedSlots
 from dspark.models.deepseek_v41.engram_hash import (
     DEAD,
     build_token_map,
@@ -85,10 +87,10 @@ def test_candidate_mask_vector():
     inf = float("inf")
     scores = torch.tensor([[0.1, 0.9, 0.2, 0, 0.5, 0.4, 0.3, 0.2, 2, 0.1, 0, 0,
                             0.3, 0.3, 0.3, 0.3, 0.1, 0, -inf, -inf]])  # 20 positions, 18 visible
-    mask = candidate_mask(scores, torch.tensor([18]), topk_blocks=2, block=4)
+    mask = indexer_pool_ref(scores, torch.tensor([18]), topk_blocks=2, block=4)
     assert mask[0].nonzero().flatten().tolist() == [8, 9, 10, 11, 16, 17, 18, 19]
     # Nothing visible: nothing pinned, nothing kept.
-    assert not candidate_mask(torch.full((1, 6), -inf), torch.tensor([0]), 2, 4).any()
+    assert not indexer_pool_ref(torch.full((1, 6), -inf), torch.tensor([0]), topk_blocks=2, block=4).any()
     assert SharedSlots().topk is None
 
 
@@ -128,11 +130,21 @@ def test_single_pass_start_is_the_embedding(make_model, random_ids):
     is the embedding row exactly (V4's mixed pre gave about 2x the embedding)."""
     model = make_model(seed=2)
     ids = random_ids(5, seed=3)
-    seen = {}
-    handle = model.layers[0].attn_norm.register_forward_hook(lambda mod, args, out: seen.update(u=args[0]))
-    model(ids, [model.new_state()], [5])
-    handle.remove()
+    layer = model.layers[0]
+    op, seen = layer.pre_op, {}
+
+    def record(x, pre_in, *args, **kwargs):  # the attention site's op, its collapse recorded
+        out = op(x, pre_in, *args, **kwargs)
+        seen.update(u=collapse(x, pre_in), h=out[3])
+        return out
+
+    layer.pre_op = record
+    try:
+        model(ids, [model.new_state()], [5])
+    finally:
+        layer.pre_op = op
     assert torch.equal(seen["u"], model.embed(ids))
+    assert torch.equal(seen["h"], layer.attn_norm(model.embed(ids)))
 
 
 def test_compressed_token_map_from_a_tokenizer(bpe_tokenizer):

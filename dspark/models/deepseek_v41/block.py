@@ -49,10 +49,10 @@ class Block(nn.Module):
     `ffn_norm`, `hc_{attn,ffn}_{fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]}` (fp32), and
     `engram` on Engram layers (the model applies it before the layer, see `model.py`).
 
-    `kernels` (default: torch references) picks attention and MoE implementations; with
-    ``kernels.mhc_post == "triton"`` both posts run as the registry's fused `mhc_post` (the mixes
-    stay in torch: single-pass mHC collapses with the carried pre, which the fused pre op does not
-    take)."""
+    `kernels` (default: torch references) picks the implementations of the registry's ops: the
+    attention site is `mhc_v41_pre` (Mix + collapse with the carried pre + attn_norm), the FFN site
+    `mhc_v41_post_pre` (the attention post, then the same on Y), the closing post `mhc_post` (its
+    reference is V4's `hc_post`). The references are this docstring's torch dataflow, op for op."""
 
     def __init__(self, config, role: LayerRole, quant: CacheQuant = CacheQuant(), dtype=None, device=None,
                  host_engram: bool = False, kernels: KernelConfig | None = None):
@@ -60,6 +60,8 @@ class Block(nn.Module):
         c = config
         kernels = KernelConfig() if kernels is None else kernels
         self.hc_post = get_op(kernels, "mhc_post") if kernels.mhc_post == "triton" else hc_post
+        self.pre_op = get_op(kernels, "mhc_v41_pre")
+        self.post_pre_op = get_op(kernels, "mhc_v41_post_pre")
         self.role = role
         self.n_hc = c.hc_mult
         self.sinkhorn_iters = c.hc_sinkhorn_iters
@@ -91,11 +93,14 @@ class Block(nn.Module):
                 sources: list[SourceCache | None], slots: list[SharedSlots],
                 publish: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hc, D], carried pre [N, hc] fp32 -> (streams [N, hc, D], this layer's FFN pre [N, hc])."""
-        a_pre, a_post, a_comb = self._mixes(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        a = self.attn(self.attn_input(x, pre), batch, windows, sources, slots, publish)
-        y = self.hc_post(a, x, a_post, a_comb)
-        f_pre, f_post, f_comb = self._mixes(y, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        f = self.ffn(self.ffn_norm(collapse(y, a_pre)), batch.input_ids)
+        eps = dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
+        a_pre, a_post, a_comb, h = self.pre_op(x, pre, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                               self.attn_norm.weight, norm_eps=self.attn_norm.eps, **eps)
+        a = self.attn(h, batch, windows, sources, slots, publish)
+        y, f_pre, f_post, f_comb, g = self.post_pre_op(a, x, a_post, a_comb, a_pre, self.hc_ffn_fn, self.hc_ffn_base,
+                                                       self.hc_ffn_scale, self.ffn_norm.weight,
+                                                       norm_eps=self.ffn_norm.eps, **eps)
+        f = self.ffn(g, batch.input_ids)
         return self.hc_post(f, y, f_post, f_comb), f_pre
 
     def _mixes(self, x, fn, base, scale):

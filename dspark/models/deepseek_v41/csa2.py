@@ -16,9 +16,9 @@ Index-source layers own an `Indexer`. A query at p scores the visible entries t 
 
 and keeps the top `index_topk` (ascending by position, −1 where fewer are visible; equal scores:
 the lower entry id wins -- the kernel registry's `lightning_indexer` defines it). The candidate
-source publishes a two-level pool (`candidate_mask`): the best `candidate_topk_blocks` blocks of
-`candidate_block_size` entries, the block holding the query's newest entry pinned in; later index
-sources score only inside it. Reuse layers take the latest list as it is.
+source publishes a two-level pool (the registry's `indexer_pool`): the best `candidate_topk_blocks`
+blocks of `candidate_block_size` entries by block max, the block holding the query's newest entry
+pinned in; later index sources score only inside it. Reuse layers take the latest list as it is.
 
 Shape symbols: N tokens of a call, S tokens of one request, T entries, d latent width (head_dim),
 Hi / di indexer heads / head dim, k = index_topk.
@@ -91,24 +91,6 @@ class SharedSlots:
     candidates: torch.Tensor | None = None
 
 
-def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """Two-level top-k, level one (spec §5.4): scores [S, T] (−inf = unreachable), visible [S]
-    entries per query -> bool [S, T] marking the kept blocks' entries.
-
-    Block score = max over its `block` entries; the block of the newest visible entry is pinned
-    (it is partly filled and would otherwise lose to older full blocks); the best `topk_blocks`
-    blocks with a score above −inf are kept.
-    """
-    width = scores.shape[-1]
-    blocks = F.pad(scores, (0, -width % block), value=float("-inf")).unflatten(-1, (-1, block)).amax(-1)
-    newest = ((visible - 1) // block).unsqueeze(-1)  # −1 (matches nothing) when nothing is visible
-    ids = torch.arange(blocks.shape[-1], device=scores.device)
-    blocks = blocks.masked_fill(ids == newest, float("inf"))
-    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[:, :width]
-
-
 class Indexer(nn.Module):
     """`wq_b` [Hi·di, q_lora], `weights_proj` [Hi, D]; KV sources also own the index-key
     projection `wk` [di, d] and `k_norm` [di]."""
@@ -118,7 +100,10 @@ class Indexer(nn.Module):
         c = config
         self.quant = quant
         # q [S, Hi, di], weights [S, Hi], keys [T, di], visible [S], candidates, topk -> (ids, scores)
-        self.select_op = get_op(KernelConfig() if kernels is None else kernels, "lightning_indexer")
+        kernels = KernelConfig() if kernels is None else kernels
+        self.select_op = get_op(kernels, "lightning_indexer")
+        # scores [S, T] fp32, visible [S] -> the candidate pool [S, T] bool (spec §5.4)
+        self.pool_op = get_op(kernels, "indexer_pool")
         self.n_heads = c.index_n_heads
         self.head_dim = c.index_head_dim
         self.topk = c.index_topk
@@ -165,7 +150,8 @@ class Indexer(nn.Module):
             ids, scores = self.select_op(q[rows], weights[rows], keys, visible[rows],
                                          None if pool is None else pool[rows], topk=self.topk)
             if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
-                pools.append(candidate_mask(scores, visible[rows], self.candidate_blocks, self.candidate_block_size))
+                pools.append(self.pool_op(scores, visible[rows], topk_blocks=self.candidate_blocks,
+                                          block=self.candidate_block_size))
             picks.append(ids)
         if self.is_candidate_source:
             slots.candidates = torch.cat(pools)

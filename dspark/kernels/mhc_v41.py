@@ -1,0 +1,276 @@
+"""Single-pass mHC of DeepSeek-V4.1 (deepseek_v41 spec §4): the pre site and the post+pre site.
+
+Ops (each `<op>` is Triton, `<op>_ref` is torch, same signature):
+
+* ``mhc_v41_pre(x, pre_in, fn, base, scale, norm_weight, *, rms_eps, hc_eps, sinkhorn_iters, norm_eps)
+  -> (pre, post, comb, h)``: the site's own mixes Mix(X) and the sublayer input
+  h = RMSNorm(Σ_k pre_in[k] · X_k) collapsed with the *carried* pre of the previous site;
+* ``mhc_v41_post_pre(f, x, post, comb, pre_in, fn, base, scale, norm_weight, *, ...)
+  -> (y, pre2, post2, comb2, h)``: Y = post ⊗ f + combᵀ X of one site, then `mhc_v41_pre` of the
+  next site on Y (the attention -> FFN boundary inside a V4.1 block).
+
+Shape symbols: N tokens, H = n_hc streams, D hidden size, M = (2+H)·H mixes (24 for H = 4).
+
+Why V4.1 fuses better than V4 (`mhc.py`): V4 collapses with the site's own pre, which needs the
+full GEMM reduction first, so x is read twice. Here the collapse weights are known before the site
+starts, so ONE pass over x (or over Y as it is computed) does everything that reads the streams:
+
+1. `_v41_stats_kernel`, grid (token blocks, K-splits): per tile, the 24-column GEMM x̂·fnᵀ and Σx̂²
+   (split-K partials, as `mhc.py`), and the collapse u = Σ_k pre_in[k]·x_k, stored in x.dtype
+   (what the unfused path feeds RMSNorm), with its Σu² partial. Each split owns distinct D-blocks,
+   so u needs no reduction, only its sum of squares does.
+2. `_v41_epilogue_kernel`, grid (token blocks, D-blocks): h = w ⊙ u · rsqrt(Σu²/D + norm_eps) from
+   the reduced Σu² (reads u, a quarter of x); the first D-block of each token block also reduces
+   the GEMM partials and runs sigmoid + Sinkhorn (`mhc._site_mixes`) and stores pre/post/comb.
+
+Two launches, not one: RMSNorm and Sinkhorn need the full split-K reduction, and a grid-wide
+"last program finishes" scheme would need a zeroed counter per call (another launch anyway).
+The mixes (pre/post/comb) are needed only after the sublayer, so on the GPU they are off the
+critical path exactly as the spec's "statistics overlap" describes; here they simply ride along in
+the pass the sublayer input needs anyway, at no extra read of x.
+
+All math is fp32 (TF32 split GEMM as `mhc.py`); y and h are cast to x.dtype. No host sync, buffers
+sized from shapes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dspark.kernels.mhc import (
+    _check_post_args, _check_pre_args, _dot_fp32, _num_sms, _post_stream, _site_mixes, _split_sinkhorn_ref,
+    _store_mixes,
+)
+from dspark.kernels.registry import require_triton
+
+from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+
+
+def _check_v41_args(x: torch.Tensor, pre_in: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    n_tok, n_hc, dim = x.shape
+    if tuple(pre_in.shape) != (n_tok, n_hc) or pre_in.dtype != torch.float32:
+        raise ValueError(f"pre_in must be float32 [N, n_hc] = [{n_tok}, {n_hc}], "
+                         f"got {tuple(pre_in.shape)} {pre_in.dtype}")
+    if tuple(norm_weight.shape) != (dim,):
+        raise ValueError(f"norm_weight must be [D] = [{dim}], got {tuple(norm_weight.shape)}")
+
+
+# ----------------------------------------------------------------------------------- references
+
+
+def _rms_norm_ref(u: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm (deepseek_v4/norm.py), same op order: w ⊙ (u · rsqrt(mean(u²) + eps))."""
+    uf = u.float()
+    return (weight * (uf * torch.rsqrt(uf.square().mean(-1, keepdim=True) + eps))).to(u.dtype)
+
+
+def mhc_v41_pre_ref(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                    scale: torch.Tensor, norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float,
+                    sinkhorn_iters: int, norm_eps: float):
+    """V4.1 single-pass mHC pre site (spec §4), in the op order of the model's torch path
+    (`stream_mixes`, `split_mixes`, `collapse`, `RMSNorm` of deepseek_v4/{mhc,norm}.py).
+
+    Parameters
+    ----------
+    x : [N, H, D] bf16 or fp32 -- the streams at the site.
+    pre_in : [N, H] fp32 -- the pre carried from the previous site (layer 0: one-hot on stream 0).
+    fn : [(2+H)·H, H·D] fp32; base : [(2+H)·H] fp32; scale : [3] fp32 -- the site's mHC parameters.
+    norm_weight : [D] fp32 -- the sublayer's RMSNorm weight (attn_norm / ffn_norm).
+    rms_eps : eps of the mix statistic; hc_eps : eps of pre/comb and Sinkhorn; sinkhorn_iters :
+    column normalisations; norm_eps : eps of the sublayer RMSNorm.
+
+    Returns
+    -------
+    pre, post : [N, H] fp32 (pre is handed to the next site); comb : [N, H, H] fp32;
+    h : [N, D] x.dtype = RMSNorm(Σ_k pre_in[k] · x[:, k]).
+    """
+    n_tok, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    _check_v41_args(x, pre_in, norm_weight)
+    xf = x.float().flatten(-2)  # [N, H·D]
+    mixes = F.linear(xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps), fn)  # [N, M]
+    pre, post, comb = _split_sinkhorn_ref(mixes, base, scale, n_hc, hc_eps, sinkhorn_iters)
+    u = (pre_in.unsqueeze(-1) * x.float()).sum(dim=-2).to(x.dtype)  # [N, D]
+    return pre, post, comb, _rms_norm_ref(u, norm_weight, norm_eps)
+
+
+def mhc_v41_post_pre_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                         norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+                         norm_eps: float):
+    """Y = post ⊗ f + combᵀ X (the model's `hc_post` op order), then `mhc_v41_pre_ref` on Y.
+
+    Shape: f [N, D] sublayer output; x [N, H, D]; post [N, H], comb [N, H, H] of the site just run;
+    pre_in [N, H] its pre (the carried one for the next site); fn, base, scale, norm_weight of the
+    next site. Returns (y [N, H, D] x.dtype, pre2 [N, H], post2 [N, H], comb2 [N, H, H], h [N, D]).
+    """
+    _check_post_args(f, x, post, comb)
+    y = (post.unsqueeze(-1) * f.float().unsqueeze(-2) + torch.einsum("njk,njd->nkd", comb, x.float())).to(x.dtype)
+    return (y, *mhc_v41_pre_ref(y, pre_in, fn, base, scale, norm_weight, rms_eps=rms_eps, hc_eps=hc_eps,
+                                sinkhorn_iters=sinkhorn_iters, norm_eps=norm_eps))
+
+
+# --------------------------------------------------------------------------------- Triton kernels
+
+
+@_jit
+def _v41_stats_kernel(
+    x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, pin_ptr, fn_ptr, u_ptr, dpart_ptr, sqpart_ptr, uqpart_ptr,
+    n_tok, dim, splits, iters,
+    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
+):
+    """Split-K partials d = x̂·fnᵀ [splits, N, MIX_PAD], Σx̂² [splits, N] and Σu² [splits, N], and
+    u = Σ_k pre_in[k]·x_k [N, D] for the D-blocks split, split+splits, ... (`iters` of them).
+    With FUSE_POST the tiles of x are X' = post ⊗ f + combᵀ x, stored to xout and used rounded."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    offs_j = tl.arange(0, HC_PAD)
+    offs_m = tl.arange(0, MIX_PAD)
+    m_mask = offs_m < MIX
+    row = HC * dim
+    acc = tl.zeros((BLOCK_T, MIX_PAD), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    uq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for it in range(0, iters):  # fixed trip count, see mhc._mhc_stats_kernel
+        offs_d = (pid_s + it * splits) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < dim
+        td_mask = t_mask[:, None] & d_mask[None, :]
+        if FUSE_POST:
+            x3_mask = t_mask[:, None, None] & (offs_j[None, :, None] < HC) & d_mask[None, None, :]
+            x3 = tl.load(x_ptr + offs_t[:, None, None] * row + offs_j[None, :, None] * dim
+                         + offs_d[None, None, :], mask=x3_mask, other=0.0).to(tl.float32)
+            f = tl.load(f_ptr + offs_t[:, None] * dim + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+        u = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for k in range(HC):
+            tile_off = offs_t[:, None] * row + k * dim + offs_d[None, :]
+            if FUSE_POST:
+                xk = _post_stream(x3, f, post_ptr, comb_ptr, offs_t, offs_j, t_mask, k, HC)
+                xk = xk.to(xout_ptr.dtype.element_ty)
+                tl.store(xout_ptr + tile_off, xk, mask=td_mask)
+                xk = xk.to(tl.float32)  # the stored (rounded) Y, as the unfused path reads it
+            else:
+                xk = tl.load(x_ptr + tile_off, mask=td_mask, other=0.0).to(tl.float32)
+            sq += tl.sum(xk * xk, axis=1)
+            u += tl.load(pin_ptr + offs_t * HC + k, mask=t_mask, other=0.0)[:, None] * xk
+            w = tl.load(fn_ptr + offs_m[:, None] * row + k * dim + offs_d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [MIX_PAD, BD]
+            acc = _dot_fp32(xk, w, acc, X_IS_TF32)
+        u = u.to(u_ptr.dtype.element_ty)
+        tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u, mask=td_mask)
+        u = u.to(tl.float32)  # RMSNorm sees the rounded collapse, as the unfused path does
+        uq += tl.sum(u * u, axis=1)
+    part = pid_s * n_tok + offs_t
+    tl.store(dpart_ptr + part[:, None] * MIX_PAD + offs_m[None, :], acc, mask=t_mask[:, None])
+    tl.store(sqpart_ptr + part, sq, mask=t_mask)
+    tl.store(uqpart_ptr + part, uq, mask=t_mask)
+
+
+@_jit
+def _v41_epilogue_kernel(
+    u_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, uqpart_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+    n_tok, dim, splits, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """h tile [BLOCK_T, BLOCK_D] = RMSNorm(u); D-block 0 also stores pre/post/comb of its tokens."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    uq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s in range(splits):
+        uq += tl.load(uqpart_ptr + s * n_tok + offs_t, mask=t_mask, other=0.0)
+    r = tl.rsqrt(uq / dim + norm_eps)  # [BT]
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < dim
+    td_mask = t_mask[:, None] & d_mask[None, :]
+    u = tl.load(u_ptr + offs_t[:, None] * dim + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    h = w[None, :] * (u * r[:, None])
+    tl.store(h_ptr + offs_t[:, None] * dim + offs_d[None, :], h.to(h_ptr.dtype.element_ty), mask=td_mask)
+    if pid_d == 0:
+        pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim,
+                                      splits, rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T)
+        offs_j = tl.arange(0, HC_PAD)
+        tl.store(pre_ptr + offs_t[:, None] * HC + offs_j[None, :], pre, mask=t_mask[:, None] & (offs_j < HC)[None, :])
+        _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+
+
+# ------------------------------------------------------------------------------------ launchers
+
+
+def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps) of the statistics kernel. As `mhc._stats_tiles` (>= 16 token
+    rows for tl.dot; more rows re-read fn from L2 less often), but the collapse keeps one more
+    [BT, BD] fp32 tile live, so the tiles are smaller: the largest that compile for sm_90 without
+    register spills (checked by tests/kernels/test_compile_sm90.py)."""
+    if fused:
+        return (16, 32, 8) if n_tok <= 256 else (32, 16, 8)
+    return (16, 64, 8) if n_tok <= 256 else (64, 32, 8)
+
+
+def _launch(src, pin, fn, base, scale, norm_weight, eps: dict, fused=None):
+    """Both launches over `src` [N, H, D] (or, with `fused` = (f, post, comb, y), over the Y tiles
+    computed from src and written to y). Returns (pre, post, comb, h)."""
+    n_tok, n_hc, dim = src.shape
+    n_mix = fn.shape[0]
+    block_t, block_d, warps = _v41_tiles(n_tok, fused is not None)
+    n_tblocks = triton.cdiv(n_tok, block_t)
+    n_dblocks = triton.cdiv(dim, block_d)
+    splits = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(src.device), n_tblocks)))  # ~2 waves of SMs
+    mix_pad = max(16, triton.next_power_of_2(n_mix))
+    hc_pad = triton.next_power_of_2(n_hc)
+    dev = src.device
+    dpart = torch.empty((splits, n_tok, mix_pad), device=dev, dtype=torch.float32)
+    sqpart = torch.empty((splits, n_tok), device=dev, dtype=torch.float32)
+    uqpart = torch.empty((splits, n_tok), device=dev, dtype=torch.float32)
+    u = torch.empty((n_tok, dim), device=dev, dtype=src.dtype)
+    f, post_in, comb_in, y = fused if fused is not None else (src, src, src, src)  # unused if not fused
+    _v41_stats_kernel[(n_tblocks, splits)](
+        src, f, post_in, comb_in, y, pin, fn, u, dpart, sqpart, uqpart, n_tok, dim, splits,
+        triton.cdiv(n_dblocks, splits), HC=n_hc, HC_PAD=hc_pad, MIX=n_mix, MIX_PAD=mix_pad,
+        BLOCK_T=block_t, BLOCK_D=block_d, FUSE_POST=fused is not None, X_IS_TF32=src.dtype != torch.float32,
+        num_warps=warps,
+    )
+    pre = torch.empty((n_tok, n_hc), device=dev, dtype=torch.float32)
+    post = torch.empty((n_tok, n_hc), device=dev, dtype=torch.float32)
+    comb = torch.empty((n_tok, n_hc, n_hc), device=dev, dtype=torch.float32)
+    h = torch.empty((n_tok, dim), device=dev, dtype=src.dtype)
+    block_te, block_de = 4, min(256, triton.next_power_of_2(dim))
+    _v41_epilogue_kernel[(triton.cdiv(n_tok, block_te), triton.cdiv(dim, block_de))](
+        u, norm_weight, h, dpart, sqpart, uqpart, base, scale, pre, post, comb, n_tok, dim, splits,
+        float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]), int(eps["sinkhorn_iters"]),
+        HC=n_hc, HC_PAD=hc_pad, MIX_PAD=mix_pad, BLOCK_T=block_te, BLOCK_D=block_de,
+    )
+    return pre, post, comb, h
+
+
+def mhc_v41_pre(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                scale: torch.Tensor, norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float,
+                sinkhorn_iters: int, norm_eps: float):
+    """Fused `mhc_v41_pre_ref` (same signature, shapes and dtypes): one pass over x + epilogue."""
+    require_triton()
+    _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    _check_v41_args(x, pre_in, norm_weight)
+    eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
+    return _launch(x.contiguous(), pre_in.contiguous(), fn.contiguous(), base.contiguous(), scale.contiguous(),
+                   norm_weight.contiguous(), eps)
+
+
+def mhc_v41_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                     norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+                     norm_eps: float):
+    """Fused `mhc_v41_post_pre_ref`: Y written, and its statistics and collapse taken, in one pass."""
+    require_triton()
+    _check_post_args(f, x, post, comb)
+    _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    _check_v41_args(x, pre_in, norm_weight)
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    fused = (f.contiguous(), post.float().contiguous(), comb.float().contiguous(), y)
+    eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
+    return (y, *_launch(x, pre_in.contiguous(), fn.contiguous(), base.contiguous(), scale.contiguous(),
+                        norm_weight.contiguous(), eps, fused=fused))
