@@ -12,6 +12,11 @@
 #   run(command="bash bench/gpu_session3.sh gemma_train", carry=[".gpu/gg/part09", ".gpu/small"])
 #   run(command="bash bench/gpu_session3.sh gemma_eval")
 #
+# As run: k and the stashes on an x2 machine; gemma_train (then with 32 prompts per domain, 128
+# tokens, 800 steps) hit its 450 s timeout before the drafter was saved; the machine was given back.
+# Second machine (one H200; the x2 kind was no longer lent): v41k with part00, the stashes,
+# gemma_train with the smaller settings below, gemma_eval.
+#
 # k: GPU 0 — kernel tests at real sizes (tests/kernels: the lightning indexer, compressor and the
 #    bf16 whole-model bound are new), the CUDA sampling tests, then bench/kernels.py on the indexer
 #    and compressor ops; GPU 1 — bench/engine_h200.py on v41-mini (the V4.1 analogue).
@@ -48,6 +53,22 @@ part_k() {
 
 part_stash() { :; }
 
+part_v41k() {  # one H200: the V4.1 single-pass mHC and candidate-pool kernels at real sizes (each case checks
+  # its fused output against the reference first), the tiny-v41 whole model fused vs reference
+  timeout 100 python3 bench/kernels.py --configs flash,mini --ops mhc_v41_pre,mhc_v41_post_pre,indexer_pool --model-steps 0 \
+    --out "$OUT/kernels-v41-h200.json" > $W/logs/v41-bench.txt 2>&1
+  echo "v41 bench rc=$?" >> $W/logs/v41-bench.txt
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_kernels_model.py -k v41 > $W/logs/v41-model.txt 2>&1
+  echo "v41 model rc=$?" >> $W/logs/v41-model.txt
+  grep "us (" $W/logs/v41-bench.txt | cut -c1-120; tail -n 2 $W/logs/v41-bench.txt; tail -n 4 $W/logs/v41-model.txt | cut -c1-600
+}
+
+part_tiles() {  # one H200: launch-shape sweep of the decode MoE kernels
+  timeout 170 python3 bench/moe_decode_tiles.py --out "$OUT/moe-decode-tiles-h200.json" > $W/logs/tiles.txt 2>&1
+  echo "tiles rc=$?" >> $W/logs/tiles.txt
+  tail -n 10 $W/logs/tiles.txt | cut -c1-400
+}
+
 GEMMA_MODEL=/tmp/gemma/model
 GEMMA_DRAFTER=/tmp/gemma/drafter
 
@@ -64,28 +85,21 @@ part_gemma_train() {
   fi
   [ -f $GEMMA_MODEL/model.safetensors ] || return 1
   ls -la $GEMMA_MODEL
-  timeout 450 python3 bench/hf_gemma.py --model $GEMMA_MODEL --device cuda --threads 4 --phase train \
-    --drafter-dir $GEMMA_DRAFTER --train-dir .gpu/small/eval --out "$OUT/unused.json" \
-    --train-prompts 32 --calib-prompts 4 --distill-tokens 128 --steps 800 --batch-size 8 --micro-batch 8 \
-    --cache-target --num-anchors 64 --markov-rank 256 --calib-tokens 64 > $W/logs/gemma-train.txt 2>&1
+  timeout ${GEMMA_TRAIN_S:-250} python3 bench/hf_gemma.py --model $GEMMA_MODEL --device cuda --threads 4 --phase train \
+    --drafter-dir $GEMMA_DRAFTER --train-dir .gpu/small/eval --out "$OUT/unused.json" --progress \
+    --train-prompts 16 --calib-prompts 3 --distill-tokens 96 --steps 300 --batch-size 8 --micro-batch 8 \
+    --cache-target --num-anchors 32 --markov-rank 256 --calib-tokens 64 > $W/logs/gemma-train.txt 2>&1
   echo "gemma train rc=$?" >> $W/logs/gemma-train.txt
-  tail -n 4 $W/logs/gemma-train.txt | cut -c1-1500
+  tr '\r' '\n' < $W/logs/gemma-train.txt | grep -v "^\s*$" | tail -n 8 | cut -c1-1500
   cp $GEMMA_DRAFTER/hf-gemma-summary.json "$OUT/" 2>/dev/null
 }
 
-gemma_eval_one() {  # GPU domain temperature
-  CUDA_VISIBLE_DEVICES=$1 timeout 200 python3 bench/hf_gemma.py --model $GEMMA_MODEL --device cuda --threads 4 \
-    --phase eval --drafter-dir $GEMMA_DRAFTER --domains $2 --temperatures $3 --limit 6 --max-new-tokens 128 \
-    --out /tmp/gemma/eval-$2-$3.json > $W/logs/gemma-eval-$2-$3.txt 2>&1
-  echo "eval $2 T=$3 rc=$?" >> $W/logs/gemma-eval-$2-$3.txt
-}
-
-part_gemma_eval() {
-  (gemma_eval_one 0 math 0; gemma_eval_one 0 code 0; gemma_eval_one 0 chat 0) &
-  (gemma_eval_one 1 math 1; gemma_eval_one 1 code 1; gemma_eval_one 1 chat 1) &
-  wait
-  python3 bench/hf_gemma.py --model $GEMMA_MODEL --merge /tmp/gemma/eval-*.json --out "$OUT/hf-gemma-h200.json"
-  tail -n 2 $W/logs/gemma-eval-*.txt | cut -c1-400
+part_gemma_eval() {  # one H200: every (domain, T) in one batch-1 process
+  timeout ${GEMMA_EVAL_S:-240} python3 bench/hf_gemma.py --model $GEMMA_MODEL --device cuda --threads 4 \
+    --phase eval --drafter-dir $GEMMA_DRAFTER --limit 4 --max-new-tokens 96 \
+    --out "$OUT/hf-gemma-h200.json" > $W/logs/gemma-eval.txt 2>&1
+  echo "gemma eval rc=$?" >> $W/logs/gemma-eval.txt
+  grep -h '"method"' $W/logs/gemma-eval.txt | cut -c1-220; tail -n 2 $W/logs/gemma-eval.txt | cut -c1-300
 }
 
 stash

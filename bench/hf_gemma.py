@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=(None, "float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--progress", action="store_true", help="training progress bar (stderr)")
     ap.add_argument("--seed", type=int, default=980406)
     args = ap.parse_args()
     if args.merge:
@@ -217,12 +218,13 @@ def train_phase(model, args, conditions: dict):
     t1 = time.perf_counter()
     data = self_distill(model, [r["ids"] for r in train], args.distill_tokens, seed=args.seed)
     distill_s = time.perf_counter() - t1
+    print(f"[target cache: {len(data)} sequences in {distill_s:.1f} s]", flush=True)
     config = DSparkConfig.for_target(model.config, dspark_markov_rank=args.markov_rank)
     t1 = time.perf_counter()
     result = train_draft(model, data, TrainConfig(steps=args.steps, batch_size=args.batch_size,
                                                   micro_batch=args.micro_batch, cache_target=args.cache_target,
                                                   num_anchors=args.num_anchors, lr=args.lr, seed=args.seed,
-                                                  progress=False), dspark_config=config)
+                                                  progress=args.progress), dspark_config=config)
     drafter = result.drafter
     train_s = time.perf_counter() - t1
     t1 = time.perf_counter()

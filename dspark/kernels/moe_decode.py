@@ -18,6 +18,8 @@ Two launches, no host sync, CUDA-graph capturable. Weights may be dense or `FP8B
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dspark.kernels.moe import _jit, _weight_parts, _weight_tile, tl, triton
@@ -95,31 +97,59 @@ def _decode_down_kernel(
     tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
-def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float):
+class DecodeTiles(NamedTuple):
+    """Launch shape of the two kernels: output rows per program (`up_n`, `down_n`), reduction
+    step (`block_k`, capped by an FP8 scale block) and warps per program."""
+
+    up_n: int = _BLOCK_N
+    down_n: int = _BLOCK_N
+    block_k: int = _BLOCK_K
+    num_warps: int = 4
+
+
+def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
+                   tiles: DecodeTiles = DecodeTiles()):
     """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype."""
+    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
+    return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
+
+
+def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles()):
+    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row)."""
     n_tok, dim = x.shape
     top_k = ids.shape[1]
     n_assign = n_tok * top_k
     d1, s1, fp8, sb = _weight_parts(w1)
     d3, s3, _, _ = _weight_parts(w3)
-    d2, s2, _, _ = _weight_parts(w2)
     ds1, ss1, fp8_s, sb_s = _weight_parts(shared_w1)
     ds3, ss3, _, _ = _weight_parts(shared_w3)
-    ds2, ss2, _, _ = _weight_parts(shared_w2)
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
-    block_k = min(_BLOCK_K, sb) if fp8 else _BLOCK_K
-    block_k_s = min(_BLOCK_K, sb_s) if fp8_s else _BLOCK_K
-    common = dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_N=_BLOCK_N,
-                  BLOCK_K=block_k, BLOCK_K_S=block_k_s, num_warps=4)
-    _decode_up_kernel[(n_assign + n_tok, triton.cdiv(h_width, _BLOCK_N))](
+    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles)
+    _decode_up_kernel[(n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))](
         x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, n_assign, dim, inter, inter_s, h_width,
-        float(swiglu_limit), CLAMP=swiglu_limit > 0, **common,
+        float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, **common,
     )
+    return h, (n_assign, dim, inter, inter_s, h_width)
+
+
+def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):
+    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args` its sizes)."""
+    n_assign, dim, inter, inter_s, h_width = args
+    d2, s2, fp8, sb = _weight_parts(w2)
+    ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
     y = torch.empty_like(x)
-    _decode_down_kernel[(n_tok, triton.cdiv(dim, _BLOCK_N))](
-        h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width, **common,
+    _decode_down_kernel[(x.shape[0], triton.cdiv(dim, tiles.down_n))](
+        h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
+        BLOCK_N=tiles.down_n, **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles),
     )
     return y
+
+
+def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, tiles: DecodeTiles) -> dict:
+    block_k = min(tiles.block_k, sb) if fp8 else tiles.block_k
+    block_k_s = min(tiles.block_k, sb_s) if fp8_s else tiles.block_k
+    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=block_k, BLOCK_K_S=block_k_s,
+                num_warps=tiles.num_warps)

@@ -241,6 +241,25 @@ def test_moe_experts_paths_match_ref(n_tok, dim, n_exp, top_k, inter, inter_s, f
 
 
 @needs_triton
+@pytest.mark.parametrize("tiles", [(8, 32, 64, 2), (32, 8, 256, 8)])
+@pytest.mark.parametrize("fp8_block", [None, 32])
+def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
+    """Every launch shape of the decode path (what `bench/moe_decode_tiles.py` sweeps) computes the
+    same experts: rows past D / I masked, FP8 tiles capped at the scale block."""
+    from dspark.kernels import moe_decode
+
+    n_tok, dim, n_exp, top_k, inter, inter_s = 2, 96, 8, 3, 80, 48
+    x = router_inputs(n_tok, dim, n_exp, top_k, torch.float32, seed=5)[0]
+    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, torch.float32, seed=6, fp8_block=fp8_block)
+    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, torch.float32, seed=7, fp8_block=fp8_block)
+    weights, ids = _routing(n_tok, n_exp, top_k, seed=8)
+    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
+    with poisoned():
+        y = moe_decode.decode_experts(*args, 10.0, tiles=moe_decode.DecodeTiles(*tiles))
+    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
+
+
+@needs_triton
 def test_moe_experts_picks_decode_path_for_few_assignments(monkeypatch):
     """Decode-sized calls must not pack (the packing is what the decode path removes)."""
     x = router_inputs(2, 64, 8, 2, torch.float32, seed=0)[0]

@@ -1,0 +1,109 @@
+"""Launch-shape sweep of the decode MoE kernels (`dspark.kernels.moe_decode`) at M = 1 and 8 tokens.
+
+    python bench/moe_decode_tiles.py --out $OUT/moe-decode-tiles.json      # one H200, ~1 min
+
+For the V4-Flash layer (D 4096, I 2048, top-6 of 256 experts plus the shared expert) and v4-mini
+(D 2048, I 512, top-6 of 64), bf16 and FP8 (128×128 blocks) weights, each kernel is timed alone over
+every `DecodeTiles` candidate (output rows per program × reduction step × warps), then the whole
+`decode_experts` with the best pair against the shipped default. Bytes are the weights the picked
+experts must read (plus scales) and the activations; % HBM against 4.4 TB/s. Timing:
+`triton.testing.do_bench` (L2 flushed), median. Every candidate's output is checked against the
+default's (same fp32 reduction order per row only when block_k matches, so the check is a relative
+error, reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+HBM = 4.4e12
+LAYERS = {"v4-flash": (4096, 2048, 256), "v4-mini": (2048, 512, 64)}  # D, I (routed = shared), E
+TOP_K = 6
+UP_N, DOWN_N, BLOCK_K, WARPS = (8, 16, 32), (8, 16, 32), (128, 256, 512), (4, 8)
+
+
+def weights(dim, inter, n_exp, fp8, g):
+    from dspark.kernels.fp8 import FP8BlockWeight
+
+    shapes = ((n_exp, inter, dim), (n_exp, dim, inter), (n_exp, inter, dim), (inter, dim), (dim, inter), (inter, dim))
+    out = [torch.randn(*s, generator=g, device="cuda") * s[-1] ** -0.5 for s in shapes]
+    return [FP8BlockWeight.quantize(w, 128) if fp8 else w.bfloat16() for w in out]
+
+
+def nbytes(w, rows: int) -> int:
+    """Bytes of `rows` experts of a stacked weight (or the whole of an unstacked one)."""
+    parts = [w.data, w.scale] if hasattr(w, "scale") else [w]
+    total = 0
+    for t in parts:
+        per = t[0].numel() * t.element_size() if t.dim() == 3 else t.numel() * t.element_size()
+        total += per * rows if t.dim() == 3 else per
+    return total
+
+
+def timed(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40) * 1e-3
+
+
+def sweep_layer(name, fp8, m, g) -> dict:
+    from dspark.kernels import moe_decode as md
+
+    dim, inter, n_exp = LAYERS[name]
+    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, fp8, g)
+    x = torch.randn(m, dim, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(m)]).int()
+    wts = torch.rand(m, TOP_K, generator=g, device="cuda") + 0.1
+    touched = int(torch.unique(ids).numel())
+    up_bytes = nbytes(w1, touched) + nbytes(w3, touched) + nbytes(s1, 1) + nbytes(s3, 1) + x.numel() * 2
+    down_bytes = nbytes(w2, touched) + nbytes(s2, 1) + x.numel() * 2
+    default = md.DecodeTiles()
+    h_ref, args = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, default)
+    y_ref = md.decode_down(h_ref, x, wts, ids, w2, s2, args, default)
+    ups, downs = [], []
+    block_ks = (128,) if fp8 else BLOCK_K  # FP8 tiles are capped at the 128-wide scale block
+    for n, k, warps in itertools.product(UP_N, block_ks, WARPS):
+        t = md.DecodeTiles(up_n=n, block_k=k, num_warps=warps)
+        h, _ = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t)
+        err = ((h - h_ref).norm() / h_ref.norm()).item()
+        s = timed(lambda: md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t))
+        ups.append({"up_n": n, "block_k": k, "num_warps": warps, "us": s * 1e6, "pct_hbm": 100 * up_bytes / s / HBM, "rel_err": err})
+    for n, k, warps in itertools.product(DOWN_N, block_ks, WARPS):
+        t = md.DecodeTiles(down_n=n, block_k=k, num_warps=warps)
+        y = md.decode_down(h_ref, x, wts, ids, w2, s2, args, t)
+        err = ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
+        s = timed(lambda: md.decode_down(h_ref, x, wts, ids, w2, s2, args, t))
+        downs.append({"down_n": n, "block_k": k, "num_warps": warps, "us": s * 1e6, "pct_hbm": 100 * down_bytes / s / HBM, "rel_err": err})
+    best_up, best_down = min(ups, key=lambda r: r["us"]), min(downs, key=lambda r: r["us"])
+    full_default = timed(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, default))
+    total = up_bytes + down_bytes
+    return {"layer": name, "fp8": fp8, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
+            "default": {"tiles": default._asdict(), "us": full_default * 1e6, "pct_hbm": 100 * total / full_default / HBM},
+            "best_up": best_up, "best_down": best_down,
+            "best_pair_pct_hbm": 100 * total / ((best_up["us"] + best_down["us"]) * 1e-6) / HBM,
+            "up": ups, "down": downs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/moe-decode-tiles.json")
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, fp8, m in itertools.product(LAYERS, (False, True), (1, 8)):
+        row = sweep_layer(name, fp8, m, g)
+        rows.append(row)
+        print(f"{name} fp8={fp8} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
+              f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM", flush=True)
+    conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
