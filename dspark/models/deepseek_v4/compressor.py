@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
+from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
-from dspark.models.deepseek_v4.state import CompressorCache
+from dspark.models.deepseek_v4.state import CompressorCache, RaggedBatch
 
 # Queries scored against all index keys at once are chunked so that the [S, Hi, T] fp32 score
 # tensor stays below this many elements (long prompts would otherwise need tens of GB).
@@ -120,6 +121,8 @@ class Indexer(nn.Module):
 
     Scoring and top-k run as the kernel registry's `lightning_indexer` (`kernels`; default the
     torch reference), whose tie rule (equal scores: the lower entry id wins) the model inherits.
+    Several requests at once (`select`) are scored together in torch over keys padded to the
+    longest request (the registry op takes one key set), with the same formula and tie rule.
     """
 
     def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, rate: int,
@@ -160,3 +163,56 @@ class Indexer(nn.Module):
         picks = [self.select_op(q[i : i + chunk], weights[i : i + chunk], keys, visible[i : i + chunk], None,
                                 topk=self.topk)[0] for i in range(0, q.shape[0], chunk)]
         return torch.cat(picks)
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor],
+               batch: RaggedBatch) -> torch.Tensor:
+        """Top-k visible entries of every row of a ragged call.
+
+        q [N, Hi, di], weights [N, Hi] (all rows), keys one [T_b, di] per request ->
+        [N, min(k, T_max)] long entry ids of the row's own request, ascending, −1 padded.
+
+        One request (or a call dominated by one long request) runs the registry op per request;
+        otherwise all requests are scored in one padded pass (`_select_padded`).
+        """
+        n_keys = [k.shape[0] for k in keys]
+        width = min(self.topk, max(n_keys))
+        seq_max = max(batch.seq_lens)
+        if width == 0:
+            return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+        if len(keys) > 1 and seq_max * len(keys) <= 2 * q.shape[0]:  # padding wastes at most half the rows
+            return self._select_padded(q, weights, keys, batch, width)
+        picks = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
+        for b, request_keys in enumerate(keys):
+            rows = batch.rows(b)
+            ids = self(q[rows], weights[rows], request_keys, batch.positions[rows])
+            picks[rows, : ids.shape[1]] = ids
+        return picks
+
+    def _select_padded(self, q, weights, keys: list[torch.Tensor], batch: RaggedBatch, width: int) -> torch.Tensor:
+        """`select` for many requests: queries padded to [B, S_max], keys to [B, T_max] (padding is
+        never visible), scores I = Σ_h ω_h·ReLU(q_h·κ) in fp32 as `indexer_scores_ref`, top-k by
+        `select_topk_ref`. Requests are chunked so the [b, S_max, Hi, T_max] fp32 product stays bounded."""
+        n_req, seq_max, t_max = len(keys), max(batch.seq_lens), max(k.shape[0] for k in keys)
+        slot = _padded_slots(batch, seq_max).to(q.device, non_blocking=True)  # [N] row -> b·S_max + s
+        rows = torch.zeros(n_req * seq_max, dtype=torch.long, device=q.device).index_copy_(
+            0, slot, torch.arange(q.shape[0], device=q.device))  # padded slot -> row (padding: row 0)
+        q_pad = q[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi, di]
+        w_pad = weights[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi]
+        k_pad = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True).float()  # [B, T_max, di]
+        chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (seq_max * self.n_heads * t_max))
+        scores = []
+        for i in range(0, n_req, chunk):
+            dots = torch.einsum("bshd,btd->bsht", q_pad[i : i + chunk], k_pad[i : i + chunk]).relu_()
+            scores.append(torch.matmul(w_pad[i : i + chunk].unsqueeze(-2), dots).squeeze(-2))  # [b, S_max, T_max]
+        scores = torch.cat(scores).flatten(0, 1)[slot]  # [N, T_max]
+        visible = (batch.positions + 1) // self.rate  # < T_b: a request's padding is never visible
+        reachable = torch.arange(t_max, device=q.device) < visible.unsqueeze(-1)
+        return select_topk_ref(scores.masked_fill(~reachable, float("-inf")), self.topk)  # [N, width]
+
+
+def _padded_slots(batch: RaggedBatch, seq_max: int) -> torch.Tensor:
+    """[N] (host) slot b·S_max + s of row s of request b in the [B, S_max] padded layout."""
+    lens = torch.tensor(batch.seq_lens)
+    request = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    first = torch.repeat_interleave(torch.tensor(batch.offsets), lens)
+    return request * seq_max + torch.arange(sum(batch.seq_lens)) - first

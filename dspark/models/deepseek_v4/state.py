@@ -36,6 +36,7 @@ re-allocated if that happens, which is correct but slow.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -296,9 +297,13 @@ def plan_batch(input_ids: torch.Tensor, states: list, seq_lens: list[int], n_lay
     if not states or wrong:
         raise ValueError(f"states {wrong} do not belong to this model ({n_layers} attention layer(s) expected)")
     starts = tuple(state.begin_step() for state in states)
-    offsets = tuple(sum(seq_lens[:b]) for b in range(len(seq_lens)))
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)]).to(device)
-    return RaggedBatch(input_ids.to(device), positions, tuple(seq_lens), offsets, starts)
+    offsets = tuple(itertools.accumulate(seq_lens[:-1], initial=0))
+    first = torch.tensor(starts) - torch.tensor(offsets)  # position of row 0 if request b owned it
+    positions = torch.repeat_interleave(first, torch.tensor(seq_lens)) + torch.arange(len(input_ids))
+    # non_blocking: a host tensor in pageable memory is staged before the call returns, so nothing
+    # here waits for the device (a blocking copy would synchronise the stream every step).
+    return RaggedBatch(input_ids.to(device, non_blocking=True), positions.to(device, non_blocking=True),
+                       tuple(seq_lens), offsets, starts)
 
 
 def check_capture(capture_layers, n_layers: int) -> frozenset[int]:
