@@ -38,14 +38,12 @@ from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedB
 sparse_attention = sparse_attention_ref
 
 
-def window_index(positions: torch.Tensor, window: int, first_row: int | torch.Tensor) -> torch.Tensor:
+def window_index(positions: torch.Tensor, window: int, first_row: int) -> torch.Tensor:
     """[S, W] rows of the raw-latent pool for keys p−W+1 .. p; −1 for positions before 0.
 
-    positions [S] absolute query positions; `first_row` the absolute position of pool row 0, an int
-    or one per query [S] (a batched pool: position p of the row's request sits at row p − first_row).
+    positions [S] absolute query positions; `first_row` the absolute position of pool row 0.
     """
     keys = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)
-    first_row = first_row if isinstance(first_row, int) else first_row.unsqueeze(-1)
     return torch.where(keys >= 0, keys - first_row, -1)
 
 
@@ -172,7 +170,7 @@ class Attention(LatentAttention):
         windows = [cache.window.latents() for cache in caches]  # request b: positions start_b .. p_last
         entries = [cache.compressor.entries() for cache in caches] if self.compressor is not None else []
         layout = RequestPool(batch, [cache.window.start for cache in caches], windows, entries)
-        index = window_index(batch.positions, self.window, layout.window_origin)  # [N, W]
+        index = layout.window_index(batch.positions, self.window)  # [N, W]
         if self.indexer is not None:  # CSA: the indexer's top-k of each request's complete entries
             keys = [cache.indexer.entries() for cache in caches]
             picks = self.indexer.select(index_inputs.q, index_inputs.weights, keys, batch)  # [N, k'] entry ids

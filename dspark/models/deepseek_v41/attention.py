@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dspark.models.deepseek_v4.attention import LatentAttention, window_index
+from dspark.models.deepseek_v4.pool import RequestPool
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache
 from dspark.models.deepseek_v41.csa2 import Compressor, Indexer, SharedSlots
@@ -73,10 +74,36 @@ class Attention(LatentAttention):
         windows / sources / slots: per request, this layer's window, its KV source's cache (None
         for ratio 0) and the call's shared slots. `publish=False` skips the KV source's global
         projections when they already ran on these rows' call (bounded replay, spec §6.2).
+        All requests share one attention call over one pool (`RequestPool`); an index source still
+        picks per request (its candidate pool is per request).
         """
         cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
         q_lora, q, kv = self.project_qkv(x, cos, sin)
         kv = self.quant.window(kv)  # the window cache is FP8 (QAT over all dims, blocks of 32)
+        if self.compressor is not None and publish:
+            self.publish(x, batch, sources)
+        index_q = self.indexer.queries(x, q_lora, cos, sin) if self.indexer is not None else None
+        for b, window in enumerate(windows):
+            rows = batch.rows(b)
+            window.append(kv[rows])
+            if self.ratio and self.indexer is not None:
+                slots[b].topk = self.indexer.select(index_q[0][rows], index_q[1][rows], sources[b].index_keys(),
+                                                    batch.positions[rows], slots[b])
+        entries = [source.entries() for source in sources] if self.ratio else []
+        layout = RequestPool(batch, [w.start for w in windows], [w.latents() for w in windows], entries)
+        index = layout.window_index(batch.positions, self.window)  # [N, W]
+        if self.ratio:  # the latest index source's picks, same rows in the same call
+            index = torch.cat((index, layout.entry_rows(_stack_picks([slot.topk for slot in slots]))), dim=-1)
+        out = self.attend_op(q, layout.pool(), index, self.attn_sink, self.scale)  # [N, H, d]
+        return self.project_out(out, cos, sin)
+
+    def forward_per_request(self, x: torch.Tensor, batch: RaggedBatch, windows: list[WindowCache],
+                            sources: list[SourceCache | None], slots: list[SharedSlots],
+                            publish: bool = True) -> torch.Tensor:
+        """`forward` with one attention call per request (the reference of the batched call)."""
+        cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
+        q_lora, q, kv = self.project_qkv(x, cos, sin)
+        kv = self.quant.window(kv)
         if self.compressor is not None and publish:
             self.publish(x, batch, sources)
         index_q = self.indexer.queries(x, q_lora, cos, sin) if self.indexer is not None else None
@@ -101,3 +128,10 @@ class Attention(LatentAttention):
             pool = torch.cat((raw, source.entries()))
             index = torch.cat((index, torch.where(picks >= 0, picks + raw.shape[0], -1)), dim=-1)
         return self.attend_op(q, pool, index, self.attn_sink, self.scale)
+
+
+def _stack_picks(picks: list[torch.Tensor]) -> torch.Tensor:
+    """Per-request entry ids [S_b, k_b] (k_b = min(k, T_b)) -> [N, max k_b], −1 padded."""
+    width = max(p.shape[1] for p in picks)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) if p.shape[1] < width else p
+                      for p in picks])
