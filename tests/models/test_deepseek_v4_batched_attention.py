@@ -122,3 +122,29 @@ def test_indexer_padded_pass_equals_per_request_calls(pair):
         expected = torch.full((alone.shape[0], indexer.topk), -1, dtype=torch.long)
         expected[:, : alone.shape[1]] = alone
         assert torch.equal(picks[rows], expected), b
+
+
+@pytest.mark.parametrize("kind", ["compressor", "indexer"])
+def test_compressor_update_batch_equals_per_request_updates(pair, kind):
+    """Entries pooled for all requests at once are bit-identical to per-request pooling."""
+    new, _ = pair
+    attn = next(layer.attn for layer in new.layers if layer.attn.indexer is not None)
+    compressor = attn.compressor if kind == "compressor" else attn.indexer.compressor
+    seq_lens, lengths = [1, 6, 1, 9], [3, 5, 8, 0]  # request 0 completes a window, 2 does not, ...
+    states = [new.new_state() for _ in seq_lens]
+    caches = [getattr(s.layers[1], kind) for s in states]
+    g = torch.Generator().manual_seed(11)
+    width = caches[0].rows()[0].shape[-1]
+    for cache, n in zip(caches, lengths):  # histories of n rows (< one window of entries pooled)
+        compressor.update(cache, torch.randn(n, width, generator=g), torch.randn(n, width, generator=g), attn.rope)
+    for state, n in zip(states, lengths):
+        state._tokens.append(torch.zeros(n, dtype=torch.long))
+    batch = plan_batch(torch.zeros(sum(seq_lens), dtype=torch.long), states, seq_lens, len(new.layers), "cpu")
+    alone = copy.deepcopy(caches)  # after plan_batch: it prunes the rows no future entry pools
+    kv, score = torch.randn(sum(seq_lens), width, generator=g), torch.randn(sum(seq_lens), width, generator=g)
+    compressor.update_batch(caches, kv, score, batch, attn.rope)
+    for b, cache in enumerate(alone):
+        compressor.update(cache, kv[batch.rows(b)], score[batch.rows(b)], attn.rope)
+    assert [c.n_entries for c in caches] == [c.n_entries for c in alone] == [1, 2, 2, 2]
+    for a, b in zip(caches, alone):
+        assert torch.equal(a.entries(), b.entries()) and all(map(torch.equal, a.rows(), b.rows()))

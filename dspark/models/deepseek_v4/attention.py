@@ -182,18 +182,15 @@ class Attention(LatentAttention):
         return self.project_out(out, cos, sin)
 
     def _update_caches(self, batch: RaggedBatch, caches: list[LayerCache], kv, compressed, index_inputs) -> None:
-        """Per request: append its window latents and compressor rows, emit the entries they complete.
-
-        Cheap per-request copies of its own rows (plus the pooling of completed entries).
-        """
+        """Append every request's window latents and compressor rows (cheap per-request copies of its
+        own rows) and emit the entries they complete (pooled for all requests at once)."""
         for b, cache in enumerate(caches):
-            rows = batch.rows(b)
-            cache.window.append(kv[rows])
-            if self.compressor is not None:
-                self.compressor.update(cache.compressor, compressed[0][rows], compressed[1][rows], self.rope)
-            if self.indexer is not None:
-                self.indexer.compressor.update(cache.indexer, index_inputs.kv[rows], index_inputs.score[rows],
-                                               self.rope)
+            cache.window.append(kv[batch.rows(b)])
+        if self.compressor is not None:
+            self.compressor.update_batch([c.compressor for c in caches], *compressed, batch, self.rope)
+        if self.indexer is not None:
+            self.indexer.compressor.update_batch([c.indexer for c in caches], index_inputs.kv, index_inputs.score,
+                                                 batch, self.rope)
 
     def forward_per_request(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
         """`forward` with one attention call per request (the layout the batched call must reproduce).

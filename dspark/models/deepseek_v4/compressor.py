@@ -21,6 +21,7 @@ Hi / di indexer heads / head dim, k = index_topk.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -72,19 +73,50 @@ class Compressor(nn.Module):
         if last > first:
             cache.append_entries(self._entries(cache, first, last, rope))
 
+    def update_batch(self, caches: list[CompressorCache], kv: torch.Tensor, score: torch.Tensor, batch: RaggedBatch,
+                     rope: Rope) -> None:
+        """`update` for every request of a ragged call (kv, score [N, coff·d_c]): rows are appended per
+        request, the entries they complete are pooled and rotated in one pass for all requests.
+
+        Pooling, norm and RoPE treat every entry on its own, so this equals per-request `update`.
+        """
+        spans, slots = [], []
+        for b, cache in enumerate(caches):
+            rows = batch.rows(b)
+            first = cache.n_entries
+            cache.append_rows(kv[rows], score[rows])
+            last = cache.rows_end // self.rate
+            if last > first:
+                spans.append((cache, first, last))
+                slots.append(self._slots(cache, first, last))
+        if not spans:
+            return
+        kv_slots, score_slots = (torch.cat(part) if len(part) > 1 else part[0] for part in zip(*slots))
+        positions = torch.cat([torch.arange(first, last) for _, first, last in spans]) * self.rate
+        entries = self._pool(kv_slots, score_slots, positions.to(kv.device, non_blocking=True), rope)
+        for (cache, first, last), part in zip(spans, entries.split([last - first for _, first, last in spans])):
+            cache.append_entries(part)
+
     def _entries(self, cache: CompressorCache, first: int, last: int, rope: Rope) -> torch.Tensor:
         """Entries first..last−1 from the cached rows: [last − first, d_c]."""
+        kv, score = self._slots(cache, first, last)
+        return self._pool(kv, score, torch.arange(first, last, device=kv.device) * self.rate, rope)
+
+    def _slots(self, cache: CompressorCache, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv, score) slots [last − first, slots, d_c] of entries first..last−1 from the cached rows."""
         m = self.rate
         kv, score = cache.rows()
         if self.overlap:
-            kv, score = self._overlap_slots(kv, score, cache.rows_start, first, last)
-        else:
-            lo = first * m - cache.rows_start
-            kv = kv[lo : lo + (last - first) * m].unflatten(0, (last - first, m))  # [n, m, d_c]
-            score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
+            return self._overlap_slots(kv, score, cache.rows_start, first, last)
+        lo = first * m - cache.rows_start
+        kv = kv[lo : lo + (last - first) * m].unflatten(0, (last - first, m))  # [n, m, d_c]
+        score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
+        return kv, score
+
+    def _pool(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Slots [n, slots, d_c] of n entries starting at `positions` [n] -> rotated entries [n, d_c]."""
         # Per-channel softmax over the slots (fp32), weighted sum, RMSNorm: the registry's op.
         normed = self.pool_op(kv, score, self.norm.weight, eps=self.norm.eps, out_dtype=kv.dtype)  # [n, d_c]
-        positions = torch.arange(first, last, device=kv.device) * m
         cos, sin = rope.cos_sin(positions)
         return apply_rope(normed, cos, sin)
 
@@ -198,7 +230,7 @@ class Indexer(nn.Module):
             0, slot, torch.arange(q.shape[0], device=q.device))  # padded slot -> row (padding: row 0)
         q_pad = q[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi, di]
         w_pad = weights[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi]
-        k_pad = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True).float()  # [B, T_max, di]
+        k_pad = _pad_keys(keys, t_max).float()  # [B, T_max, di]
         chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (seq_max * self.n_heads * t_max))
         scores = []
         for i in range(0, n_req, chunk):
@@ -216,3 +248,15 @@ def _padded_slots(batch: RaggedBatch, seq_max: int) -> torch.Tensor:
     request = torch.repeat_interleave(torch.arange(len(lens)), lens)
     first = torch.repeat_interleave(torch.tensor(batch.offsets), lens)
     return request * seq_max + torch.arange(sum(batch.seq_lens)) - first
+
+
+def _pad_keys(keys: list[torch.Tensor], t_max: int) -> torch.Tensor:
+    """Per-request keys [T_b, di] -> [B, T_max, di]: one concatenation and one gather (a padded
+    slot repeats the request's last key, or any key when it has none; padding is never visible)."""
+    lens = [k.shape[0] for k in keys]
+    flat = torch.cat(keys)  # [ΣT, di]
+    host = torch.tensor([list(itertools.accumulate(lens[:-1], initial=0)), lens])  # [2, B] (first row, T_b)
+    first, n = host.to(flat.device, non_blocking=True)
+    last = (first + n - 1).clamp(0, flat.shape[0] - 1)  # [B]
+    rows = torch.minimum(first.unsqueeze(-1) + torch.arange(t_max, device=flat.device), last.unsqueeze(-1))
+    return flat[rows]
