@@ -31,7 +31,7 @@ from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, Rop
 from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
 from dspark.models.deepseek_v4.pool import RequestPool
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
-from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache
+from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache, copy_rows
 
 # The attention core is the kernel op's torch reference (`dspark.kernels.attention_ref`): the model
 # calls the registry's choice, the drafter stages call this name.
@@ -182,10 +182,10 @@ class Attention(LatentAttention):
         return self.project_out(out, cos, sin)
 
     def _update_caches(self, batch: RaggedBatch, caches: list[LayerCache], kv, compressed, index_inputs) -> None:
-        """Append every request's window latents and compressor rows (cheap per-request copies of its
-        own rows) and emit the entries they complete (pooled for all requests at once)."""
-        for b, cache in enumerate(caches):
-            cache.window.append(kv[batch.rows(b)])
+        """Append every request's window latents and compressor rows (one multi-tensor copy per kind)
+        and emit the entries they complete (pooled for all requests at once)."""
+        copy_rows([cache.window.reserve(n) for cache, n in zip(caches, batch.seq_lens)],
+                  [kv[batch.rows(b)] for b in range(len(caches))])
         if self.compressor is not None:
             self.compressor.update_batch([c.compressor for c in caches], *compressed, batch, self.rope)
         if self.indexer is not None:

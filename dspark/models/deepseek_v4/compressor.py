@@ -31,7 +31,7 @@ from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
-from dspark.models.deepseek_v4.state import CompressorCache, RaggedBatch
+from dspark.models.deepseek_v4.state import CompressorCache, RaggedBatch, copy_rows
 
 # Queries scored against all index keys at once are chunked so that the [S, Hi, T] fp32 score
 # tensor stays below this many elements (long prompts would otherwise need tens of GB).
@@ -80,11 +80,13 @@ class Compressor(nn.Module):
 
         Pooling, norm and RoPE treat every entry on its own, so this equals per-request `update`.
         """
+        firsts = [cache.n_entries for cache in caches]
+        reserved = [cache.reserve_rows(n) for cache, n in zip(caches, batch.seq_lens)]
+        rows = [batch.rows(b) for b in range(len(caches))]
+        for i, values in enumerate((kv, score)):  # one multi-tensor copy per dtype
+            copy_rows([pair[i] for pair in reserved], [values[r] for r in rows])
         spans, slots = [], []
-        for b, cache in enumerate(caches):
-            rows = batch.rows(b)
-            first = cache.n_entries
-            cache.append_rows(kv[rows], score[rows])
+        for cache, first in zip(caches, firsts):
             last = cache.rows_end // self.rate
             if last > first:
                 spans.append((cache, first, last))
@@ -94,8 +96,8 @@ class Compressor(nn.Module):
         kv_slots, score_slots = (torch.cat(part) if len(part) > 1 else part[0] for part in zip(*slots))
         positions = torch.cat([torch.arange(first, last) for _, first, last in spans]) * self.rate
         entries = self._pool(kv_slots, score_slots, positions.to(kv.device, non_blocking=True), rope)
-        for (cache, first, last), part in zip(spans, entries.split([last - first for _, first, last in spans])):
-            cache.append_entries(part)
+        counts = [last - first for _, first, last in spans]
+        copy_rows([cache.reserve_entries(n) for (cache, _, _), n in zip(spans, counts)], list(entries.split(counts)))
 
     def _entries(self, cache: CompressorCache, first: int, last: int, rope: Rope) -> torch.Tensor:
         """Entries first..last−1 from the cached rows: [last − first, d_c]."""

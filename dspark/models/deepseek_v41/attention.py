@@ -23,7 +23,7 @@ import torch
 from dspark.models.deepseek_v4.attention import LatentAttention, window_index
 from dspark.models.deepseek_v4.pool import RequestPool
 from dspark.models.deepseek_v4.rope import apply_rope
-from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache
+from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache, copy_rows
 from dspark.models.deepseek_v41.csa2 import Compressor, Indexer, SharedSlots
 from dspark.models.deepseek_v41.qat import CacheQuant
 from dspark.models.deepseek_v41.roles import LayerRole
@@ -83,12 +83,12 @@ class Attention(LatentAttention):
         if self.compressor is not None and publish:
             self.publish(x, batch, sources)
         index_q = self.indexer.queries(x, q_lora, cos, sin) if self.indexer is not None else None
-        for b, window in enumerate(windows):
-            rows = batch.rows(b)
-            window.append(kv[rows])
-            if self.ratio and self.indexer is not None:
-                slots[b].topk = self.indexer.select(index_q[0][rows], index_q[1][rows], sources[b].index_keys(),
-                                                    batch.positions[rows], slots[b])
+        rows = [batch.rows(b) for b in range(len(windows))]
+        copy_rows([w.reserve(n) for w, n in zip(windows, batch.seq_lens)], [kv[r] for r in rows])
+        if self.ratio and self.indexer is not None:
+            for b, r in enumerate(rows):
+                slots[b].topk = self.indexer.select(index_q[0][r], index_q[1][r], sources[b].index_keys(),
+                                                    batch.positions[r], slots[b])
         entries = [source.entries() for source in sources] if self.ratio else []
         layout = RequestPool(batch, [w.start for w in windows], [w.latents() for w in windows], entries)
         index = layout.window_index(batch.positions, self.window)  # [N, W]
