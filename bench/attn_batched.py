@@ -17,6 +17,9 @@ whole-model decode step with the batched attention vs the old per-request loop.
    (`bench/engine_h200.py::fabricate_state`); median wall time of `--steps` greedy decode steps
    (CUDA-synchronised, host included) after 2 warm-up steps, with the batched attention (`new`) and
    with every layer's `forward_per_request` (`old`); `rel_err` compares the first step's logits.
+3. `attn_tiles`: the CSA case at B = 8 and 128 under the fused kernel's alternative launch shapes
+   (`SWEEP`: program order, prefetching the next key tile, 32-key tiles, more key chunks), to pick
+   the default from measurements.
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
 HEAD_DIM, WINDOW, CONTEXT = 512, 128, 32768
 LAYERS = {"hca": (128, None), "csa": (4, 512)}  # rate, top-k (None: every entry)
 HEADS = {"v4-mini": 32, "v4-flash": 64}
-FULL = dict(batches=(1, 8, 64, 128), model_batches=(1, 8, 64), contexts=(4096, 32768), config="v4-mini",
-            context=CONTEXT, heads=HEADS, steps=5)
-SMOKE = dict(batches=(1, 3), model_batches=(1, 3), contexts=(40,), config="tiny-v4", context=1024,
-             heads={"tiny": 4}, steps=2)
+FULL = dict(batches=(1, 8, 64, 128), sweep_batches=(8, 128), model_batches=(1, 8, 64), contexts=(4096, 32768),
+            config="v4-mini", context=CONTEXT, heads=HEADS, steps=5)
+SMOKE = dict(batches=(1, 3), sweep_batches=(3,), model_batches=(1, 3), contexts=(40,), config="tiny-v4",
+             context=1024, heads={"tiny": 4}, steps=2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -125,6 +128,48 @@ def cpu_timer(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+# Launch shapes of the fused kernel compared at B = 8 and 128 (CSA): each compiles for sm_90
+# without register spills (checked offline); "default" is what the model runs.
+SWEEP = {"default": {}, "rows_fastest": {"heads_fastest": False}, "prefetch": {"prefetch": True},
+         "block_n32": {"block_n": 32}, "waves8": {"waves": 8}, "prefetch_waves8": {"prefetch": True, "waves": 8}}
+
+
+def sweep_rows(cfg: dict, device, timer) -> list[dict]:
+    """`attn_tiles`: the CSA decode case under each `SWEEP` launch shape (one launch, as above)."""
+    import dataclasses
+
+    from dspark.kernels import attention
+
+    scale = HEAD_DIM**-0.5
+    g = torch.Generator(device=device).manual_seed(0)
+    rate, topk = LAYERS["csa"]
+    rows = []
+    for name, heads in cfg["heads"].items():
+        for batch in cfg["sweep_batches"]:
+            q, pool, index, sink, _ = decode_inputs(batch, heads, rate, topk, cfg["context"], device, g)
+            ref = attention.sparse_attention_ref(q[:8], pool, index[:8], sink, scale).float()
+            n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()
+                       + 2 * q.numel() * q.element_size() + index.numel() * index.element_size())
+            for variant, changes in SWEEP.items():
+                tiles = dataclasses.replace(attention.default_tiles(heads, HEAD_DIM), **changes)
+                try:
+                    out = attention.launch_sparse_attention(q, pool, index, sink, scale, tiles)
+                    err = ((out[:8].float() - ref).norm() / ref.norm()).item()
+                    t = timer(lambda: attention.launch_sparse_attention(q, pool, index, sink, scale, tiles))
+                except Exception as exc:  # a shape the compiler rejects on this GPU: record, go on
+                    rows.append({"case": "attn_tiles", "layer": name, "B": batch, "variant": variant,
+                                 "error": repr(exc)[:300]})
+                    continue
+                rows.append({"case": "attn_tiles", "layer": name, "kind": "csa", "B": batch, "variant": variant,
+                             "tiles": dataclasses.asdict(tiles), "us": t * 1e6, "bytes": n_bytes,
+                             "GBps": n_bytes / t / 1e9, "pct_hbm": 100 * n_bytes / t / HBM_BYTES_PER_S,
+                             "rel_err": err})
+                print(f"tiles {name} csa B={batch} {variant}: {t * 1e6:.1f} us ({rows[-1]['pct_hbm']:.1f}% HBM), "
+                      f"rel err {err:.1e}", flush=True)
+            del q, pool, index
+    return rows
 
 
 # ------------------------------------------------------------------------------ whole-model step
@@ -208,8 +253,11 @@ def main(argv=None) -> int:
     start = time.time()
     cond = conditions(device)
     print(json.dumps(cond), flush=True)
+    timer = gpu_timer if device.type == "cuda" else cpu_timer
     with torch.inference_mode():
-        rows = attention_rows(cfg, device, gpu_timer if device.type == "cuda" else cpu_timer)
+        rows = attention_rows(cfg, device, timer)
+        if device.type == "cuda":  # the Triton launch shapes (their CPU check: tests/kernels)
+            rows += sweep_rows(cfg, device, timer)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not args.skip_model:
