@@ -1,5 +1,6 @@
-"""V4.1 batched attention (one `sparse_attention` call per layer for all requests) against the
-per-request path it replaced (`Attention.forward_per_request`), on CPU in fp32.
+"""V4.1 batched attention (one `sparse_attention` call per layer for all requests, KV sources
+publishing all requests' entries in one pass) against the per-request path it replaced
+(`Attention.forward_per_request`, `publish_per_request`), on CPU in fp32.
 
 Tiny config with every layer role (SWA, ratio 2 and ratio 1 KV sources, reuse layers, the candidate
 source and a re-index layer); requests with different histories get decode steps, verify blocks
@@ -39,8 +40,10 @@ def max_state_diff(a, b) -> float:
 def test_batched_attention_equals_per_request_path(make_model, mode):
     new = make_model(seed=2, prefill_mode=mode)
     old = copy.deepcopy(new)
-    for layer in old.layers:
+    for layer in old.layers:  # the old path: per-request attention and per-request publishing
         layer.attn.forward = layer.attn.forward_per_request
+        if layer.attn.compressor is not None:
+            layer.attn.publish = layer.attn.publish_per_request
     states = {m: [m.new_state() for _ in HISTORIES] for m in (new, old)}
     g = torch.Generator().manual_seed(0)
     fed = [b for b, n in enumerate(HISTORIES) if n]

@@ -50,7 +50,29 @@ class Attention(LatentAttention):
 
     def publish(self, x: torch.Tensor, batch: RaggedBatch, sources: list[SourceCache]) -> None:
         """KV source (spec §5.2-§5.3): x [N, D] (after attn_norm) -> append each request's new
-        entries FP4(RoPE(latent)) and index keys to its `SourceCache`."""
+        entries FP4(RoPE(latent)) and index keys to its `SourceCache`.
+
+        The new latents of all requests are rotated, quantised and keyed in one pass (every step
+        is per entry), then appended per request."""
+        kv, gate = self.compressor.project(x)
+        firsts = [cache.n_entries for cache in sources]
+        if gate is None:
+            latents, counts = kv, list(batch.seq_lens)  # ratio 1: one entry per token, in row order
+        else:
+            latents, counts = self.compressor.pool_batch(sources, kv, gate, batch, x.dtype)
+        if latents.shape[0] == 0:
+            return
+        # Entry j stands for position j·ratio; keys come from the latent before its rotation.
+        positions = torch.cat([torch.arange(first, first + n) for first, n in zip(firsts, counts)]) * self.ratio
+        cos, sin = self.rope.cos_sin(positions.to(x.device, non_blocking=True))
+        entries = self.quant.entries(apply_rope(latents, cos, sin))
+        keys = self.indexer.keys(latents, cos, sin)
+        reserved = [cache.reserve_entries(n) for cache, n in zip(sources, counts) if n]
+        for i, values in enumerate((entries, keys)):
+            copy_rows([pair[i] for pair in reserved], [part for part in values.split(counts) if part.shape[0]])
+
+    def publish_per_request(self, x: torch.Tensor, batch: RaggedBatch, sources: list[SourceCache]) -> None:
+        """`publish` one request at a time (the reference of the batched pass; `forward_per_request`)."""
         kv, gate = self.compressor.project(x)
         for b, cache in enumerate(sources):
             rows = batch.rows(b)
@@ -61,7 +83,6 @@ class Attention(LatentAttention):
                 latents = self.compressor.pool(cache, kv[rows], gate[rows], x.dtype)
             if latents.shape[0] == 0:
                 continue
-            # Entry j stands for position j·ratio; keys come from the latent before its rotation.
             positions = torch.arange(first, first + latents.shape[0], device=x.device) * self.ratio
             cos, sin = self.rope.cos_sin(positions)
             entries = self.quant.entries(apply_rope(latents, cos, sin))
@@ -105,7 +126,7 @@ class Attention(LatentAttention):
         q_lora, q, kv = self.project_qkv(x, cos, sin)
         kv = self.quant.window(kv)
         if self.compressor is not None and publish:
-            self.publish(x, batch, sources)
+            self.publish_per_request(x, batch, sources)
         index_q = self.indexer.queries(x, q_lora, cos, sin) if self.indexer is not None else None
         out = torch.empty_like(q)
         for b, window in enumerate(windows):

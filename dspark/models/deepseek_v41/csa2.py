@@ -36,6 +36,7 @@ from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v41.qat import CacheQuant
+from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
 from dspark.models.deepseek_v41.state import SourceCache
 
 # Queries scored at once are chunked so that the [S, Hi, T] fp32 score tensor stays below this
@@ -63,6 +64,32 @@ class Compressor(nn.Module):
             return self.norm(self.wkv(x)), None
         x32 = x.float()  # the reference pools in fp32, weights promoted from BF16
         return F.linear(x32, self.wkv.weight.float()), F.linear(x32, self.wgate.weight.float())
+
+    def pool_batch(self, caches: list[SourceCache], kv: torch.Tensor, gate: torch.Tensor, batch: RaggedBatch,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+        """`pool` for every request of a ragged call (kv, gate [N, d], ratio > 1): rows appended per
+        request, the groups they complete pooled in one op call. Returns (latents [Σ n_new, d] in
+        request order, n_new per request); pooling is per group, so this equals per-request `pool`."""
+        firsts = [cache.n_entries for cache in caches]
+        reserved = [cache.reserve_rows(n) for cache, n in zip(caches, batch.seq_lens)]
+        rows = [batch.rows(b) for b in range(len(caches))]
+        for i, values in enumerate((kv, gate)):
+            copy_rows([pair[i] for pair in reserved], [values[r] for r in rows])
+        counts, kv_groups, gate_groups = [], [], []
+        for cache, first in zip(caches, firsts):
+            last = cache.rows_end // self.ratio
+            counts.append(last - first)
+            if last > first:
+                kv_rows, gate_rows = cache.rows()
+                lo = first * self.ratio - cache.rows_start
+                span = slice(lo, lo + (last - first) * self.ratio)
+                kv_groups.append(kv_rows[span].unflatten(0, (last - first, self.ratio)))  # [n_new, ratio, d]
+                gate_groups.append(gate_rows[span].unflatten(0, (last - first, self.ratio)))
+        if not kv_groups:
+            return kv.new_empty((0, kv.shape[-1]), dtype=dtype), counts
+        latents = self.pool_op(torch.cat(kv_groups), torch.cat(gate_groups), self.norm.weight, eps=self.norm.eps,
+                               out_dtype=dtype)
+        return latents, counts
 
     def pool(self, cache: SourceCache, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Append one request's rows [S, d] (ratio > 1) and return the latents [n_new, d] of the
