@@ -85,15 +85,15 @@ class Compressor(nn.Module):
         rows = [batch.rows(b) for b in range(len(caches))]
         for i, values in enumerate((kv, score)):  # one multi-tensor copy per dtype
             copy_rows([pair[i] for pair in reserved], [values[r] for r in rows])
-        spans, slots = [], []
-        for cache, first in zip(caches, firsts):
-            last = cache.rows_end // self.rate
-            if last > first:
-                spans.append((cache, first, last))
-                slots.append(self._slots(cache, first, last))
+        spans = [(cache, first, cache.rows_end // self.rate) for cache, first in zip(caches, firsts)]
+        spans = [span for span in spans if span[2] > span[1]]
         if not spans:
             return
-        kv_slots, score_slots = (torch.cat(part) if len(part) > 1 else part[0] for part in zip(*slots))
+        if self.overlap:
+            kv_slots, score_slots = self._overlap_slots_batch(spans)
+        else:
+            slots = [self._slots(cache, first, last) for cache, first, last in spans]
+            kv_slots, score_slots = (torch.cat(part) if len(part) > 1 else part[0] for part in zip(*slots))
         positions = torch.cat([torch.arange(first, last) for _, first, last in spans]) * self.rate
         entries = self._pool(kv_slots, score_slots, positions.to(kv.device, non_blocking=True), rope)
         counts = [last - first for _, first, last in spans]
@@ -121,6 +121,34 @@ class Compressor(nn.Module):
         normed = self.pool_op(kv, score, self.norm.weight, eps=self.norm.eps, out_dtype=kv.dtype)  # [n, d_c]
         cos, sin = rope.cos_sin(positions)
         return apply_rope(normed, cos, sin)
+
+    def _overlap_slots_batch(self, spans: list[tuple[CompressorCache, int, int]]):
+        """`_overlap_slots` of entries first..last−1 of several caches at once: their row windows are
+        concatenated (plus one empty window: value 0, logit −inf, the "a" slots of entry 0) and the
+        slots gathered from it with one index -> (kv, score) [Σ n, 2m, d_c]."""
+        m, d = self.rate, self.head_dim
+        kv_parts, score_parts, prev, cur, n_windows = [], [], [], [], 0
+        for cache, first, last in spans:
+            kv, score = cache.rows()
+            lo = max(first - 1, 0)  # first window read: the "a" halves of entry first's predecessor
+            rows = slice(lo * m - cache.rows_start, last * m - cache.rows_start)
+            kv_parts.append(kv[rows])
+            score_parts.append(score[rows])
+            windows = torch.arange(first - lo, last - lo) + n_windows  # window w of each entry
+            cur.append(windows)
+            before = windows - 1
+            if first == 0:
+                before[0] = -1  # the empty window appended last
+            prev.append(before)
+            n_windows += last - lo
+        kv_parts.append(kv_parts[0].new_zeros(m, 2 * d))  # window −1 of entry 0 (row −1 of the gather)
+        score_parts.append(score_parts[0].new_full((m, 2 * d), float("-inf")))
+        index = torch.stack((torch.cat(prev), torch.cat(cur))).to(kv_parts[0].device, non_blocking=True)
+        kv_all = torch.cat(kv_parts).unflatten(0, (-1, m))  # [windows + 1, m, 2d]
+        score_all = torch.cat(score_parts).unflatten(0, (-1, m))
+        kv = torch.cat((kv_all[index[0], :, :d], kv_all[index[1], :, d:]), dim=1)  # [n, 2m, d]
+        score = torch.cat((score_all[index[0], :, :d], score_all[index[1], :, d:]), dim=1)
+        return kv, score
 
     def _overlap_slots(self, kv, score, rows_start: int, first: int, last: int):
         """Slots [n, 2m, d_c] of entries first..last−1: "a" halves of window w−1, then "b" halves of w."""
