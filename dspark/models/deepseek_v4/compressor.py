@@ -21,7 +21,6 @@ Hi / di indexer heads / head dim, k = index_topk.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.indexer_ref import select_topk_ref
+from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
 from dspark.models.deepseek_v4.state import CompressorCache, RaggedBatch, copy_rows
@@ -238,10 +238,9 @@ class Indexer(nn.Module):
         """
         n_keys = [k.shape[0] for k in keys]
         width = min(self.topk, max(n_keys))
-        seq_max = max(batch.seq_lens)
         if width == 0:
             return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
-        if len(keys) > 1 and seq_max * len(keys) <= 2 * q.shape[0]:  # padding wastes at most half the rows
+        if pads_well(batch):
             return self._select_padded(q, weights, keys, batch, width)
         picks = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
         for b, request_keys in enumerate(keys):
@@ -251,42 +250,9 @@ class Indexer(nn.Module):
         return picks
 
     def _select_padded(self, q, weights, keys: list[torch.Tensor], batch: RaggedBatch, width: int) -> torch.Tensor:
-        """`select` for many requests: queries padded to [B, S_max], keys to [B, T_max] (padding is
-        never visible), scores I = Σ_h ω_h·ReLU(q_h·κ) in fp32 as `indexer_scores_ref`, top-k by
-        `select_topk_ref`. Requests are chunked so the [b, S_max, Hi, T_max] fp32 product stays bounded."""
-        n_req, seq_max, t_max = len(keys), max(batch.seq_lens), max(k.shape[0] for k in keys)
-        slot = _padded_slots(batch, seq_max).to(q.device, non_blocking=True)  # [N] row -> b·S_max + s
-        rows = torch.zeros(n_req * seq_max, dtype=torch.long, device=q.device).index_copy_(
-            0, slot, torch.arange(q.shape[0], device=q.device))  # padded slot -> row (padding: row 0)
-        q_pad = q[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi, di]
-        w_pad = weights[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi]
-        k_pad = _pad_keys(keys, t_max).float()  # [B, T_max, di]
-        chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (seq_max * self.n_heads * t_max))
-        scores = []
-        for i in range(0, n_req, chunk):
-            dots = torch.einsum("bshd,btd->bsht", q_pad[i : i + chunk], k_pad[i : i + chunk]).relu_()
-            scores.append(torch.matmul(w_pad[i : i + chunk].unsqueeze(-2), dots).squeeze(-2))  # [b, S_max, T_max]
-        scores = torch.cat(scores).flatten(0, 1)[slot]  # [N, T_max]
-        visible = (batch.positions + 1) // self.rate  # < T_b: a request's padding is never visible
-        reachable = torch.arange(t_max, device=q.device) < visible.unsqueeze(-1)
+        """`select` for many requests in one padded pass (`padded_index_scores`), top-k by
+        `select_topk_ref` (the op's tie rule) over the entries each row can see."""
+        scores = padded_index_scores(q, weights, keys, batch)  # [N, T_max] fp32
+        visible = (batch.positions + 1) // self.rate  # <= T_b: a request's padding is never visible
+        reachable = torch.arange(scores.shape[1], device=q.device) < visible.unsqueeze(-1)
         return select_topk_ref(scores.masked_fill(~reachable, float("-inf")), self.topk)  # [N, width]
-
-
-def _padded_slots(batch: RaggedBatch, seq_max: int) -> torch.Tensor:
-    """[N] (host) slot b·S_max + s of row s of request b in the [B, S_max] padded layout."""
-    lens = torch.tensor(batch.seq_lens)
-    request = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    first = torch.repeat_interleave(torch.tensor(batch.offsets), lens)
-    return request * seq_max + torch.arange(sum(batch.seq_lens)) - first
-
-
-def _pad_keys(keys: list[torch.Tensor], t_max: int) -> torch.Tensor:
-    """Per-request keys [T_b, di] -> [B, T_max, di]: one concatenation and one gather (a padded
-    slot repeats the request's last key, or any key when it has none; padding is never visible)."""
-    lens = [k.shape[0] for k in keys]
-    flat = torch.cat(keys)  # [ΣT, di]
-    host = torch.tensor([list(itertools.accumulate(lens[:-1], initial=0)), lens])  # [2, B] (first row, T_b)
-    first, n = host.to(flat.device, non_blocking=True)
-    last = (first + n - 1).clamp(0, flat.shape[0] - 1)  # [B]
-    rows = torch.minimum(first.unsqueeze(-1) + torch.arange(t_max, device=flat.device), last.unsqueeze(-1))
-    return flat[rows]

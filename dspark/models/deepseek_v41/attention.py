@@ -107,9 +107,7 @@ class Attention(LatentAttention):
         rows = [batch.rows(b) for b in range(len(windows))]
         copy_rows([w.reserve(n) for w, n in zip(windows, batch.seq_lens)], [kv[r] for r in rows])
         if self.ratio and self.indexer is not None:
-            for b, r in enumerate(rows):
-                slots[b].topk = self.indexer.select(index_q[0][r], index_q[1][r], sources[b].index_keys(),
-                                                    batch.positions[r], slots[b])
+            self.indexer.select_batch(*index_q, [source.index_keys() for source in sources], batch, slots)
         entries = [source.entries() for source in sources] if self.ratio else []
         layout = RequestPool(batch, [w.start for w in windows], [w.latents() for w in windows], entries)
         index = layout.window_index(batch.positions, self.window)  # [N, W]

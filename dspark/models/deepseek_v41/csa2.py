@@ -33,9 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
+from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v41.qat import CacheQuant
+from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
 from dspark.models.deepseek_v41.state import SourceCache
 
@@ -197,3 +199,45 @@ class Indexer(nn.Module):
         if self.is_candidate_source:
             slots.candidates = torch.cat(pools)
         return torch.cat(picks)
+
+    def select_batch(self, q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor], batch: RaggedBatch,
+                     slots: list[SharedSlots]) -> None:
+        """`select` for every request of a ragged call: sets slots[b].topk (and, for the candidate
+        source, slots[b].candidates) exactly as per-request `select` calls would.
+
+        q [N, Hi, di], weights [N, Hi] (all rows); keys one [T_b, di] per request. Requests with alike
+        row counts are scored in one padded pass (`padded_index_scores`, the op reference's formula
+        and tie rule), otherwise each runs `select` (the registry op).
+        """
+        t_max = max(k.shape[0] for k in keys)
+        if t_max == 0 or not pads_well(batch):
+            for b, request_keys in enumerate(keys):
+                rows = batch.rows(b)
+                slots[b].topk = self.select(q[rows], weights[rows], request_keys, batch.positions[rows], slots[b])
+            return
+        visible = (batch.positions + 1) // self.ratio  # [N], <= T_b: padding is never reachable
+        reachable = torch.arange(t_max, device=q.device) < visible.unsqueeze(-1)  # [N, T_max]
+        if self.uses_candidates and not self.is_candidate_source:
+            reachable &= _padded_pool([slot.candidates for slot in slots], batch, t_max, q.device)
+        scores = padded_index_scores(q, weights, keys, batch).masked_fill(~reachable, float("-inf"))
+        picks = select_topk_ref(scores, self.topk)  # [N, min(k, T_max)]
+        pools = None
+        if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
+            pools = candidate_mask(scores, visible, self.candidate_blocks, self.candidate_block_size)
+        for b, request_keys in enumerate(keys):
+            rows, n_keys = batch.rows(b), request_keys.shape[0]
+            slots[b].topk = picks[rows, : min(self.topk, n_keys)]
+            if pools is not None and n_keys:
+                slots[b].candidates = pools[rows, :n_keys]
+
+
+def _padded_pool(pools: list[torch.Tensor | None], batch: RaggedBatch, width: int, device) -> torch.Tensor:
+    """Per-request candidate pools [S_b, T_b] (None: no pool, every entry allowed) -> [N, width] bool,
+    False beyond T_b."""
+    out = torch.ones(sum(batch.seq_lens), width, dtype=torch.bool, device=device)
+    for b, pool in enumerate(pools):
+        if pool is not None:
+            rows = batch.rows(b)
+            out[rows] = torch.nn.functional.pad(pool, (0, width - pool.shape[1]), value=False)
+    return out
+
