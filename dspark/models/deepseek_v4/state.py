@@ -186,13 +186,12 @@ def copy_rows(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i][:] = src[i] for the reserved rows of many requests, as one multi-tensor copy (a ragged
     call appends to B caches per layer: one launch instead of B). Autograd-tracked sources take the
     plain per-tensor copy."""
-    if not dst:
-        return
-    if torch.is_grad_enabled() and any(s.requires_grad for s in src):
+    if len(dst) == 1 or (torch.is_grad_enabled() and any(s.requires_grad for s in src)):
         for d, s in zip(dst, src):
             d[:] = s
         return
-    torch._foreach_copy_(dst, src)
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 @dataclass
