@@ -6,7 +6,8 @@ Per token (dense over the N rows of a call):
     q   = RMS_per_head(c_q·wq_bᵀ), RoPE    [H, d]       rotary part = the last rd dims of each head
     kv  = kv_norm(x·wkvᵀ), RoPE            [d]          one latent, used as key AND value
 
-Per request (the key set differs per request):
+Per request (the key set differs per request; all requests of a call still run as ONE attention
+call, each row's key list pointing into a pool that concatenates every request's keys, `pool.py`):
 
     keys(p) = window latents of positions p−W+1 .. p  (W = sliding_window, includes p itself)
             ∪ HCA: every entry w < (p+1)//m   |   CSA: the indexer's top-k of those   |   SWA: nothing
