@@ -14,7 +14,8 @@ Shape symbols: S query rows, H heads, d head_dim, P pool rows, K keys per query.
 
 Fused kernel (flash-decoding): the K keys of a query are split into C chunks so that a single
 decode query still spreads over the SMs; program (s, head block, chunk) gathers its keys once for
-all heads of the block (MQA: one key row serves every head), keeps an online softmax (running max
+all heads of the block (MQA: one key row serves every head; the head blocks of one query run back
+to back, so the rows they share come from L2), keeps an online softmax (running max
 m, sum l, weighted values) in fp32 and writes partials; `_combine_kernel` merges the chunks and the
 sink: out = Σ_c acc_c e^{m_c − m} / (e^{sink − m} + Σ_c l_c e^{m_c − m}), m = max(sink, m_c).
 QKᵀ and P·V run on tensor cores with fp32 accumulation (bf16 P; fp32 inputs use 3-pass TF32).
@@ -22,6 +23,8 @@ No host sync; CUDA-graph capturable.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -37,14 +40,26 @@ from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (
 @_jit
 def _partial_kernel(
     q_ptr, pool_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr,
-    n_q, n_heads, head_dim, n_keys, keys_per_chunk, scale,
+    n_q, n_heads, head_dim, n_keys, keys_per_chunk, scale, n_hblocks,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Online softmax of query s, heads of block hb, over keys [c·keys_per_chunk, (c+1)·...):
-    writes m, l [C, S, H] and acc [C, S, H, d] (fp32, un-normalised)."""
-    s = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    c = tl.program_id(2)
+    writes m, l [C, S, H] and acc [C, S, H, d] (fp32, un-normalised).
+
+    Program (s, hb) is program_id(0) = s·n_hblocks + hb with HEADS_FASTEST (the head blocks of a
+    query, which gather the same key rows, run back to back and share them through L2), else
+    hb·n_q + s (the query rows of one head block back to back). With PREFETCH the gather of key
+    tile t+1 is issued before the math of tile t (register double-buffering: the loop's gathers
+    are not pipelined by the compiler, so otherwise each step waits for its own)."""
+    pid = tl.program_id(0)
+    if HEADS_FASTEST:
+        s, hb = pid // n_hblocks, pid % n_hblocks
+    else:
+        s, hb = pid % n_q, pid // n_q
+    s = s.to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    c = tl.program_id(1)
     h_mask = offs_h < n_heads
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < head_dim
@@ -56,13 +71,18 @@ def _partial_kernel(
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, D_PAD), dtype=tl.float32)
     start = c * keys_per_chunk
+    end = tl.minimum(start + keys_per_chunk, n_keys)
+    if PREFETCH:  # the first tile; each step then issues the next tile's gather before its math
+        k_next, valid_next = _gather_tile(pool_ptr, idx_ptr, s * n_keys, start, end, head_dim, offs_d, d_mask,
+                                          BLOCK_N)
     for n0 in range(0, keys_per_chunk, BLOCK_N):  # fixed trip count: the interpreter needs it
-        offs_n = start + n0 + tl.arange(0, BLOCK_N)
-        in_range = (offs_n < n_keys) & (offs_n < start + keys_per_chunk)
-        rows = tl.load(idx_ptr + s * n_keys + offs_n, mask=in_range, other=-1).to(tl.int64)
-        valid = rows >= 0
-        k = tl.load(pool_ptr + rows[:, None] * head_dim + offs_d[None, :],
-                    mask=valid[:, None] & d_mask[None, :], other=0.0)  # [BN, D]: key and value
+        if PREFETCH:
+            k, valid = k_next, valid_next
+            k_next, valid_next = _gather_tile(pool_ptr, idx_ptr, s * n_keys, start + n0 + BLOCK_N, end, head_dim,
+                                              offs_d, d_mask, BLOCK_N)
+        else:
+            k, valid = _gather_tile(pool_ptr, idx_ptr, s * n_keys, start + n0, end, head_dim, offs_d, d_mask,
+                                    BLOCK_N)
         if DOT_FP32:
             k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision="tf32x3")
@@ -86,6 +106,18 @@ def _partial_kernel(
     tl.store(m_ptr + part, m, mask=h_mask)
     tl.store(l_ptr + part, l, mask=h_mask)
     tl.store(acc_ptr + part[:, None] * head_dim + offs_d[None, :], acc, mask=hd_mask)
+
+
+@_jit
+def _gather_tile(pool_ptr, idx_ptr, row_base, first, end, head_dim, offs_d, d_mask, BLOCK_N: tl.constexpr):
+    """Keys first .. first+BLOCK_N−1 (< end) of the index row at `row_base`: (rows [BN, D] of the
+    pool, key and value; valid [BN], False for −1 and out-of-range keys)."""
+    offs_n = first + tl.arange(0, BLOCK_N)
+    rows = tl.load(idx_ptr + row_base + offs_n, mask=offs_n < end, other=-1).to(tl.int64)
+    valid = rows >= 0
+    k = tl.load(pool_ptr + rows[:, None] * head_dim + offs_d[None, :], mask=valid[:, None] & d_mask[None, :],
+                other=0.0)
+    return k, valid
 
 
 @_jit
@@ -125,19 +157,41 @@ def _num_sms(device: torch.device) -> int:
     return 2  # Triton interpreter on CPU: few programs keep it fast, yet > 1 chunk is exercised
 
 
-def _tiles(n_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps): every head of a key tile in one program when they fit (the
-    keys are then read once), otherwise 16-head blocks; tl.dot needs >= 16 on each side."""
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of `_partial_kernel`: BLOCK_H heads × BLOCK_N keys per step, warps, software
+    pipeline stages, the grid target (the keys are split into chunks until the grid covers about
+    `waves` × SMs programs, keeping >= 4 key tiles per chunk), the program order and whether each
+    step prefetches the next key tile."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 3  # Triton's default on CUDA
+    waves: int = 2
+    heads_fastest: bool = True
+    prefetch: bool = False
+
+
+def default_tiles(n_heads: int, head_dim: int) -> Tiles:
+    """Every head of a key tile in one program when they fit (the keys are then read once),
+    otherwise 16-head blocks; tl.dot needs >= 16 on each side."""
     block_h = max(16, min(64, triton.next_power_of_2(n_heads)))
     d_pad = triton.next_power_of_2(head_dim)
     if block_h * d_pad > 16 * 512:  # the fp32 accumulator [BLOCK_H, d] must stay in registers
         block_h = max(16, 16 * 512 // d_pad)
-    return block_h, 16 if d_pad >= 256 else 32, 8 if d_pad >= 256 else 4
+    return Tiles(block_h, 16 if d_pad >= 256 else 32, 8 if d_pad >= 256 else 4)
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Fused `sparse_attention_ref` (same signature, shapes and dtypes)."""
+    return launch_sparse_attention(q, pool, index, sink, scale, default_tiles(q.shape[-2], q.shape[-1]))
+
+
+def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
+                            scale: float, tiles: Tiles) -> torch.Tensor:
+    """`sparse_attention` with explicit `tiles` (the bench sweeps them; the model uses the default)."""
     require_triton()
     _check_args(q, pool, index, sink)
     n_q, n_heads, head_dim = q.shape
@@ -145,22 +199,23 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, s
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n_q == 0:
         return out
-    block_h, block_n, warps = _tiles(n_heads, head_dim)
+    block_h, block_n = tiles.block_h, tiles.block_n
     d_pad = max(16, triton.next_power_of_2(head_dim))
     n_hblocks = triton.cdiv(n_heads, block_h)
-    # Split the keys until the grid covers ~2 waves of SMs, but keep >= 4 key tiles per chunk.
     max_chunks = max(1, triton.cdiv(n_keys, 4 * block_n))
-    n_chunks = max(1, min(max_chunks, triton.cdiv(2 * _num_sms(q.device), n_q * n_hblocks)))
+    n_chunks = max(1, min(max_chunks, triton.cdiv(tiles.waves * _num_sms(q.device), n_q * n_hblocks)))
     keys_per_chunk = triton.cdiv(triton.cdiv(max(n_keys, 1), n_chunks), block_n) * block_n
     n_chunks = triton.cdiv(max(n_keys, 1), keys_per_chunk)
     m = torch.empty((n_chunks, n_q, n_heads), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((n_chunks, n_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
     dot_fp32 = q.dtype == torch.float32 or pool.dtype == torch.float32
-    _partial_kernel[(n_q, n_hblocks, n_chunks)](
+    _partial_kernel[(n_q * n_hblocks, n_chunks)](
         q.contiguous(), pool.contiguous(), index.contiguous(), m, l, acc,
-        n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale),
-        BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DOT_FP32=dot_fp32, num_warps=warps,
+        n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale), n_hblocks,
+        BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DOT_FP32=dot_fp32, HEADS_FASTEST=tiles.heads_fastest,
+        PREFETCH=tiles.prefetch,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     block_d = min(d_pad, 128)  # a [BLOCK_H, 512] fp32 tile would spill registers
     _combine_kernel[(n_q, n_hblocks, triton.cdiv(head_dim, block_d))](

@@ -68,6 +68,21 @@ def test_sparse_attention_matches_ref(n_q, n_heads, head_dim, start, window, n_e
 
 
 @needs_triton
+@pytest.mark.parametrize("tiles", [
+    attention.Tiles(16, 16, 4, heads_fastest=True, waves=8),  # 3 head blocks of one query back to back
+    attention.Tiles(16, 32, 4, heads_fastest=False, waves=1),  # query rows of one head block back to back
+    attention.Tiles(16, 16, 4, waves=8, prefetch=True),  # next key tile gathered ahead
+])
+def test_launch_tiles_match_ref(tiles, poisoned):
+    """Every launch shape the bench sweeps computes the same op: several head blocks (40 heads in
+    blocks of 16) and key chunks, both program orders."""
+    args = make_inputs(5, 40, 32, 30, 16, 40, 20, torch.float32, seed=5)
+    with poisoned():
+        out = attention.launch_sparse_attention(*args, 0.3, tiles)
+    assert rel_err(out, attention.sparse_attention_ref(*args, 0.3)) < TOL[torch.float32]
+
+
+@needs_triton
 def test_sparse_attention_sink_and_empty_rows():
     """A row with no key returns 0 (all mass on the sink); a large sink shrinks the output."""
     q, pool, index, sink = make_inputs(2, 4, 32, 10, 8, 0, 0, torch.float32, seed=1)
@@ -105,3 +120,19 @@ def test_flash_shapes_on_gpu(n_q, n_entries, top_k):
     args = make_inputs(n_q, 64, 512, 32768 - n_q, 128, n_entries, top_k, torch.bfloat16, seed=n_q)
     out = attention.sparse_attention(*args, 512 ** -0.5)
     assert rel_err(out, attention.sparse_attention_ref(*args, 512 ** -0.5)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_heads", [32, 64])
+def test_batched_decode_on_gpu(n_heads):
+    """128 requests decoding at 32K in one launch, each over its own window + top-512 CSA entries."""
+    g = torch.Generator().manual_seed(0)
+    n_req, rows = 128, 128 + 8192
+    pool = torch.randn(n_req * rows, 512, generator=g).bfloat16().cuda()
+    base = torch.arange(n_req).unsqueeze(-1) * rows
+    picks = torch.rand(n_req, 8192, generator=g).argsort(-1)[:, :512].sort(-1).values
+    index = torch.cat((base + torch.arange(128), base + 128 + picks), dim=-1).cuda()
+    q = torch.randn(n_req, n_heads, 512, generator=g).bfloat16().cuda()
+    sink = torch.randn(n_heads, generator=g).cuda()
+    out = attention.sparse_attention(q, pool, index, sink, 512 ** -0.5)
+    assert rel_err(out, attention.sparse_attention_ref(q, pool, index, sink, 512 ** -0.5)) < TOL[torch.bfloat16]

@@ -6,7 +6,8 @@ Per token (dense over the N rows of a call):
     q   = RMS_per_head(c_q·wq_bᵀ), RoPE    [H, d]       rotary part = the last rd dims of each head
     kv  = kv_norm(x·wkvᵀ), RoPE            [d]          one latent, used as key AND value
 
-Per request (the key set differs per request):
+Per request (the key set differs per request; all requests of a call still run as ONE attention
+call, each row's key list pointing into a pool that concatenates every request's keys, `pool.py`):
 
     keys(p) = window latents of positions p−W+1 .. p  (W = sliding_window, includes p itself)
             ∪ HCA: every entry w < (p+1)//m   |   CSA: the indexer's top-k of those   |   SWA: nothing
@@ -29,8 +30,9 @@ from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
 from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
+from dspark.models.deepseek_v4.pool import RequestPool
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
-from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache
+from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache, copy_rows
 
 # The attention core is the kernel op's torch reference (`dspark.kernels.attention_ref`): the model
 # calls the registry's choice, the drafter stages call this name.
@@ -46,10 +48,14 @@ def window_index(positions: torch.Tensor, window: int, first_row: int) -> torch.
     return torch.where(keys >= 0, keys - first_row, -1)
 
 
-def causal_entry_index(positions: torch.Tensor, n_entries: int, rate: int, offset: int) -> torch.Tensor:
-    """HCA: [S, T] pool rows (offset + w) of entries w < (p+1)//m, −1 for the rest (spec §8.3)."""
+def causal_entry_index(positions: torch.Tensor, n_entries: int, rate: int, offset: int | torch.Tensor) -> torch.Tensor:
+    """HCA: [S, T] pool rows (offset + w) of entries w < (p+1)//m, −1 for the rest (spec §8.3).
+
+    `offset` is an int or one per query [S] (a batched pool); T = `n_entries` columns.
+    """
     entries = torch.arange(n_entries, device=positions.device)
     visible = entries < ((positions + 1) // rate).unsqueeze(-1)
+    offset = offset if isinstance(offset, int) else offset.unsqueeze(-1)
     return torch.where(visible, entries + offset, -1)
 
 
@@ -148,7 +154,11 @@ class Attention(LatentAttention):
         return cache
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
-        """x [N, D] (after attn_norm) -> [N, D]; appends the new tokens to each request's cache."""
+        """x [N, D] (after attn_norm) -> [N, D]; appends the new tokens to each request's cache.
+
+        All requests share one attention call: their window latents and compressed entries are
+        concatenated into one pool [P, d] and every row's key list is offset into it (`RequestPool`).
+        """
         cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
         q_lora, q, kv = self.project_qkv(x, cos, sin)
         compressed = index_inputs = None
@@ -156,12 +166,49 @@ class Attention(LatentAttention):
             compressed = self.compressor.project(x, batch.positions)  # (C, Z + ape) rows for all N tokens
         if self.indexer is not None:
             index_inputs = self.indexer.project(x, q_lora, batch.positions, cos, sin)
+        self._update_caches(batch, caches, kv, compressed, index_inputs)
 
+        windows = [cache.window.latents() for cache in caches]  # request b: positions start_b .. p_last
+        entries = [cache.compressor.entries() for cache in caches] if self.compressor is not None else []
+        layout = RequestPool(batch, [cache.window.start for cache in caches], windows, entries)
+        index = layout.window_index(batch.positions, self.window)  # [N, W]
+        if self.indexer is not None:  # CSA: the indexer's top-k of each request's complete entries
+            keys = [cache.indexer.entries() for cache in caches]
+            picks = self.indexer.select(index_inputs.q, index_inputs.weights, keys, batch)  # [N, k'] entry ids
+            index = torch.cat((index, layout.entry_rows(picks)), dim=-1)
+        elif self.compressor is not None:  # HCA: every complete entry
+            index = torch.cat((index, causal_entry_index(batch.positions, layout.max_entries, self.rate,
+                                                         layout.entry_offset)), dim=-1)
+        out = self.attend_op(q, layout.pool(), index, self.attn_sink, self.scale)  # [N, H, d]
+        return self.project_out(out, cos, sin)
+
+    def _update_caches(self, batch: RaggedBatch, caches: list[LayerCache], kv, compressed, index_inputs) -> None:
+        """Append every request's window latents and compressor rows (one multi-tensor copy per kind)
+        and emit the entries they complete (pooled for all requests at once)."""
+        copy_rows([cache.window.reserve(n) for cache, n in zip(caches, batch.seq_lens)],
+                  [kv[batch.rows(b)] for b in range(len(caches))])
+        if self.compressor is not None:
+            self.compressor.update_batch([c.compressor for c in caches], *compressed, batch, self.rope)
+        if self.indexer is not None:
+            self.indexer.compressor.update_batch([c.indexer for c in caches], index_inputs.kv, index_inputs.score,
+                                                 batch, self.rope)
+
+    def forward_per_request(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """`forward` with one attention call per request (the layout the batched call must reproduce).
+
+        Kept as the reference of the batched path: tests compare the two, the bench times both.
+        """
+        cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
+        q_lora, q, kv = self.project_qkv(x, cos, sin)
+        compressed = index_inputs = None
+        if self.compressor is not None:
+            compressed = self.compressor.project(x, batch.positions)
+        if self.indexer is not None:
+            index_inputs = self.indexer.project(x, q_lora, batch.positions, cos, sin)
         out = torch.empty_like(q)
         for b, cache in enumerate(caches):
             rows = batch.rows(b)
             out[rows] = self._attend(q, kv, batch.positions, rows, cache, compressed, index_inputs)
-
         return self.project_out(out, cos, sin)
 
     def _attend(self, q, kv, positions, rows: slice, cache: LayerCache, compressed, index_inputs) -> torch.Tensor:
@@ -180,13 +227,9 @@ class Attention(LatentAttention):
             if self.indexer is None:  # HCA: every complete entry
                 picks = causal_entry_index(positions, entries.shape[0], self.rate, raw.shape[0])
             else:  # CSA: the indexer's top-k of the complete entries
-                picks = self._index(cache, index_inputs, positions, rows)
+                indexer = self.indexer
+                indexer.compressor.update(cache.indexer, index_inputs.kv[rows], index_inputs.score[rows], self.rope)
+                picks = indexer(index_inputs.q[rows], index_inputs.weights[rows], cache.indexer.entries(), positions)
                 picks = torch.where(picks >= 0, picks + raw.shape[0], -1)
             index = torch.cat((index, picks), dim=-1)
         return self.attend_op(q, pool, index, self.attn_sink, self.scale)
-
-    def _index(self, cache: LayerCache, inputs, positions, rows: slice) -> torch.Tensor:
-        """Update the indexer's compressor with this request's rows, then pick entries: [S, k]."""
-        indexer = self.indexer
-        indexer.compressor.update(cache.indexer, inputs.kv[rows], inputs.score[rows], self.rope)
-        return indexer(inputs.q[rows], inputs.weights[rows], cache.indexer.entries(), positions)

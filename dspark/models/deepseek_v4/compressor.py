@@ -27,9 +27,11 @@ import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
+from dspark.kernels.indexer_ref import select_topk_ref
+from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import Rope, apply_rope
-from dspark.models.deepseek_v4.state import CompressorCache
+from dspark.models.deepseek_v4.state import CompressorCache, RaggedBatch, copy_rows
 
 # Queries scored against all index keys at once are chunked so that the [S, Hi, T] fp32 score
 # tensor stays below this many elements (long prompts would otherwise need tens of GB).
@@ -71,21 +73,82 @@ class Compressor(nn.Module):
         if last > first:
             cache.append_entries(self._entries(cache, first, last, rope))
 
+    def update_batch(self, caches: list[CompressorCache], kv: torch.Tensor, score: torch.Tensor, batch: RaggedBatch,
+                     rope: Rope) -> None:
+        """`update` for every request of a ragged call (kv, score [N, coff·d_c]): rows are appended per
+        request, the entries they complete are pooled and rotated in one pass for all requests.
+
+        Pooling, norm and RoPE treat every entry on its own, so this equals per-request `update`.
+        """
+        firsts = [cache.n_entries for cache in caches]
+        reserved = [cache.reserve_rows(n) for cache, n in zip(caches, batch.seq_lens)]
+        rows = [batch.rows(b) for b in range(len(caches))]
+        for i, values in enumerate((kv, score)):  # one multi-tensor copy per dtype
+            copy_rows([pair[i] for pair in reserved], [values[r] for r in rows])
+        spans = [(cache, first, cache.rows_end // self.rate) for cache, first in zip(caches, firsts)]
+        spans = [span for span in spans if span[2] > span[1]]
+        if not spans:
+            return
+        if self.overlap:
+            kv_slots, score_slots = self._overlap_slots_batch(spans)
+        else:
+            slots = [self._slots(cache, first, last) for cache, first, last in spans]
+            kv_slots, score_slots = (torch.cat(part) if len(part) > 1 else part[0] for part in zip(*slots))
+        positions = torch.cat([torch.arange(first, last) for _, first, last in spans]) * self.rate
+        entries = self._pool(kv_slots, score_slots, positions.to(kv.device, non_blocking=True), rope)
+        counts = [last - first for _, first, last in spans]
+        copy_rows([cache.reserve_entries(n) for (cache, _, _), n in zip(spans, counts)], list(entries.split(counts)))
+
     def _entries(self, cache: CompressorCache, first: int, last: int, rope: Rope) -> torch.Tensor:
         """Entries first..last−1 from the cached rows: [last − first, d_c]."""
+        kv, score = self._slots(cache, first, last)
+        return self._pool(kv, score, torch.arange(first, last, device=kv.device) * self.rate, rope)
+
+    def _slots(self, cache: CompressorCache, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv, score) slots [last − first, slots, d_c] of entries first..last−1 from the cached rows."""
         m = self.rate
         kv, score = cache.rows()
         if self.overlap:
-            kv, score = self._overlap_slots(kv, score, cache.rows_start, first, last)
-        else:
-            lo = first * m - cache.rows_start
-            kv = kv[lo : lo + (last - first) * m].unflatten(0, (last - first, m))  # [n, m, d_c]
-            score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
+            return self._overlap_slots(kv, score, cache.rows_start, first, last)
+        lo = first * m - cache.rows_start
+        kv = kv[lo : lo + (last - first) * m].unflatten(0, (last - first, m))  # [n, m, d_c]
+        score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
+        return kv, score
+
+    def _pool(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Slots [n, slots, d_c] of n entries starting at `positions` [n] -> rotated entries [n, d_c]."""
         # Per-channel softmax over the slots (fp32), weighted sum, RMSNorm: the registry's op.
         normed = self.pool_op(kv, score, self.norm.weight, eps=self.norm.eps, out_dtype=kv.dtype)  # [n, d_c]
-        positions = torch.arange(first, last, device=kv.device) * m
         cos, sin = rope.cos_sin(positions)
         return apply_rope(normed, cos, sin)
+
+    def _overlap_slots_batch(self, spans: list[tuple[CompressorCache, int, int]]):
+        """`_overlap_slots` of entries first..last−1 of several caches at once: their row windows are
+        concatenated (plus one empty window: value 0, logit −inf, the "a" slots of entry 0) and the
+        slots gathered from it with one index -> (kv, score) [Σ n, 2m, d_c]."""
+        m, d = self.rate, self.head_dim
+        kv_parts, score_parts, prev, cur, n_windows = [], [], [], [], 0
+        for cache, first, last in spans:
+            kv, score = cache.rows()
+            lo = max(first - 1, 0)  # first window read: the "a" halves of entry first's predecessor
+            rows = slice(lo * m - cache.rows_start, last * m - cache.rows_start)
+            kv_parts.append(kv[rows])
+            score_parts.append(score[rows])
+            windows = torch.arange(first - lo, last - lo) + n_windows  # window w of each entry
+            cur.append(windows)
+            before = windows - 1
+            if first == 0:
+                before[0] = -1  # the empty window appended last
+            prev.append(before)
+            n_windows += last - lo
+        kv_parts.append(kv_parts[0].new_zeros(m, 2 * d))  # window −1 of entry 0 (row −1 of the gather)
+        score_parts.append(score_parts[0].new_full((m, 2 * d), float("-inf")))
+        index = torch.stack((torch.cat(prev), torch.cat(cur))).to(kv_parts[0].device, non_blocking=True)
+        kv_all = torch.cat(kv_parts).unflatten(0, (-1, m))  # [windows + 1, m, 2d]
+        score_all = torch.cat(score_parts).unflatten(0, (-1, m))
+        kv = torch.cat((kv_all[index[0], :, :d], kv_all[index[1], :, d:]), dim=1)  # [n, 2m, d]
+        score = torch.cat((score_all[index[0], :, :d], score_all[index[1], :, d:]), dim=1)
+        return kv, score
 
     def _overlap_slots(self, kv, score, rows_start: int, first: int, last: int):
         """Slots [n, 2m, d_c] of entries first..last−1: "a" halves of window w−1, then "b" halves of w."""
@@ -120,6 +183,8 @@ class Indexer(nn.Module):
 
     Scoring and top-k run as the kernel registry's `lightning_indexer` (`kernels`; default the
     torch reference), whose tie rule (equal scores: the lower entry id wins) the model inherits.
+    Several requests at once (`select`) are scored together in torch over keys padded to the
+    longest request (the registry op takes one key set), with the same formula and tie rule.
     """
 
     def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, rate: int,
@@ -160,3 +225,34 @@ class Indexer(nn.Module):
         picks = [self.select_op(q[i : i + chunk], weights[i : i + chunk], keys, visible[i : i + chunk], None,
                                 topk=self.topk)[0] for i in range(0, q.shape[0], chunk)]
         return torch.cat(picks)
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor],
+               batch: RaggedBatch) -> torch.Tensor:
+        """Top-k visible entries of every row of a ragged call.
+
+        q [N, Hi, di], weights [N, Hi] (all rows), keys one [T_b, di] per request ->
+        [N, min(k, T_max)] long entry ids of the row's own request, ascending, −1 padded.
+
+        One request (or a call dominated by one long request) runs the registry op per request;
+        otherwise all requests are scored in one padded pass (`_select_padded`).
+        """
+        n_keys = [k.shape[0] for k in keys]
+        width = min(self.topk, max(n_keys))
+        if width == 0:
+            return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+        if pads_well(batch):
+            return self._select_padded(q, weights, keys, batch, width)
+        picks = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
+        for b, request_keys in enumerate(keys):
+            rows = batch.rows(b)
+            ids = self(q[rows], weights[rows], request_keys, batch.positions[rows])
+            picks[rows, : ids.shape[1]] = ids
+        return picks
+
+    def _select_padded(self, q, weights, keys: list[torch.Tensor], batch: RaggedBatch, width: int) -> torch.Tensor:
+        """`select` for many requests in one padded pass (`padded_index_scores`), top-k by
+        `select_topk_ref` (the op's tie rule) over the entries each row can see."""
+        scores = padded_index_scores(q, weights, keys, batch)  # [N, T_max] fp32
+        visible = (batch.positions + 1) // self.rate  # <= T_b: a request's padding is never visible
+        reachable = torch.arange(scores.shape[1], device=q.device) < visible.unsqueeze(-1)
+        return select_topk_ref(scores.masked_fill(~reachable, float("-inf")), self.topk)  # [N, width]

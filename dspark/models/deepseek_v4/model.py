@@ -9,7 +9,9 @@
 
 One ragged call serves chunked prefill, one-token decode and multi-token verify (docs/design.md):
 the N rows are the concatenated new tokens of several requests; dense parts (projections, MoE, mHC)
-run over all N rows at once, attention / compressors / indexer per request. Parameter names are
+run over all N rows at once, and so does attention: one sparse-attention call per layer over a pool
+that concatenates every request's window and entries (`pool.py`); only the appends to each
+request's state are per request (one multi-tensor copy per kind). Parameter names are
 the official checkpoint keys (`embed.weight`, `layers.{i}.attn.wq_a.weight`, ..., `mtp.0.*`).
 
 The MTP block (`mtp.0`, spec §12) is a sliding-window, score-routed layer with its own input

@@ -36,6 +36,7 @@ re-allocated if that happens, which is correct but slow.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,10 @@ class Rows:
         return self._data[self._lo : self._hi]
 
     def append(self, rows: torch.Tensor) -> None:
-        n = rows.shape[0]
+        self.reserve(rows.shape[0])[:] = rows
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """Make room for n more rows and return them [n, *tail] to be written (`copy_rows`)."""
         # An inference-mode buffer cannot be written outside inference mode: copy it out first.
         foreign = self._data.is_inference() and not torch.is_inference_mode_enabled()
         if self._hi + n > self._data.shape[0] or foreign:
@@ -66,8 +70,8 @@ class Rows:
                                device=self._data.device)
             data[:live] = self.view()
             self._data, self._lo, self._hi = data, 0, live
-        self._data[self._hi : self._hi + n] = rows
         self._hi += n
+        return self._data[self._hi - n : self._hi]
 
     def drop_front(self, n: int) -> None:
         self._lo += n
@@ -94,6 +98,10 @@ class WindowCache:
 
     def append(self, latents: torch.Tensor) -> None:
         self._rows.append(latents)
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """Room for the latents [n, d] of the next n positions (write them with `copy_rows`)."""
+        return self._rows.reserve(n)
 
     def prune(self, length: int) -> None:
         """Keep the W − 1 latents before `length`: a query at `length` or later sees no older one."""
@@ -147,8 +155,16 @@ class CompressorCache:
         self._kv.append(kv)
         self._score.append(score)
 
+    def reserve_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for the (C, Z + ape) rows of the next n positions (write them with `copy_rows`)."""
+        return self._kv.reserve(n), self._score.reserve(n)
+
     def append_entries(self, entries: torch.Tensor) -> None:
         self._entries.append(entries)
+
+    def reserve_entries(self, n: int) -> torch.Tensor:
+        """Room for the next n entries [n, d_c] (write them with `copy_rows`)."""
+        return self._entries.reserve(n)
 
     def live_from(self, length: int) -> int:
         """First position whose rows a future entry can still pool."""
@@ -164,6 +180,18 @@ class CompressorCache:
         self._kv.keep_first(n - self.rows_start)
         self._score.keep_first(n - self.rows_start)
         self._entries.keep_first(n // self.rate)
+
+
+def copy_rows(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i][:] = src[i] for the reserved rows of many requests, as one multi-tensor copy (a ragged
+    call appends to B caches per layer: one launch instead of B). Autograd-tracked sources take the
+    plain per-tensor copy."""
+    if len(dst) == 1 or (torch.is_grad_enabled() and any(s.requires_grad for s in src)):
+        for d, s in zip(dst, src):
+            d[:] = s
+        return
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 @dataclass
@@ -296,9 +324,13 @@ def plan_batch(input_ids: torch.Tensor, states: list, seq_lens: list[int], n_lay
     if not states or wrong:
         raise ValueError(f"states {wrong} do not belong to this model ({n_layers} attention layer(s) expected)")
     starts = tuple(state.begin_step() for state in states)
-    offsets = tuple(sum(seq_lens[:b]) for b in range(len(seq_lens)))
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)]).to(device)
-    return RaggedBatch(input_ids.to(device), positions, tuple(seq_lens), offsets, starts)
+    offsets = tuple(itertools.accumulate(seq_lens[:-1], initial=0))
+    first = torch.tensor(starts) - torch.tensor(offsets)  # position of row 0 if request b owned it
+    positions = torch.repeat_interleave(first, torch.tensor(seq_lens)) + torch.arange(len(input_ids))
+    # non_blocking: a host tensor in pageable memory is staged before the call returns, so nothing
+    # here waits for the device (a blocking copy would synchronise the stream every step).
+    return RaggedBatch(input_ids.to(device, non_blocking=True), positions.to(device, non_blocking=True),
+                       tuple(seq_lens), offsets, starts)
 
 
 def check_capture(capture_layers, n_layers: int) -> frozenset[int]:

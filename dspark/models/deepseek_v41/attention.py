@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from dspark.models.deepseek_v4.attention import LatentAttention, window_index
+from dspark.models.deepseek_v4.pool import RequestPool
 from dspark.models.deepseek_v4.rope import apply_rope
-from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache
+from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache, copy_rows
 from dspark.models.deepseek_v41.csa2 import Compressor, Indexer, SharedSlots
 from dspark.models.deepseek_v41.qat import CacheQuant
 from dspark.models.deepseek_v41.roles import LayerRole
@@ -49,7 +50,29 @@ class Attention(LatentAttention):
 
     def publish(self, x: torch.Tensor, batch: RaggedBatch, sources: list[SourceCache]) -> None:
         """KV source (spec §5.2-§5.3): x [N, D] (after attn_norm) -> append each request's new
-        entries FP4(RoPE(latent)) and index keys to its `SourceCache`."""
+        entries FP4(RoPE(latent)) and index keys to its `SourceCache`.
+
+        The new latents of all requests are rotated, quantised and keyed in one pass (every step
+        is per entry), then appended per request."""
+        kv, gate = self.compressor.project(x)
+        firsts = [cache.n_entries for cache in sources]
+        if gate is None:
+            latents, counts = kv, list(batch.seq_lens)  # ratio 1: one entry per token, in row order
+        else:
+            latents, counts = self.compressor.pool_batch(sources, kv, gate, batch, x.dtype)
+        if latents.shape[0] == 0:
+            return
+        # Entry j stands for position j·ratio; keys come from the latent before its rotation.
+        positions = torch.cat([torch.arange(first, first + n) for first, n in zip(firsts, counts)]) * self.ratio
+        cos, sin = self.rope.cos_sin(positions.to(x.device, non_blocking=True))
+        entries = self.quant.entries(apply_rope(latents, cos, sin))
+        keys = self.indexer.keys(latents, cos, sin)
+        reserved = [cache.reserve_entries(n) for cache, n in zip(sources, counts) if n]
+        for i, values in enumerate((entries, keys)):
+            copy_rows([pair[i] for pair in reserved], [part for part in values.split(counts) if part.shape[0]])
+
+    def publish_per_request(self, x: torch.Tensor, batch: RaggedBatch, sources: list[SourceCache]) -> None:
+        """`publish` one request at a time (the reference of the batched pass; `forward_per_request`)."""
         kv, gate = self.compressor.project(x)
         for b, cache in enumerate(sources):
             rows = batch.rows(b)
@@ -60,7 +83,6 @@ class Attention(LatentAttention):
                 latents = self.compressor.pool(cache, kv[rows], gate[rows], x.dtype)
             if latents.shape[0] == 0:
                 continue
-            # Entry j stands for position j·ratio; keys come from the latent before its rotation.
             positions = torch.arange(first, first + latents.shape[0], device=x.device) * self.ratio
             cos, sin = self.rope.cos_sin(positions)
             entries = self.quant.entries(apply_rope(latents, cos, sin))
@@ -73,12 +95,36 @@ class Attention(LatentAttention):
         windows / sources / slots: per request, this layer's window, its KV source's cache (None
         for ratio 0) and the call's shared slots. `publish=False` skips the KV source's global
         projections when they already ran on these rows' call (bounded replay, spec §6.2).
+        All requests share one attention call over one pool (`RequestPool`); an index source still
+        picks per request (its candidate pool is per request).
         """
         cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
         q_lora, q, kv = self.project_qkv(x, cos, sin)
         kv = self.quant.window(kv)  # the window cache is FP8 (QAT over all dims, blocks of 32)
         if self.compressor is not None and publish:
             self.publish(x, batch, sources)
+        index_q = self.indexer.queries(x, q_lora, cos, sin) if self.indexer is not None else None
+        rows = [batch.rows(b) for b in range(len(windows))]
+        copy_rows([w.reserve(n) for w, n in zip(windows, batch.seq_lens)], [kv[r] for r in rows])
+        if self.ratio and self.indexer is not None:
+            self.indexer.select_batch(*index_q, [source.index_keys() for source in sources], batch, slots)
+        entries = [source.entries() for source in sources] if self.ratio else []
+        layout = RequestPool(batch, [w.start for w in windows], [w.latents() for w in windows], entries)
+        index = layout.window_index(batch.positions, self.window)  # [N, W]
+        if self.ratio:  # the latest index source's picks, same rows in the same call
+            index = torch.cat((index, layout.entry_rows(_stack_picks([slot.topk for slot in slots]))), dim=-1)
+        out = self.attend_op(q, layout.pool(), index, self.attn_sink, self.scale)  # [N, H, d]
+        return self.project_out(out, cos, sin)
+
+    def forward_per_request(self, x: torch.Tensor, batch: RaggedBatch, windows: list[WindowCache],
+                            sources: list[SourceCache | None], slots: list[SharedSlots],
+                            publish: bool = True) -> torch.Tensor:
+        """`forward` with one attention call per request (the reference of the batched call)."""
+        cos, sin = self.rope.cos_sin(batch.positions)  # [N, rd/2] fp32
+        q_lora, q, kv = self.project_qkv(x, cos, sin)
+        kv = self.quant.window(kv)
+        if self.compressor is not None and publish:
+            self.publish_per_request(x, batch, sources)
         index_q = self.indexer.queries(x, q_lora, cos, sin) if self.indexer is not None else None
         out = torch.empty_like(q)
         for b, window in enumerate(windows):
@@ -101,3 +147,10 @@ class Attention(LatentAttention):
             pool = torch.cat((raw, source.entries()))
             index = torch.cat((index, torch.where(picks >= 0, picks + raw.shape[0], -1)), dim=-1)
         return self.attend_op(q, pool, index, self.attn_sink, self.scale)
+
+
+def _stack_picks(picks: list[torch.Tensor]) -> torch.Tensor:
+    """Per-request entry ids [S_b, k_b] (k_b = min(k, T_b)) -> [N, max k_b], −1 padded."""
+    width = max(p.shape[1] for p in picks)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) if p.shape[1] < width else p
+                      for p in picks])

@@ -33,9 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
+from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v41.qat import CacheQuant
+from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
+from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
 from dspark.models.deepseek_v41.state import SourceCache
 
 # Queries scored at once are chunked so that the [S, Hi, T] fp32 score tensor stays below this
@@ -63,6 +66,32 @@ class Compressor(nn.Module):
             return self.norm(self.wkv(x)), None
         x32 = x.float()  # the reference pools in fp32, weights promoted from BF16
         return F.linear(x32, self.wkv.weight.float()), F.linear(x32, self.wgate.weight.float())
+
+    def pool_batch(self, caches: list[SourceCache], kv: torch.Tensor, gate: torch.Tensor, batch: RaggedBatch,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+        """`pool` for every request of a ragged call (kv, gate [N, d], ratio > 1): rows appended per
+        request, the groups they complete pooled in one op call. Returns (latents [Σ n_new, d] in
+        request order, n_new per request); pooling is per group, so this equals per-request `pool`."""
+        firsts = [cache.n_entries for cache in caches]
+        reserved = [cache.reserve_rows(n) for cache, n in zip(caches, batch.seq_lens)]
+        rows = [batch.rows(b) for b in range(len(caches))]
+        for i, values in enumerate((kv, gate)):
+            copy_rows([pair[i] for pair in reserved], [values[r] for r in rows])
+        counts, kv_groups, gate_groups = [], [], []
+        for cache, first in zip(caches, firsts):
+            last = cache.rows_end // self.ratio
+            counts.append(last - first)
+            if last > first:
+                kv_rows, gate_rows = cache.rows()
+                lo = first * self.ratio - cache.rows_start
+                span = slice(lo, lo + (last - first) * self.ratio)
+                kv_groups.append(kv_rows[span].unflatten(0, (last - first, self.ratio)))  # [n_new, ratio, d]
+                gate_groups.append(gate_rows[span].unflatten(0, (last - first, self.ratio)))
+        if not kv_groups:
+            return kv.new_empty((0, kv.shape[-1]), dtype=dtype), counts
+        latents = self.pool_op(torch.cat(kv_groups), torch.cat(gate_groups), self.norm.weight, eps=self.norm.eps,
+                               out_dtype=dtype)
+        return latents, counts
 
     def pool(self, cache: SourceCache, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Append one request's rows [S, d] (ratio > 1) and return the latents [n_new, d] of the
@@ -156,3 +185,45 @@ class Indexer(nn.Module):
         if self.is_candidate_source:
             slots.candidates = torch.cat(pools)
         return torch.cat(picks)
+
+    def select_batch(self, q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor], batch: RaggedBatch,
+                     slots: list[SharedSlots]) -> None:
+        """`select` for every request of a ragged call: sets slots[b].topk (and, for the candidate
+        source, slots[b].candidates) exactly as per-request `select` calls would.
+
+        q [N, Hi, di], weights [N, Hi] (all rows); keys one [T_b, di] per request. Requests with alike
+        row counts are scored in one padded pass (`padded_index_scores`, the op reference's formula
+        and tie rule), otherwise each runs `select` (the registry op).
+        """
+        t_max = max(k.shape[0] for k in keys)
+        if t_max == 0 or not pads_well(batch):
+            for b, request_keys in enumerate(keys):
+                rows = batch.rows(b)
+                slots[b].topk = self.select(q[rows], weights[rows], request_keys, batch.positions[rows], slots[b])
+            return
+        visible = (batch.positions + 1) // self.ratio  # [N], <= T_b: padding is never reachable
+        reachable = torch.arange(t_max, device=q.device) < visible.unsqueeze(-1)  # [N, T_max]
+        if self.uses_candidates and not self.is_candidate_source:
+            reachable &= _padded_pool([slot.candidates for slot in slots], batch, t_max, q.device)
+        scores = padded_index_scores(q, weights, keys, batch).masked_fill(~reachable, float("-inf"))
+        picks = select_topk_ref(scores, self.topk)  # [N, min(k, T_max)]
+        pools = None
+        if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
+            pools = candidate_mask(scores, visible, self.candidate_blocks, self.candidate_block_size)
+        for b, request_keys in enumerate(keys):
+            rows, n_keys = batch.rows(b), request_keys.shape[0]
+            slots[b].topk = picks[rows, : min(self.topk, n_keys)]
+            if pools is not None and n_keys:
+                slots[b].candidates = pools[rows, :n_keys]
+
+
+def _padded_pool(pools: list[torch.Tensor | None], batch: RaggedBatch, width: int, device) -> torch.Tensor:
+    """Per-request candidate pools [S_b, T_b] (None: no pool, every entry allowed) -> [N, width] bool,
+    False beyond T_b."""
+    out = torch.ones(sum(batch.seq_lens), width, dtype=torch.bool, device=device)
+    for b, pool in enumerate(pools):
+        if pool is not None:
+            rows = batch.rows(b)
+            out[rows] = torch.nn.functional.pad(pool, (0, width - pool.shape[1]), value=False)
+    return out
+

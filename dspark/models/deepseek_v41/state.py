@@ -77,6 +77,14 @@ class SourceCache:
         self._entries.append(entries)
         self._keys.append(keys)
 
+    def reserve_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for the (kv, gate) rows of the next n positions (write them with `copy_rows`)."""
+        return self._kv.reserve(n), self._gate.reserve(n)
+
+    def reserve_entries(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for the next n (entries, index keys) (write them with `copy_rows`)."""
+        return self._entries.reserve(n), self._keys.reserve(n)
+
     def live_from(self, length: int) -> int:
         """First position whose rows a future entry still pools (the incomplete group's start)."""
         return (length // self.rate) * self.rate
