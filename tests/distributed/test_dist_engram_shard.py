@@ -167,3 +167,33 @@ def test_engram_shard_refuses_more_ranks_than_rows():
 
     with pytest.raises(ValueError, match="3 rows cannot be split over 4 ranks"):
         ShardedEngramTable.from_table(EngramTable(3, 32), _comm(0, 4), exchange=False)
+
+
+def test_host_tables_are_deferred_and_recreated_at_the_rank_share():
+    """A GPU run keeps the released tables in host memory: `deferred_weights(host=True)` must not
+    allocate them whole, and the sharded table then allocates only this rank's rows, on the host."""
+    from dspark.distributed.deferred import deferred_weights
+    from dspark.distributed.engram_shard import ShardedEngramTable
+    from dspark.models.deepseek_v41.engram import EngramTable
+
+    accelerator = torch.device("cuda", 0)  # only compared against, never allocated on
+    with deferred_weights(accelerator):
+        assert not EngramTable(10, 32, host=True).weight.is_meta  # host tables are left alone by default
+    with deferred_weights(accelerator, host=True):
+        table = EngramTable(10, 32, host=True)
+    assert table.weight.is_meta
+    sharded = ShardedEngramTable.from_table(table, _comm(1, 2), exchange=True)
+    assert sharded.host and not sharded.weight.is_meta
+    assert sharded.weight.device.type == "cpu" and sharded.weight.shape == (5, 32)
+
+
+def test_cli_engram_shard(capsys):
+    from dspark.cli import main
+    from dspark.distributed.launch import config_from_env
+
+    env = {"WORLD_SIZE": "2", "RANK": "0"}
+    assert config_from_env(2, 1, True, "gloo", env, engram_shard=True).engram_shard
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "a", "--model", "random-tiny", "--max-new-tokens", "1", "--engram-shard"])
+    assert exit_info.value.code == 2
+    assert "--engram-shard needs --ep or --tp" in capsys.readouterr().err
