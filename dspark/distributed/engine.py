@@ -5,8 +5,8 @@ exchange. Ranks own different requests, so one rank may have prompt chunks to fe
 has none, or finish earlier. Each step therefore starts with one small all-reduce deciding which
 phases (prefill, decode) run anywhere; a rank with nothing to do in a running phase joins each
 layer's exchanges with zero tokens (`DispatchMoE.idle`), after the lookups of the sharded Engram
-tables (`ShardedEngramTable.idle`), which the model issues before layer 0. Drafting and planning stay local: the
-drafter, the planner and the sampling of each rank only see its own requests.
+tables (`ShardedEngramTable.idle`), which the model issues before layer 0. Drafting and planning
+stay local: the drafter, the planner and the sampling of each rank only see its own requests.
 """
 
 from __future__ import annotations

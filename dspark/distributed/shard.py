@@ -3,9 +3,9 @@
 The model files stay single-device; this walks `model.layers[i].ffn` (DeepSeek-V4 and V4.1 alike)
 and replaces each by the module of `ParallelConfig.layout`; under "tp" it also keeps each rank's
 attention heads of `model.layers[i].attn` (`split_heads`). With `engram_shard` it first replaces
-the hash table of every V4.1 Engram layer by this rank's rows (`ShardedEngramTable`). The MTP block and the DSpark drafter's
-own blocks are left as they are: they run per DP rank, replicated, and join no collective, so
-a rank may draft for its own requests whatever the other ranks do.
+the hash table of every V4.1 Engram layer by this rank's rows (`ShardedEngramTable`). The MTP
+block and the DSpark drafter's own blocks are left as they are: they run per DP rank, replicated,
+and join no collective, so a rank may draft for its own requests whatever the other ranks do.
 """
 
 from __future__ import annotations

@@ -110,7 +110,8 @@ def run(rank: int, port: int, out_dir: str, checkpoint: str) -> None:
         return init_model("tiny-v41", seed=0, prefill_mode="exact")  # every logits row computed
 
     reference = make_model()
-    res = {"ref_logits": forward_logits(reference, PROMPTS), "ref_tokens": generate(Engine(reference, ENGINE), range(3)),
+    res = {"ref_logits": forward_logits(reference, PROMPTS),
+           "ref_tokens": generate(Engine(reference, ENGINE), range(3)),
            "ref_ckpt_tokens": generate(Engine(load_model(checkpoint), ENGINE), range(3))}
     comm = init_distributed(ParallelConfig(2, rank, ep=2), f"tcp://127.0.0.1:{port}")
     for layout in LAYOUTS:
