@@ -28,6 +28,8 @@ def _generate(args) -> int:
         return generate_distributed(args)
     if len(args.prompt) != 1:
         raise ValueError(f"{len(args.prompt)} prompts given: several prompts need --ep or --tp (a parallel run)")
+    if args.engram_shard:
+        raise ValueError("--engram-shard needs --ep or --tp above 1 (ranks to shard the Engram tables over)")
     args.prompt = args.prompt[0]
     if args.device == "cpu":
         torch.set_num_threads(args.threads)  # process-wide, set here at the edge only
@@ -161,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--tp-epilogue", default="auto", choices=("auto", "fused", "ref"),
                    help="with --tp: the MoE epilogue, fused on GPUs when possible (auto), always (fused) "
                         "or never (ref)")
+    g.add_argument("--engram-shard", action="store_true",
+                   help="with --ep/--tp, DeepSeek-V4.1: each rank holds and reads 1/world_size of the rows of "
+                        "every Engram table instead of a whole copy; lookups cross the ranks")
     g.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo", help="nccl or gloo")
     g.set_defaults(run=_generate)
     _add_eval_accept(sub)

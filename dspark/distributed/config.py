@@ -20,6 +20,9 @@ Under "tp" the MoE epilogue (cross-rank sum, finalize, shared-expert add) runs e
 all-reduce plus torch ops or fused (`dspark.distributed.fused_allreduce`): `tp_epilogue` "auto"
 fuses where the group supports it (CUDA, NCCL, one host, Triton) and batches fit
 `tp_fused_tokens`, "fused" requires it, "ref" never fuses.
+
+`engram_shard` splits DeepSeek-V4.1's Engram hash tables by rows over the ranks instead of
+replicating them (`dspark.distributed.engram_shard`), in every layout.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ class ParallelConfig:
     backend : "gloo" (CPU tensors) or "nccl" (CUDA tensors).
     tp_epilogue : "auto", "fused" or "ref": the TP MoE epilogue (see the module docstring).
     tp_fused_tokens : the most tokens per MoE call the fused epilogue takes (it sizes the symmetric
-        buffers: 2·t·tokens·(K+1)·D fp32 per rank); larger calls use the reference."""
+        buffers: 2·t·tokens·(K+1)·D fp32 per rank); larger calls use the reference.
+    engram_shard : each rank holds 1/world_size of the rows of every Engram table (V4.1 only; the
+        lookups then cross the ranks); False replicates the tables."""
 
     world_size: int = 1
     rank: int = 0
@@ -50,6 +55,7 @@ class ParallelConfig:
     backend: str = "gloo"
     tp_epilogue: str = "auto"
     tp_fused_tokens: int = 128
+    engram_shard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "ep", "tp", "tp_fused_tokens"):
@@ -68,8 +74,9 @@ class ParallelConfig:
             raise ValueError(f"tp_epilogue must be one of {EPILOGUES}, got {self.tp_epilogue!r}")
         if self.tp_epilogue == "fused" and (self.tp == 1 or self.backend != "nccl"):
             raise ValueError(f"tp_epilogue='fused' needs tp > 1 on nccl, got tp={self.tp}, backend={self.backend!r}")
-        if not isinstance(self.dp_attention, bool):
-            raise ValueError(f"dp_attention must be a bool, got {self.dp_attention!r}")
+        for name in ("dp_attention", "engram_shard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.ep > 1 and self.tp > 1:
             raise ValueError(f"ep={self.ep} and tp={self.tp}: combining expert and tensor parallelism is not supported")
         degree = max(self.ep, self.tp)
@@ -77,6 +84,8 @@ class ParallelConfig:
             raise ValueError(f"ep={self.ep}, tp={self.tp}: the parallel degree must equal world_size={self.world_size}")
         if self.dp_attention and self.ep == 1:
             raise ValueError(f"dp_attention needs ep = world_size > 1, got ep={self.ep}")
+        if self.engram_shard and self.world_size == 1:
+            raise ValueError("engram_shard=True needs several ranks to shard over, got world_size=1")
 
     @property
     def layout(self) -> str:

@@ -11,7 +11,9 @@ stacked routed experts of `deepseek_v4.moe.MoE` first of all) are created, while
 constructors compute (RoPE frequencies, Engram hashing constants: non-persistent buffers made by
 `arange`, `tensor`, ...) and the small `zeros`/`ones`-initialised parameters (norms, sinks, mHC)
 are made for real, so the model files need no meta-device support. A `torch.empty` for another
-device (the host-memory Engram tables of a GPU model) is left alone.
+device (the host-memory Engram tables of a GPU model) is left alone, unless `host=True` defers the
+host's too: for sharded Engram tables (`engram_shard`), which `parallelize` re-creates at this
+rank's share, in host memory, so the whole tables are never allocated.
 
 `materialize` then gives every remaining meta parameter or persistent buffer fresh, uninitialised
 storage on `device` (a loader must fill every one of them), and raises if a tensor the loader
@@ -32,9 +34,10 @@ _META = torch.device("meta")
 class _DeferEmpty(TorchFunctionMode):
     """`torch.empty(..., device=d)` with d == `device` (or no device, on a CPU build) -> meta."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, host: bool):
         super().__init__()
         self.device = device
+        self.host = host
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -47,16 +50,17 @@ class _DeferEmpty(TorchFunctionMode):
         requested = torch.device("cpu") if device is None else torch.device(device)
         if requested.type == "cuda" and requested.index is None:
             requested = torch.device("cuda", torch.cuda.current_device())
-        return requested == self.device
+        return requested == self.device or (self.host and requested.type == "cpu")
 
 
 @contextlib.contextmanager
-def deferred_weights(device: str | torch.device):
-    """Inside, `torch.empty` calls for `device` make meta tensors (see the module docstring)."""
+def deferred_weights(device: str | torch.device, host: bool = False):
+    """Inside, `torch.empty` calls for `device` (and for the host with `host=True`) make meta
+    tensors (see the module docstring)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with _DeferEmpty(device):
+    with _DeferEmpty(device, host):
         yield
 
 

@@ -1,4 +1,4 @@
-"""`dspark generate --ep/--tp/--dp-attention` under torchrun: the launcher edge.
+"""`dspark generate --ep/--tp/--dp-attention/--engram-shard` under torchrun: the launcher edge.
 
 This is the only module of `dspark.distributed` that reads the environment (torchrun's RANK,
 WORLD_SIZE, LOCAL_RANK; MASTER_ADDR / MASTER_PORT are read by torch's env:// rendezvous). It turns
@@ -28,7 +28,8 @@ from dspark.validate import encode_prompts
 
 
 def config_from_env(ep: int, tp: int, dp_attention: bool, backend: str,
-                    environ: Mapping[str, str] = os.environ, tp_epilogue: str = "auto") -> ParallelConfig:
+                    environ: Mapping[str, str] = os.environ, tp_epilogue: str = "auto",
+                    engram_shard: bool = False) -> ParallelConfig:
     """ParallelConfig from torchrun's variables (absent: a single process) and the CLI flags."""
     def number(name: str, default: int) -> int:
         value = environ.get(name, str(default))
@@ -38,7 +39,7 @@ def config_from_env(ep: int, tp: int, dp_attention: bool, backend: str,
 
     return ParallelConfig(world_size=number("WORLD_SIZE", 1), rank=number("RANK", 0),
                           local_rank=number("LOCAL_RANK", 0), ep=ep, tp=tp, dp_attention=dp_attention,
-                          backend=backend, tp_epilogue=tp_epilogue)
+                          backend=backend, tp_epilogue=tp_epilogue, engram_shard=engram_shard)
 
 
 def _model(name: str, config: ParallelConfig, comm):
@@ -51,7 +52,8 @@ def _model(name: str, config: ParallelConfig, comm):
 
 def generate_distributed(args) -> int:
     """Body of `dspark generate` when --ep/--tp > 1 (args from dspark.cli)."""
-    config = config_from_env(args.ep, args.tp, args.dp_attention, args.backend, tp_epilogue=args.tp_epilogue)
+    config = config_from_env(args.ep, args.tp, args.dp_attention, args.backend, tp_epilogue=args.tp_epilogue,
+                             engram_shard=args.engram_shard)
     comm = init_distributed(config)
     try:
         model, moe_layers = _model(args.model, config, comm)

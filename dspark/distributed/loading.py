@@ -5,8 +5,10 @@ blocks (dropping the experts other ranks own), allocates what is left (`build_sh
 never allocates another rank's experts), then plans the checkpoint from its safetensors headers and
 copies only the tensors this rank's model has: a routed expert owned by another rank is renamed to
 "ignored" before planning, so its FP4 data and scales are never read; under "tp" the split tensors
-are read as this rank's slices. Everything else (router, embeddings, head, Engram tables, and the
-attention and shared expert outside "tp") is replicated and read by every rank.
+are read as this rank's slices; with `engram_shard` each Engram table is read as this rank's row
+range (with its scale rows). Everything else (router, embeddings, head, Engram tables without
+`engram_shard`, and the attention and shared expert outside "tp") is replicated and read by every
+rank.
 
 Supported: DeepSeek-V4 and V4.1 checkpoints in the official layout (quantised or not), for the
 "dep", "ep" and "tp" layouts. Under "tp" the split tensors (attention heads, expert widths) are read
@@ -27,8 +29,9 @@ from dspark.api import CONFIG_FILE, DRAFTER_DIR, EMBEDDED, build_model, load_tok
 from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
 from dspark.distributed.deferred import deferred_weights, materialize
+from dspark.distributed.engram_shard import owned_rows
 from dspark.distributed.shard import parallelize
-from dspark.distributed.tp_loading import plan_split_sources
+from dspark.distributed.tp_loading import decoded_shape, plan_split_sources, range_source
 from dspark.draft.io import dspark_from_checkpoint, dspark_from_v41_checkpoint, load_drafter
 from dspark.loader import SafetensorsReader, load_tensors, plan_sources
 from dspark.models.deepseek_v4 import checkpoint as v4
@@ -65,8 +68,9 @@ def build_sharded(config: dict, parallel: ParallelConfig, comm: Comm, device: st
                   dtype: torch.dtype | None = None, **options) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """This rank's model of a `config.json` dict, parallelised, with uninitialised weights; returns
     (model, parallel MoE layers). Built on the meta device first (`deferred_weights`), so only the
-    tensors this rank keeps are ever allocated: its E / ep routed experts per layer, not all E."""
-    with deferred_weights(device):
+    tensors this rank keeps are ever allocated: its E / ep routed experts per layer, not all E, and
+    with `engram_shard` its rows of each Engram table, wherever the tables live."""
+    with deferred_weights(device, host=parallel.engram_shard):
         model = build_model(config, device, dtype, **options)
     moe_layers = parallelize(model, parallel, comm)
     return materialize(model, device), moe_layers
@@ -129,9 +133,28 @@ def _load_v41(model, path: Path, config: dict, parallel: ParallelConfig) -> None
     tensors = model.state_dict(keep_vars=True)
     with SafetensorsReader(path) as reader:
         sources, problems = _plan(reader, _owned_only(v41.official_name, set(tensors)), fp8_block, FP4_BLOCK, parallel)
+        if parallel.engram_shard:
+            _plan_engram_rows(reader, sources, problems, fp8_block, parallel)
         load_tensors(tensors, sources, problems=problems, where=str(path))
     tokenizer_file = path / "tokenizer.json"
     if tokenizer_file.is_file() and model.engram_ids:
         from tokenizers import Tokenizer
 
         model.bind_tokenizer(Tokenizer.from_file(str(tokenizer_file)))
+
+
+def _plan_engram_rows(reader, sources: dict, problems: dict, fp8_block, parallel: ParallelConfig) -> None:
+    """Re-plan every Engram table (`*.engram.embed.weight`) as this rank's row range (`owned_rows`,
+    as `ShardedEngramTable` holds it), in place: FP8 rows with their 1 × 32 scale rows."""
+    for key in reader.keys():
+        name = v41.official_name(key)
+        if name is None or v41.disk_format(name) != v41.FP8_ROWS:
+            continue
+        rows = owned_rows(decoded_shape(reader, key)[0], parallel.rank, parallel.world_size)
+        source, problem = range_source(reader, key, 0, rows.start, rows.stop, fp8_block(key), FP4_BLOCK)
+        sources.pop(name, None)
+        problems.pop(name, None)
+        if problem:
+            problems[name] = problem
+        else:
+            sources[name] = source

@@ -2,9 +2,10 @@
 
 The model files stay single-device; this walks `model.layers[i].ffn` (DeepSeek-V4 and V4.1 alike)
 and replaces each by the module of `ParallelConfig.layout`; under "tp" it also keeps each rank's
-attention heads of `model.layers[i].attn` (`split_heads`). The MTP block and the DSpark drafter's
-own blocks are left as they are: they run per DP rank, replicated, and join no collective, so
-a rank may draft for its own requests whatever the other ranks do.
+attention heads of `model.layers[i].attn` (`split_heads`). With `engram_shard` it first replaces
+the hash table of every V4.1 Engram layer by this rank's rows (`ShardedEngramTable`). The MTP
+block and the DSpark drafter's own blocks are left as they are: they run per DP rank, replicated,
+and join no collective, so a rank may draft for its own requests whatever the other ranks do.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from dspark.distributed.attention import split_heads
 from dspark.distributed.comm import Comm
 from dspark.distributed.config import ParallelConfig
+from dspark.distributed.engram_shard import shard_engram_tables
 from dspark.distributed.fused_allreduce import PushWorkspace, fused_unsupported
 from dspark.distributed.moe import ColumnMoE, DispatchMoE, SliceMoE
 
@@ -26,13 +28,16 @@ def parallelize(model: nn.Module, config: ParallelConfig, comm: Comm) -> list[nn
     A single-process config leaves the model untouched (and returns []). Experts a rank does not
     own are dropped here: build the model, `parallelize`, then load (`load_sharded`) so that only
     owned experts are ever read. Raises ValueError when the process group does not match `config`
-    or the experts (or, under "tp", the attention's output groups) do not split evenly.
+    or the experts (or, under "tp", the attention's output groups) do not split evenly, and for
+    `engram_shard` on a model without Engram tables.
     """
     if config.layout == "single":
         return []
     if (comm.rank, comm.size) != (config.rank, config.world_size):
         raise ValueError(f"process group rank {comm.rank} of {comm.size} does not match "
                          f"ParallelConfig rank {config.rank} of {config.world_size}")
+    if config.engram_shard:
+        shard_engram_tables(model, comm, exchange=config.dp_attention)
     if config.layout == "tp":
         workspace = tp_workspace(model, config, comm)
         for layer in model.layers:

@@ -12,7 +12,8 @@
 Quantised weights are sliced in their stored form with the matching rows or columns of their block
 scales and dequantised per slice, which needs the cut to fall on a scale block boundary (FP8
 128×128 / 32×32 blocks, FP4 1×32 blocks of two values per byte); a cut inside a block is
-reported as a problem naming the tensor.
+reported as a problem naming the tensor. `range_source` reads any range along one axis; the
+sharded Engram tables (`engram_shard`, any layout) use it for their row ranges.
 """
 
 from __future__ import annotations
@@ -58,30 +59,42 @@ def plan_split_sources(reader: SafetensorsReader, rename: Callable[[str], str | 
 
 def _slice_source(reader: SafetensorsReader, key: str, axis: int, rank: int, size: int,
                   fp8_block: tuple[int, int], fp4_block: tuple[int, int]) -> tuple[TensorSource | None, str | None]:
-    """Block `rank` of `size` of `key` along `axis` (decoded coordinates), or a problem."""
-    codec = quant_codec(reader, key)
-    stored = reader.shape(key)
-    shape = list(stored if codec != "fp4" else (*stored[:-1], 2 * stored[-1]))
+    """Block `rank` of `size` equal blocks of `key` along `axis` (decoded coordinates), or a problem."""
+    shape = decoded_shape(reader, key)
     if axis >= len(shape) or shape[axis] % size:
         return None, f"{key}: shape {tuple(shape)} does not split into {size} along axis {axis}"
     part = shape[axis] // size
-    start = rank * part
-    shape[axis] = part
+    return range_source(reader, key, axis, rank * part, (rank + 1) * part, fp8_block, fp4_block)
+
+
+def decoded_shape(reader: SafetensorsReader, key: str) -> tuple[int, ...]:
+    """Shape of `key` once decoded (packed FP4 holds two values per byte along the last axis)."""
+    stored = reader.shape(key)
+    return stored if quant_codec(reader, key) != "fp4" else (*stored[:-1], 2 * stored[-1])
+
+
+def range_source(reader: SafetensorsReader, key: str, axis: int, start: int, stop: int,
+                 fp8_block: tuple[int, int], fp4_block: tuple[int, int]) -> tuple[TensorSource | None, str | None]:
+    """Entries [start, stop) of `key` along `axis` (decoded coordinates), or a problem. Reads only
+    those bytes, and of a quantised weight only the matching rows or columns of its block scales."""
+    codec = quant_codec(reader, key)
+    full = decoded_shape(reader, key)
+    if axis >= len(full) or not 0 <= start <= stop <= full[axis]:
+        return None, f"{key}: shape {tuple(full)} has no range [{start}, {stop}) along axis {axis}"
+    shape = tuple(stop - start if i == axis else n for i, n in enumerate(full))
     if codec is None:
-        return TensorSource(tuple(shape),
-                            lambda device: reader.get_part(key, axis, start, start + part).to(device)), None
+        return TensorSource(shape, lambda device: reader.get_part(key, axis, start, stop).to(device)), None
     scales, blocks = scale_key(key), fp8_block if codec == "fp8" else fp4_block
-    full = tuple(size * n if i == axis else n for i, n in enumerate(shape))
     if scales not in reader or reader.shape(scales) != block_grid(full, blocks):
         return None, f"{key}: no block scale {scales} of grid {block_grid(full, blocks)} (block {tuple(blocks)})"
     block = blocks[axis]  # quantised weights are 2-D
-    if part % block:
-        return None, f"{key}: a {size}-way split along axis {axis} cuts its {codec} scale blocks of {block}"
+    if start % block or (stop % block and stop != full[axis]):
+        return None, f"{key}: the range [{start}, {stop}) along axis {axis} cuts its {codec} scale blocks of {block}"
     packed = 2 if codec == "fp4" and axis == len(shape) - 1 else 1  # FP4 packs two values per byte along K
 
     def read(device):
-        weight = reader.get_part(key, axis, start // packed, (start + part) // packed)
-        scale = reader.get_part(scales, axis, start // block, (start + part) // block)
+        weight = reader.get_part(key, axis, start // packed, stop // packed)
+        scale = reader.get_part(scales, axis, start // block, -(-stop // block))
         return dequantize(weight.to(device), scale.to(device), fp8_block, fp4_block)
 
-    return TensorSource(tuple(shape), read), None
+    return TensorSource(shape, read), None
