@@ -1,0 +1,139 @@
+"""mHC fused across block boundaries (issue 6: "the post site fused with the next pre site").
+
+A block's FFN-site post and the next block's attention-site pre run as one `mhc_post_pre`
+(V4) / `mhc_v41_post_pre` (V4.1) op. These tests pin that, on the CPU references:
+
+* the results are bit for bit those of the wiring before the fusion (every block closed:
+  pre, post, pre, post, with the models' own torch functions of deepseek_v4/mhc.py), for logits,
+  the final streams, captured features and, for V4, the MTP block fed from the final streams;
+* the number of mHC op calls per forward, counted by wrapping the registry ops the blocks get:
+  V4 2 per layer + 1 (was 3 per layer); V4.1 the same where every boundary may be fused, plus one
+  per boundary the spec keeps materialised (the input of an Engram layer, a DSpark capture point,
+  the bounded-replay split).
+
+The fused Triton kernels on the whole model (the same wiring) are compared with the references in
+test_kernels_model.py (interpreter on CPU).
+"""
+
+import json
+from collections import Counter
+from importlib import resources
+
+import pytest
+import torch
+
+from dspark.api import init_model
+from dspark.kernels import KernelConfig, get_op
+from dspark.models.deepseek_v4 import model as v4_model
+from dspark.models.deepseek_v4.mhc import collapse, hc_head, hc_post, hc_pre, split_mixes, stream_mixes
+from dspark.models.deepseek_v4.state import plan_batch
+from dspark.models.deepseek_v41 import block as v41_block
+
+REF = KernelConfig.uniform("ref")
+
+
+def tiny_config(name: str) -> dict:
+    return json.loads(resources.files("dspark.configs").joinpath(name).read_text())
+
+
+def ragged_calls(vocab: int):
+    """(ids, seq_lens) of a two-request prefill longer than the window, then one decode step."""
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, vocab - 2, (19,), generator=g), [13, 6]),
+            (torch.randint(0, vocab - 2, (2,), generator=g), [1, 1])]
+
+
+# ------------------------------------------------------------------------------------------- V4
+
+
+def closed_v4_block(layer, x, batch, caches):
+    """The V4 block as wired before the fusion: pre, attention, post, pre, MoE, post (mhc.py)."""
+    iters, hc_eps, norm_eps = layer.sinkhorn_iters, layer.hc_eps, layer.norm_eps
+    u, post, comb = hc_pre(x, layer.hc_attn_fn, layer.hc_attn_base, layer.hc_attn_scale, layer.n_hc, iters,
+                           hc_eps, norm_eps)
+    x = hc_post(layer.attn(layer.attn_norm(u), batch, caches), x, post, comb)
+    v, post, comb = hc_pre(x, layer.hc_ffn_fn, layer.hc_ffn_base, layer.hc_ffn_scale, layer.n_hc, iters,
+                           hc_eps, norm_eps)
+    return hc_post(layer.ffn(layer.ffn_norm(v), batch.input_ids), x, post, comb)
+
+
+def closed_v4_forward(model, ids, states, seq_lens, capture):
+    """`DeepseekV4ForCausalLM.forward` with every block closed: (logits, hidden, features)."""
+    batch = plan_batch(ids, states, seq_lens, len(model.layers), model.device)
+    x = model.embed(batch.input_ids).unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()
+    features = {}
+    for i, layer in enumerate(model.layers):
+        if i in capture:
+            features[i] = x
+        x = closed_v4_block(layer, x, batch, [s.layers[i] for s in states])
+    features[len(model.layers)] = x
+    h = hc_head(x, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, model.config.hc_eps,
+                model.config.rms_norm_eps)
+    model._commit(states, batch)
+    return model._logits(model.norm(h)), x, features
+
+
+def closed_v4_mtp(model, hidden, ids, states, seq_lens):
+    mtp = model.mtp[0]
+    batch = plan_batch(ids, states, seq_lens, 1, model.device)
+    x = mtp.mix_inputs(model.embed(batch.input_ids), hidden)
+    x = closed_v4_block(mtp, x, batch, [s.layers[0] for s in states])
+    model._commit(states, batch)
+    return model._logits(mtp.collapse(x))
+
+
+def test_v4_boundary_fusion_is_bit_identical_on_the_references():
+    model = init_model(tiny_config("tiny-v4.json"), seed=1, kernels=REF)
+    n_layers = len(model.layers)
+    capture = (0, 2, 5, n_layers)
+    states, old_states = [model.new_state() for _ in range(2)], [model.new_state() for _ in range(2)]
+    mtp_states, old_mtp_states = [model.new_mtp_state() for _ in range(2)], [model.new_mtp_state() for _ in range(2)]
+    for ids, lens in ragged_calls(model.config.vocab_size):
+        out = model(ids, states, lens, capture_layers=capture)
+        logits, hidden, features = closed_v4_forward(model, ids, old_states, lens, capture)
+        assert torch.equal(out.logits, logits) and torch.equal(out.hidden, hidden)
+        assert out.features.keys() == features.keys()
+        assert all(torch.equal(out.features[i], features[i]) for i in capture)
+        # The MTP block reads the final streams: materialised by the last block's standalone post.
+        draft = model.forward_mtp(out.hidden, ids, mtp_states, lens)
+        assert torch.equal(draft.logits, closed_v4_mtp(model, hidden, ids, old_mtp_states, lens))
+
+
+@pytest.fixture
+def count_ops(monkeypatch):
+    """Patch `get_op` where the given model module looks it up: every mHC op a block fetches counts
+    its calls in the returned Counter (build the model after calling this)."""
+
+    def install(module) -> Counter:
+        calls = Counter()
+
+        def counting_get_op(config, name):
+            op = get_op(config, name)
+            if not name.startswith("mhc"):
+                return op
+
+            def counted(*args, **kwargs):
+                calls[name] += 1
+                return op(*args, **kwargs)
+
+            return counted
+
+        monkeypatch.setattr(module, "get_op", counting_get_op)
+        return calls
+
+    return install
+
+
+def test_v4_counts_two_mhc_ops_per_layer_plus_one(count_ops):
+    calls = count_ops(v4_model)
+    model = init_model(tiny_config("tiny-v4.json"), seed=1, kernels=REF)
+    n_layers = len(model.layers)
+    (ids, lens), _ = ragged_calls(model.config.vocab_size)
+    out = model(ids, [model.new_state() for _ in lens], lens, capture_layers=(1, 3))
+    # One standalone pre (layer 0's attention site), one standalone post (the last FFN site), every
+    # other post fused with the pre after it (within blocks and across boundaries).
+    assert calls == Counter(mhc_pre=1, mhc_post_pre=2 * n_layers - 1, mhc_post=1)
+    assert sum(calls.values()) == 2 * n_layers + 1 < 3 * n_layers
+    calls.clear()
+    model.forward_mtp(out.hidden, ids, [model.new_mtp_state() for _ in lens], lens)
+    assert calls == Counter(mhc_pre=1, mhc_post_pre=1, mhc_post=1)  # a closed block: 3 ops
