@@ -209,7 +209,8 @@ class Indexer(nn.Module):
         picks = select_topk_ref(scores, self.topk)  # [N, min(k, T_max)]
         pools = None
         if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
-            pools = candidate_mask(scores, visible, self.candidate_blocks, self.candidate_block_size)
+            pools = self.pool_op(scores, visible, topk_blocks=self.candidate_blocks,
+                                 block=self.candidate_block_size)  # padding columns are −inf: never kept
         for b, request_keys in enumerate(keys):
             rows, n_keys = batch.rows(b), request_keys.shape[0]
             slots[b].topk = picks[rows, : min(self.topk, n_keys)]
