@@ -25,9 +25,10 @@ import torch
 from dspark.api import init_model
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4 import model as v4_model
-from dspark.models.deepseek_v4.mhc import collapse, hc_head, hc_post, hc_pre, split_mixes, stream_mixes
+from dspark.models.deepseek_v4.mhc import hc_head, hc_post, hc_pre
 from dspark.models.deepseek_v4.state import plan_batch
 from dspark.models.deepseek_v41 import block as v41_block
+from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 REF = KernelConfig.uniform("ref")
 
@@ -137,3 +138,67 @@ def test_v4_counts_two_mhc_ops_per_layer_plus_one(count_ops):
     calls.clear()
     model.forward_mtp(out.hidden, ids, [model.new_mtp_state() for _ in lens], lens)
     assert calls == Counter(mhc_pre=1, mhc_post_pre=1, mhc_post=1)  # a closed block: 3 ops
+
+
+# ------------------------------------------------------------------------------------------ V4.1
+
+
+def v41_config(engram_layers: tuple[int, ...] = (1, 4)) -> dict:
+    """tiny-v41 (7 layers, KV sources 1 and 4: the replay split is layer 4), with Engram on
+    `engram_layers` (a subset of the shipped (1, 4), whose table sizes are kept)."""
+    config = tiny_config("tiny-v41.json")
+    text = config["text_config"]
+    sizes = dict(zip(text["engram_layer_ids"], text["engram_num_embeddings"]))
+    text.update(engram_layer_ids=list(engram_layers), engram_num_embeddings=[sizes[i] for i in engram_layers])
+    return config
+
+
+def v41_calls(model, mode: str, capture: tuple[int, ...]):
+    """Prefill (13 + 6 tokens, longer than the window: bounded replay skips rows) and one decode
+    step; returns every call's output."""
+    states = [model.new_state() for _ in range(2)]
+    return [model(ids, states, lens, capture_layers=capture, prefill_mode=mode)
+            for ids, lens in ragged_calls(model.config.vocab_size)]
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # replay-skipped rows are NaN
+
+
+@pytest.mark.parametrize("mode", ["exact", "bounded_replay"])
+def test_v41_boundary_fusion_is_bit_identical_on_the_references(mode, monkeypatch):
+    """Fused boundaries vs every boundary closed (the wiring before the fusion: each block's
+    `forward`, whose reference ops are the torch path op for op, test_mhc_v41.py)."""
+    model = init_model(v41_config(engram_layers=(1,)), seed=2, kernels=REF)
+    capture = (2, 5, len(model.layers))  # fused into 3, 4 (exact), 6; materialised at 1, 2, 5 (and 4: replay)
+    fused = v41_calls(model, mode, capture)
+    monkeypatch.setattr(DeepseekV41ForCausalLM, "_materialised_inputs",
+                        lambda self, capture, replay: frozenset(range(len(self.layers))))
+    closed = v41_calls(model, mode, capture)
+    for out, want in zip(fused, closed):
+        assert_same_bits(out.logits, want.logits)
+        assert_same_bits(out.hidden, want.hidden)
+        assert out.features.keys() == want.features.keys() == set(capture)
+        for i in capture:
+            assert_same_bits(out.features[i], want.features[i])
+    if mode == "bounded_replay":
+        assert fused[0].valid is not None and not fused[0].valid.all()  # the split boundary was live
+
+
+@pytest.mark.parametrize("engram, mode, capture, materialised", [
+    ((1, 4), "exact", (), {1, 4}),                      # Engram layers only
+    ((1,), "exact", (), {1}),                           # the split is an ordinary boundary without replay
+    ((1,), "bounded_replay", (), {1, 4}),               # the CED split, when this call replays
+    ((1,), "exact", (3, 6, 7), {1, 3, 6}),              # DSpark capture points (7: the final streams)
+])
+def test_v41_counts_two_mhc_ops_per_layer_plus_one_per_materialised_boundary(count_ops, engram, mode, capture,
+                                                                              materialised):
+    calls = count_ops(v41_block)
+    model = init_model(v41_config(engram), seed=2, kernels=REF)
+    n_layers, m = len(model.layers), len(materialised)
+    (ids, lens), _ = ragged_calls(model.config.vocab_size)
+    model(ids, [model.new_state() for _ in lens], lens, capture_layers=capture, prefill_mode=mode)
+    # A materialised boundary is a standalone post then a standalone pre (the wiring before: every
+    # boundary); any other is one post+pre.
+    assert calls == Counter(mhc_v41_pre=1 + m, mhc_v41_post_pre=n_layers + (n_layers - 1 - m), mhc_post=1 + m)
+    assert sum(calls.values()) == 2 * n_layers + 1 + m
