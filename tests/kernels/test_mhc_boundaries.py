@@ -22,6 +22,7 @@ from importlib import resources
 import pytest
 import torch
 
+from bench.mhc_boundaries import closed_boundaries
 from dspark.api import init_model
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4 import model as v4_model
@@ -202,3 +203,21 @@ def test_v41_counts_two_mhc_ops_per_layer_plus_one_per_materialised_boundary(cou
     # boundary); any other is one post+pre.
     assert calls == Counter(mhc_v41_pre=1 + m, mhc_v41_post_pre=n_layers + (n_layers - 1 - m), mhc_post=1 + m)
     assert sum(calls.values()) == 2 * n_layers + 1 + m
+
+
+@pytest.mark.parametrize("family, config", [("v4-mini", "tiny-v4.json"), ("v41-mini", "tiny-v41.json")])
+def test_bench_closed_wiring_is_three_ops_per_layer_and_the_same_bits(count_ops, family, config):
+    """bench/mhc_boundaries.py times the fused boundaries against this patched-in wiring: every
+    boundary a standalone post and pre, 3 mHC ops per layer, the same results on the references."""
+    calls = count_ops(v4_model if family == "v4-mini" else v41_block)
+    model = init_model(tiny_config(config), seed=1, kernels=REF, **({} if family == "v4-mini" else
+                                                                   dict(prefill_mode="exact")))
+    (ids, lens), _ = ragged_calls(model.config.vocab_size)
+    fused = model(ids, [model.new_state() for _ in lens], lens)
+    fused_calls = sum(calls.values())
+    calls.clear()
+    with closed_boundaries(family):
+        closed = model(ids, [model.new_state() for _ in lens], lens)
+    n_layers = len(model.layers)
+    assert sum(calls.values()) == 3 * n_layers and fused_calls < 3 * n_layers
+    assert torch.equal(fused.logits, closed.logits) and torch.equal(fused.hidden, closed.hidden)
