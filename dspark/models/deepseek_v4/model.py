@@ -8,7 +8,7 @@
     logits = head(norm(hc_head(X)))                    [N, V] fp32
 
 Every mHC post is followed by the next site's pre, so they run as one op (`mhc_post_pre`, spec
-§6.5), inside a block and across block boundaries: 2 mHC ops per layer + 1, not 4 (`Block`).
+§6.5), inside a block and across block boundaries: 2 mHC ops per layer + 1 (`Block`).
 
 One ragged call serves chunked prefill, one-token decode and multi-token verify (docs/design.md):
 the N rows are the concatenated new tokens of several requests; dense parts (projections, MoE, mHC)
