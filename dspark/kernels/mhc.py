@@ -32,6 +32,7 @@ CUDA-graph capturable: no host sync, buffers sized from shapes only.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dspark.kernels.registry import require_triton
 
@@ -108,12 +109,13 @@ def mhc_pre_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     post : [N, H] fp32 in (0, 2); comb : [N, H, H] fp32, columns sum to 1; u : [N, D] x.dtype,
     u = Σ_k pre_k · x[:, k].
     """
-    n_tok, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
-    xf = x.float().reshape(n_tok, n_hc * dim)  # [N, H·D]
-    rho = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + rms_eps)  # [N, 1]
-    mix = (xf @ fn.T) * rho  # [N, M]; GEMM on un-normalised x̂, scaled after (same value)
+    _, n_hc, _ = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    xf = x.float().flatten(-2)  # [N, H·D]
+    # Normalise, then the GEMM: the op order of the model's torch path (deepseek_v4/mhc.py
+    # `hc_pre`), so the model wired through this reference computes exactly what it did without it.
+    mix = F.linear(xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps), fn)  # [N, M]
     pre, post, comb = _split_sinkhorn_ref(mix, base, scale, n_hc, hc_eps, sinkhorn_iters)
-    u = (pre.unsqueeze(-1) * x.float()).sum(dim=1)  # [N, D]
+    u = (pre.unsqueeze(-1) * x.float()).sum(dim=-2)  # [N, D]
     return post, comb, u.to(x.dtype)
 
 
@@ -123,9 +125,9 @@ def mhc_post_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: tor
     Shape: f [N, D] (sublayer output), x [N, H, D], post [N, H], comb [N, H, H] -> X' [N, H, D] x.dtype.
     """
     _check_post_args(f, x, post, comb)
-    mixed = comb.float().transpose(1, 2) @ x.float()  # [N, k, D]: sums over the FIRST index of comb
-    out = post.float().unsqueeze(-1) * f.float().unsqueeze(1) + mixed
-    return out.to(x.dtype)
+    # The op order of the model's `hc_post` (deepseek_v4/mhc.py), bit for bit.
+    mixed = torch.einsum("njk,njd->nkd", comb.float(), x.float())  # [N, k, D]: sums over comb's FIRST index
+    return (post.float().unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(x.dtype)
 
 
 def mhc_post_pre_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 
 from dspark.kernels import triton_available
 from dspark.kernels import mhc
+from dspark.models.deepseek_v4.mhc import hc_post, hc_pre
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,6 +99,23 @@ def test_ref_post_sums_over_first_comb_index():
     for k in range(4):
         want = post[:, k, None] * f + sum(comb[:, j, k, None] * x[:, j] for j in range(4))
         torch.testing.assert_close(out[:, k], want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ref_is_the_model_torch_path_bit_for_bit(dtype):
+    """The references compute what the model's own torch functions (deepseek_v4/mhc.py) compute, op
+    for op: a model wired through the registry on CPU gives the same bits as one calling `hc_pre`/
+    `hc_post`, and `mhc_post_pre_ref` is exactly `mhc_post_ref` then `mhc_pre_ref`."""
+    f, x, post, comb = prev_site(5, 4, 48, dtype, seed=2)
+    fn, base, scale = site_params(4, 48, seed=4)
+    u, want_post, want_comb = hc_pre(x, fn, base, scale, 4, EPS["sinkhorn_iters"], EPS["hc_eps"], EPS["rms_eps"])
+    for out, want in zip(mhc.mhc_pre_ref(x, fn, base, scale, **EPS), (want_post, want_comb, u)):
+        assert out.dtype == want.dtype and torch.equal(out, want)
+    y = mhc.mhc_post_ref(f, x, post, comb)
+    assert torch.equal(y, hc_post(f, x, post, comb))
+    fused = mhc.mhc_post_pre_ref(f, x, post, comb, fn, base, scale, **EPS)
+    for out, want in zip(fused, (y, *mhc.mhc_pre_ref(y, fn, base, scale, **EPS))):
+        assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("bad", ["x", "fn", "base", "scale", "fn_dtype", "iters"])

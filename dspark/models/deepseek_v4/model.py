@@ -7,6 +7,9 @@
         v = mHC_pre(X; hc_ffn);   X = mHC_post(ffn(ffn_norm(v), ids), X) (MoE: spec §11)
     logits = head(norm(hc_head(X)))                    [N, V] fp32
 
+Every mHC post is followed by the next site's pre, so they run as one op (`mhc_post_pre`, spec
+§6.5), inside a block and across block boundaries: 2 mHC ops per layer + 1 (`Block`).
+
 One ragged call serves chunked prefill, one-token decode and multi-token verify (docs/design.md):
 the N rows are the concatenated new tokens of several requests; dense parts (projections, MoE, mHC)
 run over all N rows at once, and so does attention: one sparse-attention call per layer over a pool
@@ -21,6 +24,7 @@ projections and HC head, sharing the embedding and the LM head; `forward_mtp` ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -28,7 +32,7 @@ from torch import nn
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.attention import Attention
 from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4Config
-from dspark.models.deepseek_v4.mhc import hc_head, hc_post, hc_pre
+from dspark.models.deepseek_v4.mhc import hc_head, hc_pre
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch, check_capture, plan_batch
@@ -66,15 +70,39 @@ def _hc_params(n_mix: int, width: int, n_scales: int, device) -> tuple[nn.Parame
     return fn, base, scale
 
 
+class Site(NamedTuple):
+    """The mixes of an mHC site whose sublayer has not run yet (the output of a pre).
+
+    post [N, n_hc] fp32, comb [N, n_hc, n_hc] fp32, u [N, D] the collapsed sublayer input.
+    """
+
+    post: torch.Tensor
+    comb: torch.Tensor
+    u: torch.Tensor
+
+
+class PendingPost(NamedTuple):
+    """An mHC post not yet applied: X' = post ⊗ f + combᵀ·Y, with Y the streams it goes with.
+
+    f [N, D] the sublayer output, post [N, n_hc] fp32, comb [N, n_hc, n_hc] fp32.
+    """
+
+    f: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+
 class Block(nn.Module):
     """One layer: [mHC-pre, attn_norm, attention, mHC-post] then [mHC-pre, ffn_norm, MoE, mHC-post].
 
     The mHC parameters sit on the block under their checkpoint names `hc_attn_{fn,base,scale}` /
     `hc_ffn_{fn,base,scale}` (fp32; fn [24, 4·D] for n_hc = 4).
 
-    `kernels` (default: torch references) picks attention and MoE implementations, and with
-    ``kernels.mhc_pre == "triton"`` the three mHC sites of the block run as the registry's fused
-    `mhc_pre`, `mhc_post_pre` (the attention's post fused with the MoE's pre) and `mhc_post`.
+    `kernels` (default: torch references) picks every implementation. The mHC sites run as the
+    registry's ops: `mhc_pre` (attention site), `mhc_post_pre` (the attention's post fused with the
+    MoE's pre), `mhc_post` (the MoE's post). `forward` runs the block closed (3 mHC ops); the model
+    instead opens it (`open`: everything up to the MoE's output, the post left pending) and applies
+    the pending post with the next block's `enter` (`mhc_post_pre` again): 2 ops per block + 1.
     """
 
     def __init__(self, config: DeepseekV4Config, layer_type: str, mlp_type: str, dtype=None, device=None,
@@ -88,9 +116,11 @@ class Block(nn.Module):
         self.norm_eps = c.rms_norm_eps
         self.attn = Attention(c, layer_type, dtype=dtype, device=device, kernels=kernels)
         self.ffn = MoE(c, hashed=mlp_type == HASH_MOE, dtype=dtype, device=device, kernels=kernels)
-        self.fused_mhc = kernels.mhc_pre == "triton"
-        if self.fused_mhc:
-            self._mhc = {op: get_op(kernels, op) for op in ("mhc_pre", "mhc_post_pre", "mhc_post")}
+        # The references are `hc_pre`/`hc_post` of mhc.py op for op, so "ref" changes no bit.
+        self.pre_op = get_op(kernels, "mhc_pre")
+        self.post_pre_op = get_op(kernels, "mhc_post_pre")
+        self.post_op = get_op(kernels, "mhc_post")
+        self.mhc_eps = dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
         n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size  # [pre | post | comb] mixes
@@ -98,25 +128,40 @@ class Block(nn.Module):
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(n_mix, width, 3, device)
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
-        """x [N, n_hc, D] -> [N, n_hc, D]."""
-        if self.fused_mhc:
-            return self._forward_fused(x, batch, caches)
-        u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        x = hc_post(self.attn(self.attn_norm(u), batch, caches), x, post, comb)
-        v, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return hc_post(self.ffn(self.ffn_norm(v), batch.input_ids), x, post, comb)
+        """The block closed: x [N, n_hc, D] -> [N, n_hc, D] (pre, attention, post+pre, MoE, post)."""
+        y, pending = self.open(x, self.attn_site(x), batch, caches)
+        return self.close(pending, y)
+
+    def attn_site(self, x: torch.Tensor) -> Site:
+        """The attention site's pre on the block's input streams x [N, n_hc, D]."""
+        return Site(*self.pre_op(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, **self.mhc_eps))
+
+    def enter(self, pending: PendingPost, y: torch.Tensor) -> tuple[torch.Tensor, Site]:
+        """The previous block's pending post on its streams y [N, n_hc, D], fused with this block's
+        attention-site pre: one op. Returns (this block's input streams x [N, n_hc, D], its Site)."""
+        x, post, comb, u = self.post_pre_op(pending.f, y, pending.post, pending.comb, self.hc_attn_fn,
+                                            self.hc_attn_base, self.hc_attn_scale, **self.mhc_eps)
+        return x, Site(post, comb, u)
+
+    def open(self, x: torch.Tensor, site: Site, batch: RaggedBatch,
+             caches: list[LayerCache]) -> tuple[torch.Tensor, PendingPost]:
+        """Attention, its post fused with the MoE site's pre, MoE; the MoE's post left pending.
+
+        x [N, n_hc, D] the block's input streams, `site` their attention-site mixes. Returns
+        (streams y [N, n_hc, D] after the attention's post, the MoE's PendingPost on y).
+        """
+        a = self.attn(self.attn_norm(site.u), batch, caches)
+        y, post, comb, v = self.post_pre_op(a, x, site.post, site.comb, self.hc_ffn_fn, self.hc_ffn_base,
+                                            self.hc_ffn_scale, **self.mhc_eps)
+        return y, PendingPost(self.ffn(self.ffn_norm(v), batch.input_ids), post, comb)
+
+    def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:
+        """Apply the pending post alone (no next site to fuse with): y [N, n_hc, D] -> [N, n_hc, D]."""
+        return self.post_op(pending.f, y, pending.post, pending.comb)
 
     def _pre(self, x, fn, base, scale):
+        """mHC pre as mhc.py's torch function (the DSpark stages' path): (u, post, comb)."""
         return hc_pre(x, fn, base, scale, self.n_hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
-
-    def _forward_fused(self, x: torch.Tensor, batch: RaggedBatch, caches: list[LayerCache]) -> torch.Tensor:
-        """`forward` with the fused mHC ops: pre, attention, post+pre, MoE, post."""
-        eps = dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
-        post, comb, u = self._mhc["mhc_pre"](x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, **eps)
-        a = self.attn(self.attn_norm(u), batch, caches)
-        x, post, comb, v = self._mhc["mhc_post_pre"](a, x, post, comb, self.hc_ffn_fn, self.hc_ffn_base,
-                                                     self.hc_ffn_scale, **eps)
-        return self._mhc["mhc_post"](self.ffn(self.ffn_norm(v), batch.input_ids), x, post, comb)
 
 
 class MTPBlock(Block):
@@ -225,10 +270,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = self.embed(batch.input_ids)
         x = x.unsqueeze(-2).expand(-1, self.config.hc_mult, -1).contiguous()  # [N, n_hc, D]
         features = {}
+        # The loop, not the block, owns each block boundary: the boundary op needs the previous
+        # block's pending post and the next block's attention-site parameters, so one fused
+        # `mhc_post_pre` (`enter`) replaces a post and a pre. Its output is the next block's input
+        # streams, materialised anyway, so captured features and the final streams are unchanged.
+        site = self.layers[0].attn_site(x)
         for i, layer in enumerate(self.layers):
             if i in capture:
                 features[i] = x
-            x = layer(x, batch, [state.layers[i] for state in states])
+            y, pending = layer.open(x, site, batch, [state.layers[i] for state in states])
+            if i + 1 < len(self.layers):
+                x, site = self.layers[i + 1].enter(pending, y)
+            else:
+                x = layer.close(pending, y)
         if len(self.layers) in capture:
             features[len(self.layers)] = x
         h = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.config.hc_eps,

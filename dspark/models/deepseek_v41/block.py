@@ -20,11 +20,13 @@ Shape symbols: N tokens, hc streams, D hidden size.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
-from dspark.models.deepseek_v4.mhc import collapse, hc_post, split_mixes, stream_mixes
+from dspark.models.deepseek_v4.mhc import collapse, split_mixes, stream_mixes
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache
@@ -44,6 +46,32 @@ def initial_pre(n: int, n_hc: int, device) -> torch.Tensor:
     return pre
 
 
+class Site(NamedTuple):
+    """An mHC site whose sublayer has not run yet: its own mixes from its input streams, and the
+    sublayer input collapsed with the carried pre.
+
+    pre, post [N, hc] fp32 (pre goes to the next site), comb [N, hc, hc] fp32, h [N, D] = the
+    normed sublayer input.
+    """
+
+    pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    h: torch.Tensor
+
+
+class PendingPost(NamedTuple):
+    """The FFN site's post not yet applied (X' = post ⊗ f + combᵀ·Y) and its pre, carried onward.
+
+    f [N, D] the MoE output, post [N, hc], comb [N, hc, hc], pre [N, hc] fp32.
+    """
+
+    f: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    pre: torch.Tensor
+
+
 class Block(nn.Module):
     """Parameters (checkpoint names): `attn`, `ffn` (V4's MoE with the V4.1 `Gate`), `attn_norm`,
     `ffn_norm`, `hc_{attn,ffn}_{fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]}` (fp32), and
@@ -51,15 +79,19 @@ class Block(nn.Module):
 
     `kernels` (default: torch references) picks the implementations of the registry's ops: the
     attention site is `mhc_v41_pre` (Mix + collapse with the carried pre + attn_norm), the FFN site
-    `mhc_v41_post_pre` (the attention post, then the same on Y), the closing post `mhc_post` (its
-    reference is V4's `hc_post`). The references are this docstring's torch dataflow, op for op."""
+    `mhc_v41_post_pre` (the attention post, then the same on Y), the closing post `mhc_post`. The
+    references are this docstring's torch dataflow, op for op (`mhc_post_ref` is V4's `hc_post`).
+
+    `forward` runs the block closed. The model may instead leave the closing post pending (`open`)
+    and apply it with the next block's `enter`, one `mhc_v41_post_pre` for the boundary (spec §4:
+    "deferral of hc_ffn.post into the next layer's entry")."""
 
     def __init__(self, config, role: LayerRole, quant: CacheQuant = CacheQuant(), dtype=None, device=None,
                  host_engram: bool = False, kernels: KernelConfig | None = None):
         super().__init__()
         c = config
         kernels = KernelConfig() if kernels is None else kernels
-        self.hc_post = get_op(kernels, "mhc_post") if kernels.mhc_post == "triton" else hc_post
+        self.post_op = get_op(kernels, "mhc_post")
         self.pre_op = get_op(kernels, "mhc_v41_pre")
         self.post_pre_op = get_op(kernels, "mhc_v41_post_pre")
         self.role = role
@@ -92,17 +124,47 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre: torch.Tensor, batch: RaggedBatch, windows: list[WindowCache],
                 sources: list[SourceCache | None], slots: list[SharedSlots],
                 publish: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hc, D], carried pre [N, hc] fp32 -> (streams [N, hc, D], this layer's FFN pre [N, hc])."""
-        eps = dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
-        a_pre, a_post, a_comb, h = self.pre_op(x, pre, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                               self.attn_norm.weight, norm_eps=self.attn_norm.eps, **eps)
-        a = self.attn(h, batch, windows, sources, slots, publish)
-        y, f_pre, f_post, f_comb, g = self.post_pre_op(a, x, a_post, a_comb, a_pre, self.hc_ffn_fn, self.hc_ffn_base,
-                                                       self.hc_ffn_scale, self.ffn_norm.weight,
-                                                       norm_eps=self.ffn_norm.eps, **eps)
-        f = self.ffn(g, batch.input_ids)
-        return self.hc_post(f, y, f_post, f_comb), f_pre
+        """The block closed: x [N, hc, D], carried pre [N, hc] fp32 -> (streams [N, hc, D], this
+        layer's FFN pre [N, hc])."""
+        y, pending = self.open(x, self.attn_site(x, pre), batch, windows, sources, slots, publish)
+        return self.close(pending, y), pending.pre
+
+    def attn_site(self, x: torch.Tensor, pre: torch.Tensor) -> Site:
+        """The attention site on input streams x [N, hc, D] with the carried pre [N, hc] fp32."""
+        return Site(*self.pre_op(x, pre, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                 self.attn_norm.weight, norm_eps=self.attn_norm.eps, **self._eps()))
+
+    def enter(self, pending: PendingPost, y: torch.Tensor) -> tuple[torch.Tensor, Site]:
+        """The previous block's pending post on its streams y [N, hc, D] fused with this block's
+        attention site (carried pre: `pending.pre`), one op. Returns (this block's input streams
+        [N, hc, D], its Site)."""
+        x, *site = self.post_pre_op(pending.f, y, pending.post, pending.comb, pending.pre, self.hc_attn_fn,
+                                    self.hc_attn_base, self.hc_attn_scale, self.attn_norm.weight,
+                                    norm_eps=self.attn_norm.eps, **self._eps())
+        return x, Site(*site)
+
+    def open(self, x: torch.Tensor, site: Site, batch: RaggedBatch, windows: list[WindowCache],
+             sources: list[SourceCache | None], slots: list[SharedSlots],
+             publish: bool = True) -> tuple[torch.Tensor, PendingPost]:
+        """Attention, its post fused with the FFN site, MoE; the FFN's post left pending.
+
+        x [N, hc, D] the block's input streams, `site` their attention site. Returns (Y [N, hc, D]
+        after the attention's post, the FFN site's PendingPost on Y).
+        """
+        a = self.attn(site.h, batch, windows, sources, slots, publish)
+        y, f_pre, f_post, f_comb, g = self.post_pre_op(a, x, site.post, site.comb, site.pre, self.hc_ffn_fn,
+                                                       self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight,
+                                                       norm_eps=self.ffn_norm.eps, **self._eps())
+        return y, PendingPost(self.ffn(g, batch.input_ids), f_post, f_comb, f_pre)
+
+    def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:
+        """Apply the pending post alone: y [N, hc, D] -> the next block's input streams [N, hc, D]."""
+        return self.post_op(pending.f, y, pending.post, pending.comb)
+
+    def _eps(self) -> dict:
+        return dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
 
     def _mixes(self, x, fn, base, scale):
+        """Mix(x) as torch functions (the DSpark stages' path): (pre, post, comb)."""
         return split_mixes(stream_mixes(x, fn, self.norm_eps), scale, base, self.n_hc, self.sinkhorn_iters,
                            self.hc_eps)

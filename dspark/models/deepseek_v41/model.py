@@ -8,6 +8,10 @@
         X, pre = Block_l(X, pre)                   (single-pass mHC around CSA2 attention and MoE)
     logits = head(norm(Σ_k pre_k X_k))             [N, V] fp32; no hc_head
 
+A block's closing mHC post and the next block's attention site run as one op where the streams
+between them need not exist on their own (`_materialised_inputs`): 2 mHC ops per layer + 1, plus
+one per materialised boundary (Engram layers, capture points, the replay split).
+
 One ragged call serves chunked prefill, decode and verify (docs/design.md). CSA2 state shared
 across layers (compressed entries, index keys) lives per request in `DecodeStateV41.sources`,
 the per-call top-k lists in `SharedSlots`. Parameter names are the official checkpoint keys
@@ -225,6 +229,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = initial_pre(n, self.config.hc_mult, self.device)
         slots = [SharedSlots() for _ in states]
         features, rows, step = {}, None, batch  # rows: None = all rows of the call, else the replayed ones
+        materialised = self._materialised_inputs(capture, replay)
+        site = None  # layer i's attention site when the boundary into it was one fused op
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 x = layer.engram(x, _pick(engram_rows[i], rows), _pick(live, rows))
@@ -240,7 +246,14 @@ class DeepseekV41ForCausalLM(nn.Module):
                 for b, state in enumerate(states):
                     if replay.skipped[b]:
                         state.restart_windows(range(split, len(self.layers)), replay.floor(b))
-            x, pre = layer(x, pre, step, [s.layers[i].window for s in states], sources, slots, publish)
+            if site is None:
+                site = layer.attn_site(x, pre)
+            y, pending = layer.open(x, site, step, [s.layers[i].window for s in states], sources, slots, publish)
+            pre = pending.pre
+            if i + 1 < len(self.layers) and i + 1 not in materialised:
+                x, site = self.layers[i + 1].enter(pending, y)  # post + next pre: one op
+            else:
+                x, site = layer.close(pending, y), None
         if len(self.layers) in capture:
             features[len(self.layers)] = x
         logits = self.head(self.norm(collapse(x, pre))).float()
@@ -255,6 +268,21 @@ class DeepseekV41ForCausalLM(nn.Module):
             state.end_step(batch.input_ids[r], None if compressed is None else compressed[r],
                            rewindable=replay is None or not replay.skipped[b])
         return DeepseekV41Output(logits, x, features, valid)
+
+    def _materialised_inputs(self, capture: frozenset[int], replay) -> frozenset[int]:
+        """Layers whose input streams the loop builds with a standalone post before the layer's
+        attention site; at every other boundary the post is fused with the next site (spec §4, the
+        deferral of `hc_ffn.post` into the next layer's entry, not across):
+
+        * an Engram layer: Engram adds to the streams before the site may read them;
+        * a DSpark capture point (`capture`): the spec keeps the drafter's features materialised
+          by a plain post;
+        * the bounded-replay split (CED boundary, when this call replays): the split publishes the
+          attention input of every row, then keeps only the replayed rows.
+        """
+        engram = {i for i, layer in enumerate(self.layers) if layer.engram is not None}
+        split = {self.config.replay_split_layer} if replay is not None else set()
+        return frozenset(engram | set(capture) | split)
 
     def _check_capture(self, capture_layers) -> frozenset[int]:
         return check_capture(capture_layers, len(self.layers))
