@@ -38,6 +38,7 @@ _OP_MODULES: dict[str, str] = {
     "lightning_indexer": "indexer",
     "indexer_pool": "indexer_pool",
     "compressor_pool": "compressor",
+    "grouped_wo_a": "grouped_wo_a",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 
@@ -82,6 +83,7 @@ class KernelConfig:
     lightning_indexer: Impl = "ref"
     indexer_pool: Impl = "ref"
     compressor_pool: Impl = "ref"
+    grouped_wo_a: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
