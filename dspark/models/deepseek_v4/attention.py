@@ -67,7 +67,8 @@ class LatentAttention(nn.Module):
     wo_b [4096, 8192], attn_sink [64] fp32; `rope` is the layer's RoPE table. Which keys a query
     sees (window, compressed entries) is the subclass's business; `q_head_norm` selects V4's
     per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1). `kernels` picks the
-    attention core (`sparse_attention` of the kernel registry; default the torch reference).
+    attention core (`sparse_attention` of the kernel registry) and the inverse RoPE + grouped `wo_a`
+    (`grouped_wo_a`); default the torch references.
     """
 
     def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None,
@@ -75,7 +76,10 @@ class LatentAttention(nn.Module):
         super().__init__()
         c = config
         # q [S, H, d], pool [P, d], index [S, K], sink [H], scale -> [S, H, d]
-        self.attend_op = get_op(KernelConfig() if kernels is None else kernels, "sparse_attention")
+        kernels = KernelConfig() if kernels is None else kernels
+        self.attend_op = get_op(kernels, "sparse_attention")
+        # out [N, H, d], cos/sin [N, rd/2], wo_a weight [G·R, H·d/G] -> [N, G·R] token-major
+        self.wo_a_op = get_op(kernels, "grouped_wo_a")
         self.n_heads = c.num_attention_heads
         self.head_dim = c.head_dim
         self.window = c.sliding_window
@@ -110,17 +114,13 @@ class LatentAttention(nn.Module):
         return q_lora, q, kv
 
     def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Attention output [N, H, d] -> [N, D]: inverse RoPE, grouped `wo_a`, `wo_b` (spec §7.5)."""
-        out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the values' rotation
-        return self.wo_b(self._grouped_wo_a(out.reshape(out.shape[0], self.o_groups, -1)).flatten(1))
+        """Attention output [N, H, d] -> [N, D]: inverse RoPE (undoes the values' rotation), the
+        block-diagonal `wo_a` (group g: heads g·H/G .., rows g·R .. (g+1)·R−1), `wo_b` (spec §7.5).
 
-    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
-        """Block-diagonal projection: group g (heads g·H/G .. ) uses rows g·R .. (g+1)·R−1 of wo_a.
-
-        o [N, G, H·d/G] -> [N, G, R].
+        The first two are one op (`grouped_wo_a`), which takes whatever row block of `wo_a` this
+        module holds (tensor parallelism keeps G/t groups and their H/t heads).
         """
-        weight = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-        return torch.einsum("ngk,grk->ngr", o, weight)
+        return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight))  # [N, G·R] -> [N, D]
 
 
 class Attention(LatentAttention):
