@@ -16,6 +16,7 @@ effective bandwidth and rate against the floors:
     python bench/kernels.py --dry-run            # list the cases (works without a GPU)
     python bench/kernels.py --configs flash --ops indexer_csa,indexer_v41 --tokens 1,8,64,256
     python bench/kernels.py --configs flash --ops mhc_v41_pre,mhc_v41_post_pre,indexer_pool --model-steps 0
+    python bench/kernels.py --ops grouped_wo_a --model-steps 0 --out bench/results/kernels_wo_a.json
 
 Conditions (GPU, clocks, torch/triton versions, commit) are printed first and stored in the JSON.
 """
@@ -42,7 +43,7 @@ BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
 OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "mhc_v41_pre", "mhc_v41_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
        "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
-       "indexer_pool", "compressor_csa", "compressor_hca")
+       "indexer_pool", "compressor_csa", "compressor_hca", "grouped_wo_a")
 DECODE_ONLY = ("indexer_csa", "indexer_v41", "indexer_pool")  # decode / verify ops: M <= 256 rows
 COMPRESSOR_SLOTS = {"compressor_csa": 8, "compressor_hca": 128}  # rows pooled per entry (CSA: 2m half-rows)
 CONTEXT = 32768  # attention cases: queries at the end of a 32K-token context
@@ -65,11 +66,15 @@ class LayerShape:
     n_heads: int = 64  # attention heads H (head_dim 512, one shared KV latent)
     head_dim: int = 512
     index_heads: int = 64  # V4 lightning indexer Hi (di = 128, top-512)
+    o_groups: int = 8  # G: wo_a is [G·R, H·d/G]
+    o_rank: int = 1024  # R
+    rope_dim: int = 64  # rd
 
 
 CONFIGS = {
     "flash": LayerShape("v4-flash", dim=4096, n_hc=4, n_experts=256, top_k=6, inter=2048),  # spec §2.2
-    "mini": LayerShape("v4-mini", dim=2048, n_hc=4, n_experts=64, top_k=6, inter=512, n_heads=32),  # shared/bench/v4-mini.json
+    "mini": LayerShape("v4-mini", dim=2048, n_hc=4, n_experts=64, top_k=6, inter=512, n_heads=32,
+                  o_groups=4, o_rank=512),  # shared/bench/v4-mini.json
 }
 
 
@@ -359,6 +364,25 @@ def compressor_case(op: str, shape: LayerShape, layer: dict, m: int, device: str
         (lambda: compressor.compressor_pool_ref(kv, score, weight, **kw)), n_bytes, flop
 
 
+def wo_a_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of the inverse RoPE + grouped wo_a for M rows, bf16
+    (V4-Flash wo_a [8192, 4096], v4-mini [2048, 4096]). Bytes: the weight, the attention output
+    [M, H, d] and cos/sin read once, [M, G·R] written once."""
+    from dspark.kernels import grouped_wo_a
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    h, d, g, r = shape.n_heads, shape.head_dim, shape.o_groups, shape.o_rank
+    out = torch.randn(m, h, d, generator=gen, device=device).bfloat16()
+    angles = torch.randint(0, CONTEXT, (m, 1), generator=gen, device=device) * \
+        torch.rand(shape.rope_dim // 2, generator=gen, device=device)
+    cos, sin = angles.cos(), angles.sin()
+    weight = (torch.randn(g * r, h * d // g, generator=gen, device=device) * (h * d // g) ** -0.5).bfloat16()
+    args = (out, cos, sin, weight)
+    n_bytes = weight.numel() * 2 + out.numel() * 2 + 2 * cos.numel() * 4 + m * g * r * 2
+    flop = 2 * m * g * r * (h * d // g)
+    return (lambda: grouped_wo_a.grouped_wo_a(*args)), (lambda: grouped_wo_a.grouped_wo_a_ref(*args)), n_bytes, flop
+
+
 def rel_err(out, ref) -> float:
     """max over the float outputs of ‖out − ref‖ / ‖ref‖ on the reference's finite entries (the
     indexer's scores hold −inf on masked entries; they must be −inf in both), inf on a mismatch;
@@ -411,7 +435,7 @@ def slow_timer(args: argparse.Namespace, max_runs: int = 20):
 
 def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, device: str = "cuda") -> dict:
     """Check and time one case; `timer(fn)` / `ref_timer(fn)` return seconds."""
-    make = mhc_v41_case if op.startswith("mhc_v41") else mhc_case if op.startswith("mhc") else \
+    make = wo_a_case if op == "grouped_wo_a" else mhc_v41_case if op.startswith("mhc_v41") else mhc_case if op.startswith("mhc") else \
         attention_case if op.startswith("attn") else pool_case if op == "indexer_pool" else \
         indexer_case if op.startswith("indexer") else compressor_case if op.startswith("compressor") else moe_case
     fused, ref, n_bytes, flop = make(op, shape, layer, m, device)

@@ -55,13 +55,14 @@ def test_refuses_to_time_without_gpu(bench, capsys):
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 @pytest.mark.parametrize("op", ["mhc_post_pre", "mhc_v41_post_pre", "fused_moe_fp8_32", "fused_moe_packed",
-                                "attn_csa", "indexer_v41", "indexer_pool", "compressor_hca"])
+                                "attn_csa", "indexer_v41", "indexer_pool", "compressor_hca", "grouped_wo_a"])
 def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
     """Inputs, checks and floor accounting of a case, on a tiny layer (interpreter on CPU)."""
     if op.startswith("indexer"):
         monkeypatch.setattr(bench, "CONTEXT", 4096)  # the interpreter scores every entry: 32K is slow
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = bench.LayerShape("tiny", dim=64, n_hc=4, n_experts=4, top_k=2, inter=64, n_heads=2, head_dim=32)
+    shape = bench.LayerShape("tiny", dim=64, n_hc=4, n_experts=4, top_k=2, inter=64, n_heads=2, head_dim=32,
+                              o_groups=2, o_rank=16, rope_dim=8)
     layer = bench.build_layer(shape, device)
     row = bench.run_case(shape, op, 3, layer, timer=lambda fn: 1e-3, ref_timer=lambda fn: 1e-3, device=device)
     assert row["rel_err"] < 1e-2 and row["speedup"] == 1.0
@@ -81,5 +82,8 @@ def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
         assert row["bytes"] == (4096 + 3 * 32) * 128 * 2 + 3 * 32 * 4 + 3 * 4096 * (4 + 1) + 3 * 512 * 8
     elif op == "compressor_hca":  # 3 entries x 128 rows x d 32: bf16 values + fp32 logits, entries out
         assert row["bytes"] == 3 * 128 * 32 * (2 + 4) + 32 * 4 + 3 * 32 * 2
+    elif op == "grouped_wo_a":  # wo_a [2·16, 32], out [3, 2, 32] and cos/sin [3, 4] in, [3, 32] out
+        assert row["bytes"] == 32 * 32 * 2 + 3 * 2 * 32 * 2 + 2 * 3 * 4 * 4 + 3 * 32 * 2
+        assert row["flop"] == 2 * 3 * 32 * 32
     else:
         assert row["flop"] == 2 * 3 * 4 * 64 + 2 * 3 * 3 * 3 * 64 * 64

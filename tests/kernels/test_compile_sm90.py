@@ -16,7 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import attention, compressor, indexer, indexer_pool, mhc, mhc_v41, moe, moe_decode, triton_available
+from dspark.kernels import (attention, compressor, grouped_wo_a, indexer, indexer_pool, mhc, mhc_v41, moe, moe_decode,
+                            triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -39,7 +40,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            attention: ("_partial_kernel", "_combine_kernel"),
            indexer: ("_score_kernel", "_select_kernel"),
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
-           compressor: ("_pool_kernel",)}
+           compressor: ("_pool_kernel",),
+           grouped_wo_a: ("_wo_a_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
          torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,6 +130,15 @@ def run_every_tile_class():
         kv = torch.randn(2, slots, dim, generator=g).to(DEVICE, dtype)
         score = torch.randn(2, slots, dim, generator=g).to(DEVICE)
         compressor.compressor_pool(kv, score, torch.ones(dim, device=DEVICE), eps=1e-6, out_dtype=torch.bfloat16)
+    # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) decode tiles, and
+    # v4-mini's (G 4, R 512) narrower decode tiles; the middle and prefill tiles; fp32 (ieee dot).
+    for n_tok, heads, groups, rank, dtype in ((2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),
+                                               (100, 32, 4, 512, torch.bfloat16), (300, 32, 4, 512, torch.bfloat16),
+                                               (2, 8, 2, 64, torch.float32), (300, 8, 2, 64, torch.float32)):
+        out = torch.randn(n_tok, heads, 512, generator=g).to(DEVICE, dtype)
+        cos, sin = torch.rand(n_tok, 32, generator=g).to(DEVICE), torch.rand(n_tok, 32, generator=g).to(DEVICE)
+        weight = torch.randn(groups * rank, heads * 512 // groups, generator=g).to(DEVICE, dtype)
+        grouped_wo_a.grouped_wo_a(out, cos, sin, weight)
 
 
 COMPILE = textwrap.dedent("""
