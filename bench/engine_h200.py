@@ -16,7 +16,9 @@ What it measures (issue 7; seeds' conditions):
   Weights are random, so the measured acceptance is meaningless: tokens/s are converted at
   `TAU` committed tokens per step, as the seeds do (3.25 for 3 verified drafts; MTP-1 at its
   ceiling of 2, flagged), next to the measured tokens/step. "auto" is the synchronous planner
-  (Algorithm 1) over a capacity table profiled here at the same context (width 4).
+  (Algorithm 1) over a capacity table profiled here at the same context (width 4); "auto_async"
+  the asynchronous planner (budget from confidences two rounds old, spec §4.3), which needs no
+  host sync on the current round's confidences before the verify call.
 * prefill: one target forward of N ∈ {4K, 8K, 16K, 32K, 64K} new tokens over a fabricated context
   of 128K − N tokens (so the call ends at 128K), tokens/s = N / time; OOM is recorded, not fatal.
 * peer: HF transformers' `DeepseekV4ForCausalLM` (eager) on the same config at batch 1, greedy
@@ -53,8 +55,8 @@ from dspark.request import Request
 from dspark.verify.capacity import CapacityTable
 
 HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
-TAU = {"none": 1.0, "mtp1": 2.0, "dspark3": 3.25, "auto": 3.25}
-MODES = ("none", "mtp1", "dspark3", "auto")
+TAU = {"none": 1.0, "mtp1": 2.0, "dspark3": 3.25, "auto": 3.25, "auto_async": 3.25}
+MODES = ("none", "mtp1", "dspark3", "auto", "auto_async")
 FULL = dict(config="v4-mini", requests=(1, 8, 16, 32, 64, 128, 256), contexts=(4096, 32768),
             prefill=(4096, 8192, 16384, 32768, 65536), prefill_context=131072, warmup=1, steps=3,
             hf_prompt=512, hf_new=32, capacity_probes=(1, 4, 16, 64, 256, 1024))
@@ -191,9 +193,10 @@ def profile_table(model, context: int, probes, g) -> CapacityTable:
 
 def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dict:
     drafter = drafters[mode]
-    budget = {"none": 0, "mtp1": 1, "dspark3": 3, "auto": "auto"}[mode]
+    budget = {"none": 0, "mtp1": 1, "dspark3": 3, "auto": "auto", "auto_async": "auto"}[mode]
     engine = Engine(model, EngineConfig(max_running=requests, max_prompt_tokens=context + 1, max_new_tokens=10**6,
-                                        draft_tokens=budget, drafter=drafter, capacity=table))
+                                        draft_tokens=budget, drafter=drafter, capacity=table,
+                                        planner="async" if mode == "auto_async" else "sync"))
     inject(engine, model, drafter, requests, context, g)
     times, committed, verified = [], [], []
     for i in range(args["warmup"] + args["steps"]):
@@ -214,7 +217,7 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
            "mean_drafts_verified_per_request": sum(verified) / len(verified) / requests, "tau_converted": tau, "tok_s_per_user": tau / step, "tok_s_total": tau * requests / step}
     if mode == "mtp1":
         row["note"] = "MTP-1 converted at its ceiling of 2 tokens/step (every draft accepted)"
-    if mode == "auto":
+    if mode in ("auto", "auto_async"):
         row["note"] = ("converted at 3.25 like budget 3; with random weights the confidences are noise, so its "
                        "verify width (mean_drafts_verified_per_request) is not what a trained drafter would get")
     for r in list(engine.running):
@@ -411,7 +414,7 @@ def main() -> None:
         drafters["mtp1"] = MtpDrafter(model)
     except ValueError as e:
         print(f"no MTP-1 mode: {e}", flush=True)
-    drafters["auto"] = drafters["dspark3"]
+    drafters["auto"] = drafters["auto_async"] = drafters["dspark3"]
     results = {
         "conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                        "dtype": str(dtype), "weights": "random", "commit": _commit(), "smoke": cli.smoke,
@@ -460,10 +463,11 @@ def summarise(results: dict, args: dict) -> None:
             base, dsp = rows.get(("none", r, ctx)), rows.get(("dspark3", r, ctx))
             if base and dsp:
                 s.setdefault("dspark3_over_none_total", {})[f"{r}@{ctx}"] = dsp["tok_s_total"] / base["tok_s_total"]
-            auto = rows.get(("auto", r, ctx))
             fixed = [rows[(m, r, ctx)]["tok_s_total"] for m in ("none", "mtp1", "dspark3") if (m, r, ctx) in rows]
-            if auto and fixed:
-                s.setdefault("auto_over_best_fixed", {})[f"{r}@{ctx}"] = auto["tok_s_total"] / max(fixed)
+            for mode in ("auto", "auto_async"):
+                auto = rows.get((mode, r, ctx))
+                if auto and fixed:
+                    s.setdefault(f"{mode}_over_best_fixed", {})[f"{r}@{ctx}"] = auto["tok_s_total"] / max(fixed)
     s["skipped_cells"] = len(results["skipped"])
     results["summary"] = s
 

@@ -19,7 +19,7 @@ def test_engine_bench_smoke_writes_every_section(tmp_path):
     assert r["conditions"]["decode_state"].startswith("fabricated") and r["fabrication_check"]
     cells = {(d["mode"], d["requests"], d["context"]) for d in r["decode"]} | {
         (s["mode"], s["requests"], s["context"]) for s in r["skipped"] if s["phase"] == "decode"}
-    assert cells == {(m, n, c) for m in ("none", "mtp1", "dspark3", "auto") for n in (1, 4) for c in (40, 100)}
+    assert cells == {(m, n, c) for m in ("none", "mtp1", "dspark3", "auto", "auto_async") for n in (1, 4) for c in (40, 100)}
     for d in r["decode"]:
         assert d["step_ms"] > 0 and d["tok_s_total"] == d["tok_s_per_user"] * d["requests"]
         assert d["mean_drafts_verified_per_request"] == {"none": 0, "mtp1": 1, "dspark3": 3}.get(d["mode"], d["mean_drafts_verified_per_request"])
