@@ -10,13 +10,11 @@ greedy tokens under TP identical for both; in bf16, the TP pieces keep the singl
 points (nearly every element bit-identical).
 """
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import dist_worker by name
 import dist_worker  # noqa: E402
@@ -24,17 +22,10 @@ import dist_worker  # noqa: E402
 ATOL = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, spawn_ranks):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(dist_worker.run, args=(_free_port(), str(out)), nprocs=2)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_ranks(dist_worker.run, out)
 
 
 def _rows(requests):

@@ -10,24 +10,16 @@ rank's rows of each table (and of its scales) and equals the whole table sliced 
 Without a process group: the row-range reader and the refusals of bad configurations.
 """
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the worker by name
 import engram_shard_worker as worker  # noqa: E402
 
 ATOL = 1e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_checkpoint(path):
@@ -39,11 +31,10 @@ def _write_checkpoint(path):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, spawn_ranks):
     out, checkpoint = tmp_path_factory.mktemp("engram_shard"), tmp_path_factory.mktemp("tiny_v41_fp8")
     _write_checkpoint(checkpoint)
-    mp.spawn(worker.run, args=(_free_port(), str(out), str(checkpoint)), nprocs=2)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(worker.run, out, str(checkpoint), weights_only=False)
 
 
 def _rows(requests):

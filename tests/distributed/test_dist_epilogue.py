@@ -15,7 +15,6 @@ The push over symmetric memory needs two GPUs: tests/distributed/test_dist_fused
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,7 +23,6 @@ from importlib import resources
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated (on first use, or the reload below)
@@ -78,17 +76,10 @@ def _gloo_rank(rank, port, out_dir):
     shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def gloo_ranks(tmp_path_factory):
+def gloo_ranks(tmp_path_factory, spawn_ranks):
     out = tmp_path_factory.mktemp("epilogue")
-    mp.spawn(_gloo_rank, args=(_free_port(), str(out)), nprocs=2)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_ranks(_gloo_rank, out)
 
 
 def test_auto_epilogue_falls_back_to_the_reference_on_gloo(gloo_ranks):

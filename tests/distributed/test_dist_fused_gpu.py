@@ -10,13 +10,11 @@ both ranks identical; and a whole bf16 tiny V4 under TP2 with `tp_epilogue="fuse
 `"ref"`: prefill logits bit for bit, greedy tokens equal.
 """
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import this module and its helpers by name
 from test_dist_epilogue import epilogue_inputs  # noqa: E402
@@ -84,20 +82,13 @@ def _rank(rank, port, out_dir):
     shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, spawn_ranks):
     out = tmp_path_factory.mktemp("fused")
     with pytest.MonkeyPatch.context() as env:  # inherited by the spawned ranks
         env.setenv("NCCL_NVLS_ENABLE", "0")
         env.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        mp.spawn(_rank, args=(_free_port(), str(out)), nprocs=2)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+        return spawn_ranks(_rank, out)
 
 
 def test_fused_epilogue_equals_reference_bitwise(ranks):

@@ -7,11 +7,9 @@ split tensor (heads, expert widths) read only as this rank's half, never whole; 
 slice planner's refusals (a quantised cut inside a scale block).
 """
 
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dspark.distributed.tp_loading import split_axis
 
@@ -49,17 +47,10 @@ def _rank(rank, port, out_dir):
     shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, spawn_ranks):
     out = tmp_path_factory.mktemp("tp_loading")
-    mp.spawn(_rank, args=(_free_port(), str(out)), nprocs=2)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_ranks(_rank, out)
 
 
 def test_tp_sharded_load_equals_sliced_full_load(ranks):
