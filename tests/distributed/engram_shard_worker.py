@@ -12,7 +12,7 @@ from dspark.api import init_model, load_model
 from dspark.distributed import LockstepEngine, ParallelConfig, init_distributed, load_sharded, parallelize, shutdown
 from dspark.distributed.engram_shard import ShardedEngramTable
 from dspark.engine.engine import Engine, EngineConfig
-from dspark.loader import SafetensorsReader
+from read_log import recorded_reads
 from dspark.models.deepseek_v41.engram import EngramTable
 from dspark.sampling import SamplingParams
 
@@ -76,25 +76,9 @@ def lookups(rank, comm):
 def load_checkpoint(rank, comm, checkpoint):
     """`load_sharded` of the quantised checkpoint under DEP with sharded tables, every read recorded;
     the same checkpoint loaded whole and sharded in memory; greedy tokens of the loaded model."""
-    reads = []
-    whole, part = SafetensorsReader.get, SafetensorsReader.get_part
-
-    def get(self, key):
-        t = whole(self, key)
-        reads.append((key, "whole", t.numel() * t.element_size()))
-        return t
-
-    def get_part(self, key, axis, start, stop):
-        t = part(self, key, axis, start, stop)
-        reads.append((key, "part", t.numel() * t.element_size()))
-        return t
-
     config = ParallelConfig(2, rank, ep=2, dp_attention=True, engram_shard=True)
-    SafetensorsReader.get, SafetensorsReader.get_part = get, get_part
-    try:
+    with recorded_reads() as reads:
         sharded, layers = load_sharded(checkpoint, config, comm)
-    finally:
-        SafetensorsReader.get, SafetensorsReader.get_part = whole, part
     reference = load_model(checkpoint)
     parallelize(reference, config, comm)
     tokens = generate(LockstepEngine(sharded, ENGINE, comm, layers), MINE[rank])

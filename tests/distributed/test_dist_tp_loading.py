@@ -18,26 +18,13 @@ def _rank(rank, port, out_dir):
     from dspark.api import EMBEDDED, load_model
     from dspark.distributed import ParallelConfig, init_distributed, load_sharded, parallelize, shutdown
     from dspark.loader import SafetensorsReader
+    from read_log import recorded_reads
 
     torch.set_num_threads(1)
     config = ParallelConfig(2, rank, tp=2)
     comm = init_distributed(config, f"tcp://127.0.0.1:{port}")
-    reads = []  # (key, how, bytes)
-    whole, part = SafetensorsReader.get, SafetensorsReader.get_part
-
-    def get(self, key):
-        t = whole(self, key)
-        reads.append((key, "whole", t.numel() * t.element_size()))
-        return t
-
-    def get_part(self, key, axis, start, stop):
-        t = part(self, key, axis, start, stop)
-        reads.append((key, "part", t.numel() * t.element_size()))
-        return t
-
-    SafetensorsReader.get, SafetensorsReader.get_part = get, get_part
-    sharded, _ = load_sharded("tiny", config, comm)
-    SafetensorsReader.get, SafetensorsReader.get_part = whole, part
+    with recorded_reads() as reads:  # (key, how, bytes)
+        sharded, _ = load_sharded("tiny", config, comm)
     reference = load_model("tiny")
     parallelize(reference, config, comm)
     with SafetensorsReader(EMBEDDED["tiny"]) as reader:
