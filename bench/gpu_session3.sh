@@ -15,7 +15,9 @@
 # As run: k and the stashes on an x2 machine; gemma_train (then with 32 prompts per domain, 128
 # tokens, 800 steps) hit its 450 s timeout before the drafter was saved; the machine was given back.
 # Second machine (one H200; the x2 kind was no longer lent): v41k with part00, the stashes,
-# gemma_train with the smaller settings below, gemma_eval.
+# gemma_train with the smaller settings below (bf16), gemma_eval (cut at 230 s after 4 cells), then
+# the chat cells by hand (stopped by the then greedy assertion after T = 0). Next time:
+# GEMMA_DTYPE=float32 for the identity check (bf16 logits tie, see bench/greedy_ties.py).
 #
 # k: GPU 0 — kernel tests at real sizes (tests/kernels: the lightning indexer, compressor and the
 #    bf16 whole-model bound are new), the CUDA sampling tests, then bench/kernels.py on the indexer
@@ -86,6 +88,7 @@ part_gemma_train() {
   [ -f $GEMMA_MODEL/model.safetensors ] || return 1
   ls -la $GEMMA_MODEL
   timeout ${GEMMA_TRAIN_S:-250} python3 bench/hf_gemma.py --model $GEMMA_MODEL --device cuda --threads 4 --phase train \
+    --dtype ${GEMMA_DTYPE:-bfloat16} \
     --drafter-dir $GEMMA_DRAFTER --train-dir .gpu/small/eval --out "$OUT/unused.json" --progress \
     --train-prompts 16 --calib-prompts 3 --distill-tokens 96 --steps 300 --batch-size 8 --micro-batch 8 \
     --cache-target --num-anchors 32 --markov-rank 256 --calib-tokens 64 > $W/logs/gemma-train.txt 2>&1
@@ -96,7 +99,7 @@ part_gemma_train() {
 
 part_gemma_eval() {  # one H200: every (domain, T) in one batch-1 process
   timeout ${GEMMA_EVAL_S:-240} python3 bench/hf_gemma.py --model $GEMMA_MODEL --device cuda --threads 4 \
-    --phase eval --drafter-dir $GEMMA_DRAFTER --limit 4 --max-new-tokens 96 \
+    --phase eval --drafter-dir $GEMMA_DRAFTER --limit 4 --max-new-tokens 96 --dtype ${GEMMA_DTYPE:-bfloat16} \
     --out "$OUT/hf-gemma-h200.json" > $W/logs/gemma-eval.txt 2>&1
   echo "gemma eval rc=$?" >> $W/logs/gemma-eval.txt
   grep -h '"method"' $W/logs/gemma-eval.txt | cut -c1-220; tail -n 2 $W/logs/gemma-eval.txt | cut -c1-300
