@@ -24,8 +24,9 @@
 #    and compressor ops; GPU 1 — bench/engine_h200.py on v41-mini (the V4.1 analogue).
 # gemma_train: assemble + check the GGUF, install `gguf`, convert to safetensors, then
 #    bench/hf_gemma.py --phase train on GPU 0 (target cache, train_draft, STS) into /tmp/gemma.
-# gemma_eval: bench/hf_gemma.py --phase eval as six batch-1 runs, (domain, T) each, three after
-#    one another on each GPU (one process per GPU, so timings never share a GPU), then --merge.
+# gemma_eval: bench/hf_gemma.py --phase eval, every (domain, T) cell at batch 1 in one process
+#    (on an x2 machine, two processes with disjoint --domains/--temperatures and then --merge).
+# v41k / tiles: the V4.1 kernels at real sizes and their timings / the decode MoE tile sweep.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
