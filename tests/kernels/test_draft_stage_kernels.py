@@ -22,6 +22,7 @@ from dspark.kernels import KernelConfig, attention, grouped_wo_a, mhc, mhc_v41, 
 from dspark.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REL_TOL = 1e-3  # ‖Δ‖/‖ref‖ of fp32 draft logits, as the whole-model fp32 test (test_kernels_model.py)
 V41_DSPARK = dict(dspark_block_size=5, dspark_noise_token_id=257, dspark_target_layer_ids=[4, 5, 6],
                   dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
@@ -47,7 +48,7 @@ def drafter_pair(target, config, **model_options):
 
 def propose_both(pair, target, n_ids=24):
     """Observe one prompt (as two requests, one cut short), then propose greedily with each drafter."""
-    ids = torch.randint(0, 256, (n_ids,), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, 256, (n_ids,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     proposals = []
     for drafter in pair:
         out = target(ids, [target.new_state()], [n_ids], capture_layers=drafter.capture_layers)
@@ -57,7 +58,7 @@ def propose_both(pair, target, n_ids=24):
         with torch.no_grad():  # under autograd the stages would run the references
             block = drafter.block_logits(states, [7, 9]).out
         proposal = drafter.propose(states, [7, 9], dspark.SamplingParams(temperature=0.0),
-                                   [torch.Generator().manual_seed(0) for _ in states])
+                                   [torch.Generator(DEVICE).manual_seed(0) for _ in states])
         proposals.append((block, proposal))
     return proposals
 
@@ -74,7 +75,7 @@ def assert_close_drafts(proposals):
 
 @needs_triton
 def test_v4_stages_on_triton_match_the_references():
-    target = dspark.init_model(tiny_config("tiny-v4.json"), seed=0, kernels=KernelConfig())
+    target = dspark.init_model(tiny_config("tiny-v4.json"), seed=0, device=DEVICE, kernels=KernelConfig())
     pair = drafter_pair(target, DSparkConfig.for_target(target.config, dspark_markov_rank=32))
     chosen = pair[0].model.mtp[0].stage_kernels.chosen
     assert (chosen.pre, chosen.post_pre, chosen.post) == (mhc.mhc_pre, mhc.mhc_post_pre, mhc.mhc_post)
@@ -88,7 +89,7 @@ def test_v41_shipped_stages_on_triton_match_the_references():
     config = copy.deepcopy(tiny_config("tiny-v41.json"))
     config["text_config"].update(V41_DSPARK)
     target = DeepseekV41ForCausalLM(DeepseekV41Config.from_dict(config), prefill_mode="exact", cache_qat=False,
-                                    kernels=KernelConfig()).init_weights(3).eval()
+                                    device=DEVICE, kernels=KernelConfig()).init_weights(3).eval()
     pair = drafter_pair(target, v41_dspark_config(target.config), stage_kind="shipped", cache_qat=False)
     chosen = pair[0].model.mtp[0].stage_kernels.chosen
     assert (chosen.pre, chosen.post_pre) == (mhc_v41.mhc_v41_pre, mhc_v41.mhc_v41_post_pre)
