@@ -23,7 +23,7 @@ import torch
 from dspark.draft.base import DraftProposal
 from dspark.draft.config import DSparkConfig
 from dspark.draft.context import DSparkState, gather_context
-from dspark.draft.dspark_v4 import BlockOutput, DSparkModel
+from dspark.draft.dspark_v4 import BlockOutput, DSparkModel, target_kernels
 from dspark.draft.markov_head import sample_chain
 from dspark.sampling import SamplingParams
 from dspark.verify.sts import StsCalibration
@@ -56,7 +56,8 @@ class DSparkDrafter:
         if config is None:
             config = model.config if model is not None else DSparkConfig.for_target(target.config)
         if model is None:
-            model = DSparkModel(config, target.config, dtype=target.dtype, device=target.device).eval()
+            model = DSparkModel(config, target.config, dtype=target.dtype, device=target.device,
+                                kernels=target_kernels(target)).eval()
         elif model.config != config:
             raise ValueError("model: its DSparkConfig differs from the config passed to DSparkDrafter")
         self.target = target

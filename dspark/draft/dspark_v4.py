@@ -32,8 +32,10 @@ from dspark.draft.config import DSparkConfig
 from dspark.draft.markov_head import MarkovHead, build_head
 from dspark.draft.stages import DSparkStage
 from dspark.draft.stages_v41 import DSparkStageV41
+from dspark.kernels import KernelConfig
 from dspark.models.deepseek_v4.config import DeepseekV4Config
 from dspark.models.deepseek_v4.mhc import collapse
+from dspark.models.deepseek_v4.model import resolve_kernels
 from dspark.models.deepseek_v41.block import initial_pre
 from dspark.models.deepseek_v41.config import DeepseekV41Config
 
@@ -53,6 +55,13 @@ class BlockOutput:
     hidden_pre: torch.Tensor
     hidden: torch.Tensor
     base: torch.Tensor
+
+
+def target_kernels(target) -> KernelConfig | None:
+    """The kernel choice of `target` (DeepSeek targets hold one as `.kernels`); None for a target
+    without one (an HF target), which `DSparkModel` resolves from the device."""
+    kernels = getattr(target, "kernels", None)
+    return kernels if isinstance(kernels, KernelConfig) else None
 
 
 def uses_v41_stages(target_config, stage_kind: str) -> bool:
@@ -105,11 +114,13 @@ class DSparkModel(nn.Module):
     parameters, the Markov and confidence heads stay fp32. Do not re-cast it afterwards.
     `stage_kind` (see `STAGE_KINDS`) picks the stage module: "shipped" for a V4.1 target builds
     `DSparkStageV41` (the released `mtp.0..2`), otherwise `DSparkStage`; `cache_qat` is the V4.1
-    target's FP8 window rounding, used by V4.1 stages only.
+    target's FP8 window rounding, used by V4.1 stages only. `kernels` is the kernel choice of the
+    target it drafts for (pass `target.kernels`); None: `KernelConfig.for_device(device)`, as a
+    target's default. Under autograd the stages run the torch references (`stage_kernels.py`).
     """
 
     def __init__(self, config: DSparkConfig, target_config, dtype: torch.dtype | None = None, device=None,
-                 stage_kind: str = "v4", cache_qat: bool = True):
+                 stage_kind: str = "v4", cache_qat: bool = True, kernels: KernelConfig | None = None):
         super().__init__()
         config.check_target(target_config)
         self.config = config
@@ -121,12 +132,13 @@ class DSparkModel(nn.Module):
         self.n_hc = c.hc_mult  # the stages' streams (a DeepSeek target's own; an HF target's stage shape)
         self.head_dim = c.head_dim
         n, d = config.num_stages, target_config.hidden_size
+        self.kernels = resolve_kernels(kernels, device)
         self.carries_pre = uses_v41_stages(target_config, stage_kind)
+        built = dict(dtype=self.dtype, device=device, kernels=self.kernels)
         if self.carries_pre:
-            stages = (DSparkStageV41(c, i, i == 0, i == n - 1, n, cache_qat, dtype=self.dtype, device=device)
-                      for i in range(n))
+            stages = (DSparkStageV41(c, i, i == 0, i == n - 1, n, cache_qat, **built) for i in range(n))
         else:
-            stages = (DSparkStage(c, i == 0, i == n - 1, n, dtype=self.dtype, device=device) for i in range(n))
+            stages = (DSparkStage(c, i == 0, i == n - 1, n, **built) for i in range(n))
         self.mtp = nn.ModuleList(stages)
         last = self.mtp[-1]
         r = config.dspark_markov_rank

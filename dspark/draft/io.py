@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from dspark.draft.config import PREFIX, DSparkConfig
 from dspark.draft.drafter import DSparkDrafter
-from dspark.draft.dspark_v4 import DSparkModel
+from dspark.draft.dspark_v4 import DSparkModel, target_kernels
 from dspark.loader import INDEX_FILE, SINGLE_FILE, SafetensorsReader, load_tensors, plan_sources
 from dspark.models.deepseek_v4.checkpoint import encode_tensor, holds_dspark_stages
 from dspark.models.deepseek_v41 import checkpoint as v41_checkpoint
@@ -78,7 +78,8 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
     if wrong:
         raise ValueError(f"{path}: drafter does not fit this target ({'; '.join(wrong)})")
     dspark_config = DSparkConfig.from_dict(config)
-    model = DSparkModel(dspark_config, target.config, dtype=dtype or target.dtype, device=target.device).eval()
+    model = DSparkModel(dspark_config, target.config, dtype=dtype or target.dtype, device=target.device,
+                        kernels=target_kernels(target)).eval()
     drafter = DSparkDrafter(target, dspark_config, model)
     _load_weights(drafter, path, lambda key: key)
     if (path / STS_FILE).is_file():
@@ -146,7 +147,7 @@ def dspark_from_v41_checkpoint(model, path: str | Path, config: dict) -> DSparkD
             return None
     dspark_config = v41_dspark_config(model.config)
     stages = DSparkModel(dspark_config, model.config, dtype=model.dtype, device=model.device, stage_kind="shipped",
-                         cache_qat=getattr(model, "cache_qat", True)).eval()
+                         cache_qat=getattr(model, "cache_qat", True), kernels=target_kernels(model)).eval()
     drafter = DSparkDrafter(model, dspark_config, stages)
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
     block = quant.get("weight_block_size", V41_DENSE_BLOCK)

@@ -15,6 +15,10 @@ token id would send every noise slot to the same experts. The query side is exac
 low-rank q with per-head RMS, partial RoPE on the last dims, per-head sink, inverse RoPE on the
 output, grouped low-rank `wo_a` then `wo_b`.
 
+The fused ops run through the kernel registry as in the target's `Block` (`stage_kernels.py`): the
+three mHC sites (`mhc_pre`, `mhc_post_pre`, `mhc_post`), `sparse_attention`, `grouped_wo_a` and the
+target's `MoE`, with the target's `KernelConfig`; under autograd (training) the torch references.
+
 Context keys are a per-position quantity, so inference caches them per request (the draft state,
 `dspark.draft.context`) and training computes them for a whole sequence; both then call
 `DSparkStage.forward` with a key pool and an index telling each query which pool rows it sees.
@@ -28,9 +32,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.models.deepseek_v4.attention import sparse_attention
+from dspark.draft.stage_kernels import V4_SITES, StageKernels
+from dspark.kernels import KernelConfig
 from dspark.models.deepseek_v4.config import MOE, SLIDING
-from dspark.models.deepseek_v4.mhc import hc_head, hc_post
+from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.model import Block
 from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
 from dspark.models.deepseek_v4.rope import apply_rope
@@ -55,11 +60,15 @@ class DSparkStage(Block):
     Stage 0 also owns the feature projection `main_proj` [D, F·D] and `main_norm` [D]; the last
     stage owns the output collapse `hc_head_{fn,base,scale}`, `norm`, and — attached by
     `DSparkModel` — `markov_head` and `confidence_head`. `config` is the target config with the
-    stages' expert counts and window substituted.
+    stages' expert counts and window substituted. `kernels` is the target's kernel choice (default:
+    the torch references); see `stage_kernels.py` for when the stage runs it.
     """
 
-    def __init__(self, config, first: bool, last: bool, n_features: int, dtype=None, device=None):
-        super().__init__(config, SLIDING, MOE, dtype=dtype, device=device)
+    def __init__(self, config, first: bool, last: bool, n_features: int, dtype=None, device=None,
+                 kernels: KernelConfig | None = None):
+        kernels = KernelConfig() if kernels is None else kernels
+        super().__init__(config, SLIDING, MOE, dtype=dtype, device=device, kernels=kernels)
+        self.stage_kernels = StageKernels(kernels, V4_SITES)
         d = config.hidden_size
         if first:
             self.main_proj = nn.Linear(n_features * d, d, bias=False, dtype=dtype, device=device)
@@ -90,12 +99,15 @@ class DSparkStage(Block):
         positions [S] absolute positions of the block rows; ctx_pool [P, d] context keys;
         ctx_index [S, W] pool rows each query sees (−1 = none); rows are grouped γ per block.
         """
-        u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        x = hc_post(self._attend(self.attn_norm(u), positions, ctx_pool, ctx_index, gamma), x, post, comb)
-        v, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return hc_post(self.ffn(self.ffn_norm(v), ids), x, post, comb)
+        ops = self.stage_kernels.current()
+        post, comb, u = ops.pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, **self.mhc_eps)
+        a = self._attend(ops, self.attn_norm(u), positions, ctx_pool, ctx_index, gamma)
+        y, post, comb, v = ops.post_pre(a, x, post, comb, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                        **self.mhc_eps)
+        moe = self.ffn.forward_ref if ops.reference else self.ffn
+        return ops.post(moe(self.ffn_norm(v), ids), y, post, comb)
 
-    def _attend(self, x: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor, ctx_index: torch.Tensor,
+    def _attend(self, ops, x: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor, ctx_index: torch.Tensor,
                 gamma: int) -> torch.Tensor:
         """Attention of the block rows x [S, D] (after attn_norm) -> [S, D]."""
         attn = self.attn
@@ -107,11 +119,9 @@ class DSparkStage(Block):
         kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)  # [S, d] block keys, transient
         pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
         index = torch.cat((ctx_index, block_index(n, gamma, ctx_pool.shape[0], x.device)), dim=-1)  # [S, W + γ]
-        out = sparse_attention(q, pool, index, attn.attn_sink, attn.scale)
-        out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the values' rotation
-        groups = out.reshape(n, attn.o_groups, -1)  # [S, G, H·d/G]
-        weight = attn.wo_a.weight.view(attn.o_groups, attn.o_lora_rank, -1)  # block-diagonal wo_a
-        return attn.wo_b(torch.einsum("ngk,grk->ngr", groups, weight).flatten(1))
+        out = ops.attend(q, pool, index, attn.attn_sink, attn.scale)  # [S, H, d]
+        # inverse RoPE (undo the values' rotation) + block-diagonal wo_a -> [S, G·R], then wo_b
+        return attn.wo_b(ops.wo_a(out, cos, sin, attn.wo_a.weight))
 
     # ---------------------------------------------------------------------------------------
     # Output (last stage)

@@ -11,6 +11,10 @@ The released V4.1 stages are V4.1 blocks, not V4 ones (compare `stages.py`):
 * the MoE uses the V4.1 `Gate` (sqrt-softplus with `gate_temp`, `bias` / `bias_vl`); no Engram,
   no compressor, no indexer.
 
+The fused ops run through the kernel registry as in the target's V4.1 `Block` (`stage_kernels.py`):
+the mHC sites (`mhc_v41_pre`, `mhc_v41_post_pre`, `mhc_post`), `sparse_attention`, `grouped_wo_a`
+and the MoE, with the target's `KernelConfig`; under autograd the torch references.
+
 Parameter names equal the shipped keys: `attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b,attn_sink}`,
 `ffn.{gate.{weight,bias,bias_vl},experts.E.w{1,2,3},shared_experts.w{1,2,3}}`, `attn_norm`,
 `ffn_norm`, `hc_{attn,ffn}_{fn,base,scale}`; stage 0 adds `main_proj`, `main_norm`; the last stage
@@ -24,9 +28,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.draft.stage_kernels import V41_SITES, StageKernels
 from dspark.draft.stages import block_index
-from dspark.models.deepseek_v4.attention import sparse_attention
-from dspark.models.deepseek_v4.mhc import collapse, hc_post
+from dspark.kernels import KernelConfig
+from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v41.block import Block
@@ -42,14 +47,17 @@ def stage_role(stage: int, num_hidden_layers: int) -> LayerRole:
 
 class DSparkStageV41(Block):
     """Draft stage i of a V4.1 checkpoint. `config` is the target's `DeepseekV41Config` with the
-    stages' expert counts and window substituted; `cache_qat` as the target's (FP8 window latents)."""
+    stages' expert counts and window substituted; `cache_qat` as the target's (FP8 window latents);
+    `kernels` the target's kernel choice (default: the torch references, see `stage_kernels.py`)."""
 
     carries_pre = True  # `DSparkModel` threads the pre-mix through the stages
 
     def __init__(self, config, index: int, first: bool, last: bool, n_features: int, cache_qat: bool = True,
-                 dtype=None, device=None):
+                 dtype=None, device=None, kernels: KernelConfig | None = None):
+        kernels = KernelConfig() if kernels is None else kernels
         super().__init__(config, stage_role(index, config.num_hidden_layers), CacheQuant(cache_qat), dtype=dtype,
-                         device=device)
+                         device=device, kernels=kernels)
+        self.stage_kernels = StageKernels(kernels, V41_SITES)
         d = config.hidden_size
         if first:
             self.main_proj = nn.Linear(n_features * d, d, bias=False, dtype=dtype, device=device)
@@ -70,14 +78,19 @@ class DSparkStageV41(Block):
         ids [S] block token ids (router input for `bias_vl`); positions [S]; ctx_pool [P, d] context
         keys; ctx_index [S, W] pool rows each query sees (−1 = none); rows grouped γ per block.
         """
-        a_pre, a_post, a_comb = self._mixes(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        a = self._attend(self.attn_input(x, pre), positions, ctx_pool, ctx_index, gamma)
-        y = hc_post(a, x, a_post, a_comb)
-        f_pre, f_post, f_comb = self._mixes(y, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        f = self.ffn(self.ffn_norm(collapse(y, a_pre)), ids)
-        return hc_post(f, y, f_post, f_comb), f_pre
+        ops = self.stage_kernels.current()
+        # attention site: own mixes of x, input attn_norm(Σ_k pre_k x_k) with the carried pre
+        a_pre, a_post, a_comb, h = ops.pre(x, pre, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                           self.attn_norm.weight, norm_eps=self.attn_norm.eps, **self._eps())
+        a = self._attend(ops, h, positions, ctx_pool, ctx_index, gamma)
+        # attention post, then the FFN site on Y (collapsed with the attention site's pre)
+        y, f_pre, f_post, f_comb, g = ops.post_pre(a, x, a_post, a_comb, a_pre, self.hc_ffn_fn, self.hc_ffn_base,
+                                                   self.hc_ffn_scale, self.ffn_norm.weight,
+                                                   norm_eps=self.ffn_norm.eps, **self._eps())
+        moe = self.ffn.forward_ref if ops.reference else self.ffn
+        return ops.post(moe(g, ids), y, f_post, f_comb), f_pre
 
-    def _attend(self, x: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor, ctx_index: torch.Tensor,
+    def _attend(self, ops, x: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor, ctx_index: torch.Tensor,
                 gamma: int) -> torch.Tensor:
         """Attention of the block rows x [S, D] (after attn_norm) -> [S, D]."""
         attn = self.attn
@@ -86,7 +99,8 @@ class DSparkStageV41(Block):
         kv = attn.quant.window(kv)  # block keys, transient, rounded like the window cache
         pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
         index = torch.cat((ctx_index, block_index(x.shape[0], gamma, ctx_pool.shape[0], x.device)), dim=-1)
-        return attn.project_out(sparse_attention(q, pool, index, attn.attn_sink, attn.scale), cos, sin)
+        out = ops.attend(q, pool, index, attn.attn_sink, attn.scale)  # [S, H, d]
+        return attn.wo_b(ops.wo_a(out, cos, sin, attn.wo_a.weight))  # inverse RoPE, grouped wo_a, wo_b
 
     def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """The output collapse before `norm` with the last FFN pre: [S, hc, D], [S, hc] -> [S, D]."""

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from dspark.draft.config import DSparkConfig
 from dspark.draft.drafter import DSparkDrafter
-from dspark.draft.dspark_v4 import DSparkModel
+from dspark.draft.dspark_v4 import DSparkModel, target_kernels
 from dspark.draft.io import save_drafter
 from dspark.train.anchors import AnchorBlocks, build_blocks, concat_blocks, context_index, sample_anchors
 from dspark.train.data import TrainingSequence
@@ -108,7 +108,8 @@ def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
 def new_training_drafter(target, config: DSparkConfig | None = None, seed: int = 0) -> DSparkDrafter:
     """A randomly initialised drafter for `target` with fp32 weights on the target's device."""
     config = config or DSparkConfig.for_target(target.config)
-    model = DSparkModel(config, target.config, dtype=torch.float32, device=target.device)
+    model = DSparkModel(config, target.config, dtype=torch.float32, device=target.device,
+                        kernels=target_kernels(target))
     return DSparkDrafter(target, config, model).init_weights(seed)
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.attention import Attention
 from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4Config
-from dspark.models.deepseek_v4.mhc import hc_head, hc_pre
+from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch, check_capture, plan_batch
@@ -158,10 +158,6 @@ class Block(nn.Module):
     def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:
         """Apply the pending post alone (no next site to fuse with): y [N, n_hc, D] -> [N, n_hc, D]."""
         return self.post_op(pending.f, y, pending.post, pending.comb)
-
-    def _pre(self, x, fn, base, scale):
-        """mHC pre as mhc.py's torch function (the DSpark stages' path): (u, post, comb)."""
-        return hc_pre(x, fn, base, scale, self.n_hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
 
 
 class MTPBlock(Block):

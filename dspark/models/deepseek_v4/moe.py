@@ -151,6 +151,11 @@ class MoE(nn.Module):
         """x [N, D] (after ffn_norm), input_ids [N] -> [N, D]. Routed outputs accumulate in fp32."""
         if self.fused:
             return self._forward_fused(x, input_ids)
+        return self.forward_ref(x, input_ids)
+
+    def forward_ref(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """`forward` on the torch reference whatever `kernels` chose: differentiable (the fused ops
+        have no backward), so a trained module (the DSpark stages) runs it under autograd."""
         weights, experts = self.gate(x, input_ids)
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         # Host loop over the experts that received tokens (one sync for the counts: reference path).

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
-from dspark.models.deepseek_v4.mhc import collapse, split_mixes, stream_mixes
+from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache
@@ -163,8 +163,3 @@ class Block(nn.Module):
 
     def _eps(self) -> dict:
         return dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
-
-    def _mixes(self, x, fn, base, scale):
-        """Mix(x) as torch functions (the DSpark stages' path): (pre, post, comb)."""
-        return split_mixes(stream_mixes(x, fn, self.norm_eps), scale, base, self.n_hc, self.sinkhorn_iters,
-                           self.hc_eps)
