@@ -11,16 +11,15 @@ gradients.
 """
 
 import dataclasses
-import json
-from importlib import resources
 
 import pytest
 import torch
 
 import dspark
+from draft_targets import tiny_v4_config
 from dspark.draft import DSparkConfig, DSparkDrafter
 from dspark.draft.dspark_v4 import DSparkModel, target_kernels
-from dspark.draft.stages import DSparkStage, block_index
+from dspark.draft.stages import block_index
 from dspark.kernels import KernelConfig, mhc, triton_available
 from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.models.deepseek_v4.mhc import hc_post, hc_pre
@@ -33,15 +32,6 @@ from dspark.train.trainer import TrainConfig, block_losses, train_draft
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 TRITON = KernelConfig.uniform("triton")
-
-
-def _config(**overrides):
-    return dict(json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text()), **overrides)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return dspark.init_model(_config(), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +83,7 @@ def test_reference_stage_is_its_former_torch_code_bit_for_bit(tiny, dspark_confi
 
 @needs_triton
 def test_drafter_takes_the_kernel_choice_of_its_target(dspark_config):
-    target = dspark.init_model(_config(), seed=0, kernels=dataclasses.replace(KernelConfig(), mhc_pre="triton"))
+    target = dspark.init_model(tiny_v4_config(), seed=0, kernels=dataclasses.replace(KernelConfig(), mhc_pre="triton"))
     model = DSparkDrafter(target, dspark_config).model
     assert model.kernels == target.kernels == target_kernels(target)
     ops = model.mtp[0].stage_kernels

@@ -2,25 +2,16 @@
 `resolve_drafter`."""
 
 import json
-from importlib import resources
 
 import pytest
 import torch
 
 import dspark
+from draft_targets import tiny_v4_config
 from dspark.draft import DSparkConfig, DSparkDrafter, MtpDrafter, NgramDrafter, resolve_drafter, save_drafter
 from dspark.draft.io import add_to_checkpoint
 from dspark.models.deepseek_v4.checkpoint import save_checkpoint
 from dspark.verify.sts import StsCalibration
-
-
-def _config(**overrides):
-    return dict(json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text()), **overrides)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return dspark.init_model(_config(), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +71,7 @@ def test_drafter_directory_round_trip(tiny, drafter, tmp_path):
 
 def test_loading_for_another_target_names_the_field(drafter, tmp_path):
     save_drafter(drafter, tmp_path / "d")
-    other = dspark.init_model(_config(hidden_size=32), seed=0)
+    other = dspark.init_model(tiny_v4_config(hidden_size=32), seed=0)
     with pytest.raises(ValueError, match="hidden_size"):
         dspark.load_drafter(tmp_path / "d", other)
     with pytest.raises(FileNotFoundError):
@@ -89,7 +80,7 @@ def test_loading_for_another_target_names_the_field(drafter, tmp_path):
 
 @pytest.mark.parametrize("quantize", [False, True])
 def test_load_model_attaches_the_drafter_of_a_dspark_checkpoint(drafter, tmp_path, quantize):
-    target = dspark.init_model(_config(), seed=0)
+    target = dspark.init_model(tiny_v4_config(), seed=0)
     target.has_mtp = False  # a DSpark checkpoint keeps its stages, not an MTP block, under mtp.*
     save_checkpoint(target, tmp_path, quantize=False)
     add_to_checkpoint(drafter, tmp_path, quantize=quantize)
@@ -111,7 +102,7 @@ def test_load_model_attaches_the_drafter_of_a_dspark_checkpoint(drafter, tmp_pat
 
 
 def test_plain_checkpoint_has_no_dspark_drafter(tmp_path):
-    model = dspark.init_model(_config(), seed=1)
+    model = dspark.init_model(tiny_v4_config(), seed=1)
     save_checkpoint(model, tmp_path, quantize=False)
     loaded = dspark.load_model(tmp_path)
     assert loaded.dspark is None and loaded.has_mtp
@@ -125,7 +116,7 @@ def test_resolve_drafter_names_and_defaults(tiny, drafter):
     with pytest.raises(ValueError, match="'dspark' is not available"):
         resolve_drafter(tiny, "dspark")
     assert resolve_drafter(tiny, drafter) is drafter
-    bare = dspark.init_model(_config(num_nextn_predict_layers=0))
+    bare = dspark.init_model(tiny_v4_config(num_nextn_predict_layers=0))
     assert isinstance(resolve_drafter(bare, None), NgramDrafter)
     with pytest.raises(ValueError, match="'mtp' is not available"):
         resolve_drafter(bare, "mtp")

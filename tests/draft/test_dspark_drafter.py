@@ -9,8 +9,6 @@ samples from.
 """
 
 import dataclasses
-import json
-from importlib import resources
 
 import pytest
 import torch
@@ -23,15 +21,6 @@ from dspark.train.trainer import draft_forward
 from dspark.verify.sts import StsCalibration
 
 GAMMA = 5
-
-
-def _config(**overrides):
-    return dict(json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text()), **overrides)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return dspark.init_model(_config(), seed=0)
 
 
 @pytest.fixture(scope="module")

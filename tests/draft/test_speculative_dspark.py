@@ -7,28 +7,18 @@ Markov chain, so rejection sampling runs its residual path — follows the targe
 (χ² against exact enumeration on a 4-token vocabulary).
 """
 
-import json
-from importlib import resources
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
 import dspark
+from draft_targets import tiny_v4_config
 from dspark.draft import DSparkConfig, DSparkDrafter, MtpDrafter
 
 GAMMA = 5
 NEW = 14
 SETTINGS = [(n, "sync") for n in range(1, GAMMA + 1)] + [("auto", "sync"), ("auto", "async")]
-
-
-def _config(**overrides):
-    return dict(json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text()), **overrides)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return dspark.init_model(_config(), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +65,7 @@ def test_default_drafter_of_a_model_with_mtp_is_mtp(tiny, plain):
 
 def test_sampled_dspark_matches_target_distribution(exact_pair_distribution):
     vocab = 4
-    model = dspark.init_model(_config(vocab_size=vocab, bos_token_id=None, eos_token_id=None), seed=1)
+    model = dspark.init_model(tiny_v4_config(vocab_size=vocab, bos_token_id=None, eos_token_id=None), seed=1)
     drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=4)).init_weights(2)
     prompt = [0, 1, 2, 0, 1, 2, 0, 1]
     params = dspark.SamplingParams(temperature=1.0)
