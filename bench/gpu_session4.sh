@@ -71,6 +71,12 @@ part_kB() {
 
 part_stash() { :; }
 
+part_dist2() {  # the two distributed runs that the first `dist` cut short (timeout) or stopped (lookup under autograd)
+  logged tp_x2 330 torchrun --nproc-per-node 2 bench/dist_tp_x2.py
+  logged engram_nccl 120 torchrun --nproc-per-node 2 bench/engram_shard_nccl.py
+  tail -n 4 $W/logs/tp_x2.txt $W/logs/engram_nccl.txt | cut -c1-300
+}
+
 part_gemma_train() {
   (export CUDA_VISIBLE_DEVICES=1; logged engine 340 python3 bench/engine_h200.py --budget-s 290 --out "$OUT/engine-h200-s4.json") &
   (

@@ -124,7 +124,7 @@ def measure(model, prompts: list[list[int]], temperature: float, max_new: int, d
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, help="converted Gemma-3 270M directory (or any HF causal LM)")
+    ap.add_argument("--model", help="converted Gemma-3 270M directory (or any HF causal LM); not needed by --merge")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "hf-gemma.json"))
     ap.add_argument("--train-dir", default=None, help="full prompt sets (default ../shared/data/eval or shared/data/eval)")
     ap.add_argument("--train-prompts", type=int, default=40, help="per domain")
@@ -164,6 +164,8 @@ def main() -> None:
         return merge_results(args.merge, args.out)
     if args.from_logs:
         return write_from_logs(args.from_logs, args.drafter_dir, args.out)
+    if not args.model:
+        ap.error("--model is required (except with --merge or --from-logs)")
     domains = args.domains.split(",")
     if not set(domains) <= set(EVAL_SETS) or not domains:
         raise ValueError(f"--domains must name some of {sorted(EVAL_SETS)}, got {args.domains!r}")
@@ -197,7 +199,7 @@ def main() -> None:
     rows = evaluate(model, drafter, args, domains, temperatures)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"format": "dspark-hf-gemma/2", "conditions": conditions,
-                                          "deviations": paper_deviations(vars(args), config.to_dict()),
+                                          "deviations": paper_deviations(conditions.get("train_conditions", vars(args)), config.to_dict()),
                                           "training": training, "calibration": calibration,
                                           "eval": {"sets": {d: f"dspark/data/eval/{EVAL_SETS[d]}.jsonl, first "
                                                                f"{args.limit} lines" for d in domains},

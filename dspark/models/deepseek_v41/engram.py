@@ -45,8 +45,8 @@ class EngramTable(nn.Module):
     def lookup(self, columns: torch.Tensor, device: torch.device) -> torch.Tensor:
         """columns [N, C] long (on any device) -> rows [N, C, hd] on `device`."""
         columns = columns.to(self.weight.device)
-        if not self.weight.is_pinned():
-            return F.embedding(columns, self.weight).to(device)
+        if not self.weight.is_pinned() or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.embedding(columns, self.weight).to(device)  # autograd cannot record `out=` below
         # Gather into pinned memory so that the copy to the device is asynchronous (it is still
         # ordered before any use on the device's stream).
         rows = torch.empty((columns.numel(), self.weight.shape[1]), dtype=self.weight.dtype, pin_memory=True)
