@@ -5,10 +5,11 @@
 For the V4-Flash layer (D 4096, I 2048, top-6 of 256 experts plus the shared expert) and v4-mini
 (D 2048, I 512, top-6 of 64), bf16 and FP8 (128×128 blocks) weights, each kernel is timed alone over
 every `DecodeTiles` candidate (output rows per program × reduction step × warps), then the whole
-`decode_experts` with the best pair against the shipped default. Bytes are the weights the picked
+`decode_experts` with the uniform `DecodeTiles()` (`default`) and with the shipped per-size choice
+`decode_tiles(M, fp8)` (`shipped`, picked from this script's first run). Bytes are the weights the picked
 experts must read (plus scales) and the activations; % HBM against 4.4 TB/s. Timing:
 `triton.testing.do_bench` (L2 flushed), median. Every candidate's output is checked against the
-default's (same fp32 reduction order per row only when block_k matches, so the check is a relative
+uniform shape's (same fp32 reduction order per row only when block_k matches, so the check is a relative
 error, reported).
 """
 
@@ -68,22 +69,25 @@ def sweep_layer(name, fp8, m, g) -> dict:
     ups, downs = [], []
     block_ks = (128,) if fp8 else BLOCK_K  # FP8 tiles are capped at the 128-wide scale block
     for n, k, warps in itertools.product(UP_N, block_ks, WARPS):
-        t = md.DecodeTiles(up_n=n, block_k=k, num_warps=warps)
+        t = md.DecodeTiles(up_n=n, up_k=k, up_warps=warps)
         h, _ = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t)
         err = ((h - h_ref).norm() / h_ref.norm()).item()
         s = timed(lambda: md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t))
         ups.append({"up_n": n, "block_k": k, "num_warps": warps, "us": s * 1e6, "pct_hbm": 100 * up_bytes / s / HBM, "rel_err": err})
     for n, k, warps in itertools.product(DOWN_N, block_ks, WARPS):
-        t = md.DecodeTiles(down_n=n, block_k=k, num_warps=warps)
+        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps)
         y = md.decode_down(h_ref, x, wts, ids, w2, s2, args, t)
         err = ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
         s = timed(lambda: md.decode_down(h_ref, x, wts, ids, w2, s2, args, t))
         downs.append({"down_n": n, "block_k": k, "num_warps": warps, "us": s * 1e6, "pct_hbm": 100 * down_bytes / s / HBM, "rel_err": err})
     best_up, best_down = min(ups, key=lambda r: r["us"]), min(downs, key=lambda r: r["us"])
     full_default = timed(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, default))
+    shipped = md.decode_tiles(m, fp8)
+    full_shipped = timed(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped))
     total = up_bytes + down_bytes
     return {"layer": name, "fp8": fp8, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
             "default": {"tiles": default._asdict(), "us": full_default * 1e6, "pct_hbm": 100 * total / full_default / HBM},
+            "shipped": {"tiles": shipped._asdict(), "us": full_shipped * 1e6, "pct_hbm": 100 * total / full_shipped / HBM},
             "best_up": best_up, "best_down": best_down,
             "best_pair_pct_hbm": 100 * total / ((best_up["us"] + best_down["us"]) * 1e-6) / HBM,
             "up": ups, "down": downs}
@@ -99,6 +103,7 @@ def main() -> None:
         row = sweep_layer(name, fp8, m, g)
         rows.append(row)
         print(f"{name} fp8={fp8} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
+              f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
               f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM", flush=True)
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

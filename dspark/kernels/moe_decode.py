@@ -99,18 +99,41 @@ def _decode_down_kernel(
 
 class DecodeTiles(NamedTuple):
     """Launch shape of the two kernels: output rows per program (`up_n`, `down_n`), reduction
-    step (`block_k`, capped by an FP8 scale block) and warps per program."""
+    step (`up_k`, `down_k`; FP8 weights cap it at their scale block) and warps per program."""
 
     up_n: int = _BLOCK_N
     down_n: int = _BLOCK_N
-    block_k: int = _BLOCK_K
-    num_warps: int = 4
+    up_k: int = _BLOCK_K
+    down_k: int = _BLOCK_K
+    up_warps: int = 4
+    down_warps: int = 4
+
+
+# Picked per kernel from `bench/moe_decode_tiles.py` on one H200 (bench/results/moe-decode-tiles-h200.json,
+# V4-Flash layer: D 4096, I 2048, top-6 of 256): at one token, 8-row programs with long reduction steps
+# (more programs in flight per SM hide the weight stream's latency; 53 % -> 68 % of HBM for dense
+# weights); at 8 tokens, 16-row programs and 256-wide steps (89 % -> 88-92 % per kernel). FP8 steps stay
+# at the 128-wide scale block. The uniform shape before this table is `DecodeTiles()`.
+_MEASURED = {
+    (False, True): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
+    (False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
+    (True, True): DecodeTiles(up_n=32, down_n=8, up_k=128, down_k=128, up_warps=8, down_warps=8),
+    (True, False): DecodeTiles(up_n=32, down_n=32, up_k=128, down_k=128, up_warps=4, down_warps=4),
+}
+
+
+def decode_tiles(n_tok: int, fp8: bool) -> DecodeTiles:
+    """The measured launch shape for `n_tok` tokens with dense or FP8 expert weights."""
+    return _MEASURED[(bool(fp8), n_tok <= 1)]
 
 
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
-                   tiles: DecodeTiles = DecodeTiles()):
+                   tiles: DecodeTiles | None = None):
     """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
-    int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype."""
+    int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
+    default: `decode_tiles` for N and the routed weights' kind."""
+    if tiles is None:
+        tiles = decode_tiles(x.shape[0], _weight_parts(w1)[2])
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
@@ -127,7 +150,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
-    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles)
+    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps)
     _decode_up_kernel[(n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))](
         x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, n_assign, dim, inter, inter_s, h_width,
         float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, **common,
@@ -143,13 +166,11 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     y = torch.empty_like(x)
     _decode_down_kernel[(x.shape[0], triton.cdiv(dim, tiles.down_n))](
         h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
-        BLOCK_N=tiles.down_n, **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles),
+        BLOCK_N=tiles.down_n, **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps),
     )
     return y
 
 
-def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, tiles: DecodeTiles) -> dict:
-    block_k = min(tiles.block_k, sb) if fp8 else tiles.block_k
-    block_k_s = min(tiles.block_k, sb_s) if fp8_s else tiles.block_k
-    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=block_k, BLOCK_K_S=block_k_s,
-                num_warps=tiles.num_warps)
+def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int) -> dict:
+    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=min(block_k, sb) if fp8 else block_k,
+                BLOCK_K_S=min(block_k, sb_s) if fp8_s else block_k, num_warps=num_warps)

@@ -241,7 +241,7 @@ def test_moe_experts_paths_match_ref(n_tok, dim, n_exp, top_k, inter, inter_s, f
 
 
 @needs_triton
-@pytest.mark.parametrize("tiles", [(8, 32, 64, 2), (32, 8, 256, 8)])
+@pytest.mark.parametrize("tiles", [(8, 32, 64, 256, 2, 8), (32, 8, 256, 32, 8, 4)])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     """Every launch shape of the decode path (what `bench/moe_decode_tiles.py` sweeps) computes the
@@ -282,3 +282,24 @@ def test_moe_experts_rejects_bad_routing():
         moe.moe_experts_ref(x, weights, ids[:, :1], *experts, swiglu_limit=10.0)
     with pytest.raises(ValueError, match="weights must be"):
         moe.moe_experts_ref(x, weights[:2], ids[:2], *experts, swiglu_limit=10.0)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8_block", [None, 32])
+def test_decode_experts_default_tiles_follow_size_and_weights(fp8_block, monkeypatch):
+    """Without explicit tiles the decode path takes the measured shape for its token count and
+    weight kind (`decode_tiles`), and that shape computes the same experts."""
+    from dspark.kernels import moe_decode
+
+    asked = []
+    pick = moe_decode.decode_tiles
+    monkeypatch.setattr(moe_decode, "decode_tiles", lambda n, fp8: asked.append((n, fp8)) or pick(n, fp8))
+    x = router_inputs(1, 96, 8, 3, torch.float32, seed=5)[0]
+    w1, w2, w3, _, _, _ = expert_weights(8, 96, 80, torch.float32, seed=6, fp8_block=fp8_block)
+    _, _, _, s1, s2, s3 = expert_weights(1, 96, 48, torch.float32, seed=7, fp8_block=fp8_block)
+    weights, ids = _routing(1, 8, 3, seed=8)
+    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
+    y = moe_decode.decode_experts(*args, 10.0)
+    assert asked == [(1, fp8_block is not None)]
+    assert pick(1, False) != pick(8, False) != moe_decode.DecodeTiles()
+    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
