@@ -175,12 +175,14 @@ class Tiles:
 
 def default_tiles(n_heads: int, head_dim: int) -> Tiles:
     """Every head of a key tile in one program when they fit (the keys are then read once),
-    otherwise 16-head blocks; tl.dot needs >= 16 on each side."""
+    otherwise 16-head blocks; tl.dot needs >= 16 on each side. 32-key tiles: on one H200 at 32K
+    context (bench/attn_batched.py, `attn_tiles`) they beat 16-key tiles at head_dim 512 by 1.6×
+    (V4-Flash, 128 requests) and 1.1× (v4-mini, 8 and 128), and tie at V4-Flash with 8 requests."""
     block_h = max(16, min(64, triton.next_power_of_2(n_heads)))
     d_pad = triton.next_power_of_2(head_dim)
     if block_h * d_pad > 16 * 512:  # the fp32 accumulator [BLOCK_H, d] must stay in registers
         block_h = max(16, 16 * 512 // d_pad)
-    return Tiles(block_h, 16 if d_pad >= 256 else 32, 8 if d_pad >= 256 else 4)
+    return Tiles(block_h, 32, 8 if d_pad >= 256 else 4)
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
