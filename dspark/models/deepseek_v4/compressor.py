@@ -95,14 +95,14 @@ class Compressor(nn.Module):
             slots = [self._slots(cache, first, last) for cache, first, last in spans]
             kv_slots, score_slots = (torch.cat(part) if len(part) > 1 else part[0] for part in zip(*slots))
         positions = torch.cat([torch.arange(first, last) for _, first, last in spans]) * self.rate
-        entries = self._pool(kv_slots, score_slots, positions.to(kv.device, non_blocking=True), rope)
+        entries = self.pool(kv_slots, score_slots, positions.to(kv.device, non_blocking=True), rope)
         counts = [last - first for _, first, last in spans]
         copy_rows([cache.reserve_entries(n) for (cache, _, _), n in zip(spans, counts)], list(entries.split(counts)))
 
     def _entries(self, cache: CompressorCache, first: int, last: int, rope: Rope) -> torch.Tensor:
         """Entries first..last−1 from the cached rows: [last − first, d_c]."""
         kv, score = self._slots(cache, first, last)
-        return self._pool(kv, score, torch.arange(first, last, device=kv.device) * self.rate, rope)
+        return self.pool(kv, score, torch.arange(first, last, device=kv.device) * self.rate, rope)
 
     def _slots(self, cache: CompressorCache, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, score) slots [last − first, slots, d_c] of entries first..last−1 from the cached rows."""
@@ -115,7 +115,7 @@ class Compressor(nn.Module):
         score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
         return kv, score
 
-    def _pool(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Slots [n, slots, d_c] of n entries starting at `positions` [n] -> rotated entries [n, d_c]."""
         # Per-channel softmax over the slots (fp32), weighted sum, RMSNorm: the registry's op.
         normed = self.pool_op(kv, score, self.norm.weight, eps=self.norm.eps, out_dtype=kv.dtype)  # [n, d_c]

@@ -150,10 +150,19 @@ class Block(nn.Module):
         x [N, n_hc, D] the block's input streams, `site` their attention-site mixes. Returns
         (streams y [N, n_hc, D] after the attention's post, the MoE's PendingPost on y).
         """
-        a = self.attn(self.attn_norm(site.u), batch, caches)
+        return self.ffn_after(self.attn(self.attn_norm(site.u), batch, caches), x, site, batch.input_ids)
+
+    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site,
+                  input_ids: torch.Tensor) -> tuple[torch.Tensor, PendingPost]:
+        """Everything of `open` after the attention: its post fused with the MoE site's pre, then MoE.
+
+        a [N, D] the attention output, x [N, n_hc, D] the block's input streams, `site` their
+        attention-site mixes, input_ids [N] (hash routing). Split out so that another attention
+        driver (the static decode step, `static_step.py`) runs the same block.
+        """
         y, post, comb, v = self.post_pre_op(a, x, site.post, site.comb, self.hc_ffn_fn, self.hc_ffn_base,
                                             self.hc_ffn_scale, **self.mhc_eps)
-        return y, PendingPost(self.ffn(self.ffn_norm(v), batch.input_ids), post, comb)
+        return y, PendingPost(self.ffn(self.ffn_norm(v), input_ids), post, comb)
 
     def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:
         """Apply the pending post alone (no next site to fuse with): y [N, n_hc, D] -> [N, n_hc, D]."""

@@ -1,0 +1,133 @@
+"""Decode step time of the V4 target: dynamic path vs the static step (eager) vs its CUDA-graph replay.
+
+    PYTHONPATH=. python bench/graph_decode.py                      # one H200, v4-mini bf16, < 4 min
+    PYTHONPATH=. python bench/graph_decode.py --smoke --out /tmp/graph-decode.json   # CPU, tiny-v4
+
+Writes JSON to --out (default $OUT/graph-decode.json). Conditions: v4-mini (random weights, bf16,
+`KernelConfig.for_device("cuda")`), B ∈ {1, 8, 64} requests, one decode token each, context 4096;
+every request's decode state is fabricated at the context (`engine_h200.fabricate_state`: random
+values of the shapes a prefill leaves), then loaded into a static bucket of B slots with capacity
+context + 64. Per cell, median ms of `steps` steps (CUDA synchronised around each) of
+
+  (a) dynamic: `model(ids, states, [1] * B)` then `truncate` back (so every step sees the context);
+  (b) static eager: `StaticDecoder.step` at the same start (a rollback of one token every step);
+  (c) graph: `StepGraph.replay` of (b), captured before the requests were loaded.
+
+Also the largest |logit| difference of (b) and (c) against (a) on the first step's tokens, and the
+batch-1 % of the HBM roofline (active bytes of one token, `engine_h200.active_bytes`, / 4.4 TB/s).
+The smoke run (tiny-v4, fp32, torch references, no graph) checks the script on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_h200's fabrication and byte count
+
+import dspark  # noqa: E402
+from dspark.configs import load_config  # noqa: E402
+from dspark.engine.graphs import StepGraph  # noqa: E402
+from dspark.kernels import KernelConfig  # noqa: E402
+from dspark.models.deepseek_v4.static_state import StaticShape  # noqa: E402
+from dspark.models.deepseek_v4.static_step import StaticDecoder  # noqa: E402
+from engine_h200 import HBM_BYTES_PER_S, _commit, _device_name, active_bytes, fabricate_state  # noqa: E402
+
+FULL = dict(config="v4-mini", requests=(1, 8, 64), context=4096, warmup=3, steps=20)
+SMOKE = dict(config="tiny-v4", requests=(1, 2), context=40, warmup=1, steps=3)
+HEADROOM = 64  # capacity beyond the context: the positions a run could still decode
+
+
+def timed(fn, device, warmup: int, steps: int) -> float:
+    """Median ms of `steps` calls of fn() after `warmup` untimed ones, synchronised around each."""
+    times = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> dict:
+    """The three timings (graph: when `graphs`) for n_req requests at the context."""
+    device, context = model.device, args["context"]
+    decoder = StaticDecoder(model, StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=1))
+    graph = StepGraph(decoder, 1) if graphs else None  # before loading: its warm-up writes every slot
+    states = [fabricate_state(model.new_state(), context, g, model.config.vocab_size) for _ in range(n_req)]
+    for slot, state in enumerate(states):
+        decoder.load(slot, state)
+    ids_host = torch.randint(0, model.config.vocab_size, (n_req, 1), generator=torch.Generator().manual_seed(n_req))
+    ids, starts = decoder.plan(ids_host, [context] * n_req)
+    flat = ids.reshape(-1)
+
+    def dynamic():
+        out = model(flat, states, [1] * n_req).logits
+        for state in states:
+            state.truncate(context)
+        return out
+
+    reference = dynamic().view(n_req, 1, -1)
+    row = {"requests": n_req, "context": context,
+           "static_max_abs_diff": (decoder.step(ids, starts) - reference).abs().max().item(),
+           "dynamic_ms": timed(dynamic, device, args["warmup"], args["steps"]),
+           "static_eager_ms": timed(lambda: decoder.step(ids, starts), device, args["warmup"], args["steps"])}
+    if graph is not None:
+        row["graph_max_abs_diff"] = (graph.replay(ids, starts) - reference).abs().max().item()
+        row["graph_ms"] = timed(graph.replay, device, args["warmup"], args["steps"])
+    for key in ("dynamic", "static_eager", "graph"):
+        if f"{key}_ms" in row:
+            row[f"{key}_tok_s_total"] = n_req / (row[f"{key}_ms"] / 1e3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny-v4 on the CPU, torch references, no graph")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/graph-decode.json)")
+    cli = ap.parse_args()
+    out = cli.out or os.path.join(os.environ.get("OUT", "."), "graph-decode.json")
+    args = dict(SMOKE if cli.smoke else FULL)
+    device = torch.device("cpu" if cli.smoke else "cuda")
+    dtype = torch.float32 if cli.smoke else torch.bfloat16
+    model = dspark.init_model(load_config(args["config"]), seed=0, device=device, dtype=dtype,
+                              kernels=KernelConfig.for_device(device))
+    g = torch.Generator(device=device).manual_seed(0)
+    roofline = active_bytes(model, args["context"])
+    results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
+                              "dtype": str(dtype), "weights": "random", "kernels": str(model.kernels),
+                              "commit": _commit(), "smoke": cli.smoke, "decode_tokens_per_step": 1,
+                              "static_capacity": args["context"] + HEADROOM, "grid": args,
+                              "decode_state": "fabricated at the context (random values, prefill shapes)",
+                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+               "roofline": roofline, "cells": []}
+    with torch.no_grad():
+        for n_req in args["requests"]:
+            results["cells"].append(cell(model, n_req, args, graphs=not cli.smoke, g=g))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    b1 = results["cells"][0]
+    results["batch1_pct_of_hbm_roofline"] = {
+        key: 100 * roofline["roofline_s"] / (b1[f"{key}_ms"] / 1e3)
+        for key in ("dynamic", "static_eager", "graph") if f"{key}_ms" in b1}
+    results["hbm_bytes_per_s"] = HBM_BYTES_PER_S
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(json.dumps(results["batch1_pct_of_hbm_roofline"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

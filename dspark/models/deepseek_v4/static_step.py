@@ -1,0 +1,201 @@
+"""A static-shape, CUDA-graph-capturable decode / verify step of DeepSeek-V4 over S slots.
+
+    decoder = StaticDecoder(model, StaticShape(slots=8, max_context=4096, tokens=4))
+    start = decoder.load(slot, state)                 # a request's state after its (dynamic) prefill
+    ids, starts = decoder.plan(ids_host, starts_host)  # host: validate, copy to the device
+    logits = decoder.step(ids, starts)                 # [S, T, V] fp32: static shapes, no host read
+
+`step` feeds slot s the tokens input_ids[s] at positions starts[s] .. starts[s] + T − 1 and writes
+their state (`static_state.py`); every write is an `index_copy_` at rows computed on the device from
+the positions, every read a fixed-width gather whose invisible keys are −1, so the shapes and the
+launched kernels never depend on the data and the whole call can be captured once per (S, T) and
+replayed. The math is the model's own modules (projections, RoPE, compressor pooling, indexer
+scores, registry ops, mHC, MoE, norms, head); only the cache plumbing of `Attention.forward` and
+`Compressor.update_batch`, which reads Python counters, is redone here with device-side indices.
+
+Rollback: a slot's next start may be any position from the start of its previous step to the end
+of it (accepted tokens), exactly as `DecodeState.truncate` allows; nothing else needs resetting.
+Unused slots of a bucket: feed them a slot that holds no live request (any ids, start 0); every
+slot reads only its own rows, so they change no other slot's result.
+
+Host syncs: none in `step` when the model's `KernelConfig` is the Triton one. The torch reference
+MoE (`MoE.forward_ref`) reads expert counts on the host (`.tolist()`): fine on the CPU, where the
+step is tested against the dynamic path, but not capturable; a CUDA model built with
+`KernelConfig.for_device("cuda")` runs `moe_route` + `moe_experts`, which size everything from shapes.
+
+Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, and those of `static_state.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels.indexer_ref import select_topk_ref
+from dspark.models.deepseek_v4.attention import causal_entry_index
+from dspark.models.deepseek_v4.index_batch import grouped_index_scores
+from dspark.models.deepseek_v4.mhc import hc_head
+from dspark.models.deepseek_v4.state import DecodeState
+from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticLayerState, StaticShape, StaticState
+
+
+class StaticDecoder:
+    """Static decode / verify steps of `model` (a `DeepseekV4ForCausalLM`) over one bucket's state."""
+
+    def __init__(self, model, shape: StaticShape):
+        if not isinstance(shape, StaticShape):
+            raise ValueError(f"shape must be a StaticShape, got {shape!r}")
+        self.model = model
+        self.shape = shape
+        self.state = StaticState(model, shape)
+
+    def load(self, slot: int, state: DecodeState) -> int:
+        """Copy a request's dynamic decode state into `slot`; returns the slot's next start position."""
+        return self.state.load(slot, state)
+
+    def plan(self, input_ids, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host side of a step: validate host values (ids [S, T], starts [S]; lists or CPU tensors)
+        and copy them to the model's device. Returns (input_ids [S, T] long, starts [S] long)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        starts = torch.as_tensor(starts, dtype=torch.long)
+        self._check_shapes(ids, starts)
+        vocab = self.model.config.vocab_size
+        bad_ids = ((ids < 0) | (ids >= vocab)).nonzero()
+        if bad_ids.numel():
+            s, t = bad_ids[0].tolist()
+            raise ValueError(f"input_ids[{s}, {t}]={int(ids[s, t])} outside [0, {vocab})")
+        ends = starts + ids.shape[1]
+        bad = ((starts < 0) | (ends > self.shape.max_context)).nonzero().flatten()
+        if bad.numel():
+            s = int(bad[0])
+            raise ValueError(f"starts[{s}]={int(starts[s])}: positions {int(starts[s])}..{int(ends[s]) - 1} "
+                             f"outside the capacity [0, max_context={self.shape.max_context})")
+        device = self.model.device
+        return ids.to(device, non_blocking=True), starts.to(device, non_blocking=True)
+
+    def step(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Feed slot s the tokens input_ids[s] at positions starts[s] + 0 .. T − 1; returns logits.
+
+        input_ids [S, T] long, starts [S] long, both on the model's device (their values are trusted:
+        `plan` checks them on the host; reading them here would sync). Returns fp32 [S, T, V].
+        Capturable: only shapes are read on the host.
+        """
+        self._check_shapes(input_ids, starts)
+        if input_ids.device != self.model.device or starts.device != self.model.device:
+            raise ValueError(f"input_ids ({input_ids.device}) and starts ({starts.device}) must be on the "
+                             f"model's device {self.model.device}")
+        model, (n_slots, n_tok) = self.model, input_ids.shape
+        positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
+        ids = input_ids.reshape(-1)  # [N]
+        x = model.embed(ids)
+        x = x.unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, n_hc, D]
+        # The block loop of `DeepseekV4ForCausalLM.forward`, with the static attention in each block.
+        site = model.layers[0].attn_site(x)
+        for i, layer in enumerate(model.layers):
+            a = static_attention(layer.attn, layer.attn_norm(site.u), positions, self.state.layers[i])
+            y, pending = layer.ffn_after(a, x, site, ids)
+            if i + 1 < len(model.layers):
+                x, site = model.layers[i + 1].enter(pending, y)
+            else:
+                x = layer.close(pending, y)
+        h = hc_head(x, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, model.config.hc_eps,
+                    model.config.rms_norm_eps)
+        return model._logits(model.norm(h)).view(n_slots, n_tok, -1)
+
+    def _check_shapes(self, input_ids: torch.Tensor, starts: torch.Tensor) -> None:
+        s, t_max = self.shape.slots, self.shape.tokens
+        if input_ids.dim() != 2 or input_ids.shape[0] != s or not 1 <= input_ids.shape[1] <= t_max \
+                or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be a long [S={s}, T<={t_max}] tensor, got "
+                             f"{tuple(input_ids.shape)} {input_ids.dtype}")
+        if tuple(starts.shape) != (s,) or starts.dtype != torch.long:
+            raise ValueError(f"starts must be a long [S={s}] tensor, got {tuple(starts.shape)} {starts.dtype}")
+
+
+def static_attention(attn, x: torch.Tensor, positions: torch.Tensor, state: StaticLayerState) -> torch.Tensor:
+    """`Attention.forward` on the static state: x [N, D] (after attn_norm), positions [S, T] -> [N, D].
+
+    Writes the new window latents, compressor rows and completed entries of every slot first, then
+    attends over the fixed-width key list [W | top-k picks (CSA) or all E entries (HCA)], −1 = none.
+    """
+    flat = positions.reshape(-1)  # [N]
+    cos, sin = attn.rope.cos_sin(flat)  # [N, rd/2] fp32
+    q_lora, q, kv = attn.project_qkv(x, cos, sin)
+    state.window.write(positions, kv)
+    index = window_index(positions, attn.window, state)  # [N, W]
+    if attn.compressor is not None:
+        update_compressor(attn.compressor, state.compressor, positions, *attn.compressor.project(x, flat), attn.rope)
+        offset = state.entry_offset().repeat_interleave(positions.shape[1])  # [N]
+        if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
+            inputs = attn.indexer.project(x, q_lora, flat, cos, sin)
+            update_compressor(attn.indexer.compressor, state.indexer, positions, inputs.kv, inputs.score, attn.rope)
+            picks = select_entries(attn.indexer, inputs.q, inputs.weights, state.indexer, positions)
+            index = torch.cat((index, torch.where(picks >= 0, picks + offset.unsqueeze(-1), -1)), dim=-1)
+        else:  # HCA: every complete entry
+            n_entries = state.compressor.n_entries
+            index = torch.cat((index, causal_entry_index(flat, n_entries, attn.rate, offset)), dim=-1)
+    out = attn.attend_op(q, state.pool, index, attn.attn_sink, attn.scale)  # [N, H, d]
+    return attn.project_out(out, cos, sin)
+
+
+def window_index(positions: torch.Tensor, window: int, state: StaticLayerState) -> torch.Tensor:
+    """[N, W] pool rows of keys p−W+1 .. p of every row (ring rows of its slot), −1 before position 0."""
+    keys = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)  # [S, T, W]
+    return torch.where(keys >= 0, state.window.rows(keys), -1).flatten(0, 1)
+
+
+def update_compressor(compressor, state: StaticCompressorState, positions: torch.Tensor, kv: torch.Tensor,
+                      score: torch.Tensor, rope) -> None:
+    """`Compressor.update_batch` on the static state: write the rows kv, score [N, coff·d_c] of
+    positions [S, T], then pool the ceil(T/m) entries a step can complete and write each at its slot
+    (entries not complete yet go to the trash row E: the same count every step, whatever the data).
+    """
+    m, n_slots, n_tok = compressor.rate, *positions.shape
+    state.kv.write(positions, kv)
+    state.score.write(positions, score)
+    first = positions[:, :1] // m  # [S, 1] the oldest entry a step can complete, start // m
+    w = first + torch.arange(-(-n_tok // m), device=positions.device)  # [S, c] candidates
+    complete = (w + 1) * m <= positions[:, -1:] + 1  # its last position (w+1)·m − 1 was fed
+    kv_slots, score_slots = _candidate_slots(state, w, m)  # [S·c, slots, d_c]
+    entries = compressor.pool(kv_slots, score_slots, (w * m).reshape(-1), rope)  # [S·c, d_c]
+    row = torch.where(complete, w, state.n_entries)
+    row = row + torch.arange(n_slots, device=w.device).unsqueeze(-1) * (state.n_entries + 1)
+    state.entries.view(-1, state.dim).index_copy_(0, row.reshape(-1), entries)
+
+
+def _candidate_slots(state: StaticCompressorState, w: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pooling slots of entries w [S, c] from the rings: [S·c, slots, d_c] each (kv, score).
+
+    Without overlap: the m rows of window w. With overlap (`Compressor._overlap_slots`): the "a"
+    halves of window w−1, then the "b" halves of window w; window −1 is value 0, logit −inf.
+    """
+    d = state.dim
+    if state.overlap:
+        offsets = torch.arange(-m, m, device=w.device)  # [2m]
+        half = (offsets >= 0).long()  # 0: "a" half (channels :d), 1: "b" half (d:)
+    else:
+        offsets = torch.arange(m, device=w.device)
+        half = torch.zeros(m, dtype=torch.long, device=w.device)
+    pos = w.unsqueeze(-1) * m + offsets  # [S, c, slots]
+    rows = state.kv.rows(pos.clamp(min=0))
+    coff = 2 if state.overlap else 1
+    kv = state.kv.flat().view(-1, coff, d)[rows, half]  # [S, c, slots, d_c]
+    score = state.score.flat().view(-1, coff, d)[rows, half]
+    missing = (pos < 0).unsqueeze(-1)
+    kv = kv.masked_fill(missing, 0)
+    score = score.masked_fill(missing, float("-inf"))
+    return kv.flatten(0, 1), score.flatten(0, 1)
+
+
+def select_entries(indexer, q: torch.Tensor, weights: torch.Tensor, state: StaticCompressorState,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """`Indexer.select` on the static state: every row scores all E index keys of its slot, entries it
+    cannot see yet (w >= (p+1)//m) are masked to −inf and come out as −1 picks.
+
+    q [N, Hi, di], weights [N, Hi], positions [S, T] -> [N, min(k, E)] long entry ids, ascending.
+    """
+    n_slots, n_tok = positions.shape
+    keys = state.entries[:, : state.n_entries]  # [S, E, di]
+    scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
+    visible = (positions + 1) // indexer.rate  # [S, T]
+    reachable = torch.arange(state.n_entries, device=q.device) < visible.unsqueeze(-1)  # [S, T, E]
+    return select_topk_ref(scores.masked_fill(~reachable, float("-inf")).flatten(0, 1), indexer.topk)
