@@ -98,9 +98,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny-v4 on the CPU, torch references, no graph")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/graph-decode.json)")
+    ap.add_argument("--requests", default=None, help="comma list of request counts (default 1,8,64; smoke 1,2)")
     cli = ap.parse_args()
     out = cli.out or os.path.join(os.environ.get("OUT", "."), "graph-decode.json")
     args = dict(SMOKE if cli.smoke else FULL)
+    if cli.requests:
+        requests = tuple(int(n) for n in cli.requests.split(","))
+        if not requests or min(requests) < 1:
+            raise ValueError(f"--requests must list positive counts, got {cli.requests!r}")
+        args["requests"] = requests
     device = torch.device("cpu" if cli.smoke else "cuda")
     dtype = torch.float32 if cli.smoke else torch.bfloat16
     model = dspark.init_model(load_config(args["config"]), seed=0, device=device, dtype=dtype,
