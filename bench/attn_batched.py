@@ -10,7 +10,8 @@ whole-model decode step with the batched attention vs the old per-request loop.
    (rate 128), CSA keys = window + 512 of 8192 entries (rate 4, random distinct picks); head_dim
    512, bf16, v4-mini (32 heads) and V4-Flash (64 heads). Timed with `triton.testing.do_bench`
    (L2 flushed before each run, median); `per_request_us` times the old layout (B launches, one
-   per request) the same way. bytes = the key rows the queries touch (each once) + q + out + index;
+   per request) the same way; `graph_us` the one launch replayed from a CUDA graph (L2 flushed by a
+   captured 256 MB write, timed alone and subtracted): the op without its launch overhead. bytes = the key rows the queries touch (each once) + q + out + index;
    GB/s = bytes / time; % of the 4.4 TB/s H200 copy bandwidth.
 2. `model_decode`: v4-mini (`dspark/configs/v4-mini.json`) with random bf16 weights and the fused
    kernels; B ∈ {1, 8, 64} requests with decode state fabricated at 4K and 32K tokens
@@ -114,6 +115,10 @@ def attention_rows(cfg: dict, device, timer) -> list[dict]:
                              "GBps": n_bytes / fused_s / 1e9, "pct_hbm": 100 * n_bytes / fused_s / HBM_BYTES_PER_S,
                              "rel_err": err})
                 r = rows[-1]
+                if device.type == "cuda":  # the op as a captured graph runs it: no launch overhead
+                    graph_s = graph_timer(lambda: attend(q, pool, index, sink, scale))
+                    r.update(graph_us=graph_s * 1e6, graph_pct_hbm=100 * n_bytes / graph_s / HBM_BYTES_PER_S)
+                    print(f"  in a CUDA graph: {r['graph_us']:.1f} us ({r['graph_pct_hbm']:.1f}% HBM)", flush=True)
                 print(f"{name} {kind} B={batch}: {r['us']:.1f} us ({r['GBps']:.0f} GB/s, {r['pct_hbm']:.1f}% HBM; "
                       f"per-request launches {r['per_request_us']:.1f} us), rel err {err:.1e}", flush=True)
                 del q, pool, index, local
@@ -124,6 +129,42 @@ def gpu_timer(fn) -> float:
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e-3  # median, L2 flushed, seconds
+
+
+def graph_timer(fn, reps: int = 50) -> float:
+    """Seconds per call of fn() replayed from a CUDA graph, L2 flushed first: a graph of (256 MB
+    write, fn) and one of the write alone are each replayed `reps` times (CUDA events around each
+    replay, median) and the second is subtracted. What the op costs once the launches are captured,
+    as in the graph-captured decode step."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def capture(body):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()  # compile and allocate outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        return graph
+
+    def per_replay(graph) -> float:
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        return statistics.median(times)
+
+    both = capture(lambda: (flush.zero_(), fn()))
+    alone = capture(flush.zero_)
+    return max(per_replay(both) - per_replay(alone), 1e-9)
 
 
 def cpu_timer(fn) -> float:
