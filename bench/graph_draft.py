@@ -90,7 +90,8 @@ def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> d
            "dynamic_ms": timed(lambda: dynamic(greedy), device, w, s),
            "static_eager_ms": timed(lambda: static.propose(anchors, positions), device, w, s),
            "dynamic_sampled_ms": timed(lambda: dynamic(sampled), device, w, s),
-           "static_sampled_eager_ms": timed(lambda: static.propose(anchors, positions, temps, device_gen), device, w, s)}
+           "static_sampled_eager_ms": timed(lambda: static.propose(anchors, positions, temps, device_gen),
+                                            device, w, s)}
     if propose_graph is not None:
         replayed = propose_graph.replay(anchors, positions)
         row["graph_token_mismatches"] = int((replayed.tokens != reference.tokens).sum())
