@@ -4,19 +4,21 @@
     req.state = SlotState(slot, runner.load(slot, req.state))  # after the request's dynamic prefill
     out, offsets = runner.forward(requests, blocks, drafter)   # what `dspark.round._forward` returns
 
-One step always runs all S slots with T tokens each (static shapes; one bucket of every slot): a
-request's block of n ≤ T tokens fills the first n rows of its slot, the other T − n rows get token 0
-and their logits are dropped (their state rows lie past the request's length, so the next call
-overwrites them: the rollback rule of `static_state.py`); a slot with no request is fed token 0 at
-position 0. Every slot that holds a request must therefore be in every call. The rows of the
-requests are gathered back into the ragged order of the dynamic path, so the round is unchanged.
+A step runs all S slots (one bucket of every slot) with t tokens each, t = the longest block of the
+call (1 ≤ t ≤ T): a request's block of n ≤ t tokens fills the first n rows of its slot, the other
+t − n rows get token 0 and their logits are dropped (their state rows lie past the request's
+length, so the next call overwrites them: the rollback rule of `static_state.py`); a slot with no
+request is fed token 0 at position 0. Every slot that holds a request must therefore be in every
+call. The rows of the requests are gathered back into the ragged order of the dynamic path, so the
+round is unchanged.
 
-On CUDA the step is captured once (`StepGraph`), before any request is loaded (its warm-up writes
-every slot); on other devices it runs eagerly. This module is the only part of the static path
+On CUDA the step is captured once per t = 1 .. T (`StepGraph`, one shared memory pool), before any
+request is loaded (the warm-up steps write every slot); on other devices it runs eagerly. So a
+round that verifies fewer drafts (a smaller budget from the planner) runs a narrower step. This module is the only part of the static path
 that touches the device; slot numbers and lengths are kept on the host (`dspark.engine.slots`).
 
-Shape symbols: S slots, T tokens per step, N rows of the requests' blocks, V vocab, n_hc streams,
-D hidden size.
+Shape symbols: S slots, T tokens per step at most, t this step's, N rows of the requests' blocks,
+V vocab, n_hc streams, D hidden size.
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ class StaticRunner:
         self.model = model
         self.decoder = StaticDecoder(model, StaticShape(slots, max_context, tokens))
         self.capture = tuple(sorted(set(capture_layers)))
-        # Captured before any request is loaded: the graph's warm-up step writes rows of every slot.
-        self.graph = StepGraph(self.decoder, tokens, capture_layers=self.capture) if model.device.type == "cuda" else None
+        self.graphs: dict[int, StepGraph] = {}
+        if model.device.type == "cuda":  # before any request is loaded: the warm-up steps write every slot
+            pool = None
+            for t in range(1, tokens + 1):
+                self.graphs[t] = StepGraph(self.decoder, t, pool=pool, capture_layers=self.capture)
+                pool = self.graphs[t].pool()
 
     @property
     def shape(self) -> StaticShape:
@@ -60,17 +66,18 @@ class StaticRunner:
         if missing:
             raise ValueError(f"the drafter observes layers {sorted(missing)} that the static step does not "
                              f"capture (capture_layers={self.capture})")
-        slots, tokens = self.shape.slots, self.shape.tokens
-        ids = torch.zeros(slots, tokens, dtype=torch.long)  # [S, T] host; padding rows: token 0
+        slots, tokens = self.shape.slots, max((len(b) for b in blocks), default=1)
+        if tokens > self.shape.tokens:
+            raise ValueError(f"a block of {tokens} tokens; the static step takes at most {self.shape.tokens}")
+        ids = torch.zeros(slots, tokens, dtype=torch.long)  # [S, t] host; padding rows: token 0
         starts = torch.zeros(slots, dtype=torch.long)  # [S] host; free slots: position 0
         rows, offsets, seen = [], [], set()
         for req, block in zip(requests, blocks):
             state = req.state
             if not isinstance(state, SlotState):
                 raise ValueError(f"request {req.request_id!r} holds no static slot (state {type(state).__name__})")
-            if not 1 <= len(block) <= tokens:
-                raise ValueError(f"request {req.request_id!r}: block of {len(block)} tokens, the static step "
-                                 f"takes 1..{tokens}")
+            if not block:
+                raise ValueError(f"request {req.request_id!r}: empty block")
             if state.slot in seen:
                 raise ValueError(f"slot {state.slot} fed twice in one call")
             seen.add(state.slot)
@@ -90,7 +97,9 @@ class StaticRunner:
                                 {i: gather(f) for i, f in out.features.items()}), offsets
 
     def _step(self, ids: torch.Tensor, starts: torch.Tensor):
-        if self.graph is None:
+        """ids [S, t], starts [S] on the device -> the step's `StaticStepOutput` (a graph's buffers)."""
+        graph = self.graphs.get(ids.shape[1])
+        if graph is None:
             return self.decoder.forward(ids, starts, self.capture)
-        self.graph.replay(ids, starts)
-        return self.graph.output
+        graph.replay(ids, starts)
+        return graph.output

@@ -159,3 +159,35 @@ def test_slot_table_hands_out_lowest_free_slots():
     state.truncate(12)
     with pytest.raises(ValueError, match=r"truncate\(9\) outside \[10, 12\]"):
         state.truncate(9)
+
+
+def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
+    """Blocks of 3 and 1 tokens in slots 2 and 0 (slot 1 free) of a T = 4 runner: a 3-token step whose
+    gathered rows (logits, streams, features) equal the dynamic ragged call's, in request order;
+    bad calls are named."""
+    from types import SimpleNamespace
+
+    from dspark.engine.static_runner import StaticRunner
+
+    runner = StaticRunner(tiny, slots=3, max_context=64, tokens=4, capture_layers=(2,))
+    g = torch.Generator().manual_seed(4)
+    states, requests = [], []
+    for slot, n in ((2, 9), (0, 17)):
+        state = tiny.new_state()
+        tiny(torch.randint(0, 256, (n,), generator=g), [state], [n])
+        states.append(state)
+        requests.append(SimpleNamespace(request_id=f"s{slot}", state=SlotState(slot, runner.load(slot, state))))
+    blocks = [[5, 6, 7], [8]]
+    dynamic = tiny(torch.tensor([5, 6, 7, 8]), states, [3, 1], capture_layers=(2,))
+    out, offsets = runner.forward(requests, blocks)
+    assert offsets == [0, 3] and [r.state.length for r in requests] == [12, 18]
+    for got, want in ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden), (out.features[2], dynamic.features[2])):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="at most 4"):
+        runner.forward(requests, [[1] * 5, [1]])
+    with pytest.raises(ValueError, match="slot 2 fed twice"):
+        runner.forward([requests[0], requests[0]], [[1], [1]])
+    with pytest.raises(ValueError, match="holds no static slot"):
+        runner.forward([SimpleNamespace(request_id="x", state=states[0])], [[1]])
+    with pytest.raises(ValueError, match=r"layers \[3\]"):
+        runner.forward(requests, [[1], [1]], SimpleNamespace(capture_layers=(3,)))
