@@ -97,7 +97,8 @@ class EngineConfig:
         if not isinstance(self.static_decode, bool):
             raise ValueError(f"static_decode must be a bool, got {self.static_decode!r}")
         if self.static_context is not None:
-            if isinstance(self.static_context, bool) or not isinstance(self.static_context, int) or self.static_context < 2:
+            context = self.static_context
+            if isinstance(context, bool) or not isinstance(context, int) or context < 2:
                 raise ValueError(f"static_context must be None or an int >= 2, got {self.static_context!r}")
             if not self.static_decode:
                 raise ValueError(f"static_context={self.static_context} needs static_decode=True")
@@ -217,7 +218,8 @@ class Engine:
                 req.state = SlotState(slot, self.runner.load(slot, req.state))
         held = self.slots.holder_slots()
         if set(held) != {r.request_id for r in requests}:
-            raise RuntimeError(f"static slots held by {sorted(held)} but decoding {sorted(r.request_id for r in requests)}")
+            decoding = sorted(r.request_id for r in requests)
+            raise RuntimeError(f"static slots held by {sorted(held)} but decoding {decoding}")
 
     def _free_slot(self, request_id: str) -> None:
         if self.slots is not None:

@@ -14,8 +14,9 @@ round is unchanged.
 
 On CUDA the step is captured once per t = 1 .. T (`StepGraph`, one shared memory pool), before any
 request is loaded (the warm-up steps write every slot); on other devices it runs eagerly. So a
-round that verifies fewer drafts (a smaller budget from the planner) runs a narrower step. This module is the only part of the static path
-that touches the device; slot numbers and lengths are kept on the host (`dspark.engine.slots`).
+round that verifies fewer drafts (a smaller budget from the planner) runs a narrower step. This
+module is the only part of the static path that touches the device; slot numbers and lengths are
+kept on the host (`dspark.engine.slots`).
 
 Shape symbols: S slots, T tokens per step at most, t this step's, N rows of the requests' blocks,
 V vocab, n_hc streams, D hidden size.

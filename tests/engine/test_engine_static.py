@@ -181,7 +181,8 @@ def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
     dynamic = tiny(torch.tensor([5, 6, 7, 8]), states, [3, 1], capture_layers=(2,))
     out, offsets = runner.forward(requests, blocks)
     assert offsets == [0, 3] and [r.state.length for r in requests] == [12, 18]
-    for got, want in ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden), (out.features[2], dynamic.features[2])):
+    pairs = ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden), (out.features[2], dynamic.features[2]))
+    for got, want in pairs:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="at most 4"):
         runner.forward(requests, [[1] * 5, [1]])
