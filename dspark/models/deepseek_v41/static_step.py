@@ -138,7 +138,7 @@ class StaticDecoderV41:
         back = positions.unsqueeze(-1) - torch.arange(c.engram_max_ngram_size, device=positions.device)  # [S, T, N]
         seen = ring.flat()[ring.rows(back.clamp(min=0))]  # [S, T, N]: shift k = the id at p − k
         # A shift that leaves the sequence or meets DEAD blocks itself and every longer one.
-        blocked = ((back < 0) | (seen == engram_hash.DEAD)).cummax(dim=-1).values
+        blocked = ((back < 0) | (seen == engram_hash.DEAD)).cumsum(dim=-1) > 0
         pad = model.engram_token_map[c.engram_pad_id]  # 0-dim on the device: no host read
         tokens = torch.where(blocked, pad, seen)
         columns = engram_hash.hash_columns(tokens, model.engram_multipliers, model.engram_primes,
