@@ -3,6 +3,7 @@ the HF transformers peer and the batch-1 HBM roofline, on v4-mini (random weight
 
     PYTHONPATH=. python bench/engine_h200.py --out $OUT/engine-h200.json            # one H200, < 8 min
     PYTHONPATH=. python bench/engine_h200.py --smoke --out /tmp/engine-smoke.json    # CPU, tiny config, ~1 min
+    PYTHONPATH=. python bench/engine_h200.py --static-decode --out $OUT/engine-h200-static.json  # graphs
 
 What it measures (issue 7; seeds' conditions):
 
@@ -29,7 +30,11 @@ What it measures (issue 7; seeds' conditions):
 
 The grid is trimmed to fit `--budget-s` (default 450 s): a cell whose predicted time (from the
 previous cell of the same mode) would overrun its phase's share is skipped and listed in
-`skipped` with the reason. The reference attention path runs (per-request loop, no CUDA graphs).
+`skipped` with the reason. By default decoding runs the dynamic path (per-request loop, no CUDA
+graphs); `--static-decode` runs every decode cell with `EngineConfig(static_decode=True)`: R static
+slots whose context holds the cell's steps, one CUDA graph per verify width captured when the cell's
+engine is built (not in the step time; `engine_build_s` in the row), the fabricated states loaded into the slots at
+the first (warm-up) step. Prefill and the peer are unchanged by the flag.
 """
 
 from __future__ import annotations
@@ -194,9 +199,16 @@ def profile_table(model, context: int, probes, g) -> CapacityTable:
 def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dict:
     drafter = drafters[mode]
     budget = {"none": 0, "mtp1": 1, "dspark3": 3, "auto": "auto", "auto_async": "auto"}[mode]
+    static = {}
+    if args["static_decode"]:  # the slots hold the fabricated context + every step's tokens (≤ 16 each)
+        static = dict(static_decode=True, static_context=context + 16 * (args["warmup"] + args["steps"]))
+    _sync(model.device)
+    t = time.perf_counter()
     engine = Engine(model, EngineConfig(max_running=requests, max_prompt_tokens=context + 1, max_new_tokens=10**6,
                                         draft_tokens=budget, drafter=drafter, capacity=table,
-                                        planner="async" if mode == "auto_async" else "sync"))
+                                        planner="async" if mode == "auto_async" else "sync", **static))
+    _sync(model.device)
+    capture_s = time.perf_counter() - t
     inject(engine, model, drafter, requests, context, g)
     times, committed, verified = [], [], []
     for i in range(args["warmup"] + args["steps"]):
@@ -212,7 +224,8 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
             verified.append(sum(r.stats.verified_tokens for r in engine.running) - drafts_before)
     step = statistics.median(times)
     tau = TAU[mode]
-    row = {"mode": mode, "requests": requests, "context": context, "step_ms": step * 1e3,
+    row = {"mode": mode, "requests": requests, "context": context, "static_decode": args["static_decode"],
+           "engine_build_s": capture_s, "step_ms": step * 1e3,
            "step_ms_all": [t * 1e3 for t in times], "measured_tokens_per_step_per_request": sum(committed) / len(committed) / requests,
            "mean_drafts_verified_per_request": sum(verified) / len(verified) / requests, "tau_converted": tau, "tok_s_per_user": tau / step, "tok_s_total": tau * requests / step}
     if mode == "mtp1":
@@ -395,12 +408,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU, tiny grid: checks the script")
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 450, smoke 120)")
+    ap.add_argument("--static-decode", action="store_true",
+                    help="decode cells on EngineConfig(static_decode=True): static slots, CUDA graphs on CUDA")
     ap.add_argument("--config", default=None,
                     help="shipped config name (default v4-mini; smoke tiny-v4), e.g. v41-mini for the V4.1 analogue")
     cli = ap.parse_args()
     args = dict(SMOKE if cli.smoke else FULL)
     if cli.config:
         args["config"] = cli.config
+    args["static_decode"] = cli.static_decode
     budget = cli.budget_s or (120.0 if cli.smoke else 450.0)
     device = torch.device("cpu" if cli.smoke else "cuda")
     clock = Clock(budget)
@@ -419,7 +435,8 @@ def main() -> None:
         "conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                        "dtype": str(dtype), "weights": "random", "commit": _commit(), "smoke": cli.smoke,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "budget_s": budget, "kernels": str(model.kernels), "graphs": False,
+                       "budget_s": budget, "kernels": str(model.kernels),
+                       "graphs": cli.static_decode and device.type == "cuda", "static_decode": cli.static_decode,
                        "decode_state": "fabricated at the context length (random values, prefill shapes), not prefilled",
                        "tau_conversion": TAU, "dspark_gamma": drafters["dspark3"].block_size,
                        "grid": {k: v for k, v in args.items() if k != "config"}},

@@ -13,6 +13,7 @@ Host bookkeeping lives in `dspark.request`; this module only sequences the devic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -101,8 +102,12 @@ def _plan(live: list[Request], confidence: torch.Tensor, cfg: RoundConfig, gamma
     return plan_algorithm1(confidence, cfg.capacity, caps)
 
 
-def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, trace: list | None = None) -> None:
-    """One draft → plan → verify → commit round over every live (decoding) request."""
+def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, trace: list | None = None,
+                      forward=None) -> None:
+    """One draft → plan → verify → commit round over every live (decoding) request.
+
+    `forward(requests, blocks, drafter)` makes the verify call and returns what `_forward` does (the
+    engine's static decode path passes `StaticRunner.forward`); default: the dynamic ragged call."""
     anchors = [r.out[-1] for r in live]
     if drafter is None:
         drafts, probs, confidence, logits = [[] for _ in live], [None] * len(live), None, [None] * len(live)
@@ -114,7 +119,7 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
             r.confidences.append(c)
     blocks = [[a] + d[:n] for a, d, n in zip(anchors, drafts, plan.draft_lens)]
     starts = [r.state.length for r in live]
-    out, offsets = _forward(model, live, blocks, drafter)                        # verify
+    out, offsets = (forward or partial(_forward, model))(live, blocks, drafter)  # verify
     for b, (req, block, off) in enumerate(zip(live, blocks, offsets)):
         n = len(block) - 1
         q = probs[b][:n] if probs[b] is not None else None

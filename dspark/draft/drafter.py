@@ -122,14 +122,27 @@ class DSparkDrafter:
 
     def block_logits(self, dstates: list[DSparkState], anchors: list[int]) -> BlockDraft:
         """Backbone over every request's block: [anchor, noise × (γ−1)] at positions L_b .. L_b+γ−1."""
-        gamma, device = self.block_size, self.model.device
+        device = self.model.device
         starts = torch.tensor([s.length for s in dstates], device=device)
+        pools, index = gather_context(dstates, self.window, self.model.head_dim, self.model.dtype, device)
+        return self.block_from(torch.tensor(anchors, dtype=torch.long, device=device), starts, pools, index)
+
+    def block_from(self, anchor_ids: torch.Tensor, starts: torch.Tensor, pools: list[torch.Tensor],
+                   index: torch.Tensor) -> BlockDraft:
+        """The backbone on device inputs; shared by `block_logits` and the static drafter
+        (`static_drafter.py`), so it reads no value on the host.
+
+        anchor_ids LongTensor [B]; starts LongTensor [B] the anchors' positions L_b; pools per stage
+        [P, d] context keys; index LongTensor [B, W] the pool rows of positions L_b − W .. L_b − 1
+        (−1 = absent). All on the drafter's device.
+        """
+        gamma, device = self.block_size, self.model.device
         positions = starts[:, None] + torch.arange(gamma, device=device)  # [B, γ]
-        ids = torch.full((len(anchors), gamma), self.config.dspark_noise_token_id, dtype=torch.long, device=device)
-        ids[:, 0] = torch.tensor(anchors, dtype=torch.long, device=device)
+        ids = torch.full((anchor_ids.shape[0], gamma), self.config.dspark_noise_token_id, dtype=torch.long,
+                         device=device)
+        ids[:, 0] = anchor_ids
         ids = ids.flatten()
         embeds = self.target.embed(ids.to(self.target.device)).to(device)  # [B·γ, D], frozen target embedding
-        pools, index = gather_context(dstates, self.window, self.model.head_dim, self.model.dtype, device)
         out = self.model.blocks(embeds, ids, positions.flatten(), pools, index.repeat_interleave(gamma, dim=0),
                                 self.target.head.weight)
         return BlockDraft(out, positions)

@@ -10,6 +10,11 @@ finished, aborted or preempted request are dropped at once.
 
 The budget governs admission and preemption; the device tensors themselves still live in
 per-request growable buffers, not in a paged device pool.
+
+With `static_decode` (DeepSeek-V4 targets), prefill stays on that dynamic path, but every decoding
+round's target call runs on a fixed pool of `max_running` static slots (`dspark.engine.static_runner`;
+CUDA-graph replays on CUDA): a request moves into a free slot at its first round, and gives the slot
+back when it finishes, is aborted or is preempted (`dspark.engine.slots`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from dspark.draft import resolve_drafter
 from dspark.engine.footprint import request_footprint
 from dspark.engine.pages import StateAllocator
 from dspark.engine.scheduler import Scheduler
+from dspark.engine.slots import SlotState, SlotTable
+from dspark.engine.static_runner import StaticRunner
+from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from dspark.request import GenerationStats, Request
 from dspark.round import RoundConfig, prefill_step, speculative_round
 from dspark.sampling import SamplingParams
@@ -53,6 +61,10 @@ class EngineConfig:
         None sizes it for `max_running` requests at their longest, so nothing is ever preempted.
     page_bytes : page size of the state allocator; None picks the smallest power of two holding
         16 rows of the widest kind of state.
+    static_decode : run every decoding round's target call on fixed static slots (CUDA graphs on
+        CUDA) instead of the dynamic ragged path; DeepSeek-V4 targets only. Prefill stays dynamic.
+    static_context : positions one static slot holds (prompt + new tokens of any request); None:
+        max_prompt_tokens + max_new_tokens. The slots' memory grows with max_running × this.
     """
 
     max_running: int = 64
@@ -67,6 +79,8 @@ class EngineConfig:
     trace: bool = False
     state_budget_bytes: int | None = None
     page_bytes: int | None = None
+    static_decode: bool = False
+    static_context: int | None = None
 
     def __post_init__(self):
         for name in ("max_running", "max_waiting", "max_prompt_tokens", "max_new_tokens", "prefill_chunk"):
@@ -80,6 +94,19 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+        if not isinstance(self.static_decode, bool):
+            raise ValueError(f"static_decode must be a bool, got {self.static_decode!r}")
+        if self.static_context is not None:
+            context = self.static_context
+            if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+                raise ValueError(f"static_context must be None or an int >= 2, got {self.static_context!r}")
+            if not self.static_decode:
+                raise ValueError(f"static_context={self.static_context} needs static_decode=True")
+
+    @property
+    def slot_context(self) -> int:
+        """Positions (prompt + new tokens) a request may span under `static_decode`."""
+        return self.static_context or self.max_prompt_tokens + self.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -104,6 +131,7 @@ class Engine:
         self.round_config = RoundConfig(config.draft_tokens, config.planner, config.capacity or default_cpu_table())
         self.eos = frozenset(_eos_ids(model.config))
         self.scheduler = _scheduler(model, self.drafter, config)
+        self.slots, self.runner = _static_path(model, self.drafter, config) if config.static_decode else (None, None)
         self._ids = itertools.count()
         self._trace: list[dict] = []
 
@@ -138,7 +166,8 @@ class Engine:
         return rid
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request, its state and its pages; returns whether it was known."""
+        """Drop a request, its state, its pages and its static slot; returns whether it was known."""
+        self._free_slot(request_id)
         return self.scheduler.remove(request_id)
 
     def has_work(self) -> bool:
@@ -171,12 +200,35 @@ class Engine:
 
     def _decode(self, requests: list[Request]) -> None:
         t = time.perf_counter()
+        forward = None
+        if self.runner is not None:
+            self._bind_slots(requests)
+            forward = self.runner.forward
         speculative_round(self.model, self.drafter, requests, self.round_config,
-                          self._trace if self.config.trace else None)
+                          self._trace if self.config.trace else None, forward)
         _charge(requests, "decode_s", time.perf_counter() - t)
 
+    def _bind_slots(self, requests: list[Request]) -> None:
+        """Move every request new to decoding into a free static slot (its dynamic state is copied
+        there and dropped); every slot held must belong to one of `requests` (the static step runs
+        all slots: a held slot left out would be overwritten at position 0)."""
+        for req in requests:
+            if not isinstance(req.state, SlotState):
+                slot = self.slots.assign(req.request_id)
+                req.state = SlotState(slot, self.runner.load(slot, req.state))
+        held = self.slots.holder_slots()
+        if set(held) != {r.request_id for r in requests}:
+            decoding = sorted(r.request_id for r in requests)
+            raise RuntimeError(f"static slots held by {sorted(held)} but decoding {decoding}")
+
+    def _free_slot(self, request_id: str) -> None:
+        if self.slots is not None:
+            self.slots.release(request_id)
+
     def _schedule(self) -> None:
-        admitted, _ = self.scheduler.schedule()  # preempted requests had their state dropped there
+        admitted, preempted = self.scheduler.schedule()  # preempted requests had their state dropped there
+        for req in preempted:
+            self._free_slot(req.request_id)
         for req in admitted:
             req.state = self.model.new_state()
             req.dstate = self.drafter.new_state() if self.drafter is not None else None
@@ -189,6 +241,7 @@ class Engine:
                 events.append(StepEvent(req.request_id, new, req.finish_reason is not None,
                                         req.finish_reason, req.stats))
             if req.finish_reason:
+                self._free_slot(req.request_id)
                 self.scheduler.finish(req)
         return events
 
@@ -209,18 +262,37 @@ class Engine:
         if not self.scheduler.fits(len(prompt_ids), max_new_tokens):
             raise ValueError(f"prompt: {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} need more decode "
                              f"state than state_budget_bytes={self.config.state_budget_bytes} holds")
+        if self.config.static_decode and len(prompt_ids) + max_new_tokens > self.config.slot_context:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceed "
+                             f"static_context={self.config.slot_context}")
         if request_id is not None and any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
             raise ValueError(f"request_id {request_id!r} is already in flight")
+
+
+def _verify_width(drafter, config: EngineConfig) -> int:
+    """Target rows of one verify call at most: the anchor + the largest verification budget."""
+    gamma = 0 if drafter is None else drafter.block_size
+    return 1 + (gamma if config.draft_tokens == "auto" else min(config.draft_tokens, gamma))
+
+
+def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner]:
+    """The slot table and static runner of `static_decode`: `max_running` slots, T = the verify width."""
+    if not isinstance(model, DeepseekV4ForCausalLM):
+        raise ValueError(f"static_decode supports DeepSeek-V4 targets only, got {type(model).__name__}")
+    tokens = _verify_width(drafter, config)
+    capture = drafter.capture_layers if drafter is not None else ()
+    # A request of `slot_context` positions verifies at most T tokens from its last anchor.
+    runner = StaticRunner(model, config.max_running, config.slot_context + tokens, tokens, capture)
+    return SlotTable(config.max_running), runner
 
 
 def _scheduler(model, drafter, config: EngineConfig) -> Scheduler:
     """The scheduler over a page allocator sized from `config` for this (target, drafter) pair."""
     footprint = request_footprint(model, drafter)
-    gamma = 0 if drafter is None else drafter.block_size
-    budget = gamma if config.draft_tokens == "auto" else min(config.draft_tokens, gamma)
+    width = _verify_width(drafter, config)
     page_bytes = config.page_bytes or 1 << (16 * footprint.max_row_bytes - 1).bit_length()
     allocator = StateAllocator(footprint, 1, page_bytes)  # sized below, once pages_needed is known
-    widest = max(config.prefill_chunk, 1 + budget)
+    widest = max(config.prefill_chunk, width)
     if config.state_budget_bytes is None:
         longest = config.max_prompt_tokens + config.max_new_tokens
         num_pages = config.max_running * sum(allocator.pages_needed(longest, widest))
@@ -230,7 +302,7 @@ def _scheduler(model, drafter, config: EngineConfig) -> Scheduler:
             raise ValueError(f"state_budget_bytes={config.state_budget_bytes} is less than one page "
                              f"({page_bytes} bytes)")
     return Scheduler(StateAllocator(footprint, num_pages, page_bytes), config.max_running,
-                     config.prefill_chunk, 1 + budget)
+                     config.prefill_chunk, width)
 
 
 def _charge(requests: list[Request], what: str, seconds: float) -> None:

@@ -11,6 +11,8 @@ can write those buffers in place and call `replay()` with no arguments), and the
 same output tensor every time (clone it to keep it past the next replay). The warm-up step before
 capture writes rows of every slot at positions 0 .. T − 1, so capture on a decoder whose slots hold
 no request yet. Graphs of one decoder may share a memory pool (`pool`); they share its state.
+With `capture_layers`, `output` (a `StaticStepOutput`) also holds the final streams and those
+layers' input streams of the last replay, for a drafter to observe.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 class StepGraph:
     """`decoder.step` captured for T = `tokens` new tokens per slot (CUDA only)."""
 
-    def __init__(self, decoder, tokens: int, pool=None):
+    def __init__(self, decoder, tokens: int, pool=None, capture_layers: tuple[int, ...] = ()):
         device = decoder.model.device
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, got device {device}")
@@ -34,11 +36,12 @@ class StepGraph:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
-            decoder.step(self.input_ids, self.starts)
+            decoder.forward(self.input_ids, self.starts, capture_layers)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
-            self.logits = decoder.step(self.input_ids, self.starts)  # [S, T, V] fp32
+            self.output = decoder.forward(self.input_ids, self.starts, capture_layers)
+        self.logits = self.output.logits  # [S, T, V] fp32
 
     def pool(self):
         """The graph's memory pool handle, to share with the decoder's other graphs."""

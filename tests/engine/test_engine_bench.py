@@ -26,3 +26,19 @@ def test_engine_bench_smoke_writes_every_section(tmp_path):
     assert {p["new_tokens"] for p in r["prefill"]} | {s.get("new_tokens") for s in r["skipped"]} >= {16, 32}
     assert r["roofline"]["roofline_s"] > 0 and "peer" in r and "summary" in r
     assert set(r["capacity"]) == {"40", "100"}
+
+
+def test_engine_bench_smoke_static_decode_runs_every_decode_cell_on_static_slots(tmp_path):
+    """`--static-decode`: every decode cell runs (fabricated states loaded into the static slots of
+    `EngineConfig(static_decode=True)`) and says so; no CUDA graphs on the CPU."""
+    out = tmp_path / "engine-static.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "engine_h200.py"), "--smoke", "--static-decode",
+                    "--out", str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["conditions"]["static_decode"] is True and r["conditions"]["graphs"] is False
+    cells = {(d["mode"], d["requests"], d["context"]) for d in r["decode"]}
+    assert cells == {(m, n, c) for m in ("none", "mtp1", "dspark3", "auto", "auto_async") for n in (1, 4) for c in (40, 100)}
+    for d in r["decode"]:
+        assert d["static_decode"] is True and d["step_ms"] > 0 and d["engine_build_s"] >= 0
+        assert d["mean_drafts_verified_per_request"] == {"none": 0, "mtp1": 1, "dspark3": 3}.get(d["mode"], d["mean_drafts_verified_per_request"])

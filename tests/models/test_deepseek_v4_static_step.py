@@ -81,6 +81,28 @@ def test_static_greedy_continuation_is_the_dynamic_one(model):
         starts = starts + 1
 
 
+def test_static_forward_returns_the_dynamic_streams_and_features(model):
+    """`forward` with capture layers: the final streams and the captured layers' input streams (what
+    DSpark / MTP drafters observe) equal the dynamic call's, per slot and token; `step` is its logits;
+    a capture layer outside [0, L] is named."""
+    decoder = StaticDecoder(model, StaticShape(slots=3, max_context=64, tokens=3))
+    states, starts = prefilled(model, decoder, [4, 0, 17], seed=9)
+    g = torch.Generator().manual_seed(10)
+    capture = (1, 3, len(model.layers))
+    for _ in range(5):
+        ids = torch.randint(0, 256, (3, 3), generator=g)
+        dynamic = model(ids.reshape(-1), states, [3] * 3, capture_layers=capture)
+        static = decoder.forward(*decoder.plan(ids, starts), capture_layers=capture)
+        torch.testing.assert_close(static.logits, dynamic.logits.view(3, 3, -1), **TOL)
+        torch.testing.assert_close(static.hidden, dynamic.hidden.view(3, 3, *dynamic.hidden.shape[1:]), **TOL)
+        assert sorted(static.features) == sorted(capture)
+        for i in capture:
+            torch.testing.assert_close(static.features[i], dynamic.features[i].view(static.hidden.shape), **TOL)
+        starts = starts + 3
+    with pytest.raises(ValueError, match=r"capture_layers \[7\]"):
+        decoder.forward(*decoder.plan(ids, starts), capture_layers=(7,))
+
+
 def run_rounds(model, rejected, rounds=4):
     """Verify rounds of 4 tokens per slot accepting 2: returns every round's logits [S, 4, V] of the
     tokens fed after a rollback. `rejected` [rounds, S, 2] are the tokens rolled back each round."""

@@ -4,6 +4,7 @@
     start = decoder.load(slot, state)                 # a request's state after its (dynamic) prefill
     ids, starts = decoder.plan(ids_host, starts_host)  # host: validate, copy to the device
     logits = decoder.step(ids, starts)                 # [S, T, V] fp32: static shapes, no host read
+    out = decoder.forward(ids, starts, capture_layers=(2,))  # + final streams and layer-2 inputs
 
 `step` feeds slot s the tokens input_ids[s] at positions starts[s] .. starts[s] + T − 1 and writes
 their state (`static_state.py`); every write is an `index_copy_` at rows computed on the device from
@@ -28,14 +29,31 @@ Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, and those of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.attention import causal_entry_index
 from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import hc_head
-from dspark.models.deepseek_v4.state import DecodeState
+from dspark.models.deepseek_v4.state import DecodeState, check_capture
 from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticLayerState, StaticShape, StaticState
+
+
+@dataclass
+class StaticStepOutput:
+    """One static step's result, per slot and token (the static counterpart of `DeepseekV4Output`).
+
+    logits   fp32 [S, T, V]
+    hidden   [S, T, n_hc, D] final residual streams before the HC head (the MTP block's input)
+    features {layer id: [S, T, n_hc, D]} input streams of each captured layer (id = num_hidden_layers:
+             the final streams)
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class StaticDecoder:
@@ -79,27 +97,41 @@ class StaticDecoder:
         `plan` checks them on the host; reading them here would sync). Returns fp32 [S, T, V].
         Capturable: only shapes are read on the host.
         """
+        return self.forward(input_ids, starts).logits
+
+    def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
+                capture_layers: tuple[int, ...] = ()) -> StaticStepOutput:
+        """`step`, also returning the final streams and the input streams of `capture_layers` (what a
+        drafter observes), all with static shapes: see `StaticStepOutput`. Capturable like `step`."""
         self._check_shapes(input_ids, starts)
         if input_ids.device != self.model.device or starts.device != self.model.device:
             raise ValueError(f"input_ids ({input_ids.device}) and starts ({starts.device}) must be on the "
                              f"model's device {self.model.device}")
         model, (n_slots, n_tok) = self.model, input_ids.shape
+        capture = check_capture(capture_layers, len(model.layers))
         positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
         ids = input_ids.reshape(-1)  # [N]
         x = model.embed(ids)
         x = x.unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, n_hc, D]
+        features = {}
         # The block loop of `DeepseekV4ForCausalLM.forward`, with the static attention in each block.
         site = model.layers[0].attn_site(x)
         for i, layer in enumerate(model.layers):
+            if i in capture:
+                features[i] = x
             a = static_attention(layer.attn, layer.attn_norm(site.u), positions, self.state.layers[i])
             y, pending = layer.ffn_after(a, x, site, ids)
             if i + 1 < len(model.layers):
                 x, site = model.layers[i + 1].enter(pending, y)
             else:
                 x = layer.close(pending, y)
+        if len(model.layers) in capture:
+            features[len(model.layers)] = x
         h = hc_head(x, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, model.config.hc_eps,
                     model.config.rms_norm_eps)
-        return model._logits(model.norm(h)).view(n_slots, n_tok, -1)
+        per_slot = (n_slots, n_tok, *x.shape[1:])
+        return StaticStepOutput(model._logits(model.norm(h)).view(n_slots, n_tok, -1), x.view(per_slot),
+                                {i: f.view(per_slot) for i, f in features.items()})
 
     def _check_shapes(self, input_ids: torch.Tensor, starts: torch.Tensor) -> None:
         s, t_max = self.shape.slots, self.shape.tokens

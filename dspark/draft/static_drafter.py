@@ -1,0 +1,159 @@
+"""A static-shape, CUDA-graph-capturable DSpark `observe` / `propose` over S slots.
+
+    static = StaticDrafter(drafter, StaticDraftShape(slots=8, tokens=drafter.block_size + 1))
+    next_anchor = static.load(slot, dstate)                  # a request's state after its (dynamic) prefill
+    static.observe(features, starts)                         # committed rows [S, T] at starts [S]
+    anchors, positions, temps = static.plan(anchors_host, positions_host, temps_host)   # host: validate, copy
+    proposal = static.propose(anchors, positions, temps, generator)                     # no host read
+
+`observe` computes the context keys of every row it is given (main_x, then each stage's keys) and
+writes them into the rings of `static_context.py`; `propose` runs the backbone over all S blocks
+(`DSparkDrafter.block_from`, the dynamic path's own code), the device-side chain of
+`static_chain.py` and the confidence head. Shapes and launches never depend on data, so `propose`
+(and `observe`) can be captured once per bucket and replayed (`static_graph.py`).
+
+Rollback: after a verify round a slot's committed rows are its anchor plus the accepted drafts;
+`observe` may be fed all γ + 1 rows of the round at the anchor's position, and the next anchor
+position (start + accepted + 1) hides the rest. Unused slots: give them anchor position 0 (or any
+position; they read only their own rows) and any anchor id; they change no other slot's result.
+
+Host syncs: none in `observe` / `propose` when the target's `KernelConfig` is the Triton one. On the
+CPU the stages' reference MoE reads expert counts on the host; fine there, where the static path is
+tested against the dynamic one, but not capturable.
+
+Shape symbols: S slots, T rows per observe, γ block size, V vocabulary, n_hc streams, D hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dspark.draft.base import DraftProposal
+from dspark.draft.context import DSparkState
+from dspark.draft.drafter import DSparkDrafter
+from dspark.draft.static_chain import sample_chain_static
+from dspark.draft.static_context import StaticDraftShape, StaticDraftState
+from dspark.sampling import MIN_TEMPERATURE
+
+
+class StaticDrafter:
+    """Static observe / propose of a `DSparkDrafter` over one bucket's state (`StaticDraftState`)."""
+
+    def __init__(self, drafter: DSparkDrafter, shape: StaticDraftShape):
+        if not isinstance(drafter, DSparkDrafter):
+            raise ValueError(f"drafter must be a DSparkDrafter, got {type(drafter).__name__}")
+        self.drafter = drafter
+        self.shape = shape
+        model = drafter.model
+        self.device = model.device
+        self.state = StaticDraftState(drafter.config.num_stages, drafter.window, model.head_dim, shape, model.dtype,
+                                      self.device)
+        self._calibration, self._conf_temps = None, None
+
+    def load(self, slot: int, dstate: DSparkState) -> int:
+        """Copy a request's dynamic draft state into `slot`; returns the position of its next anchor."""
+        return self.state.load(slot, dstate)
+
+    # ---------------------------------------------------------------------------------------
+    # Host side
+    # ---------------------------------------------------------------------------------------
+
+    def plan(self, anchors, positions, temperature=None):
+        """Validate host values and copy them to the drafter's device.
+
+        anchors [S] token ids in [0, V); positions [S] >= 0 the anchors' positions; temperature [S]
+        (0 = greedy, else >= MIN_TEMPERATURE, finite) or None (all greedy). Lists or CPU tensors.
+        Returns (anchors long [S], positions long [S], temperature fp32 [S] or None) on the device.
+        """
+        s = self.shape.slots
+        anchors = torch.as_tensor(anchors, dtype=torch.long)
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        for name, t in (("anchors", anchors), ("positions", positions)):
+            if tuple(t.shape) != (s,):
+                raise ValueError(f"{name} must be [S={s}], got {tuple(t.shape)}")
+        vocab = self.drafter.model.markov_head.embed.num_embeddings
+        bad = ((anchors < 0) | (anchors >= vocab)).nonzero().flatten()
+        if bad.numel():
+            raise ValueError(f"anchors[{int(bad[0])}]={int(anchors[bad[0]])} outside [0, {vocab})")
+        bad = (positions < 0).nonzero().flatten()
+        if bad.numel():
+            raise ValueError(f"positions[{int(bad[0])}]={int(positions[bad[0]])} must be >= 0")
+        if temperature is not None:
+            temperature = torch.as_tensor(temperature, dtype=torch.float32)
+            if tuple(temperature.shape) != (s,):
+                raise ValueError(f"temperature must be [S={s}], got {tuple(temperature.shape)}")
+            for b, t in enumerate(temperature.tolist()):
+                if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+                    raise ValueError(f"temperature[{b}]={t!r}: must be 0 (greedy) or a finite value "
+                                     f">= {MIN_TEMPERATURE}")
+            temperature = temperature.to(self.device, non_blocking=True)
+        return anchors.to(self.device, non_blocking=True), positions.to(self.device, non_blocking=True), temperature
+
+    # ---------------------------------------------------------------------------------------
+    # Device side (capturable)
+    # ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor) -> None:
+        """Write the context keys of rows at positions starts[s] + 0 .. T − 1 of every slot.
+
+        features {target layer id: [S, T, n_hc, D]} (T <= shape.tokens; the target's captured layer
+        inputs of those rows); starts long [S] on the device (values trusted: the target's plan
+        checks them). Rows past a slot's next anchor position are invisible (module docstring).
+        """
+        s, t_max = self.shape.slots, self.shape.tokens
+        missing = [i for i in self.drafter.capture_layers if i not in features]
+        if missing:
+            raise ValueError(f"observe: features lack target layer(s) {missing} (capture_layers)")
+        first = features[self.drafter.capture_layers[0]]
+        n_tok = first.shape[1] if first.dim() == 4 else -1
+        for i in self.drafter.capture_layers:
+            f = features[i]
+            if f.dim() != 4 or f.shape[0] != s or f.shape[1] != n_tok or not 1 <= n_tok <= t_max:
+                raise ValueError(f"features[{i}] must be [S={s}, T<={t_max}, n_hc, D] like every layer's, "
+                                 f"got {tuple(f.shape)}")
+        self._check_index("starts", starts)
+        positions = starts[:, None] + torch.arange(n_tok, device=starts.device)  # [S, T]
+        model = self.drafter.model
+        main_x = model.main_x({i: features[i].flatten(0, 1).to(self.device) for i in self.drafter.capture_layers})
+        self.state.write(positions, model.context_latents(main_x, positions.reshape(-1)))
+
+    @torch.no_grad()
+    def propose(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> DraftProposal:
+        """Draft γ tokens for every slot: anchors long [S] at positions long [S] (device; values as
+        `plan` checks them); temperature fp32 [S] or None (all greedy, `probs` None); generator on
+        the device when sampling. Returns a `DraftProposal` (tokens [S, γ], probs [S, γ, V] or None,
+        confidence and confidence_logits [S, γ]). Reads the state only."""
+        self._check_index("anchors", anchors)
+        self._check_index("positions", positions)
+        if temperature is not None and (tuple(temperature.shape) != (self.shape.slots,)
+                                        or temperature.device != self.device):
+            raise ValueError(f"temperature must be [S={self.shape.slots}] on {self.device}, got "
+                             f"{tuple(temperature.shape)} on {temperature.device}")
+        drafter = self.drafter
+        out = drafter.block_from(anchors, positions, self.state.pools(), self.state.context_index(positions)).out
+        tokens, probs, prev_embeds = sample_chain_static(drafter.model.markov_head, out.base, out.hidden, anchors,
+                                                         temperature, generator)
+        z = drafter.model.confidence_head(out.hidden_pre, prev_embeds)  # [S, γ] raw logits
+        temps = self._calibration_temps()
+        conf = torch.sigmoid(z / temps) if temps is not None else torch.sigmoid(z)
+        return DraftProposal(tokens, probs, conf, confidence_logits=z)
+
+    def _calibration_temps(self) -> torch.Tensor | None:
+        """The drafter's STS temperatures as a device tensor, built once per calibration object (a
+        host-to-device copy cannot run inside a capture: set the calibration before capturing)."""
+        calibration = self.drafter.calibration
+        if calibration is not self._calibration:
+            self._calibration = calibration
+            self._conf_temps = None if calibration is None else torch.tensor(
+                calibration.temperatures, dtype=torch.float32, device=self.device)
+        return self._conf_temps
+
+    def _check_index(self, name: str, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (self.shape.slots,) or t.dtype != torch.long \
+                or t.device != self.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
+            raise ValueError(f"{name} must be a long [S={self.shape.slots}] tensor on {self.device}, got {got}")

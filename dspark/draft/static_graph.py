@@ -1,0 +1,103 @@
+"""CUDA-graph capture and replay of the static DSpark drafter (`static_drafter.py`), one graph per bucket.
+
+    static = StaticDrafter(drafter, StaticDraftShape(slots=8, tokens=drafter.block_size + 1))
+    observe = ObserveGraph(static, tokens=6)        # capture BEFORE loading requests (its warm-up writes)
+    propose = ProposeGraph(static, pool=observe.pool())   # reads the state only: capture any time
+    static.load(slot, dstate)
+    observe.replay(features, starts)                # writes the rings
+    proposal = propose.replay(anchors, positions)   # DraftProposal of the graph's own output buffers
+
+A graph replays the kernels recorded at capture on fixed addresses: the inputs are copied into the
+graph's static buffers (a caller that computes them on the device can write those buffers in place
+and call `replay()` with no arguments), and the outputs land in the same tensors every time (clone
+them to keep them past the next replay). `ProposeGraph` captures greedy drafting only (no q): a
+sampled capture would need the generator's state registered with the graph, which is not done yet.
+Graphs of one drafter may share a memory pool (`pool`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.draft.base import DraftProposal
+from dspark.draft.static_drafter import StaticDrafter
+
+
+def _capture(device, fn, pool):
+    """Warm fn up on a side stream (Triton compiles and autotunes outside the capture), then record it.
+    Returns (graph, fn's outputs at capture)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.no_grad():
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+        out = fn()
+    return graph, out
+
+
+def _check_cuda(static: StaticDrafter) -> None:
+    if not isinstance(static, StaticDrafter):
+        raise ValueError(f"static must be a StaticDrafter, got {type(static).__name__}")
+    if static.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA drafter, got device {static.device}")
+
+
+def _copy_in(buffer: torch.Tensor, value: torch.Tensor | None, name: str) -> None:
+    if value is not None:
+        if value.shape != buffer.shape:
+            raise ValueError(f"{name} must be {tuple(buffer.shape)}, got {tuple(value.shape)}")
+        buffer.copy_(value)
+
+
+class ProposeGraph:
+    """`StaticDrafter.propose` (greedy) captured: inputs `anchors`, `positions` [S] long; output
+    `proposal` (tokens [S, γ], confidence and confidence_logits [S, γ], probs None)."""
+
+    def __init__(self, static: StaticDrafter, pool=None):
+        _check_cuda(static)
+        s, device = static.shape.slots, static.device
+        self.anchors = torch.zeros(s, dtype=torch.long, device=device)
+        self.positions = torch.zeros(s, dtype=torch.long, device=device)
+        self.graph, self.proposal = _capture(device, lambda: static.propose(self.anchors, self.positions), pool)
+
+    def pool(self):
+        return self.graph.pool()
+
+    def replay(self, anchors: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> DraftProposal:
+        """Copy the inputs (device tensors [S], values as `StaticDrafter.plan` checks them) when given,
+        replay, return the proposal buffers."""
+        _copy_in(self.anchors, anchors, "anchors")
+        _copy_in(self.positions, positions, "positions")
+        self.graph.replay()
+        return self.proposal
+
+
+class ObserveGraph:
+    """`StaticDrafter.observe` of T = `tokens` rows per slot captured: inputs `features` {layer:
+    [S, T, n_hc, D]} (the target's dtype) and `starts` [S] long. The warm-up writes positions
+    0 .. T − 1 of every slot: capture before loading requests."""
+
+    def __init__(self, static: StaticDrafter, tokens: int, pool=None):
+        _check_cuda(static)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= static.shape.tokens:
+            raise ValueError(f"tokens={tokens!r} outside [1, {static.shape.tokens}] (the bucket's rows per observe)")
+        s, device, target = static.shape.slots, static.device, static.drafter.target
+        width = (target.config.hc_mult, target.config.hidden_size)
+        self.features = {i: torch.zeros(s, tokens, *width, dtype=target.dtype, device=device)
+                         for i in static.drafter.capture_layers}
+        self.starts = torch.zeros(s, dtype=torch.long, device=device)
+        self.graph, _ = _capture(device, lambda: static.observe(self.features, self.starts), pool)
+
+    def pool(self):
+        return self.graph.pool()
+
+    def replay(self, features: dict[int, torch.Tensor] | None = None, starts: torch.Tensor | None = None) -> None:
+        if features is not None:
+            for i, buffer in self.features.items():
+                if i not in features:
+                    raise ValueError(f"features lack target layer {i}")
+                _copy_in(buffer, features[i], f"features[{i}]")
+        _copy_in(self.starts, starts, "starts")
+        self.graph.replay()

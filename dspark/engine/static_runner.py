@@ -1,0 +1,106 @@
+"""The engine's decode / verify target calls on a `StaticDecoder` (CUDA-graph replays on CUDA).
+
+    runner = StaticRunner(model, slots=64, max_context=8192, tokens=4, capture_layers=(1, 5))
+    req.state = SlotState(slot, runner.load(slot, req.state))  # after the request's dynamic prefill
+    out, offsets = runner.forward(requests, blocks, drafter)   # what `dspark.round._forward` returns
+
+A step runs all S slots (one bucket of every slot) with t tokens each, t = the longest block of the
+call (1 ≤ t ≤ T): a request's block of n ≤ t tokens fills the first n rows of its slot, the other
+t − n rows get token 0 and their logits are dropped (their state rows lie past the request's
+length, so the next call overwrites them: the rollback rule of `static_state.py`); a slot with no
+request is fed token 0 at position 0. Every slot that holds a request must therefore be in every
+call. The rows of the requests are gathered back into the ragged order of the dynamic path, so the
+round is unchanged.
+
+On CUDA the step is captured once per t = 1 .. T (`StepGraph`, one shared memory pool), before any
+request is loaded (the warm-up steps write every slot); on other devices it runs eagerly. So a
+round that verifies fewer drafts (a smaller budget from the planner) runs a narrower step. This
+module is the only part of the static path that touches the device; slot numbers and lengths are
+kept on the host (`dspark.engine.slots`).
+
+Shape symbols: S slots, T tokens per step at most, t this step's, N rows of the requests' blocks,
+V vocab, n_hc streams, D hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.engine.graphs import StepGraph
+from dspark.engine.slots import SlotState
+from dspark.models.deepseek_v4.model import DeepseekV4Output
+from dspark.models.deepseek_v4.static_state import StaticShape
+from dspark.models.deepseek_v4.static_step import StaticDecoder
+
+
+class StaticRunner:
+    """Static decode / verify calls of `model` over `slots` slots of `max_context` positions, at most
+    `tokens` per request per call, returning the input streams of `capture_layers` for a drafter."""
+
+    def __init__(self, model, slots: int, max_context: int, tokens: int, capture_layers: tuple[int, ...] = ()):
+        self.model = model
+        self.decoder = StaticDecoder(model, StaticShape(slots, max_context, tokens))
+        self.capture = tuple(sorted(set(capture_layers)))
+        self.graphs: dict[int, StepGraph] = {}
+        if model.device.type == "cuda":  # before any request is loaded: the warm-up steps write every slot
+            pool = None
+            for t in range(1, tokens + 1):
+                self.graphs[t] = StepGraph(self.decoder, t, pool=pool, capture_layers=self.capture)
+                pool = self.graphs[t].pool()
+
+    @property
+    def shape(self) -> StaticShape:
+        return self.decoder.shape
+
+    def load(self, slot: int, state) -> int:
+        """Copy a request's dynamic `DecodeState` into `slot`; returns its length (next start)."""
+        return self.decoder.load(slot, state)
+
+    def forward(self, requests: list, blocks: list[list[int]], drafter=None) -> tuple[DeepseekV4Output, list[int]]:
+        """Feed `blocks[b]` to request b (whose `state` is a `SlotState`) in one static step.
+
+        Returns the ragged output of the dynamic path: logits fp32 [N, V], final streams [N, n_hc, D]
+        and features {layer: [N, n_hc, D]} of the requests' rows in order, and each request's first
+        row. Advances every request's `SlotState` by its block (roll back with `truncate`).
+        """
+        missing = set(drafter.capture_layers if drafter is not None else ()) - set(self.capture)
+        if missing:
+            raise ValueError(f"the drafter observes layers {sorted(missing)} that the static step does not "
+                             f"capture (capture_layers={self.capture})")
+        slots, tokens = self.shape.slots, max((len(b) for b in blocks), default=1)
+        if tokens > self.shape.tokens:
+            raise ValueError(f"a block of {tokens} tokens; the static step takes at most {self.shape.tokens}")
+        ids = torch.zeros(slots, tokens, dtype=torch.long)  # [S, t] host; padding rows: token 0
+        starts = torch.zeros(slots, dtype=torch.long)  # [S] host; free slots: position 0
+        rows, offsets, seen = [], [], set()
+        for req, block in zip(requests, blocks):
+            state = req.state
+            if not isinstance(state, SlotState):
+                raise ValueError(f"request {req.request_id!r} holds no static slot (state {type(state).__name__})")
+            if not block:
+                raise ValueError(f"request {req.request_id!r}: empty block")
+            if state.slot in seen:
+                raise ValueError(f"slot {state.slot} fed twice in one call")
+            seen.add(state.slot)
+            ids[state.slot, : len(block)] = torch.tensor(block, dtype=torch.long)
+            starts[state.slot] = state.length
+            offsets.append(len(rows))
+            rows.extend(range(state.slot * tokens, state.slot * tokens + len(block)))
+        out = self._step(*self.decoder.plan(ids, starts))
+        for req, block in zip(requests, blocks):  # after `plan` accepted the positions
+            req.state.advance(len(block))
+        index = torch.tensor(rows, dtype=torch.long).to(self.model.device, non_blocking=True)  # [N]
+
+        def gather(t: torch.Tensor) -> torch.Tensor:  # [S, T, ...] -> [N, ...] rows of the requests
+            return t.flatten(0, 1).index_select(0, index)
+
+        return DeepseekV4Output(gather(out.logits), gather(out.hidden),
+                                {i: gather(f) for i, f in out.features.items()}), offsets
+
+    def _step(self, ids: torch.Tensor, starts: torch.Tensor):
+        """ids [S, t], starts [S] on the device -> the step's `StaticStepOutput` (a graph's buffers)."""
+        graph = self.graphs.get(ids.shape[1])
+        if graph is None:
+            return self.decoder.forward(ids, starts, self.capture)
+        graph.replay(ids, starts)
+        return graph.output

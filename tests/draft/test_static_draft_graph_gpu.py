@@ -1,0 +1,77 @@
+"""The static DSpark drafter on the GPU: no host sync in the eager observe / propose, captured graphs
+replayed on new inputs equal the eager calls, and greedy drafts equal the dynamic drafter's
+(tiny-v4, fp32, the Triton kernels of `KernelConfig.for_device("cuda")`, γ = 5)."""
+
+import pytest
+import torch
+
+import dspark
+from dspark.draft import DSparkConfig, DSparkDrafter
+from dspark.draft.static_context import StaticDraftShape
+from dspark.draft.static_drafter import StaticDrafter
+from dspark.draft.static_graph import ObserveGraph, ProposeGraph
+from dspark.kernels import KernelConfig
+
+GAMMA, LENGTHS = 5, (0, 5, 13, 30)
+
+
+def no_sync(fn):
+    """fn() with any host sync raising."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_static_draft_graphs_replay_equal_eager_without_sync():
+    model = dspark.init_model("tiny-v4", seed=0, device="cuda", kernels=KernelConfig.for_device("cuda"))
+    drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
+    n = len(LENGTHS)
+    shape = StaticDraftShape(slots=n, tokens=GAMMA + 1)
+    eager, graphed = StaticDrafter(drafter, shape), StaticDrafter(drafter, shape)
+    observe = ObserveGraph(graphed, GAMMA + 1)  # before loading: its warm-up writes every slot
+    propose = ProposeGraph(graphed, pool=observe.pool())
+    g = torch.Generator().manual_seed(0)
+    states, dstates, positions = [], [], []
+    for slot, length in enumerate(LENGTHS):
+        state, dstate = model.new_state(), drafter.new_state()
+        if length:
+            ids = torch.randint(0, 256, (length,), generator=g).cuda()
+            out = model(ids, [state], [length], capture_layers=drafter.capture_layers)
+            drafter.observe(dstate, ids, out.hidden, out.features)
+        states.append(state)
+        dstates.append(dstate)
+        eager.load(slot, dstate)
+        positions.append(graphed.load(slot, dstate))
+    positions = torch.tensor(positions)
+    anchors = torch.randint(0, 256, (n,), generator=g)
+    sampler = torch.Generator(device="cuda").manual_seed(0)
+    for round_ in range(8):
+        a, p, temps = eager.plan(anchors, positions, [1.0, 0.0, 0.7, 1.3])
+        out = no_sync(lambda: eager.propose(a, p))
+        sampled = no_sync(lambda: eager.propose(a, p, temps, sampler))
+        replayed = propose.replay(a, p)
+        torch.cuda.synchronize()
+        assert torch.equal(replayed.tokens, out.tokens)
+        assert torch.equal(replayed.confidence, out.confidence)
+        assert torch.equal(sampled.tokens[1], out.tokens[1])  # the greedy row of the sampled call
+        dynamic = drafter.propose(dstates, anchors.tolist(), dspark.SamplingParams(), [torch.Generator()] * n)
+        assert torch.equal(out.tokens, dynamic.tokens)
+        torch.testing.assert_close(out.confidence_logits, dynamic.confidence_logits, atol=1e-3, rtol=1e-3)
+        # verify round: commit the anchor and 0..γ drafts per slot
+        block = torch.cat((anchors.cuda()[:, None], out.tokens), dim=1)  # [S, γ + 1]
+        target = model(block.reshape(-1), states, [GAMMA + 1] * n, capture_layers=drafter.capture_layers)
+        feats = {i: f.view(n, GAMMA + 1, *f.shape[1:]) for i, f in target.features.items()}
+        kept = torch.randint(1, GAMMA + 2, (n,), generator=g)
+        for b, (state, dstate, k) in enumerate(zip(states, dstates, kept.tolist())):
+            drafter.observe(dstate, block[b, :k], None, {i: f[b, :k] for i, f in feats.items()})
+            state.truncate(state.length - GAMMA - 1 + k)
+        starts = p.clone()
+        no_sync(lambda: eager.observe(feats, starts))
+        observe.replay(feats, starts)
+        positions = positions + kept
+        anchors = torch.randint(0, 256, (n,), generator=g)

@@ -1,0 +1,194 @@
+"""`EngineConfig(static_decode=True)`: decoding rounds on the static slots give the default engine's
+tokens and drafts, slots are never leaked, and the option is validated.
+
+tiny-v4, fp32, CPU (the static step runs eagerly; CUDA-graph replay of the same step is checked
+against it in tests/models/test_deepseek_v4_static_graph_gpu.py). The static step's logits agree with
+the dynamic path's to fp32 tolerance, not bit for bit, so greedy tokens and drafts are compared
+exactly and confidences to a tolerance.
+"""
+
+import json
+import random
+from importlib import resources
+
+import pytest
+import torch
+
+import dspark
+from dspark.draft import DSparkConfig, DSparkDrafter, MtpDrafter
+from dspark.engine import Engine, EngineConfig, EngineFull
+from dspark.engine.slots import SlotState, SlotTable
+from dspark.sampling import SamplingParams
+
+LIMITS = dict(max_prompt_tokens=48, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
+    return dspark.init_model(config, seed=0)
+
+
+def _prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(torch.randint(2, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _staggered(model, prompts, params, new, **config):
+    """Two arrivals per step while earlier requests decode (3 running at most, so slots are reused);
+    returns ({request: tokens}, trace)."""
+    engine = Engine(model, EngineConfig(max_running=3, prefill_chunk=7, trace=True, **LIMITS, **config))
+    tokens, pending = {}, list(enumerate(prompts))
+    while pending or engine.has_work():
+        for _ in range(min(2, len(pending))):
+            i, p = pending.pop(0)
+            engine.add_request(p, params(i), new, request_id=f"r{i}")
+        for event in engine.step():
+            tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
+        if engine.slots is not None:
+            _check_slots(engine)
+    if engine.slots is not None:
+        assert engine.slots.free == engine.slots.slots
+    return tokens, engine.take_trace()
+
+
+def _check_slots(engine):
+    """Every decoding request, and only those, holds a distinct slot."""
+    held = engine.slots.holder_slots()
+    decoding = {r.request_id: r.state.slot for r in engine.running if isinstance(r.state, SlotState)}
+    assert held == decoding
+    assert len(set(held.values())) == len(held) and engine.slots.free + len(held) == engine.slots.slots
+
+
+def _drafters(model):
+    dsp = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=16)).init_weights(3)
+    return {"none": dict(), "ngram3": dict(draft_tokens=3, drafter="ngram"),
+            "ngram_auto": dict(draft_tokens="auto", drafter="ngram"),
+            "dspark3": dict(draft_tokens=3, drafter=dsp), "dspark_auto": dict(draft_tokens="auto", drafter=dsp),
+            "mtp1": dict(draft_tokens=1, drafter=MtpDrafter(model))}
+
+
+@pytest.mark.parametrize("mode", ["none", "ngram3", "ngram_auto", "dspark3", "dspark_auto", "mtp1"])
+def test_static_decode_equals_the_default_engine(tiny, mode):
+    """Greedy tokens for requests of different prompt lengths, admitted mid-run, are identical; so is
+    every round's trace: drafts (which depend on the target streams and features the drafter
+    observed from the static step), verified and accepted counts; confidences to fp32 tolerance."""
+    config = _drafters(tiny)[mode]
+    prompts = _prompts(7, seed=11)
+    default, trace = _staggered(tiny, prompts, lambda i: SamplingParams(), 16, **config)
+    static, static_trace = _staggered(tiny, prompts, lambda i: SamplingParams(), 16, static_decode=True, **config)
+    assert static == default and len(default) == len(prompts)
+    assert len(static_trace) == len(trace)
+    for a, b in zip(static_trace, trace):
+        assert (a["request_id"], a["draft"], a["verified"], a["accepted"], a["tokens"]) == \
+               (b["request_id"], b["draft"], b["verified"], b["accepted"], b["tokens"])
+        torch.testing.assert_close(torch.tensor(a["confidence"]), torch.tensor(b["confidence"]), atol=1e-4, rtol=1e-4)
+    if mode.startswith("ngram"):
+        assert sum(r["accepted"] for r in trace) > 0  # multi-row blocks were accepted, not only anchors
+
+
+def test_sampling_at_one_token_per_step_equals_the_default_engine(tiny):
+    """Temperature sampling without drafts draws from each request's generator exactly as the default
+    engine does, and the static logits differ only in the last bits: the same tokens."""
+    prompts = _prompts(5, seed=12)
+    params = lambda i: SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)  # noqa: E731
+    default, _ = _staggered(tiny, prompts, params, 16)
+    static, _ = _staggered(tiny, prompts, params, 16, static_decode=True)
+    assert static == default
+
+
+def test_random_admit_finish_abort_preempt_never_leak_slots(tiny):
+    """Random arrivals, aborts (waiting, prefilling and decoding requests), finishes and, with a tight
+    state budget, preemptions: after every step the slots held are exactly the decoding requests'."""
+    rng = random.Random(3)
+    engine = Engine(tiny, EngineConfig(max_running=3, max_waiting=6, prefill_chunk=5, draft_tokens=2, drafter="ngram",
+                                       state_budget_bytes=70 * 1024, page_bytes=1024, static_decode=True, **LIMITS))
+    live, preemptions, decoded = set(), 0, 0
+    for step in range(90):
+        for _ in range(rng.randint(0, 2)):
+            try:
+                live.add(engine.add_request(_prompts(1, seed=step)[0], SamplingParams(temperature=1.0, seed=step),
+                                            rng.randint(1, 12)))
+            except EngineFull:
+                pass
+        if live and rng.random() < 0.25:
+            victim = rng.choice(sorted(live))
+            assert engine.abort(victim)
+            live.discard(victim)
+            _check_slots(engine)
+        for event in engine.step():
+            if event.finished:
+                live.discard(event.request_id)
+                preemptions += event.stats.preemptions
+        decoded += sum(isinstance(r.state, SlotState) for r in engine.running)
+        _check_slots(engine)
+    while engine.has_work():
+        engine.step()
+        _check_slots(engine)
+    assert engine.slots.free == engine.slots.slots and not engine.slots.holder_slots()
+    assert preemptions > 0 and decoded > 0
+
+
+def test_static_decode_is_validated(tiny):
+    with pytest.raises(ValueError, match="static_decode must be a bool"):
+        EngineConfig(static_decode=1)
+    with pytest.raises(ValueError, match="static_context=64 needs static_decode=True"):
+        EngineConfig(static_context=64)
+    with pytest.raises(ValueError, match="static_context must be None or an int >= 2, got 1"):
+        EngineConfig(static_decode=True, static_context=1)
+    engine = Engine(tiny, EngineConfig(max_running=2, static_decode=True, static_context=40, **LIMITS))
+    with pytest.raises(ValueError, match="exceed static_context=40"):
+        engine.add_request([1] * 30, SamplingParams(), 11)
+    v41 = json.loads(resources.files("dspark.configs").joinpath("tiny-v41.json").read_text())
+    with pytest.raises(ValueError, match="DeepSeek-V4 targets only, got DeepseekV41ForCausalLM"):
+        Engine(dspark.init_model(v41, seed=0), EngineConfig(max_running=2, static_decode=True, **LIMITS))
+
+
+def test_slot_table_hands_out_lowest_free_slots():
+    table = SlotTable(3)
+    assert [table.assign(r) for r in "abc"] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="all 3 slots are taken"):
+        table.assign("d")
+    assert table.release("b") == 1 and table.release("b") is None
+    assert table.release("a") == 0 and table.assign("e") == 0
+    with pytest.raises(ValueError, match="already holds slot 0"):
+        table.assign("e")
+    state = SlotState(slot=2, length=10)
+    assert state.advance(4) == 10 and state.length == 14
+    state.truncate(12)
+    with pytest.raises(ValueError, match=r"truncate\(9\) outside \[10, 12\]"):
+        state.truncate(9)
+
+
+def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
+    """Blocks of 3 and 1 tokens in slots 2 and 0 (slot 1 free) of a T = 4 runner: a 3-token step whose
+    gathered rows (logits, streams, features) equal the dynamic ragged call's, in request order;
+    bad calls are named."""
+    from types import SimpleNamespace
+
+    from dspark.engine.static_runner import StaticRunner
+
+    runner = StaticRunner(tiny, slots=3, max_context=64, tokens=4, capture_layers=(2,))
+    g = torch.Generator().manual_seed(4)
+    states, requests = [], []
+    for slot, n in ((2, 9), (0, 17)):
+        state = tiny.new_state()
+        tiny(torch.randint(0, 256, (n,), generator=g), [state], [n])
+        states.append(state)
+        requests.append(SimpleNamespace(request_id=f"s{slot}", state=SlotState(slot, runner.load(slot, state))))
+    blocks = [[5, 6, 7], [8]]
+    dynamic = tiny(torch.tensor([5, 6, 7, 8]), states, [3, 1], capture_layers=(2,))
+    out, offsets = runner.forward(requests, blocks)
+    assert offsets == [0, 3] and [r.state.length for r in requests] == [12, 18]
+    pairs = ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden), (out.features[2], dynamic.features[2]))
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="at most 4"):
+        runner.forward(requests, [[1] * 5, [1]])
+    with pytest.raises(ValueError, match="slot 2 fed twice"):
+        runner.forward([requests[0], requests[0]], [[1], [1]])
+    with pytest.raises(ValueError, match="holds no static slot"):
+        runner.forward([SimpleNamespace(request_id="x", state=states[0])], [[1]])
+    with pytest.raises(ValueError, match=r"layers \[3\]"):
+        runner.forward(requests, [[1], [1]], SimpleNamespace(capture_layers=(3,)))
