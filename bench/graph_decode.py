@@ -7,9 +7,10 @@
 
 Writes JSON to --out (default $OUT/graph-decode.json; `--config` other than v4-mini / tiny-v4:
 graph-decode-<config>.json). Conditions: v4-mini or v41-mini (random weights, bf16,
-`KernelConfig.for_device("cuda")`; V4.1: Engram tables on the device, cache QAT on), B ∈ {1, 8, 64} requests, one decode token each, context 4096;
-every request's decode state is fabricated at the context (`engine_h200.fabricate_state`: random
-values of the shapes a prefill leaves), then loaded into a static bucket (`StaticDecoder`, V4.1: `StaticDecoderV41`) of B slots with capacity
+`KernelConfig.for_device("cuda")`; V4.1: Engram tables on the device, cache QAT on), B ∈ {1, 8, 64}
+requests, one decode token each, context 4096; every request's decode state is fabricated at the
+context (`engine_h200.fabricate_state`: random values of the shapes a prefill leaves), then loaded
+into a static bucket (`StaticDecoder`, V4.1: `StaticDecoderV41`) of B slots with capacity
 context + 64. Per cell, median ms of `steps` steps (CUDA synchronised around each) of
 
   (a) dynamic: `model(ids, states, [1] * B)` then `truncate` back (so every step sees the context);

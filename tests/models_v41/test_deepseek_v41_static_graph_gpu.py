@@ -1,7 +1,7 @@
-"""The V4.1 static decode step on the GPU: no host sync in the eager step, captured graphs (T = 1
-and 4) replayed on new inputs equal the eager step, and both follow the dynamic path (tiny-v41,
-fp32, exact prefill, no cache QAT, device Engram tables, the Triton kernels of
-`KernelConfig.for_device("cuda")`)."""
+"""The V4.1 static decode step on the GPU: no host sync in the eager step, captured graphs (T = 1,
+and T = 4 also returning layers 4-6's input streams) replayed on new inputs equal the eager step,
+and both follow the dynamic path (tiny-v41, fp32, exact prefill, no cache QAT, device Engram
+tables, the Triton kernels of `KernelConfig.for_device("cuda")`)."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from dspark.kernels import KernelConfig
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v41.static_step import StaticDecoderV41
 
-SLOTS, LENGTHS = 4, (3, 9, 17, 30)
+SLOTS, LENGTHS, CAPTURE = 4, (3, 9, 17, 30), (4, 5, 6)
 
 
 @pytest.mark.gpu
@@ -25,7 +25,7 @@ def test_static_v41_graph_replay_equals_eager_without_sync():
     eager = StaticDecoderV41(model, StaticShape(slots=SLOTS, max_context=160, tokens=4))
     graphed = StaticDecoderV41(model, StaticShape(slots=SLOTS, max_context=160, tokens=4))
     graphs = {1: StepGraph(graphed, 1)}  # captured before any request is loaded (the warm-up writes)
-    graphs[4] = StepGraph(graphed, 4, pool=graphs[1].pool())
+    graphs[4] = StepGraph(graphed, 4, pool=graphs[1].pool(), capture_layers=CAPTURE)  # + the drafter's features
     states = []
     for slot, prompt in enumerate(prompts):
         state = model.new_state()
@@ -40,12 +40,15 @@ def test_static_v41_graph_replay_equals_eager_without_sync():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = eager.step(ids, dev_starts)
+            eager_out = eager.forward(ids, dev_starts, CAPTURE if tokens == 4 else ())
         finally:
             torch.cuda.set_sync_debug_mode(0)
+        out = eager_out.logits
         replayed = graphs[tokens].replay(ids, dev_starts)
         torch.cuda.synchronize()
         assert torch.equal(replayed, out)
+        for i, features in eager_out.features.items():
+            assert torch.equal(graphs[tokens].output.features[i], features)
         dynamic = model(ids.reshape(-1), states, [tokens] * SLOTS).logits.view(SLOTS, tokens, -1)
         torch.testing.assert_close(out, dynamic, atol=1e-3, rtol=1e-3)
         accept = torch.randint(1, tokens + 1, (SLOTS,), generator=g)

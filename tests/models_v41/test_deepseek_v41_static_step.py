@@ -84,6 +84,28 @@ def test_static_v41_step_matches_dynamic_path(model, tokens):
     assert seen == {0, 1} and min(final) >= 12 and max(final) >= 48  # both parities, past 6 blocks of 4 entries
 
 
+def test_static_v41_forward_returns_the_captured_streams(model):
+    """`forward` with capture_layers (a drafter's context: layers 4-6 and the final streams) returns
+    the dynamic call's features and hidden streams per slot, and the same logits as without capture
+    (capture points get a standalone post, as in the dynamic path)."""
+    decoder = StaticDecoderV41(model, StaticShape(slots=3, max_context=64, tokens=4))
+    states, starts = prefilled(model, decoder, [6, 11, 20], seed=9)
+    capture = (4, 5, 6, 7)
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        ids = torch.randint(0, 256, (3, 4), generator=g)
+        dynamic = model(ids.reshape(-1), states, [4] * 3, capture_layers=capture)
+        out = decoder.forward(*decoder.plan(ids, starts), capture_layers=capture)
+        assert sorted(out.features) == list(capture)
+        for i in capture:
+            torch.testing.assert_close(out.features[i], dynamic.features[i].view(3, 4, 4, -1), **TOL)
+        torch.testing.assert_close(out.hidden, dynamic.hidden.view(3, 4, 4, -1), **TOL)
+        torch.testing.assert_close(out.logits, dynamic.logits.view(3, 4, -1), **TOL)
+        starts = starts + 4
+    with pytest.raises(ValueError, match=r"capture_layers \[8\]"):
+        decoder.forward(*decoder.plan(ids, starts), capture_layers=(8,))
+
+
 def test_static_v41_greedy_with_cache_qat():
     """With the FP8 / FP4 cache QAT on (the released numerics), greedy continuations of the static
     step are the dynamic ones and the logits stay within a few grid steps' effect."""

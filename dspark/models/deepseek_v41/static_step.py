@@ -4,6 +4,7 @@
     start = decoder.load(slot, state)                 # a request's state after its (exact) prefill
     ids, starts = decoder.plan(ids_host, starts_host)  # host: validate, copy to the device
     logits = decoder.step(ids, starts)                 # [S, T, V] fp32: static shapes, no host read
+    out = decoder.forward(ids, starts, capture_layers=(4,))  # + final streams and layer-4 inputs
 
 `step` feeds slot s the tokens input_ids[s] at positions starts[s] .. starts[s] + T − 1 and writes
 their state (`static_state.py`): every write an `index_copy_` at rows computed on the device from
@@ -11,9 +12,9 @@ positions, every read a fixed-width gather whose invisible keys are −1 (or −
 and launched kernels never depend on the data and one capture per (S, T) replays any step
 (`dspark.engine.graphs.StepGraph` takes this decoder as it takes V4's).
 
-The math is the model's own modules, in `DeepseekV41ForCausalLM.forward`'s order (exact mode, no
-capture): Engram hashing (`engram_hash.hash_columns`) and table lookups, the single-pass mHC sites
-of every `Block` (`attn_site`, `enter`, `ffn_after`, `close`), the attention projections and cache
+The math is the model's own modules, in `DeepseekV41ForCausalLM.forward`'s order (exact mode):
+Engram hashing (`engram_hash.hash_columns`) and table lookups, the single-pass mHC sites of every
+`Block` (`attn_site`, `enter`, `ffn_after`, `close`), the attention projections and cache
 QAT, the source compressor's pooling op, the entries' RoPE + FP4 and index keys, the indexer's
 queries, scores (`grouped_index_scores`, the op reference's formula) and candidate pool op, MoE and
 head. Only the cache plumbing of `Attention.forward` / `publish` / `Indexer.select_batch` and of
@@ -40,7 +41,9 @@ from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.rope import apply_rope
+from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_state import StaticShape
+from dspark.models.deepseek_v4.static_step import StaticStepOutput
 from dspark.models.deepseek_v41 import engram_hash
 from dspark.models.deepseek_v41.block import initial_pre
 from dspark.models.deepseek_v41.csa2 import SharedSlots
@@ -62,8 +65,6 @@ class StaticDecoderV41:
         self.model = model
         self.shape = shape
         self.state = StaticStateV41(model, shape)
-        # Layers whose input streams are built by a standalone post (Engram layers): as in `forward`.
-        self._materialised = model._materialised_inputs(frozenset(), None)
 
     def load(self, slot: int, state: DecodeStateV41) -> int:
         """Copy a request's dynamic decode state into `slot`; returns the slot's next start position."""
@@ -95,31 +96,49 @@ class StaticDecoderV41:
         input_ids [S, T] long, starts [S] long, both on the model's device (values trusted: `plan`
         checks them on the host). Returns fp32 [S, T, V]. Capturable: only shapes are read on the host.
         """
+        return self.forward(input_ids, starts).logits
+
+    def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
+                capture_layers: tuple[int, ...] = ()) -> StaticStepOutput:
+        """`step`, also returning the final streams and the input streams (after Engram) of
+        `capture_layers` (what a drafter observes), as V4's `StaticDecoder.forward`: hidden
+        [S, T, hc, D], features {layer: [S, T, hc, D]}. Capturable like `step`."""
         self._check_shapes(input_ids, starts)
         if input_ids.device != self.model.device or starts.device != self.model.device:
             raise ValueError(f"input_ids ({input_ids.device}) and starts ({starts.device}) must be on the "
                              f"model's device {self.model.device}")
         model, (n_slots, n_tok) = self.model, input_ids.shape
+        capture = check_capture(capture_layers, len(model.layers))
+        # Layers whose input streams a standalone post builds (Engram layers, capture points): as in
+        # `DeepseekV41ForCausalLM.forward` without bounded replay.
+        materialised = model._materialised_inputs(capture, None)
         positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
         ids = input_ids.reshape(-1)  # [N]
         engram_rows, live = self._engram_rows(input_ids, positions)
         x = model.embed(ids).unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, hc, D]
         pre = initial_pre(ids.shape[0], model.config.hc_mult, model.device)
         shared, site = SharedSlots(), None  # the latest index source's picks / candidate pool, all rows
+        features = {}
         for i, layer in enumerate(model.layers):
             if layer.engram is not None:
                 x = layer.engram(x, engram_rows[i], live)
+            if i in capture:
+                features[i] = x
             if site is None:
                 site = layer.attn_site(x, pre)
             a = static_attention(layer.attn, site.h, positions, self.state, i, shared)
             y, pending = layer.ffn_after(a, x, site, ids)
             pre = pending.pre
-            if i + 1 < len(model.layers) and i + 1 not in self._materialised:
+            if i + 1 < len(model.layers) and i + 1 not in materialised:
                 x, site = model.layers[i + 1].enter(pending, y)  # post + next site: one op
             else:
                 x, site = layer.close(pending, y), None
+        if len(model.layers) in capture:
+            features[len(model.layers)] = x
         logits = model.head(model.norm(collapse(x, pre))).float()
-        return logits.view(n_slots, n_tok, -1)
+        per_slot = (n_slots, n_tok, *x.shape[1:])
+        return StaticStepOutput(logits.view(n_slots, n_tok, -1), x.view(per_slot),
+                                {i: f.view(per_slot) for i, f in features.items()})
 
     def _engram_rows(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Record the new tokens' compressed ids in the n-gram ring, hash every row's n-grams from
