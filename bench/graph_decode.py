@@ -1,12 +1,16 @@
 """Decode step time of the V4 target: dynamic path vs the static step (eager) vs its CUDA-graph replay.
 
     PYTHONPATH=. python bench/graph_decode.py                      # one H200, v4-mini bf16, < 4 min
+    PYTHONPATH=. python bench/graph_decode.py --config v41-mini    # the V4.1 analogue (StaticDecoderV41)
     PYTHONPATH=. python bench/graph_decode.py --smoke --out /tmp/graph-decode.json   # CPU, tiny-v4
+    PYTHONPATH=. python bench/graph_decode.py --smoke --config tiny-v41              # CPU, tiny-v41
 
-Writes JSON to --out (default $OUT/graph-decode.json). Conditions: v4-mini (random weights, bf16,
-`KernelConfig.for_device("cuda")`), B ∈ {1, 8, 64} requests, one decode token each, context 4096;
-every request's decode state is fabricated at the context (`engine_h200.fabricate_state`: random
-values of the shapes a prefill leaves), then loaded into a static bucket of B slots with capacity
+Writes JSON to --out (default $OUT/graph-decode.json; `--config` other than v4-mini / tiny-v4:
+graph-decode-<config>.json). Conditions: v4-mini or v41-mini (random weights, bf16,
+`KernelConfig.for_device("cuda")`; V4.1: Engram tables on the device, cache QAT on), B ∈ {1, 8, 64}
+requests, one decode token each, context 4096; every request's decode state is fabricated at the
+context (`engine_h200.fabricate_state`: random values of the shapes a prefill leaves), then loaded
+into a static bucket (`StaticDecoder`, V4.1: `StaticDecoderV41`) of B slots with capacity
 context + 64. Per cell, median ms of `steps` steps (CUDA synchronised around each) of
 
   (a) dynamic: `model(ids, states, [1] * B)` then `truncate` back (so every step sees the context);
@@ -15,7 +19,7 @@ context + 64. Per cell, median ms of `steps` steps (CUDA synchronised around eac
 
 Also the largest |logit| difference of (b) and (c) against (a) on the first step's tokens, and the
 batch-1 % of the HBM roofline (active bytes of one token, `engine_h200.active_bytes`, / 4.4 TB/s).
-The smoke run (tiny-v4, fp32, torch references, no graph) checks the script on the CPU.
+The smoke run (tiny-v4 or tiny-v41, fp32, torch references, no graph) checks the script on the CPU.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_h200's fabrication and byte count
 
 import dspark  # noqa: E402
-from dspark.configs import load_config  # noqa: E402
+from dspark.configs import NAMES, load_config  # noqa: E402
 from dspark.engine.graphs import StepGraph  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
 from dspark.models.deepseek_v4.static_state import StaticShape  # noqa: E402
 from dspark.models.deepseek_v4.static_step import StaticDecoder  # noqa: E402
-from engine_h200 import HBM_BYTES_PER_S, _commit, _device_name, active_bytes, fabricate_state  # noqa: E402
+from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM  # noqa: E402
+from dspark.models.deepseek_v41.static_step import StaticDecoderV41  # noqa: E402
+from engine_h200 import (HBM_BYTES_PER_S, _commit, _device_name, _token_map, active_bytes,  # noqa: E402
+                         fabricate_state)
 
 FULL = dict(config="v4-mini", requests=(1, 8, 64), context=4096, warmup=3, steps=20)
 SMOKE = dict(config="tiny-v4", requests=(1, 2), context=40, warmup=1, steps=3)
@@ -64,9 +71,11 @@ def timed(fn, device, warmup: int, steps: int) -> float:
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context."""
     device, context = model.device, args["context"]
-    decoder = StaticDecoder(model, StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=1))
+    shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=1)
+    decoder = (StaticDecoderV41 if isinstance(model, DeepseekV41ForCausalLM) else StaticDecoder)(model, shape)
     graph = StepGraph(decoder, 1) if graphs else None  # before loading: its warm-up writes every slot
-    states = [fabricate_state(model.new_state(), context, g, model.config.vocab_size) for _ in range(n_req)]
+    vocab, token_map = model.config.vocab_size, _token_map(model)
+    states = [fabricate_state(model.new_state(), context, g, vocab, token_map) for _ in range(n_req)]
     for slot, state in enumerate(states):
         decoder.load(slot, state)
     ids_host = torch.randint(0, model.config.vocab_size, (n_req, 1), generator=torch.Generator().manual_seed(n_req))
@@ -97,11 +106,18 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny-v4 on the CPU, torch references, no graph")
+    ap.add_argument("--config", default=None,
+                    help="shipped config (default v4-mini; smoke tiny-v4): v41-mini / tiny-v41 for the V4.1 target")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/graph-decode.json)")
     ap.add_argument("--requests", default=None, help="comma list of request counts (default 1,8,64; smoke 1,2)")
     cli = ap.parse_args()
-    out = cli.out or os.path.join(os.environ.get("OUT", "."), "graph-decode.json")
     args = dict(SMOKE if cli.smoke else FULL)
+    if cli.config:
+        if cli.config not in NAMES:
+            raise ValueError(f"--config {cli.config!r} is not a shipped config {NAMES}")
+        args["config"] = cli.config
+    name = "graph-decode.json" if args["config"] in ("v4-mini", "tiny-v4") else f"graph-decode-{args['config']}.json"
+    out = cli.out or os.path.join(os.environ.get("OUT", "."), name)
     if cli.requests:
         requests = tuple(int(n) for n in cli.requests.split(","))
         if not requests or min(requests) < 1:
@@ -109,13 +125,17 @@ def main() -> None:
         args["requests"] = requests
     device = torch.device("cpu" if cli.smoke else "cuda")
     dtype = torch.float32 if cli.smoke else torch.bfloat16
-    model = dspark.init_model(load_config(args["config"]), seed=0, device=device, dtype=dtype,
-                              kernels=KernelConfig.for_device(device))
+    config = load_config(args["config"])
+    # V4.1: a static step gathers Engram rows on the device (host tables are rejected).
+    options = {"engram_tables": "device"} if config.get("model_type") == "deepseek_v41" else {}
+    model = dspark.init_model(config, seed=0, device=device, dtype=dtype, kernels=KernelConfig.for_device(device),
+                              **options)
     g = torch.Generator(device=device).manual_seed(0)
     roofline = active_bytes(model, args["context"])
     results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                               "dtype": str(dtype), "weights": "random", "kernels": str(model.kernels),
-                              "commit": _commit(), "smoke": cli.smoke, "decode_tokens_per_step": 1,
+                              "commit": _commit(), "smoke": cli.smoke, **options,
+                              "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": 1,
                               "static_capacity": args["context"] + HEADROOM, "grid": args,
                               "decode_state": "fabricated at the context (random values, prefill shapes)",
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},

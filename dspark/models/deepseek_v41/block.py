@@ -151,11 +151,20 @@ class Block(nn.Module):
         x [N, hc, D] the block's input streams, `site` their attention site. Returns (Y [N, hc, D]
         after the attention's post, the FFN site's PendingPost on Y).
         """
-        a = self.attn(site.h, batch, windows, sources, slots, publish)
+        return self.ffn_after(self.attn(site.h, batch, windows, sources, slots, publish), x, site, batch.input_ids)
+
+    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site,
+                  input_ids: torch.Tensor) -> tuple[torch.Tensor, PendingPost]:
+        """Everything of `open` after the attention: its post fused with the FFN site, then MoE.
+
+        a [N, D] the attention output, x [N, hc, D] the block's input streams, `site` their attention
+        site, input_ids [N] (the router's image-token bias). Split out so that another attention
+        driver (the static decode step, `static_step.py`) runs the same block.
+        """
         y, f_pre, f_post, f_comb, g = self.post_pre_op(a, x, site.post, site.comb, site.pre, self.hc_ffn_fn,
                                                        self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight,
                                                        norm_eps=self.ffn_norm.eps, **self._eps())
-        return y, PendingPost(self.ffn(g, batch.input_ids), f_post, f_comb, f_pre)
+        return y, PendingPost(self.ffn(g, input_ids), f_post, f_comb, f_pre)
 
     def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:
         """Apply the pending post alone: y [N, hc, D] -> the next block's input streams [N, hc, D]."""

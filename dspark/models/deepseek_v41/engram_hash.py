@@ -151,9 +151,21 @@ def ngram_hashes(history: torch.Tensor, new: torch.Tensor, multipliers: torch.Te
         # A shift that leaves the sequence or meets DEAD blocks itself and every longer shift.
         blocked = blocked | (j < 0) | (source == DEAD)
         tokens.append(torch.where(blocked, torch.full_like(source, pad), source))
-    products = torch.stack(tokens, dim=-1).unsqueeze(1) * multipliers  # [S, L, N]
+    return hash_columns(torch.stack(tokens, dim=-1), multipliers, primes, offsets)
+
+
+def hash_columns(tokens: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                 offsets: torch.Tensor) -> torch.Tensor:
+    """The hashing half of `ngram_hashes`, on look-backs already resolved (pad where blocked).
+
+    tokens [..., N] long, t_k = the compressed id k positions back (k = 0: the token itself);
+    multipliers, primes, offsets as in `ngram_hashes`. Returns [..., L, C] int64 table rows. Split
+    out so that the static decode step (`static_step.py`), which reads its look-backs from a
+    fixed-size ring, hashes with the same code.
+    """
+    products = tokens.unsqueeze(-2) * multipliers  # [..., L, N]
     rolling, columns = products[..., 0], []
-    for order in range(1, n_shift):
+    for order in range(1, multipliers.shape[1]):
         rolling = torch.bitwise_xor(rolling, products[..., order])  # hash of the (order+1)-gram
-        columns.append(rolling.unsqueeze(-1) % primes[:, order - 1])  # [S, L, Hh]
+        columns.append(rolling.unsqueeze(-1) % primes[:, order - 1])  # [..., L, Hh]
     return torch.cat(columns, dim=-1) + offsets

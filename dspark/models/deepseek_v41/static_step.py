@@ -1,0 +1,256 @@
+"""A static-shape, CUDA-graph-capturable decode / verify step of DeepSeek-V4.1 over S slots.
+
+    decoder = StaticDecoderV41(model, StaticShape(slots=8, max_context=4096, tokens=4))
+    start = decoder.load(slot, state)                 # a request's state after its (exact) prefill
+    ids, starts = decoder.plan(ids_host, starts_host)  # host: validate, copy to the device
+    logits = decoder.step(ids, starts)                 # [S, T, V] fp32: static shapes, no host read
+    out = decoder.forward(ids, starts, capture_layers=(4,))  # + final streams and layer-4 inputs
+
+`step` feeds slot s the tokens input_ids[s] at positions starts[s] .. starts[s] + T − 1 and writes
+their state (`static_state.py`): every write an `index_copy_` at rows computed on the device from
+positions, every read a fixed-width gather whose invisible keys are −1 (or −inf scores), so shapes
+and launched kernels never depend on the data and one capture per (S, T) replays any step
+(`dspark.engine.graphs.StepGraph` takes this decoder as it takes V4's).
+
+The math is the model's own modules, in `DeepseekV41ForCausalLM.forward`'s order (exact mode):
+Engram hashing (`engram_hash.hash_columns`) and table lookups, the single-pass mHC sites of every
+`Block` (`attn_site`, `enter`, `ffn_after`, `close`), the attention projections and cache
+QAT, the source compressor's pooling op, the entries' RoPE + FP4 and index keys, the indexer's
+queries, scores (`grouped_index_scores`, the op reference's formula) and candidate pool op, MoE and
+head. Only the cache plumbing of `Attention.forward` / `publish` / `Indexer.select_batch` and of
+`NgramHistory`, which read Python counters, is redone here with device-side rows.
+
+Rollback: a slot's next start may be any position from the start of its previous step to the end
+of it, as `DecodeStateV41.truncate` allows; nothing else needs resetting. Unused slots: feed them
+any ids at any valid start; every slot reads only its own rows, so no other slot changes.
+
+Host syncs: none in `step` with `KernelConfig.for_device("cuda")` (Triton MoE). The CPU reference
+MoE (`MoE.forward_ref`) reads expert counts on the host: fine for the CPU tests, not capturable.
+Engram tables must be on the device (`engram_tables="device"`): host tables are gathered on the CPU
+from token ids the step only has on the device.
+
+Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, k = index_topk, and those of
+`static_state.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels.indexer_ref import select_topk_ref
+from dspark.models.deepseek_v4.index_batch import grouped_index_scores
+from dspark.models.deepseek_v4.mhc import collapse
+from dspark.models.deepseek_v4.rope import apply_rope
+from dspark.models.deepseek_v4.state import check_capture
+from dspark.models.deepseek_v4.static_state import StaticShape
+from dspark.models.deepseek_v4.static_step import StaticStepOutput
+from dspark.models.deepseek_v41 import engram_hash
+from dspark.models.deepseek_v41.block import initial_pre
+from dspark.models.deepseek_v41.csa2 import SharedSlots
+from dspark.models.deepseek_v41.state import DecodeStateV41
+from dspark.models.deepseek_v41.static_state import StaticSource, StaticStateV41
+
+
+class StaticDecoderV41:
+    """Static decode / verify steps of `model` (a `DeepseekV41ForCausalLM`) over one bucket's state."""
+
+    def __init__(self, model, shape: StaticShape):
+        if not isinstance(shape, StaticShape):
+            raise ValueError(f"shape must be a StaticShape, got {shape!r}")
+        host = [i for i in model.engram_ids if model.layers[i].engram.embed.host]
+        if host:
+            raise ValueError(f"Engram layers {host} keep their tables in host memory (engram_tables='host' or "
+                             "'auto'); a static step gathers table rows on the device: build the model with "
+                             "engram_tables='device'")
+        self.model = model
+        self.shape = shape
+        self.state = StaticStateV41(model, shape)
+
+    def load(self, slot: int, state: DecodeStateV41) -> int:
+        """Copy a request's dynamic decode state into `slot`; returns the slot's next start position."""
+        return self.state.load(slot, state)
+
+    def plan(self, input_ids, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host side of a step: validate host values (ids [S, T], starts [S]; lists or CPU tensors)
+        and copy them to the model's device. Returns (input_ids [S, T] long, starts [S] long)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        starts = torch.as_tensor(starts, dtype=torch.long)
+        self._check_shapes(ids, starts)
+        vocab = self.model.config.vocab_size
+        bad_ids = ((ids < 0) | (ids >= vocab)).nonzero()
+        if bad_ids.numel():
+            s, t = bad_ids[0].tolist()
+            raise ValueError(f"input_ids[{s}, {t}]={int(ids[s, t])} outside [0, {vocab})")
+        ends = starts + ids.shape[1]
+        bad = ((starts < 0) | (ends > self.shape.max_context)).nonzero().flatten()
+        if bad.numel():
+            s = int(bad[0])
+            raise ValueError(f"starts[{s}]={int(starts[s])}: positions {int(starts[s])}..{int(ends[s]) - 1} "
+                             f"outside the capacity [0, max_context={self.shape.max_context})")
+        device = self.model.device
+        return ids.to(device, non_blocking=True), starts.to(device, non_blocking=True)
+
+    def step(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Feed slot s the tokens input_ids[s] at positions starts[s] + 0 .. T − 1; returns logits.
+
+        input_ids [S, T] long, starts [S] long, both on the model's device (values trusted: `plan`
+        checks them on the host). Returns fp32 [S, T, V]. Capturable: only shapes are read on the host.
+        """
+        return self.forward(input_ids, starts).logits
+
+    def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
+                capture_layers: tuple[int, ...] = ()) -> StaticStepOutput:
+        """`step`, also returning the final streams and the input streams (after Engram) of
+        `capture_layers` (what a drafter observes), as V4's `StaticDecoder.forward`: hidden
+        [S, T, hc, D], features {layer: [S, T, hc, D]}. Capturable like `step`."""
+        self._check_shapes(input_ids, starts)
+        if input_ids.device != self.model.device or starts.device != self.model.device:
+            raise ValueError(f"input_ids ({input_ids.device}) and starts ({starts.device}) must be on the "
+                             f"model's device {self.model.device}")
+        model, (n_slots, n_tok) = self.model, input_ids.shape
+        capture = check_capture(capture_layers, len(model.layers))
+        # Layers whose input streams a standalone post builds (Engram layers, capture points): as in
+        # `DeepseekV41ForCausalLM.forward` without bounded replay.
+        materialised = model._materialised_inputs(capture, None)
+        positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
+        ids = input_ids.reshape(-1)  # [N]
+        engram_rows, live = self._engram_rows(input_ids, positions)
+        x = model.embed(ids).unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, hc, D]
+        pre = initial_pre(ids.shape[0], model.config.hc_mult, model.device)
+        shared, site = SharedSlots(), None  # the latest index source's picks / candidate pool, all rows
+        features = {}
+        for i, layer in enumerate(model.layers):
+            if layer.engram is not None:
+                x = layer.engram(x, engram_rows[i], live)
+            if i in capture:
+                features[i] = x
+            if site is None:
+                site = layer.attn_site(x, pre)
+            a = static_attention(layer.attn, site.h, positions, self.state, i, shared)
+            y, pending = layer.ffn_after(a, x, site, ids)
+            pre = pending.pre
+            if i + 1 < len(model.layers) and i + 1 not in materialised:
+                x, site = model.layers[i + 1].enter(pending, y)  # post + next site: one op
+            else:
+                x, site = layer.close(pending, y), None
+        if len(model.layers) in capture:
+            features[len(model.layers)] = x
+        logits = model.head(model.norm(collapse(x, pre))).float()
+        per_slot = (n_slots, n_tok, *x.shape[1:])
+        return StaticStepOutput(logits.view(n_slots, n_tok, -1), x.view(per_slot),
+                                {i: f.view(per_slot) for i, f in features.items()})
+
+    def _engram_rows(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Record the new tokens' compressed ids in the n-gram ring, hash every row's n-grams from
+        the ring and look the rows up: ({layer: [N, C, hd]}, live [N] bool or None), or ({}, None)."""
+        model, c = self.model, self.model.config
+        if not model.engram_ids:
+            return {}, None
+        compressed = model.engram_token_map[input_ids]  # [S, T]
+        live = None
+        if c.image_token_id is not None:
+            live = input_ids != c.image_token_id
+            compressed = compressed.masked_fill(~live, engram_hash.DEAD)
+            live = live.reshape(-1)
+        ring = self.state.ngram
+        ring.write(positions, compressed.reshape(-1))
+        back = positions.unsqueeze(-1) - torch.arange(c.engram_max_ngram_size, device=positions.device)  # [S, T, N]
+        seen = ring.flat()[ring.rows(back.clamp(min=0))]  # [S, T, N]: shift k = the id at p − k
+        # A shift that leaves the sequence or meets DEAD blocks itself and every longer one.
+        blocked = ((back < 0) | (seen == engram_hash.DEAD)).cumsum(dim=-1) > 0
+        pad = model.engram_token_map[c.engram_pad_id]  # 0-dim on the device: no host read
+        tokens = torch.where(blocked, pad, seen)
+        columns = engram_hash.hash_columns(tokens, model.engram_multipliers, model.engram_primes,
+                                           model.engram_offsets).flatten(0, 1)  # [N, L, C]
+        rows = {layer: model.layers[layer].engram.embed.lookup(columns[:, j], model.device)
+                for j, layer in enumerate(model.engram_ids)}
+        return rows, live
+
+    def _check_shapes(self, input_ids: torch.Tensor, starts: torch.Tensor) -> None:
+        s, t_max = self.shape.slots, self.shape.tokens
+        if input_ids.dim() != 2 or input_ids.shape[0] != s or not 1 <= input_ids.shape[1] <= t_max \
+                or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be a long [S={s}, T<={t_max}] tensor, got "
+                             f"{tuple(input_ids.shape)} {input_ids.dtype}")
+        if tuple(starts.shape) != (s,) or starts.dtype != torch.long:
+            raise ValueError(f"starts must be a long [S={s}] tensor, got {tuple(starts.shape)} {starts.dtype}")
+
+
+def static_attention(attn, x: torch.Tensor, positions: torch.Tensor, state: StaticStateV41, layer: int,
+                     shared: SharedSlots) -> torch.Tensor:
+    """CSA2 `Attention.forward` on the static state: x [N, D] (after attn_norm), positions [S, T] -> [N, D].
+
+    Writes the new window latents (and, on a KV source, its rows, entries and index keys) first; an
+    index source then picks into `shared` (topk [N, min(k, E)], candidates [N, E]) for the layers
+    after it; the key list is [W window rows | the latest picks in the KV source's entries], −1 = none.
+    """
+    flat = positions.reshape(-1)  # [N]
+    cos, sin = attn.rope.cos_sin(flat)  # [N, rd/2] fp32
+    q_lora, q, kv = attn.project_qkv(x, cos, sin)
+    window = state.windows[layer]
+    window.write(positions, attn.quant.window(kv))  # the window cache is FP8 (QAT)
+    keys = positions.unsqueeze(-1) - (attn.window - 1) + torch.arange(attn.window, device=positions.device)
+    index = torch.where(keys >= 0, window.rows(keys) + state.window_offsets[layer], -1).flatten(0, 1)  # [N, W]
+    if attn.ratio:
+        source = state.sources[attn.role.kv_source]
+        if attn.compressor is not None:
+            publish(attn, x, positions, source)
+        if attn.indexer is not None:
+            select(attn.indexer, *attn.indexer.queries(x, q_lora, cos, sin), positions, source, shared)
+        offset = source.entry_offset().repeat_interleave(positions.shape[1]).unsqueeze(-1)  # [N, 1]
+        index = torch.cat((index, torch.where(shared.topk >= 0, shared.topk + offset, -1)), dim=-1)
+    out = attn.attend_op(q, state.pool, index, attn.attn_sink, attn.scale)  # [N, H, d]
+    return attn.project_out(out, cos, sin)
+
+
+def publish(attn, x: torch.Tensor, positions: torch.Tensor, source: StaticSource) -> None:
+    """`Attention.publish` on the static state (KV source, spec §5.2-§5.3): write the rows of
+    positions [S, T] (ratio > 1), then the entries and index keys of every candidate group the step
+    can complete; incomplete candidates go to the trash row (same writes every step, whatever the data).
+
+    Candidates: ratio 1, every new token; ratio m > 1, groups start // m .. + ceil(T/m) − 1 (the
+    groups whose last position may fall in the step), pooled from the rings.
+    """
+    kv, gate = attn.compressor.project(x)  # ratio > 1: fp32 rows [N, d]; ratio 1: latents [N, d]
+    m = source.rate
+    if gate is None:
+        w, complete, latents = positions, torch.ones_like(positions, dtype=torch.bool), kv
+    else:
+        source.kv.write(positions, kv)
+        source.gate.write(positions, gate)
+        w = positions[:, :1] // m + torch.arange(-(-positions.shape[1] // m), device=positions.device)  # [S, c]
+        complete = (w + 1) * m <= positions[:, -1:] + 1  # its last position (w+1)·m − 1 was fed
+        rows = source.kv.rows(w.unsqueeze(-1) * m + torch.arange(m, device=w.device))  # [S, c, m]
+        kv_groups = source.kv.flat()[rows].flatten(0, 1)  # [S·c, m, d]
+        gate_groups = source.gate.flat()[rows].flatten(0, 1)
+        compressor = attn.compressor
+        latents = compressor.pool_op(kv_groups, gate_groups, compressor.norm.weight, eps=compressor.norm.eps,
+                                     out_dtype=x.dtype)  # [S·c, d]
+    # Entry w stands for position w·m; keys come from the latent before its rotation.
+    cos, sin = attn.rope.cos_sin((w * m).reshape(-1))
+    entries = attn.quant.entries(apply_rope(latents, cos, sin))
+    source.write_entries(w, complete, entries, attn.indexer.keys(latents, cos, sin))
+
+
+def select(indexer, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, source: StaticSource,
+           shared: SharedSlots) -> None:
+    """`Indexer.select_batch` on the static state: every row scores all E index keys of its slot;
+    entries it cannot see yet (w >= (p+1)//m), or outside the candidate pool on a later index source,
+    are −inf and never picked. Sets shared.topk [N, min(k, E)] (ascending, −1 = none) and, on the
+    candidate source, shared.candidates [N, E] (the registry's `indexer_pool`).
+
+    q [N, Hi, di], weights [N, Hi], positions [S, T].
+    """
+    n_slots, n_tok = positions.shape
+    keys = source.keys[:, : source.n_entries]  # [S, E, di]
+    scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
+    scores = scores.flatten(0, 1)  # [N, E] fp32
+    visible = ((positions + 1) // indexer.ratio).reshape(-1)  # [N]
+    reachable = torch.arange(source.n_entries, device=q.device) < visible.unsqueeze(-1)  # [N, E]
+    if indexer.uses_candidates and not indexer.is_candidate_source:
+        reachable = reachable & shared.candidates
+    scores = scores.masked_fill(~reachable, float("-inf"))
+    shared.topk = select_topk_ref(scores, indexer.topk)
+    if indexer.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
+        shared.candidates = indexer.pool_op(scores, visible, topk_blocks=indexer.candidate_blocks,
+                                            block=indexer.candidate_block_size)

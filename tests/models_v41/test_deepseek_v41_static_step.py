@@ -1,0 +1,206 @@
+"""The static-shape decode / verify step of DeepSeek-V4.1 (`deepseek_v41/static_step.py`) against the
+dynamic ragged path.
+
+tiny-v41 (fp32, CPU, exact prefill): window 8; KV source 1 (ratio 2, Engram) read by reuse layers
+2-3; KV source 4 (ratio 1, candidate source, Engram) read by reuse 5 and reindex 6 inside the pool
+of 2 blocks of 4; top-k 4. Slots prefilled to 0 .. 30 tokens and decoded / verified for dozens of
+positions cross ratio-2 group boundaries, candidate-block boundaries and the window many times.
+
+Exactness runs without the cache QAT (`cache_qat=False`, see tests/models_v41/conftest.py): rounding
+to the FP8/FP4 grids turns last-bit noise into whole grid steps. With QAT on, the greedy tokens
+are checked. Rollback and unused slots are checked bit for bit.
+"""
+
+import pytest
+import torch
+
+import dspark
+from dspark.models.deepseek_v4.moe import MoE
+from dspark.models.deepseek_v4.static_state import StaticShape
+from dspark.models.deepseek_v41.static_step import StaticDecoderV41
+
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dspark.init_model("tiny-v41", seed=0, prefill_mode="exact", cache_qat=False)
+
+
+@pytest.fixture
+def row_independent_moe(monkeypatch):
+    """The reference MoE runs each expert on the rows routed to it, so a row's sums depend on which
+    other rows share its experts (last bits). Bit-for-bit checks run it one row at a time."""
+    reference = MoE.forward_ref
+
+    def per_row(self, x, input_ids):
+        return torch.cat([reference(self, x[i : i + 1], input_ids[i : i + 1]) for i in range(x.shape[0])])
+
+    monkeypatch.setattr(MoE, "forward_ref", per_row)
+
+
+def prefilled(model, decoder, lengths, seed):
+    """Prefill one random prompt per slot on the dynamic path (one call each), load it into its slot.
+    Returns (the dynamic states, the slots' start positions [S])."""
+    g = torch.Generator().manual_seed(seed)
+    states, starts = [], []
+    for slot, n in enumerate(lengths):
+        state = model.new_state()
+        if n:
+            model(torch.randint(0, 256, (n,), generator=g), [state], [n])
+        states.append(state)
+        starts.append(decoder.load(slot, state))
+    return states, torch.tensor(starts)
+
+
+def lockstep(model, decoder, states, starts, rounds, tokens, g):
+    """`rounds` steps of `tokens` random ids per slot on both paths, accepting 1 .. tokens of them
+    (so the slots' starts drift apart). Yields (static, dynamic) logits [S, T, V] and the starts."""
+    n_slots = len(states)
+    for _ in range(rounds):
+        ids = torch.randint(0, 256, (n_slots, tokens), generator=g)
+        dynamic = model(ids.reshape(-1), states, [tokens] * n_slots).logits.view(n_slots, tokens, -1)
+        static = decoder.step(*decoder.plan(ids, starts))
+        yield static, dynamic, starts
+        accept = torch.randint(1, tokens + 1, (n_slots,), generator=g)
+        for state, n in zip(states, accept.tolist()):
+            state.truncate(state.length - tokens + n)
+        starts = starts + accept
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_static_v41_step_matches_dynamic_path(model, tokens):
+    """Decode (T = 1) and verify (T = 4) rounds for 4 slots of different lengths (one empty): every
+    round's logits equal the dynamic call's on the same tokens, through group completions of the
+    ratio-2 source, new candidate blocks of the ratio-1 source and the windows' wrap-around."""
+    decoder = StaticDecoderV41(model, StaticShape(slots=4, max_context=96, tokens=4))
+    states, starts = prefilled(model, decoder, [0, 5, 13, 30], seed=1)
+    g = torch.Generator().manual_seed(2)
+    seen = set()
+    for static, dynamic, at in lockstep(model, decoder, states, starts, 24 if tokens == 1 else 12, tokens, g):
+        torch.testing.assert_close(static, dynamic, **TOL)
+        seen.update((at % 2).tolist())
+    final = [state.length for state in states]
+    assert seen == {0, 1} and min(final) >= 12 and max(final) >= 48  # both parities, past 6 blocks of 4 entries
+
+
+def test_static_v41_forward_returns_the_captured_streams(model):
+    """`forward` with capture_layers (a drafter's context: layers 4-6 and the final streams) returns
+    the dynamic call's features and hidden streams per slot, and the same logits as without capture
+    (capture points get a standalone post, as in the dynamic path)."""
+    decoder = StaticDecoderV41(model, StaticShape(slots=3, max_context=64, tokens=4))
+    states, starts = prefilled(model, decoder, [6, 11, 20], seed=9)
+    capture = (4, 5, 6, 7)
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        ids = torch.randint(0, 256, (3, 4), generator=g)
+        dynamic = model(ids.reshape(-1), states, [4] * 3, capture_layers=capture)
+        out = decoder.forward(*decoder.plan(ids, starts), capture_layers=capture)
+        assert sorted(out.features) == list(capture)
+        for i in capture:
+            torch.testing.assert_close(out.features[i], dynamic.features[i].view(3, 4, 4, -1), **TOL)
+        torch.testing.assert_close(out.hidden, dynamic.hidden.view(3, 4, 4, -1), **TOL)
+        torch.testing.assert_close(out.logits, dynamic.logits.view(3, 4, -1), **TOL)
+        starts = starts + 4
+    with pytest.raises(ValueError, match=r"capture_layers \[8\]"):
+        decoder.forward(*decoder.plan(ids, starts), capture_layers=(8,))
+
+
+def test_static_v41_greedy_with_cache_qat():
+    """With the FP8 / FP4 cache QAT on (the released numerics), greedy continuations of the static
+    step are the dynamic ones and the logits stay within a few grid steps' effect."""
+    qat = dspark.init_model("tiny-v41", seed=0, prefill_mode="exact")
+    assert qat.cache_qat
+    decoder = StaticDecoderV41(qat, StaticShape(slots=3, max_context=64, tokens=1))
+    states, starts = prefilled(qat, decoder, [3, 9, 22], seed=3)
+    dynamic_ids = static_ids = torch.tensor([[7], [8], [9]])
+    worst = 0.0
+    for _ in range(30):
+        dynamic = qat(dynamic_ids.reshape(-1), states, [1] * 3).logits.view(3, 1, -1)
+        static = decoder.step(*decoder.plan(static_ids, starts))
+        worst = max(worst, (static - dynamic).abs().max().item())
+        dynamic_ids, static_ids = dynamic.argmax(-1), static.argmax(-1)
+        assert torch.equal(static_ids, dynamic_ids)
+        starts = starts + 1
+    assert worst < 1e-3, f"max |static − dynamic| logit with cache QAT: {worst}"
+
+
+def run_rounds(model, rejected, rounds=4):
+    """Verify rounds of 4 tokens per slot accepting 2, then 4 more from there: returns each round's
+    logits [S, 4, V] of the tokens fed after the rollback. `rejected` [rounds, S, 2]: the tokens
+    rolled back each round (None: never fed)."""
+    decoder = StaticDecoderV41(model, StaticShape(slots=2, max_context=64, tokens=4))
+    _, starts = prefilled(model, decoder, [7, 14], seed=4)
+    g = torch.Generator().manual_seed(5)
+    outs = []
+    for r in range(rounds):
+        accepted, following = torch.randint(0, 256, (2, 2), generator=g), torch.randint(0, 256, (2, 4), generator=g)
+        if rejected is None:
+            decoder.step(*decoder.plan(accepted, starts))
+        else:
+            decoder.step(*decoder.plan(torch.cat((accepted, rejected[r]), dim=1), starts))
+        starts = starts + 2  # rollback: the rejected positions are simply fed again
+        outs.append(decoder.step(*decoder.plan(following, starts)))
+        starts = starts + 4
+    return outs
+
+
+def test_static_v41_rollback_leaves_no_trace(model, row_independent_moe):
+    """Rejected positions complete ratio-2 groups, add ratio-1 entries and candidate blocks, overwrite
+    window rows and n-gram ids. Two runs rejecting different tokens give bit-identical logits
+    afterwards, equal (to fp32 tolerance) to a run that never fed them."""
+    g = torch.Generator().manual_seed(6)
+    first = run_rounds(model, torch.randint(0, 256, (4, 2, 2), generator=g))
+    second = run_rounds(model, torch.randint(0, 256, (4, 2, 2), generator=g))
+    never = run_rounds(model, None)
+    for a, b, c in zip(first, second, never):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, **TOL)
+
+
+def test_static_v41_unused_slot_changes_no_other_slot(model, row_independent_moe):
+    """Slot 1 holds no request and is fed junk at position 0 or elsewhere: slots 0 and 2 are unchanged."""
+    outs = []
+    for junk_id, junk_start in ((0, 0), (123, 40)):
+        decoder = StaticDecoderV41(model, StaticShape(slots=3, max_context=64, tokens=2))
+        _, starts = prefilled(model, decoder, [11, 0, 19], seed=7)
+        starts[1] = junk_start
+        g = torch.Generator().manual_seed(8)
+        rounds = []
+        for _ in range(6):
+            ids = torch.randint(0, 256, (3, 2), generator=g)
+            ids[1] = junk_id
+            rounds.append(decoder.step(*decoder.plan(ids, starts))[[0, 2]])
+            starts = starts + 2
+        outs.append(torch.stack(rounds))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_static_v41_rejects_bad_inputs(model):
+    decoder = StaticDecoderV41(model, StaticShape(slots=2, max_context=32, tokens=4))
+    ids, starts = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids must be a long \[S=2, T<=4\].*\(3, 4\)"):
+        decoder.step(torch.zeros(3, 4, dtype=torch.long), starts)
+    with pytest.raises(ValueError, match=r"\(2, 5\)"):
+        decoder.plan(torch.zeros(2, 5, dtype=torch.long), starts)
+    with pytest.raises(ValueError, match="starts must be a long"):
+        decoder.step(ids, torch.zeros(2))
+    with pytest.raises(ValueError, match=r"starts\[1\]=29: positions 29..32 outside the capacity"):
+        decoder.plan(ids, [0, 29])
+    with pytest.raises(ValueError, match=r"starts\[0\]=-1"):
+        decoder.plan(ids, [-1, 0])
+    with pytest.raises(ValueError, match=r"input_ids\[1, 2\]=258 outside \[0, 258\)"):
+        decoder.plan([[0, 0, 0, 0], [0, 0, 258, 0]], [0, 0])
+    with pytest.raises(ValueError, match="slot=2"):
+        decoder.load(2, model.new_state())
+    with pytest.raises(ValueError, match="state must be a DecodeStateV41.*DecodeState"):
+        decoder.load(0, dspark.init_model("tiny-v4", seed=0).new_state())
+    long_state = model.new_state()
+    model(torch.zeros(30, dtype=torch.long), [long_state], [30])
+    with pytest.raises(ValueError, match="state length 30"):
+        decoder.load(0, long_state)
+    with pytest.raises(ValueError, match="shape must be a StaticShape"):
+        StaticDecoderV41(model, (2, 32, 4))
+    host = dspark.init_model("tiny-v41", seed=0, prefill_mode="exact", engram_tables="host")
+    with pytest.raises(ValueError, match=r"Engram layers \[1, 4\] keep their tables in host memory"):
+        StaticDecoderV41(host, StaticShape(slots=1, max_context=32, tokens=1))
