@@ -34,6 +34,7 @@ from dspark.engine.scheduler import Scheduler
 from dspark.engine.slots import SlotState, SlotTable
 from dspark.engine.static_runner import StaticRunner
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from dspark.request import GenerationStats, Request
 from dspark.round import RoundConfig, prefill_step, speculative_round
 from dspark.sampling import SamplingParams
@@ -277,8 +278,8 @@ def _verify_width(drafter, config: EngineConfig) -> int:
 
 def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner]:
     """The slot table and static runner of `static_decode`: `max_running` slots, T = the verify width."""
-    if not isinstance(model, DeepseekV4ForCausalLM):
-        raise ValueError(f"static_decode supports DeepSeek-V4 targets only, got {type(model).__name__}")
+    if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
+        raise ValueError(f"static_decode supports DeepSeek-V4 and V4.1 targets only, got {type(model).__name__}")
     tokens = _verify_width(drafter, config)
     capture = drafter.capture_layers if drafter is not None else ()
     # A request of `slot_context` positions verifies at most T tokens from its last anchor.

@@ -1,4 +1,4 @@
-"""The engine's decode / verify target calls on a `StaticDecoder` (CUDA-graph replays on CUDA).
+"""The engine's decode / verify target calls on a `StaticDecoder` / `StaticDecoderV41` (CUDA-graph replays on CUDA).
 
     runner = StaticRunner(model, slots=64, max_context=8192, tokens=4, capture_layers=(1, 5))
     req.state = SlotState(slot, runner.load(slot, req.state))  # after the request's dynamic prefill
@@ -31,6 +31,8 @@ from dspark.engine.slots import SlotState
 from dspark.models.deepseek_v4.model import DeepseekV4Output
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v4.static_step import StaticDecoder
+from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from dspark.models.deepseek_v41.static_step import StaticDecoderV41
 
 
 class StaticRunner:
@@ -39,7 +41,8 @@ class StaticRunner:
 
     def __init__(self, model, slots: int, max_context: int, tokens: int, capture_layers: tuple[int, ...] = ()):
         self.model = model
-        self.decoder = StaticDecoder(model, StaticShape(slots, max_context, tokens))
+        decoder = StaticDecoderV41 if isinstance(model, DeepseekV41ForCausalLM) else StaticDecoder
+        self.decoder = decoder(model, StaticShape(slots, max_context, tokens))
         self.capture = tuple(sorted(set(capture_layers)))
         self.graphs: dict[int, StepGraph] = {}
         if model.device.type == "cuda":  # before any request is loaded: the warm-up steps write every slot

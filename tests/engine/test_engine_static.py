@@ -141,8 +141,26 @@ def test_static_decode_is_validated(tiny):
     with pytest.raises(ValueError, match="exceed static_context=40"):
         engine.add_request([1] * 30, SamplingParams(), 11)
     v41 = json.loads(resources.files("dspark.configs").joinpath("tiny-v41.json").read_text())
-    with pytest.raises(ValueError, match="DeepSeek-V4 targets only, got DeepseekV41ForCausalLM"):
-        Engine(dspark.init_model(v41, seed=0), EngineConfig(max_running=2, static_decode=True, **LIMITS))
+    with pytest.raises(ValueError, match="keep their tables in host memory"):
+        Engine(dspark.init_model(v41, seed=0, engram_tables="host"),
+               EngineConfig(max_running=2, static_decode=True, **LIMITS))
+
+
+@pytest.mark.parametrize("prefill_mode", ["exact", "bounded_replay"])
+@pytest.mark.parametrize("mode", ["none", "ngram3", "dspark_auto"])
+def test_static_decode_equals_the_default_engine_v41(prefill_mode, mode):
+    """The same for a DeepSeek-V4.1 target (`StaticDecoderV41`), after either prefill mode, with the
+    KV cache's QAT rounding off (it would turn last-bit differences into whole FP8 steps)."""
+    v41 = json.loads(resources.files("dspark.configs").joinpath("tiny-v41.json").read_text())
+    model = dspark.init_model(v41, seed=0, prefill_mode=prefill_mode, cache_qat=False)
+    config = {"none": dict(), "ngram3": dict(draft_tokens=3, drafter="ngram"),
+              "dspark_auto": dict(draft_tokens="auto", drafter=DSparkDrafter(
+                  model, DSparkConfig.for_target(model.config, dspark_markov_rank=16)).init_weights(3))}[mode]
+    prompts = _prompts(5, seed=5)
+    default, trace = _staggered(model, prompts, lambda i: SamplingParams(), 12, **config)
+    static, static_trace = _staggered(model, prompts, lambda i: SamplingParams(), 12, static_decode=True, **config)
+    assert static == default and len(default) == len(prompts)
+    assert [(r["draft"], r["accepted"]) for r in static_trace] == [(r["draft"], r["accepted"]) for r in trace]
 
 
 def test_slot_table_hands_out_lowest_free_slots():
