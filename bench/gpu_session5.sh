@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU steps written in the fourth 2026-11-30 session and not yet run (each part < 9.5 min):
+#
+#   run(command="bash bench/gpu_session5.sh graphs", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session5.sh engine")
+#   run(command="bash bench/gpu_session5.sh kernels")
+#   run(command="bash bench/gpu_session5.sh engram", kind="nvidia-h200-x2")
+#
+# graphs: the GPU tests of the static (graph-captured) paths — the engine's static_decode against the
+#    default engine, the static DSpark drafter (replay == eager == dynamic greedy, no host sync), the
+#    V4.1 static step — then the drafter's propose / observe timings (bench/graph_draft.py) and the
+#    v41-mini graph decode step (bench/graph_decode.py --config v41-mini).
+# engine: bench/engine_h200.py --static-decode (v4-mini, every decode cell on static slots and CUDA
+#    graphs), to set beside engine-h200-s4.json (the dynamic path).
+# kernels: the one-launch decode attention also as a CUDA-graph replay (bench/attn_batched.py
+#    `graph_us`), the decode MoE with the shipped per-size launch shapes (bench/moe_decode_tiles.py
+#    `shipped`).
+# engram (2 GPUs): bench/engram_shard_nccl.py with the cache_qat=False comparison against one process.
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+W=/tmp/gpu-session && mkdir -p $W/logs
+
+logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/NAME.txt, record rc
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$W/logs/$name.txt" 2>&1
+  echo "$name rc=$?" | tee -a "$W/logs/$name.txt"
+}
+
+part_graphs() {
+  logged graph_tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_engine_static_gpu.py \
+    tests/draft/test_static_draft_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py
+  logged graph_draft 120 python3 bench/graph_draft.py --out "$OUT/graph-draft-h200.json"
+  logged graph_v41 180 python3 bench/graph_decode.py --config v41-mini --out "$OUT/graph-decode-v41-mini-h200.json"
+  tail -n 8 $W/logs/graph_tests.txt; grep -h "^{" $W/logs/graph_draft.txt $W/logs/graph_v41.txt | cut -c1-400
+}
+
+part_engine() {
+  logged engine_static 560 python3 bench/engine_h200.py --static-decode --budget-s 450 --out "$OUT/engine-h200-static.json"
+  tail -n 30 $W/logs/engine_static.txt | cut -c1-300
+}
+
+part_kernels() {
+  logged attn_batched 300 python3 bench/attn_batched.py --skip-model --out "$OUT/attn-batched-graph-h200.json"
+  logged tiles 200 python3 bench/moe_decode_tiles.py --out "$OUT/moe-decode-tiles-shipped-h200.json"
+  grep -h "graph\|shipped" $W/logs/attn_batched.txt $W/logs/tiles.txt | cut -c1-300
+}
+
+part_engram() {
+  logged engram_nccl 240 torchrun --nproc-per-node 2 bench/engram_shard_nccl.py  # -> $OUT/engram_shard_nccl.json
+  tail -n 5 $W/logs/engram_nccl.txt
+}
+
+part_$1
+tar -C $W -cf "$OUT/logs-$1.tar" logs
+ls -la "$OUT"
