@@ -27,9 +27,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -44,24 +42,10 @@ from dspark.draft.static_drafter import StaticDrafter  # noqa: E402
 from dspark.draft.static_graph import ObserveGraph, ProposeGraph  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
 from engine_h200 import _commit, _device_name, fabricate_drafter_state  # noqa: E402
+from graph_decode import timed  # noqa: E402
 
 FULL = dict(config="v4-mini", requests=(1, 8, 64), context=4096, warmup=3, steps=20)
 SMOKE = dict(config="tiny-v4", requests=(1, 2), context=40, warmup=1, steps=3)
-
-
-def timed(fn, device, warmup: int, steps: int) -> float:
-    """Median ms of `steps` calls of fn() after `warmup` untimed ones, synchronised around each."""
-    times = []
-    for i in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> dict:

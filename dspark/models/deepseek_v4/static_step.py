@@ -29,6 +29,8 @@ Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, and those of 
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +39,7 @@ from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.attention import causal_entry_index
 from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import hc_head
-from dspark.models.deepseek_v4.state import DecodeState, check_capture
+from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticLayerState, StaticShape, StaticState
 
 
@@ -56,17 +58,22 @@ class StaticStepOutput:
     features: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-class StaticDecoder:
-    """Static decode / verify steps of `model` (a `DeepseekV4ForCausalLM`) over one bucket's state."""
+class StaticDecoderBase(abc.ABC):
+    """What every family's static decoder shares: the bucket's shape and state, `load`, the host-side
+    `plan` and `step`; a subclass builds its state (`new_state`) and runs `forward`."""
 
     def __init__(self, model, shape: StaticShape):
         if not isinstance(shape, StaticShape):
             raise ValueError(f"shape must be a StaticShape, got {shape!r}")
         self.model = model
         self.shape = shape
-        self.state = StaticState(model, shape)
+        self.state = self.new_state(model, shape)
 
-    def load(self, slot: int, state: DecodeState) -> int:
+    @abc.abstractmethod
+    def new_state(self, model, shape: StaticShape):
+        """The family's fixed-size state for `shape` (slots, capacity, tokens per step)."""
+
+    def load(self, slot: int, state) -> int:
         """Copy a request's dynamic decode state into `slot`; returns the slot's next start position."""
         return self.state.load(slot, state)
 
@@ -99,14 +106,39 @@ class StaticDecoder:
         """
         return self.forward(input_ids, starts).logits
 
+    @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
                 capture_layers: tuple[int, ...] = ()) -> StaticStepOutput:
-        """`step`, also returning the final streams and the input streams of `capture_layers` (what a
-        drafter observes), all with static shapes: see `StaticStepOutput`. Capturable like `step`."""
+        """One step: logits, final streams and captured features (`StaticStepOutput`)."""
+
+    def _check_inputs(self, input_ids: torch.Tensor, starts: torch.Tensor) -> None:
+        """Shapes, dtypes and device of a step's inputs (never their values: that would sync)."""
         self._check_shapes(input_ids, starts)
         if input_ids.device != self.model.device or starts.device != self.model.device:
             raise ValueError(f"input_ids ({input_ids.device}) and starts ({starts.device}) must be on the "
                              f"model's device {self.model.device}")
+
+    def _check_shapes(self, input_ids: torch.Tensor, starts: torch.Tensor) -> None:
+        s, t_max = self.shape.slots, self.shape.tokens
+        if input_ids.dim() != 2 or input_ids.shape[0] != s or not 1 <= input_ids.shape[1] <= t_max \
+                or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be a long [S={s}, T<={t_max}] tensor, got "
+                             f"{tuple(input_ids.shape)} {input_ids.dtype}")
+        if tuple(starts.shape) != (s,) or starts.dtype != torch.long:
+            raise ValueError(f"starts must be a long [S={s}] tensor, got {tuple(starts.shape)} {starts.dtype}")
+
+
+class StaticDecoder(StaticDecoderBase):
+    """Static decode / verify steps of `model` (a `DeepseekV4ForCausalLM`) over one bucket's state."""
+
+    def new_state(self, model, shape: StaticShape) -> StaticState:
+        return StaticState(model, shape)
+
+    def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
+                capture_layers: tuple[int, ...] = ()) -> StaticStepOutput:
+        """`step`, also returning the final streams and the input streams of `capture_layers` (what a
+        drafter observes), all with static shapes: see `StaticStepOutput`. Capturable like `step`."""
+        self._check_inputs(input_ids, starts)
         model, (n_slots, n_tok) = self.model, input_ids.shape
         capture = check_capture(capture_layers, len(model.layers))
         positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
@@ -133,14 +165,6 @@ class StaticDecoder:
         return StaticStepOutput(model._logits(model.norm(h)).view(n_slots, n_tok, -1), x.view(per_slot),
                                 {i: f.view(per_slot) for i, f in features.items()})
 
-    def _check_shapes(self, input_ids: torch.Tensor, starts: torch.Tensor) -> None:
-        s, t_max = self.shape.slots, self.shape.tokens
-        if input_ids.dim() != 2 or input_ids.shape[0] != s or not 1 <= input_ids.shape[1] <= t_max \
-                or input_ids.dtype != torch.long:
-            raise ValueError(f"input_ids must be a long [S={s}, T<={t_max}] tensor, got "
-                             f"{tuple(input_ids.shape)} {input_ids.dtype}")
-        if tuple(starts.shape) != (s,) or starts.dtype != torch.long:
-            raise ValueError(f"starts must be a long [S={s}] tensor, got {tuple(starts.shape)} {starts.dtype}")
 
 
 def static_attention(attn, x: torch.Tensor, positions: torch.Tensor, state: StaticLayerState) -> torch.Tensor:

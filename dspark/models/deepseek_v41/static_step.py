@@ -43,70 +43,30 @@ from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_state import StaticShape
-from dspark.models.deepseek_v4.static_step import StaticStepOutput
+from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput
 from dspark.models.deepseek_v41 import engram_hash
 from dspark.models.deepseek_v41.block import initial_pre
 from dspark.models.deepseek_v41.csa2 import SharedSlots
-from dspark.models.deepseek_v41.state import DecodeStateV41
 from dspark.models.deepseek_v41.static_state import StaticSource, StaticStateV41
 
 
-class StaticDecoderV41:
+class StaticDecoderV41(StaticDecoderBase):
     """Static decode / verify steps of `model` (a `DeepseekV41ForCausalLM`) over one bucket's state."""
 
-    def __init__(self, model, shape: StaticShape):
-        if not isinstance(shape, StaticShape):
-            raise ValueError(f"shape must be a StaticShape, got {shape!r}")
+    def new_state(self, model, shape: StaticShape) -> StaticStateV41:
         host = [i for i in model.engram_ids if model.layers[i].engram.embed.host]
         if host:
             raise ValueError(f"Engram layers {host} keep their tables in host memory (engram_tables='host' or "
                              "'auto'); a static step gathers table rows on the device: build the model with "
                              "engram_tables='device'")
-        self.model = model
-        self.shape = shape
-        self.state = StaticStateV41(model, shape)
-
-    def load(self, slot: int, state: DecodeStateV41) -> int:
-        """Copy a request's dynamic decode state into `slot`; returns the slot's next start position."""
-        return self.state.load(slot, state)
-
-    def plan(self, input_ids, starts) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host side of a step: validate host values (ids [S, T], starts [S]; lists or CPU tensors)
-        and copy them to the model's device. Returns (input_ids [S, T] long, starts [S] long)."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        starts = torch.as_tensor(starts, dtype=torch.long)
-        self._check_shapes(ids, starts)
-        vocab = self.model.config.vocab_size
-        bad_ids = ((ids < 0) | (ids >= vocab)).nonzero()
-        if bad_ids.numel():
-            s, t = bad_ids[0].tolist()
-            raise ValueError(f"input_ids[{s}, {t}]={int(ids[s, t])} outside [0, {vocab})")
-        ends = starts + ids.shape[1]
-        bad = ((starts < 0) | (ends > self.shape.max_context)).nonzero().flatten()
-        if bad.numel():
-            s = int(bad[0])
-            raise ValueError(f"starts[{s}]={int(starts[s])}: positions {int(starts[s])}..{int(ends[s]) - 1} "
-                             f"outside the capacity [0, max_context={self.shape.max_context})")
-        device = self.model.device
-        return ids.to(device, non_blocking=True), starts.to(device, non_blocking=True)
-
-    def step(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """Feed slot s the tokens input_ids[s] at positions starts[s] + 0 .. T − 1; returns logits.
-
-        input_ids [S, T] long, starts [S] long, both on the model's device (values trusted: `plan`
-        checks them on the host). Returns fp32 [S, T, V]. Capturable: only shapes are read on the host.
-        """
-        return self.forward(input_ids, starts).logits
+        return StaticStateV41(model, shape)
 
     def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
                 capture_layers: tuple[int, ...] = ()) -> StaticStepOutput:
         """`step`, also returning the final streams and the input streams (after Engram) of
         `capture_layers` (what a drafter observes), as V4's `StaticDecoder.forward`: hidden
         [S, T, hc, D], features {layer: [S, T, hc, D]}. Capturable like `step`."""
-        self._check_shapes(input_ids, starts)
-        if input_ids.device != self.model.device or starts.device != self.model.device:
-            raise ValueError(f"input_ids ({input_ids.device}) and starts ({starts.device}) must be on the "
-                             f"model's device {self.model.device}")
+        self._check_inputs(input_ids, starts)
         model, (n_slots, n_tok) = self.model, input_ids.shape
         capture = check_capture(capture_layers, len(model.layers))
         # Layers whose input streams a standalone post builds (Engram layers, capture points): as in
@@ -166,14 +126,6 @@ class StaticDecoderV41:
                 for j, layer in enumerate(model.engram_ids)}
         return rows, live
 
-    def _check_shapes(self, input_ids: torch.Tensor, starts: torch.Tensor) -> None:
-        s, t_max = self.shape.slots, self.shape.tokens
-        if input_ids.dim() != 2 or input_ids.shape[0] != s or not 1 <= input_ids.shape[1] <= t_max \
-                or input_ids.dtype != torch.long:
-            raise ValueError(f"input_ids must be a long [S={s}, T<={t_max}] tensor, got "
-                             f"{tuple(input_ids.shape)} {input_ids.dtype}")
-        if tuple(starts.shape) != (s,) or starts.dtype != torch.long:
-            raise ValueError(f"starts must be a long [S={s}] tensor, got {tuple(starts.shape)} {starts.dtype}")
 
 
 def static_attention(attn, x: torch.Tensor, positions: torch.Tensor, state: StaticStateV41, layer: int,
