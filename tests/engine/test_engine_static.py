@@ -198,6 +198,15 @@ def test_sampled_static_dspark_rounds_follow_the_target_distribution(tiny, no_dy
         assert chisquare(observed.numpy(), expected.numpy())[1] > 1e-3
 
 
+def test_static_draft_runner_refuses_a_draft_state_behind_its_target(tiny):
+    """A slot's anchor position is its target length, so a draft state of another length is refused."""
+    from dspark.engine.static_draft import StaticDraftRunner
+
+    drafting = StaticDraftRunner(_drafters(tiny)["dspark3"]["drafter"], slots=2, tokens=4, seed=0)
+    with pytest.raises(RuntimeError, match="slot 1: the draft state holds 0 positions but the target 5"):
+        drafting.load(1, drafting.static.drafter.new_state(), 5)
+
+
 def test_static_decode_is_validated(tiny):
     with pytest.raises(ValueError, match="static_decode must be a bool"):
         EngineConfig(static_decode=1)
@@ -267,8 +276,12 @@ def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
         requests.append(SimpleNamespace(request_id=f"s{slot}", state=SlotState(slot, runner.load(slot, state))))
     blocks = [[5, 6, 7], [8]]
     dynamic = tiny(torch.tensor([5, 6, 7, 8]), states, [3, 1], capture_layers=(2,))
-    out, offsets = runner.forward(requests, blocks)
+    seen = []
+    out, offsets = runner.forward(requests, blocks, observe=lambda features, starts: seen.append((features, starts)))
     assert offsets == [0, 3] and [r.state.length for r in requests] == [12, 18]
+    (features, starts), = seen  # every slot's rows of the step, for the static drafter
+    assert starts.tolist() == [17, 0, 9] and tuple(features[2].shape[:2]) == (3, 3)
+    torch.testing.assert_close(features[2][[2, 2, 2, 0], [0, 1, 2, 0]], out.features[2])
     pairs = ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden), (out.features[2], dynamic.features[2]))
     for got, want in pairs:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
