@@ -34,7 +34,9 @@ previous cell of the same mode) would overrun its phase's share is skipped and l
 graphs); `--static-decode` runs every decode cell with `EngineConfig(static_decode=True)`: R static
 slots whose context holds the cell's steps, one CUDA graph per verify width captured when the cell's
 engine is built (not in the step time; `engine_build_s` in the row), the fabricated states loaded into the slots at
-the first (warm-up) step. Prefill and the peer are unchanged by the flag.
+the first (warm-up) step. The DSpark cells (dspark3, auto, auto_async) then also draft on the static drafter over the
+same slots (`dspark.engine.static_draft`: greedy propose and observe as CUDA graphs; `static_drafter` and
+`draft_graphs` in the row); MTP-1 keeps its dynamic drafter. Prefill and the peer are unchanged by the flag.
 """
 
 from __future__ import annotations
@@ -224,7 +226,10 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
             verified.append(sum(r.stats.verified_tokens for r in engine.running) - drafts_before)
     step = statistics.median(times)
     tau = TAU[mode]
+    drafting = engine.static_draft
     row = {"mode": mode, "requests": requests, "context": context, "static_decode": args["static_decode"],
+           "static_drafter": drafting is not None,
+           "draft_graphs": drafting is not None and drafting.propose_graph is not None,
            "engine_build_s": capture_s, "step_ms": step * 1e3,
            "step_ms_all": [t * 1e3 for t in times], "measured_tokens_per_step_per_request": sum(committed) / len(committed) / requests,
            "mean_drafts_verified_per_request": sum(verified) / len(verified) / requests, "tau_converted": tau, "tok_s_per_user": tau / step, "tok_s_total": tau * requests / step}

@@ -103,17 +103,21 @@ def _plan(live: list[Request], confidence: torch.Tensor, cfg: RoundConfig, gamma
 
 
 def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, trace: list | None = None,
-                      forward=None) -> None:
+                      forward=None, draft=None) -> None:
     """One draft → plan → verify → commit round over every live (decoding) request.
 
     `forward(requests, blocks, drafter)` makes the verify call and returns what `_forward` does (the
-    engine's static decode path passes `StaticRunner.forward`); default: the dynamic ragged call."""
+    engine's static decode path passes `StaticRunner.forward`); default: the dynamic ragged call.
+    `draft(requests)` drafts instead of `drafter.propose` and returns what `_draft` does; a caller
+    that passes it also takes over observing, so the commit leaves `drafter.observe` alone (the
+    engine's static drafter observes every row of the verify step inside `forward`: the next anchor
+    position hides the rejected ones)."""
     anchors = [r.out[-1] for r in live]
     if drafter is None:
         drafts, probs, confidence, logits = [[] for _ in live], [None] * len(live), None, [None] * len(live)
         plan = VerifyPlan((0,) * len(live))
     else:
-        drafts, probs, confidence, logits = _draft(drafter, live)                # draft
+        drafts, probs, confidence, logits = (draft or partial(_draft, drafter))(live)  # draft
         plan = _plan(live, confidence, cfg, drafter.block_size)                  # plan
         for r, c in zip(live, confidence):
             r.confidences.append(c)
@@ -127,7 +131,8 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
                                      out.logits[off:off + n + 1], req.params, req.generator)
         accepted = int(accepted)
         req.state.truncate(starts[b] + 1 + accepted)                             # commit
-        _observe(drafter, req, out, slice(off, off + accepted + 1), block[:accepted + 1])
+        if draft is None:
+            _observe(drafter, req, out, slice(off, off + accepted + 1), block[:accepted + 1])
         req.stats.record_round(n, accepted, drafter.block_size if drafter else 0)
         position = len(req.out)
         kept = req.commit(block[1:accepted + 1] + [int(nxt)])

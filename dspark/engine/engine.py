@@ -14,7 +14,9 @@ per-request growable buffers, not in a paged device pool.
 With `static_decode` (DeepSeek-V4 targets), prefill stays on that dynamic path, but every decoding
 round's target call runs on a fixed pool of `max_running` static slots (`dspark.engine.static_runner`;
 CUDA-graph replays on CUDA): a request moves into a free slot at its first round, and gives the slot
-back when it finishes, is aborted or is preempted (`dspark.engine.slots`).
+back when it finishes, is aborted or is preempted (`dspark.engine.slots`). With a DSpark drafter the
+round drafts and observes on the same slots too (`dspark.engine.static_draft`: the request's draft
+state moves into the static drafter with its target state); other drafters keep their dynamic path.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from dspark.draft import resolve_drafter
+from dspark.draft import DSparkDrafter, resolve_drafter
 from dspark.engine.footprint import request_footprint
 from dspark.engine.pages import StateAllocator
 from dspark.engine.scheduler import Scheduler
 from dspark.engine.slots import SlotState, SlotTable
+from dspark.engine.static_draft import StaticDraftRunner
 from dspark.engine.static_runner import StaticRunner
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -66,6 +70,8 @@ class EngineConfig:
         CUDA) instead of the dynamic ragged path; DeepSeek-V4 targets only. Prefill stays dynamic.
     static_context : positions one static slot holds (prompt + new tokens of any request); None:
         max_prompt_tokens + max_new_tokens. The slots' memory grows with max_running × this.
+    draft_seed : seed of the device generator that sampled DSpark drafts are drawn with under
+        `static_decode` (one for all slots; verification keeps outputs exact whatever it draws).
     """
 
     max_running: int = 64
@@ -82,6 +88,7 @@ class EngineConfig:
     page_bytes: int | None = None
     static_decode: bool = False
     static_context: int | None = None
+    draft_seed: int = 0
 
     def __post_init__(self):
         for name in ("max_running", "max_waiting", "max_prompt_tokens", "max_new_tokens", "prefill_chunk"):
@@ -103,6 +110,8 @@ class EngineConfig:
                 raise ValueError(f"static_context must be None or an int >= 2, got {self.static_context!r}")
             if not self.static_decode:
                 raise ValueError(f"static_context={self.static_context} needs static_decode=True")
+        if isinstance(self.draft_seed, bool) or not isinstance(self.draft_seed, int) or self.draft_seed < 0:
+            raise ValueError(f"draft_seed must be a non-negative int, got {self.draft_seed!r}")
 
     @property
     def slot_context(self) -> int:
@@ -132,7 +141,8 @@ class Engine:
         self.round_config = RoundConfig(config.draft_tokens, config.planner, config.capacity or default_cpu_table())
         self.eos = frozenset(_eos_ids(model.config))
         self.scheduler = _scheduler(model, self.drafter, config)
-        self.slots, self.runner = _static_path(model, self.drafter, config) if config.static_decode else (None, None)
+        self.slots, self.runner, self.static_draft = (_static_path(model, self.drafter, config) if config.static_decode
+                                                      else (None, None, None))
         self._ids = itertools.count()
         self._trace: list[dict] = []
 
@@ -201,22 +211,29 @@ class Engine:
 
     def _decode(self, requests: list[Request]) -> None:
         t = time.perf_counter()
-        forward = None
+        forward = draft = None
         if self.runner is not None:
             self._bind_slots(requests)
             forward = self.runner.forward
+            if self.static_draft is not None:
+                forward = partial(self.runner.forward, observe=self.static_draft.observe)
+                draft = self.static_draft.draft
         speculative_round(self.model, self.drafter, requests, self.round_config,
-                          self._trace if self.config.trace else None, forward)
+                          self._trace if self.config.trace else None, forward, draft)
         _charge(requests, "decode_s", time.perf_counter() - t)
 
     def _bind_slots(self, requests: list[Request]) -> None:
-        """Move every request new to decoding into a free static slot (its dynamic state is copied
-        there and dropped); every slot held must belong to one of `requests` (the static step runs
-        all slots: a held slot left out would be overwritten at position 0)."""
+        """Move every request new to decoding into a free static slot (its dynamic state, and its
+        DSpark draft state with a static drafter, are copied there and dropped); every slot held must
+        belong to one of `requests` (the static step runs all slots: a held slot left out would be
+        overwritten at position 0)."""
         for req in requests:
             if not isinstance(req.state, SlotState):
                 slot = self.slots.assign(req.request_id)
                 req.state = SlotState(slot, self.runner.load(slot, req.state))
+                if self.static_draft is not None:
+                    self.static_draft.load(slot, req.dstate, req.state.length)
+                    req.dstate = None
         held = self.slots.holder_slots()
         if set(held) != {r.request_id for r in requests}:
             decoding = sorted(r.request_id for r in requests)
@@ -276,15 +293,19 @@ def _verify_width(drafter, config: EngineConfig) -> int:
     return 1 + (gamma if config.draft_tokens == "auto" else min(config.draft_tokens, gamma))
 
 
-def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner]:
-    """The slot table and static runner of `static_decode`: `max_running` slots, T = the verify width."""
+def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner, StaticDraftRunner | None]:
+    """The slot table, static runner and (for a DSpark drafter) static drafting of `static_decode`:
+    `max_running` slots, T = the verify width."""
     if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
         raise ValueError(f"static_decode supports DeepSeek-V4 and V4.1 targets only, got {type(model).__name__}")
     tokens = _verify_width(drafter, config)
     capture = drafter.capture_layers if drafter is not None else ()
     # A request of `slot_context` positions verifies at most T tokens from its last anchor.
     runner = StaticRunner(model, config.max_running, config.slot_context + tokens, tokens, capture)
-    return SlotTable(config.max_running), runner
+    drafting = None
+    if isinstance(drafter, DSparkDrafter):
+        drafting = StaticDraftRunner(drafter, config.max_running, tokens, config.draft_seed)
+    return SlotTable(config.max_running), runner, drafting
 
 
 def _scheduler(model, drafter, config: EngineConfig) -> Scheduler:

@@ -59,12 +59,15 @@ class StaticRunner:
         """Copy a request's dynamic `DecodeState` into `slot`; returns its length (next start)."""
         return self.decoder.load(slot, state)
 
-    def forward(self, requests: list, blocks: list[list[int]], drafter=None) -> tuple[DeepseekV4Output, list[int]]:
+    def forward(self, requests: list, blocks: list[list[int]], drafter=None,
+                observe=None) -> tuple[DeepseekV4Output, list[int]]:
         """Feed `blocks[b]` to request b (whose `state` is a `SlotState`) in one static step.
 
         Returns the ragged output of the dynamic path: logits fp32 [N, V], final streams [N, n_hc, D]
         and features {layer: [N, n_hc, D]} of the requests' rows in order, and each request's first
         row. Advances every request's `SlotState` by its block (roll back with `truncate`).
+        `observe(features {layer: [S, t, n_hc, D]}, starts [S])`, when given, gets every slot's rows
+        of the step before the gather (the static drafter's `observe`; device tensors, no host read).
         """
         missing = set(drafter.capture_layers if drafter is not None else ()) - set(self.capture)
         if missing:
@@ -89,7 +92,10 @@ class StaticRunner:
             starts[state.slot] = state.length
             offsets.append(len(rows))
             rows.extend(range(state.slot * tokens, state.slot * tokens + len(block)))
-        out = self._step(*self.decoder.plan(ids, starts))
+        ids, starts = self.decoder.plan(ids, starts)
+        out = self._step(ids, starts)
+        if observe is not None:
+            observe(out.features, starts)
         for req, block in zip(requests, blocks):  # after `plan` accepted the positions
             req.state.advance(len(block))
         index = torch.tensor(rows, dtype=torch.long).to(self.model.device, non_blocking=True)  # [N]

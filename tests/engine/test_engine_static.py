@@ -4,7 +4,8 @@ tokens and drafts, slots are never leaked, and the option is validated.
 tiny-v4, fp32, CPU (the static step runs eagerly; CUDA-graph replay of the same step is checked
 against it in tests/models/test_deepseek_v4_static_graph_gpu.py). The static step's logits agree with
 the dynamic path's to fp32 tolerance, not bit for bit, so greedy tokens and drafts are compared
-exactly and confidences to a tolerance.
+exactly and confidences to a tolerance. With a DSpark drafter the rounds draft and observe on the
+static drafter (`dspark.engine.static_draft`); the dynamic `propose` is forbidden there to prove it.
 """
 
 import json
@@ -13,6 +14,7 @@ from importlib import resources
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 import dspark
 from dspark.draft import DSparkConfig, DSparkDrafter, MtpDrafter
@@ -69,14 +71,26 @@ def _drafters(model):
             "mtp1": dict(draft_tokens=1, drafter=MtpDrafter(model))}
 
 
+@pytest.fixture
+def no_dynamic_dspark_propose(monkeypatch):
+    """Under static_decode the rounds must draft on the static drafter, never `DSparkDrafter.propose`."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("static_decode drafted with the dynamic DSparkDrafter.propose")
+
+    return lambda: monkeypatch.setattr(DSparkDrafter, "propose", forbidden)
+
+
 @pytest.mark.parametrize("mode", ["none", "ngram3", "ngram_auto", "dspark3", "dspark_auto", "mtp1"])
-def test_static_decode_equals_the_default_engine(tiny, mode):
+def test_static_decode_equals_the_default_engine(tiny, mode, no_dynamic_dspark_propose):
     """Greedy tokens for requests of different prompt lengths, admitted mid-run, are identical; so is
     every round's trace: drafts (which depend on the target streams and features the drafter
-    observed from the static step), verified and accepted counts; confidences to fp32 tolerance."""
+    observed from the static step; DSpark's come from the static drafter's rings), verified and
+    accepted counts; confidences to fp32 tolerance."""
     config = _drafters(tiny)[mode]
     prompts = _prompts(7, seed=11)
     default, trace = _staggered(tiny, prompts, lambda i: SamplingParams(), 16, **config)
+    no_dynamic_dspark_propose()
     static, static_trace = _staggered(tiny, prompts, lambda i: SamplingParams(), 16, static_decode=True, **config)
     assert static == default and len(default) == len(prompts)
     assert len(static_trace) == len(trace)
@@ -98,11 +112,14 @@ def test_sampling_at_one_token_per_step_equals_the_default_engine(tiny):
     assert static == default
 
 
-def test_random_admit_finish_abort_preempt_never_leak_slots(tiny):
+@pytest.mark.parametrize("drafter", ["ngram", "dspark"])
+def test_random_admit_finish_abort_preempt_never_leak_slots(tiny, drafter):
     """Random arrivals, aborts (waiting, prefilling and decoding requests), finishes and, with a tight
-    state budget, preemptions: after every step the slots held are exactly the decoding requests'."""
+    state budget, preemptions: after every step the slots held are exactly the decoding requests'
+    (with DSpark a preempted request re-prefills its draft state and loads it into its new slot)."""
     rng = random.Random(3)
-    engine = Engine(tiny, EngineConfig(max_running=3, max_waiting=6, prefill_chunk=5, draft_tokens=2, drafter="ngram",
+    drafter = _drafters(tiny)["dspark3"]["drafter"] if drafter == "dspark" else drafter
+    engine = Engine(tiny, EngineConfig(max_running=3, max_waiting=6, prefill_chunk=5, draft_tokens=2, drafter=drafter,
                                        state_budget_bytes=70 * 1024, page_bytes=1024, static_decode=True, **LIMITS))
     live, preemptions, decoded = set(), 0, 0
     for step in range(90):
@@ -130,6 +147,66 @@ def test_random_admit_finish_abort_preempt_never_leak_slots(tiny):
     assert preemptions > 0 and decoded > 0
 
 
+def _second_token_distribution(model, prompt: list[int], temperature: float) -> torch.Tensor:
+    """The target's exact distribution of the second generated token, Σ_x p(x | prompt) p(· | prompt, x)
+    over first tokens x other than EOS, with P(first token = EOS: no second token) appended: fp64 [V + 1]."""
+    vocab, n, eos = model.config.vocab_size, len(prompt) + 1, model.config.eos_token_id
+    with torch.inference_mode():
+        out = model(torch.tensor([t for x in range(vocab) for t in prompt + [x]]), [model.new_state() for _ in range(vocab)],
+                    [n] * vocab)
+        logits = out.logits.view(vocab, n, -1).double() / temperature  # [V, n, V]
+    first = torch.softmax(logits[0, -2], -1)  # [V]
+    stop = first[eos].clone()
+    first[eos] = 0
+    return torch.cat((first @ torch.softmax(logits[:, -1], -1), stop[None]))
+
+
+def test_sampled_static_dspark_rounds_follow_the_target_distribution(tiny, no_dynamic_dspark_propose):
+    """Mixed batches of sampled (T = 1 and T = 0.6, one device generator) and greedy requests on one
+    prompt: the second token (committed by the first verify round: an accepted draft or the
+    correction) follows the target's exact marginal (χ² per temperature); greedy requests give the
+    target's greedy tokens; the round accepts drafts often (so the drafts' q matters); slots free."""
+    dsp = _drafters(tiny)["dspark3"]["drafter"]
+    prompt, per_temperature = [5, 17, 99, 3], 640
+    temperatures = [1.0, 0.6, 0.0, 1.0, 0.6]  # request i samples at temperatures[i % 5]
+    engine = Engine(tiny, EngineConfig(max_running=64, max_waiting=2048, prefill_chunk=8, max_prompt_tokens=8,
+                                       max_new_tokens=4, draft_tokens=3, drafter=dsp, static_decode=True, trace=True,
+                                       draft_seed=7))
+    n = per_temperature * 5 // 2
+    for i in range(n):
+        engine.add_request(prompt, SamplingParams(temperature=temperatures[i % 5], seed=i), 3, request_id=f"r{i}")
+    no_dynamic_dspark_propose()
+    tokens = {}
+    while engine.has_work():
+        for event in engine.step():
+            tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
+    assert engine.slots.free == engine.slots.slots and len(tokens) == n
+    first_rounds = [r for r in engine.take_trace() if r["round"] == 0 and r["temperature"] > 0]
+    assert all(r["verified"] == 1 for r in first_rounds)  # max_new_tokens = 3: one draft fits round 0
+    assert sum(r["accepted"] for r in first_rounds) > len(first_rounds) // 4
+    greedy = dspark.generate(tiny, prompt, max_new_tokens=3).token_ids
+    assert all(tokens[f"r{i}"] == greedy for i in range(2, n, 5))
+    for temperature in (1.0, 0.6):
+        p = _second_token_distribution(tiny, prompt, temperature)
+        vocab = p.numel() - 1  # the last bin: the request stopped at its first token (EOS)
+        second = [(tokens[f"r{i}"] + [vocab])[1] for i in range(n) if temperatures[i % 5] == temperature]
+        counts = torch.bincount(torch.tensor(second), minlength=p.numel()).double()
+        expected = p * len(second)
+        big = expected >= 5  # the rest pooled into one bin
+        observed = torch.cat((counts[big], counts[~big].sum()[None]))
+        expected = torch.cat((expected[big], expected[~big].sum()[None]))
+        assert chisquare(observed.numpy(), expected.numpy())[1] > 1e-3
+
+
+def test_static_draft_runner_refuses_a_draft_state_behind_its_target(tiny):
+    """A slot's anchor position is its target length, so a draft state of another length is refused."""
+    from dspark.engine.static_draft import StaticDraftRunner
+
+    drafting = StaticDraftRunner(_drafters(tiny)["dspark3"]["drafter"], slots=2, tokens=4, seed=0)
+    with pytest.raises(RuntimeError, match="slot 1: the draft state holds 0 positions but the target 5"):
+        drafting.load(1, drafting.static.drafter.new_state(), 5)
+
+
 def test_static_decode_is_validated(tiny):
     with pytest.raises(ValueError, match="static_decode must be a bool"):
         EngineConfig(static_decode=1)
@@ -137,6 +214,8 @@ def test_static_decode_is_validated(tiny):
         EngineConfig(static_context=64)
     with pytest.raises(ValueError, match="static_context must be None or an int >= 2, got 1"):
         EngineConfig(static_decode=True, static_context=1)
+    with pytest.raises(ValueError, match="draft_seed must be a non-negative int, got -1"):
+        EngineConfig(draft_seed=-1)
     engine = Engine(tiny, EngineConfig(max_running=2, static_decode=True, static_context=40, **LIMITS))
     with pytest.raises(ValueError, match="exceed static_context=40"):
         engine.add_request([1] * 30, SamplingParams(), 11)
@@ -197,8 +276,12 @@ def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
         requests.append(SimpleNamespace(request_id=f"s{slot}", state=SlotState(slot, runner.load(slot, state))))
     blocks = [[5, 6, 7], [8]]
     dynamic = tiny(torch.tensor([5, 6, 7, 8]), states, [3, 1], capture_layers=(2,))
-    out, offsets = runner.forward(requests, blocks)
+    seen = []
+    out, offsets = runner.forward(requests, blocks, observe=lambda features, starts: seen.append((features, starts)))
     assert offsets == [0, 3] and [r.state.length for r in requests] == [12, 18]
+    (features, starts), = seen  # every slot's rows of the step, for the static drafter
+    assert starts.tolist() == [17, 0, 9] and tuple(features[2].shape[:2]) == (3, 3)
+    torch.testing.assert_close(features[2][[2, 2, 2, 0], [0, 1, 2, 0]], out.features[2])
     pairs = ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden), (out.features[2], dynamic.features[2]))
     for got, want in pairs:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

@@ -1,5 +1,7 @@
 """`static_decode` on the GPU: the engine's decoding rounds replay CUDA graphs (one per verify width)
-and give the default engine's greedy tokens (and n-gram drafts) (tiny-v4, fp32, the Triton kernels)."""
+and give the default engine's greedy tokens (and n-gram drafts) (tiny-v4, fp32, the Triton kernels).
+With DSpark the rounds draft on the static drafter: greedy propose and observe replay their own
+graphs (the dynamic `DSparkDrafter.propose` is forbidden), sampled rounds run its eager propose."""
 
 import json
 from importlib import resources
@@ -14,32 +16,72 @@ from dspark.kernels import KernelConfig
 from dspark.sampling import SamplingParams
 
 
-def _run(model, prompts, **config):
+def _run(model, prompts, params=lambda i: SamplingParams(), **config):
     engine = Engine(model, EngineConfig(max_running=3, prefill_chunk=7, max_prompt_tokens=48, max_new_tokens=24,
                                         trace=True, **config))
     tokens, pending = {}, list(enumerate(prompts))
     while pending or engine.has_work():
         for _ in range(min(2, len(pending))):
             i, p = pending.pop(0)
-            engine.add_request(p, SamplingParams(), 16, request_id=f"r{i}")
+            engine.add_request(p, params(i), 16, request_id=f"r{i}")
         for event in engine.step():
             tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
     return tokens, [(r["draft"], r["accepted"]) for r in engine.take_trace()], engine
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["none", "ngram_auto", "dspark3"])
-def test_static_decode_graphs_equal_the_default_engine(mode):
+def _model_and_drafter():
     config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
     model = dspark.init_model(config, seed=0, device="cuda", kernels=KernelConfig.for_device("cuda"))
-    dsp = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=16)).init_weights(3)
-    drafter = {"none": {}, "ngram_auto": dict(draft_tokens="auto", drafter="ngram"),
-               "dspark3": dict(draft_tokens=3, drafter=dsp)}[mode]
+    return model, DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=16)).init_weights(3)
+
+
+def _prompts():
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 11, 25, 38, 7)]
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 11, 25, 38, 7)]
+
+
+def _forbid_dynamic_propose(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("static_decode drafted with the dynamic DSparkDrafter.propose")
+
+    monkeypatch.setattr(DSparkDrafter, "propose", forbidden)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "ngram_auto", "dspark3", "dspark_auto"])
+def test_static_decode_graphs_equal_the_default_engine(mode, monkeypatch):
+    model, dsp = _model_and_drafter()
+    drafter = {"none": {}, "ngram_auto": dict(draft_tokens="auto", drafter="ngram"),
+               "dspark3": dict(draft_tokens=3, drafter=dsp), "dspark_auto": dict(draft_tokens="auto", drafter=dsp)}[mode]
+    prompts = _prompts()
     default, default_trace, _ = _run(model, prompts, **drafter)
+    if mode.startswith("dspark"):
+        _forbid_dynamic_propose(monkeypatch)
     static, static_trace, engine = _run(model, prompts, static_decode=True, **drafter)
-    assert sorted(engine.runner.graphs) == list(range(1, engine.runner.shape.tokens + 1))
+    widths = list(range(1, engine.runner.shape.tokens + 1))
+    assert sorted(engine.runner.graphs) == widths
+    if mode.startswith("dspark"):  # the static drafter's graphs: one observe per verify width, one propose
+        assert sorted(engine.static_draft.observe_graphs) == widths and engine.static_draft.propose_graph is not None
+    else:
+        assert engine.static_draft is None
     assert static == default
-    if mode != "dspark3":  # n-gram drafts depend on the tokens only; DSpark's on streams equal to ~1e-3
+    if not mode.startswith("dspark"):  # n-gram drafts depend on the tokens only; DSpark's on streams equal to ~1e-3
         assert static_trace == default_trace
+
+
+@pytest.mark.gpu
+def test_static_decode_sampled_dspark_rounds_run_and_free_their_slots(monkeypatch):
+    """Mixed batches (T = 1 and greedy requests, budget 3) on the eager sampled static propose with the
+    engine's CUDA generator: every request completes, greedy ones with the default engine's tokens,
+    sampled drafts are accepted at times, every slot is given back."""
+    model, dsp = _model_and_drafter()
+    prompts = _prompts()
+    params = lambda i: SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams()  # noqa: E731
+    default, _, _ = _run(model, prompts, params, draft_tokens=3, drafter=dsp)
+    _forbid_dynamic_propose(monkeypatch)
+    static, trace, engine = _run(model, prompts, params, draft_tokens=3, drafter=dsp, static_decode=True)
+    assert engine.static_draft.generator.device.type == "cuda"
+    assert sorted(static) == sorted(default) and all(static[f"r{i}"] == default[f"r{i}"] for i in (0, 2, 4))
+    assert all(len(static[f"r{i}"]) == 16 or static[f"r{i}"][-1] == model.config.eos_token_id for i in (1, 3))
+    assert sum(accepted for _, accepted in trace) > 0
+    assert engine.slots.free == engine.slots.slots and not engine.has_work()
