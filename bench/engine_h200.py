@@ -229,7 +229,7 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
     drafting = engine.static_draft
     row = {"mode": mode, "requests": requests, "context": context, "static_decode": args["static_decode"],
            "static_drafter": drafting is not None,
-           "draft_graphs": drafting is not None and drafting.propose_graph is not None,
+           "draft_graphs": drafting is not None and bool(drafting.propose_graphs),
            "engine_build_s": capture_s, "step_ms": step * 1e3,
            "step_ms_all": [t * 1e3 for t in times], "measured_tokens_per_step_per_request": sum(committed) / len(committed) / requests,
            "mean_drafts_verified_per_request": sum(verified) / len(verified) / requests, "tau_converted": tau, "tok_s_per_user": tau / step, "tok_s_total": tau * requests / step}

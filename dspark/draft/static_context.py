@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.draft.context import DSparkState
-from dspark.models.deepseek_v4.static_state import PositionRing
+from dspark.models.deepseek_v4.static_state import PositionRing, check_slot, move_slot
 
 
 @dataclass(frozen=True)
@@ -63,21 +63,25 @@ class StaticDraftState:
         return [ring.flat() for ring in self.rings]
 
     def write(self, positions: torch.Tensor, latents: list[torch.Tensor]) -> None:
-        """Store the keys latents[s] [S·T, d] of positions [S, T] (T <= shape.tokens)."""
+        """Store the keys latents[s] [b·T, d] of positions [b, T] of slots 0 .. b − 1 (T <= shape.tokens)."""
         for ring, keys in zip(self.rings, latents):
             ring.write(positions, keys)
 
     def context_index(self, anchor_positions: torch.Tensor) -> torch.Tensor:
-        """[S, W] pool rows of positions a − W .. a − 1 of each slot's anchor a [S]; −1 before position 0."""
+        """[b, W] pool rows of positions a − W .. a − 1 of the anchors a [b] of slots 0 .. b − 1; −1
+        before position 0."""
         ring = self.rings[0]
         keys = anchor_positions[:, None] - self.window + torch.arange(self.window, device=anchor_positions.device)
         return torch.where(keys >= 0, ring.rows(keys), -1)
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s request: copy src's ring rows of every stage."""
+        move_slot([ring.data for ring in self.rings], self.shape.slots, src, dst)
+
     def load(self, slot: int, dstate: DSparkState) -> int:
         """Copy a request's dynamic draft state into `slot`; returns its length (the position of its
         next anchor). Host-side (reads the state's counters), never captured."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.shape.slots:
-            raise ValueError(f"slot={slot!r} outside [0, {self.shape.slots})")
+        check_slot(slot, self.shape.slots)
         if not isinstance(dstate, DSparkState) or len(dstate.latents) != len(self.rings):
             raise ValueError(f"dstate must be a DSparkState with {len(self.rings)} stages, got {type(dstate).__name__}")
         if dstate.window != self.window:

@@ -10,7 +10,9 @@
 writes them into the rings of `static_context.py`; `propose` runs the backbone over all S blocks
 (`DSparkDrafter.block_from`, the dynamic path's own code), the device-side chain of
 `static_chain.py` and the confidence head. Shapes and launches never depend on data, so `propose`
-(and `observe`) can be captured once per bucket and replayed (`static_graph.py`).
+(and `observe`) can be captured once per bucket and replayed (`static_graph.py`). Every call may run
+on the first b <= S slots only (inputs [b]; features [b, T, ...]): it reads and writes those slots'
+rows and leaves the rest as they are (the engine keeps its live slots at 0 .. n − 1).
 
 Rollback: after a verify round a slot's committed rows are its anchor plus the accepted drafts;
 `observe` may be fed all γ + 1 rows of the round at the anchor's position, and the next anchor
@@ -63,16 +65,18 @@ class StaticDrafter:
     def plan(self, anchors, positions, temperature=None):
         """Validate host values and copy them to the drafter's device.
 
-        anchors [S] token ids in [0, V); positions [S] >= 0 the anchors' positions; temperature [S]
-        (0 = greedy, else >= MIN_TEMPERATURE, finite) or None (all greedy). Lists or CPU tensors.
-        Returns (anchors long [S], positions long [S], temperature fp32 [S] or None) on the device.
+        anchors [b] token ids in [0, V) of slots 0 .. b − 1 (b <= S); positions [b] >= 0 the anchors'
+        positions; temperature [b] (0 = greedy, else >= MIN_TEMPERATURE, finite) or None (all greedy).
+        Lists or CPU tensors. Returns (anchors long [b], positions long [b], temperature fp32 [b] or
+        None) on the device.
         """
-        s = self.shape.slots
         anchors = torch.as_tensor(anchors, dtype=torch.long)
         positions = torch.as_tensor(positions, dtype=torch.long)
-        for name, t in (("anchors", anchors), ("positions", positions)):
-            if tuple(t.shape) != (s,):
-                raise ValueError(f"{name} must be [S={s}], got {tuple(t.shape)}")
+        s = anchors.shape[0] if anchors.dim() == 1 else -1
+        if not 1 <= s <= self.shape.slots:
+            raise ValueError(f"anchors must be [b<={self.shape.slots}], got {tuple(anchors.shape)}")
+        if tuple(positions.shape) != (s,):
+            raise ValueError(f"positions must be [b={s}] like anchors, got {tuple(positions.shape)}")
         vocab = self.drafter.model.markov_head.embed.num_embeddings
         bad = ((anchors < 0) | (anchors >= vocab)).nonzero().flatten()
         if bad.numel():
@@ -83,7 +87,7 @@ class StaticDrafter:
         if temperature is not None:
             temperature = torch.as_tensor(temperature, dtype=torch.float32)
             if tuple(temperature.shape) != (s,):
-                raise ValueError(f"temperature must be [S={s}], got {tuple(temperature.shape)}")
+                raise ValueError(f"temperature must be [b={s}], got {tuple(temperature.shape)}")
             for b, t in enumerate(temperature.tolist()):
                 if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
                     raise ValueError(f"temperature[{b}]={t!r}: must be 0 (greedy) or a finite value "
@@ -99,22 +103,24 @@ class StaticDrafter:
     def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor) -> None:
         """Write the context keys of rows at positions starts[s] + 0 .. T − 1 of every slot.
 
-        features {target layer id: [S, T, n_hc, D]} (T <= shape.tokens; the target's captured layer
-        inputs of those rows); starts long [S] on the device (values trusted: the target's plan
-        checks them). Rows past a slot's next anchor position are invisible (module docstring).
+        features {target layer id: [b, T, n_hc, D]} (slots 0 .. b − 1, b <= S; T <= shape.tokens; the
+        target's captured layer inputs of those rows); starts long [b] on the device (values trusted:
+        the target's plan checks them). Rows past a slot's next anchor position are invisible (module
+        docstring).
         """
-        s, t_max = self.shape.slots, self.shape.tokens
+        t_max = self.shape.tokens
         missing = [i for i in self.drafter.capture_layers if i not in features]
         if missing:
             raise ValueError(f"observe: features lack target layer(s) {missing} (capture_layers)")
         first = features[self.drafter.capture_layers[0]]
-        n_tok = first.shape[1] if first.dim() == 4 else -1
+        s, n_tok = first.shape[:2] if first.dim() == 4 else (-1, -1)
         for i in self.drafter.capture_layers:
             f = features[i]
-            if f.dim() != 4 or f.shape[0] != s or f.shape[1] != n_tok or not 1 <= n_tok <= t_max:
-                raise ValueError(f"features[{i}] must be [S={s}, T<={t_max}, n_hc, D] like every layer's, "
-                                 f"got {tuple(f.shape)}")
-        self._check_index("starts", starts)
+            if f.dim() != 4 or f.shape[0] != s or not 1 <= s <= self.shape.slots or f.shape[1] != n_tok \
+                    or not 1 <= n_tok <= t_max:
+                raise ValueError(f"features[{i}] must be [b<={self.shape.slots}, T<={t_max}, n_hc, D] like "
+                                 f"every layer's, got {tuple(f.shape)}")
+        self._check_index("starts", starts, s)
         positions = starts[:, None] + torch.arange(n_tok, device=starts.device)  # [S, T]
         model = self.drafter.model
         main_x = model.main_x({i: features[i].flatten(0, 1).to(self.device) for i in self.drafter.capture_layers})
@@ -123,15 +129,15 @@ class StaticDrafter:
     @torch.no_grad()
     def propose(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor | None = None,
                 generator: torch.Generator | None = None) -> DraftProposal:
-        """Draft γ tokens for every slot: anchors long [S] at positions long [S] (device; values as
-        `plan` checks them); temperature fp32 [S] or None (all greedy, `probs` None); generator on
-        the device when sampling. Returns a `DraftProposal` (tokens [S, γ], probs [S, γ, V] or None,
-        confidence and confidence_logits [S, γ]). Reads the state only."""
-        self._check_index("anchors", anchors)
-        self._check_index("positions", positions)
-        if temperature is not None and (tuple(temperature.shape) != (self.shape.slots,)
-                                        or temperature.device != self.device):
-            raise ValueError(f"temperature must be [S={self.shape.slots}] on {self.device}, got "
+        """Draft γ tokens for each of slots 0 .. b − 1: anchors long [b] at positions long [b] (device;
+        values as `plan` checks them); temperature fp32 [b] or None (all greedy, `probs` None);
+        generator on the device when sampling. Returns a `DraftProposal` (tokens [b, γ], probs
+        [b, γ, V] or None, confidence and confidence_logits [b, γ]). Reads the state only."""
+        b = anchors.shape[0] if isinstance(anchors, torch.Tensor) and anchors.dim() == 1 else -1
+        self._check_index("anchors", anchors, b)
+        self._check_index("positions", positions, b)
+        if temperature is not None and (tuple(temperature.shape) != (b,) or temperature.device != self.device):
+            raise ValueError(f"temperature must be [b={b}] on {self.device}, got "
                              f"{tuple(temperature.shape)} on {temperature.device}")
         drafter = self.drafter
         out = drafter.block_from(anchors, positions, self.state.pools(), self.state.context_index(positions)).out
@@ -152,8 +158,10 @@ class StaticDrafter:
                 calibration.temperatures, dtype=torch.float32, device=self.device)
         return self._conf_temps
 
-    def _check_index(self, name: str, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (self.shape.slots,) or t.dtype != torch.long \
-                or t.device != self.device:
+    def _check_index(self, name: str, t: torch.Tensor, slots: int) -> None:
+        """t must be a long [b] tensor on the device, b = `slots` in [1, S]."""
+        if not isinstance(t, torch.Tensor) or not 1 <= slots <= self.shape.slots or tuple(t.shape) != (slots,) \
+                or t.dtype != torch.long or t.device != self.device:
             got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
-            raise ValueError(f"{name} must be a long [S={self.shape.slots}] tensor on {self.device}, got {got}")
+            raise ValueError(f"{name} must be a long [b<={self.shape.slots}] tensor on {self.device} like the "
+                             f"call's other inputs, got {got}")

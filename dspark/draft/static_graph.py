@@ -12,7 +12,8 @@ graph's static buffers (a caller that computes them on the device can write thos
 and call `replay()` with no arguments), and the outputs land in the same tensors every time (clone
 them to keep them past the next replay). `ProposeGraph` captures greedy drafting only (no q): a
 sampled capture would need the generator's state registered with the graph, which is not done yet.
-Graphs of one drafter may share a memory pool (`pool`).
+Graphs of one drafter may share a memory pool (`pool`). `slots=b` captures a bucket of the first b
+slots (default: all S), whose inputs and outputs are [b, ...].
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ def _check_cuda(static: StaticDrafter) -> None:
         raise ValueError(f"CUDA graphs need a CUDA drafter, got device {static.device}")
 
 
+def _bucket(static: StaticDrafter, slots: int | None) -> int:
+    """b = `slots` (default S), validated against the drafter's S."""
+    slots = static.shape.slots if slots is None else slots
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= static.shape.slots:
+        raise ValueError(f"slots={slots!r} outside [1, {static.shape.slots}] (the drafter's slots)")
+    return slots
+
+
 def _copy_in(buffer: torch.Tensor, value: torch.Tensor | None, name: str) -> None:
     if value is not None:
         if value.shape != buffer.shape:
@@ -52,12 +61,12 @@ def _copy_in(buffer: torch.Tensor, value: torch.Tensor | None, name: str) -> Non
 
 
 class ProposeGraph:
-    """`StaticDrafter.propose` (greedy) captured: inputs `anchors`, `positions` [S] long; output
-    `proposal` (tokens [S, γ], confidence and confidence_logits [S, γ], probs None)."""
+    """`StaticDrafter.propose` (greedy) of slots 0 .. b − 1 captured: inputs `anchors`, `positions` [b]
+    long; output `proposal` (tokens [b, γ], confidence and confidence_logits [b, γ], probs None)."""
 
-    def __init__(self, static: StaticDrafter, pool=None):
+    def __init__(self, static: StaticDrafter, pool=None, slots: int | None = None):
         _check_cuda(static)
-        s, device = static.shape.slots, static.device
+        s, device = _bucket(static, slots), static.device
         self.anchors = torch.zeros(s, dtype=torch.long, device=device)
         self.positions = torch.zeros(s, dtype=torch.long, device=device)
         self.graph, self.proposal = _capture(device, lambda: static.propose(self.anchors, self.positions), pool)
@@ -66,7 +75,7 @@ class ProposeGraph:
         return self.graph.pool()
 
     def replay(self, anchors: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> DraftProposal:
-        """Copy the inputs (device tensors [S], values as `StaticDrafter.plan` checks them) when given,
+        """Copy the inputs (device tensors [b], values as `StaticDrafter.plan` checks them) when given,
         replay, return the proposal buffers."""
         _copy_in(self.anchors, anchors, "anchors")
         _copy_in(self.positions, positions, "positions")
@@ -75,15 +84,15 @@ class ProposeGraph:
 
 
 class ObserveGraph:
-    """`StaticDrafter.observe` of T = `tokens` rows per slot captured: inputs `features` {layer:
-    [S, T, n_hc, D]} (the target's dtype) and `starts` [S] long. The warm-up writes positions
-    0 .. T − 1 of every slot: capture before loading requests."""
+    """`StaticDrafter.observe` of T = `tokens` rows per slot of slots 0 .. b − 1 captured: inputs
+    `features` {layer: [b, T, n_hc, D]} (the target's dtype) and `starts` [b] long. The warm-up
+    writes positions 0 .. T − 1 of those slots: capture before loading requests."""
 
-    def __init__(self, static: StaticDrafter, tokens: int, pool=None):
+    def __init__(self, static: StaticDrafter, tokens: int, pool=None, slots: int | None = None):
         _check_cuda(static)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= static.shape.tokens:
             raise ValueError(f"tokens={tokens!r} outside [1, {static.shape.tokens}] (the bucket's rows per observe)")
-        s, device, target = static.shape.slots, static.device, static.drafter.target
+        s, device, target = _bucket(static, slots), static.device, static.drafter.target
         width = (target.config.hc_mult, target.config.hidden_size)
         self.features = {i: torch.zeros(s, tokens, *width, dtype=target.dtype, device=device)
                          for i in static.drafter.capture_layers}

@@ -13,8 +13,10 @@ per-request growable buffers, not in a paged device pool.
 
 With `static_decode` (DeepSeek-V4 targets), prefill stays on that dynamic path, but every decoding
 round's target call runs on a fixed pool of `max_running` static slots (`dspark.engine.static_runner`;
-CUDA-graph replays on CUDA): a request moves into a free slot at its first round, and gives the slot
-back when it finishes, is aborted or is preempted (`dspark.engine.slots`). With a DSpark drafter the
+CUDA-graph replays on CUDA): a request moves into the next free slot at its first round, and gives the
+slot back when it finishes, is aborted or is preempted; the live slots stay 0 .. n − 1 (the last one
+moves into a freed gap, `dspark.engine.slots`), so a round runs on the smallest bucket of slots that
+holds them. With a DSpark drafter the
 round drafts and observes on the same slots too (`dspark.engine.static_draft`: the request's draft
 state moves into the static drafter with its target state); other drafters keep their dynamic path.
 """
@@ -178,7 +180,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request, its state, its pages and its static slot; returns whether it was known."""
-        self._free_slot(request_id)
+        self._free_slots([request_id])
         return self.scheduler.remove(request_id)
 
     def has_work(self) -> bool:
@@ -239,14 +241,28 @@ class Engine:
             decoding = sorted(r.request_id for r in requests)
             raise RuntimeError(f"static slots held by {sorted(held)} but decoding {decoding}")
 
-    def _free_slot(self, request_id: str) -> None:
-        if self.slots is not None:
-            self.slots.release(request_id)
+    def _free_slots(self, request_ids: list[str]) -> None:
+        """Give back the static slots of `request_ids` (all leaving the engine now) and keep the held
+        slots compact: a request moved from the last held slot to a freed one takes its device rows
+        (target and draft state) along. A mover that is itself leaving needs no copy."""
+        if self.slots is None:
+            return
+        leaving = set(request_ids)
+        for rid in request_ids:
+            move = self.slots.release(rid)
+            if move is None or move.request_id in leaving:
+                continue
+            req = next((r for r in self.running if r.request_id == move.request_id), None)
+            if req is None or not isinstance(req.state, SlotState):
+                raise RuntimeError(f"slot {move.src} is held by {move.request_id!r}, which is not decoding")
+            self.runner.move(move.src, move.dst)
+            if self.static_draft is not None:
+                self.static_draft.move(move.src, move.dst)
+            req.state.slot = move.dst
 
     def _schedule(self) -> None:
         admitted, preempted = self.scheduler.schedule()  # preempted requests had their state dropped there
-        for req in preempted:
-            self._free_slot(req.request_id)
+        self._free_slots([req.request_id for req in preempted])
         for req in admitted:
             req.state = self.model.new_state()
             req.dstate = self.drafter.new_state() if self.drafter is not None else None
@@ -259,7 +275,7 @@ class Engine:
                 events.append(StepEvent(req.request_id, new, req.finish_reason is not None,
                                         req.finish_reason, req.stats))
             if req.finish_reason:
-                self._free_slot(req.request_id)
+                self._free_slots([req.request_id])
                 self.scheduler.finish(req)
         return events
 

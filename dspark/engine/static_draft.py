@@ -6,30 +6,32 @@
     runner.forward(requests, blocks, drafter, observe=drafting.observe)   # every slot's verify rows
 
 The slots are the target's: a request drafts from the `StaticDrafter` slot with its target slot's
-number, so one `propose` serves every live request (free slots draft from anchor 0 at position 0;
-their results are dropped and change no other slot). A slot's anchor position is its target
-length (`SlotState.length`), which after every commit equals the number of committed rows.
+number, so one `propose` over the bucket of the first b slots (the target step's bucket,
+`dspark.engine.slots.bucket` of the highest live slot + 1) serves every live request (free slots of
+the bucket draft from anchor 0 at position 0; their results are dropped and change no other slot). A
+slot's anchor position is its target length (`SlotState.length`), which after every commit equals
+the number of committed rows.
 
 `observe` writes all t rows of every slot of a verify step at the step's starts: the anchor, the
 accepted and the rejected drafts and the padding. The next anchor position (start + 1 + accepted)
 hides the rest, and the next step's rows overwrite them (`static_context.py`'s rollback rule; t <= T
 = the runner's verify width, so a step never reaches past what the rings keep).
 
-Greedy and sampled requests. On CUDA the greedy `propose` and the `observe` of each width t = 1 .. T
-are CUDA graphs (`ProposeGraph`, `ObserveGraph`, captured here before any request is loaded: their
-warm-up writes every slot). A round with any sampled request runs the eager static `propose` for the
-whole batch instead, with per-slot temperatures (0 on greedy rows, whose tokens are then the same
-argmax chain the graph gives) and noise from one device generator seeded by `seed`: the captured
-graph draws no noise, and one eager call for the whole batch keeps a mixed batch to one backbone
-pass. Verification uses the q returned with each sampled block, so outputs follow the target
-distribution whatever the noise; a request's drafts (hence its speed and exact tokens) depend on the
-engine's generator and its slot, not on the request's seed.
+Greedy and sampled requests. On CUDA the greedy `propose` of each bucket b and the `observe` of each
+(b, t), t = 1 .. T, are CUDA graphs (`ProposeGraph`, `ObserveGraph`, captured here before any
+request is loaded: their warm-up writes every slot). A round with any sampled request runs the eager
+static `propose` for the whole batch instead, with per-slot temperatures (0 on greedy rows, whose
+tokens are then the same argmax chain the graph gives) and noise from one device generator seeded by
+`seed`: the captured graph draws no noise, and one eager call for the whole batch keeps a mixed
+batch to one backbone pass. Verification uses the q returned with each sampled block, so outputs
+follow the target distribution whatever the noise; a request's drafts (hence its speed and exact
+tokens) depend on the engine's generator and its slot, not on the request's seed.
 
 This module and `static_runner.py` are the static path's device side; slot numbers and lengths are
 host values kept by `dspark.engine.slots`.
 
-Shape symbols: S slots, T rows per verify step at most, t this step's, γ block size, V vocabulary,
-n_hc streams, D hidden size, B live requests.
+Shape symbols: S slots, b a call's bucket, T rows per verify step at most, t this step's, γ block
+size, V vocabulary, n_hc streams, D hidden size, B live requests.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dspark.draft.drafter import DSparkDrafter
 from dspark.draft.static_context import StaticDraftShape
 from dspark.draft.static_drafter import StaticDrafter
 from dspark.draft.static_graph import ObserveGraph, ProposeGraph
+from dspark.engine.slots import bucket, buckets
 
 
 class StaticDraftRunner:
@@ -50,14 +53,15 @@ class StaticDraftRunner:
         self.static = StaticDrafter(drafter, StaticDraftShape(slots, tokens))
         device = self.static.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.observe_graphs: dict[int, ObserveGraph] = {}
-        self.propose_graph: ProposeGraph | None = None
+        self.observe_graphs: dict[tuple[int, int], ObserveGraph] = {}  # (b, t) -> graph
+        self.propose_graphs: dict[int, ProposeGraph] = {}  # b -> graph
         if device.type == "cuda":  # before any request is loaded: the observe warm-ups write every slot
             pool = None
-            for t in range(1, tokens + 1):
-                self.observe_graphs[t] = ObserveGraph(self.static, t, pool=pool)
-                pool = self.observe_graphs[t].pool()
-            self.propose_graph = ProposeGraph(self.static, pool=pool)
+            for b in buckets(slots):
+                for t in range(1, tokens + 1):
+                    graph = self.observe_graphs[b, t] = ObserveGraph(self.static, t, pool=pool, slots=b)
+                    pool = graph.pool()
+                self.propose_graphs[b] = ProposeGraph(self.static, pool=pool, slots=b)
 
     @property
     def slots(self) -> int:
@@ -70,23 +74,28 @@ class StaticDraftRunner:
         if drafted != length:
             raise RuntimeError(f"slot {slot}: the draft state holds {drafted} positions but the target {length}")
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s draft state (with its target slot; between rounds)."""
+        self.static.state.move(src, dst)
+
     def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor) -> None:
-        """Every slot's rows of one verify step: features {layer: [S, t, n_hc, D]}, starts long [S]
-        (device tensors, the target step's own)."""
-        width = features[self.static.drafter.capture_layers[0]].shape[1]
-        graph = self.observe_graphs.get(width)
+        """Every bucket slot's rows of one verify step: features {layer: [b, t, n_hc, D]}, starts long
+        [b] (device tensors, the target step's own)."""
+        graph = self.observe_graphs.get(tuple(features[self.static.drafter.capture_layers[0]].shape[:2]))
         if graph is None:
             self.static.observe(features, starts)
         else:
             graph.replay(features, starts)
 
     def draft(self, requests: list) -> tuple[list[list[int]], list, torch.Tensor, list[torch.Tensor]]:
-        """One γ-block per request (each holding a static slot), in one `propose` over all slots.
+        """One γ-block per request (each holding a static slot), in one `propose` over the bucket of
+        the first b slots that holds them all.
 
         Returns, in request order: tokens (B lists of γ ids), q (fp32 [γ, V] on the device for a
         sampled request, None for a greedy one), confidences fp32 [B, γ] and raw confidence logits
         (B tensors [γ]), both on the host."""
-        anchors, positions, temps = [0] * self.slots, [0] * self.slots, [0.0] * self.slots
+        b = bucket(max((req.state.slot for req in requests), default=0) + 1, self.slots)
+        anchors, positions, temps = [0] * b, [0] * b, [0.0] * b
         for req in requests:
             slot = req.state.slot
             anchors[slot], positions[slot], temps[slot] = req.out[-1], req.state.length, req.params.temperature
@@ -94,8 +103,8 @@ class StaticDraftRunner:
         anchors, positions, temperature = self.static.plan(anchors, positions, temps if sampled else None)
         if sampled:
             proposal = self.static.propose(anchors, positions, temperature, self.generator)
-        elif self.propose_graph is not None:
-            proposal = self.propose_graph.replay(anchors, positions)
+        elif b in self.propose_graphs:
+            proposal = self.propose_graphs[b].replay(anchors, positions)
         else:
             proposal = self.static.propose(anchors, positions)
         index = [req.state.slot for req in requests]

@@ -4,22 +4,24 @@
     req.state = SlotState(slot, runner.load(slot, req.state))  # after the request's dynamic prefill
     out, offsets = runner.forward(requests, blocks, drafter)   # what `dspark.round._forward` returns
 
-A step runs all S slots (one bucket of every slot) with t tokens each, t = the longest block of the
-call (1 ≤ t ≤ T): a request's block of n ≤ t tokens fills the first n rows of its slot, the other
+A step runs the first b slots (a bucket: b = the next power of two above the highest slot fed, at
+most S; `dspark.engine.slots.bucket`) with t tokens each, t = the longest block of the call
+(1 ≤ t ≤ T): a request's block of n ≤ t tokens fills the first n rows of its slot, the other
 t − n rows get token 0 and their logits are dropped (their state rows lie past the request's
-length, so the next call overwrites them: the rollback rule of `static_state.py`); a slot with no
-request is fed token 0 at position 0. Every slot that holds a request must therefore be in every
-call. The rows of the requests are gathered back into the ragged order of the dynamic path, so the
-round is unchanged.
+length, so the next call overwrites them: the rollback rule of `static_state.py`); a slot of the
+bucket with no request is fed token 0 at position 0. Every slot below b that holds a request must
+therefore be in every call; slots >= b are not touched. The engine keeps the live slots at
+0 .. n − 1 (`move`), so b is the bucket of n. The rows of the requests are gathered back into the
+ragged order of the dynamic path, so the round is unchanged.
 
-On CUDA the step is captured once per t = 1 .. T (`StepGraph`, one shared memory pool), before any
-request is loaded (the warm-up steps write every slot); on other devices it runs eagerly. So a
-round that verifies fewer drafts (a smaller budget from the planner) runs a narrower step. This
-module is the only part of the static path that touches the device; slot numbers and lengths are
-kept on the host (`dspark.engine.slots`).
+On CUDA the step is captured once per (b, t), b in `buckets(S)`, t = 1 .. T (`StepGraph`, one shared
+memory pool), before any request is loaded (the warm-up steps write every slot); on other devices it
+runs eagerly. So a round over few requests runs on few slots, and one that verifies fewer drafts (a
+smaller budget from the planner) runs a narrower step. This module is the only part of the static
+path that touches the device; slot numbers and lengths are kept on the host (`dspark.engine.slots`).
 
-Shape symbols: S slots, T tokens per step at most, t this step's, N rows of the requests' blocks,
-V vocab, n_hc streams, D hidden size.
+Shape symbols: S slots, b this step's bucket, T tokens per step at most, t this step's, N rows of
+the requests' blocks, V vocab, n_hc streams, D hidden size.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from dspark.engine.graphs import StepGraph
-from dspark.engine.slots import SlotState
+from dspark.engine.slots import SlotState, bucket, buckets
 from dspark.models.deepseek_v4.model import DeepseekV4Output
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v4.static_step import StaticDecoder
@@ -44,12 +46,14 @@ class StaticRunner:
         decoder = StaticDecoderV41 if isinstance(model, DeepseekV41ForCausalLM) else StaticDecoder
         self.decoder = decoder(model, StaticShape(slots, max_context, tokens))
         self.capture = tuple(sorted(set(capture_layers)))
-        self.graphs: dict[int, StepGraph] = {}
+        self.graphs: dict[tuple[int, int], StepGraph] = {}  # (b, t) -> graph
         if model.device.type == "cuda":  # before any request is loaded: the warm-up steps write every slot
             pool = None
-            for t in range(1, tokens + 1):
-                self.graphs[t] = StepGraph(self.decoder, t, pool=pool, capture_layers=self.capture)
-                pool = self.graphs[t].pool()
+            for b in buckets(slots):
+                for t in range(1, tokens + 1):
+                    graph = self.graphs[b, t] = StepGraph(self.decoder, t, pool=pool, capture_layers=self.capture,
+                                                          slots=b)
+                    pool = graph.pool()
 
     @property
     def shape(self) -> StaticShape:
@@ -59,6 +63,10 @@ class StaticRunner:
         """Copy a request's dynamic `DecodeState` into `slot`; returns its length (next start)."""
         return self.decoder.load(slot, state)
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s request (the slot table's compaction; between rounds)."""
+        self.decoder.move(src, dst)
+
     def forward(self, requests: list, blocks: list[list[int]], drafter=None,
                 observe=None) -> tuple[DeepseekV4Output, list[int]]:
         """Feed `blocks[b]` to request b (whose `state` is a `SlotState`) in one static step.
@@ -66,23 +74,25 @@ class StaticRunner:
         Returns the ragged output of the dynamic path: logits fp32 [N, V], final streams [N, n_hc, D]
         and features {layer: [N, n_hc, D]} of the requests' rows in order, and each request's first
         row. Advances every request's `SlotState` by its block (roll back with `truncate`).
-        `observe(features {layer: [S, t, n_hc, D]}, starts [S])`, when given, gets every slot's rows
-        of the step before the gather (the static drafter's `observe`; device tensors, no host read).
+        `observe(features {layer: [b, t, n_hc, D]}, starts [b])`, when given, gets every bucket slot's
+        rows of the step before the gather (the static drafter's `observe`; device tensors, no host read).
         """
         missing = set(drafter.capture_layers if drafter is not None else ()) - set(self.capture)
         if missing:
             raise ValueError(f"the drafter observes layers {sorted(missing)} that the static step does not "
                              f"capture (capture_layers={self.capture})")
-        slots, tokens = self.shape.slots, max((len(b) for b in blocks), default=1)
+        tokens = max((len(b) for b in blocks), default=1)
         if tokens > self.shape.tokens:
             raise ValueError(f"a block of {tokens} tokens; the static step takes at most {self.shape.tokens}")
-        ids = torch.zeros(slots, tokens, dtype=torch.long)  # [S, t] host; padding rows: token 0
-        starts = torch.zeros(slots, dtype=torch.long)  # [S] host; free slots: position 0
+        for req in requests:
+            if not isinstance(req.state, SlotState):
+                raise ValueError(f"request {req.request_id!r} holds no static slot (state {type(req.state).__name__})")
+        slots = bucket(max((req.state.slot for req in requests), default=0) + 1, self.shape.slots)
+        ids = torch.zeros(slots, tokens, dtype=torch.long)  # [b, t] host; padding rows: token 0
+        starts = torch.zeros(slots, dtype=torch.long)  # [b] host; free slots: position 0
         rows, offsets, seen = [], [], set()
         for req, block in zip(requests, blocks):
             state = req.state
-            if not isinstance(state, SlotState):
-                raise ValueError(f"request {req.request_id!r} holds no static slot (state {type(state).__name__})")
             if not block:
                 raise ValueError(f"request {req.request_id!r}: empty block")
             if state.slot in seen:
@@ -100,15 +110,15 @@ class StaticRunner:
             req.state.advance(len(block))
         index = torch.tensor(rows, dtype=torch.long).to(self.model.device, non_blocking=True)  # [N]
 
-        def gather(t: torch.Tensor) -> torch.Tensor:  # [S, T, ...] -> [N, ...] rows of the requests
+        def gather(t: torch.Tensor) -> torch.Tensor:  # [b, t, ...] -> [N, ...] rows of the requests
             return t.flatten(0, 1).index_select(0, index)
 
         return DeepseekV4Output(gather(out.logits), gather(out.hidden),
                                 {i: gather(f) for i, f in out.features.items()}), offsets
 
     def _step(self, ids: torch.Tensor, starts: torch.Tensor):
-        """ids [S, t], starts [S] on the device -> the step's `StaticStepOutput` (a graph's buffers)."""
-        graph = self.graphs.get(ids.shape[1])
+        """ids [b, t], starts [b] on the device -> the step's `StaticStepOutput` (a graph's buffers)."""
+        graph = self.graphs.get(tuple(ids.shape))
         if graph is None:
             return self.decoder.forward(ids, starts, self.capture)
         graph.replay(ids, starts)

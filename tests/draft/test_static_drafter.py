@@ -193,20 +193,22 @@ def test_static_drafter_rejects_bad_inputs(tiny, drafter):
         static.plan([0, 258], [0, 0])
     with pytest.raises(ValueError, match=r"positions\[0\]=-3"):
         static.plan([0, 0], [-3, 0])
-    with pytest.raises(ValueError, match=r"anchors must be \[S=2\], got \(3,\)"):
+    with pytest.raises(ValueError, match=r"anchors must be \[b<=2\], got \(3,\)"):
         static.plan([0, 0, 0], [0, 0])
+    with pytest.raises(ValueError, match=r"positions must be \[b=1\] like anchors, got \(2,\)"):
+        static.plan([0], [0, 0])
     with pytest.raises(ValueError, match=r"temperature\[1\]=-0.5"):
         static.plan([0, 0], [0, 0], [1.0, -0.5])
     with pytest.raises(ValueError, match=r"temperature\[0\]=nan"):
         static.plan([0, 0], [0, 0], [float("nan"), 1.0])
     anchors, positions, _ = static.plan([0, 0], [0, 0])
-    with pytest.raises(ValueError, match=r"positions must be a long \[S=2\].*torch.int32"):
+    with pytest.raises(ValueError, match=r"positions must be a long \[b<=2\].*torch.int32"):
         static.propose(anchors, positions.int())
     with pytest.raises(ValueError, match="generator: required"):
         static.propose(anchors, positions, torch.ones(2))
     layer = drafter.capture_layers[0]
     feats = {i: torch.zeros(2, GAMMA + 2, 4, 64) for i in drafter.capture_layers}
-    with pytest.raises(ValueError, match=rf"features\[{layer}\] must be \[S=2, T<=6.*\(2, 7, 4, 64\)"):
+    with pytest.raises(ValueError, match=rf"features\[{layer}\] must be \[b<=2, T<=6.*\(2, 7, 4, 64\)"):
         static.observe(feats, positions)
     with pytest.raises(ValueError, match=r"lack target layer\(s\)"):
         static.observe({}, positions)

@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 import dspark
 from dspark.draft import DSparkConfig, DSparkDrafter, MtpDrafter
 from dspark.engine import Engine, EngineConfig, EngineFull
-from dspark.engine.slots import SlotState, SlotTable
+from dspark.engine.slots import SlotMove, SlotState, SlotTable, bucket, buckets
 from dspark.sampling import SamplingParams
 
 LIMITS = dict(max_prompt_tokens=48, max_new_tokens=24)
@@ -37,10 +37,28 @@ def _prompts(n, seed):
             for _ in range(n)]
 
 
+def _spy_slots(engine):
+    """Record the slot moves (src, dst) and every static step's bucket (slots it ran) of `engine`."""
+    seen = {"moves": [], "buckets": set()}
+    move, step = engine.runner.move, engine.runner._step
+
+    def moving(src, dst):
+        seen["moves"].append((src, dst))
+        move(src, dst)
+
+    def stepping(ids, starts):
+        seen["buckets"].add(ids.shape[0])
+        return step(ids, starts)
+
+    engine.runner.move, engine.runner._step = moving, stepping
+    return seen
+
+
 def _staggered(model, prompts, params, new, **config):
-    """Two arrivals per step while earlier requests decode (3 running at most, so slots are reused);
-    returns ({request: tokens}, trace)."""
+    """Two arrivals per step while earlier requests decode (3 running at most, so slots are reused,
+    compacted by moves and stepped in buckets of 1, 2 and 3 slots); returns ({request: tokens}, trace)."""
     engine = Engine(model, EngineConfig(max_running=3, prefill_chunk=7, trace=True, **LIMITS, **config))
+    seen = _spy_slots(engine) if engine.slots is not None else None
     tokens, pending = {}, list(enumerate(prompts))
     while pending or engine.has_work():
         for _ in range(min(2, len(pending))):
@@ -52,15 +70,17 @@ def _staggered(model, prompts, params, new, **config):
             _check_slots(engine)
     if engine.slots is not None:
         assert engine.slots.free == engine.slots.slots
+        assert seen["moves"] and seen["buckets"] == {1, 2, 3}, seen
     return tokens, engine.take_trace()
 
 
 def _check_slots(engine):
-    """Every decoding request, and only those, holds a distinct slot."""
+    """Every decoding request, and only those, holds a distinct slot; the held slots are 0 .. n − 1."""
     held = engine.slots.holder_slots()
     decoding = {r.request_id: r.state.slot for r in engine.running if isinstance(r.state, SlotState)}
     assert held == decoding
-    assert len(set(held.values())) == len(held) and engine.slots.free + len(held) == engine.slots.slots
+    assert sorted(held.values()) == list(range(len(held))) == list(range(engine.slots.held))
+    assert engine.slots.free + len(held) == engine.slots.slots
 
 
 def _drafters(model):
@@ -112,15 +132,19 @@ def test_sampling_at_one_token_per_step_equals_the_default_engine(tiny):
     assert static == default
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "dspark"])
-def test_random_admit_finish_abort_preempt_never_leak_slots(tiny, drafter):
+@pytest.mark.parametrize("drafter, budget_kib", [("ngram", 110), ("dspark", 120)])
+def test_random_admit_finish_abort_preempt_never_leak_slots(tiny, drafter, budget_kib):
     """Random arrivals, aborts (waiting, prefilling and decoding requests), finishes and, with a tight
     state budget, preemptions: after every step the slots held are exactly the decoding requests'
-    (with DSpark a preempted request re-prefills its draft state and loads it into its new slot)."""
+    and are 0 .. n − 1 (with DSpark a preempted request re-prefills its draft state and loads it into
+    its new slot). The budget lets up to 3 requests decode at once, so leaving requests are
+    compacted by moves and steps run on buckets of 1, 2 and 3 slots."""
     rng = random.Random(3)
     drafter = _drafters(tiny)["dspark3"]["drafter"] if drafter == "dspark" else drafter
     engine = Engine(tiny, EngineConfig(max_running=3, max_waiting=6, prefill_chunk=5, draft_tokens=2, drafter=drafter,
-                                       state_budget_bytes=70 * 1024, page_bytes=1024, static_decode=True, **LIMITS))
+                                       state_budget_bytes=budget_kib * 1024, page_bytes=1024, static_decode=True,
+                                       **LIMITS))
+    seen = _spy_slots(engine)
     live, preemptions, decoded = set(), 0, 0
     for step in range(90):
         for _ in range(rng.randint(0, 2)):
@@ -145,6 +169,7 @@ def test_random_admit_finish_abort_preempt_never_leak_slots(tiny, drafter):
         _check_slots(engine)
     assert engine.slots.free == engine.slots.slots and not engine.slots.holder_slots()
     assert preemptions > 0 and decoded > 0
+    assert len(seen["moves"]) > 3 and seen["buckets"] == {1, 2, 3}
 
 
 def _second_token_distribution(model, prompt: list[int], temperature: float) -> torch.Tensor:
@@ -242,15 +267,19 @@ def test_static_decode_equals_the_default_engine_v41(prefill_mode, mode):
     assert [(r["draft"], r["accepted"]) for r in static_trace] == [(r["draft"], r["accepted"]) for r in trace]
 
 
-def test_slot_table_hands_out_lowest_free_slots():
-    table = SlotTable(3)
-    assert [table.assign(r) for r in "abc"] == [0, 1, 2]
-    with pytest.raises(RuntimeError, match="all 3 slots are taken"):
-        table.assign("d")
-    assert table.release("b") == 1 and table.release("b") is None
-    assert table.release("a") == 0 and table.assign("e") == 0
-    with pytest.raises(ValueError, match="already holds slot 0"):
+def test_slot_table_keeps_held_slots_compact():
+    """A release in the middle moves the last holder into the gap; releasing the last moves nothing."""
+    table = SlotTable(4)
+    assert [table.assign(r) for r in "abcd"] == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="all 4 slots are taken"):
         table.assign("e")
+    assert table.release("b") == SlotMove("d", 3, 1) and table.release("b") is None
+    assert table.holder_slots() == {"a": 0, "d": 1, "c": 2} and table.free == 1
+    assert table.release("c") is None and table.assign("e") == 2
+    assert table.release("a") == SlotMove("e", 2, 0) and table.holder_slots() == {"e": 0, "d": 1}
+    with pytest.raises(ValueError, match="already holds slot 1"):
+        table.assign("d")
+    assert [bucket(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6] and buckets(64) == [1, 2, 4, 8, 16, 32, 64]
     state = SlotState(slot=2, length=10)
     assert state.advance(4) == 10 and state.length == 14
     state.truncate(12)

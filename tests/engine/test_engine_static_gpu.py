@@ -1,5 +1,7 @@
-"""`static_decode` on the GPU: the engine's decoding rounds replay CUDA graphs (one per verify width)
-and give the default engine's greedy tokens (and n-gram drafts) (tiny-v4, fp32, the Triton kernels).
+"""`static_decode` on the GPU: the engine's decoding rounds replay CUDA graphs (one per bucket of slots
+and verify width) and give the default engine's greedy tokens (and n-gram drafts) (tiny-v4, fp32,
+the Triton kernels); staggered arrivals make the live slots move (compaction) and the steps change
+bucket (1, 2 and 3 of the 3 slots).
 With DSpark the rounds draft on the static drafter: greedy propose and observe replay their own
 graphs (the dynamic `DSparkDrafter.propose` is forbidden), sampled rounds run its eager propose."""
 
@@ -12,6 +14,7 @@ import torch
 import dspark
 from dspark.draft import DSparkConfig, DSparkDrafter
 from dspark.engine import Engine, EngineConfig
+from dspark.engine.slots import buckets
 from dspark.kernels import KernelConfig
 from dspark.sampling import SamplingParams
 
@@ -19,6 +22,16 @@ from dspark.sampling import SamplingParams
 def _run(model, prompts, params=lambda i: SamplingParams(), **config):
     engine = Engine(model, EngineConfig(max_running=3, prefill_chunk=7, max_prompt_tokens=48, max_new_tokens=24,
                                         trace=True, **config))
+    engine.replayed = set()  # the (b, t) of every static step, each checked to be a captured graph's
+    if engine.runner is not None:
+        step = engine.runner._step
+
+        def stepping(ids, starts):
+            assert tuple(ids.shape) in engine.runner.graphs
+            engine.replayed.add(tuple(ids.shape))
+            return step(ids, starts)
+
+        engine.runner._step = stepping
     tokens, pending = {}, list(enumerate(prompts))
     while pending or engine.has_work():
         for _ in range(min(2, len(pending))):
@@ -59,9 +72,12 @@ def test_static_decode_graphs_equal_the_default_engine(mode, monkeypatch):
         _forbid_dynamic_propose(monkeypatch)
     static, static_trace, engine = _run(model, prompts, static_decode=True, **drafter)
     widths = list(range(1, engine.runner.shape.tokens + 1))
-    assert sorted(engine.runner.graphs) == widths
-    if mode.startswith("dspark"):  # the static drafter's graphs: one observe per verify width, one propose
-        assert sorted(engine.static_draft.observe_graphs) == widths and engine.static_draft.propose_graph is not None
+    keys = [(b, t) for b in buckets(3) for t in widths]  # buckets(3) = [1, 2, 3]
+    assert sorted(engine.runner.graphs) == keys
+    assert {b for b, _ in engine.replayed} == {1, 2, 3}
+    if mode.startswith("dspark"):  # the static drafter's graphs: observe per (bucket, width), propose per bucket
+        assert sorted(engine.static_draft.observe_graphs) == keys
+        assert sorted(engine.static_draft.propose_graphs) == [1, 2, 3]
     else:
         assert engine.static_draft is None
     assert static == default

@@ -179,7 +179,7 @@ def test_static_v41_unused_slot_changes_no_other_slot(model, row_independent_moe
 def test_static_v41_rejects_bad_inputs(model):
     decoder = StaticDecoderV41(model, StaticShape(slots=2, max_context=32, tokens=4))
     ids, starts = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"input_ids must be a long \[S=2, T<=4\].*\(3, 4\)"):
+    with pytest.raises(ValueError, match=r"input_ids must be a long \[b<=2, T<=4\].*\(3, 4\)"):
         decoder.step(torch.zeros(3, 4, dtype=torch.long), starts)
     with pytest.raises(ValueError, match=r"\(2, 5\)"):
         decoder.plan(torch.zeros(2, 5, dtype=torch.long), starts)

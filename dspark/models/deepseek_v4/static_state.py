@@ -16,6 +16,10 @@ The window ring and the entries are two views of ONE pool tensor per layer,
     pool = [ window ring of slots 0..S−1  |  entries of slots 0..S−1 ]        [S·Rw + S·(E+1), d]
 
 so the attention reads it as the `sparse_attention` op's pool without concatenating anything.
+Every buffer is slot-major, and every row a step touches is computed from its slot number, so a step
+over a bucket of the first b <= S slots (inputs [b, T]) reads and writes those slots' rows only; the
+pool stays whole (its rows are addressed, never sliced). `move(src, dst)` copies one slot's rows of
+every buffer to another slot (the engine keeps its live slots compact, 0 .. n − 1).
 
 Nothing records which rows are live: a query at position p sees window keys p−W+1 .. p and entries
 w < (p+1)//m, so rows written for positions a slot no longer holds are invisible and are overwritten
@@ -63,8 +67,9 @@ class PositionRing:
         self.slots, self.size = data.shape[:2]
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """Flat row (slot·R + p mod R) of positions [S, ...] (p >= 0) -> same shape, long."""
-        base = torch.arange(self.slots, device=positions.device) * self.size
+        """Flat row (slot·R + p mod R) of positions [b, ...] of slots 0 .. b − 1 (b <= S, p >= 0) ->
+        same shape, long. The data is slot-major, so a bucket of the first b slots is a prefix."""
+        base = torch.arange(positions.shape[0], device=positions.device) * self.size
         return base.view(-1, *([1] * (positions.dim() - 1))) + positions.remainder(self.size)
 
     def flat(self) -> torch.Tensor:
@@ -72,7 +77,7 @@ class PositionRing:
         return self.data.flatten(0, 1)
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """values [S·T, *tail] for positions [S, T] (distinct per slot, T <= R)."""
+        """values [b·T, *tail] for positions [b, T] of slots 0 .. b − 1 (distinct per slot, T <= R)."""
         self.flat().index_copy_(0, self.rows(positions).reshape(-1), values.to(self.data.dtype))
 
     def load(self, slot: int, first: int, values: torch.Tensor) -> None:
@@ -125,11 +130,11 @@ class StaticLayerState:
     compressor: StaticCompressorState | None = None
     indexer: StaticCompressorState | None = None
 
-    def entry_offset(self) -> torch.Tensor:
-        """[S] pool row of entry 0 of each slot."""
+    def entry_offset(self, slots: int) -> torch.Tensor:
+        """[b] pool row of entry 0 of slots 0 .. b − 1 (b = `slots`; the entries follow all S window rings)."""
         c = self.compressor
         window_rows = self.window.slots * self.window.size
-        return window_rows + torch.arange(self.window.slots, device=self.pool.device) * (c.n_entries + 1)
+        return window_rows + torch.arange(slots, device=self.pool.device) * (c.n_entries + 1)
 
 
 def new_layer_state(attn, shape: StaticShape, dtype, device) -> StaticLayerState:
@@ -150,6 +155,23 @@ def new_layer_state(attn, shape: StaticShape, dtype, device) -> StaticLayerState
     return layer
 
 
+def check_slot(slot, slots: int, name: str = "slot") -> None:
+    """ValueError unless `slot` is an int in [0, slots)."""
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < slots:
+        raise ValueError(f"{name}={slot!r} outside [0, {slots})")
+
+
+def move_slot(tensors, slots: int, src: int, dst: int) -> None:
+    """Copy slot `src`'s rows of every slot-major tensor [S, ...] in `tensors` to slot `dst` (device
+    copies; host-side call between steps, never captured). Every row a slot reads is addressed
+    relative to its slot, so afterwards slot dst steps exactly as slot src would have."""
+    check_slot(src, slots, "src")
+    check_slot(dst, slots, "dst")
+    if src != dst:
+        for t in tensors:
+            t[dst].copy_(t[src])
+
+
 class StaticState:
     """The static decode state of a whole model for one bucket (`StaticShape`)."""
 
@@ -157,11 +179,24 @@ class StaticState:
         self.shape = shape
         self.layers = [new_layer_state(layer.attn, shape, model.dtype, model.device) for layer in model.layers]
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot buffer, slot-major [S, ...] (views of the pools where they live there)."""
+        out = []
+        for layer in self.layers:
+            out.append(layer.window.data)
+            for part in (layer.compressor, layer.indexer):
+                if part is not None:
+                    out += [part.kv.data, part.score.data, part.entries]
+        return out
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s request: copy src's rows of every buffer (see `move_slot`)."""
+        move_slot(self.slot_tensors(), self.shape.slots, src, dst)
+
     def load(self, slot: int, state: DecodeState) -> int:
         """Copy a request's dynamic state (e.g. right after its prefill) into `slot`; returns its length,
         the start position of the slot's next step. Host-side (reads Python counters), not captured."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.shape.slots:
-            raise ValueError(f"slot={slot!r} outside [0, {self.shape.slots})")
+        check_slot(slot, self.shape.slots)
         if not isinstance(state, DecodeState) or len(state.layers) != len(self.layers):
             raise ValueError(f"state must be a DecodeState with {len(self.layers)} layers, got {type(state).__name__}")
         length = state.length

@@ -9,10 +9,12 @@
 `step` feeds slot s the tokens input_ids[s] at positions starts[s] .. starts[s] + T − 1 and writes
 their state (`static_state.py`); every write is an `index_copy_` at rows computed on the device from
 the positions, every read a fixed-width gather whose invisible keys are −1, so the shapes and the
-launched kernels never depend on the data and the whole call can be captured once per (S, T) and
-replayed. The math is the model's own modules (projections, RoPE, compressor pooling, indexer
-scores, registry ops, mHC, MoE, norms, head); only the cache plumbing of `Attention.forward` and
-`Compressor.update_batch`, which reads Python counters, is redone here with device-side indices.
+launched kernels never depend on the data and the whole call can be captured once per (b, T) and
+replayed. A step may run on a bucket of the first b <= S slots (ids [b, T], starts [b]): it touches
+only their rows, so slots >= b keep their state unchanged. The math is the model's own modules
+(projections, RoPE, compressor pooling, indexer scores, registry ops, mHC, MoE, norms, head); only
+the cache plumbing of `Attention.forward` and `Compressor.update_batch`, which reads Python
+counters, is redone here with device-side indices.
 
 Rollback: a slot's next start may be any position from the start of its previous step to the end
 of it (accepted tokens), exactly as `DecodeState.truncate` allows; nothing else needs resetting.
@@ -77,6 +79,10 @@ class StaticDecoderBase(abc.ABC):
         """Copy a request's dynamic decode state into `slot`; returns the slot's next start position."""
         return self.state.load(slot, state)
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s request (a device copy of its rows; between steps)."""
+        self.state.move(src, dst)
+
     def plan(self, input_ids, starts) -> tuple[torch.Tensor, torch.Tensor]:
         """Host side of a step: validate host values (ids [S, T], starts [S]; lists or CPU tensors)
         and copy them to the model's device. Returns (input_ids [S, T] long, starts [S] long)."""
@@ -119,13 +125,15 @@ class StaticDecoderBase(abc.ABC):
                              f"model's device {self.model.device}")
 
     def _check_shapes(self, input_ids: torch.Tensor, starts: torch.Tensor) -> None:
+        """ids [b, T] and starts [b]: a bucket of the first b <= S slots."""
         s, t_max = self.shape.slots, self.shape.tokens
-        if input_ids.dim() != 2 or input_ids.shape[0] != s or not 1 <= input_ids.shape[1] <= t_max \
+        if input_ids.dim() != 2 or not 1 <= input_ids.shape[0] <= s or not 1 <= input_ids.shape[1] <= t_max \
                 or input_ids.dtype != torch.long:
-            raise ValueError(f"input_ids must be a long [S={s}, T<={t_max}] tensor, got "
+            raise ValueError(f"input_ids must be a long [b<={s}, T<={t_max}] tensor, got "
                              f"{tuple(input_ids.shape)} {input_ids.dtype}")
-        if tuple(starts.shape) != (s,) or starts.dtype != torch.long:
-            raise ValueError(f"starts must be a long [S={s}] tensor, got {tuple(starts.shape)} {starts.dtype}")
+        if tuple(starts.shape) != input_ids.shape[:1] or starts.dtype != torch.long:
+            raise ValueError(f"starts must be a long [b={input_ids.shape[0]}] tensor, got {tuple(starts.shape)} "
+                             f"{starts.dtype}")
 
 
 class StaticDecoder(StaticDecoderBase):
@@ -180,7 +188,7 @@ def static_attention(attn, x: torch.Tensor, positions: torch.Tensor, state: Stat
     index = window_index(positions, attn.window, state)  # [N, W]
     if attn.compressor is not None:
         update_compressor(attn.compressor, state.compressor, positions, *attn.compressor.project(x, flat), attn.rope)
-        offset = state.entry_offset().repeat_interleave(positions.shape[1])  # [N]
+        offset = state.entry_offset(positions.shape[0]).repeat_interleave(positions.shape[1])  # [N]
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
             inputs = attn.indexer.project(x, q_lora, flat, cos, sin)
             update_compressor(attn.indexer.compressor, state.indexer, positions, inputs.kv, inputs.score, attn.rope)
@@ -250,7 +258,7 @@ def select_entries(indexer, q: torch.Tensor, weights: torch.Tensor, state: Stati
     q [N, Hi, di], weights [N, Hi], positions [S, T] -> [N, min(k, E)] long entry ids, ascending.
     """
     n_slots, n_tok = positions.shape
-    keys = state.entries[:, : state.n_entries]  # [S, E, di]
+    keys = state.entries[:n_slots, : state.n_entries]  # [b, E, di] the bucket's slots
     scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
     visible = (positions + 1) // indexer.rate  # [S, T]
     reachable = torch.arange(state.n_entries, device=q.device) < visible.unsqueeze(-1)  # [S, T, E]

@@ -17,6 +17,10 @@ which other layers share, spec §5.5):
 
     pool = [ window rings of layers 0..L−1 | entries of KV sources s_0, s_1, ... ]     [P, d]
 
+Every buffer is slot-major and every row a step touches is computed from its slot number, so a step
+over a bucket of the first b <= S slots touches those slots' rows only (the pool is addressed, never
+sliced); `move(src, dst)` copies one slot's rows of every buffer to another slot.
+
 Nothing records which rows are live: a query at p sees window keys p−W+1 .. p and entries
 w < (p+1)//m, and an n-gram looks back at p−1 .. p−N+1, so rows written for positions a slot no
 longer holds are invisible and are overwritten when those positions are fed again. Rollback is
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.models.deepseek_v4.static_state import PositionRing, StaticShape
+from dspark.models.deepseek_v4.static_state import PositionRing, StaticShape, check_slot, move_slot
 from dspark.models.deepseek_v41.state import DecodeStateV41, NgramHistory, SourceCache
 
 
@@ -55,15 +59,14 @@ class StaticSource:
             self.kv = PositionRing(torch.zeros(ring, dtype=torch.float32, device=device))
             self.gate = PositionRing(torch.zeros(ring, dtype=torch.float32, device=device))
 
-    def entry_offset(self) -> torch.Tensor:
-        """[S] pool row of entry 0 of each slot."""
-        slots = torch.arange(self.entries.shape[0], device=self.entries.device)
-        return self.offset + slots * (self.n_entries + 1)
+    def entry_offset(self, slots: int) -> torch.Tensor:
+        """[b] pool row of entry 0 of slots 0 .. b − 1 (b = `slots`)."""
+        return self.offset + torch.arange(slots, device=self.entries.device) * (self.n_entries + 1)
 
     def write_entries(self, w: torch.Tensor, complete: torch.Tensor, entries: torch.Tensor,
                       keys: torch.Tensor) -> None:
-        """Entries / index keys [S·c, d] / [S·c, di] of candidates w [S, c] at their rows; those not
-        `complete` [S, c] go to the trash row E (the same number of writes every step)."""
+        """Entries / index keys [b·c, d] / [b·c, di] of candidates w [b, c] of slots 0 .. b − 1 at their
+        rows; those not `complete` [b, c] go to the trash row E (the same number of writes every step)."""
         row = torch.where(complete, w, self.n_entries)
         row = row + torch.arange(w.shape[0], device=w.device).unsqueeze(-1) * (self.n_entries + 1)
         self.entries.view(-1, self.dim).index_copy_(0, row.reshape(-1), entries.to(self.entries.dtype))
@@ -118,12 +121,26 @@ class StaticStateV41:
             ring = (s, c.engram_max_ngram_size - 1 + shape.tokens)
             self.ngram = PositionRing(torch.zeros(ring, dtype=torch.long, device=model.device))
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot buffer, slot-major [S, ...] (views of the pool where they live there)."""
+        out = [ring.data for ring in self.windows]
+        for source in self.sources.values():
+            out += [source.entries, source.keys]
+            if source.kv is not None:
+                out += [source.kv.data, source.gate.data]
+        if self.ngram is not None:
+            out.append(self.ngram.data)
+        return out
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s request: copy src's rows of every buffer (see `move_slot`)."""
+        move_slot(self.slot_tensors(), self.shape.slots, src, dst)
+
     def load(self, slot: int, state: DecodeStateV41) -> int:
         """Copy a request's dynamic state (right after its prefill, or any later call) into `slot`;
         returns its length, the start position of the slot's next step. Host-side (reads Python
         counters), not captured."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.shape.slots:
-            raise ValueError(f"slot={slot!r} outside [0, {self.shape.slots})")
+        check_slot(slot, self.shape.slots)
         if not isinstance(state, DecodeStateV41) or len(state.layers) != len(self.windows) \
                 or set(state.sources) != set(self.sources) or (state.ngram is None) != (self.ngram is None):
             raise ValueError(f"state must be a DecodeStateV41 of this model ({len(self.windows)} layers, KV sources "

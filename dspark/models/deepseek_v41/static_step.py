@@ -149,7 +149,7 @@ def static_attention(attn, x: torch.Tensor, positions: torch.Tensor, state: Stat
             publish(attn, x, positions, source)
         if attn.indexer is not None:
             select(attn.indexer, *attn.indexer.queries(x, q_lora, cos, sin), positions, source, shared)
-        offset = source.entry_offset().repeat_interleave(positions.shape[1]).unsqueeze(-1)  # [N, 1]
+        offset = source.entry_offset(positions.shape[0]).repeat_interleave(positions.shape[1]).unsqueeze(-1)  # [N, 1]
         index = torch.cat((index, torch.where(shared.topk >= 0, shared.topk + offset, -1)), dim=-1)
     out = attn.attend_op(q, state.pool, index, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
@@ -194,7 +194,7 @@ def select(indexer, q: torch.Tensor, weights: torch.Tensor, positions: torch.Ten
     q [N, Hi, di], weights [N, Hi], positions [S, T].
     """
     n_slots, n_tok = positions.shape
-    keys = source.keys[:, : source.n_entries]  # [S, E, di]
+    keys = source.keys[:n_slots, : source.n_entries]  # [b, E, di] the bucket's slots
     scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
     scores = scores.flatten(0, 1)  # [N, E] fp32
     visible = ((positions + 1) // indexer.ratio).reshape(-1)  # [N]
