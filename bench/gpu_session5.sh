@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session5.sh graphs", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session5.sh engine")
+#   run(command="bash bench/gpu_session5.sh buckets")
 #   run(command="bash bench/gpu_session5.sh kernels")
 #   run(command="bash bench/gpu_session5.sh engram", kind="nvidia-h200-x2")
 #
@@ -12,6 +13,8 @@
 #    v41-mini graph decode step (bench/graph_decode.py --config v41-mini).
 # engine: bench/engine_h200.py --static-decode (v4-mini, every decode cell on static slots and CUDA
 #    graphs), to set beside engine-h200-s4.json (the dynamic path).
+# buckets: bench/slot_buckets_h200.py — step time against live requests on one 64-slot static engine
+#    (compaction + power-of-two buckets), plain and DSpark budget 3.
 # kernels: the one-launch decode attention also as a CUDA-graph replay (bench/attn_batched.py
 #    `graph_us`), the decode MoE with the shipped per-size launch shapes (bench/moe_decode_tiles.py
 #    `shipped`).
@@ -39,6 +42,11 @@ part_graphs() {
 part_engine() {
   logged engine_static 560 python3 bench/engine_h200.py --static-decode --budget-s 450 --out "$OUT/engine-h200-static.json"
   tail -n 30 $W/logs/engine_static.txt | cut -c1-300
+}
+
+part_buckets() {
+  logged buckets 400 python3 bench/slot_buckets_h200.py --out "$OUT/slot-buckets-h200.json"
+  tail -n 20 $W/logs/buckets.txt | cut -c1-300
 }
 
 part_kernels() {
