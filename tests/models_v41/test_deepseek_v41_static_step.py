@@ -11,46 +11,23 @@ to the FP8/FP4 grids turns last-bit noise into whole grid steps. With QAT on, th
 are checked. Rollback and unused slots are checked bit for bit.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import dspark
-from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v41.static_step import StaticDecoderV41
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the V4 checks, shared
+from static_step_checks import TOL, check_bad_inputs, check_rollback, check_unused_slot, prefilled, row_independent_moe  # noqa: E402,F401,F811
 
-TOL = dict(atol=2e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
 def model():
     return dspark.init_model("tiny-v41", seed=0, prefill_mode="exact", cache_qat=False)
-
-
-@pytest.fixture
-def row_independent_moe(monkeypatch):
-    """The reference MoE runs each expert on the rows routed to it, so a row's sums depend on which
-    other rows share its experts (last bits). Bit-for-bit checks run it one row at a time."""
-    reference = MoE.forward_ref
-
-    def per_row(self, x, input_ids):
-        return torch.cat([reference(self, x[i : i + 1], input_ids[i : i + 1]) for i in range(x.shape[0])])
-
-    monkeypatch.setattr(MoE, "forward_ref", per_row)
-
-
-def prefilled(model, decoder, lengths, seed):
-    """Prefill one random prompt per slot on the dynamic path (one call each), load it into its slot.
-    Returns (the dynamic states, the slots' start positions [S])."""
-    g = torch.Generator().manual_seed(seed)
-    states, starts = [], []
-    for slot, n in enumerate(lengths):
-        state = model.new_state()
-        if n:
-            model(torch.randint(0, 256, (n,), generator=g), [state], [n])
-        states.append(state)
-        starts.append(decoder.load(slot, state))
-    return states, torch.tensor(starts)
 
 
 def lockstep(model, decoder, states, starts, rounds, tokens, g):
@@ -125,74 +102,21 @@ def test_static_v41_greedy_with_cache_qat():
     assert worst < 1e-3, f"max |static − dynamic| logit with cache QAT: {worst}"
 
 
-def run_rounds(model, rejected, rounds=4):
-    """Verify rounds of 4 tokens per slot accepting 2, then 4 more from there: returns each round's
-    logits [S, 4, V] of the tokens fed after the rollback. `rejected` [rounds, S, 2]: the tokens
-    rolled back each round (None: never fed)."""
-    decoder = StaticDecoderV41(model, StaticShape(slots=2, max_context=64, tokens=4))
-    _, starts = prefilled(model, decoder, [7, 14], seed=4)
-    g = torch.Generator().manual_seed(5)
-    outs = []
-    for r in range(rounds):
-        accepted, following = torch.randint(0, 256, (2, 2), generator=g), torch.randint(0, 256, (2, 4), generator=g)
-        if rejected is None:
-            decoder.step(*decoder.plan(accepted, starts))
-        else:
-            decoder.step(*decoder.plan(torch.cat((accepted, rejected[r]), dim=1), starts))
-        starts = starts + 2  # rollback: the rejected positions are simply fed again
-        outs.append(decoder.step(*decoder.plan(following, starts)))
-        starts = starts + 4
-    return outs
-
-
 def test_static_v41_rollback_leaves_no_trace(model, row_independent_moe):
     """Rejected positions complete ratio-2 groups, add ratio-1 entries and candidate blocks, overwrite
     window rows and n-gram ids. Two runs rejecting different tokens give bit-identical logits
     afterwards, equal (to fp32 tolerance) to a run that never fed them."""
-    g = torch.Generator().manual_seed(6)
-    first = run_rounds(model, torch.randint(0, 256, (4, 2, 2), generator=g))
-    second = run_rounds(model, torch.randint(0, 256, (4, 2, 2), generator=g))
-    never = run_rounds(model, None)
-    for a, b, c in zip(first, second, never):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a, c, **TOL)
+    check_rollback(StaticDecoderV41, model)
 
 
 def test_static_v41_unused_slot_changes_no_other_slot(model, row_independent_moe):
     """Slot 1 holds no request and is fed junk at position 0 or elsewhere: slots 0 and 2 are unchanged."""
-    outs = []
-    for junk_id, junk_start in ((0, 0), (123, 40)):
-        decoder = StaticDecoderV41(model, StaticShape(slots=3, max_context=64, tokens=2))
-        _, starts = prefilled(model, decoder, [11, 0, 19], seed=7)
-        starts[1] = junk_start
-        g = torch.Generator().manual_seed(8)
-        rounds = []
-        for _ in range(6):
-            ids = torch.randint(0, 256, (3, 2), generator=g)
-            ids[1] = junk_id
-            rounds.append(decoder.step(*decoder.plan(ids, starts))[[0, 2]])
-            starts = starts + 2
-        outs.append(torch.stack(rounds))
-    assert torch.equal(outs[0], outs[1])
+    check_unused_slot(StaticDecoderV41, model)
 
 
 def test_static_v41_rejects_bad_inputs(model):
     decoder = StaticDecoderV41(model, StaticShape(slots=2, max_context=32, tokens=4))
-    ids, starts = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"input_ids must be a long \[b<=2, T<=4\].*\(3, 4\)"):
-        decoder.step(torch.zeros(3, 4, dtype=torch.long), starts)
-    with pytest.raises(ValueError, match=r"\(2, 5\)"):
-        decoder.plan(torch.zeros(2, 5, dtype=torch.long), starts)
-    with pytest.raises(ValueError, match="starts must be a long"):
-        decoder.step(ids, torch.zeros(2))
-    with pytest.raises(ValueError, match=r"starts\[1\]=29: positions 29..32 outside the capacity"):
-        decoder.plan(ids, [0, 29])
-    with pytest.raises(ValueError, match=r"starts\[0\]=-1"):
-        decoder.plan(ids, [-1, 0])
-    with pytest.raises(ValueError, match=r"input_ids\[1, 2\]=258 outside \[0, 258\)"):
-        decoder.plan([[0, 0, 0, 0], [0, 0, 258, 0]], [0, 0])
-    with pytest.raises(ValueError, match="slot=2"):
-        decoder.load(2, model.new_state())
+    check_bad_inputs(decoder)
     with pytest.raises(ValueError, match="state must be a DecodeStateV41.*DecodeState"):
         decoder.load(0, dspark.init_model("tiny-v4", seed=0).new_state())
     long_state = model.new_state()
