@@ -415,12 +415,19 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 450, smoke 120)")
     ap.add_argument("--static-decode", action="store_true",
                     help="decode cells on EngineConfig(static_decode=True): static slots, CUDA graphs on CUDA")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed Engine.step() calls per decode cell (default 3, smoke 2); more make the "
+                         "auto vs fixed-budget comparison less noisy")
     ap.add_argument("--config", default=None,
                     help="shipped config name (default v4-mini; smoke tiny-v4), e.g. v41-mini for the V4.1 analogue")
     cli = ap.parse_args()
     args = dict(SMOKE if cli.smoke else FULL)
     if cli.config:
         args["config"] = cli.config
+    if cli.steps is not None:
+        if cli.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {cli.steps}")
+        args["steps"] = cli.steps
     args["static_decode"] = cli.static_decode
     budget = cli.budget_s or (120.0 if cli.smoke else 450.0)
     device = torch.device("cpu" if cli.smoke else "cuda")

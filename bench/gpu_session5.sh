@@ -40,7 +40,7 @@ part_graphs() {
 }
 
 part_engine() {
-  logged engine_static 560 python3 bench/engine_h200.py --static-decode --budget-s 450 --out "$OUT/engine-h200-static.json"
+  logged engine_static 560 python3 bench/engine_h200.py --static-decode --steps 8 --budget-s 450 --out "$OUT/engine-h200-static.json"
   tail -n 30 $W/logs/engine_static.txt | cut -c1-300
 }
 

@@ -35,9 +35,14 @@ def test_engine_bench_smoke_static_decode_runs_every_decode_cell_on_static_slots
     out = tmp_path / "engine-static.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, str(ROOT / "bench" / "engine_h200.py"), "--smoke", "--static-decode",
-                    "--out", str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+                    "--steps", "3", "--out", str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
     r = json.loads(out.read_text())
     assert r["conditions"]["static_decode"] is True and r["conditions"]["graphs"] is False
+    assert r["conditions"]["grid"]["steps"] == 3 and all(len(d["step_ms_all"]) == 3 for d in r["decode"])
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_h200.py"), "--smoke", "--steps", "0",
+                          "--out", str(tmp_path / "bad.json")], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "--steps must be >= 1, got 0" in bad.stderr
     cells = {(d["mode"], d["requests"], d["context"]) for d in r["decode"]}
     assert cells == {(m, n, c) for m in ("none", "mtp1", "dspark3", "auto", "auto_async") for n in (1, 4) for c in (40, 100)}
     for d in r["decode"]:
