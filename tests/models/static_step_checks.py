@@ -107,3 +107,47 @@ def check_bad_inputs(decoder):
         decoder.plan([[0, 0, 0, 0], [0, 0, 258, 0]], [0, 0])
     with pytest.raises(ValueError, match="slot=2"):
         decoder.load(2, decoder.model.new_state())
+
+
+def check_graph_replay(model, decoder_cls, capture=(), lengths=(3, 9, 17, 30)):
+    """On the GPU: 12 rounds alternating T = 4 (also returning `capture`'s input streams) and T = 1 over
+    one slot per prompt length. The eager step runs under sync-debug "error" (no host sync); graph
+    replays on the same inputs equal it bit for bit (logits and features); both follow the dynamic
+    path to 1e-3; each round accepts a random 1..T tokens."""
+    from dspark.engine.graphs import StepGraph
+
+    slots = len(lengths)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+    eager = decoder_cls(model, StaticShape(slots=slots, max_context=160, tokens=4))
+    graphed = decoder_cls(model, StaticShape(slots=slots, max_context=160, tokens=4))
+    graphs = {1: StepGraph(graphed, 1)}  # captured before any request is loaded (the warm-up writes)
+    graphs[4] = StepGraph(graphed, 4, pool=graphs[1].pool(), capture_layers=capture)  # + a drafter's features
+    states = []
+    for slot, prompt in enumerate(prompts):
+        state = model.new_state()
+        model(prompt.cuda(), [state], [len(prompt)])
+        states.append(state)
+        eager.load(slot, state)
+        graphed.load(slot, state)
+    starts = torch.tensor(lengths)
+    for round_ in range(12):
+        tokens = 1 if round_ % 2 else 4
+        ids, dev_starts = eager.plan(torch.randint(0, 256, (slots, tokens), generator=g), starts)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager_out = eager.forward(ids, dev_starts, capture if tokens == 4 else ())
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        replayed = graphs[tokens].replay(ids, dev_starts)
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager_out.logits)
+        for i, features in eager_out.features.items():
+            assert torch.equal(graphs[tokens].output.features[i], features)
+        dynamic = model(ids.reshape(-1), states, [tokens] * slots).logits.view(slots, tokens, -1)
+        torch.testing.assert_close(eager_out.logits, dynamic, atol=1e-3, rtol=1e-3)
+        accept = torch.randint(1, tokens + 1, (slots,), generator=g)
+        for state, n in zip(states, accept.tolist()):
+            state.truncate(state.length - tokens + n)
+        starts = starts + accept

@@ -6,47 +6,13 @@ import pytest
 import torch
 
 import dspark
-from dspark.engine.graphs import StepGraph
 from dspark.kernels import KernelConfig
-from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v4.static_step import StaticDecoder
-
-SLOTS, LENGTHS = 4, (3, 9, 17, 30)
+from static_step_checks import check_graph_replay
 
 
 @pytest.mark.gpu
 @torch.no_grad()
 def test_static_step_graph_replay_equals_eager_without_sync():
     model = dspark.init_model("tiny-v4", seed=0, device="cuda", kernels=KernelConfig.for_device("cuda"))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (n,), generator=g) for n in LENGTHS]
-    eager = StaticDecoder(model, StaticShape(slots=SLOTS, max_context=160, tokens=4))
-    graphed = StaticDecoder(model, StaticShape(slots=SLOTS, max_context=160, tokens=4))
-    graphs = {1: StepGraph(graphed, 1)}  # captured before any request is loaded (the warm-up writes)
-    graphs[4] = StepGraph(graphed, 4, pool=graphs[1].pool())
-    states = []
-    for slot, prompt in enumerate(prompts):
-        state = model.new_state()
-        model(prompt.cuda(), [state], [len(prompt)])
-        states.append(state)
-        eager.load(slot, state)
-        graphed.load(slot, state)
-    starts = torch.tensor(LENGTHS)
-    for round_ in range(12):
-        tokens = 1 if round_ % 2 else 4
-        ids, dev_starts = eager.plan(torch.randint(0, 256, (SLOTS, tokens), generator=g), starts)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = eager.step(ids, dev_starts)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        replayed = graphs[tokens].replay(ids, dev_starts)
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, out)
-        dynamic = model(ids.reshape(-1), states, [tokens] * SLOTS).logits.view(SLOTS, tokens, -1)
-        torch.testing.assert_close(out, dynamic, atol=1e-3, rtol=1e-3)
-        accept = torch.randint(1, tokens + 1, (SLOTS,), generator=g)
-        for state, n in zip(states, accept.tolist()):
-            state.truncate(state.length - tokens + n)
-        starts = starts + accept
+    check_graph_replay(model, StaticDecoder)
