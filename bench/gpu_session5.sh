@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU steps written in the fourth 2026-11-30 session and not yet run (each part < 9.5 min):
 #
-#   run(command="bash bench/gpu_session5.sh graphs", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session5.sh profile; bash bench/gpu_session5.sh graphs", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session5.sh engine")
 #   run(command="bash bench/gpu_session5.sh buckets")
 #   run(command="bash bench/gpu_session5.sh kernels")
 #   run(command="bash bench/gpu_session5.sh engram", kind="nvidia-h200-x2")
 #
+# profile: where the v4-mini graph-replayed decode step spends its time at 1 and 8 requests, 4K context
+#    (bench/graph_decode.py --profile: kernel time per name, launches per step, busy fraction).
 # graphs: the GPU tests of the static (graph-captured) paths — the engine's static_decode against the
 #    default engine, the static DSpark drafter (replay == eager == dynamic greedy, no host sync), the
 #    V4.1 static step — then the drafter's propose / observe timings (bench/graph_draft.py) and the
@@ -28,6 +30,11 @@ logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/N
   local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$W/logs/$name.txt" 2>&1
   echo "$name rc=$?" | tee -a "$W/logs/$name.txt"
+}
+
+part_profile() {
+  logged graph_profile 200 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200.json"
+  grep -h "^{" $W/logs/graph_profile.txt | cut -c1-1500
 }
 
 part_graphs() {

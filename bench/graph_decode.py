@@ -20,6 +20,11 @@ context + 64. Per cell, median ms of `steps` steps (CUDA synchronised around eac
 Also the largest |logit| difference of (b) and (c) against (a) on the first step's tokens, and the
 batch-1 % of the HBM roofline (active bytes of one token, `engine_h200.active_bytes`, / 4.4 TB/s).
 The smoke run (tiny-v4 or tiny-v41, fp32, torch references, no graph) checks the script on the CPU.
+
+`--profile` adds, per cell, where the step's time goes: `torch.profiler` over `steps` calls of the
+graph replay (CPU: the eager static step), kernel time summed per kernel name (top 25 by time, with
+calls per step), the summed kernel time per step against the wall time per step (what is left is
+idle device time: launch gaps), and the kernel launches per step.
 """
 
 from __future__ import annotations
@@ -68,7 +73,41 @@ def timed(fn, device, warmup: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> dict:
+def kernel_profile(fn, device, steps: int, top: int = 25) -> dict:
+    """Device time per kernel name over `steps` calls of fn() (after one untimed call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall_us = (time.perf_counter() - t) * 1e6 / steps
+    kernels = {}
+    for event in prof.events():
+        on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if device.type == "cuda" and not on_device:
+            continue
+        if device.type != "cuda" and (event.cpu_parent is not None):
+            continue  # CPU: top-level ops only
+        dur = event.time_range.elapsed_us() if hasattr(event, "time_range") else 0.0
+        entry = kernels.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += dur
+    rows = sorted(({"name": name[:160], "calls_per_step": n / steps, "us_per_step": us / steps}
+                   for name, (n, us) in kernels.items()), key=lambda r: -r["us_per_step"])
+    busy = sum(r["us_per_step"] for r in rows)
+    return {"steps": steps, "wall_us_per_step": wall_us, "kernel_us_per_step": busy,
+            "launches_per_step": sum(r["calls_per_step"] for r in rows),
+            "busy_fraction": busy / wall_us if wall_us else None, "top": rows[:top]}
+
+
+def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context."""
     device, context = model.device, args["context"]
     shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=1)
@@ -96,10 +135,18 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> dic
     if graph is not None:
         row["graph_max_abs_diff"] = (graph.replay(ids, starts) - reference).abs().max().item()
         row["graph_ms"] = timed(graph.replay, device, args["warmup"], args["steps"])
+    if profile:
+        target = graph.replay if graph is not None else (lambda: decoder.step(ids, starts))
+        row["profile"] = kernel_profile(target, device, args["steps"])
+        row["profile"]["of"] = "graph replay" if graph is not None else "static eager step"
     for key in ("dynamic", "static_eager", "graph"):
         if f"{key}_ms" in row:
             row[f"{key}_tok_s_total"] = n_req / (row[f"{key}_ms"] / 1e3)
-    print(json.dumps(row), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    if profile:
+        summary = {k: v for k, v in row["profile"].items() if k != "top"}
+        print(json.dumps({"profile": summary, "top": [(r["name"][:60], round(r["us_per_step"], 1), r["calls_per_step"])
+                                                       for r in row["profile"]["top"][:12]]}), flush=True)
     return row
 
 
@@ -109,6 +156,7 @@ def main() -> None:
     ap.add_argument("--config", default=None,
                     help="shipped config (default v4-mini; smoke tiny-v4): v41-mini / tiny-v41 for the V4.1 target")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/graph-decode.json)")
+    ap.add_argument("--profile", action="store_true", help="add each cell's kernel-time breakdown")
     ap.add_argument("--requests", default=None, help="comma list of request counts (default 1,8,64; smoke 1,2)")
     cli = ap.parse_args()
     args = dict(SMOKE if cli.smoke else FULL)
@@ -142,7 +190,7 @@ def main() -> None:
                "roofline": roofline, "cells": []}
     with torch.no_grad():
         for n_req in args["requests"]:
-            results["cells"].append(cell(model, n_req, args, graphs=not cli.smoke, g=g))
+            results["cells"].append(cell(model, n_req, args, graphs=not cli.smoke, g=g, profile=cli.profile))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     b1 = results["cells"][0]
