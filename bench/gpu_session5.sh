@@ -2,7 +2,7 @@
 # The GPU steps written in the fourth 2026-11-30 session and not yet run (each part < 9.5 min):
 #
 #   run(command="bash bench/gpu_session5.sh profile; bash bench/gpu_session5.sh graphs", kind="nvidia-h200")
-#   run(command="bash bench/gpu_session5.sh engine")
+#   run(command="bash bench/gpu_session5.sh v41; bash bench/gpu_session5.sh engine")
 #   run(command="bash bench/gpu_session5.sh buckets")
 #   run(command="bash bench/gpu_session5.sh kernels")
 #   run(command="bash bench/gpu_session5.sh engram", kind="nvidia-h200-x2")
@@ -46,8 +46,14 @@ part_graphs() {
   tail -n 8 $W/logs/graph_tests.txt; grep -h "^{" $W/logs/graph_draft.txt $W/logs/graph_v41.txt | cut -c1-400
 }
 
+part_v41() {  # the V4.1 graph step after the e2m1 fix (capture with cache QAT on)
+  logged v41_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  logged graph_v41 150 python3 bench/graph_decode.py --config v41-mini --requests 1,8 --profile --out "$OUT/graph-decode-v41-mini-h200.json"
+  tail -n 3 $W/logs/v41_tests.txt; grep -h "^{" $W/logs/graph_v41.txt | cut -c1-700
+}
+
 part_engine() {
-  logged engine_static 560 python3 bench/engine_h200.py --static-decode --steps 8 --budget-s 450 --out "$OUT/engine-h200-static.json"
+  logged engine_static 470 python3 bench/engine_h200.py --static-decode --steps 8 --budget-s 370 --out "$OUT/engine-h200-static.json"
   tail -n 30 $W/logs/engine_static.txt | cut -c1-300
 }
 

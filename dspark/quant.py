@@ -225,9 +225,16 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 (uint8, any shape) -> float32 values from the e2m1 table."""
-    table = torch.tensor(E2M1_VALUES, device=codes.device)
-    return table[codes.to(torch.int64)]
+    """Codes 0..15 (uint8, any shape) -> float32 values of the e2m1 table (`E2M1_VALUES`).
+
+    Computed from the bits rather than gathered from a table tensor: building that table would copy
+    host memory to the device on every call, which a CUDA-graph capture rejects. Bits: sign (3),
+    exponent (2..1), mantissa (0); exponent 0 is subnormal (m · 0.5), else 2^(e−1) · (1 + m / 2).
+    """
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).to(torch.float32)
+    magnitude = torch.where(e == 0, m * 0.5, torch.exp2((e - 1).to(torch.float32)) * (1 + m * 0.5))
+    return torch.where((c & 8) != 0, -magnitude, magnitude)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

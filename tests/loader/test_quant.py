@@ -65,7 +65,9 @@ def test_ue8m0_bytes_127_and_130():
 def test_e2m1_table_round_trips_every_code():
     codes = torch.arange(16, dtype=torch.uint8)
     values = decode_e2m1(codes)
-    assert values.tolist() == list(E2M1_VALUES)
+    assert values.dtype == torch.float32 and values.tolist() == list(E2M1_VALUES)
+    assert values.signbit().tolist() == [v < 0 or str(v) == "-0.0" for v in E2M1_VALUES]  # -0.0 kept
+    assert decode_e2m1(codes.view(4, 4)).shape == (4, 4)
     # -0.0 encodes to +0's code: both decode to zero.
     assert decode_e2m1(encode_e2m1(values)).tolist() == list(E2M1_VALUES)
 
