@@ -78,7 +78,11 @@ class PositionRing:
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """values [b·T, *tail] for positions [b, T] of slots 0 .. b − 1 (distinct per slot, T <= R)."""
-        self.flat().index_copy_(0, self.rows(positions).reshape(-1), values.to(self.data.dtype))
+        self.write_rows(self.rows(positions), values)
+
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """`write` at rows already computed by `rows(positions)` (a step shares them across layers)."""
+        self.flat().index_copy_(0, rows.reshape(-1), values.to(self.data.dtype))
 
     def load(self, slot: int, first: int, values: torch.Tensor) -> None:
         """Host-side: the rows of positions first .. first + n − 1 of one slot, values [n, *tail]."""
@@ -130,11 +134,6 @@ class StaticLayerState:
     compressor: StaticCompressorState | None = None
     indexer: StaticCompressorState | None = None
 
-    def entry_offset(self, slots: int) -> torch.Tensor:
-        """[b] pool row of entry 0 of slots 0 .. b − 1 (b = `slots`; the entries follow all S window rings)."""
-        c = self.compressor
-        window_rows = self.window.slots * self.window.size
-        return window_rows + torch.arange(slots, device=self.pool.device) * (c.n_entries + 1)
 
 
 def new_layer_state(attn, shape: StaticShape, dtype, device) -> StaticLayerState:

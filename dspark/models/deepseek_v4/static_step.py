@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.kernels.indexer_ref import select_topk_ref
-from dspark.models.deepseek_v4.attention import causal_entry_index
 from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.state import check_capture
+from dspark.models.deepseek_v4.static_index import StepIndex, rope_groups
 from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticLayerState, StaticShape, StaticState
 
 
@@ -70,6 +70,7 @@ class StaticDecoderBase(abc.ABC):
         self.model = model
         self.shape = shape
         self.state = self.new_state(model, shape)
+        self.rope_groups = rope_groups(model)  # layers with equal RoPE tables share one cos / sin per step
 
     @abc.abstractmethod
     def new_state(self, model, shape: StaticShape):
@@ -150,6 +151,7 @@ class StaticDecoder(StaticDecoderBase):
         model, (n_slots, n_tok) = self.model, input_ids.shape
         capture = check_capture(capture_layers, len(model.layers))
         positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
+        index = StepIndex(positions, self.rope_groups)
         ids = input_ids.reshape(-1)  # [N]
         x = model.embed(ids)
         x = x.unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, n_hc, D]
@@ -159,7 +161,7 @@ class StaticDecoder(StaticDecoderBase):
         for i, layer in enumerate(model.layers):
             if i in capture:
                 features[i] = x
-            a = static_attention(layer.attn, layer.attn_norm(site.u), positions, self.state.layers[i])
+            a = static_attention(layer.attn, layer.attn_norm(site.u), index, self.state.layers[i])
             y, pending = layer.ffn_after(a, x, site, ids)
             if i + 1 < len(model.layers):
                 x, site = model.layers[i + 1].enter(pending, y)
@@ -175,91 +177,68 @@ class StaticDecoder(StaticDecoderBase):
 
 
 
-def static_attention(attn, x: torch.Tensor, positions: torch.Tensor, state: StaticLayerState) -> torch.Tensor:
-    """`Attention.forward` on the static state: x [N, D] (after attn_norm), positions [S, T] -> [N, D].
+def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayerState) -> torch.Tensor:
+    """`Attention.forward` on the static state: x [N, D] (after attn_norm) at the step's positions
+    (`index`, [S, T]) -> [N, D].
 
     Writes the new window latents, compressor rows and completed entries of every slot first, then
     attends over the fixed-width key list [W | top-k picks (CSA) or all E entries (HCA)], −1 = none.
     """
-    flat = positions.reshape(-1)  # [N]
-    cos, sin = attn.rope.cos_sin(flat)  # [N, rd/2] fp32
+    cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
     q_lora, q, kv = attn.project_qkv(x, cos, sin)
-    state.window.write(positions, kv)
-    index = window_index(positions, attn.window, state)  # [N, W]
+    state.window.write_rows(index.ring_rows(state.window), kv)
+    keys = index.window_keys(attn.window, state.window)  # [N, W]
     if attn.compressor is not None:
-        update_compressor(attn.compressor, state.compressor, positions, *attn.compressor.project(x, flat), attn.rope)
-        offset = state.entry_offset(positions.shape[0]).repeat_interleave(positions.shape[1])  # [N]
+        update_compressor(attn.compressor, state.compressor, index, *attn.compressor.project(x, index.flat), attn.rope)
+        first, n_entries = state.window.slots * state.window.size, state.compressor.n_entries
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
-            inputs = attn.indexer.project(x, q_lora, flat, cos, sin)
-            update_compressor(attn.indexer.compressor, state.indexer, positions, inputs.kv, inputs.score, attn.rope)
-            picks = select_entries(attn.indexer, inputs.q, inputs.weights, state.indexer, positions)
-            index = torch.cat((index, torch.where(picks >= 0, picks + offset.unsqueeze(-1), -1)), dim=-1)
+            inputs = attn.indexer.project(x, q_lora, index.flat, cos, sin)
+            update_compressor(attn.indexer.compressor, state.indexer, index, inputs.kv, inputs.score, attn.rope)
+            picks = select_entries(attn.indexer, inputs.q, inputs.weights, state.indexer, index)
+            keys = torch.cat((keys, torch.where(picks >= 0, picks + index.entry_offsets(first, n_entries), -1)), dim=-1)
         else:  # HCA: every complete entry
-            n_entries = state.compressor.n_entries
-            index = torch.cat((index, causal_entry_index(flat, n_entries, attn.rate, offset)), dim=-1)
-    out = attn.attend_op(q, state.pool, index, attn.attn_sink, attn.scale)  # [N, H, d]
+            keys = torch.cat((keys, index.causal_entries(attn.rate, n_entries, first)), dim=-1)
+    out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
 
 
-def window_index(positions: torch.Tensor, window: int, state: StaticLayerState) -> torch.Tensor:
-    """[N, W] pool rows of keys p−W+1 .. p of every row (ring rows of its slot), −1 before position 0."""
-    keys = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)  # [S, T, W]
-    return torch.where(keys >= 0, state.window.rows(keys), -1).flatten(0, 1)
-
-
-def update_compressor(compressor, state: StaticCompressorState, positions: torch.Tensor, kv: torch.Tensor,
+def update_compressor(compressor, state: StaticCompressorState, index: StepIndex, kv: torch.Tensor,
                       score: torch.Tensor, rope) -> None:
-    """`Compressor.update_batch` on the static state: write the rows kv, score [N, coff·d_c] of
-    positions [S, T], then pool the ceil(T/m) entries a step can complete and write each at its slot
-    (entries not complete yet go to the trash row E: the same count every step, whatever the data).
+    """`Compressor.update_batch` on the static state: write the rows kv, score [N, coff·d_c] of the
+    step's positions, then pool the ceil(T/m) groups a step can complete and write each entry at its
+    slot (groups not complete yet go to the trash row E: the same count every step, whatever the data).
     """
-    m, n_slots, n_tok = compressor.rate, *positions.shape
-    state.kv.write(positions, kv)
-    state.score.write(positions, score)
-    first = positions[:, :1] // m  # [S, 1] the oldest entry a step can complete, start // m
-    w = first + torch.arange(-(-n_tok // m), device=positions.device)  # [S, c] candidates
-    complete = (w + 1) * m <= positions[:, -1:] + 1  # its last position (w+1)·m − 1 was fed
-    kv_slots, score_slots = _candidate_slots(state, w, m)  # [S·c, slots, d_c]
+    m = compressor.rate
+    rows = index.ring_rows(state.kv)  # the kv and score rings have the same size
+    state.kv.write_rows(rows, kv)
+    state.score.write_rows(rows, score)
+    kv_slots, score_slots = _candidate_slots(state, index, m)  # [S·c, slots, d_c]
+    w, _ = index.groups(m)
     entries = compressor.pool(kv_slots, score_slots, (w * m).reshape(-1), rope)  # [S·c, d_c]
-    row = torch.where(complete, w, state.n_entries)
-    row = row + torch.arange(n_slots, device=w.device).unsqueeze(-1) * (state.n_entries + 1)
-    state.entries.view(-1, state.dim).index_copy_(0, row.reshape(-1), entries)
+    state.entries.view(-1, state.dim).index_copy_(0, index.entry_rows(m, state.n_entries), entries)
 
 
-def _candidate_slots(state: StaticCompressorState, w: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pooling slots of entries w [S, c] from the rings: [S·c, slots, d_c] each (kv, score).
-
-    Without overlap: the m rows of window w. With overlap (`Compressor._overlap_slots`): the "a"
-    halves of window w−1, then the "b" halves of window w; window −1 is value 0, logit −inf.
-    """
-    d = state.dim
-    if state.overlap:
-        offsets = torch.arange(-m, m, device=w.device)  # [2m]
-        half = (offsets >= 0).long()  # 0: "a" half (channels :d), 1: "b" half (d:)
-    else:
-        offsets = torch.arange(m, device=w.device)
-        half = torch.zeros(m, dtype=torch.long, device=w.device)
-    pos = w.unsqueeze(-1) * m + offsets  # [S, c, slots]
-    rows = state.kv.rows(pos.clamp(min=0))
+def _candidate_slots(state: StaticCompressorState, index: StepIndex, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pooling slots of the step's candidate groups from the rings: [S·c, slots, d_c] each (kv,
+    score); a missing group (−1) is value 0, logit −inf (`StepIndex.group_rows`)."""
+    rows, half, missing = index.group_rows(m, state.overlap, state.kv)
     coff = 2 if state.overlap else 1
-    kv = state.kv.flat().view(-1, coff, d)[rows, half]  # [S, c, slots, d_c]
-    score = state.score.flat().view(-1, coff, d)[rows, half]
-    missing = (pos < 0).unsqueeze(-1)
+    kv = state.kv.flat().view(-1, coff, state.dim)[rows, half]  # [S, c, slots, d_c]
+    score = state.score.flat().view(-1, coff, state.dim)[rows, half]
     kv = kv.masked_fill(missing, 0)
     score = score.masked_fill(missing, float("-inf"))
     return kv.flatten(0, 1), score.flatten(0, 1)
 
 
 def select_entries(indexer, q: torch.Tensor, weights: torch.Tensor, state: StaticCompressorState,
-                   positions: torch.Tensor) -> torch.Tensor:
+                   index: StepIndex) -> torch.Tensor:
     """`Indexer.select` on the static state: every row scores all E index keys of its slot, entries it
     cannot see yet (w >= (p+1)//m) are masked to −inf and come out as −1 picks.
 
-    q [N, Hi, di], weights [N, Hi], positions [S, T] -> [N, min(k, E)] long entry ids, ascending.
+    q [N, Hi, di], weights [N, Hi] -> [N, min(k, E)] long entry ids, ascending.
     """
-    n_slots, n_tok = positions.shape
+    n_slots, n_tok = index.positions.shape
     keys = state.entries[:n_slots, : state.n_entries]  # [b, E, di] the bucket's slots
     scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
-    visible = (positions + 1) // indexer.rate  # [S, T]
-    reachable = torch.arange(state.n_entries, device=q.device) < visible.unsqueeze(-1)  # [S, T, E]
-    return select_topk_ref(scores.masked_fill(~reachable, float("-inf")).flatten(0, 1), indexer.topk)
+    reachable = index.reachable(indexer.rate, state.n_entries)  # [N, E]
+    return select_topk_ref(scores.flatten(0, 1).masked_fill(~reachable, float("-inf")), indexer.topk)

@@ -59,18 +59,12 @@ class StaticSource:
             self.kv = PositionRing(torch.zeros(ring, dtype=torch.float32, device=device))
             self.gate = PositionRing(torch.zeros(ring, dtype=torch.float32, device=device))
 
-    def entry_offset(self, slots: int) -> torch.Tensor:
-        """[b] pool row of entry 0 of slots 0 .. b − 1 (b = `slots`)."""
-        return self.offset + torch.arange(slots, device=self.entries.device) * (self.n_entries + 1)
-
-    def write_entries(self, w: torch.Tensor, complete: torch.Tensor, entries: torch.Tensor,
-                      keys: torch.Tensor) -> None:
-        """Entries / index keys [b·c, d] / [b·c, di] of candidates w [b, c] of slots 0 .. b − 1 at their
-        rows; those not `complete` [b, c] go to the trash row E (the same number of writes every step)."""
-        row = torch.where(complete, w, self.n_entries)
-        row = row + torch.arange(w.shape[0], device=w.device).unsqueeze(-1) * (self.n_entries + 1)
-        self.entries.view(-1, self.dim).index_copy_(0, row.reshape(-1), entries.to(self.entries.dtype))
-        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, row.reshape(-1), keys.to(self.keys.dtype))
+    def write_entries(self, rows: torch.Tensor, entries: torch.Tensor, keys: torch.Tensor) -> None:
+        """Entries / index keys [b·c, d] / [b·c, di] of the step's candidate groups at their flat
+        rows [b·c] (`StepIndex.entry_rows`: slot·(E+1) + w, or the slot's trash row E while the group
+        is incomplete; the same number of writes every step)."""
+        self.entries.view(-1, self.dim).index_copy_(0, rows, entries.to(self.entries.dtype))
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, rows, keys.to(self.keys.dtype))
 
     def load(self, slot: int, cache: SourceCache, length: int) -> None:
         """Copy what future steps read from a dynamic source at `length` tokens: the incomplete

@@ -42,6 +42,7 @@ from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v4.state import check_capture
+from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput
 from dspark.models.deepseek_v41 import engram_hash
@@ -73,6 +74,7 @@ class StaticDecoderV41(StaticDecoderBase):
         # `DeepseekV41ForCausalLM.forward` without bounded replay.
         materialised = model._materialised_inputs(capture, None)
         positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
+        index = StepIndex(positions, self.rope_groups)
         ids = input_ids.reshape(-1)  # [N]
         engram_rows, live = self._engram_rows(input_ids, positions)
         x = model.embed(ids).unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, hc, D]
@@ -86,7 +88,7 @@ class StaticDecoderV41(StaticDecoderBase):
                 features[i] = x
             if site is None:
                 site = layer.attn_site(x, pre)
-            a = static_attention(layer.attn, site.h, positions, self.state, i, shared)
+            a = static_attention(layer.attn, site.h, index, self.state, i, shared)
             y, pending = layer.ffn_after(a, x, site, ids)
             pre = pending.pre
             if i + 1 < len(model.layers) and i + 1 not in materialised:
@@ -128,81 +130,80 @@ class StaticDecoderV41(StaticDecoderBase):
 
 
 
-def static_attention(attn, x: torch.Tensor, positions: torch.Tensor, state: StaticStateV41, layer: int,
+def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticStateV41, layer: int,
                      shared: SharedSlots) -> torch.Tensor:
-    """CSA2 `Attention.forward` on the static state: x [N, D] (after attn_norm), positions [S, T] -> [N, D].
+    """CSA2 `Attention.forward` on the static state: x [N, D] (after attn_norm) at the step's
+    positions (`index`, [S, T]) -> [N, D].
 
     Writes the new window latents (and, on a KV source, its rows, entries and index keys) first; an
     index source then picks into `shared` (topk [N, min(k, E)], candidates [N, E]) for the layers
     after it; the key list is [W window rows | the latest picks in the KV source's entries], −1 = none.
     """
-    flat = positions.reshape(-1)  # [N]
-    cos, sin = attn.rope.cos_sin(flat)  # [N, rd/2] fp32
+    cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
     q_lora, q, kv = attn.project_qkv(x, cos, sin)
     window = state.windows[layer]
-    window.write(positions, attn.quant.window(kv))  # the window cache is FP8 (QAT)
-    keys = positions.unsqueeze(-1) - (attn.window - 1) + torch.arange(attn.window, device=positions.device)
-    index = torch.where(keys >= 0, window.rows(keys) + state.window_offsets[layer], -1).flatten(0, 1)  # [N, W]
+    window.write_rows(index.ring_rows(window), attn.quant.window(kv))  # the window cache is FP8 (QAT)
+    keys = index.window_keys(attn.window, window)  # [N, W] rows of the layer's ring, −1 = none
+    keys = torch.where(keys >= 0, keys + state.window_offsets[layer], -1)
     if attn.ratio:
         source = state.sources[attn.role.kv_source]
         if attn.compressor is not None:
-            publish(attn, x, positions, source)
+            publish(attn, x, index, source)
         if attn.indexer is not None:
-            select(attn.indexer, *attn.indexer.queries(x, q_lora, cos, sin), positions, source, shared)
-        offset = source.entry_offset(positions.shape[0]).repeat_interleave(positions.shape[1]).unsqueeze(-1)  # [N, 1]
-        index = torch.cat((index, torch.where(shared.topk >= 0, shared.topk + offset, -1)), dim=-1)
-    out = attn.attend_op(q, state.pool, index, attn.attn_sink, attn.scale)  # [N, H, d]
+            select(attn.indexer, *attn.indexer.queries(x, q_lora, cos, sin), index, source, shared)
+        offset = index.entry_offsets(source.offset, source.n_entries)  # [N, 1]
+        keys = torch.cat((keys, torch.where(shared.topk >= 0, shared.topk + offset, -1)), dim=-1)
+    out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
 
 
-def publish(attn, x: torch.Tensor, positions: torch.Tensor, source: StaticSource) -> None:
-    """`Attention.publish` on the static state (KV source, spec §5.2-§5.3): write the rows of
-    positions [S, T] (ratio > 1), then the entries and index keys of every candidate group the step
+def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> None:
+    """`Attention.publish` on the static state (KV source, spec §5.2-§5.3): write the rows of the
+    step's positions (ratio > 1), then the entries and index keys of every candidate group the step
     can complete; incomplete candidates go to the trash row (same writes every step, whatever the data).
-
     Candidates: ratio 1, every new token; ratio m > 1, groups start // m .. + ceil(T/m) − 1 (the
     groups whose last position may fall in the step), pooled from the rings.
     """
     kv, gate = attn.compressor.project(x)  # ratio > 1: fp32 rows [N, d]; ratio 1: latents [N, d]
     m = source.rate
     if gate is None:
-        w, complete, latents = positions, torch.ones_like(positions, dtype=torch.bool), kv
+        w, rows, latents = index.positions, index.entry_rows(1, source.n_entries), kv
     else:
-        source.kv.write(positions, kv)
-        source.gate.write(positions, gate)
-        w = positions[:, :1] // m + torch.arange(-(-positions.shape[1] // m), device=positions.device)  # [S, c]
-        complete = (w + 1) * m <= positions[:, -1:] + 1  # its last position (w+1)·m − 1 was fed
-        rows = source.kv.rows(w.unsqueeze(-1) * m + torch.arange(m, device=w.device))  # [S, c, m]
-        kv_groups = source.kv.flat()[rows].flatten(0, 1)  # [S·c, m, d]
-        gate_groups = source.gate.flat()[rows].flatten(0, 1)
+        ring_rows = index.ring_rows(source.kv)  # the kv and gate rings have the same size
+        source.kv.write_rows(ring_rows, kv)
+        source.gate.write_rows(ring_rows, gate)
+        w, _ = index.groups(m)  # [S, c]
+        group, _, _ = index.group_rows(m, False, source.kv)  # [S, c, m]
+        kv_groups = source.kv.flat()[group].flatten(0, 1)  # [S·c, m, d]
+        gate_groups = source.gate.flat()[group].flatten(0, 1)
         compressor = attn.compressor
         latents = compressor.pool_op(kv_groups, gate_groups, compressor.norm.weight, eps=compressor.norm.eps,
                                      out_dtype=x.dtype)  # [S·c, d]
+        rows = index.entry_rows(m, source.n_entries)
     # Entry w stands for position w·m; keys come from the latent before its rotation.
     cos, sin = attn.rope.cos_sin((w * m).reshape(-1))
     entries = attn.quant.entries(apply_rope(latents, cos, sin))
-    source.write_entries(w, complete, entries, attn.indexer.keys(latents, cos, sin))
+    source.write_entries(rows, entries, attn.indexer.keys(latents, cos, sin))
 
 
-def select(indexer, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, source: StaticSource,
+def select(indexer, q: torch.Tensor, weights: torch.Tensor, index: StepIndex, source: StaticSource,
            shared: SharedSlots) -> None:
     """`Indexer.select_batch` on the static state: every row scores all E index keys of its slot;
     entries it cannot see yet (w >= (p+1)//m), or outside the candidate pool on a later index source,
     are −inf and never picked. Sets shared.topk [N, min(k, E)] (ascending, −1 = none) and, on the
     candidate source, shared.candidates [N, E] (the registry's `indexer_pool`).
-
-    q [N, Hi, di], weights [N, Hi], positions [S, T].
+    q [N, Hi, di], weights [N, Hi].
     """
-    n_slots, n_tok = positions.shape
+    n_slots, n_tok = index.positions.shape
     keys = source.keys[:n_slots, : source.n_entries]  # [b, E, di] the bucket's slots
     scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
     scores = scores.flatten(0, 1)  # [N, E] fp32
-    visible = ((positions + 1) // indexer.ratio).reshape(-1)  # [N]
-    reachable = torch.arange(source.n_entries, device=q.device) < visible.unsqueeze(-1)  # [N, E]
+    reachable = index.reachable(indexer.ratio, source.n_entries)  # [N, E]
     if indexer.uses_candidates and not indexer.is_candidate_source:
         reachable = reachable & shared.candidates
     scores = scores.masked_fill(~reachable, float("-inf"))
     shared.topk = select_topk_ref(scores, indexer.topk)
     if indexer.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
+        visible = (index.flat + 1) // indexer.ratio  # [N]
         shared.candidates = indexer.pool_op(scores, visible, topk_blocks=indexer.candidate_blocks,
                                             block=indexer.candidate_block_size)
