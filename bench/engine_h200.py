@@ -201,7 +201,7 @@ def profile_table(model, context: int, probes, g) -> CapacityTable:
 def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dict:
     drafter = drafters[mode]
     budget = {"none": 0, "mtp1": 1, "dspark3": 3, "auto": "auto", "auto_async": "auto"}[mode]
-    static = {}
+    static = dict(static_decode=False)  # the dynamic path unless --static-decode (on CUDA the default is static)
     if args["static_decode"]:  # the slots hold the fabricated context + every step's tokens (≤ 16 each)
         static = dict(static_decode=True, static_context=context + 16 * (args["warmup"] + args["steps"]))
     _sync(model.device)

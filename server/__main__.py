@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=_DEFAULTS.prefill_chunk)
     p.add_argument("--capacity", default=None,
                    help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: CPU table)")
+    p.add_argument("--static-decode", choices=("auto", "on", "off"), default="auto",
+                   help="decoding rounds on static slots with CUDA graphs; auto: on for a DeepSeek-V4/V4.1 "
+                        "model on CUDA that can replay them (EngineConfig.static_decode=None)")
     p.add_argument("--state-budget-bytes", type=int, default=None,
                    help="device memory for per-request decode state; the newest requests are preempted "
                         "(and recomputed) when it runs out (default: enough for --max-running at their longest)")
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                               prefill_chunk=args.prefill_chunk, draft_tokens=args.draft_tokens,
                               drafter=args.drafter, planner=args.planner,
                               capacity=CapacityTable.load(args.capacity) if args.capacity else None,
-                              state_budget_bytes=args.state_budget_bytes)
+                              state_budget_bytes=args.state_budget_bytes,
+                              static_decode={"auto": None, "on": True, "off": False}[args.static_decode])
         engine = Engine(load_model(args.model, args.device), config)
         app = create_app(engine, model_name=args.served_model_name or args.model, api_key=args.api_key,
                          drain_s=args.drain_timeout, max_body_bytes=args.max_body_bytes)

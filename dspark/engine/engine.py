@@ -11,7 +11,8 @@ finished, aborted or preempted request are dropped at once.
 The budget governs admission and preemption; the device tensors themselves still live in
 per-request growable buffers, not in a paged device pool.
 
-With `static_decode` (DeepSeek-V4 targets), prefill stays on that dynamic path, but every decoding
+With `static_decode` (DeepSeek-V4 and V4.1 targets; the default on CUDA, see
+`EngineConfig.static_decode`), prefill stays on that dynamic path, but every decoding
 round's target call runs on a fixed pool of `max_running` static slots (`dspark.engine.static_runner`;
 CUDA-graph replays on CUDA): a request moves into the next free slot at its first round, and gives the
 slot back when it finishes, is aborted or is preempted; the live slots stay 0 .. n − 1 (the last one
@@ -69,7 +70,11 @@ class EngineConfig:
     page_bytes : page size of the state allocator; None picks the smallest power of two holding
         16 rows of the widest kind of state.
     static_decode : run every decoding round's target call on fixed static slots (CUDA graphs on
-        CUDA) instead of the dynamic ragged path; DeepSeek-V4 targets only. Prefill stays dynamic.
+        CUDA) instead of the dynamic ragged path; DeepSeek-V4 / V4.1 targets only. Prefill stays
+        dynamic. None (default): on exactly when it can replay graphs (`static_by_default`): a V4 /
+        V4.1 target on one CUDA device with the Triton MoE (the torch reference MoE reads expert counts
+        on the host) and, for V4.1, Engram tables on the device; off on the CPU, where the static step
+        runs eagerly and gains nothing.
     static_context : positions one static slot holds (prompt + new tokens of any request); None:
         max_prompt_tokens + max_new_tokens. The slots' memory grows with max_running × this.
     draft_seed : seed of the device generator that sampled DSpark drafts are drawn with under
@@ -88,7 +93,7 @@ class EngineConfig:
     trace: bool = False
     state_budget_bytes: int | None = None
     page_bytes: int | None = None
-    static_decode: bool = False
+    static_decode: bool | None = None
     static_context: int | None = None
     draft_seed: int = 0
 
@@ -104,14 +109,14 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {value!r}")
-        if not isinstance(self.static_decode, bool):
-            raise ValueError(f"static_decode must be a bool, got {self.static_decode!r}")
+        if self.static_decode is not None and not isinstance(self.static_decode, bool):
+            raise ValueError(f"static_decode must be None (auto) or a bool, got {self.static_decode!r}")
         if self.static_context is not None:
             context = self.static_context
             if isinstance(context, bool) or not isinstance(context, int) or context < 2:
                 raise ValueError(f"static_context must be None or an int >= 2, got {self.static_context!r}")
-            if not self.static_decode:
-                raise ValueError(f"static_context={self.static_context} needs static_decode=True")
+            if self.static_decode is False:
+                raise ValueError(f"static_context={self.static_context} needs static_decode=True or None (auto)")
         if isinstance(self.draft_seed, bool) or not isinstance(self.draft_seed, int) or self.draft_seed < 0:
             raise ValueError(f"draft_seed must be a non-negative int, got {self.draft_seed!r}")
 
@@ -143,7 +148,8 @@ class Engine:
         self.round_config = RoundConfig(config.draft_tokens, config.planner, config.capacity or default_cpu_table())
         self.eos = frozenset(_eos_ids(model.config))
         self.scheduler = _scheduler(model, self.drafter, config)
-        self.slots, self.runner, self.static_draft = (_static_path(model, self.drafter, config) if config.static_decode
+        self.static = static_by_default(model) if config.static_decode is None else config.static_decode
+        self.slots, self.runner, self.static_draft = (_static_path(model, self.drafter, config) if self.static
                                                       else (None, None, None))
         self._ids = itertools.count()
         self._trace: list[dict] = []
@@ -296,7 +302,7 @@ class Engine:
         if not self.scheduler.fits(len(prompt_ids), max_new_tokens):
             raise ValueError(f"prompt: {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} need more decode "
                              f"state than state_budget_bytes={self.config.state_budget_bytes} holds")
-        if self.config.static_decode and len(prompt_ids) + max_new_tokens > self.config.slot_context:
+        if self.static and len(prompt_ids) + max_new_tokens > self.config.slot_context:
             raise ValueError(f"prompt: {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceed "
                              f"static_context={self.config.slot_context}")
         if request_id is not None and any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
@@ -307,6 +313,20 @@ def _verify_width(drafter, config: EngineConfig) -> int:
     """Target rows of one verify call at most: the anchor + the largest verification budget."""
     gamma = 0 if drafter is None else drafter.block_size
     return 1 + (gamma if config.draft_tokens == "auto" else min(config.draft_tokens, gamma))
+
+
+def static_by_default(model) -> bool:
+    """`EngineConfig.static_decode=None`: static slots and CUDA graphs exactly where they replay —
+    a whole (not parallelised) DeepSeek-V4 / V4.1 target on CUDA with the Triton MoE and, for V4.1,
+    every Engram table on the device."""
+    if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)) or model.device.type != "cuda":
+        return False
+    if getattr(model, "kernels", None) is None or model.kernels.fused_moe != "triton":
+        return False
+    if any(type(m).__module__.startswith("dspark.distributed") for m in model.modules()):
+        return False  # sharded layers run collectives: the static step is for one device
+    return not any(layer.engram is not None and layer.engram.embed.host
+                   for layer in model.layers if hasattr(layer, "engram"))
 
 
 def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner, StaticDraftRunner | None]:

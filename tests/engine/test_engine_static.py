@@ -18,7 +18,8 @@ from scipy.stats import chisquare
 
 import dspark
 from dspark.draft import DSparkConfig, DSparkDrafter, MtpDrafter
-from dspark.engine import Engine, EngineConfig, EngineFull
+from dspark.engine import Engine, EngineConfig
+from dspark.engine.engine import EngineFull, static_by_default
 from dspark.engine.slots import SlotMove, SlotState, SlotTable, bucket, buckets
 from dspark.sampling import SamplingParams
 
@@ -232,11 +233,22 @@ def test_static_draft_runner_refuses_a_draft_state_behind_its_target(tiny):
         drafting.load(1, drafting.static.drafter.new_state(), 5)
 
 
+def test_static_decode_default_is_off_on_the_cpu(tiny):
+    """None (auto) picks the static path only where graphs replay (CUDA, Triton MoE): on the CPU the
+    default engine runs the dynamic path, and True still forces the static one."""
+    assert EngineConfig().static_decode is None
+    assert not static_by_default(tiny)
+    engine = Engine(tiny, EngineConfig(max_running=2, **LIMITS))
+    assert not engine.static and engine.runner is None
+    forced = Engine(tiny, EngineConfig(max_running=2, static_decode=True, **LIMITS))
+    assert forced.static and forced.runner is not None
+
+
 def test_static_decode_is_validated(tiny):
-    with pytest.raises(ValueError, match="static_decode must be a bool"):
+    with pytest.raises(ValueError, match="static_decode must be None \\(auto\\) or a bool, got 1"):
         EngineConfig(static_decode=1)
-    with pytest.raises(ValueError, match="static_context=64 needs static_decode=True"):
-        EngineConfig(static_context=64)
+    with pytest.raises(ValueError, match="static_context=64 needs static_decode=True or None"):
+        EngineConfig(static_decode=False, static_context=64)
     with pytest.raises(ValueError, match="static_context must be None or an int >= 2, got 1"):
         EngineConfig(static_decode=True, static_context=1)
     with pytest.raises(ValueError, match="draft_seed must be a non-negative int, got -1"):

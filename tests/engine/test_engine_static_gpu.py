@@ -14,6 +14,7 @@ import torch
 import dspark
 from dspark.draft import DSparkConfig, DSparkDrafter
 from dspark.engine import Engine, EngineConfig
+from dspark.engine.engine import static_by_default
 from dspark.engine.slots import buckets
 from dspark.kernels import KernelConfig
 from dspark.sampling import SamplingParams
@@ -67,7 +68,7 @@ def test_static_decode_graphs_equal_the_default_engine(mode, monkeypatch):
     drafter = {"none": {}, "ngram_auto": dict(draft_tokens="auto", drafter="ngram"),
                "dspark3": dict(draft_tokens=3, drafter=dsp), "dspark_auto": dict(draft_tokens="auto", drafter=dsp)}[mode]
     prompts = _prompts()
-    default, default_trace, _ = _run(model, prompts, **drafter)
+    default, default_trace, _ = _run(model, prompts, static_decode=False, **drafter)
     if mode.startswith("dspark"):
         _forbid_dynamic_propose(monkeypatch)
     static, static_trace, engine = _run(model, prompts, static_decode=True, **drafter)
@@ -93,7 +94,7 @@ def test_static_decode_sampled_dspark_rounds_run_and_free_their_slots(monkeypatc
     model, dsp = _model_and_drafter()
     prompts = _prompts()
     params = lambda i: SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams()  # noqa: E731
-    default, _, _ = _run(model, prompts, params, draft_tokens=3, drafter=dsp)
+    default, _, _ = _run(model, prompts, params, draft_tokens=3, drafter=dsp, static_decode=False)
     _forbid_dynamic_propose(monkeypatch)
     static, trace, engine = _run(model, prompts, params, draft_tokens=3, drafter=dsp, static_decode=True)
     assert engine.static_draft.generator.device.type == "cuda"
@@ -101,3 +102,20 @@ def test_static_decode_sampled_dspark_rounds_run_and_free_their_slots(monkeypatc
     assert all(len(static[f"r{i}"]) == 16 or static[f"r{i}"][-1] == model.config.eos_token_id for i in (1, 3))
     assert sum(accepted for _, accepted in trace) > 0
     assert engine.slots.free == engine.slots.slots and not engine.has_work()
+
+
+@pytest.mark.gpu
+def test_static_decode_is_the_default_on_cuda():
+    """EngineConfig(static_decode=None): a V4 target on CUDA with the Triton MoE takes the static path
+    (its greedy tokens are the dynamic path's); with the torch reference
+    MoE, which reads expert counts on the host, it stays dynamic."""
+    model, _ = _model_and_drafter()
+    assert static_by_default(model)
+    prompts = _prompts()
+    auto, _, engine = _run(model, prompts)
+    dynamic, _, _ = _run(model, prompts, static_decode=False)
+    assert engine.static and engine.runner.graphs and engine.replayed
+    assert auto == dynamic
+    config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
+    reference = dspark.init_model(config, seed=0, device="cuda", kernels=KernelConfig.uniform("ref"))
+    assert not static_by_default(reference)
