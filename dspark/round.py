@@ -83,11 +83,14 @@ def _draft(drafter, live: list[Request]):
         prop = drafter.propose([live[b].dstate for b in members], [anchors[b] for b in members],
                                live[members[0]].params, [live[b].generator for b in members])
         z = getattr(prop, "confidence_logits", None)  # duck-typed proposals may predate the field
+        # One host copy per group, not per request (each copy waits for the device).
+        group_tokens, group_conf = prop.tokens.tolist(), prop.confidence.float().cpu()
+        group_logits = z.float().cpu() if z is not None else None
         for j, b in enumerate(members):
-            tokens[b] = prop.tokens[j].tolist()
+            tokens[b] = group_tokens[j]
             probs[b] = prop.probs[j] if prop.probs is not None else None
-            conf[b] = prop.confidence[j].float().cpu()
-            logits[b] = z[j].float().cpu() if z is not None else None
+            conf[b] = group_conf[j]
+            logits[b] = group_logits[j] if group_logits is not None else None
     return tokens, probs, torch.stack(conf), logits
 
 
@@ -124,21 +127,48 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
     blocks = [[a] + d[:n] for a, d, n in zip(anchors, drafts, plan.draft_lens)]
     starts = [r.state.length for r in live]
     out, offsets = (forward or partial(_forward, model))(live, blocks, drafter)  # verify
+    targets = _greedy_targets(out.logits, live, blocks, offsets)
     for b, (req, block, off) in enumerate(zip(live, blocks, offsets)):
         n = len(block) - 1
-        q = probs[b][:n] if probs[b] is not None else None
-        accepted, nxt = verify_chain(torch.tensor(block[1:], dtype=torch.long, device=out.logits.device), q,
-                                     out.logits[off:off + n + 1], req.params, req.generator)
-        accepted = int(accepted)
+        if b in targets:
+            accepted, nxt = accept_greedy(block[1:], targets[b])
+        else:
+            q = probs[b][:n] if probs[b] is not None else None
+            accepted, nxt = verify_chain(torch.tensor(block[1:], dtype=torch.long, device=out.logits.device), q,
+                                         out.logits[off:off + n + 1], req.params, req.generator)
+            accepted, nxt = int(accepted), int(nxt)
         req.state.truncate(starts[b] + 1 + accepted)                             # commit
         if draft is None:
             _observe(drafter, req, out, slice(off, off + accepted + 1), block[:accepted + 1])
         req.stats.record_round(n, accepted, drafter.block_size if drafter else 0)
         position = len(req.out)
-        kept = req.commit(block[1:accepted + 1] + [int(nxt)])
+        kept = req.commit(block[1:accepted + 1] + [nxt])
         if trace is not None:
             trace.append(_trace_record(req, drafts[b], confidence, logits[b], b, n, accepted, kept, position,
                                        len(live)))
+
+
+def _greedy_targets(logits: torch.Tensor, live: list[Request], blocks: list[list[int]],
+                    offsets: list[int]) -> dict[int, list[int]]:
+    """{b: target argmax ids of request b's rows} for every greedy request: one argmax over all N rows
+    [N, V] and one host copy for the whole round, instead of a verify call and two host reads per
+    request (what made the host side grow with the batch). The argmax is `verify_greedy`'s (ties to
+    the lowest id), so acceptance is unchanged."""
+    greedy = [b for b, req in enumerate(live) if req.params.greedy]
+    if not greedy:
+        return {}
+    ids = logits.argmax(dim=-1).tolist()  # [N]
+    return {b: ids[offsets[b]:offsets[b] + len(blocks[b])] for b in greedy}
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> tuple[int, int]:
+    """Greedy verification on host ids: (accepted, next token) for drafts [k] and the target argmax
+    of their k + 1 rows — the leading run of drafts equal to the target, then the target's token
+    at the first mismatch (or the bonus row)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n, targets[n]
 
 
 def _trace_record(req: Request, draft: list[int], confidence, logits, b: int, verified: int, accepted: int,

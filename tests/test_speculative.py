@@ -97,3 +97,24 @@ def test_bad_drafter_names_are_refused(tiny):
         dspark.generate(tiny, [1, 2, 3], draft_tokens=2, drafter="nonsense")
     with pytest.raises(ValueError, match="lacks"):
         dspark.generate(tiny, [1, 2, 3], draft_tokens=2, drafter=object())
+
+
+def test_greedy_rounds_verify_in_one_batched_host_read(tiny, monkeypatch):
+    """A round's greedy requests are verified from one argmax over every row and one host copy, never
+    through the per-request `verify_chain` (two device reads each); sampled requests still use it."""
+    import dspark.round as round_module
+
+    calls = []
+    original = round_module.verify_chain
+
+    def counting(*args, **kwargs):
+        calls.append(args[3].greedy)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(round_module, "verify_chain", counting)
+    prompts = _repetitive_prompts(4, seed=5)
+    greedy = dspark.generate(tiny, prompts, max_new_tokens=8, draft_tokens=3, drafter=NgramDrafter(GAMMA))
+    assert calls == [] and all(len(out.token_ids) >= 1 for out in greedy)
+    dspark.generate(tiny, [1, 2, 3, 1, 2, 3], max_new_tokens=4, draft_tokens=3, drafter=NgramDrafter(GAMMA),
+                    temperature=1.0, seed=0)
+    assert calls and not any(calls)

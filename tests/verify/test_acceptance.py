@@ -231,3 +231,20 @@ def test_accepted_count_and_residual_laws_chi_square():
     assert (after_reject[~support] == 0).all()
     exp = after_reject.sum() * residual[support]
     assert chisquare(after_reject[support].numpy(), exp.numpy())[1] > 1e-3
+
+
+def test_host_greedy_acceptance_equals_verify_greedy():
+    """`round.accept_greedy` on host argmax ids (the batched round's greedy path) agrees with
+    `verify_greedy` on the logits, including planted ties (lowest id wins in both)."""
+    from dspark.round import accept_greedy
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        k, vocab = int(torch.randint(0, 6, (1,), generator=g)), 7
+        logits = torch.randn(k + 1, vocab, generator=g)
+        if trial % 3 == 0:  # a tie between two ids on some rows
+            logits[:, 5] = logits[:, 2]
+        target = logits.argmax(-1)
+        drafts = torch.where(torch.rand(k, generator=g) < 0.7, target[:k], torch.randint(0, vocab, (k,), generator=g))
+        expected = verify_greedy(drafts, logits)
+        assert accept_greedy(drafts.tolist(), target.tolist()) == (int(expected[0]), int(expected[1]))
