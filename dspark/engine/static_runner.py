@@ -88,8 +88,9 @@ class StaticRunner:
             if not isinstance(req.state, SlotState):
                 raise ValueError(f"request {req.request_id!r} holds no static slot (state {type(req.state).__name__})")
         slots = bucket(max((req.state.slot for req in requests), default=0) + 1, self.shape.slots)
-        ids = torch.zeros(slots, tokens, dtype=torch.long)  # [b, t] host; padding rows: token 0
-        starts = torch.zeros(slots, dtype=torch.long)  # [b] host; free slots: position 0
+        # Host lists, one tensor each at the end (a tensor write per request costs more than the list).
+        ids = [[0] * tokens for _ in range(slots)]  # [b, t]; padding rows: token 0
+        starts = [0] * slots  # [b]; free slots: position 0
         rows, offsets, seen = [], [], set()
         for req, block in zip(requests, blocks):
             state = req.state
@@ -98,7 +99,7 @@ class StaticRunner:
             if state.slot in seen:
                 raise ValueError(f"slot {state.slot} fed twice in one call")
             seen.add(state.slot)
-            ids[state.slot, : len(block)] = torch.tensor(block, dtype=torch.long)
+            ids[state.slot][: len(block)] = block
             starts[state.slot] = state.length
             offsets.append(len(rows))
             rows.extend(range(state.slot * tokens, state.slot * tokens + len(block)))
