@@ -251,7 +251,7 @@ def run_decode(model, drafters, args, clock, share_s, results, skipped, g):
         results["capacity"][str(context)] = table.to_dict()
         last: dict[str, tuple[int, float]] = {}
         for requests in args["requests"]:
-            for mode in MODES:
+            for mode in args["modes"]:
                 if mode not in drafters:
                     skipped.append({"phase": "decode", "mode": mode, "requests": requests, "context": context,
                                     "why": "drafter unavailable"})
@@ -420,8 +420,22 @@ def main() -> None:
                          "auto vs fixed-budget comparison less noisy")
     ap.add_argument("--config", default=None,
                     help="shipped config name (default v4-mini; smoke tiny-v4), e.g. v41-mini for the V4.1 analogue")
+    ap.add_argument("--requests", default=None, help="comma list: the decode grid's request counts")
+    ap.add_argument("--modes", default=None, help=f"comma list of decode modes (default all: {','.join(MODES)})")
+    ap.add_argument("--contexts", default=None, help="comma list of decode contexts (default 4096,32768)")
+    ap.add_argument("--decode-only", action="store_true", help="skip the HF peer and the prefill phase")
     cli = ap.parse_args()
     args = dict(SMOKE if cli.smoke else FULL)
+    for name, parse in (("requests", int), ("contexts", int), ("modes", str)):
+        value = getattr(cli, name)
+        if value is not None:
+            items = tuple(parse(v) for v in value.split(","))
+            if name == "modes" and not set(items) <= set(MODES):
+                raise ValueError(f"--modes {value!r}: each must be one of {MODES}")
+            if name != "modes" and (not items or min(items) < 1):
+                raise ValueError(f"--{name} must list positive ints, got {value!r}")
+            args[name] = items
+    args.setdefault("modes", MODES)
     if cli.config:
         args["config"] = cli.config
     if cli.steps is not None:
@@ -459,6 +473,8 @@ def main() -> None:
     results["roofline"] = active_bytes(model, args["contexts"][0])
     # time kept back for the phases after each context's decode grid: 32K decode, peer and prefill
     keep = {args["contexts"][0]: 0.45 * budget, args["contexts"][-1]: 0.2 * budget}
+    if cli.decode_only:  # nothing after the decode grid: the contexts share the budget
+        keep = {ctx: budget * (1 - (i + 1) / len(args["contexts"])) for i, ctx in enumerate(args["contexts"])}
     def save():  # after every phase, so a run cut short still leaves what it measured
         summarise(results, args)
         results["elapsed_s"] = budget - clock.left()
@@ -467,10 +483,11 @@ def main() -> None:
 
     run_decode(model, drafters, args, clock, keep, results, results["skipped"], g)
     save()
-    run_peer(config, args, device, results)
-    save()
-    run_prefill(model, args, clock, results, results["skipped"], g)
-    save()
+    if not cli.decode_only:
+        run_peer(config, args, device, results)
+        save()
+        run_prefill(model, args, clock, results, results["skipped"], g)
+        save()
     print(json.dumps(results["summary"], indent=1))
 
 

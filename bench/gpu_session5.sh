@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session5.sh profile; bash bench/gpu_session5.sh graphs", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session5.sh v41; bash bench/gpu_session5.sh engine")
+#   run(command="bash bench/gpu_session5.sh host")
 #   run(command="bash bench/gpu_session5.sh buckets")
 #   run(command="bash bench/gpu_session5.sh kernels")
 #   run(command="bash bench/gpu_session5.sh engram", kind="nvidia-h200-x2")
@@ -35,6 +36,16 @@ logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/N
 part_profile() {
   logged graph_profile 200 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200.json"
   grep -h "^{" $W/logs/graph_profile.txt | cut -c1-1500
+}
+
+part_host() {  # after StepIndex, batched greedy verification and the static default: tests, launch sites, engine rows
+  logged host_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_engine_static_gpu.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  logged host_profile 150 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-index.json"
+  logged host_engine 200 python3 bench/engine_h200.py --static-decode --requests 1,8,64 --modes none,dspark3 \
+    --contexts 4096 --decode-only --steps 8 --budget-s 150 --out "$OUT/engine-h200-static-host.json"
+  tail -n 3 $W/logs/host_tests.txt; grep -h "^{" $W/logs/host_profile.txt | cut -c1-2500
+  grep -h '"mode"' $W/logs/host_engine.txt | cut -c1-260
 }
 
 part_graphs() {

@@ -24,12 +24,14 @@ The smoke run (tiny-v4 or tiny-v41, fp32, torch references, no graph) checks the
 `--profile` adds, per cell, where the step's time goes: `torch.profiler` over `steps` calls of the
 graph replay (CPU: the eager static step), kernel time summed per kernel name (top 25 by time, with
 calls per step), the summed kernel time per step against the wall time per step (what is left is
-idle device time: launch gaps), and the kernel launches per step.
+idle device time: launch gaps), the kernel launches per step, and (CUDA) which source lines launch
+the torch kernels (`launch_sites`: the eager step with stacks).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -107,6 +109,34 @@ def kernel_profile(fn, device, steps: int, top: int = 25) -> dict:
             "busy_fraction": busy / wall_us if wall_us else None, "top": rows[:top]}
 
 
+def launch_sites(fn, steps: int, top: int = 40) -> dict:
+    """Kernel launches per step by the innermost `dspark/` source line of the torch op that launched
+    them (the eager static step under `torch.profiler` with stacks; Triton launches are not torch ops
+    and are counted apart, as `triton` by kernel name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    sites: dict[str, list] = {}
+    for event in prof.events():
+        kernels = getattr(event, "kernels", None) or []
+        if not kernels or event.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        frames = [f for f in (event.stack or []) if "dspark/" in f]
+        site = frames[0].split("dspark/", 1)[1] if frames else f"(no dspark frame) {event.name}"
+        entry = sites.setdefault(site, [0, collections.Counter()])
+        entry[0] += len(kernels)
+        entry[1][event.name] += len(kernels)
+    rows = sorted(({"site": site[:160], "launches_per_step": n / steps,
+                    "ops": {k: v / steps for k, v in ops.most_common(6)}} for site, (n, ops) in sites.items()),
+                  key=lambda r: -r["launches_per_step"])
+    return {"steps": steps, "torch_launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
+
+
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context."""
     device, context = model.device, args["context"]
@@ -139,14 +169,21 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
         target = graph.replay if graph is not None else (lambda: decoder.step(ids, starts))
         row["profile"] = kernel_profile(target, device, args["steps"])
         row["profile"]["of"] = "graph replay" if graph is not None else "static eager step"
+        if device.type == "cuda":
+            row["launch_sites"] = launch_sites(lambda: decoder.step(ids, starts), 3)
     for key in ("dynamic", "static_eager", "graph"):
         if f"{key}_ms" in row:
             row[f"{key}_tok_s_total"] = n_req / (row[f"{key}_ms"] / 1e3)
-    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "launch_sites")}), flush=True)
     if profile:
         summary = {k: v for k, v in row["profile"].items() if k != "top"}
         print(json.dumps({"profile": summary, "top": [(r["name"][:60], round(r["us_per_step"], 1), r["calls_per_step"])
                                                        for r in row["profile"]["top"][:12]]}), flush=True)
+        if "launch_sites" in row:
+            sites = row["launch_sites"]
+            print(json.dumps({"torch_launches_per_step": sites["torch_launches_per_step"],
+                              "sites": [(r["site"][-70:], r["launches_per_step"]) for r in sites["top"][:30]]}),
+                  flush=True)
     return row
 
 

@@ -49,3 +49,20 @@ def test_engine_bench_smoke_static_decode_runs_every_decode_cell_on_static_slots
         assert d["static_decode"] is True and d["step_ms"] > 0 and d["engine_build_s"] >= 0
         assert d["static_drafter"] is (d["mode"] in ("dspark3", "auto", "auto_async")) and d["draft_graphs"] is False
         assert d["mean_drafts_verified_per_request"] == {"none": 0, "mtp1": 1, "dspark3": 3}.get(d["mode"], d["mean_drafts_verified_per_request"])
+
+
+def test_engine_bench_grid_options_restrict_the_decode_grid(tmp_path):
+    """`--requests / --modes / --contexts / --decode-only` run exactly that grid and no peer or prefill;
+    an unknown mode is refused by name."""
+    out = tmp_path / "engine-grid.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "engine_h200.py"), "--smoke", "--requests", "2",
+                    "--modes", "none,dspark3", "--contexts", "40", "--decode-only", "--out", str(out)],
+                   check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert {(d["mode"], d["requests"], d["context"]) for d in r["decode"]} == {("none", 2, 40), ("dspark3", 2, 40)}
+    assert r["prefill"] == [] and "peer" not in r
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_h200.py"), "--smoke", "--modes", "fast",
+                          "--out", str(tmp_path / "bad.json")], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "--modes 'fast'" in bad.stderr
