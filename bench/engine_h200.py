@@ -471,10 +471,10 @@ def main() -> None:
     if cli.smoke:
         results["fabrication_check"] = [check_fabrication(model, None, n) for n in (37, 64)]
     results["roofline"] = active_bytes(model, args["contexts"][0])
-    # time kept back for the phases after each context's decode grid: 32K decode, peer and prefill
+    # each context's decode phase gets this share of the budget (the rest: 32K decode, peer and prefill)
     keep = {args["contexts"][0]: 0.45 * budget, args["contexts"][-1]: 0.2 * budget}
-    if cli.decode_only:  # nothing after the decode grid: the contexts share the budget
-        keep = {ctx: budget * (1 - (i + 1) / len(args["contexts"])) for i, ctx in enumerate(args["contexts"])}
+    if cli.decode_only:  # nothing after the decode grid: each context's phase gets an equal share
+        keep = {ctx: 0.95 * budget / len(args["contexts"]) for ctx in args["contexts"]}
     def save():  # after every phase, so a run cut short still leaves what it measured
         summarise(results, args)
         results["elapsed_s"] = budget - clock.left()

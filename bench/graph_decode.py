@@ -126,7 +126,10 @@ def launch_sites(fn, steps: int, top: int = 40) -> dict:
         kernels = getattr(event, "kernels", None) or []
         if not kernels or event.device_type == torch.autograd.DeviceType.CUDA:
             continue
-        frames = [f for f in (event.stack or []) if "dspark/" in f]
+        owner = event  # nested ops (aten::copy_ under aten::to) carry no stack: take the nearest caller's
+        while owner is not None and not owner.stack:
+            owner = owner.cpu_parent
+        frames = [f for f in (owner.stack if owner is not None else []) if "dspark/" in f]
         site = frames[0].split("dspark/", 1)[1] if frames else f"(no dspark frame) {event.name}"
         entry = sites.setdefault(site, [0, collections.Counter()])
         entry[0] += len(kernels)
