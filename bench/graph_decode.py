@@ -24,8 +24,8 @@ The smoke run (tiny-v4 or tiny-v41, fp32, torch references, no graph) checks the
 `--profile` adds, per cell, where the step's time goes: `torch.profiler` over `steps` calls of the
 graph replay (CPU: the eager static step), kernel time summed per kernel name (top 25 by time, with
 calls per step), the summed kernel time per step against the wall time per step (what is left is
-idle device time: launch gaps), the kernel launches per step, and (CUDA) which source lines launch
-the torch kernels (`launch_sites`: the eager step with stacks).
+idle device time: launch gaps), the kernel launches per step, and which functions dispatch the
+step's torch ops (`op_sites`: one eager static step under a dispatch mode; views left out).
 """
 
 from __future__ import annotations
@@ -109,35 +109,42 @@ def kernel_profile(fn, device, steps: int, top: int = 25) -> dict:
             "busy_fraction": busy / wall_us if wall_us else None, "top": rows[:top]}
 
 
-def launch_sites(fn, steps: int, top: int = 40) -> dict:
-    """Kernel launches per step by the innermost `dspark/` source line of the torch op that launched
-    them (the eager static step under `torch.profiler` with stacks; Triton launches are not torch ops
-    and are counted apart, as `triton` by kernel name)."""
-    from torch.profiler import ProfilerActivity, profile
+# Ops that only make views or metadata (no kernel): left out of `op_sites`' counts.
+VIEW_OPS = {"view", "_unsafe_view", "expand", "t", "unsqueeze", "squeeze", "reshape", "select", "slice",
+            "as_strided", "transpose", "permute", "alias", "split", "unbind", "split_with_sizes", "flatten",
+            "chunk", "narrow", "unflatten", "detach", "empty", "empty_strided", "view_as_real", "_reshape_alias"}
+
+
+def op_sites(fn, top: int = 40) -> dict:
+    """The torch ops one call of fn() dispatches (views left out: each of the rest is about one kernel
+    launch), by the innermost `dspark/` function on the Python stack (a `TorchDispatchMode`, so it
+    works on any device; Triton launches are not torch ops and are not counted)."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sites = collections.Counter()
+            self.ops = collections.defaultdict(collections.Counter)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in VIEW_OPS:
+                frames = [f for f in traceback.extract_stack()[:-1] if "/dspark/" in f.filename]
+                site = (f"{frames[-1].filename.split('/dspark/')[-1]}:{frames[-1].name}" if frames else "(outside)")
+                self.sites[site] += 1
+                self.ops[site][name] += 1
+            return func(*args, **(kwargs or {}))
 
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    sites: dict[str, list] = {}
-    for event in prof.events():
-        kernels = getattr(event, "kernels", None) or []
-        if not kernels or event.device_type == torch.autograd.DeviceType.CUDA:
-            continue
-        owner = event  # nested ops (aten::copy_ under aten::to) carry no stack: take the nearest caller's
-        while owner is not None and not owner.stack:
-            owner = owner.cpu_parent
-        frames = [f for f in (owner.stack if owner is not None else []) if "dspark/" in f]
-        site = frames[0].split("dspark/", 1)[1] if frames else f"(no dspark frame) {event.name}"
-        entry = sites.setdefault(site, [0, collections.Counter()])
-        entry[0] += len(kernels)
-        entry[1][event.name] += len(kernels)
-    rows = sorted(({"site": site[:160], "launches_per_step": n / steps,
-                    "ops": {k: v / steps for k, v in ops.most_common(6)}} for site, (n, ops) in sites.items()),
-                  key=lambda r: -r["launches_per_step"])
-    return {"steps": steps, "torch_launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
+    counter = Count()
+    with counter:
+        fn()
+    rows = [{"site": site, "ops": n, "top_ops": dict(counter.ops[site].most_common(5))}
+            for site, n in counter.sites.most_common(top)]
+    return {"torch_ops_per_step": sum(counter.sites.values()), "top": rows}
 
 
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False) -> dict:
@@ -172,21 +179,18 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
         target = graph.replay if graph is not None else (lambda: decoder.step(ids, starts))
         row["profile"] = kernel_profile(target, device, args["steps"])
         row["profile"]["of"] = "graph replay" if graph is not None else "static eager step"
-        if device.type == "cuda":
-            row["launch_sites"] = launch_sites(lambda: decoder.step(ids, starts), 3)
+        row["op_sites"] = op_sites(lambda: decoder.step(ids, starts))
     for key in ("dynamic", "static_eager", "graph"):
         if f"{key}_ms" in row:
             row[f"{key}_tok_s_total"] = n_req / (row[f"{key}_ms"] / 1e3)
-    print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "launch_sites")}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "op_sites")}), flush=True)
     if profile:
         summary = {k: v for k, v in row["profile"].items() if k != "top"}
         print(json.dumps({"profile": summary, "top": [(r["name"][:60], round(r["us_per_step"], 1), r["calls_per_step"])
                                                        for r in row["profile"]["top"][:12]]}), flush=True)
-        if "launch_sites" in row:
-            sites = row["launch_sites"]
-            print(json.dumps({"torch_launches_per_step": sites["torch_launches_per_step"],
-                              "sites": [(r["site"][-70:], r["launches_per_step"]) for r in sites["top"][:30]]}),
-                  flush=True)
+        sites = row["op_sites"]
+        print(json.dumps({"torch_ops_per_step": sites["torch_ops_per_step"],
+                          "sites": [(r["site"][-60:], r["ops"]) for r in sites["top"][:30]]}), flush=True)
     return row
 
 
