@@ -14,7 +14,8 @@ Fused pipeline (no host sync; CUDA-graph capturable):
 
 1. router kernel: logits = x·W_gᵀ in fp32, s = sqrt(softplus(logits)), top-k of s + bias by K
    rounds of argmax (or ids = tid2eid[token_ids] for hash layers), weights = s[ids] renormalised
-   × routed_scaling_factor;
+   × routed_scaling_factor (up to ROUTE_DECODE_MAX_TOKENS tokens the logits GEMM is split over the
+   GPU instead, and a second kernel runs the same epilogue: `moe_route_decode`);
 2. packing (torch, sort by expert): the N·K (token, slot) assignments grouped by expert, each
    group padded to a multiple of BLOCK_M, in a buffer sized by the static bound N·K + min(N·K, E)·
    (BLOCK_M − 1), so that each M-block holds one expert; unused blocks are skipped by the kernels;
