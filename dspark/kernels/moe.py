@@ -14,7 +14,8 @@ Fused pipeline (no host sync; CUDA-graph capturable):
 
 1. router kernel: logits = x·W_gᵀ in fp32, s = sqrt(softplus(logits)), top-k of s + bias by K
    rounds of argmax (or ids = tid2eid[token_ids] for hash layers), weights = s[ids] renormalised
-   × routed_scaling_factor;
+   × routed_scaling_factor (up to ROUTE_DECODE_MAX_TOKENS tokens the logits GEMM is split over the
+   GPU instead, and a second kernel runs the same epilogue: `moe_route_decode`);
 2. packing (torch, sort by expert): the N·K (token, slot) assignments grouped by expert, each
    group padded to a multiple of BLOCK_M, in a buffer sized by the static bound N·K + min(N·K, E)·
    (BLOCK_M − 1), so that each M-block holds one expert; unused blocks are skipped by the kernels;
@@ -194,29 +195,11 @@ def _sqrt_softplus(logits):
 
 
 @_jit
-def _moe_route_kernel(
-    x_ptr, gw_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
-    n_tok, dim, n_exp, scaling,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, HASH: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    """Router for BLOCK_T tokens: logits over all E experts in registers, then K argmax rounds.
+def _route_pick(logits, offs_t, t_mask, offs_e, e_mask, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
+                scaling, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, HASH: tl.constexpr):
+    """The router's epilogue for fp32 logits [BLOCK_T, E_PAD] of tokens offs_t (shared by the prefill
+    kernel and `moe_route_decode`): scores, the K picks and their renormalised, scaled weights, stored.
     Taken and padded experts are masked with -3e38, not -inf: finite, and below any real score."""
-    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t_mask = offs_t < n_tok
-    offs_e = tl.arange(0, E_PAD)
-    e_mask = offs_e < n_exp
-    logits = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
-    for k0 in range(0, dim, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < dim
-        xa = tl.load(x_ptr + offs_t[:, None] * dim + offs_k[None, :],
-                     mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-        wg = tl.load(gw_ptr + offs_e[:, None] * dim + offs_k[None, :],
-                     mask=e_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_FP32:
-            xa = xa.to(tl.float32)
-        logits = _dot(xa, wg.to(xa.dtype), logits, DOT_FP32)  # bf16: exact products, fp32 sums
     scores = _sqrt_softplus(logits)
     if HASH:
         tok = tl.load(tok_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
@@ -240,6 +223,33 @@ def _moe_route_kernel(
     out_mask = t_mask[:, None] & (offs_kk[None, :] < TOP_K)
     tl.store(w_out_ptr + out_off, weights, mask=out_mask)
     tl.store(id_out_ptr + out_off, ids, mask=out_mask)
+
+
+@_jit
+def _moe_route_kernel(
+    x_ptr, gw_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
+    n_tok, dim, n_exp, scaling,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, HASH: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Router for BLOCK_T tokens: logits over all E experts in registers, then `_route_pick`."""
+    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    offs_e = tl.arange(0, E_PAD)
+    e_mask = offs_e < n_exp
+    logits = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+    for k0 in range(0, dim, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < dim
+        xa = tl.load(x_ptr + offs_t[:, None] * dim + offs_k[None, :],
+                     mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        wg = tl.load(gw_ptr + offs_e[:, None] * dim + offs_k[None, :],
+                     mask=e_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_FP32:
+            xa = xa.to(tl.float32)
+        logits = _dot(xa, wg.to(xa.dtype), logits, DOT_FP32)  # bf16: exact products, fp32 sums
+    _route_pick(logits, offs_t, t_mask, offs_e, e_mask, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
+                scaling, TOP_K, K_PAD, BLOCK_T, HASH)
 
 
 @_jit
@@ -451,9 +461,31 @@ def _launch_down(h, w2, block_expert, n_rows, tiles):
     return out
 
 
+# Router calls of at most this many tokens take `moe_route_decode` (split-K logits over ~128 programs,
+# then a select kernel) instead of `_moe_route_kernel`, whose grid is one program per 16 tokens, each
+# looping over all of D: up to 256 tokens that is <= 16 of the H200's 132 SMs, and its time stays at
+# its serial floor (31-32 µs for v4-mini, 66-69 µs for V4-Flash at 1, 8, 64 and 256 tokens in
+# bench/results/kernels-h200.json). `bench/route_decode.py` times both paths at 1 to 4096 tokens.
+ROUTE_DECODE_MAX_TOKENS = 256
+
+
 def moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
               routed_scaling_factor: float, hash_routing: bool):
-    """Fused `moe_route_ref` (same signature): one kernel, logits never leave registers."""
+    """Fused `moe_route_ref` (same signature): up to ROUTE_DECODE_MAX_TOKENS tokens the two
+    split-K kernels of `moe_route_decode`; above, one kernel whose logits never leave registers."""
+    require_triton()
+    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing)
+    kwargs = dict(top_k=top_k, routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
+    if 0 < x.shape[0] <= ROUTE_DECODE_MAX_TOKENS:
+        from dspark.kernels import moe_route_decode  # here, not at the top: it imports this module
+
+        return moe_route_decode.route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, **kwargs)
+    return route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, **kwargs)
+
+
+def route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
+                  routed_scaling_factor: float, hash_routing: bool):
+    """The prefill-sized path of `moe_route` (same signature), at any token count."""
     require_triton()
     _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing)
     n_tok, dim = x.shape

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dspark.kernels import (attention, compressor, grouped_wo_a, indexer, indexer_pool, mhc, mhc_v41, moe, moe_decode,
-                            triton_available)
+                            moe_route_decode, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -37,6 +37,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
+           moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
            indexer: ("_score_kernel", "_select_kernel"),
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
@@ -99,6 +100,18 @@ def run_every_tile_class():
             if n_tok == 3:  # fused_moe took the decode path: the packed path's decode tiles too
                 w, ids = moe.moe_route(*router, top_k=2, routed_scaling_factor=1.5, hash_routing=False)
                 moe._packed_experts(x, w, ids.int(), *weights, 10.0)
+        # fused_moe routed these through the split-K decode router; the prefill router kernel too
+        moe.route_prefill(*router, top_k=2, routed_scaling_factor=1.5, hash_routing=False)
+    # Decode router at V4-Flash's E = 256 with the widest select tile (32 splits: S_PAD·E_PAD = 8192),
+    # wide logits tiles, fp32 (3-pass TF32 dot) and hash routing.
+    for tiles, dtype, hashed in ((moe_route_decode.RouteTiles(programs=256), torch.bfloat16, False),
+                                 (moe_route_decode.RouteTiles(block_e=64, block_k=128, warps=8), torch.bfloat16, True),
+                                 (moe_route_decode.RouteTiles(), torch.float32, False)):
+        x = torch.randn(2, 2048, generator=g).to(DEVICE, dtype)
+        gate = (torch.randn(256, 2048, generator=g) / 45).to(DEVICE, dtype)
+        hash_args = (torch.randint(0, 256, (10, 6), generator=g).to(DEVICE), torch.tensor([1, 7], device=DEVICE))
+        moe_route_decode.route_decode(x, gate, torch.zeros(256, device=DEVICE), *(hash_args if hashed else (None, None)),
+                                      top_k=6, routed_scaling_factor=1.5, hash_routing=hashed, tiles=tiles)
     for n_heads in (64, 32):  # V4-Flash and v4-mini attention: d 512, bf16
         q = torch.randn(2, n_heads, 512, generator=g).bfloat16().to(DEVICE)
         pool = torch.randn(40, 512, generator=g).bfloat16().to(DEVICE)
