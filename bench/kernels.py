@@ -17,6 +17,7 @@ effective bandwidth and rate against the floors:
     python bench/kernels.py --configs flash --ops indexer_csa,indexer_v41 --tokens 1,8,64,256
     python bench/kernels.py --configs flash --ops mhc_v41_pre,mhc_v41_post_pre,indexer_pool --model-steps 0
     python bench/kernels.py --ops grouped_wo_a --model-steps 0 --out bench/results/kernels_wo_a.json
+    python bench/kernels.py --ops rms_norm,rms_norm_q,rope_q --model-steps 0 --out bench/results/kernels_norm_rope.json
 
 Conditions (GPU, clocks, torch/triton versions, commit) are printed first and stored in the JSON.
 """
@@ -43,7 +44,7 @@ BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
 OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "mhc_v41_pre", "mhc_v41_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
        "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
-       "indexer_pool", "compressor_csa", "compressor_hca", "grouped_wo_a")
+       "indexer_pool", "compressor_csa", "compressor_hca", "grouped_wo_a", "rms_norm", "rms_norm_q", "rope_q")
 DECODE_ONLY = ("indexer_csa", "indexer_v41", "indexer_pool")  # decode / verify ops: M <= 256 rows
 COMPRESSOR_SLOTS = {"compressor_csa": 8, "compressor_hca": 128}  # rows pooled per entry (CSA: 2m half-rows)
 CONTEXT = 32768  # attention cases: queries at the end of a 32K-token context
@@ -383,6 +384,29 @@ def wo_a_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
     return (lambda: grouped_wo_a.grouped_wo_a(*args)), (lambda: grouped_wo_a.grouped_wo_a_ref(*args)), n_bytes, flop
 
 
+def norm_rope_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of a norm or RoPE for M rows, bf16: `rms_norm` the
+    weighted hidden norm [M, D] (attn_norm / ffn_norm), `rms_norm_q` V4's unweighted per-head q norm
+    [M, H, d], `rope_q` the rotation of q [M, H, d] by [M, 1, rd/2] tables. Bytes: inputs read once
+    (tables fp32), the output written once; no GEMM FLOP."""
+    from dspark.kernels import rms_norm, rope
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    if op == "rope_q":
+        x = torch.randn(m, shape.n_heads, shape.head_dim, generator=gen, device=device).bfloat16()
+        angles = torch.randint(0, CONTEXT, (m, 1, 1), generator=gen, device=device) * \
+            torch.rand(shape.rope_dim // 2, generator=gen, device=device)
+        args = (x, angles.cos(), angles.sin())
+        n_bytes = 2 * x.numel() * 2 + 2 * angles.numel() * 4  # q in and out, cos and sin
+        return (lambda: rope.rope(*args)), (lambda: rope.rope_ref(*args)), n_bytes, 0
+    rows = (m, shape.dim) if op == "rms_norm" else (m, shape.n_heads, shape.head_dim)
+    x = torch.randn(rows, generator=gen, device=device).bfloat16()
+    weight = torch.rand(shape.dim, generator=gen, device=device) + 0.5 if op == "rms_norm" else None
+    kw = dict(eps=1e-6, out_dtype=torch.bfloat16)
+    n_bytes = 2 * x.numel() * 2 + (0 if weight is None else weight.numel() * 4)
+    return (lambda: rms_norm.rms_norm(x, weight, **kw)), (lambda: rms_norm.rms_norm_ref(x, weight, **kw)), n_bytes, 0
+
+
 def rel_err(out, ref) -> float:
     """max over the float outputs of ‖out − ref‖ / ‖ref‖ on the reference's finite entries (the
     indexer's scores hold −inf on masked entries; they must be −inf in both), inf on a mismatch;
@@ -435,7 +459,7 @@ def slow_timer(args: argparse.Namespace, max_runs: int = 20):
 
 def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, device: str = "cuda") -> dict:
     """Check and time one case; `timer(fn)` / `ref_timer(fn)` return seconds."""
-    make = wo_a_case if op == "grouped_wo_a" else mhc_v41_case if op.startswith("mhc_v41") else mhc_case if op.startswith("mhc") else \
+    make = norm_rope_case if op.startswith(("rms_norm", "rope")) else wo_a_case if op == "grouped_wo_a" else mhc_v41_case if op.startswith("mhc_v41") else mhc_case if op.startswith("mhc") else \
         attention_case if op.startswith("attn") else pool_case if op == "indexer_pool" else \
         indexer_case if op.startswith("indexer") else compressor_case if op.startswith("compressor") else moe_case
     fused, ref, n_bytes, flop = make(op, shape, layer, m, device)

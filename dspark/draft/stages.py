@@ -18,6 +18,8 @@ output, grouped low-rank `wo_a` then `wo_b`.
 The fused ops run through the kernel registry as in the target's `Block` (`stage_kernels.py`): the
 three mHC sites (`mhc_pre`, `mhc_post_pre`, `mhc_post`), `sparse_attention`, `grouped_wo_a` and the
 target's `MoE`, with the target's `KernelConfig`; under autograd (training) the torch references.
+The norms and RoPE are the attention's and the stage's own `rms_norm` / `rope` ops (same config),
+which run their references themselves when autograd records (an input or weight requires grad).
 
 Context keys are a per-position quantity, so inference caches them per request (the draft state,
 `dspark.draft.context`) and training computes them for a whole sequence; both then call
@@ -37,8 +39,7 @@ from dspark.kernels import KernelConfig
 from dspark.models.deepseek_v4.config import MOE, SLIDING
 from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.model import Block
-from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
-from dspark.models.deepseek_v4.rope import apply_rope
+from dspark.models.deepseek_v4.norm import RMSNorm
 
 
 def _hc_head_params(n_hc: int, dim: int, device) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -72,9 +73,9 @@ class DSparkStage(Block):
         d = config.hidden_size
         if first:
             self.main_proj = nn.Linear(n_features * d, d, bias=False, dtype=dtype, device=device)
-            self.main_norm = RMSNorm(d, config.rms_norm_eps, device=device)
+            self.main_norm = RMSNorm(d, config.rms_norm_eps, device=device, kernels=kernels)
         if last:
-            self.norm = RMSNorm(d, config.rms_norm_eps, device=device)
+            self.norm = RMSNorm(d, config.rms_norm_eps, device=device, kernels=kernels)
             self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_head_params(config.hc_mult, d, device)
 
     # ---------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ class DSparkStage(Block):
         """Keys (= values) of committed rows: main_x [n, D], positions [n] -> [n, d] (RoPE applied)."""
         attn = self.attn
         cos, sin = attn.rope.cos_sin(positions)
-        return apply_rope(attn.kv_norm(attn.wkv(main_x)), cos, sin)
+        return attn.rope_op(attn.kv_norm(attn.wkv(main_x)), cos, sin)
 
     # ---------------------------------------------------------------------------------------
     # Block forward
@@ -114,9 +115,9 @@ class DSparkStage(Block):
         n = x.shape[0]
         cos, sin = attn.rope.cos_sin(positions)  # [S, rd/2] fp32
         q = attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.n_heads, attn.head_dim))
-        q = rms_scale(q, attn.eps).to(x.dtype)  # per-head unweighted RMS, as in the target
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [S, H, d]
-        kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)  # [S, d] block keys, transient
+        q = attn.norm_op(q, None, eps=attn.eps, out_dtype=x.dtype)  # per-head unweighted RMS, as in the target
+        q = attn.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [S, H, d]
+        kv = attn.rope_op(attn.kv_norm(attn.wkv(x)), cos, sin)  # [S, d] block keys, transient
         pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
         index = torch.cat((ctx_index, block_index(n, gamma, ctx_pool.shape[0], x.device)), dim=-1)  # [S, W + γ]
         out = ops.attend(q, pool, index, attn.attn_sink, attn.scale)  # [S, H, d]

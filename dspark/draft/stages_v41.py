@@ -33,7 +33,6 @@ from dspark.draft.stages import block_index
 from dspark.kernels import KernelConfig
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.norm import RMSNorm
-from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v41.block import Block
 from dspark.models.deepseek_v41.qat import CacheQuant
 from dspark.models.deepseek_v41.roles import SWA, LayerRole
@@ -61,15 +60,15 @@ class DSparkStageV41(Block):
         d = config.hidden_size
         if first:
             self.main_proj = nn.Linear(n_features * d, d, bias=False, dtype=dtype, device=device)
-            self.main_norm = RMSNorm(d, config.rms_norm_eps, device=device)
+            self.main_norm = RMSNorm(d, config.rms_norm_eps, device=device, kernels=kernels)
         if last:
-            self.norm = RMSNorm(d, config.rms_norm_eps, device=device)
+            self.norm = RMSNorm(d, config.rms_norm_eps, device=device, kernels=kernels)
 
     def context_latents(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys (= values) of committed rows: main_x [n, D], positions [n] -> [n, d] (RoPE, FP8 QAT)."""
         attn = self.attn
         cos, sin = attn.rope.cos_sin(positions)
-        return attn.quant.window(apply_rope(attn.kv_norm(attn.wkv(main_x)), cos, sin))
+        return attn.quant.window(attn.rope_op(attn.kv_norm(attn.wkv(main_x)), cos, sin))
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                 ctx_pool: torch.Tensor, ctx_index: torch.Tensor, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:

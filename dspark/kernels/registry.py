@@ -39,6 +39,8 @@ _OP_MODULES: dict[str, str] = {
     "indexer_pool": "indexer_pool",
     "compressor_pool": "compressor",
     "grouped_wo_a": "grouped_wo_a",
+    "rms_norm": "rms_norm",
+    "rope": "rope",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
@@ -88,6 +90,8 @@ class KernelConfig:
     indexer_pool: Impl = "ref"
     compressor_pool: Impl = "ref"
     grouped_wo_a: Impl = "ref"
+    rms_norm: Impl = "ref"
+    rope: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dspark.kernels import (attention, compressor, grouped_wo_a, indexer, indexer_pool, mhc, mhc_v41, moe, moe_decode,
-                            moe_route_decode, triton_available)
+                            moe_route_decode, rms_norm, rope, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -42,7 +42,9 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            indexer: ("_score_kernel", "_select_kernel"),
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
            compressor: ("_pool_kernel",),
-           grouped_wo_a: ("_wo_a_kernel",)}
+           grouped_wo_a: ("_wo_a_kernel",),
+           rms_norm: ("_rms_norm_kernel",),
+           rope: ("_rope_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
          torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,6 +154,20 @@ def run_every_tile_class():
         cos, sin = torch.rand(n_tok, 32, generator=g).to(DEVICE), torch.rand(n_tok, 32, generator=g).to(DEVICE)
         weight = torch.randn(groups * rank, heads * 512 // groups, generator=g).to(DEVICE, dtype)
         grouped_wo_a.grouped_wo_a(out, cos, sin, weight)
+    # RMSNorm: V4-Flash / v4-mini hidden (weighted, one row per program), V4-Pro's 7168 (the widest
+    # register row), the per-head q norm (d 512, several rows per program), a row past the widest
+    # tile (two passes), fp32 out (rms_scale).
+    for shape, weighted, out_dtype in (((2, 4096), True, torch.bfloat16), ((2, 7168), True, torch.bfloat16),
+                                       ((2, 64, 512), False, torch.bfloat16), ((2, 9000), True, torch.bfloat16),
+                                       ((2, 1024), True, torch.float32)):
+        x = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
+        weight = torch.ones(shape[-1], device=DEVICE) if weighted else None
+        rms_norm.rms_norm(x, weight, eps=1e-6, out_dtype=out_dtype)
+    # RoPE, rd 64: q heads [N, H, 512] with [N, 1, 32] tables, kv latents [N, 512], indexer q [N, H, 128].
+    for x_shape, table_shape in (((2, 64, 512), (2, 1, 32)), ((2, 512), (2, 32)), ((2, 64, 128), (2, 1, 32))):
+        x = torch.randn(x_shape, generator=g).to(DEVICE, torch.bfloat16)
+        angles = torch.rand(table_shape, generator=g).to(DEVICE)
+        rope.rope(x, angles.cos(), angles.sin())
 
 
 COMPILE = textwrap.dedent("""
@@ -165,7 +181,7 @@ COMPILE = textwrap.dedent("""
     for launch in json.load(sys.stdin):
         fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         kwargs = dict(launch["kwargs"])
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
         values = dict(zip(fn.arg_names, launch["args"]), **kwargs)
         constexprs = {p.name: values[p.name] for p in fn.params if p.is_constexpr}
         signature = {name: "constexpr" if name in constexprs else values[name] for name in fn.arg_names}

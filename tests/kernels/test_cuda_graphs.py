@@ -8,7 +8,7 @@ replay after the inputs are overwritten in place must give exactly the eager res
 import pytest
 import torch
 
-from dspark.kernels import indexer_pool, mhc, mhc_v41, moe
+from dspark.kernels import indexer_pool, mhc, mhc_v41, moe, rms_norm, rope
 from dspark.kernels.fp8 import FP8BlockWeight
 
 EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
@@ -47,6 +47,28 @@ def test_mhc_ops_replay(n_tok):
 
     graph, outs = capture(step)
     refill(x, f)
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, eager in zip(outs, step()):
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tok", [1, 64])
+def test_norm_and_rope_replay(n_tok):
+    """RMSNorm (hidden, weighted; per-head, unweighted, fp32 out) and RoPE of q heads, v4-mini sizes."""
+    x = torch.randn(n_tok, 2048, device="cuda").bfloat16()
+    weight = torch.rand(2048, device="cuda") + 0.5
+    q = torch.randn(n_tok, 32, 512, device="cuda").bfloat16()
+    cos, sin = torch.randn(n_tok, 32, device="cuda"), torch.randn(n_tok, 32, device="cuda")
+
+    def step():
+        return (rms_norm.rms_norm(x, weight, eps=1e-6, out_dtype=torch.bfloat16),
+                rms_norm.rms_norm(q, None, eps=1e-6, out_dtype=torch.float32),
+                rope.rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+
+    graph, outs = capture(step)
+    refill(x, q, cos, sin)
     graph.replay()
     torch.cuda.synchronize()
     for out, eager in zip(outs, step()):

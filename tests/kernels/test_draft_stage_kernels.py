@@ -4,7 +4,8 @@ against the torch references, for V4 stages and the V4.1 shipped stages.
 One tiny target (torch references) gives the features; two copies of one drafter with the same
 random weights draft from them, one built with every op on the reference, one with every op on
 Triton. Proposals run without gradients (the rule of `dspark.draft.stage_kernels`), so the Triton
-copy runs the fused mHC sites, the sparse-attention core, the grouped `wo_a` and the fused MoE.
+copy runs the fused mHC sites, the sparse-attention core, the grouped `wo_a`, the fused MoE and the
+fused RMSNorm and RoPE.
 """
 
 import copy
@@ -18,7 +19,7 @@ import dspark
 from dspark.draft import DSparkConfig, DSparkDrafter
 from dspark.draft.dspark_v4 import DSparkModel
 from dspark.draft.io import v41_dspark_config
-from dspark.kernels import KernelConfig, attention, grouped_wo_a, mhc, mhc_v41, triton_available
+from dspark.kernels import KernelConfig, attention, grouped_wo_a, mhc, mhc_v41, rms_norm, rope, triton_available
 from dspark.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -81,6 +82,9 @@ def test_v4_stages_on_triton_match_the_references():
     assert (chosen.pre, chosen.post_pre, chosen.post) == (mhc.mhc_pre, mhc.mhc_post_pre, mhc.mhc_post)
     assert (chosen.attend, chosen.wo_a) == (attention.sparse_attention, grouped_wo_a.grouped_wo_a)
     assert pair[0].model.mtp[0].ffn.fused and not pair[1].model.mtp[0].ffn.fused
+    stage = pair[0].model.mtp[0]
+    assert stage.main_norm.norm_op is stage.attn.norm_op is rms_norm.rms_norm and stage.attn.rope_op is rope.rope
+    assert pair[1].model.mtp[0].attn.rope_op is rope.rope_ref
     assert_close_drafts(propose_both(pair, target))
 
 

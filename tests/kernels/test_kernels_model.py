@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from dspark.api import init_model
-from dspark.kernels import KernelConfig, compressor, indexer, indexer_pool, indexer_ref, mhc, mhc_v41, triton_available
+from dspark.kernels import (KernelConfig, compressor, indexer, indexer_pool, indexer_ref, mhc, mhc_v41, rms_norm, rope,
+                            triton_available)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,6 +155,9 @@ def test_v4_fused_matches_reference():
     assert ref.layers[1].attn.indexer.select_op is indexer_ref.lightning_indexer_ref
     assert fused.layers[2].attn.compressor.pool_op is compressor.compressor_pool  # HCA
     assert fused.layers[1].attn.indexer.compressor.pool_op is compressor.compressor_pool
+    assert fused.layers[1].attn.q_norm.norm_op is rms_norm.rms_norm and fused.norm.norm_op is rms_norm.rms_norm
+    assert fused.layers[1].attn.rope_op is rope.rope and fused.layers[1].attn.indexer.rope_op is rope.rope
+    assert ref.layers[1].attn.rope_op is rope.rope_ref and ref.layers[1].attn.kv_norm.norm_op is rms_norm.rms_norm_ref
     compare(fused, ref, torch.float32, prompts(config["vocab_size"], lengths=(11, 5)), steps=3)
 
 
@@ -169,6 +173,7 @@ def test_v41_fused_matches_reference():
     assert source.is_candidate_source and source.pool_op is indexer_pool.indexer_pool
     assert fused.layers[0].pre_op is mhc_v41.mhc_v41_pre and fused.layers[0].post_pre_op is mhc_v41.mhc_v41_post_pre
     assert ref.layers[0].pre_op is mhc_v41.mhc_v41_pre_ref
+    assert fused.layers[1].attn.compressor.norm.norm_op is rms_norm.rms_norm and fused.layers[1].attn.rope_op is rope.rope
     compare(fused, ref, torch.float32, prompts(config["text_config"]["vocab_size"], lengths=(11, 5)), steps=2)
 
 

@@ -29,9 +29,9 @@ from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
-from dspark.models.deepseek_v4.norm import RMSNorm, rms_scale
+from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.pool import RequestPool
-from dspark.models.deepseek_v4.rope import Rope, apply_rope
+from dspark.models.deepseek_v4.rope import Rope
 from dspark.models.deepseek_v4.state import CompressorCache, LayerCache, RaggedBatch, WindowCache, copy_rows
 
 # The attention core is the kernel op's torch reference (`dspark.kernels.attention_ref`): the model
@@ -67,8 +67,9 @@ class LatentAttention(nn.Module):
     wo_b [4096, 8192], attn_sink [64] fp32; `rope` is the layer's RoPE table. Which keys a query
     sees (window, compressed entries) is the subclass's business; `q_head_norm` selects V4's
     per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1). `kernels` picks the
-    attention core (`sparse_attention` of the kernel registry) and the inverse RoPE + grouped `wo_a`
-    (`grouped_wo_a`); default the torch references.
+    attention core (`sparse_attention` of the kernel registry), the inverse RoPE + grouped `wo_a`
+    (`grouped_wo_a`), the RoPE of q and kv (`rope`) and every norm (`rms_norm`); default the torch
+    references.
     """
 
     def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None,
@@ -80,6 +81,10 @@ class LatentAttention(nn.Module):
         self.attend_op = get_op(kernels, "sparse_attention")
         # out [N, H, d], cos/sin [N, rd/2], wo_a weight [G·R, H·d/G] -> [N, G·R] token-major
         self.wo_a_op = get_op(kernels, "grouped_wo_a")
+        # x [..., d], cos/sin broadcastable to [..., rd/2] -> x rotated (a new tensor, x's dtype)
+        self.rope_op = get_op(kernels, "rope")
+        # x [..., d], weight [d] or None -> RMS-normalised x (V4's per-head q norm: no weight)
+        self.norm_op = get_op(kernels, "rms_norm")
         self.n_heads = c.num_attention_heads
         self.head_dim = c.head_dim
         self.window = c.sliding_window
@@ -90,10 +95,10 @@ class LatentAttention(nn.Module):
         self.scale = c.head_dim**-0.5  # no YaRN mscale (spec §7.4)
         linear = dict(bias=False, dtype=dtype, device=device)
         self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, **linear)
-        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, device=device)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, device=device, kernels=kernels)
         self.wq_b = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, **linear)
         self.wkv = nn.Linear(c.hidden_size, c.head_dim, **linear)
-        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device=device)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device=device, kernels=kernels)
         group_width = c.num_attention_heads * c.head_dim // c.o_groups
         self.wo_a = nn.Linear(group_width, c.o_groups * c.o_lora_rank, **linear)
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, **linear)
@@ -108,9 +113,9 @@ class LatentAttention(nn.Module):
         q_lora = self.q_norm(self.wq_a(x))  # [N, q_lora]
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         if self.q_head_norm:
-            q = rms_scale(q, self.eps).to(x.dtype)  # per-head unweighted RMS (spec §5)
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [N, H, d]
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, d]
+            q = self.norm_op(q, None, eps=self.eps, out_dtype=x.dtype)  # per-head unweighted RMS (spec §5)
+        q = self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [N, H, d]
+        kv = self.rope_op(self.kv_norm(self.wkv(x)), cos, sin)  # [N, d]
         return q_lora, q, kv
 
     def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.norm import RMSNorm
-from dspark.models.deepseek_v4.rope import Rope, apply_rope
+from dspark.models.deepseek_v4.rope import Rope
 from dspark.models.deepseek_v4.state import CompressorCache, RaggedBatch, copy_rows
 
 # Queries scored against all index keys at once are chunked so that the [S, Hi, T] fp32 score
@@ -50,7 +50,10 @@ class Compressor(nn.Module):
                  kernels: KernelConfig | None = None):
         super().__init__()
         # kv [n, slots, d], score [n, slots, d], norm weight [d] -> RMSNorm(Σ softmax(score)·kv) [n, d]
-        self.pool_op = get_op(KernelConfig() if kernels is None else kernels, "compressor_pool")
+        kernels = KernelConfig() if kernels is None else kernels
+        self.pool_op = get_op(kernels, "compressor_pool")
+        # entries [n, d_c], cos/sin [n, rd/2] -> entries rotated to their positions
+        self.rope_op = get_op(kernels, "rope")
         self.head_dim = head_dim
         self.rate = rate
         self.overlap = overlap
@@ -58,7 +61,7 @@ class Compressor(nn.Module):
         self.wkv = nn.Linear(dim, width, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(dim, width, bias=False, dtype=dtype, device=device)
         self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32, device=device))
-        self.norm = RMSNorm(head_dim, eps, device=device)
+        self.norm = RMSNorm(head_dim, eps, device=device, kernels=kernels)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token rows for all N tokens: (C [N, coff·d_c] model dtype, Z + ape [N, coff·d_c] fp32)."""
@@ -115,12 +118,14 @@ class Compressor(nn.Module):
         score = score[lo : lo + (last - first) * m].unflatten(0, (last - first, m))
         return kv, score
 
-    def pool(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """Slots [n, slots, d_c] of n entries starting at `positions` [n] -> rotated entries [n, d_c]."""
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, rope: Rope,
+             cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Slots [n, slots, d_c] of n entries starting at `positions` [n] -> rotated entries [n, d_c].
+        `cos_sin`: `rope.cos_sin(positions)` when the caller has it already (a static step shares it)."""
         # Per-channel softmax over the slots (fp32), weighted sum, RMSNorm: the registry's op.
         normed = self.pool_op(kv, score, self.norm.weight, eps=self.norm.eps, out_dtype=kv.dtype)  # [n, d_c]
-        cos, sin = rope.cos_sin(positions)
-        return apply_rope(normed, cos, sin)
+        cos, sin = cos_sin if cos_sin is not None else rope.cos_sin(positions)
+        return self.rope_op(normed, cos, sin)
 
     def _overlap_slots_batch(self, spans: list[tuple[CompressorCache, int, int]]):
         """`_overlap_slots` of entries first..last−1 of several caches at once: their row windows are
@@ -195,7 +200,9 @@ class Indexer(nn.Module):
         self.topk = topk
         self.rate = rate
         # q [S, Hi, di], weights [S, Hi], keys [T, di], visible [S], candidates, topk -> (ids, scores)
-        self.select_op = get_op(KernelConfig() if kernels is None else kernels, "lightning_indexer")
+        kernels = KernelConfig() if kernels is None else kernels
+        self.select_op = get_op(kernels, "lightning_indexer")
+        self.rope_op = get_op(kernels, "rope")  # q [N, Hi, di], cos/sin [N, 1, rd/2] -> q rotated
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype, device=device)
         self.weights_proj = nn.Linear(dim, n_heads, bias=False, dtype=dtype, device=device)
         self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device,
@@ -204,7 +211,7 @@ class Indexer(nn.Module):
     def project(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, cos, sin) -> IndexerQueries:
         """Dense part for all N tokens: x [N, D] (attention input), q_lora [N, q_lora_rank] (normed c_q)."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        q = self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         # Both score constants folded into the head weights (ReLU commutes with a positive scale).
         weights = self.weights_proj(x).float() * (self.n_heads * self.head_dim) ** -0.5
         kv, score = self.compressor.project(x, positions)

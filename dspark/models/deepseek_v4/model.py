@@ -121,8 +121,8 @@ class Block(nn.Module):
         self.post_pre_op = get_op(kernels, "mhc_post_pre")
         self.post_op = get_op(kernels, "mhc_post")
         self.mhc_eps = dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
-        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=kernels)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=kernels)
         n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size  # [pre | post | comb] mixes
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(n_mix, width, 3, device)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(n_mix, width, 3, device)
@@ -183,9 +183,10 @@ class MTPBlock(Block):
         linear = dict(bias=False, dtype=dtype, device=device)
         self.e_proj = nn.Linear(c.hidden_size, c.hidden_size, **linear)
         self.h_proj = nn.Linear(c.hidden_size, c.hidden_size, **linear)
-        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
-        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        norm = dict(device=device, kernels=kernels)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **norm)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **norm)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **norm)
         head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head
 
@@ -221,7 +222,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             Block(c, layer_type, mlp_type, dtype=self.dtype, device=device, kernels=self.kernels)
             for layer_type, mlp_type in zip(c.layer_types, c.mlp_layer_types)
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=self.kernels)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=self.dtype, device=device)
         head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head

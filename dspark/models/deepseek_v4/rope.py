@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from dspark.kernels.rope_ref import rope_ref
 from dspark.models.deepseek_v4.config import RopeParameters
 
 
@@ -72,10 +73,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate the trailing `2·cos.shape[-1]` dims of `x` pairwise; pass `-sin` for the inverse.
 
     x: [..., d] (any dtype); cos, sin: fp32, broadcastable to [..., rd/2]. The rotation runs in
-    fp32 and the result is cast back to x's dtype. Returns a new tensor.
+    fp32 and the result is cast back to x's dtype. Returns a new tensor. This is the torch
+    reference of the kernel registry's `rope` op; modules built with a `KernelConfig` call the op
+    it picks (`get_op(kernels, "rope")`, one fused kernel on CUDA) instead.
     """
-    rd = 2 * cos.shape[-1]
-    nope, rot = x[..., :-rd], x[..., -rd:].float()
-    even, odd = rot[..., 0::2], rot[..., 1::2]  # [..., rd/2] each: the real / imaginary parts
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+    return rope_ref(x, cos, sin)

@@ -60,6 +60,11 @@ class StepIndex:
         group = self._rope_groups.get(id(rope), ("module", id(rope)))
         return self._get(("rope", group), lambda: rope.cos_sin(self.flat))
 
+    def group_cos_sin(self, rope, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope.cos_sin` of the candidate groups' first positions w·m (`groups`): [S·c, rd/2] each."""
+        group = self._rope_groups.get(id(rope), ("module", id(rope)))
+        return self._get(("group_rope", group, rate), lambda: rope.cos_sin((self.groups(rate)[0] * rate).reshape(-1)))
+
     def ring_rows(self, ring: PositionRing) -> torch.Tensor:
         """[S, T] flat rows of the step's positions in a ring of `ring.size` rows per slot."""
         return self._get(("ring", ring.size), lambda: ring.rows(self.positions))

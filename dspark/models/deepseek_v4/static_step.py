@@ -214,7 +214,8 @@ def update_compressor(compressor, state: StaticCompressorState, index: StepIndex
     state.score.write_rows(rows, score)
     kv_slots, score_slots = _candidate_slots(state, index, m)  # [S·c, slots, d_c]
     w, _ = index.groups(m)
-    entries = compressor.pool(kv_slots, score_slots, (w * m).reshape(-1), rope)  # [S·c, d_c]
+    entries = compressor.pool(kv_slots, score_slots, (w * m).reshape(-1), rope,
+                              index.group_cos_sin(rope, m))  # [S·c, d_c]
     state.entries.view(-1, state.dim).index_copy_(0, index.entry_rows(m, state.n_entries), entries)
 
 

@@ -22,7 +22,6 @@ import torch
 
 from dspark.models.deepseek_v4.attention import LatentAttention, window_index
 from dspark.models.deepseek_v4.pool import RequestPool
-from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache, copy_rows
 from dspark.models.deepseek_v41.csa2 import Compressor, Indexer, SharedSlots
 from dspark.models.deepseek_v41.qat import CacheQuant
@@ -65,7 +64,7 @@ class Attention(LatentAttention):
         # Entry j stands for position j·ratio; keys come from the latent before its rotation.
         positions = torch.cat([torch.arange(first, first + n) for first, n in zip(firsts, counts)]) * self.ratio
         cos, sin = self.rope.cos_sin(positions.to(x.device, non_blocking=True))
-        entries = self.quant.entries(apply_rope(latents, cos, sin))
+        entries = self.quant.entries(self.rope_op(latents, cos, sin))
         keys = self.indexer.keys(latents, cos, sin)
         reserved = [cache.reserve_entries(n) for cache, n in zip(sources, counts) if n]
         for i, values in enumerate((entries, keys)):
@@ -85,7 +84,7 @@ class Attention(LatentAttention):
                 continue
             positions = torch.arange(first, first + latents.shape[0], device=x.device) * self.ratio
             cos, sin = self.rope.cos_sin(positions)
-            entries = self.quant.entries(apply_rope(latents, cos, sin))
+            entries = self.quant.entries(self.rope_op(latents, cos, sin))
             cache.append_entries(entries, self.indexer.keys(latents, cos, sin))
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch, windows: list[WindowCache],

@@ -106,8 +106,8 @@ class Block(nn.Module):
         self.attn = Attention(c, role, quant, dtype=dtype, device=device, kernels=kernels)
         self.ffn = MoE(c, hashed=False, dtype=dtype, device=device, gate=Gate(c, dtype=dtype, device=device),
                        kernels=kernels)
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
-        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=kernels)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=kernels)
         n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size  # [pre | post | comb] mixes
         fp32 = dict(dtype=torch.float32, device=device)
         self.hc_attn_fn = nn.Parameter(torch.zeros(n_mix, width, **fp32))

@@ -35,7 +35,6 @@ from torch import nn
 from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.norm import RMSNorm
-from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v41.qat import CacheQuant
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
@@ -53,11 +52,12 @@ class Compressor(nn.Module):
                  kernels: KernelConfig | None = None):
         super().__init__()
         # kv [n, ratio, d], gate [n, ratio, d], norm weight [d] -> norm(Σ softmax(gate)·kv) [n, d]
-        self.pool_op = get_op(KernelConfig() if kernels is None else kernels, "compressor_pool")
+        kernels = KernelConfig() if kernels is None else kernels
+        self.pool_op = get_op(kernels, "compressor_pool")
         self.ratio = ratio
         self.wkv = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device) if ratio > 1 else None
-        self.norm = RMSNorm(head_dim, eps, device=device)
+        self.norm = RMSNorm(head_dim, eps, device=device, kernels=kernels)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dense part for all N tokens, x [N, D]. Ratio > 1: fp32 (kv rows, gate rows) [N, d] each;
@@ -133,6 +133,8 @@ class Indexer(nn.Module):
         self.select_op = get_op(kernels, "lightning_indexer")
         # scores [S, T] fp32, visible [S] -> the candidate pool [S, T] bool (spec §5.4)
         self.pool_op = get_op(kernels, "indexer_pool")
+        # x [..., di], cos/sin broadcastable to [..., rd/2] -> x rotated (index keys and queries)
+        self.rope_op = get_op(kernels, "rope")
         self.n_heads = c.index_n_heads
         self.head_dim = c.index_head_dim
         self.topk = c.index_topk
@@ -147,16 +149,16 @@ class Indexer(nn.Module):
         self.wk = self.k_norm = None
         if role.owns_compressor:
             self.wk = nn.Linear(c.head_dim, c.index_head_dim, **linear)
-            self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, device=device)
+            self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, device=device, kernels=kernels)
 
     def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE latents [n, d] with the entries' cos/sin [n, rd/2] -> index keys [n, di]."""
-        return self.quant.index(apply_rope(self.k_norm(self.wk(latents)), cos, sin))
+        return self.quant.index(self.rope_op(self.k_norm(self.wk(latents)), cos, sin))
 
     def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Dense part for all N tokens -> (q [N, Hi, di] rotated + FP4, weights [N, Hi] fp32)."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
-        q = self.quant.index(apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+        q = self.quant.index(self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
         # Both score scales folded into the head weights: (Hi · di)^-1/2.
         weights = self.weights_proj(x).float() * (self.n_heads * self.head_dim) ** -0.5
         return q, weights

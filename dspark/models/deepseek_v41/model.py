@@ -98,7 +98,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.kernels = resolve_kernels(kernels, device)
         self.layers = nn.ModuleList(Block(c, role, quant, dtype=self.dtype, device=device, host_engram=host,
                                           kernels=self.kernels) for role in c.layer_roles)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=self.kernels)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=self.dtype, device=device)
         self.engram_ids = tuple(c.engram_layer_ids)
         self._init_engram_hashing(device)

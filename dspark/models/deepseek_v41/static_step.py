@@ -40,7 +40,6 @@ import torch
 from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import collapse
-from dspark.models.deepseek_v4.rope import apply_rope
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_state import StaticShape
@@ -167,12 +166,11 @@ def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> No
     kv, gate = attn.compressor.project(x)  # ratio > 1: fp32 rows [N, d]; ratio 1: latents [N, d]
     m = source.rate
     if gate is None:
-        w, rows, latents = index.positions, index.entry_rows(1, source.n_entries), kv
+        rows, latents = index.entry_rows(1, source.n_entries), kv
     else:
         ring_rows = index.ring_rows(source.kv)  # the kv and gate rings have the same size
         source.kv.write_rows(ring_rows, kv)
         source.gate.write_rows(ring_rows, gate)
-        w, _ = index.groups(m)  # [S, c]
         group, _, _ = index.group_rows(m, False, source.kv)  # [S, c, m]
         kv_groups = source.kv.flat()[group].flatten(0, 1)  # [S·c, m, d]
         gate_groups = source.gate.flat()[group].flatten(0, 1)
@@ -181,8 +179,8 @@ def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> No
                                      out_dtype=x.dtype)  # [S·c, d]
         rows = index.entry_rows(m, source.n_entries)
     # Entry w stands for position w·m; keys come from the latent before its rotation.
-    cos, sin = attn.rope.cos_sin((w * m).reshape(-1))
-    entries = attn.quant.entries(apply_rope(latents, cos, sin))
+    cos, sin = index.group_cos_sin(attn.rope, m)  # [S·c, rd/2]; ratio 1: the positions themselves
+    entries = attn.quant.entries(attn.rope_op(latents, cos, sin))
     source.write_entries(rows, entries, attn.indexer.keys(latents, cos, sin))
 
 
