@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session5.sh profile; bash bench/gpu_session5.sh graphs", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session5.sh v41; bash bench/gpu_session5.sh engine")
 #   run(command="bash bench/gpu_session5.sh host")
+#   run(command="bash bench/gpu_session5.sh final")
 #   run(command="bash bench/gpu_session5.sh buckets")
 #   run(command="bash bench/gpu_session5.sh kernels")
 #   run(command="bash bench/gpu_session5.sh engram", kind="nvidia-h200-x2")
@@ -46,6 +47,22 @@ part_host() {  # after StepIndex, batched greedy verification and the static def
     --contexts 4096 --decode-only --steps 8 --budget-s 150 --out "$OUT/engine-h200-static-host.json"
   tail -n 3 $W/logs/host_tests.txt; grep -h "^{" $W/logs/host_profile.txt | cut -c1-2500
   grep -h '"mode"' $W/logs/host_engine.txt | cut -c1-260
+}
+
+part_final() {  # after the fused norm / RoPE ops, the decode router and the shared step indices (one call, < 9.5 min)
+  logged final_profile 130 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-final.json"
+  logged final_engine 130 python3 bench/engine_h200.py --static-decode --requests 1,8,64 --modes none,dspark3 \
+    --contexts 4096 --decode-only --steps 8 --budget-s 95 --out "$OUT/engine-h200-static-final.json"
+  logged final_route 100 python3 bench/route_decode.py --out "$OUT/route-decode-h200.json"
+  logged final_tests 190 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_kernels_norm_rope.py \
+    tests/kernels/test_kernels_route_decode.py tests/kernels/test_cuda_graphs.py \
+    "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu" tests/kernels/test_draft_stage_kernels.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py \
+    tests/engine/test_engine_static_gpu.py
+  grep -h "^{" $W/logs/final_profile.txt | cut -c1-1200
+  grep -h '"mode"' $W/logs/final_engine.txt | cut -c1-200
+  tail -n 4 $W/logs/final_route.txt | cut -c1-600
+  tail -n 12 $W/logs/final_tests.txt | cut -c1-300
 }
 
 part_graphs() {
