@@ -7,8 +7,9 @@
 Every layer of a static step sees the same positions, and the ring rows, window key lists, compressor
 candidate groups and visibility masks it derives from them depend only on the positions and a few
 sizes (ring length, window, compress rate, entry count), which repeat across layers. Built per layer,
-they were about a third of the ~2400 kernels a v4-mini decode step launched
-(`bench/results/graph-profile-h200.json`); here each is built by the first layer that asks and reused
+they cost about 700 of the 2 430 kernels a v4-mini decode step launched on the H200
+(`bench/results/graph-profile-h200.json` → `graph-profile-h200-index.json`); here each is built by
+the first layer that asks and reused
 by the rest (the same tensors, so the results are unchanged bit for bit). A `StepIndex` lives for one
 step (it is created inside the captured call, so a CUDA graph records each build once).
 
