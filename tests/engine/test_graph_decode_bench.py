@@ -21,3 +21,17 @@ def test_graph_decode_bench_smoke(tmp_path):
         assert c["dynamic_ms"] > 0 and c["static_eager_ms"] > 0 and "graph_ms" not in c
         assert c["static_max_abs_diff"] < 1e-4
     assert r["roofline"]["roofline_s"] > 0 and set(r["batch1_pct_of_hbm_roofline"]) == {"dynamic", "static_eager"}
+
+
+def test_graph_decode_bench_profile_reports_where_the_step_goes(tmp_path):
+    """`--profile`: per cell, kernel (here: op) time per name, ops per step and `op_sites`, the torch
+    ops of one step by the dspark function that dispatched them, summing to the total."""
+    out = tmp_path / "graph-profile.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "graph_decode.py"), "--smoke", "--requests", "1", "--profile",
+                    "--out", str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=180)
+    cell = json.loads(out.read_text())["cells"][0]
+    profile, sites = cell["profile"], cell["op_sites"]
+    assert profile["of"] == "static eager step" and profile["launches_per_step"] > 0 and profile["top"]
+    assert sites["torch_ops_per_step"] >= sum(r["ops"] for r in sites["top"]) > 0
+    assert any(r["site"].startswith("models/deepseek_v4/static_") for r in sites["top"])

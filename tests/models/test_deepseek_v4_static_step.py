@@ -99,3 +99,29 @@ def test_static_step_rejects_bad_inputs(model):
         StaticShape(slots=1, max_context=8, tokens=0)
     with pytest.raises(ValueError, match="slots=2.0"):
         StaticShape(slots=2.0, max_context=8, tokens=1)
+
+
+def test_position_indices_are_built_once_per_step_not_per_layer(model, monkeypatch):
+    """`StepIndex`: ring rows and RoPE tables are computed by the first layer that needs them and
+    shared: a step's `PositionRing.rows` and `Rope.cos_sin` calls do not grow with the layer count
+    (one per distinct ring size / group kind and per table), and the logits are unchanged."""
+    from dspark.models.deepseek_v4.rope import Rope
+    from dspark.models.deepseek_v4.static_state import PositionRing
+
+    calls = {"rows": 0, "cos_sin": 0}
+    for cls, name in ((PositionRing, "rows"), (Rope, "cos_sin")):
+        original = getattr(cls, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+    decoder = StaticDecoder(model, StaticShape(slots=2, max_context=64, tokens=2))
+    ids, starts = decoder.plan([[1, 2], [3, 4]], [0, 5])
+    calls.update(rows=0, cos_sin=0)
+    decoder.step(ids, starts)
+    n_layers = len(model.layers)
+    tables = len(set(decoder.rope_groups.values()))
+    assert n_layers >= 4 and calls["rows"] <= 6 < 2 * n_layers  # per layer it was >= 2 (window write + keys)
+    assert calls["cos_sin"] <= 2 * tables < n_layers  # token positions + group positions per table
