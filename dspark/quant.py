@@ -224,6 +224,20 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     return code | sign
 
 
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """`decode_e2m1(encode_e2m1(x))` without the codes: x (any shape, float) rounded to the nearest
+    e2m1 value (ties to even code, magnitudes above 6 saturate), float32. The same three pieces as
+    `encode_e2m1`, each scaled to unit steps, rounded and scaled back, all exact in fp32; a negative
+    x keeps its sign, so it rounds to -0.0 where the codes give code 8. About half the ops of the
+    encode / decode pair, which matters where every op is a kernel launch (V4.1's cache QAT runs it
+    on every cached vector of a decode step)."""
+    magnitude = x.to(torch.float32).abs().clamp(max=FP4_E2M1_MAX)
+    low, high = magnitude < 2, magnitude >= 4
+    unit = torch.where(low, 0.5, torch.where(high, 2.0, 1.0))  # grid step of the piece: a power of two
+    grid = torch.round(magnitude / unit) * unit
+    return torch.where(x < 0, -grid, grid)
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Codes 0..15 (uint8, any shape) -> float32 values of the e2m1 table (`E2M1_VALUES`).
 

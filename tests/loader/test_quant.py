@@ -11,6 +11,7 @@ from dspark.quant import (
     V41_DENSE_BLOCK,
     block_grid,
     decode_e2m1,
+    round_e2m1,
     dequantize_fp4,
     dequantize_fp8,
     encode_e2m1,
@@ -194,3 +195,17 @@ def test_fp4_packed_dtypes_agree():
 def test_fp4_rejects_odd_k():
     with pytest.raises(ValueError, match="even"):
         quantize_fp4(random_weight((4, 33)))
+
+
+def test_round_e2m1_is_encode_then_decode_bit_for_bit():
+    """`round_e2m1` (what the V4.1 cache QAT uses) gives exactly decode(encode(x)): every tie, the
+    piece boundaries, saturation, signed zeros, infinities; fp32, bf16 and fp16 inputs."""
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(-700, 701) / 100.0
+    x = torch.cat([torch.randn(50000, generator=g) * 3, torch.randn(20000, generator=g) * 20, grid,
+                   grid * (1 + 2**-23), torch.tensor([0.0, -0.0, 0.25, -0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0,
+                                                      6.0, 7.0, -7.0, 1e-30, -1e-30, float("inf"), -float("inf")])])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ours, codes = round_e2m1(x.to(dtype)), decode_e2m1(encode_e2m1(x.to(dtype)))
+        assert ours.dtype == torch.float32 and torch.equal(ours, codes)
+        assert torch.equal(ours.signbit(), codes.signbit())

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.quant import FP4_E2M1_MAX, FP8_DTYPE, FP8_E4M3_MAX, decode_e2m1, encode_e2m1
+from dspark.quant import FP4_E2M1_MAX, FP8_DTYPE, FP8_E4M3_MAX, round_e2m1
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -52,8 +52,7 @@ def fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 def _fp4(blocks: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    codes = encode_e2m1((blocks / scale).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX))
-    return (decode_e2m1(codes) * scale).flatten(-2).to(dtype)
+    return (round_e2m1(blocks / scale) * scale).flatten(-2).to(dtype)
 
 
 def fp4_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
