@@ -1,11 +1,14 @@
 """Lightning indexer (deepseek_v4 spec §8.4, deepseek_v41 spec §5.3-§5.4): scores and top-k.
 
-Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
+Ops (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
 * ``lightning_indexer(q, weights, keys, visible, candidates, *, topk) -> (ids, scores)``:
   I[s, t] = Σ_h weights[s, h] · ReLU(q[s, h] · keys[t]) over the entries t < visible[s] (and,
   for V4.1 candidate consumers, inside the candidate pool), then the top-k entries per row,
   ascending by id, −1 padded. Ties: higher score first, then lower entry id (`indexer_ref.py`).
+* ``select_topk(scores, topk) -> ids``: the selection alone, for scores computed elsewhere (the
+  static decode steps score every slot's entries in one batched pass): `_select_kernel` below, one
+  program per row, instead of the reference's two full sorts.
 
 Shape symbols: S query rows, Hi index heads, di index head dim, T compressed entries, k = topk.
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels.indexer_ref import _check_args, lightning_indexer_ref  # noqa: F401 (the op's ref)
+from dspark.kernels.indexer_ref import _check_args, lightning_indexer_ref, select_topk_ref  # noqa: F401 (the ops' refs)
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
@@ -176,11 +179,9 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     _check_args(q, weights, keys, visible, candidates, topk)
     n_q, n_heads, head_dim = q.shape
     n_keys = keys.shape[0]
-    n_out = min(topk, n_keys)
     scores = torch.empty((n_q, n_keys), dtype=torch.float32, device=q.device)
-    ids = torch.empty((n_q, n_out), dtype=torch.int64, device=q.device)
     if n_q == 0 or n_keys == 0:
-        return ids, scores
+        return torch.empty((n_q, min(topk, n_keys)), dtype=torch.int64, device=q.device), scores
     block_s, block_h, block_t, d_pad, warps = _score_tiles(n_q, n_heads, head_dim)
     cand = candidates.view(torch.uint8) if candidates is not None else visible  # dummy pointer when absent
     _score_kernel[(triton.cdiv(n_keys, block_t), triton.cdiv(n_q, block_s))](
@@ -189,8 +190,24 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         HAS_CAND=candidates is not None, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
         DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, num_warps=warps,
     )
+    return select_topk(scores, topk), scores
+
+
+def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Fused `select_topk_ref` (same signature and tie rule): scores [S, T] fp32 (−inf = unreachable)
+    -> [S, min(k, T)] int64 ids of the best reachable entries, ascending by id, −1 padded."""
+    require_triton()
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be fp32 [S, T], got {scores.dtype} {tuple(scores.shape)}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    n_q, n_keys = scores.shape
+    n_out = min(topk, n_keys)
+    ids = torch.empty((n_q, n_out), dtype=torch.int64, device=scores.device)
+    if n_q == 0 or n_keys == 0:
+        return ids
     one_tile = n_keys <= _REGISTER_ROW
     block = max(16, triton.next_power_of_2(n_keys)) if one_tile else _STREAM_TILE
-    _select_kernel[(n_q,)](scores, ids, n_keys, min(topk, n_keys), n_out, ONE_TILE=one_tile, BLOCK_T=block,
+    _select_kernel[(n_q,)](scores.contiguous(), ids, n_keys, n_out, n_out, ONE_TILE=one_tile, BLOCK_T=block,
                            num_warps=8 if block >= 2048 else 4)
-    return ids, scores
+    return ids

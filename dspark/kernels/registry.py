@@ -36,6 +36,7 @@ _OP_MODULES: dict[str, str] = {
     "moe_experts": "moe",
     "sparse_attention": "attention",
     "lightning_indexer": "indexer",
+    "select_topk": "indexer",
     "indexer_pool": "indexer_pool",
     "compressor_pool": "compressor",
     "grouped_wo_a": "grouped_wo_a",
@@ -87,6 +88,7 @@ class KernelConfig:
     moe_experts: Impl = "ref"
     sparse_attention: Impl = "ref"
     lightning_indexer: Impl = "ref"
+    select_topk: Impl = "ref"
     indexer_pool: Impl = "ref"
     compressor_pool: Impl = "ref"
     grouped_wo_a: Impl = "ref"

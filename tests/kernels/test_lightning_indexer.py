@@ -84,6 +84,32 @@ def test_streaming_selection_over_long_rows(monkeypatch, poisoned, pool):
             check(args, 9, torch.float32)
 
 
+@needs_triton
+@pytest.mark.parametrize("n_q,n_keys,topk,long_rows", [(1, 1, 4, False), (3, 70, 16, False), (5, 130, 7, False),
+                                                       (4, 77, 9, True), (2, 20, 32, False)])
+def test_select_topk_matches_ref(n_q, n_keys, topk, long_rows, poisoned, monkeypatch):
+    """`select_topk` (the selection alone, what the static steps call on their batched scores) ==
+    `select_topk_ref` bit for bit: random scores, exact ties (small integers), −inf rows and entries,
+    k > T; rows over the register tile take the streamed passes (tile shrunk to 16)."""
+    if long_rows:
+        monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
+        monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+    g = torch.Generator().manual_seed(n_q * 31 + n_keys)
+    for integer in (False, True):
+        scores = (torch.randint(-3, 4, (n_q, n_keys), generator=g).float() if integer
+                  else torch.randn(n_q, n_keys, generator=g))
+        scores[torch.rand(n_q, n_keys, generator=g) < 0.3] = float("-inf")
+        scores[0] = float("-inf") if n_q > 1 else scores[0]  # a row that can see nothing yet
+        scores = scores.to(DEVICE)
+        with poisoned():
+            ids = indexer.select_topk(scores, topk)
+        assert torch.equal(ids, indexer.select_topk_ref(scores, topk))
+    with pytest.raises(ValueError, match="scores must be fp32"):
+        indexer.select_topk(scores.double(), topk)
+    with pytest.raises(ValueError, match="topk must be a positive int, got 0"):
+        indexer.select_topk(scores, 0)
+
+
 def test_tie_rule_prefers_lower_ids():
     """Scores [1, 3, 3, 0, 3, (invisible)]: ties at 3 go to the lower ids; output ascending."""
     scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, float("-inf")]])

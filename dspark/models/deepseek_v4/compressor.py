@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
-from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import Rope
@@ -202,6 +201,7 @@ class Indexer(nn.Module):
         # q [S, Hi, di], weights [S, Hi], keys [T, di], visible [S], candidates, topk -> (ids, scores)
         kernels = KernelConfig() if kernels is None else kernels
         self.select_op = get_op(kernels, "lightning_indexer")
+        self.topk_op = get_op(kernels, "select_topk")  # the static steps' selection over batched scores
         self.rope_op = get_op(kernels, "rope")  # q [N, Hi, di], cos/sin [N, 1, rd/2] -> q rotated
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype, device=device)
         self.weights_proj = nn.Linear(dim, n_heads, bias=False, dtype=dtype, device=device)
@@ -257,9 +257,9 @@ class Indexer(nn.Module):
         return picks
 
     def _select_padded(self, q, weights, keys: list[torch.Tensor], batch: RaggedBatch, width: int) -> torch.Tensor:
-        """`select` for many requests in one padded pass (`padded_index_scores`), top-k by
-        `select_topk_ref` (the op's tie rule) over the entries each row can see."""
+        """`select` for many requests in one padded pass (`padded_index_scores`), top-k by the
+        registry's `select_topk` (the op's tie rule) over the entries each row can see."""
         scores = padded_index_scores(q, weights, keys, batch)  # [N, T_max] fp32
         visible = (batch.positions + 1) // self.rate  # <= T_b: a request's padding is never visible
         reachable = torch.arange(scores.shape[1], device=q.device) < visible.unsqueeze(-1)
-        return select_topk_ref(scores.masked_fill(~reachable, float("-inf")), self.topk)  # [N, width]
+        return self.topk_op(scores.masked_fill(~reachable, float("-inf")), self.topk)  # [N, width]

@@ -8,7 +8,7 @@ rows are scored together in torch, with the op reference's formula (`indexer_sco
 
 over queries padded to [B, S_max] and keys padded to [B, T_max]. Callers mask what a row may not
 pick (t ≥ its visible count, which never exceeds its request's T_b, so padding is never picked)
-and select with `select_topk_ref`, so picks and ties follow the op's definition.
+and select with the registry's `select_topk` (ref: `select_topk_ref`), so picks and ties follow the op's definition.
 
 Shape symbols: N rows of the call, B requests, S_max / T_max the most rows / keys of a request,
 Hi / di index heads / head dim.

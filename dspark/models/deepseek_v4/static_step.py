@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.state import check_capture
@@ -242,4 +241,4 @@ def select_entries(indexer, q: torch.Tensor, weights: torch.Tensor, state: Stati
     keys = state.entries[:n_slots, : state.n_entries]  # [b, E, di] the bucket's slots
     scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
     reachable = index.reachable(indexer.rate, state.n_entries)  # [N, E]
-    return select_topk_ref(scores.flatten(0, 1).masked_fill(~reachable, float("-inf")), indexer.topk)
+    return indexer.topk_op(scores.flatten(0, 1).masked_fill(~reachable, float("-inf")), indexer.topk)

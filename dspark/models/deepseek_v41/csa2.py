@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
-from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v41.qat import CacheQuant
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
@@ -131,6 +130,7 @@ class Indexer(nn.Module):
         # q [S, Hi, di], weights [S, Hi], keys [T, di], visible [S], candidates, topk -> (ids, scores)
         kernels = KernelConfig() if kernels is None else kernels
         self.select_op = get_op(kernels, "lightning_indexer")
+        self.topk_op = get_op(kernels, "select_topk")  # the static steps' selection over batched scores
         # scores [S, T] fp32, visible [S] -> the candidate pool [S, T] bool (spec §5.4)
         self.pool_op = get_op(kernels, "indexer_pool")
         # x [..., di], cos/sin broadcastable to [..., rd/2] -> x rotated (index keys and queries)
@@ -208,7 +208,7 @@ class Indexer(nn.Module):
         if self.uses_candidates and not self.is_candidate_source:
             reachable &= _padded_pool([slot.candidates for slot in slots], batch, t_max, q.device)
         scores = padded_index_scores(q, weights, keys, batch).masked_fill(~reachable, float("-inf"))
-        picks = select_topk_ref(scores, self.topk)  # [N, min(k, T_max)]
+        picks = self.topk_op(scores, self.topk)  # [N, min(k, T_max)]
         pools = None
         if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
             pools = self.pool_op(scores, visible, topk_blocks=self.candidate_blocks,

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels.indexer_ref import select_topk_ref
 from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.state import check_capture
@@ -200,7 +199,7 @@ def select(indexer, q: torch.Tensor, weights: torch.Tensor, index: StepIndex, so
     if indexer.uses_candidates and not indexer.is_candidate_source:
         reachable = reachable & shared.candidates
     scores = scores.masked_fill(~reachable, float("-inf"))
-    shared.topk = select_topk_ref(scores, indexer.topk)
+    shared.topk = indexer.topk_op(scores, indexer.topk)
     if indexer.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
         visible = (index.flat + 1) // indexer.ratio  # [N]
         shared.candidates = indexer.pool_op(scores, visible, topk_blocks=indexer.candidate_blocks,
