@@ -203,7 +203,8 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
     budget = {"none": 0, "mtp1": 1, "dspark3": 3, "auto": "auto", "auto_async": "auto"}[mode]
     static = dict(static_decode=False)  # the dynamic path unless --static-decode (on CUDA the default is static)
     if args["static_decode"]:  # the slots hold the fabricated context + every step's tokens (≤ 16 each)
-        static = dict(static_decode=True, static_context=context + 16 * (args["warmup"] + args["steps"]))
+        static = dict(static_decode=True, static_context=context + 16 * (args["warmup"] + args["steps"]),
+                      overlap=args.get("overlap", False))
     _sync(model.device)
     t = time.perf_counter()
     engine = Engine(model, EngineConfig(max_running=requests, max_prompt_tokens=context + 1, max_new_tokens=10**6,
@@ -420,6 +421,8 @@ def main() -> None:
                          "auto vs fixed-budget comparison less noisy")
     ap.add_argument("--config", default=None,
                     help="shipped config name (default v4-mini; smoke tiny-v4), e.g. v41-mini for the V4.1 analogue")
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --static-decode: EngineConfig(overlap=True), one plain greedy step in flight")
     ap.add_argument("--requests", default=None, help="comma list: the decode grid's request counts")
     ap.add_argument("--modes", default=None, help=f"comma list of decode modes (default all: {','.join(MODES)})")
     ap.add_argument("--contexts", default=None, help="comma list of decode contexts (default 4096,32768)")
@@ -443,6 +446,9 @@ def main() -> None:
             raise ValueError(f"--steps must be >= 1, got {cli.steps}")
         args["steps"] = cli.steps
     args["static_decode"] = cli.static_decode
+    if cli.overlap and not cli.static_decode:
+        raise ValueError("--overlap needs --static-decode")
+    args["overlap"] = cli.overlap
     budget = cli.budget_s or (120.0 if cli.smoke else 450.0)
     device = torch.device("cpu" if cli.smoke else "cuda")
     clock = Clock(budget)

@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session5.sh v41; bash bench/gpu_session5.sh engine")
 #   run(command="bash bench/gpu_session5.sh host")
 #   run(command="bash bench/gpu_session5.sh final")
+#   run(command="bash bench/gpu_session5.sh overlap")   # next session: overlap on/off, select_topk, the stage test
 #   run(command="bash bench/gpu_session5.sh buckets")
 #   run(command="bash bench/gpu_session5.sh kernels")
 #   run(command="bash bench/gpu_session5.sh engram", kind="nvidia-h200-x2")
@@ -63,6 +64,18 @@ part_final() {  # after the fused norm / RoPE ops, the decode router and the sha
   grep -h '"mode"' $W/logs/final_engine.txt | cut -c1-200
   tail -n 4 $W/logs/final_route.txt | cut -c1-600
   tail -n 12 $W/logs/final_tests.txt | cut -c1-300
+}
+
+part_overlap() {  # written after the device time ran out: the engine with one greedy step in flight
+  logged overlap_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_engine_static_gpu.py \
+    tests/kernels/test_lightning_indexer.py "tests/kernels/test_draft_stage_kernels.py"
+  logged overlap_off 150 python3 bench/engine_h200.py --static-decode --requests 1,8,64 --modes none \
+    --contexts 4096 --decode-only --steps 16 --budget-s 110 --out "$OUT/engine-h200-overlap-off.json"
+  logged overlap_on 150 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 --modes none \
+    --contexts 4096 --decode-only --steps 16 --budget-s 110 --out "$OUT/engine-h200-overlap-on.json"
+  logged overlap_profile 130 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-topk.json"
+  tail -n 6 $W/logs/overlap_tests.txt; grep -h '"mode"' $W/logs/overlap_off.txt $W/logs/overlap_on.txt | cut -c1-200
+  grep -h "^{" $W/logs/overlap_profile.txt | cut -c1-600
 }
 
 part_graphs() {

@@ -144,7 +144,7 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
         position = len(req.out)
         kept = req.commit(block[1:accepted + 1] + [nxt])
         if trace is not None:
-            trace.append(_trace_record(req, drafts[b], confidence, logits[b], b, n, accepted, kept, position,
+            trace.append(trace_record(req, drafts[b], confidence, logits[b], b, n, accepted, kept, position,
                                        len(live)))
 
 
@@ -171,7 +171,7 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> tuple[int, int]:
     return n, targets[n]
 
 
-def _trace_record(req: Request, draft: list[int], confidence, logits, b: int, verified: int, accepted: int,
+def trace_record(req: Request, draft: list[int], confidence, logits, b: int, verified: int, accepted: int,
                   kept: int, position: int, load: int) -> dict:
     """One row of the round trace (schema in docs/traces.md); called after `req.commit`."""
     return {

@@ -1,6 +1,6 @@
 """Round traces: one record per request per speculative round, stored as JSON lines.
 
-The schema is documented in docs/traces.md; `dspark.round._trace_record` writes the engine's fields,
+The schema is documented in docs/traces.md; `dspark.round.trace_record` writes the engine's fields,
 `number_steps` adds the engine-step index the load analyses group by. Analyses read the records
 through `TraceArrays`, a column view (one numpy array per field) that is cheap to filter.
 

@@ -35,6 +35,7 @@ import torch
 
 from dspark.draft import DSparkDrafter, resolve_drafter
 from dspark.engine.footprint import request_footprint
+from dspark.engine.lookahead import Lookahead
 from dspark.engine.pages import StateAllocator
 from dspark.engine.scheduler import Scheduler
 from dspark.engine.slots import SlotState, SlotTable
@@ -43,7 +44,7 @@ from dspark.engine.static_runner import StaticRunner
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from dspark.request import GenerationStats, Request
-from dspark.round import RoundConfig, prefill_step, speculative_round
+from dspark.round import RoundConfig, prefill_step, speculative_round, trace_record
 from dspark.sampling import SamplingParams
 from dspark.validate import PLANNERS, check_draft_tokens
 from dspark.verify.capacity import CapacityTable, default_cpu_table
@@ -79,6 +80,10 @@ class EngineConfig:
         max_prompt_tokens + max_new_tokens. The slots' memory grows with max_running × this.
     draft_seed : seed of the device generator that sampled DSpark drafts are drawn with under
         `static_decode` (one for all slots; verification keeps outputs exact whatever it draws).
+    overlap : keep one plain greedy decode step in flight while the host commits the previous one
+        (`dspark.engine.lookahead`; needs the static path; applies to rounds without a drafter whose
+        requests are all greedy, other rounds run as usual; on the CPU the same tokens, no overlap).
+        Off by default until it has run on a GPU.
     """
 
     max_running: int = 64
@@ -96,6 +101,7 @@ class EngineConfig:
     static_decode: bool | None = None
     static_context: int | None = None
     draft_seed: int = 0
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("max_running", "max_waiting", "max_prompt_tokens", "max_new_tokens", "prefill_chunk"):
@@ -117,6 +123,10 @@ class EngineConfig:
                 raise ValueError(f"static_context must be None or an int >= 2, got {self.static_context!r}")
             if self.static_decode is False:
                 raise ValueError(f"static_context={self.static_context} needs static_decode=True or None (auto)")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+        if self.overlap and self.static_decode is False:
+            raise ValueError("overlap=True needs the static path (static_decode=True or None)")
         if isinstance(self.draft_seed, bool) or not isinstance(self.draft_seed, int) or self.draft_seed < 0:
             raise ValueError(f"draft_seed must be a non-negative int, got {self.draft_seed!r}")
 
@@ -151,6 +161,10 @@ class Engine:
         self.static = static_by_default(model) if config.static_decode is None else config.static_decode
         self.slots, self.runner, self.static_draft = (_static_path(model, self.drafter, config) if self.static
                                                       else (None, None, None))
+        if config.overlap and self.runner is None:
+            raise ValueError(f"overlap=True needs the static path, which this engine does not run "
+                             f"(static_decode={config.static_decode!r} on {type(model).__name__}, {model.device})")
+        self.lookahead = Lookahead(self.runner) if config.overlap and self.drafter is None else None
         self._ids = itertools.count()
         self._trace: list[dict] = []
 
@@ -219,6 +233,13 @@ class Engine:
 
     def _decode(self, requests: list[Request]) -> None:
         t = time.perf_counter()
+        if self.lookahead is not None:
+            self._bind_slots(requests)
+            if all(req.params.greedy for req in requests):
+                self._decode_ahead(requests)
+                _charge(requests, "decode_s", time.perf_counter() - t)
+                return
+            self.lookahead.discard()  # a sampled request: this round runs the usual way
         forward = draft = None
         if self.runner is not None:
             self._bind_slots(requests)
@@ -229,6 +250,18 @@ class Engine:
         speculative_round(self.model, self.drafter, requests, self.round_config,
                           self._trace if self.config.trace else None, forward, draft)
         _charge(requests, "decode_s", time.perf_counter() - t)
+
+    def _decode_ahead(self, requests: list[Request]) -> None:
+        """A plain greedy round from the step in flight (`Lookahead`): the same commit, statistics and
+        trace as `speculative_round` with no drafter."""
+        tokens = self.lookahead.step(requests)
+        for b, (req, token) in enumerate(zip(requests, tokens)):
+            req.state.advance(1)  # the anchor fed at the request's length
+            req.stats.record_round(0, 0, 0)
+            position = len(req.out)
+            kept = req.commit([token])
+            if self.config.trace:
+                self._trace.append(trace_record(req, [], None, None, b, 0, 0, kept, position, len(requests)))
 
     def _bind_slots(self, requests: list[Request]) -> None:
         """Move every request new to decoding into a free static slot (its dynamic state, and its
@@ -253,6 +286,8 @@ class Engine:
         (target and draft state) along. A mover that is itself leaving needs no copy."""
         if self.slots is None:
             return
+        if self.lookahead is not None and request_ids:
+            self.lookahead.discard()  # the batch changes (its key would not match anyway)
         leaving = set(request_ids)
         for rid in request_ids:
             move = self.slots.release(rid)

@@ -117,6 +117,12 @@ class StaticRunner:
         return DeepseekV4Output(gather(out.logits), gather(out.hidden),
                                 {i: gather(f) for i, f in out.features.items()}), offsets
 
+    def launch(self, ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """One step on device inputs (ids [b, t], starts [b], values the caller derived on the device,
+        e.g. the previous step's argmax; `dspark.engine.lookahead`): the logits [b, t, V] fp32, the
+        graph's buffer (read or copy them before the next call). Touches no host value."""
+        return self._step(ids, starts).logits
+
     def _step(self, ids: torch.Tensor, starts: torch.Tensor):
         """ids [b, t], starts [b] on the device -> the step's `StaticStepOutput` (a graph's buffers)."""
         graph = self.graphs.get(tuple(ids.shape))

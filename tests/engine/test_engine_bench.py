@@ -66,3 +66,19 @@ def test_engine_bench_grid_options_restrict_the_decode_grid(tmp_path):
                           "--out", str(tmp_path / "bad.json")], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "--modes 'fast'" in bad.stderr
+
+
+def test_engine_bench_overlap_runs_on_the_static_path(tmp_path):
+    """`--static-decode --overlap`: the decode cells run with EngineConfig(overlap=True) (the grid says
+    so); `--overlap` alone is refused."""
+    out = tmp_path / "engine-overlap.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    script = str(ROOT / "bench" / "engine_h200.py")
+    subprocess.run([sys.executable, script, "--smoke", "--static-decode", "--overlap", "--requests", "2", "--modes",
+                    "none", "--contexts", "40", "--decode-only", "--out", str(out)],
+                   check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["conditions"]["grid"]["overlap"] is True and [d["mode"] for d in r["decode"]] == ["none"]
+    bad = subprocess.run([sys.executable, script, "--smoke", "--overlap", "--out", str(tmp_path / "bad.json")],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--overlap needs --static-decode" in bad.stderr

@@ -119,3 +119,31 @@ def test_static_decode_is_the_default_on_cuda():
     config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
     reference = dspark.init_model(config, seed=0, device="cuda", kernels=KernelConfig.uniform("ref"))
     assert not static_by_default(reference)
+
+
+@pytest.mark.gpu
+def test_overlap_keeps_a_step_in_flight_with_the_same_tokens():
+    """`overlap=True` on CUDA graphs: plain greedy rounds read each step's tokens behind an event while
+    the next step runs; tokens equal the synchronous static and dynamic engines'; most steps come from
+    the step in flight."""
+    from dspark.engine.lookahead import Lookahead
+
+    model, _ = _model_and_drafter()
+    prompts = _prompts()
+    dynamic, _, _ = _run(model, prompts, static_decode=False)
+    static, _, _ = _run(model, prompts, static_decode=True)
+    counts = {"host": 0}
+    from_host = Lookahead._launch_from_host
+
+    def counting(self, *args):
+        counts["host"] += 1
+        return from_host(self, *args)
+
+    Lookahead._launch_from_host = counting
+    try:
+        ahead, _, engine = _run(model, prompts, static_decode=True, overlap=True)
+    finally:
+        Lookahead._launch_from_host = from_host
+    assert ahead == static == dynamic
+    assert engine.lookahead is not None and engine.replayed and counts["host"] > 0
+    assert engine.slots.free == engine.slots.slots
