@@ -233,22 +233,21 @@ class Engine:
 
     def _decode(self, requests: list[Request]) -> None:
         t = time.perf_counter()
-        if self.lookahead is not None:
-            self._bind_slots(requests)
-            if all(req.params.greedy for req in requests):
-                self._decode_ahead(requests)
-                _charge(requests, "decode_s", time.perf_counter() - t)
-                return
-            self.lookahead.discard()  # a sampled request: this round runs the usual way
-        forward = draft = None
         if self.runner is not None:
             self._bind_slots(requests)
-            forward = self.runner.forward
-            if self.static_draft is not None:
-                forward = partial(self.runner.forward, observe=self.static_draft.observe)
-                draft = self.static_draft.draft
-        speculative_round(self.model, self.drafter, requests, self.round_config,
-                          self._trace if self.config.trace else None, forward, draft)
+        if self.lookahead is not None and all(req.params.greedy for req in requests):
+            self._decode_ahead(requests)
+        else:
+            if self.lookahead is not None:
+                self.lookahead.discard()  # a sampled request: this round runs the usual way
+            forward = draft = None
+            if self.runner is not None:
+                forward = self.runner.forward
+                if self.static_draft is not None:
+                    forward = partial(self.runner.forward, observe=self.static_draft.observe)
+                    draft = self.static_draft.draft
+            speculative_round(self.model, self.drafter, requests, self.round_config,
+                              self._trace if self.config.trace else None, forward, draft)
         _charge(requests, "decode_s", time.perf_counter() - t)
 
     def _decode_ahead(self, requests: list[Request]) -> None:
