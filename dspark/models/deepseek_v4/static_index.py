@@ -61,10 +61,14 @@ class StepIndex:
         group = self._rope_groups.get(id(rope), ("module", id(rope)))
         return self._get(("rope", group), lambda: rope.cos_sin(self.flat))
 
+    def group_starts(self, rate: int) -> torch.Tensor:
+        """[S·c] first position w·m of each candidate group (`groups`): the position its entry stands for."""
+        return self._get(("group_starts", rate), lambda: (self.groups(rate)[0] * rate).reshape(-1))
+
     def group_cos_sin(self, rope, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rope.cos_sin` of the candidate groups' first positions w·m (`groups`): [S·c, rd/2] each."""
+        """`rope.cos_sin` of the candidate groups' first positions (`group_starts`): [S·c, rd/2] each."""
         group = self._rope_groups.get(id(rope), ("module", id(rope)))
-        return self._get(("group_rope", group, rate), lambda: rope.cos_sin((self.groups(rate)[0] * rate).reshape(-1)))
+        return self._get(("group_rope", group, rate), lambda: rope.cos_sin(self.group_starts(rate)))
 
     def ring_rows(self, ring: PositionRing) -> torch.Tensor:
         """[S, T] flat rows of the step's positions in a ring of `ring.size` rows per slot."""

@@ -212,8 +212,7 @@ def update_compressor(compressor, state: StaticCompressorState, index: StepIndex
     state.kv.write_rows(rows, kv)
     state.score.write_rows(rows, score)
     kv_slots, score_slots = _candidate_slots(state, index, m)  # [S·c, slots, d_c]
-    w, _ = index.groups(m)
-    entries = compressor.pool(kv_slots, score_slots, (w * m).reshape(-1), rope,
+    entries = compressor.pool(kv_slots, score_slots, index.group_starts(m), rope,
                               index.group_cos_sin(rope, m))  # [S·c, d_c]
     state.entries.view(-1, state.dim).index_copy_(0, index.entry_rows(m, state.n_entries), entries)
 
