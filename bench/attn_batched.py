@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:  # run as a script from any directory
     sys.path.insert(0, str(REPO))
 
 from bench.engine_h200 import fabricate_state  # noqa: E402
+from bench.graph_timing import replay_seconds  # noqa: E402
 from dspark.api import init_model  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
 
@@ -149,22 +150,9 @@ def graph_timer(fn, reps: int = 50) -> float:
             body()
         return graph
 
-    def per_replay(graph) -> float:
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        return statistics.median(times)
-
     both = capture(lambda: (flush.zero_(), fn()))
     alone = capture(flush.zero_)
-    return max(per_replay(both) - per_replay(alone), 1e-9)
+    return max(replay_seconds(both, reps) - replay_seconds(alone, reps), 1e-9)
 
 
 def cpu_timer(fn) -> float:

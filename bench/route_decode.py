@@ -23,7 +23,6 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ if str(REPO) not in sys.path:  # run as a script from any directory
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+
+from bench.graph_timing import replay_seconds  # noqa: E402
 
 LAYERS = {"v4-mini": (2048, 64), "v4-flash": (4096, 256)}  # D, E
 TOP_K = 6
@@ -90,16 +91,7 @@ class GraphTimer:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             body()
-        graph.replay()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        return statistics.median(times)
+        return replay_seconds(graph, 5)
 
     def __call__(self, fn) -> dict:
         def warm():
