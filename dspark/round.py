@@ -19,7 +19,7 @@ import torch
 
 from dspark.request import Request
 from dspark.sampling import probs_from_logits, sample
-from dspark.verify.acceptance import verify_chain
+from dspark.verify.acceptance import accept_greedy, verify_chain
 from dspark.verify.capacity import CapacityTable
 from dspark.verify.planner import VerifyPlan, plan_algorithm1, plan_async, plan_fixed
 
@@ -145,7 +145,7 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
         kept = req.commit(block[1:accepted + 1] + [nxt])
         if trace is not None:
             trace.append(trace_record(req, drafts[b], confidence, logits[b], b, n, accepted, kept, position,
-                                       len(live)))
+                                      len(live)))
 
 
 def _greedy_targets(logits: torch.Tensor, live: list[Request], blocks: list[list[int]],
@@ -159,16 +159,6 @@ def _greedy_targets(logits: torch.Tensor, live: list[Request], blocks: list[list
         return {}
     ids = logits.argmax(dim=-1).tolist()  # [N]
     return {b: ids[offsets[b]:offsets[b] + len(blocks[b])] for b in greedy}
-
-
-def accept_greedy(drafts: list[int], targets: list[int]) -> tuple[int, int]:
-    """Greedy verification on host ids: (accepted, next token) for drafts [k] and the target argmax
-    of their k + 1 rows — the leading run of drafts equal to the target, then the target's token
-    at the first mismatch (or the bonus row)."""
-    n = 0
-    while n < len(drafts) and drafts[n] == targets[n]:
-        n += 1
-    return n, targets[n]
 
 
 def trace_record(req: Request, draft: list[int], confidence, logits, b: int, verified: int, accepted: int,

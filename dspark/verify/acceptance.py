@@ -60,6 +60,16 @@ def verify_greedy(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[tor
     return n[0], nxt[0]
 
 
+def accept_greedy(drafts: list[int], targets: list[int]) -> tuple[int, int]:
+    """`verify_greedy` on host ids: (accepted, next token) for drafts [k] and the target argmax of
+    their k + 1 rows (a round reads all its greedy rows' argmax in one host copy): the leading run of
+    drafts equal to the target, then the target's token at the first mismatch (or the bonus row)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n, targets[n]
+
+
 def verify_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                   generator: Generators) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact rejection-sampling verification of one block (module docstring).

@@ -234,9 +234,9 @@ def test_accepted_count_and_residual_laws_chi_square():
 
 
 def test_host_greedy_acceptance_equals_verify_greedy():
-    """`round.accept_greedy` on host argmax ids (the batched round's greedy path) agrees with
+    """`accept_greedy` on host argmax ids (the batched round's greedy path) agrees with
     `verify_greedy` on the logits, including planted ties (lowest id wins in both)."""
-    from dspark.round import accept_greedy
+    from dspark.verify.acceptance import accept_greedy
 
     g = torch.Generator().manual_seed(3)
     for trial in range(200):
