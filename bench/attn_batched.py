@@ -21,6 +21,10 @@ whole-model decode step with the batched attention vs the old per-request loop.
 3. `attn_tiles`: the CSA case at B = 8 and 128 under the fused kernel's alternative launch shapes
    (`SWEEP`: program order, prefetching the next key tile, 32-key tiles, more key chunks), to pick
    the default from measurements.
+4. `attn_flashinfer` (when flashinfer imports): the same cases on flashinfer's MLA kernels
+   (`dspark.kernels.attention_flashinfer`; sink applied from the LSE). `plan_ms` is the host
+   scheduling (one sync; once per step and key-list layout), `us` / `graph_us` the planned `run`
+   (kernel + sink epilogue) as above, `kernel_graph_us` flashinfer's kernel alone in a graph.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="bench/results/attn-batched.json")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference ops: checks the script")
     p.add_argument("--skip-model", action="store_true", help="only the attention-op cases")
+    p.add_argument("--batches", help="requests per launch, comma-separated (default 1,8,64,128)")
+    p.add_argument("--skip-sweep", action="store_true", help="no Triton launch-shape sweep")
+    p.add_argument("--skip-per-request", action="store_true", help="no one-launch-per-request timing")
     return p.parse_args(argv)
 
 
@@ -82,7 +89,7 @@ def decode_inputs(batch: int, heads: int, rate: int, topk: int | None, context: 
     return q, pool, index, sink, rows_per_request
 
 
-def attention_rows(cfg: dict, device, timer) -> list[dict]:
+def attention_rows(cfg: dict, device, timer, per_request_timing: bool = True) -> list[dict]:
     from dspark.kernels import get_op
 
     impl = "triton" if device.type == "cuda" else "ref"
@@ -107,7 +114,7 @@ def attention_rows(cfg: dict, device, timer) -> list[dict]:
                     for b in range(batch):
                         attend(q[b : b + 1], pool[b * per : (b + 1) * per], local[b : b + 1], sink, scale)
 
-                per_request_s = timer(per_request)
+                per_request_s = timer(per_request) if per_request_timing else float("nan")
                 n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()  # key rows, each once
                            + 2 * q.numel() * q.element_size() + index.numel() * index.element_size())
                 rows.append({"case": "attn_decode_batched", "layer": name, "kind": kind, "B": batch,
@@ -159,6 +166,55 @@ def cpu_timer(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def flashinfer_rows(cfg: dict, device) -> list[dict]:
+    """`attn_flashinfer`: the `attention_rows` cases on flashinfer's MLA kernels (module docstring)."""
+    from dspark.kernels.attention_flashinfer import SparseAttentionFlashinfer
+    from dspark.kernels.attention_ref import sparse_attention_ref
+
+    scale = HEAD_DIM**-0.5
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name, heads in cfg["heads"].items():
+        for kind, (rate, topk) in LAYERS.items():
+            for batch in cfg["batches"]:
+                q, pool, index, sink, _ = decode_inputs(batch, heads, rate, topk, cfg["context"], device, g)
+                op = SparseAttentionFlashinfer()
+                try:
+                    out = op(q, pool, index, sink, scale)  # compiles on the first call
+                    sync(device)
+                    start = time.perf_counter()
+                    op.plan(index, heads, scale, q.dtype)
+                    plan_s = time.perf_counter() - start
+                    check = slice(0, min(batch, 8))
+                    expected = sparse_attention_ref(q[check], pool, index[check], sink, scale).float()
+                    err = ((out[check].float() - expected).norm() / expected.norm()).item()
+                    run_s = gpu_timer(lambda: op.run(q, pool, sink))
+                    graph_s = graph_timer(lambda: op.run(q, pool, sink))
+                    kv = pool.view(pool.shape[0], 1, HEAD_DIM)
+                    q_pe, kpe = q.new_empty((*q.shape[:2], 0)), pool.new_empty((pool.shape[0], 1, 0))
+                    kernel_s = graph_timer(lambda: op._wrapper.run(q, q_pe, kv, kpe, return_lse=True,
+                                                                   return_lse_base_on_e=True))
+                except Exception as exc:  # no nvcc, a shape flashinfer rejects: record, go on
+                    rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
+                                 "error": repr(exc)[:400]})
+                    print(f"flashinfer {name} {kind} B={batch}: {rows[-1]['error']}", flush=True)
+                    continue
+                n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()
+                           + 2 * q.numel() * q.element_size() + index.numel() * 4)
+                rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
+                             "keys_per_query": index.shape[1], "context": cfg["context"], "plan_ms": plan_s * 1e3,
+                             "us": run_s * 1e6, "graph_us": graph_s * 1e6, "kernel_graph_us": kernel_s * 1e6,
+                             "bytes": n_bytes, "pct_hbm": 100 * n_bytes / run_s / HBM_BYTES_PER_S,
+                             "graph_pct_hbm": 100 * n_bytes / graph_s / HBM_BYTES_PER_S,
+                             "kernel_pct_hbm": 100 * n_bytes / kernel_s / HBM_BYTES_PER_S, "rel_err": err})
+                r = rows[-1]
+                print(f"flashinfer {name} {kind} B={batch}: run {r['us']:.1f} us, graph {r['graph_us']:.1f} us "
+                      f"({r['graph_pct_hbm']:.1f}% HBM), kernel {r['kernel_graph_us']:.1f} us "
+                      f"({r['kernel_pct_hbm']:.1f}%), plan {r['plan_ms']:.2f} ms, rel err {err:.1e}", flush=True)
+                del q, pool, index
+    return rows
 
 
 # Launch shapes of the fused kernel compared at B = 8 and 128 (CSA): each compiles for sm_90
@@ -276,7 +332,9 @@ def conditions(device) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = SMOKE if args.smoke else FULL
+    cfg = dict(SMOKE if args.smoke else FULL)
+    if args.batches:
+        cfg["batches"] = tuple(int(b) for b in args.batches.split(","))
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench/attn_batched.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
@@ -286,9 +344,14 @@ def main(argv=None) -> int:
     print(json.dumps(cond), flush=True)
     timer = gpu_timer if device.type == "cuda" else cpu_timer
     with torch.inference_mode():
-        rows = attention_rows(cfg, device, timer)
-        if device.type == "cuda":  # the Triton launch shapes (their CPU check: tests/kernels)
+        rows = attention_rows(cfg, device, timer, per_request_timing=not args.skip_per_request)
+        if device.type == "cuda" and not args.skip_sweep:  # the Triton launch shapes (CPU check: tests/kernels)
             rows += sweep_rows(cfg, device, timer)
+        if device.type == "cuda":
+            from dspark.kernels.attention_flashinfer import flashinfer_available
+
+            if flashinfer_available():
+                rows += flashinfer_rows(cfg, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not args.skip_model:

@@ -74,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--static-decode", choices=("auto", "on", "off"), default="auto",
                    help="decoding rounds on static slots with CUDA graphs; auto: on for a DeepSeek-V4/V4.1 "
                         "model on CUDA that can replay them (EngineConfig.static_decode=None)")
-    p.add_argument("--overlap", action="store_true",
-                   help="keep one plain greedy decode step in flight while the host commits the previous one "
-                        "(needs the static path; EngineConfig.overlap)")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="keep one plain greedy decode step in flight while the host commits the last one; "
+                        "auto: wherever the static path runs (EngineConfig.overlap=None)")
     p.add_argument("--state-budget-bytes", type=int, default=None,
                    help="device memory for per-request decode state; the newest requests are preempted "
                         "(and recomputed) when it runs out (default: enough for --max-running at their longest)")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                               capacity=CapacityTable.load(args.capacity) if args.capacity else None,
                               state_budget_bytes=args.state_budget_bytes,
                               static_decode={"auto": None, "on": True, "off": False}[args.static_decode],
-                              overlap=args.overlap)
+                              overlap={"auto": None, "on": True, "off": False}[args.overlap])
         engine = Engine(load_model(args.model, args.device), config)
         app = create_app(engine, model_name=args.served_model_name or args.model, api_key=args.api_key,
                          drain_s=args.drain_timeout, max_body_bytes=args.max_body_bytes)

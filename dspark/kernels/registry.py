@@ -5,7 +5,9 @@ The model holds a `KernelConfig` (built once at the edge, from the device the mo
 
 * ``"ref"``    -- plain torch (`<op>_ref`): runs anywhere, the numerical reference of the tests;
 * ``"triton"`` -- the fused Triton kernels (`<op>`): CUDA tensors, or CPU tensors under the Triton
-  interpreter in tests.
+  interpreter in tests;
+* ``"flashinfer"`` -- only where an op has one (`FLASHINFER_OPS`): flashinfer's kernels behind the
+  same signature, an optional dependency, never a default (chosen explicitly in the config).
 
 Triton is an optional dependency (the ``gpu`` extra): importing this package never imports it;
 asking for a ``"triton"`` op without it raises an ImportError that says how to install it.
@@ -21,8 +23,13 @@ from typing import Any, Callable, Literal
 
 import torch
 
-Impl = Literal["ref", "triton"]
-IMPLS: tuple[str, ...] = ("ref", "triton")
+Impl = Literal["ref", "triton", "flashinfer"]
+IMPLS: tuple[str, ...] = ("ref", "triton", "flashinfer")
+# op name -> (module under dspark.kernels, callable class): a fresh instance per `get_op`, which holds
+# its own flashinfer workspaces (no state shared between models).
+FLASHINFER_OPS: dict[str, tuple[str, str]] = {
+    "sparse_attention": ("attention_flashinfer", "SparseAttentionFlashinfer"),
+}
 
 # op name -> module under dspark.kernels that defines `<op>` (Triton) and `<op>_ref` (torch).
 _OP_MODULES: dict[str, str] = {
@@ -100,10 +107,13 @@ class KernelConfig:
             value = getattr(self, field.name)
             if value not in IMPLS:
                 raise ValueError(f"KernelConfig.{field.name}={value!r}: must be one of {IMPLS}")
+            if value == "flashinfer" and field.name not in FLASHINFER_OPS:
+                raise ValueError(f"KernelConfig.{field.name}='flashinfer': no flashinfer implementation; "
+                                 f"ops that have one: {tuple(FLASHINFER_OPS)}")
 
     @classmethod
     def uniform(cls, impl: Impl) -> KernelConfig:
-        """The same implementation for every op."""
+        """The same implementation for every op ("ref" or "triton")."""
         return cls(**{op: impl for op in OPS})
 
     @classmethod
@@ -119,11 +129,15 @@ class KernelConfig:
 def get_op(config: KernelConfig, name: str) -> Callable[..., Any]:
     """The implementation of op `name` that `config` selects (same signature for both impls).
 
-    Raises ValueError for an unknown op name, ImportError for ``"triton"`` without Triton.
+    Raises ValueError for an unknown op name, ImportError for ``"triton"`` without Triton (a
+    ``"flashinfer"`` op raises its ImportError on its first call, where it needs the package).
     """
     if name not in _OP_MODULES:
         raise ValueError(f"unknown kernel op {name!r}; known ops: {OPS}")
     impl = getattr(config, name)
+    if impl == "flashinfer":
+        module, cls = FLASHINFER_OPS[name]
+        return getattr(importlib.import_module(f"dspark.kernels.{module}"), cls)()
     if impl == "triton":
         require_triton()
     module = importlib.import_module(f"dspark.kernels.{_OP_MODULES[name]}")

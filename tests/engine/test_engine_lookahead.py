@@ -116,11 +116,15 @@ def test_abort_with_a_step_in_flight_frees_its_slot(tiny):
 
 
 def test_overlap_settings_are_validated(tiny):
-    with pytest.raises(ValueError, match="overlap must be a bool, got 1"):
+    with pytest.raises(ValueError, match="overlap must be None \\(auto\\) or a bool, got 1"):
         EngineConfig(overlap=1)
     with pytest.raises(ValueError, match="overlap=True needs the static path \\(static_decode=True or None\\)"):
         EngineConfig(static_decode=False, overlap=True)
     with pytest.raises(ValueError, match="overlap=True needs the static path, which this engine does not run"):
         Engine(tiny, EngineConfig(overlap=True, **LIMITS))  # CPU: static_decode=None picks the dynamic path
-    assert EngineConfig().overlap is False and Engine(tiny, EngineConfig(**LIMITS)).lookahead is None
+    # None (default): on wherever the static path runs, off where it does not (here: the CPU's dynamic path)
+    assert EngineConfig().overlap is None and Engine(tiny, EngineConfig(**LIMITS)).lookahead is None
+    assert Engine(tiny, EngineConfig(static_decode=True, **LIMITS)).lookahead is not None
+    assert Engine(tiny, EngineConfig(static_decode=True, overlap=False, **LIMITS)).lookahead is None
+    assert Engine(tiny, EngineConfig(static_decode=True, draft_tokens=3, drafter="ngram", **LIMITS)).lookahead is None
     assert torch.device(tiny.device).type == "cpu"

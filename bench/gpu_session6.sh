@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# GPU steps of the sixth 2026-11-30 session (each part < 9.5 min; flashinfer travels as wheels in .whl/):
+#
+#   run(command="bash bench/gpu_session6.sh fi", carry=[".whl"], kind="nvidia-h200")
+#   run(command="bash bench/gpu_session6.sh check", carry=[".whl"])
+#   run(command="bash bench/gpu_session6.sh overlap")
+#
+# fi: flashinfer's MLA kernels behind `sparse_attention` (dspark/kernels/attention_flashinfer.py):
+#    their GPU tests against the reference (the first call JIT-compiles them with nvcc), then the
+#    32K decode-attention cases of bench/attn_batched.py on Triton (now also as CUDA-graph replays,
+#    `graph_us`) and on flashinfer; and bench/draft_stage_diag.py, the call-by-call comparison of the
+#    Triton and reference DSpark stages behind the known GPU failure of test_draft_stage_kernels.py.
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+W=/tmp/gpu-session && mkdir -p $W/logs
+
+logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/NAME.txt, record rc
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$W/logs/$name.txt" 2>&1
+  echo "$name rc=$?" | tee -a "$W/logs/$name.txt"
+}
+
+with_flashinfer() {  # the carried wheels on PYTHONPATH, nvcc for flashinfer's JIT
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:. FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+  local nvcc; nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+  [ -n "$nvcc" ] && export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")} PATH=$(dirname "$nvcc"):$PATH
+  echo "nvcc: ${nvcc:-none}; CUDA_HOME=${CUDA_HOME:-unset}"; python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+}
+
+part_fi() {
+  with_flashinfer
+  logged fi_tests 270 python3 -m pytest -q -p no:cacheprovider -rs -x tests/kernels/test_attention_flashinfer.py
+  logged diag 90 python3 bench/draft_stage_diag.py --out "$OUT/draft-stage-diag-h200.json"
+  logged attn 200 python3 bench/attn_batched.py --skip-model --skip-sweep --skip-per-request \
+    --out "$OUT/attn-batched-graph-h200.json"
+  tail -n 15 $W/logs/fi_tests.txt | cut -c1-400; head -c 1500 $W/logs/diag.txt
+  grep -h "graph\|flashinfer" $W/logs/attn.txt | cut -c1-260
+}
+
+part_check() {  # after the first call: the stage test in fp32, the fused sink epilogue, 256 requests
+  with_flashinfer
+  logged check_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_attention_flashinfer.py \
+    tests/kernels/test_draft_stage_kernels.py tests/kernels/test_lightning_indexer.py tests/engine/test_engine_static_gpu.py
+  logged diag32 90 python3 bench/draft_stage_diag.py --out "$OUT/draft-stage-diag-h200-fp32.json"
+  logged attn256 150 python3 bench/attn_batched.py --skip-model --skip-sweep --skip-per-request --batches 64,128,256 \
+    --out "$OUT/attn-batched-flashinfer-h200.json"
+  tail -n 15 $W/logs/check_tests.txt | cut -c1-400; head -c 700 $W/logs/diag32.txt
+  grep -h "graph\|flashinfer\|HBM" $W/logs/attn256.txt | cut -c1-260
+}
+
+part_overlap() {  # EngineConfig(overlap=True) on and off, and the step profile with select_topk (from gpu_session5.sh)
+  export PYTHONPATH=.
+  logged overlap_off 150 python3 bench/engine_h200.py --static-decode --requests 1,8,64 --modes none \
+    --contexts 4096 --decode-only --steps 16 --budget-s 110 --out "$OUT/engine-h200-overlap-off.json"
+  logged overlap_on 150 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 --modes none \
+    --contexts 4096 --decode-only --steps 16 --budget-s 110 --out "$OUT/engine-h200-overlap-on.json"
+  logged overlap_profile 130 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-topk.json"
+  grep -h '"mode"' $W/logs/overlap_off.txt $W/logs/overlap_on.txt | cut -c1-200
+  grep -h "^{" $W/logs/overlap_profile.txt | cut -c1-600
+}
+
+part_$1
+tar -C $W -cf "$OUT/logs6-$1.tar" logs
+ls -la "$OUT"
