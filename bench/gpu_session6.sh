@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session6.sh fi", carry=[".whl"], kind="nvidia-h200")
 #   run(command="bash bench/gpu_session6.sh check", carry=[".whl"])
 #   run(command="bash bench/gpu_session6.sh overlap")
+#   run(command="bash bench/gpu_session6.sh step")
 #
 # fi: flashinfer's MLA kernels behind `sparse_attention` (dspark/kernels/attention_flashinfer.py):
 #    their GPU tests against the reference (the first call JIT-compiles them with nvcc), then the
@@ -59,6 +60,17 @@ part_overlap() {  # EngineConfig(overlap=True) on and off, and the step profile 
   logged overlap_profile 130 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-topk.json"
   grep -h '"mode"' $W/logs/overlap_off.txt $W/logs/overlap_on.txt | cut -c1-200
   grep -h "^{" $W/logs/overlap_profile.txt | cut -c1-600
+}
+
+part_step() {  # the split compressor pool and the head-split wo_a at decode sizes; launch-shape sweep
+  export PYTHONPATH=.
+  logged step_tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_compressor_pool.py \
+    tests/kernels/test_grouped_wo_a.py "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu" \
+    tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  logged sweep 120 python3 bench/decode_sweep.py --out "$OUT/decode-sweep-h200.json"
+  logged step_profile 130 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-split.json"
+  tail -n 6 $W/logs/step_tests.txt | cut -c1-300; grep -h "best" $W/logs/sweep.txt | cut -c1-200
+  grep -h "^{" $W/logs/step_profile.txt | cut -c1-900
 }
 
 part_$1

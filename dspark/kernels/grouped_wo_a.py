@@ -33,6 +33,8 @@ launch. No host sync: CUDA-graph capturable.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dspark.kernels.registry import require_triton
@@ -78,7 +80,7 @@ def grouped_wo_a_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, we
 @_jit
 def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, head_dim, nope, stride_cs,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     """y[m, g·R + r] = Σ_k rot(x)[m, g, k] · w[g·R + r, k] for one [BLOCK_M, BLOCK_N] tile of group g.
 
     x [N, G·K] (= out [N, H, d]), w [G·R, K], y [N, G·R]. ALIGNED (the V4 layout, d 512 = 448 + 64):
@@ -87,8 +89,11 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, hea
     (Rotating a tile conditionally inside one K loop made the sm_90 build spill registers at the
     64- and 128-row tiles: the dot could no longer take its operands straight from shared memory.)
     PRECISION: "ieee" for fp32 operands (a true fp32 GEMM, like torch's default), ignored for bf16.
+    SPLITS > 1 (ALIGNED only): program axis 1 also picks one of SPLITS equal runs of the group's heads
+    and y is fp32 partials [SPLITS, N, G·R] that `_sum_splits_kernel` adds up.
     """
-    pid_m, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_ns, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_n, split = pid_ns // SPLITS, pid_ns % SPLITS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < n_rows, offs_n < rank
@@ -99,13 +104,15 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, hea
         # Two loops, so that the GEMM over the "nope" channels (7/8 of K in V4) stays a plain
         # pipelined dot: first every head's nope tiles, then every head's rotary tile, rotated.
         nope_tiles = nope // BLOCK_K
-        for t in range(0, (width // head_dim) * nope_tiles):
-            offs_k = (t // nope_tiles) * head_dim + (t % nope_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+        split_width = width // SPLITS  # whole heads: the launcher checks that SPLITS divides them
+        first = split * split_width
+        for t in range(0, (split_width // head_dim) * nope_tiles):
+            offs_k = first + (t // nope_tiles) * head_dim + (t % nope_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)  # [K, N] tile
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        for k0 in range(nope, width, head_dim):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(nope, split_width, head_dim):
+            offs_k = first + k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             a = _rotate_tile(a, cos_ptr, sin_ptr, offs_m, m_mask, stride_cs)
             b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
@@ -120,7 +127,20 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, hea
             b = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
     y = y_ptr + offs_m.to(tl.int64)[:, None] * (rank * tl.num_programs(2)) + g * rank + offs_n[None, :]
+    if SPLITS > 1:
+        y += split.to(tl.int64) * n_rows * rank * tl.num_programs(2)
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@_jit
+def _sum_splits_kernel(part_ptr, y_ptr, n_elems, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """y = Σ_s part[s] (fp32, in split order: deterministic), cast to y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elems
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + s * n_elems + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit
@@ -151,10 +171,46 @@ def _rotate_masked(a, x_rows, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, 
     return (a.to(tl.float32) * c + sign * (partner * s)).to(a.dtype)
 
 
+class Tiles(NamedTuple):
+    """Launch shape: [block_m × block_n] output tiles, block_k reduction step, warps, pipeline stages,
+    and `splits`: the group's heads split into this many runs whose fp32 partials a second launch adds
+    (decode: more programs, each a shorter stream of weight rows)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    splits: int = 1
+
+
+def decode_splits(rank: int) -> int:
+    """Runs of a group's heads at decode sizes, measured (bench/decode_sweep.py, one H200, 1 and 8
+    tokens, 8 heads per group, 32-wide N tiles): v4-mini (R 512) 4 runs 12.1 µs vs 20.7 unsplit,
+    V4-Flash (R 1024, twice the N tiles) 2 runs 28.0 µs vs 33.3."""
+    return 4 if rank <= 512 else 2
+
+
+def default_tiles(n: int, groups: int, rank: int, heads_per_group: int, head_dim: int, rd: int,
+                  dtype: torch.dtype) -> Tiles:
+    """`Tiles` by token count: decode tiles stream the weight over many programs (memory bound; split
+    over runs of the group's heads, `decode_splits`, where they divide them, with 32-wide N tiles),
+    prefill tiles are square for tensor-core reuse."""
+    block_m, block_n, block_k, warps, stages, aligned = _tiles(n, groups * rank, head_dim, rd, dtype)
+    splits = decode_splits(rank)
+    if aligned and n <= 64 and dtype != torch.float32 and heads_per_group % splits == 0:
+        return Tiles(block_m, 32, block_k, warps, stages, splits)
+    return Tiles(block_m, block_n, block_k, warps, stages, 1)
+
+
+def _aligned(head_dim: int, rd: int) -> bool:
+    return rd >= 16 and rd & (rd - 1) == 0 and (head_dim - rd) % rd == 0  # V4: rd 64, nope 448
+
+
 def _tiles(n: int, rows: int, head_dim: int, rd: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, ALIGNED) by token count: decode tiles stream
     the weight over many programs (memory bound); prefill tiles are square for tensor-core reuse."""
-    aligned = rd >= 16 and rd & (rd - 1) == 0 and (head_dim - rd) % rd == 0  # V4: rd 64, nope 448
+    aligned = _aligned(head_dim, rd)
     block_k = rd if aligned else 32
     if dtype == torch.float32:  # ieee fp32 dots run on the FMA units: small tiles (tests, fp32 models)
         return min(32, max(16, triton.next_power_of_2(n))), 32, block_k, 4, 2, aligned
@@ -168,6 +224,16 @@ def _tiles(n: int, rows: int, head_dim: int, rd: int, dtype: torch.dtype) -> tup
 
 def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Fused `grouped_wo_a_ref` (same signature, shapes and dtypes)."""
+    groups = _check_args(out, cos, sin, weight)
+    n, heads, head_dim = out.shape
+    tiles = default_tiles(n, groups, weight.shape[0] // groups, heads // groups, head_dim, 2 * cos.shape[1],
+                          out.dtype)
+    return launch_grouped_wo_a(out, cos, sin, weight, tiles)
+
+
+def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                        tiles: Tiles) -> torch.Tensor:
+    """`grouped_wo_a` with an explicit launch shape (tests and `bench/decode_sweep.py` vary it)."""
     require_triton()
     groups = _check_args(out, cos, sin, weight)
     n, heads, head_dim = out.shape
@@ -175,12 +241,21 @@ def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
     y = torch.empty((n, groups * rank), dtype=out.dtype, device=out.device)
     if n == 0:
         return y
-    block_m, block_n, block_k, warps, stages, aligned = _tiles(n, weight.shape[0], head_dim, 2 * cos.shape[1],
-                                                               out.dtype)
+    rd = 2 * cos.shape[1]
+    if tiles.splits > 1 and (not _aligned(head_dim, rd) or (heads // groups) % tiles.splits):
+        raise ValueError(f"splits={tiles.splits} needs the aligned rotary layout and to divide the "
+                         f"{heads // groups} heads of a group")
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     precision = "ieee" if out.dtype == torch.float32 else "tf32"  # fp32: a true fp32 GEMM, as torch's
-    grid = (triton.cdiv(n, block_m), triton.cdiv(rank, block_n), groups)
-    _wo_a_kernel[grid](out.contiguous(), cos, sin, weight.contiguous(), y, n, rank, width, head_dim,
-                       head_dim - 2 * cos.shape[1], cos.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=block_k, ALIGNED=aligned, PRECISION=precision, num_warps=warps, num_stages=stages)
+    target = y if tiles.splits == 1 else torch.empty((tiles.splits, n, groups * rank), dtype=torch.float32,
+                                                     device=out.device)
+    grid = (triton.cdiv(n, tiles.block_m), triton.cdiv(rank, tiles.block_n) * tiles.splits, groups)
+    _wo_a_kernel[grid](out.contiguous(), cos, sin, weight.contiguous(), target, n, rank, width, head_dim,
+                       head_dim - rd, cos.shape[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                       BLOCK_K=tiles.block_k, ALIGNED=_aligned(head_dim, rd), PRECISION=precision,
+                       SPLITS=tiles.splits, num_warps=tiles.warps, num_stages=tiles.stages)
+    if tiles.splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](target, y, y.numel(), SPLITS=tiles.splits, BLOCK=block,
+                                                            num_warps=4)
     return y

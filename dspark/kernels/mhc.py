@@ -356,17 +356,21 @@ def _stats_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps) of the statistics kernel. tl.dot needs >= 16 token rows; more
     rows per tile re-read fn (1.5 MB for Flash) from L2 fewer times. The sizes are the largest that
     compile for sm_90 without register spills (ptxas report, AOT-compiled on a CPU machine)."""
-    if n_tok <= 256:
-        return 16, 64, 8
+    if n_tok <= 256:  # bench/decode_sweep.py on one H200 (decode-sweep-h200.json), as CUDA-graph replays:
+        # 1-8 tokens 3.4-3.9 µs (unfused) and 7.2-10.2 µs (fused post+pre) vs 6.2-6.6 / 11.0-11.5 µs with
+        # the (16, 64, 8) tile these replace: narrower D blocks put more programs on the fn stream. The
+        # fused pass's faster 2- and 4-warp shapes (3.2-5.7 µs) spill registers on sm_90.
+        return (16, 16, 8) if fused else (16, 16, 4)
     return (32, 32, 8) if fused else (128, 32, 8)
 
 
-def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fused=None):
+def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fused=None, tiles=None):
     """Statistics pass over `src` [N, H, D]; with `fused` = (f, post, comb, x_out) the tiles of
-    `src` are not read directly but computed as X' and written to x_out. Returns (dpart, sqpart)."""
+    `src` are not read directly but computed as X' and written to x_out. Returns (dpart, sqpart).
+    `tiles` (BLOCK_T, BLOCK_D, num_warps) overrides `_stats_tiles` (bench/decode_sweep.py)."""
     n_tok = src.shape[0]
     n_mix = fn.shape[0]
-    block_t, block_d, warps = _stats_tiles(n_tok, fused is not None)
+    block_t, block_d, warps = tiles or _stats_tiles(n_tok, fused is not None)
     n_tblocks = triton.cdiv(n_tok, block_t)
     n_dblocks = triton.cdiv(dim, block_d)
     # Split K until the grid covers ~2 waves of SMs: a decode step has one t-block only.

@@ -41,8 +41,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            attention: ("_partial_kernel", "_combine_kernel"),
            indexer: ("_score_kernel", "_select_kernel"),
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
-           compressor: ("_pool_kernel",),
-           grouped_wo_a: ("_wo_a_kernel",),
+           compressor: ("_pool_kernel", "_pool_part_kernel", "_norm_kernel"),
+           grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel"),
            rms_norm: ("_rms_norm_kernel",),
            rope: ("_rope_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
@@ -144,7 +144,9 @@ def run_every_tile_class():
                               (2, 512, torch.float32)):
         kv = torch.randn(2, slots, dim, generator=g).to(DEVICE, dtype)
         score = torch.randn(2, slots, dim, generator=g).to(DEVICE)
-        compressor.compressor_pool(kv, score, torch.ones(dim, device=DEVICE), eps=1e-6, out_dtype=torch.bfloat16)
+        for split in (False, True):  # one program per entry; channel blocks + norm (decode sizes)
+            compressor.launch_compressor_pool(kv, score, torch.ones(dim, device=DEVICE), eps=1e-6,
+                                              out_dtype=torch.bfloat16, split=split)
     # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) decode tiles, and
     # v4-mini's (G 4, R 512) narrower decode tiles; the middle and prefill tiles; fp32 (ieee dot).
     for n_tok, heads, groups, rank, dtype in ((2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),

@@ -36,11 +36,12 @@ CASES = [  # (n, slots, d, kv dtype, out dtype, empty first slots)
 
 
 @needs_triton
+@pytest.mark.parametrize("split", [False, True])  # one program per entry / channel blocks + norm launch
 @pytest.mark.parametrize("n,slots,dim,kv_dtype,out_dtype,empty_first", CASES)
-def test_compressor_pool_matches_ref(n, slots, dim, kv_dtype, out_dtype, empty_first, poisoned):
+def test_compressor_pool_matches_ref(n, slots, dim, kv_dtype, out_dtype, empty_first, split, poisoned):
     kv, score, weight = make_inputs(n, slots, dim, kv_dtype, seed=slots + dim, empty_first=empty_first)
     with poisoned():
-        out = compressor.compressor_pool(kv, score, weight, eps=1e-6, out_dtype=out_dtype)
+        out = compressor.launch_compressor_pool(kv, score, weight, eps=1e-6, out_dtype=out_dtype, split=split)
     ref = compressor.compressor_pool_ref(kv, score, weight, eps=1e-6, out_dtype=out_dtype)
     assert out.shape == (n, dim) and out.dtype == out_dtype and not out.isnan().any()
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -74,10 +75,11 @@ def test_reference_validates_arguments():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("n,slots,dim", [(1, 8, 512), (1, 8, 128), (1, 128, 512), (256, 8, 512), (64, 128, 512)])
-def test_real_shapes_on_gpu(n, slots, dim):
+def test_real_shapes_on_gpu(n, slots, dim, split):
     """V4-Flash widths: CSA (8 slots × 512), its indexer (8 × 128), HCA (128 × 512), bf16."""
     kv, score, weight = make_inputs(n, slots, dim, torch.bfloat16, seed=n, empty_first=slots == 8)
-    out = compressor.compressor_pool(kv, score, weight, eps=1e-6, out_dtype=torch.bfloat16)
+    out = compressor.launch_compressor_pool(kv, score, weight, eps=1e-6, out_dtype=torch.bfloat16, split=split)
     ref = compressor.compressor_pool_ref(kv, score, weight, eps=1e-6, out_dtype=torch.bfloat16)
     assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < TOL[torch.bfloat16]

@@ -64,6 +64,37 @@ def test_grouped_wo_a_matches_ref(dtype, n, groups, poisoned):
 
 
 @needs_triton
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 5])
+def test_head_splits_sum_to_the_same_projection(splits, n, poisoned):
+    """Decode launches split each group's heads into runs whose fp32 partials a second launch adds:
+    the aligned layout (head_dim 64 = 48 nope + rd 16), 8 heads in 2 groups of 4."""
+    out, cos, sin, weight = make_inputs(n, 8, 64, 16, 2, 32, torch.bfloat16, seed=splits + n)
+    tiles = op.Tiles(16, 16, 16, 4, 2, splits)
+    with poisoned():
+        y = op.launch_grouped_wo_a(out, cos, sin, weight, tiles)
+    assert y.dtype == torch.bfloat16 and not y.isnan().any()
+    assert rel_err(y, op.grouped_wo_a_ref(out, cos, sin, weight)) < TOL[torch.bfloat16]
+
+
+@needs_triton
+def test_head_splits_must_divide_the_group():
+    out, cos, sin, weight = make_inputs(1, 8, 64, 16, 2, 32, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="splits=3"):
+        op.launch_grouped_wo_a(out, cos, sin, weight, op.Tiles(16, 16, 16, 4, 2, 3))
+
+
+@needs_triton
+def test_decode_sizes_split_the_heads_prefill_does_not():
+    mini, flash = (4, 512, 8, 512, 64), (8, 1024, 8, 512, 64)  # groups, rank, heads per group, d, rd
+    assert op.default_tiles(1, *mini, torch.bfloat16).splits == 4
+    assert op.default_tiles(8, *flash, torch.bfloat16).splits == 2
+    assert op.default_tiles(300, *mini, torch.bfloat16).splits == 1
+    assert op.default_tiles(1, *mini, torch.float32).splits == 1  # fp32: ieee dots, small tiles
+    assert op.default_tiles(1, 4, 512, 6, 512, 64, torch.bfloat16).splits == 1  # 4 does not divide 6 heads
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_tiles_and_the_rotation_matter(dtype, poisoned):
     """N = 70 takes the middle tile class (K tile 64 divides d = 128: the aligned path). Without the
