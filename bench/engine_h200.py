@@ -427,6 +427,7 @@ def main() -> None:
     ap.add_argument("--modes", default=None, help=f"comma list of decode modes (default all: {','.join(MODES)})")
     ap.add_argument("--contexts", default=None, help="comma list of decode contexts (default 4096,32768)")
     ap.add_argument("--decode-only", action="store_true", help="skip the HF peer and the prefill phase")
+    ap.add_argument("--peer", action="store_true", help="with --decode-only: still run the HF peer (batch 1)")
     cli = ap.parse_args()
     args = dict(SMOKE if cli.smoke else FULL)
     for name, parse in (("requests", int), ("contexts", int), ("modes", str)):
@@ -489,6 +490,9 @@ def main() -> None:
 
     run_decode(model, drafters, args, clock, keep, results, results["skipped"], g)
     save()
+    if cli.decode_only and cli.peer:
+        run_peer(config, args, device, results)
+        save()
     if not cli.decode_only:
         run_peer(config, args, device, results)
         save()

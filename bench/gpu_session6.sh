@@ -5,6 +5,8 @@
 #   run(command="bash bench/gpu_session6.sh check", carry=[".whl"])
 #   run(command="bash bench/gpu_session6.sh overlap")
 #   run(command="bash bench/gpu_session6.sh step")
+#   run(command="bash bench/gpu_session6.sh final1", carry=[".whl"])
+#   run(command="bash bench/gpu_session6.sh final2")
 #
 # fi: flashinfer's MLA kernels behind `sparse_attention` (dspark/kernels/attention_flashinfer.py):
 #    their GPU tests against the reference (the first call JIT-compiles them with nvcc), then the
@@ -71,6 +73,32 @@ part_step() {  # the split compressor pool and the head-split wo_a at decode siz
   logged step_profile 130 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-split.json"
   tail -n 6 $W/logs/step_tests.txt | cut -c1-300; grep -h "best" $W/logs/sweep.txt | cut -c1-200
   grep -h "^{" $W/logs/step_profile.txt | cut -c1-900
+}
+
+part_final1() {  # after the sweep's launch shapes: the step, the engine (overlap on, its default) with the HF peer
+  with_flashinfer
+  logged final_profile 120 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-s6.json"
+  logged final_engine 240 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 --modes none,dspark3 \
+    --contexts 4096 --decode-only --peer --steps 8 --budget-s 170 --out "$OUT/engine-h200-s6.json"
+  logged final_attn 90 python3 bench/attn_batched.py --skip-model --skip-sweep --skip-per-request --batches 512 \
+    --out "$OUT/attn-batched-flashinfer-512-h200.json"
+  grep -h "^{" $W/logs/final_profile.txt | cut -c1-700
+  grep -h '"mode"\|ratio\|batch1' $W/logs/final_engine.txt | cut -c1-220
+  grep -h "flashinfer\|graph" $W/logs/final_attn.txt | cut -c1-260
+}
+
+part_final2() {  # mHC epilogue reducing 8 partials a step; GPU tests; 32K at 128 / 256 requests; decode MoE as one op
+  export PYTHONPATH=.
+  logged final2_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py \
+    tests/kernels/test_mhc_v41.py tests/engine/test_engine_static_gpu.py
+  logged final2_profile 110 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-s6b.json"
+  logged final_32k 200 python3 bench/engine_h200.py --static-decode --overlap --requests 128,256 --modes none,dspark3 \
+    --contexts 32768 --decode-only --steps 4 --budget-s 150 --out "$OUT/engine-h200-32k-s6.json"
+  logged final_tiles 100 python3 bench/moe_decode_tiles.py --out "$OUT/moe-decode-tiles-shipped-h200.json"
+  tail -n 4 $W/logs/final2_tests.txt | cut -c1-300
+  grep -h "^{" $W/logs/final2_profile.txt | cut -c1-600
+  grep -h '"mode"\|skip' $W/logs/final_32k.txt | cut -c1-220
+  grep -h "shipped" $W/logs/final_tiles.txt | cut -c1-260
 }
 
 part_$1

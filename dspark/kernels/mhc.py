@@ -246,7 +246,8 @@ def _sinkhorn(logits, valid, hc_eps, sinkhorn_iters):
 @_jit
 def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
                 rms_eps, hc_eps, sinkhorn_iters,
-                HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+                HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                SPLIT_BLOCK: tl.constexpr = 8):
     """Reduce the statistics partials of tokens `offs_t` [BT] -> (pre [BT, HC_PAD] (0 on padded
     streams), post [BT, HC_PAD], comb [BT, HC_PAD, HC_PAD]), fp32, in the order of spec §6.2."""
     offs_j = tl.arange(0, HC_PAD)
@@ -259,13 +260,21 @@ def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_to
     pre_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
     post_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
     comb_mix = tl.zeros((BLOCK_T, HC_PAD, HC_PAD), dtype=tl.float32)
-    for s in range(splits):
-        part = (s * n_tok + offs_t) * MIX_PAD  # [BT]
-        sq += tl.load(sqpart_ptr + s * n_tok + offs_t, mask=t_mask, other=0.0)
-        pre_mix += tl.load(dpart_ptr + part[:, None] + offs_j[None, :], mask=tj_mask, other=0.0)
-        post_mix += tl.load(dpart_ptr + part[:, None] + HC + offs_j[None, :], mask=tj_mask, other=0.0)
-        comb_mix += tl.load(dpart_ptr + part[:, None, None] + jk[None, :, :],
-                            mask=t_mask[:, None, None] & jk_ok[None, :, :], other=0.0)
+    # SPLIT_BLOCK partials per step (decode launches write up to ~128 of them; one per step was serial)
+    for s0 in range(0, splits, SPLIT_BLOCK):
+        offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
+        s_ok = offs_s < splits
+        rows = offs_s[:, None] * n_tok + offs_t[None, :]  # [SB, BT]
+        st_mask = s_ok[:, None] & t_mask[None, :]
+        sq += tl.sum(tl.load(sqpart_ptr + rows, mask=st_mask, other=0.0), axis=0)
+        part = rows * MIX_PAD
+        stj_mask = st_mask[:, :, None] & j_ok[None, None, :]
+        pre_mix += tl.sum(tl.load(dpart_ptr + part[:, :, None] + offs_j[None, None, :], mask=stj_mask, other=0.0),
+                          axis=0)
+        post_mix += tl.sum(tl.load(dpart_ptr + part[:, :, None] + HC + offs_j[None, None, :], mask=stj_mask,
+                                   other=0.0), axis=0)
+        comb_mix += tl.sum(tl.load(dpart_ptr + part[:, :, None, None] + jk[None, None, :, :],
+                                   mask=st_mask[:, :, None, None] & jk_ok[None, None, :, :], other=0.0), axis=0)
 
     rho = tl.rsqrt(sq / (HC * dim) + rms_eps)  # [BT]
     s_pre = tl.load(scale_ptr)
