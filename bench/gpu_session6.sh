@@ -7,6 +7,7 @@
 #   run(command="bash bench/gpu_session6.sh step")
 #   run(command="bash bench/gpu_session6.sh final1", carry=[".whl"])
 #   run(command="bash bench/gpu_session6.sh final2")
+#   run(command="bash bench/gpu_session6.sh last")
 #
 # fi: flashinfer's MLA kernels behind `sparse_attention` (dspark/kernels/attention_flashinfer.py):
 #    their GPU tests against the reference (the first call JIT-compiles them with nvcc), then the
@@ -99,6 +100,13 @@ part_final2() {  # mHC epilogue reducing 8 partials a step; GPU tests; 32K at 12
   grep -h "^{" $W/logs/final2_profile.txt | cut -c1-600
   grep -h '"mode"\|skip' $W/logs/final_32k.txt | cut -c1-220
   grep -h "shipped" $W/logs/final_tiles.txt | cut -c1-260
+}
+
+part_last() {  # mHC statistics back to one partial per 64 channels (4 warps unfused), chunked epilogue
+  export PYTHONPATH=.
+  logged last_profile 110 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-s6c.json"
+  logged last_tests 60 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py
+  grep -h "^{" $W/logs/last_profile.txt | cut -c1-500; tail -n 2 $W/logs/last_tests.txt
 }
 
 part_$1

@@ -365,11 +365,12 @@ def _stats_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps) of the statistics kernel. tl.dot needs >= 16 token rows; more
     rows per tile re-read fn (1.5 MB for Flash) from L2 fewer times. The sizes are the largest that
     compile for sm_90 without register spills (ptxas report, AOT-compiled on a CPU machine)."""
-    if n_tok <= 256:  # bench/decode_sweep.py on one H200 (decode-sweep-h200.json), as CUDA-graph replays:
-        # 1-8 tokens 3.4-3.9 µs (unfused) and 7.2-10.2 µs (fused post+pre) vs 6.2-6.6 / 11.0-11.5 µs with
-        # the (16, 64, 8) tile these replace: narrower D blocks put more programs on the fn stream. The
-        # fused pass's faster 2- and 4-warp shapes (3.2-5.7 µs) spill registers on sm_90.
-        return (16, 16, 8) if fused else (16, 16, 4)
+    if n_tok <= 256:  # bench/decode_sweep.py on one H200 (decode-sweep-h200.json), CUDA-graph replays at 1-8
+        # tokens: the unfused pass 4.8-5.1 µs with 4 warps vs 6.2-6.6 µs with 8. Narrower D blocks were
+        # faster still (3.4 µs) but write 4x the partials, and the epilogue that reduces them then cost
+        # more than they saved in the whole step (graph-profile-h200-s6*.json); the fused pass's 2- and
+        # 4-warp shapes spill registers on sm_90.
+        return (16, 64, 8) if fused else (16, 64, 4)
     return (32, 32, 8) if fused else (128, 32, 8)
 
 
