@@ -62,9 +62,13 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32, device=device))
         self.norm = RMSNorm(head_dim, eps, device=device, kernels=kernels)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token rows for all N tokens: (C [N, coff·d_c] model dtype, Z + ape [N, coff·d_c] fp32)."""
-        score = self.wgate(x).float() + self.ape[positions % self.rate]
+    def project(self, x: torch.Tensor, positions: torch.Tensor,
+                phase: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token rows for all N tokens: (C [N, coff·d_c] model dtype, Z + ape [N, coff·d_c] fp32).
+        `phase` = positions % rate where the caller has it (the static step computes it once per rate)."""
+        phase = positions % self.rate if phase is None else phase
+        # model dtype + fp32 promotes to fp32: the same values as .float() first, one op fewer
+        score = self.wgate(x) + self.ape[phase]
         return self.wkv(x), score
 
     def update(self, cache: CompressorCache, kv: torch.Tensor, score: torch.Tensor, rope: Rope) -> None:
@@ -208,13 +212,15 @@ class Indexer(nn.Module):
         self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device,
                                      kernels=kernels)
 
-    def project(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, cos, sin) -> IndexerQueries:
-        """Dense part for all N tokens: x [N, D] (attention input), q_lora [N, q_lora_rank] (normed c_q)."""
+    def project(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, cos, sin,
+                phase: torch.Tensor | None = None) -> IndexerQueries:
+        """Dense part for all N tokens: x [N, D] (attention input), q_lora [N, q_lora_rank] (normed c_q);
+        `phase` as in `Compressor.project`."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         # Both score constants folded into the head weights (ReLU commutes with a positive scale).
         weights = self.weights_proj(x).float() * (self.n_heads * self.head_dim) ** -0.5
-        kv, score = self.compressor.project(x, positions)
+        kv, score = self.compressor.project(x, positions, phase)
         return IndexerQueries(q, weights, kv, score)
 
     def forward(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,

@@ -61,6 +61,10 @@ class StepIndex:
         group = self._rope_groups.get(id(rope), ("module", id(rope)))
         return self._get(("rope", group), lambda: rope.cos_sin(self.flat))
 
+    def phase(self, rate: int) -> torch.Tensor:
+        """[N] position % rate of every row (a compressor's `ape` row)."""
+        return self._get(("phase", rate), lambda: self.flat % rate)
+
     def group_starts(self, rate: int) -> torch.Tensor:
         """[S·c] first position w·m of each candidate group (`groups`): the position its entry stands for."""
         return self._get(("group_starts", rate), lambda: (self.groups(rate)[0] * rate).reshape(-1))

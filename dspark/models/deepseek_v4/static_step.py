@@ -188,10 +188,11 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
     state.window.write_rows(index.ring_rows(state.window), kv)
     keys = index.window_keys(attn.window, state.window)  # [N, W]
     if attn.compressor is not None:
-        update_compressor(attn.compressor, state.compressor, index, *attn.compressor.project(x, index.flat), attn.rope)
+        rows = attn.compressor.project(x, index.flat, index.phase(attn.rate))
+        update_compressor(attn.compressor, state.compressor, index, *rows, attn.rope)
         first, n_entries = state.window.slots * state.window.size, state.compressor.n_entries
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
-            inputs = attn.indexer.project(x, q_lora, index.flat, cos, sin)
+            inputs = attn.indexer.project(x, q_lora, index.flat, cos, sin, index.phase(attn.indexer.rate))
             update_compressor(attn.indexer.compressor, state.indexer, index, inputs.kv, inputs.score, attn.rope)
             picks = select_entries(attn.indexer, inputs.q, inputs.weights, state.indexer, index)
             keys = torch.cat((keys, torch.where(picks >= 0, picks + index.entry_offsets(first, n_entries), -1)), dim=-1)
