@@ -89,6 +89,15 @@ def decode_inputs(batch: int, heads: int, rate: int, topk: int | None, context: 
     return q, pool, index, sink, rows_per_request
 
 
+def decode_cases(cfg: dict, device):
+    """(layer, kind, B, heads, `decode_inputs`) of every case, inputs drawn from one seeded generator."""
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, heads in cfg["heads"].items():
+        for kind, (rate, topk) in LAYERS.items():
+            for batch in cfg["batches"]:
+                yield name, kind, batch, heads, decode_inputs(batch, heads, rate, topk, cfg["context"], device, g)
+
+
 def attention_rows(cfg: dict, device, timer, per_request_timing: bool = True) -> list[dict]:
     from dspark.kernels import get_op
 
@@ -96,40 +105,36 @@ def attention_rows(cfg: dict, device, timer, per_request_timing: bool = True) ->
     attend = get_op(KernelConfig(sparse_attention=impl), "sparse_attention")
     ref = get_op(KernelConfig(), "sparse_attention")
     scale = HEAD_DIM**-0.5
-    g = torch.Generator(device=device).manual_seed(0)
     rows = []
-    for name, heads in cfg["heads"].items():
-        for kind, (rate, topk) in LAYERS.items():
-            for batch in cfg["batches"]:
-                q, pool, index, sink, per = decode_inputs(batch, heads, rate, topk, cfg["context"], device, g)
-                out = attend(q, pool, index, sink, scale)
-                check = slice(0, min(batch, 8))
-                expected = ref(q[check], pool, index[check], sink, scale).float()
-                err = ((out[check].float() - expected).norm() / expected.norm()).item()
-                fused_s = timer(lambda: attend(q, pool, index, sink, scale))
+    for name, kind, batch, heads, (q, pool, index, sink, per) in decode_cases(cfg, device):
+        out = attend(q, pool, index, sink, scale)
+        check = slice(0, min(batch, 8))
+        expected = ref(q[check], pool, index[check], sink, scale).float()
+        err = ((out[check].float() - expected).norm() / expected.norm()).item()
+        fused_s = timer(lambda: attend(q, pool, index, sink, scale))
 
-                local = index - torch.arange(batch, device=device).unsqueeze(-1) * per  # rows of its own slice
+        local = index - torch.arange(batch, device=device).unsqueeze(-1) * per  # rows of its own slice
 
-                def per_request():  # the old layout: one launch per request over its own pool slice
-                    for b in range(batch):
-                        attend(q[b : b + 1], pool[b * per : (b + 1) * per], local[b : b + 1], sink, scale)
+        def per_request():  # the old layout: one launch per request over its own pool slice
+            for b in range(batch):
+                attend(q[b : b + 1], pool[b * per : (b + 1) * per], local[b : b + 1], sink, scale)
 
-                per_request_s = timer(per_request) if per_request_timing else float("nan")
-                n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()  # key rows, each once
-                           + 2 * q.numel() * q.element_size() + index.numel() * index.element_size())
-                rows.append({"case": "attn_decode_batched", "layer": name, "kind": kind, "B": batch,
-                             "keys_per_query": index.shape[1], "context": cfg["context"], "us": fused_s * 1e6,
-                             "per_request_us": per_request_s * 1e6, "bytes": n_bytes,
-                             "GBps": n_bytes / fused_s / 1e9, "pct_hbm": 100 * n_bytes / fused_s / HBM_BYTES_PER_S,
-                             "rel_err": err})
-                r = rows[-1]
-                if device.type == "cuda":  # the op as a captured graph runs it: no launch overhead
-                    graph_s = graph_timer(lambda: attend(q, pool, index, sink, scale))
-                    r.update(graph_us=graph_s * 1e6, graph_pct_hbm=100 * n_bytes / graph_s / HBM_BYTES_PER_S)
-                    print(f"  in a CUDA graph: {r['graph_us']:.1f} us ({r['graph_pct_hbm']:.1f}% HBM)", flush=True)
-                print(f"{name} {kind} B={batch}: {r['us']:.1f} us ({r['GBps']:.0f} GB/s, {r['pct_hbm']:.1f}% HBM; "
-                      f"per-request launches {r['per_request_us']:.1f} us), rel err {err:.1e}", flush=True)
-                del q, pool, index, local
+        per_request_s = timer(per_request) if per_request_timing else float("nan")
+        n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()  # key rows, each once
+                   + 2 * q.numel() * q.element_size() + index.numel() * index.element_size())
+        rows.append({"case": "attn_decode_batched", "layer": name, "kind": kind, "B": batch,
+                     "keys_per_query": index.shape[1], "context": cfg["context"], "us": fused_s * 1e6,
+                     "per_request_us": per_request_s * 1e6, "bytes": n_bytes,
+                     "GBps": n_bytes / fused_s / 1e9, "pct_hbm": 100 * n_bytes / fused_s / HBM_BYTES_PER_S,
+                     "rel_err": err})
+        r = rows[-1]
+        if device.type == "cuda":  # the op as a captured graph runs it: no launch overhead
+            graph_s = graph_timer(lambda: attend(q, pool, index, sink, scale))
+            r.update(graph_us=graph_s * 1e6, graph_pct_hbm=100 * n_bytes / graph_s / HBM_BYTES_PER_S)
+            print(f"  in a CUDA graph: {r['graph_us']:.1f} us ({r['graph_pct_hbm']:.1f}% HBM)", flush=True)
+        print(f"{name} {kind} B={batch}: {r['us']:.1f} us ({r['GBps']:.0f} GB/s, {r['pct_hbm']:.1f}% HBM; "
+              f"per-request launches {r['per_request_us']:.1f} us), rel err {err:.1e}", flush=True)
+        del q, pool, index, local
     return rows
 
 
@@ -174,46 +179,42 @@ def flashinfer_rows(cfg: dict, device) -> list[dict]:
     from dspark.kernels.attention_ref import sparse_attention_ref
 
     scale = HEAD_DIM**-0.5
-    g = torch.Generator(device=device).manual_seed(0)
     rows = []
-    for name, heads in cfg["heads"].items():
-        for kind, (rate, topk) in LAYERS.items():
-            for batch in cfg["batches"]:
-                q, pool, index, sink, _ = decode_inputs(batch, heads, rate, topk, cfg["context"], device, g)
-                op = SparseAttentionFlashinfer()
-                try:
-                    out = op(q, pool, index, sink, scale)  # compiles on the first call
-                    sync(device)
-                    start = time.perf_counter()
-                    op.plan(index, heads, scale, q.dtype)
-                    plan_s = time.perf_counter() - start
-                    check = slice(0, min(batch, 8))
-                    expected = sparse_attention_ref(q[check], pool, index[check], sink, scale).float()
-                    err = ((out[check].float() - expected).norm() / expected.norm()).item()
-                    run_s = gpu_timer(lambda: op.run(q, pool, sink))
-                    graph_s = graph_timer(lambda: op.run(q, pool, sink))
-                    kv = pool.view(pool.shape[0], 1, HEAD_DIM)
-                    q_pe, kpe = q.new_empty((*q.shape[:2], 0)), pool.new_empty((pool.shape[0], 1, 0))
-                    kernel_s = graph_timer(lambda: op._wrapper.run(q, q_pe, kv, kpe, return_lse=True,
-                                                                   return_lse_base_on_e=True))
-                except Exception as exc:  # no nvcc, a shape flashinfer rejects: record, go on
-                    rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
-                                 "error": repr(exc)[:400]})
-                    print(f"flashinfer {name} {kind} B={batch}: {rows[-1]['error']}", flush=True)
-                    continue
-                n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()
-                           + 2 * q.numel() * q.element_size() + index.numel() * 4)
-                rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
-                             "keys_per_query": index.shape[1], "context": cfg["context"], "plan_ms": plan_s * 1e3,
-                             "us": run_s * 1e6, "graph_us": graph_s * 1e6, "kernel_graph_us": kernel_s * 1e6,
-                             "bytes": n_bytes, "pct_hbm": 100 * n_bytes / run_s / HBM_BYTES_PER_S,
-                             "graph_pct_hbm": 100 * n_bytes / graph_s / HBM_BYTES_PER_S,
-                             "kernel_pct_hbm": 100 * n_bytes / kernel_s / HBM_BYTES_PER_S, "rel_err": err})
-                r = rows[-1]
-                print(f"flashinfer {name} {kind} B={batch}: run {r['us']:.1f} us, graph {r['graph_us']:.1f} us "
-                      f"({r['graph_pct_hbm']:.1f}% HBM), kernel {r['kernel_graph_us']:.1f} us "
-                      f"({r['kernel_pct_hbm']:.1f}%), plan {r['plan_ms']:.2f} ms, rel err {err:.1e}", flush=True)
-                del q, pool, index
+    for name, kind, batch, heads, (q, pool, index, sink, _) in decode_cases(cfg, device):
+        op = SparseAttentionFlashinfer()
+        try:
+            out = op(q, pool, index, sink, scale)  # compiles on the first call
+            sync(device)
+            start = time.perf_counter()
+            op.plan(index, heads, scale, q.dtype)
+            plan_s = time.perf_counter() - start
+            check = slice(0, min(batch, 8))
+            expected = sparse_attention_ref(q[check], pool, index[check], sink, scale).float()
+            err = ((out[check].float() - expected).norm() / expected.norm()).item()
+            run_s = gpu_timer(lambda: op.run(q, pool, sink))
+            graph_s = graph_timer(lambda: op.run(q, pool, sink))
+            kv = pool.view(pool.shape[0], 1, HEAD_DIM)
+            q_pe, kpe = q.new_empty((*q.shape[:2], 0)), pool.new_empty((pool.shape[0], 1, 0))
+            kernel_s = graph_timer(lambda: op._wrapper.run(q, q_pe, kv, kpe, return_lse=True,
+                                                           return_lse_base_on_e=True))
+        except Exception as exc:  # no nvcc, a shape flashinfer rejects: record, go on
+            rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
+                         "error": repr(exc)[:400]})
+            print(f"flashinfer {name} {kind} B={batch}: {rows[-1]['error']}", flush=True)
+            continue
+        n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()
+                   + 2 * q.numel() * q.element_size() + index.numel() * 4)
+        rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
+                     "keys_per_query": index.shape[1], "context": cfg["context"], "plan_ms": plan_s * 1e3,
+                     "us": run_s * 1e6, "graph_us": graph_s * 1e6, "kernel_graph_us": kernel_s * 1e6,
+                     "bytes": n_bytes, "pct_hbm": 100 * n_bytes / run_s / HBM_BYTES_PER_S,
+                     "graph_pct_hbm": 100 * n_bytes / graph_s / HBM_BYTES_PER_S,
+                     "kernel_pct_hbm": 100 * n_bytes / kernel_s / HBM_BYTES_PER_S, "rel_err": err})
+        r = rows[-1]
+        print(f"flashinfer {name} {kind} B={batch}: run {r['us']:.1f} us, graph {r['graph_us']:.1f} us "
+              f"({r['graph_pct_hbm']:.1f}% HBM), kernel {r['kernel_graph_us']:.1f} us "
+              f"({r['kernel_pct_hbm']:.1f}%), plan {r['plan_ms']:.2f} ms, rel err {err:.1e}", flush=True)
+        del q, pool, index
     return rows
 
 

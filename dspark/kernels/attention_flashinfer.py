@@ -24,28 +24,21 @@ The kernels are compiled by flashinfer's JIT on first use (needs nvcc), then cac
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass
 
 import torch
 
 from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # noqa: F401 (the op's ref)
-from dspark.kernels.registry import require_triton
+from dspark.kernels.registry import package_available, require_triton
 from dspark.kernels.triton_compat import jit as _jit, tl, triton
 
 HEAD_DIM = 512  # the MLA kernels' latent width (flashinfer: head_dim_ckv)
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-KV workspace
 
 
-@functools.lru_cache(maxsize=1)
 def flashinfer_available() -> bool:
-    """True when `import flashinfer` succeeds (answered once per process)."""
-    try:
-        importlib.import_module("flashinfer")
-    except ImportError:
-        return False
-    return True
+    """True when `import flashinfer` succeeds."""
+    return package_available("flashinfer")
 
 
 def require_flashinfer() -> None:

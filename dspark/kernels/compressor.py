@@ -31,16 +31,12 @@ from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (
 
 
 @_jit
-def _pool_kernel(kv_ptr, score_ptr, w_ptr, out_ptr, n_slots, dim, eps,
-                 BLOCK_SLOTS: tl.constexpr, D_PAD: tl.constexpr):
-    """out[e] = w ⊙ RMS-normalised(round(Σ_slots softmax(score[e]) ⊙ kv[e])) for entry e = program_id(0)."""
-    e = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < dim
-    m = tl.full((D_PAD,), -1.0e30, tl.float32)  # finite: no inf − inf when every slot so far is empty
-    l = tl.zeros((D_PAD,), tl.float32)
-    acc = tl.zeros((D_PAD,), tl.float32)
-    base = e * n_slots * dim
+def _pooled(kv_ptr, score_ptr, base, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS: tl.constexpr):
+    """Σ_slots softmax_slots(score) ⊙ kv of channels offs_d of the entry at `base`, fp32 (padded
+    channels 0): a running max / sum / weighted value per channel over slot tiles (online softmax)."""
+    m = tl.full(offs_d.shape, -1.0e30, tl.float32)  # finite: no inf − inf when every slot so far is empty
+    l = tl.zeros(offs_d.shape, tl.float32)
+    acc = tl.zeros(offs_d.shape, tl.float32)
     for s0 in range(0, n_slots, BLOCK_SLOTS):
         offs_s = s0 + tl.arange(0, BLOCK_SLOTS)
         mask = (offs_s < n_slots)[:, None] & d_mask[None, :]
@@ -53,8 +49,18 @@ def _pool_kernel(kv_ptr, score_ptr, w_ptr, out_ptr, n_slots, dim, eps,
         l = l * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p * kv, axis=0)
         m = m_new
-    l = tl.where(d_mask, l, 1.0)  # padded channels: 0 / 1, not 0 / 0
-    pooled = (acc / l).to(out_ptr.dtype.element_ty).to(tl.float32)  # the stored entry's rounding
+    return acc / tl.where(d_mask, l, 1.0)  # padded channels: 0 / 1, not 0 / 0
+
+
+@_jit
+def _pool_kernel(kv_ptr, score_ptr, w_ptr, out_ptr, n_slots, dim, eps,
+                 BLOCK_SLOTS: tl.constexpr, D_PAD: tl.constexpr):
+    """out[e] = w ⊙ RMS-normalised(round(Σ_slots softmax(score[e]) ⊙ kv[e])) for entry e = program_id(0)."""
+    e = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < dim
+    pooled = _pooled(kv_ptr, score_ptr, e * n_slots * dim, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS)
+    pooled = pooled.to(out_ptr.dtype.element_ty).to(tl.float32)  # the stored entry's rounding
     rstd = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / dim + eps)
     w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0)
     tl.store(out_ptr + e * dim + offs_d, (w * pooled * rstd).to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -69,24 +75,8 @@ def _pool_part_kernel(kv_ptr, score_ptr, out_ptr, sq_ptr, n_slots, dim, n_dblock
     blk = tl.program_id(1)
     offs_d = blk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
-    m = tl.full((BLOCK_D,), -1.0e30, tl.float32)
-    l = tl.zeros((BLOCK_D,), tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    base = e * n_slots * dim
-    for s0 in range(0, n_slots, BLOCK_SLOTS):
-        offs_s = s0 + tl.arange(0, BLOCK_SLOTS)
-        mask = (offs_s < n_slots)[:, None] & d_mask[None, :]
-        offs = base + offs_s[:, None] * dim + offs_d[None, :]
-        score = tl.load(score_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        kv = tl.load(kv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(score, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(score - m_new[None, :])
-        l = l * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p * kv, axis=0)
-        m = m_new
-    l = tl.where(d_mask, l, 1.0)
-    pooled = (acc / l).to(out_ptr.dtype.element_ty)
+    pooled = _pooled(kv_ptr, score_ptr, e * n_slots * dim, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS)
+    pooled = pooled.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + e * dim + offs_d, pooled, mask=d_mask)
     pooled = tl.where(d_mask, pooled.to(tl.float32), 0.0)
     tl.store(sq_ptr + e * n_dblocks + blk, tl.sum(pooled * pooled, axis=0))

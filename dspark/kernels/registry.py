@@ -57,14 +57,19 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 NOT_YET_ON_GPU: tuple[str, ...] = ()
 
 
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """True when `import triton` succeeds (answered once per process; the answer cannot change)."""
+@functools.lru_cache(maxsize=None)
+def package_available(name: str) -> bool:
+    """True when `import name` succeeds (answered once per process and name; it cannot change)."""
     try:
-        importlib.import_module("triton")
+        importlib.import_module(name)
     except ImportError:
         return False
     return True
+
+
+def triton_available() -> bool:
+    """True when `import triton` succeeds."""
+    return package_available("triton")
 
 
 def require_triton() -> None:
