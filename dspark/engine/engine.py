@@ -359,10 +359,18 @@ def static_by_default(model) -> bool:
         return False
     if getattr(model, "kernels", None) is None or model.kernels.fused_moe != "triton":
         return False
+    if not graph_capturable(model.kernels):
+        return False
     if any(type(m).__module__.startswith("dspark.distributed") for m in model.modules()):
         return False  # sharded layers run collectives: the static step is for one device
     return not any(layer.engram is not None and layer.engram.embed.host
                    for layer in model.layers if hasattr(layer, "engram"))
+
+
+def graph_capturable(kernels) -> bool:
+    """Whether every op `kernels` picks can run inside a captured step: flashinfer's attention plans
+    on the host at each call (a device-to-host copy), which a CUDA graph cannot hold."""
+    return kernels.sparse_attention != "flashinfer"
 
 
 def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner, StaticDraftRunner | None]:
@@ -370,6 +378,10 @@ def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, Stati
     `max_running` slots, T = the verify width."""
     if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
         raise ValueError(f"static_decode supports DeepSeek-V4 and V4.1 targets only, got {type(model).__name__}")
+    if not graph_capturable(model.kernels):
+        raise ValueError(f"static_decode needs graph-capturable kernels, but the model runs "
+                         f"sparse_attention={model.kernels.sparse_attention!r} (it plans on the host at each "
+                         f"call); use static_decode=False, or sparse_attention='triton'")
     tokens = _verify_width(drafter, config)
     capture = drafter.capture_layers if drafter is not None else ()
     # A request of `slot_context` positions verifies at most T tokens from its last anchor.

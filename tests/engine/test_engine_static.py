@@ -19,7 +19,8 @@ from scipy.stats import chisquare
 import dspark
 from dspark.draft import DSparkConfig, DSparkDrafter, MtpDrafter
 from dspark.engine import Engine, EngineConfig
-from dspark.engine.engine import EngineFull, static_by_default
+from dspark.engine.engine import EngineFull, graph_capturable, static_by_default
+from dspark.kernels import KernelConfig
 from dspark.engine.slots import SlotMove, SlotState, SlotTable, bucket, buckets
 from dspark.sampling import SamplingParams
 
@@ -260,6 +261,18 @@ def test_static_decode_is_validated(tiny):
     with pytest.raises(ValueError, match="keep their tables in host memory"):
         Engine(dspark.init_model(v41, seed=0, engram_tables="host"),
                EngineConfig(max_running=2, static_decode=True, **LIMITS))
+
+
+
+def test_static_decode_refuses_kernels_a_graph_cannot_hold():
+    """flashinfer's attention plans on the host at every call: never the static path's default, and a
+    clear error (not a failed capture) when static_decode=True asks for it."""
+    config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
+    kernels = KernelConfig(sparse_attention="flashinfer")
+    model = dspark.init_model(config, seed=0, kernels=kernels)
+    assert not graph_capturable(kernels) and graph_capturable(KernelConfig.uniform("triton"))
+    with pytest.raises(ValueError, match="sparse_attention='flashinfer'"):
+        Engine(model, EngineConfig(max_running=2, static_decode=True, **LIMITS))
 
 
 @pytest.mark.parametrize("prefill_mode", ["exact", "bounded_replay"])
