@@ -2,6 +2,9 @@
 
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
+* ``compressor_pool_gather(kv_rows, score_rows, index, norm_weight, *, eps, out_dtype) -> entries``:
+  the same with each entry's slots named by row (`index` [n, slots] into [R, d] rows, −1 = empty):
+  the static decode step pools straight from its rings instead of gathering copies first.
 * ``compressor_pool(kv, score, norm_weight, *, eps, out_dtype) -> entries``: each complete group
   of `slots` rows (V4 HCA: 128 tokens; V4 CSA and its indexer: 2·4 overlapping half-rows; V4.1:
   2 tokens) becomes one entry RMSNorm(Σ_slots softmax_slots(score) ⊙ kv), per channel. The
@@ -24,23 +27,32 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels.compressor_ref import _check_args, compressor_pool_ref  # noqa: F401 (the op's ref)
+from dspark.kernels.compressor_ref import (_check_args, _check_gather_args, compressor_pool_gather_ref,  # noqa: F401
+                                           compressor_pool_ref)
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 
 
 @_jit
-def _pooled(kv_ptr, score_ptr, base, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS: tl.constexpr):
-    """Σ_slots softmax_slots(score) ⊙ kv of channels offs_d of the entry at `base`, fp32 (padded
-    channels 0): a running max / sum / weighted value per channel over slot tiles (online softmax)."""
+def _pooled(kv_ptr, score_ptr, idx_ptr, e, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS: tl.constexpr,
+            GATHER: tl.constexpr):
+    """Σ_slots softmax_slots(score) ⊙ kv of channels offs_d of entry e, fp32 (padded channels 0): a
+    running max / sum / weighted value per channel over slot tiles (online softmax). Slot j of entry e
+    is row e·slots + j of kv / score, or with GATHER row idx[e, j] (−1: empty, weight 0)."""
     m = tl.full(offs_d.shape, -1.0e30, tl.float32)  # finite: no inf − inf when every slot so far is empty
     l = tl.zeros(offs_d.shape, tl.float32)
     acc = tl.zeros(offs_d.shape, tl.float32)
     for s0 in range(0, n_slots, BLOCK_SLOTS):
         offs_s = s0 + tl.arange(0, BLOCK_SLOTS)
-        mask = (offs_s < n_slots)[:, None] & d_mask[None, :]
-        offs = base + offs_s[:, None] * dim + offs_d[None, :]
+        s_ok = offs_s < n_slots
+        if GATHER:
+            rows = tl.load(idx_ptr + e * n_slots + offs_s, mask=s_ok, other=-1).to(tl.int64)
+            s_ok = rows >= 0
+        else:
+            rows = e * n_slots + offs_s
+        mask = s_ok[:, None] & d_mask[None, :]
+        offs = rows[:, None] * dim + offs_d[None, :]
         score = tl.load(score_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
         kv = tl.load(kv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m_new = tl.maximum(m, tl.max(score, axis=0))
@@ -53,13 +65,13 @@ def _pooled(kv_ptr, score_ptr, base, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS: 
 
 
 @_jit
-def _pool_kernel(kv_ptr, score_ptr, w_ptr, out_ptr, n_slots, dim, eps,
-                 BLOCK_SLOTS: tl.constexpr, D_PAD: tl.constexpr):
+def _pool_kernel(kv_ptr, score_ptr, idx_ptr, w_ptr, out_ptr, n_slots, dim, eps,
+                 BLOCK_SLOTS: tl.constexpr, D_PAD: tl.constexpr, GATHER: tl.constexpr):
     """out[e] = w ⊙ RMS-normalised(round(Σ_slots softmax(score[e]) ⊙ kv[e])) for entry e = program_id(0)."""
     e = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < dim
-    pooled = _pooled(kv_ptr, score_ptr, e * n_slots * dim, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS)
+    pooled = _pooled(kv_ptr, score_ptr, idx_ptr, e, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS, GATHER)
     pooled = pooled.to(out_ptr.dtype.element_ty).to(tl.float32)  # the stored entry's rounding
     rstd = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / dim + eps)
     w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0)
@@ -67,15 +79,15 @@ def _pool_kernel(kv_ptr, score_ptr, w_ptr, out_ptr, n_slots, dim, eps,
 
 
 @_jit
-def _pool_part_kernel(kv_ptr, score_ptr, out_ptr, sq_ptr, n_slots, dim, n_dblocks,
-                      BLOCK_SLOTS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _pool_part_kernel(kv_ptr, score_ptr, idx_ptr, out_ptr, sq_ptr, n_slots, dim, n_dblocks,
+                      BLOCK_SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr):
     """Channels of block program_id(1) of entry e = program_id(0): out[e, block] = round(pooled),
     sq[e, block] = Σ_block round(pooled)² (the norm is `_norm_kernel`'s)."""
     e = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs_d = blk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
-    pooled = _pooled(kv_ptr, score_ptr, e * n_slots * dim, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS)
+    pooled = _pooled(kv_ptr, score_ptr, idx_ptr, e, n_slots, dim, offs_d, d_mask, BLOCK_SLOTS, GATHER)
     pooled = pooled.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + e * dim + offs_d, pooled, mask=d_mask)
     pooled = tl.where(d_mask, pooled.to(tl.float32), 0.0)
@@ -107,6 +119,16 @@ def compressor_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Te
                                   split=kv.shape[0] < SPLIT_BELOW)
 
 
+def compressor_pool_gather(kv_rows: torch.Tensor, score_rows: torch.Tensor, index: torch.Tensor,
+                           norm_weight: torch.Tensor, *, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """Fused `compressor_pool_gather_ref` (same signature): the slots are read through `index`."""
+    require_triton()
+    _check_gather_args(kv_rows, score_rows, index, norm_weight, eps, out_dtype)
+    n, n_slots = index.shape
+    return _launch(kv_rows, score_rows, index.contiguous(), norm_weight, n, n_slots, eps, out_dtype,
+                   split=n < SPLIT_BELOW)
+
+
 def launch_compressor_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Tensor, *, eps: float,
                            out_dtype: torch.dtype, split: bool) -> torch.Tensor:
     """`compressor_pool` with the launch chosen explicitly: one program per entry, or (`split`)
@@ -114,21 +136,30 @@ def launch_compressor_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: t
     require_triton()
     _check_args(kv, score, norm_weight, eps, out_dtype)
     n, n_slots, dim = kv.shape
+    return _launch(kv.reshape(n * n_slots, dim), score.reshape(n * n_slots, dim), None, norm_weight, n, n_slots,
+                   eps, out_dtype, split)
+
+
+def _launch(kv, score, index, norm_weight, n, n_slots, eps, out_dtype, split):
+    """Pool n entries of n_slots rows of kv / score [R, d] (rows e·slots + j, or index [n, slots])."""
+    dim = kv.shape[-1]
     out = torch.empty((n, dim), dtype=out_dtype, device=kv.device)
     if n == 0:
         return out
     kv, score, weight = kv.contiguous(), score.float().contiguous(), norm_weight.float().contiguous()
+    gather = index is not None
+    idx = index if gather else kv  # unused without GATHER
     d_pad = triton.next_power_of_2(dim)
     if split:
         n_dblocks = triton.cdiv(dim, _SPLIT_BLOCK_D)
         sq = torch.empty((n, n_dblocks), dtype=torch.float32, device=kv.device)
-        _pool_part_kernel[(n, n_dblocks)](kv, score, out, sq, n_slots, dim, n_dblocks,
+        _pool_part_kernel[(n, n_dblocks)](kv, score, idx, out, sq, n_slots, dim, n_dblocks,
                                           BLOCK_SLOTS=max(1, min(triton.next_power_of_2(n_slots), 64)),
-                                          BLOCK_D=_SPLIT_BLOCK_D, num_warps=4)
+                                          BLOCK_D=_SPLIT_BLOCK_D, GATHER=gather, num_warps=4)
         _norm_kernel[(n,)](out, sq, weight, n_dblocks, dim, float(eps), NB_PAD=triton.next_power_of_2(n_dblocks),
                            D_PAD=d_pad, num_warps=4 if d_pad >= 256 else 2)
         return out
     block_slots = max(1, min(triton.next_power_of_2(n_slots), 4096 // d_pad))  # [slots, d] tiles of <= 4K
-    _pool_kernel[(n,)](kv, score, weight, out, n_slots, dim, float(eps), BLOCK_SLOTS=block_slots, D_PAD=d_pad,
-                       num_warps=4 if d_pad >= 256 else 2)
+    _pool_kernel[(n,)](kv, score, idx, weight, out, n_slots, dim, float(eps), BLOCK_SLOTS=block_slots, D_PAD=d_pad,
+                       GATHER=gather, num_warps=4 if d_pad >= 256 else 2)
     return out

@@ -1,4 +1,5 @@
-"""Torch reference of `compressor_pool` (see `compressor.py` for the op and its fused kernel).
+"""Torch references of `compressor_pool` and `compressor_pool_gather` (see `compressor.py` for the ops
+and their fused kernels).
 
 Kept apart from the kernel module so that the models import it without importing Triton.
 """
@@ -37,3 +38,25 @@ def compressor_pool_ref(kv: torch.Tensor, score: torch.Tensor, norm_weight: torc
     pooled = (kv.float() * weights).sum(dim=1).to(out_dtype).float()  # [n, d]
     normed = pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + eps)
     return (norm_weight.float() * normed).to(out_dtype)
+
+
+def _check_gather_args(kv_rows, score_rows, index, norm_weight, eps, out_dtype) -> None:
+    if kv_rows.dim() != 2 or score_rows.shape != kv_rows.shape:
+        raise ValueError(f"kv_rows and score_rows must be [R, d] of one shape, got {tuple(kv_rows.shape)} and "
+                         f"{tuple(score_rows.shape)}")
+    if index.dim() != 2 or index.dtype.is_floating_point:
+        raise ValueError(f"index must be an integer [n, slots] tensor, got {tuple(index.shape)} {index.dtype}")
+    _check_args(kv_rows.unsqueeze(0), score_rows.unsqueeze(0), norm_weight, eps, out_dtype)
+
+
+def compressor_pool_gather_ref(kv_rows: torch.Tensor, score_rows: torch.Tensor, index: torch.Tensor,
+                               norm_weight: torch.Tensor, *, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """`compressor_pool_ref` of slots gathered by row: kv_rows [R, d], score_rows [R, d] fp32 (e.g. a
+    static state's rings viewed as rows), index [n, slots] rows of each entry's slots, −1 = an empty
+    slot (value 0, logit −inf). Returns [n, d] in `out_dtype`."""
+    _check_gather_args(kv_rows, score_rows, index, norm_weight, eps, out_dtype)
+    missing = (index < 0).unsqueeze(-1)
+    rows = index.clamp(min=0)
+    kv = kv_rows[rows].masked_fill(missing, 0)
+    score = score_rows[rows].masked_fill(missing, float("-inf"))
+    return compressor_pool_ref(kv, score, norm_weight, eps=eps, out_dtype=out_dtype)

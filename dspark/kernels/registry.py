@@ -46,6 +46,7 @@ _OP_MODULES: dict[str, str] = {
     "select_topk": "indexer",
     "indexer_pool": "indexer_pool",
     "compressor_pool": "compressor",
+    "compressor_pool_gather": "compressor",
     "grouped_wo_a": "grouped_wo_a",
     "rms_norm": "rms_norm",
     "rope": "rope",
@@ -103,6 +104,7 @@ class KernelConfig:
     select_topk: Impl = "ref"
     indexer_pool: Impl = "ref"
     compressor_pool: Impl = "ref"
+    compressor_pool_gather: Impl = "ref"
     grouped_wo_a: Impl = "ref"
     rms_norm: Impl = "ref"
     rope: Impl = "ref"

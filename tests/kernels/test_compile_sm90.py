@@ -147,6 +147,9 @@ def run_every_tile_class():
         for split in (False, True):  # one program per entry; channel blocks + norm (decode sizes)
             compressor.launch_compressor_pool(kv, score, torch.ones(dim, device=DEVICE), eps=1e-6,
                                               out_dtype=torch.bfloat16, split=split)
+            index = torch.tensor([[-1] + list(range(1, slots)), list(range(slots))], device=DEVICE)  # slots by row
+            compressor._launch(kv.view(-1, dim), score.view(-1, dim), index, torch.ones(dim, device=DEVICE), 2, slots,
+                               1e-6, torch.bfloat16, split)
     # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) decode tiles, and
     # v4-mini's (G 4, R 512) narrower decode tiles; the middle and prefill tiles; fp32 (ieee dot).
     for n_tok, heads, groups, rank, dtype in ((2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),

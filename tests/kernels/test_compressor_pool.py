@@ -49,6 +49,44 @@ def test_compressor_pool_matches_ref(n, slots, dim, kv_dtype, out_dtype, empty_f
 
 
 @needs_triton
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("n,slots,dim,kv_dtype,out_dtype,empty_first", CASES)
+def test_gathered_slots_match_the_copied_ones(n, slots, dim, kv_dtype, out_dtype, empty_first, split, poisoned):
+    """`compressor_pool_gather` reads each slot through an index into [R, d] rows (−1: empty): the rows
+    shuffled and padded, the same entries as `compressor_pool` of the gathered copies."""
+    kv, score, weight = make_inputs(n, slots, dim, kv_dtype, seed=slots + dim + 1, empty_first=empty_first)
+    g = torch.Generator().manual_seed(n)
+    order = torch.randperm(n * slots + 5, generator=g)[: n * slots]  # where slot (e, j) lives among the rows
+    kv_rows = torch.randn(n * slots + 5, dim, generator=g).to(DEVICE, kv_dtype)
+    score_rows = torch.randn(n * slots + 5, dim, generator=g).to(DEVICE)
+    kv_rows[order.to(DEVICE)] = kv.reshape(-1, dim)
+    score_rows[order.to(DEVICE)] = score.reshape(-1, dim)
+    index = order.view(n, slots).to(DEVICE)
+    if empty_first:  # the empty slots as −1 instead of −inf rows
+        index[0, : slots // 2] = -1
+    ref = compressor.compressor_pool_gather_ref(kv_rows, score_rows, index, weight, eps=1e-6, out_dtype=out_dtype)
+    expected = compressor.compressor_pool_ref(kv, score, weight, eps=1e-6, out_dtype=out_dtype)
+    assert torch.equal(ref, expected)
+    with poisoned():
+        out = compressor._launch(kv_rows, score_rows, index, weight, n, slots, 1e-6, out_dtype, split=split)
+    assert out.dtype == out_dtype and not out.isnan().any()
+    assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < TOL[out_dtype]
+    if split == (n < compressor.SPLIT_BELOW):  # the op's own choice of launch
+        op = compressor.compressor_pool_gather(kv_rows, score_rows, index, weight, eps=1e-6, out_dtype=out_dtype)
+        assert torch.equal(out, op)
+
+
+def test_gather_reference_validates_arguments():
+    rows = torch.randn(6, 8)
+    with pytest.raises(ValueError, match="index must be an integer"):
+        compressor_ref.compressor_pool_gather_ref(rows, rows, torch.zeros(2, 3), torch.ones(8), eps=1e-6,
+                                                  out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="one shape"):
+        compressor_ref.compressor_pool_gather_ref(rows, rows[:5], torch.zeros(2, 3, dtype=torch.long),
+                                                  torch.ones(8), eps=1e-6, out_dtype=torch.float32)
+
+
+@needs_triton
 def test_compressor_pool_without_entries():
     kv, score, weight = make_inputs(0, 2, 16, torch.float32, seed=0)
     assert compressor.compressor_pool(kv, score, weight, eps=1e-6, out_dtype=torch.float32).shape == (0, 16)

@@ -51,6 +51,7 @@ class Compressor(nn.Module):
         # kv [n, slots, d], score [n, slots, d], norm weight [d] -> RMSNorm(Σ softmax(score)·kv) [n, d]
         kernels = KernelConfig() if kernels is None else kernels
         self.pool_op = get_op(kernels, "compressor_pool")
+        self.pool_gather_op = get_op(kernels, "compressor_pool_gather")  # the static step's: slots by row
         # entries [n, d_c], cos/sin [n, rd/2] -> entries rotated to their positions
         self.rope_op = get_op(kernels, "rope")
         self.head_dim = head_dim
@@ -129,6 +130,14 @@ class Compressor(nn.Module):
         normed = self.pool_op(kv, score, self.norm.weight, eps=self.norm.eps, out_dtype=kv.dtype)  # [n, d_c]
         cos, sin = cos_sin if cos_sin is not None else rope.cos_sin(positions)
         return self.rope_op(normed, cos, sin)
+
+    def pool_rows(self, kv_rows: torch.Tensor, score_rows: torch.Tensor, index: torch.Tensor,
+                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`pool` of entries whose slots are rows of kv_rows / score_rows [R, d_c] (index [n, slots],
+        −1 = empty slot): the static step pools straight from its rings. -> rotated entries [n, d_c]."""
+        normed = self.pool_gather_op(kv_rows, score_rows, index, self.norm.weight, eps=self.norm.eps,
+                                     out_dtype=kv_rows.dtype)
+        return self.rope_op(normed, *cos_sin)
 
     def _overlap_slots_batch(self, spans: list[tuple[CompressorCache, int, int]]):
         """`_overlap_slots` of entries first..last−1 of several caches at once: their row windows are

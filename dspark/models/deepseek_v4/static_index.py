@@ -110,6 +110,15 @@ class StepIndex:
             return ring.rows(pos.clamp(min=0)), half, (pos < 0).unsqueeze(-1)
         return self._get(("group_rows", rate, overlap, ring.size), build)
 
+    def pool_index(self, rate: int, overlap: bool, ring: PositionRing) -> torch.Tensor:
+        """`group_rows` as one index into the ring viewed as d_c-wide half-rows (row·coff + half),
+        −1 for a missing slot: [S·c, slots], what `compressor_pool_gather` reads."""
+        def build():
+            rows, half, missing = self.group_rows(rate, overlap, ring)
+            flat = rows * (2 if overlap else 1) + half
+            return torch.where(missing.squeeze(-1), -1, flat).flatten(0, 1)
+        return self._get(("pool_index", rate, overlap, ring.size), build)
+
     def entry_rows(self, rate: int, n_entries: int) -> torch.Tensor:
         """[S·c] flat entry rows (slot·(E+1) + w) of the candidate groups; incomplete ones go to the
         trash row E of their slot."""
