@@ -144,6 +144,10 @@ class StepIndex:
             return torch.arange(n_entries, device=self.flat.device) < visible.unsqueeze(-1)
         return self._get(("reachable", rate, n_entries), build)
 
+    def unreachable(self, rate: int, n_entries: int) -> torch.Tensor:
+        """[N, E] bool: not `reachable` (what an indexer's scores mask to −inf, once per step)."""
+        return self._get(("unreachable", rate, n_entries), lambda: ~self.reachable(rate, n_entries))
+
     def causal_entries(self, rate: int, n_entries: int, first: int) -> torch.Tensor:
         """[N, E] pool rows of every entry a row can see (HCA), −1 for the rest."""
         def build():

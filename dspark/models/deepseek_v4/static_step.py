@@ -229,5 +229,5 @@ def select_entries(indexer, q: torch.Tensor, weights: torch.Tensor, state: Stati
     n_slots, n_tok = index.positions.shape
     keys = state.entries[:n_slots, : state.n_entries]  # [b, E, di] the bucket's slots
     scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
-    reachable = index.reachable(indexer.rate, state.n_entries)  # [N, E]
-    return indexer.topk_op(scores.flatten(0, 1).masked_fill(~reachable, float("-inf")), indexer.topk)
+    unreachable = index.unreachable(indexer.rate, state.n_entries)  # [N, E]
+    return indexer.topk_op(scores.flatten(0, 1).masked_fill(unreachable, float("-inf")), indexer.topk)
