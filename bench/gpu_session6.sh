@@ -8,6 +8,7 @@
 #   run(command="bash bench/gpu_session6.sh final1", carry=[".whl"])
 #   run(command="bash bench/gpu_session6.sh final2")
 #   run(command="bash bench/gpu_session6.sh last")
+#   run(command="bash bench/gpu_session6.sh next")    # written after the device time ran out: not run yet
 #
 # fi: flashinfer's MLA kernels behind `sparse_attention` (dspark/kernels/attention_flashinfer.py):
 #    their GPU tests against the reference (the first call JIT-compiles them with nvcc), then the
@@ -107,6 +108,17 @@ part_last() {  # mHC statistics back to one partial per 64 channels (4 warps unf
   logged last_profile 110 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-s6c.json"
   logged last_tests 60 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py
   grep -h "^{" $W/logs/last_profile.txt | cut -c1-500; tail -n 2 $W/logs/last_tests.txt
+}
+
+part_next() {  # after the device time ran out: the gathering compressor pool, index_scores (NOT_YET_ON_GPU)
+  export PYTHONPATH=.
+  logged next_tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_compressor_pool.py \
+    tests/kernels/test_lightning_indexer.py tests/kernels/test_static_index_scores.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py tests/engine/test_engine_static_gpu.py
+  logged next_profile 130 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-gather.json"
+  logged next_profile_ny 130 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
+    --out "$OUT/graph-profile-h200-index-scores.json"
+  tail -n 6 $W/logs/next_tests.txt | cut -c1-300; grep -h "^{" $W/logs/next_profile*.txt | cut -c1-500
 }
 
 part_$1

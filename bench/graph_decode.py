@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import json
 import os
@@ -48,6 +49,7 @@ import dspark  # noqa: E402
 from dspark.configs import NAMES, load_config  # noqa: E402
 from dspark.engine.graphs import StepGraph  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
+from dspark.kernels.registry import NOT_YET_ON_GPU  # noqa: E402
 from dspark.models.deepseek_v4.static_state import StaticShape  # noqa: E402
 from dspark.models.deepseek_v4.static_step import StaticDecoder  # noqa: E402
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM  # noqa: E402
@@ -204,6 +206,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/graph-decode.json)")
     ap.add_argument("--profile", action="store_true", help="add each cell's kernel-time breakdown")
     ap.add_argument("--requests", default=None, help="comma list of request counts (default 1,8,64; smoke 1,2)")
+    ap.add_argument("--not-yet", action="store_true",
+                    help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
     cli = ap.parse_args()
     args = dict(SMOKE if cli.smoke else FULL)
     if cli.config:
@@ -222,8 +226,10 @@ def main() -> None:
     config = load_config(args["config"])
     # V4.1: a static step gathers Engram rows on the device (host tables are rejected).
     options = {"engram_tables": "device"} if config.get("model_type") == "deepseek_v41" else {}
-    model = dspark.init_model(config, seed=0, device=device, dtype=dtype, kernels=KernelConfig.for_device(device),
-                              **options)
+    kernels = KernelConfig.for_device(device)
+    if cli.not_yet and device.type == "cuda":
+        kernels = dataclasses.replace(kernels, **{op: "triton" for op in NOT_YET_ON_GPU})
+    model = dspark.init_model(config, seed=0, device=device, dtype=dtype, kernels=kernels, **options)
     g = torch.Generator(device=device).manual_seed(0)
     roofline = active_bytes(model, args["context"])
     results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],

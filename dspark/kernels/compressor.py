@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels.compressor_ref import (_check_args, _check_gather_args, compressor_pool_gather_ref,  # noqa: F401
-                                           compressor_pool_ref)
+from dspark.kernels.compressor_ref import _check_args, _check_gather_args
+from dspark.kernels.compressor_ref import compressor_pool_gather_ref, compressor_pool_ref  # noqa: F401 (the ops' refs)
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)

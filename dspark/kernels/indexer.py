@@ -6,6 +6,10 @@ Ops (`<op>` is Triton, `<op>_ref` is torch, same signature):
   I[s, t] = Σ_h weights[s, h] · ReLU(q[s, h] · keys[t]) over the entries t < visible[s] (and,
   for V4.1 candidate consumers, inside the candidate pool), then the top-k entries per row,
   ascending by id, −1 padded. Ties: higher score first, then lower entry id (`indexer_ref.py`).
+* ``index_scores(q, weights, keys, visible) -> scores``: the scores alone for B groups of rows, each
+  against its own keys ([B, S, Hi, di], [B, S, Hi], [B, T, di], [B, S] -> [B, S, T], −inf where
+  t ≥ visible): the static decode steps score every slot in one launch of `_score_kernel` (grid
+  axis 2 = group) instead of fp32 copies of every slot's keys and a [B, S, Hi, T] fp32 product.
 * ``select_topk(scores, topk) -> ids``: the selection alone, for scores computed elsewhere (the
   static decode steps score every slot's entries in one batched pass): `_select_kernel` below, one
   program per row, instead of the reference's two full sorts.
@@ -31,7 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels.indexer_ref import _check_args, lightning_indexer_ref, select_topk_ref  # noqa: F401 (the ops' refs)
+from dspark.kernels.indexer_ref import _check_args, _check_index_scores_args  # the refs below: the ops' refs
+from dspark.kernels.indexer_ref import index_scores_ref, lightning_indexer_ref, select_topk_ref  # noqa: F401
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
@@ -47,11 +52,20 @@ _STREAM_TILE = 4096  # tile of the passes over longer rows
 @_jit
 def _score_kernel(
     q_ptr, w_ptr, k_ptr, vis_ptr, cand_ptr, out_ptr,
-    n_q, n_heads, head_dim, n_keys,
+    n_q, n_heads, head_dim, n_keys, k_group_stride,
     HAS_CAND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     D_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """scores[s, t] for the rows s of block program_id(1) and entries t of tile program_id(0)."""
+    """scores[s, t] for the rows s of block program_id(1) and entries t of tile program_id(0), of
+    group program_id(2) (`index_scores`: every tensor holds B groups back to back; one group otherwise)."""
+    b = tl.program_id(2).to(tl.int64)
+    q_ptr += b * n_q * n_heads * head_dim
+    w_ptr += b * n_q * n_heads
+    k_ptr += b * k_group_stride  # a slot's keys may be a prefix of a longer row block (static state)
+    vis_ptr += b * n_q
+    out_ptr += b * n_q * n_keys
+    if HAS_CAND:
+        cand_ptr += b * n_q * n_keys
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     s0 = tl.program_id(1).to(tl.int64) * BLOCK_S
     t_mask = offs_t < n_keys
@@ -186,11 +200,33 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     cand = candidates.view(torch.uint8) if candidates is not None else visible  # dummy pointer when absent
     _score_kernel[(triton.cdiv(n_keys, block_t), triton.cdiv(n_q, block_s))](
         q.contiguous(), weights.float().contiguous(), keys.contiguous(), visible.contiguous(), cand.contiguous(),
-        scores, n_q, n_heads, head_dim, n_keys,
+        scores, n_q, n_heads, head_dim, n_keys, 0,
         HAS_CAND=candidates is not None, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
         DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, num_warps=warps,
     )
     return select_topk(scores, topk), scores
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Fused `index_scores_ref` (same signature, shapes and dtypes): one `_score_kernel` launch."""
+    require_triton()
+    _check_index_scores_args(q, weights, keys, visible)
+    n_groups, n_q, n_heads, head_dim = q.shape
+    n_keys = keys.shape[1]
+    scores = torch.empty((n_groups, n_q, n_keys), dtype=torch.float32, device=q.device)
+    if scores.numel() == 0:
+        return scores
+    block_s, block_h, block_t, d_pad, warps = _score_tiles(n_q, n_heads, head_dim)
+    visible = visible.contiguous()
+    if keys.stride(2) != 1 or keys.stride(1) != head_dim:  # rows must be dense; groups may be spaced
+        keys = keys.contiguous()
+    _score_kernel[(triton.cdiv(n_keys, block_t), triton.cdiv(n_q, block_s), n_groups)](
+        q.contiguous(), weights.float().contiguous(), keys, visible, visible, scores,
+        n_q, n_heads, head_dim, n_keys, keys.stride(0),
+        HAS_CAND=False, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
+        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, num_warps=warps,
+    )
+    return scores
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:

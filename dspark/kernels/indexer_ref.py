@@ -69,3 +69,51 @@ def lightning_indexer_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Te
     _check_args(q, weights, keys, visible, candidates, topk)
     scores = indexer_scores_ref(q, weights, keys, visible, candidates)
     return select_topk_ref(scores, topk), scores
+
+
+# Groups scored at once are chunked so that the [b, S, Hi, T] fp32 product stays below this many elements.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def grouped_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scores of B groups of queries, each against its own keys: the core of `padded_index_scores`,
+    and the reference of `index_scores` (one group per static slot) before its visibility mask.
+
+    Shape: q [B, S, Hi, di], weights [B, S, Hi], keys [B, T, di] (fp32 or model dtype; the math
+    runs in fp32). Returns [B, S, T] fp32. Shapes alone decide the chunking: no host sync.
+    """
+    q, weights, keys = q.float(), weights.float(), keys.float()
+    n_groups, seq, n_heads = weights.shape
+    chunk = max(1, _CHUNK_ELEMENTS // (seq * n_heads * max(keys.shape[1], 1)))
+    scores = []
+    for i in range(0, n_groups, chunk):
+        dots = torch.einsum("bshd,btd->bsht", q[i : i + chunk], keys[i : i + chunk]).relu_()
+        scores.append(torch.matmul(weights[i : i + chunk].unsqueeze(-2), dots).squeeze(-2))  # [b, S, T]
+    return torch.cat(scores) if len(scores) > 1 else scores[0]
+
+
+def _check_index_scores_args(q, weights, keys, visible) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, S, Hi, di], got shape {tuple(q.shape)}")
+    n_groups, seq, n_heads, head_dim = q.shape
+    if tuple(weights.shape) != (n_groups, seq, n_heads):
+        raise ValueError(f"weights must be [B={n_groups}, S={seq}, Hi={n_heads}], got {tuple(weights.shape)}")
+    if keys.dim() != 3 or keys.shape[0] != n_groups or keys.shape[2] != head_dim:
+        raise ValueError(f"keys must be [B={n_groups}, T, di={head_dim}], got {tuple(keys.shape)}")
+    if tuple(visible.shape) != (n_groups, seq) or visible.dtype.is_floating_point:
+        raise ValueError(f"visible must be an integer [B={n_groups}, S={seq}] tensor, got "
+                         f"{tuple(visible.shape)} {visible.dtype}")
+
+
+def index_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Indexer scores of B groups of rows, each against its own keys, masked by visibility: the static
+    decode steps' scoring (one group per slot).
+
+    Shape: q [B, S, Hi, di], weights [B, S, Hi], keys [B, T, di], visible [B, S] int (entries t <
+    visible are reachable). Returns [B, S, T] fp32: Σ_h weights · ReLU(q · keys) (`grouped_index_scores`),
+    −inf where t ≥ visible.
+    """
+    _check_index_scores_args(q, weights, keys, visible)
+    scores = grouped_index_scores(q, weights, keys)
+    unreachable = torch.arange(keys.shape[1], device=q.device) >= visible.unsqueeze(-1)
+    return scores.masked_fill(unreachable, float("-inf"))

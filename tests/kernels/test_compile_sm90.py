@@ -131,6 +131,10 @@ def run_every_tile_class():
             indexer.lightning_indexer(q, torch.randn(2, n_heads, device=DEVICE), keys, visible, pool, topk=64)
         finally:
             indexer._REGISTER_ROW = limit
+    # The static steps' batched scores: 3 slots of 64 index heads x 128, keys a prefix of each slot's rows.
+    block = torch.randn(3, 301, 128, generator=g).bfloat16().to(DEVICE)
+    indexer.index_scores(torch.randn(3, 2, 64, 128, generator=g).bfloat16().to(DEVICE),
+                         torch.randn(3, 2, 64, device=DEVICE), block[:, :300], torch.full((3, 2), 250, device=DEVICE))
     # V4.1 candidate pool, blocks of 8: the widest register row (4096 < B <= 8192) and the streamed rows.
     for n_blocks, register_row in ((5000, indexer_pool._REGISTER_ROW), (100, 64)):
         scores = torch.randn(2, 8 * n_blocks, generator=g).to(DEVICE)

@@ -160,3 +160,59 @@ def test_real_shapes_on_gpu(n_q, n_heads, n_keys, topk, pool):
     (32 heads, T = 32768, top-1024 inside a candidate pool; the streaming selection path), bf16."""
     args = make_inputs(n_q, n_heads, 128, n_keys, torch.bfloat16, seed=n_q, pool=pool)
     check(args, topk, torch.bfloat16)
+
+
+def group_inputs(n_groups, n_q, n_heads, head_dim, n_keys, dtype, seed, spaced=0):
+    """`index_scores` inputs: B groups, keys [B, T, di] as a prefix of [B, T + spaced, di] rows (the
+    static state's layout), visible counts from 0 (nothing yet) to T."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_groups, n_q, n_heads, head_dim, generator=g).to(DEVICE, dtype)
+    weights = (torch.rand(n_groups, n_q, n_heads, generator=g) - 0.3).to(DEVICE)
+    block = torch.randn(n_groups, n_keys + spaced, head_dim, generator=g).to(DEVICE, dtype)
+    visible = torch.randint(0, n_keys + 1, (n_groups, n_q), generator=g).to(DEVICE)
+    visible[0, 0] = 0
+    return q, weights, block[:, :n_keys], visible
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_groups,n_q,n_heads,head_dim,n_keys,spaced", [
+    (3, 1, 4, 32, 40, 1),  # decode: one row per slot, keys a prefix of each slot's rows (trash row after)
+    (2, 5, 16, 64, 70, 0),  # verify blocks, dense keys
+    (1, 3, 3, 48, 9, 2),  # heads and head dim off the tiles
+])
+def test_index_scores_match_ref(n_groups, n_q, n_heads, head_dim, n_keys, spaced, dtype, poisoned):
+    args = group_inputs(n_groups, n_q, n_heads, head_dim, n_keys, dtype, seed=n_keys + spaced, spaced=spaced)
+    with poisoned():
+        scores = indexer.index_scores(*args)
+    ref = indexer_ref.index_scores_ref(*args)
+    assert scores.shape == ref.shape == (n_groups, n_q, n_keys) and scores.dtype == torch.float32
+    assert torch.equal(torch.isinf(scores), torch.isinf(ref))  # the same entries masked
+    finite = torch.isfinite(ref)
+    err = ((scores[finite].double() - ref[finite].double()).norm() / ref[finite].double().norm()).item()
+    assert err < TOL[dtype]
+    # group b of the batched launch is exactly group b launched alone (the per-group offsets)
+    for b in range(n_groups):
+        assert torch.equal(indexer.index_scores(*(t[b : b + 1] for t in args))[0], scores[b])
+
+
+def test_index_scores_reference_validates_arguments():
+    q, weights, keys, visible = group_inputs(2, 1, 4, 32, 10, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="q must be"):
+        indexer_ref.index_scores_ref(q[0], weights, keys, visible)
+    with pytest.raises(ValueError, match="keys must be"):
+        indexer_ref.index_scores_ref(q, weights, keys[:1], visible)
+    with pytest.raises(ValueError, match="visible must be"):
+        indexer_ref.index_scores_ref(q, weights, keys, visible.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_groups,n_q", [(1, 1), (64, 1), (256, 4)])
+def test_index_scores_real_shapes_on_gpu(n_groups, n_q):
+    """v4-mini / V4-Flash index heads (64 × 128) over 8192 entries per slot (32K context), bf16,
+    keys a prefix of each slot's E + 1 rows."""
+    args = group_inputs(n_groups, n_q, 64, 128, 8192, torch.bfloat16, seed=n_groups, spaced=1)
+    scores, ref = indexer.index_scores(*args), indexer_ref.index_scores_ref(*args)
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(scores))
+    assert ((scores[finite] - ref[finite]).norm() / ref[finite].norm()).item() < TOL[torch.bfloat16]

@@ -215,6 +215,7 @@ class Indexer(nn.Module):
         kernels = KernelConfig() if kernels is None else kernels
         self.select_op = get_op(kernels, "lightning_indexer")
         self.topk_op = get_op(kernels, "select_topk")  # the static steps' selection over batched scores
+        self.scores_op = get_op(kernels, "index_scores")  # the static steps' scores of every slot at once
         self.rope_op = get_op(kernels, "rope")  # q [N, Hi, di], cos/sin [N, 1, rd/2] -> q rotated
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype, device=device)
         self.weights_proj = nn.Linear(dim, n_heads, bias=False, dtype=dtype, device=device)

@@ -20,12 +20,8 @@ import itertools
 
 import torch
 
+from dspark.kernels.indexer_ref import grouped_index_scores
 from dspark.models.deepseek_v4.state import RaggedBatch
-
-# Requests scored at once are chunked so that the [b, S_max, Hi, T_max] fp32 product stays below
-# this many elements.
-_CHUNK_ELEMENTS = 1 << 26
-
 
 def pads_well(batch: RaggedBatch) -> bool:
     """Whether a padded pass suits the call: several requests, padding at most half the rows
@@ -49,23 +45,6 @@ def padded_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: list[torch
     w_pad = weights[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi]
     k_pad = _pad_keys(keys, t_max).float()  # [B, T_max, di]
     return grouped_index_scores(q_pad, w_pad, k_pad).flatten(0, 1)[slot]  # [N, T_max]
-
-
-def grouped_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Scores of B groups of queries, each against its own keys: the core of `padded_index_scores`,
-    also used as is by the static decode step (`static_step.py`, one group per slot).
-
-    Shape: q [B, S, Hi, di], weights [B, S, Hi], keys [B, T, di] (fp32 or model dtype; the math
-    runs in fp32). Returns [B, S, T] fp32. Shapes alone decide the chunking: no host sync.
-    """
-    q, weights, keys = q.float(), weights.float(), keys.float()
-    n_groups, seq, n_heads = weights.shape
-    chunk = max(1, _CHUNK_ELEMENTS // (seq * n_heads * max(keys.shape[1], 1)))
-    scores = []
-    for i in range(0, n_groups, chunk):
-        dots = torch.einsum("bshd,btd->bsht", q[i : i + chunk], keys[i : i + chunk]).relu_()
-        scores.append(torch.matmul(weights[i : i + chunk].unsqueeze(-2), dots).squeeze(-2))  # [b, S, T]
-    return torch.cat(scores) if len(scores) > 1 else scores[0]
 
 
 def _padded_slots(batch: RaggedBatch, seq_max: int) -> torch.Tensor:

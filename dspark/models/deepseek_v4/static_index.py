@@ -137,16 +137,16 @@ class StepIndex:
             return base.repeat_interleave(n_tok).unsqueeze(-1)
         return self._get(("entry_offsets", first, n_entries), build)
 
+    def visible(self, rate: int) -> torch.Tensor:
+        """[S, T] entries complete for each row: (p + 1) // m (entry w is reachable when w < it)."""
+        return self._get(("visible", rate), lambda: (self.positions + 1) // rate)
+
     def reachable(self, rate: int, n_entries: int) -> torch.Tensor:
         """[N, E] bool: entry w is complete for row p, w < (p + 1) // m."""
         def build():
-            visible = (self.flat + 1) // rate
+            visible = self.visible(rate).reshape(-1)
             return torch.arange(n_entries, device=self.flat.device) < visible.unsqueeze(-1)
         return self._get(("reachable", rate, n_entries), build)
-
-    def unreachable(self, rate: int, n_entries: int) -> torch.Tensor:
-        """[N, E] bool: not `reachable` (what an indexer's scores mask to −inf, once per step)."""
-        return self._get(("unreachable", rate, n_entries), lambda: ~self.reachable(rate, n_entries))
 
     def causal_entries(self, rate: int, n_entries: int, first: int) -> torch.Tensor:
         """[N, E] pool rows of every entry a row can see (HCA), −1 for the rest."""

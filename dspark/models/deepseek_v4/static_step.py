@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.deepseek_v4.index_batch import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex, rope_groups
@@ -221,13 +220,14 @@ def update_compressor(compressor, state: StaticCompressorState, index: StepIndex
 
 def select_entries(indexer, q: torch.Tensor, weights: torch.Tensor, state: StaticCompressorState,
                    index: StepIndex) -> torch.Tensor:
-    """`Indexer.select` on the static state: every row scores all E index keys of its slot, entries it
-    cannot see yet (w >= (p+1)//m) are masked to −inf and come out as −1 picks.
+    """`Indexer.select` on the static state: every row scores all E index keys of its slot (one
+    `index_scores` call for the bucket), entries it cannot see yet (w >= (p+1)//m) score −inf and come
+    out as −1 picks.
 
     q [N, Hi, di], weights [N, Hi] -> [N, min(k, E)] long entry ids, ascending.
     """
     n_slots, n_tok = index.positions.shape
-    keys = state.entries[:n_slots, : state.n_entries]  # [b, E, di] the bucket's slots
-    scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
-    unreachable = index.unreachable(indexer.rate, state.n_entries)  # [N, E]
-    return indexer.topk_op(scores.flatten(0, 1).masked_fill(unreachable, float("-inf")), indexer.topk)
+    keys = state.entries[:n_slots, : state.n_entries]  # [b, E, di] the bucket's slots (a strided view)
+    scores = indexer.scores_op(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys,
+                               index.visible(indexer.rate))  # [b, T, E]
+    return indexer.topk_op(scores.flatten(0, 1), indexer.topk)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.models.deepseek_v4.index_batch import grouped_index_scores
+from dspark.kernels.indexer_ref import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
