@@ -52,6 +52,8 @@ class Compressor(nn.Module):
         kernels = KernelConfig() if kernels is None else kernels
         self.pool_op = get_op(kernels, "compressor_pool")
         self.pool_gather_op = get_op(kernels, "compressor_pool_gather")  # the static step's: slots by row
+        # The static step pools from its rings only with the fused op (its reference gathers copies anyway).
+        self.pools_from_rows = kernels.compressor_pool_gather == "triton"
         # entries [n, d_c], cos/sin [n, rd/2] -> entries rotated to their positions
         self.rope_op = get_op(kernels, "rope")
         self.head_dim = head_dim

@@ -204,18 +204,35 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
 def update_compressor(compressor, state: StaticCompressorState, index: StepIndex, kv: torch.Tensor,
                       score: torch.Tensor, rope) -> None:
     """`Compressor.update_batch` on the static state: write the rows kv, score [N, coff·d_c] of the
-    step's positions, then pool the ceil(T/m) groups a step can complete straight from the rings (their
-    slots named by `StepIndex.pool_index`) and write each entry at its slot (groups not complete yet go
-    to the trash row E: the same count every step, whatever the data).
+    step's positions, then pool the ceil(T/m) groups a step can complete and write each entry at its
+    slot (groups not complete yet go to the trash row E: the same count every step, whatever the data).
+    With the fused `compressor_pool_gather` the pool reads its slots straight from the rings
+    (`StepIndex.pool_index`); otherwise they are gathered into [S·c, slots, d_c] copies first.
     """
     m = compressor.rate
     rows = index.ring_rows(state.kv)  # the kv and score rings have the same size
     state.kv.write_rows(rows, kv)
     state.score.write_rows(rows, score)
-    slots = index.pool_index(m, state.overlap, state.kv)  # [S·c, slots] rows of the rings' d_c-wide halves
-    entries = compressor.pool_rows(state.kv.flat().view(-1, state.dim), state.score.flat().view(-1, state.dim),
-                                   slots, index.group_cos_sin(rope, m))  # [S·c, d_c]
+    cos_sin = index.group_cos_sin(rope, m)
+    if compressor.pools_from_rows:
+        entries = compressor.pool_rows(state.kv.flat().view(-1, state.dim), state.score.flat().view(-1, state.dim),
+                                       index.pool_index(m, state.overlap, state.kv), cos_sin)  # [S·c, d_c]
+    else:
+        kv_slots, score_slots = _candidate_slots(state, index, m)  # [S·c, slots, d_c]
+        entries = compressor.pool(kv_slots, score_slots, index.group_starts(m), rope, cos_sin)
     state.entries.view(-1, state.dim).index_copy_(0, index.entry_rows(m, state.n_entries), entries)
+
+
+def _candidate_slots(state: StaticCompressorState, index: StepIndex, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pooling slots of the step's candidate groups from the rings: [S·c, slots, d_c] each (kv,
+    score); a missing group (−1) is value 0, logit −inf (`StepIndex.group_rows`)."""
+    rows, half, missing = index.group_rows(m, state.overlap, state.kv)
+    coff = 2 if state.overlap else 1
+    kv = state.kv.flat().view(-1, coff, state.dim)[rows, half]  # [S, c, slots, d_c]
+    score = state.score.flat().view(-1, coff, state.dim)[rows, half]
+    kv = kv.masked_fill(missing, 0)
+    score = score.masked_fill(missing, float("-inf"))
+    return kv.flatten(0, 1), score.flatten(0, 1)
 
 
 def select_entries(indexer, q: torch.Tensor, weights: torch.Tensor, state: StaticCompressorState,
