@@ -18,7 +18,7 @@ the lengths, or times the device work alone (`bench/attn_batched.py`), can plan 
 
 Constraints (each raises a ValueError naming the value): CUDA tensors, bf16 or fp16, head_dim 512
 (flashinfer compiles the MLA kernels for 512-dim latents only). flashinfer is an optional
-dependency (`pip install flashinfer-python`); `flashinfer_available()` says whether it imports.
+dependency (the `flashinfer` extra); `flashinfer_available()` says whether it imports.
 The kernels are compiled by flashinfer's JIT on first use (needs nvcc), then cached on disk.
 """
 
@@ -43,7 +43,7 @@ def flashinfer_available() -> bool:
 
 def require_flashinfer() -> None:
     if not flashinfer_available():
-        raise ImportError("the 'flashinfer' sparse_attention needs flashinfer: pip install flashinfer-python "
+        raise ImportError("the 'flashinfer' sparse_attention needs flashinfer: pip install -e '.[flashinfer]' "
                           "(or choose impl 'triton' / 'ref' in KernelConfig)")
 
 

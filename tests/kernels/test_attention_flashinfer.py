@@ -14,7 +14,7 @@ from dspark.kernels.attention_flashinfer import KeyLists, SparseAttentionFlashin
 from test_sparse_attention import DEVICE, make_inputs, rel_err
 
 needs_flashinfer = pytest.mark.skipif(not attention_flashinfer.flashinfer_available(),
-                                      reason="flashinfer not installed; pip install flashinfer-python")
+                                      reason="flashinfer not installed; pip install -e '.[flashinfer]'")
 
 
 def test_key_lists_drop_holes_and_keep_one_filler_for_empty_rows():
