@@ -113,7 +113,7 @@ part_last() {  # mHC statistics back to one partial per 64 channels (4 warps unf
 part_next() {  # after the device time ran out: the gathering compressor pool, index_scores (NOT_YET_ON_GPU)
   export PYTHONPATH=.
   logged next_tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_compressor_pool.py \
-    tests/kernels/test_lightning_indexer.py tests/kernels/test_static_index_scores.py \
+    tests/kernels/test_lightning_indexer.py tests/kernels/test_static_not_yet_kernels.py \
     tests/models/test_deepseek_v4_static_graph_gpu.py tests/engine/test_engine_static_gpu.py
   logged next_profile 130 python3 bench/graph_decode.py --requests 1,8 --profile --out "$OUT/graph-profile-h200-gather.json"
   logged next_profile_ny 130 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \

@@ -1,7 +1,8 @@
-"""The V4 static decode step with the ops of `registry.NOT_YET_ON_GPU` on Triton (the batched
-`index_scores`, the pool reading its slots from the rings, `compressor_pool_gather`; on CPU the
-interpreter, see conftest.py) against the same step on their references: tiny-v4, fp32, verify
-rounds of 4 tokens over 2 slots at different lengths, so rows see different numbers of entries."""
+"""The ops of `registry.NOT_YET_ON_GPU` on Triton (the batched `index_scores`, the pool reading its
+slots from the rings, `compressor_pool_gather`; on CPU the interpreter, see conftest.py) against
+their references, where the models use them: the V4 and V4.1 static decode steps (tiny configs,
+fp32, verify rounds of 4 tokens over 2 slots at different lengths, so rows see different numbers of
+entries) and the padded indexer pass of a ragged decode call."""
 
 import dataclasses
 
@@ -12,6 +13,7 @@ import dspark
 from dspark.kernels import KernelConfig, triton_available
 from dspark.kernels.registry import NOT_YET_ON_GPU
 from dspark.models.deepseek_v4.static_step import StaticDecoder
+from dspark.models.deepseek_v41.static_step import StaticDecoderV41
 
 import sys
 from pathlib import Path
@@ -43,3 +45,42 @@ def test_static_step_with_the_not_yet_kernels_follows_the_reference():
         outs[impl] = torch.stack(run_rounds(StaticDecoder, model, None, rounds=2))
         assert calls and any(bool((v > 0).any()) for v in calls)  # called, with entries to see
     assert torch.allclose(outs["triton"], outs["ref"], atol=2e-4, rtol=1e-4)
+
+
+def _models(name, **options):
+    """(reference model, model with the not-yet ops on Triton), equal weights."""
+    base = KernelConfig.for_device(DEVICE)
+    return [dspark.init_model(name, seed=0, device=DEVICE, dtype=torch.float32,
+                              kernels=dataclasses.replace(base, **{op: impl for op in NOT_YET_ON_GPU}), **options)
+            for impl in ("ref", "triton")]
+
+
+@needs_triton
+@torch.no_grad()
+def test_static_v41_step_with_the_not_yet_kernels_follows_the_reference():
+    ref, fused = _models("tiny-v41", prefill_mode="exact", cache_qat=False)
+    outs = [torch.stack(run_rounds(StaticDecoderV41, model, None, rounds=2)) for model in (ref, fused)]
+    assert torch.allclose(outs[1], outs[0], atol=2e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+@torch.no_grad()
+def test_padded_indexer_pass_with_index_scores_follows_the_reference(name):
+    """A ragged decode call of 3 requests at different lengths: the indexers score them in one padded
+    `index_scores` call (`padded_index_scores`)."""
+    options = dict(prefill_mode="exact", cache_qat=False) if name == "tiny-v41" else {}
+    logits = []
+    for model in _models(name, **options):
+        calls = []
+        for module in model.modules():
+            if hasattr(module, "scores_op"):
+                module.scores_op = lambda *a, _op=module.scores_op: calls.append(a[0].shape[0]) or _op(*a)
+        g = torch.Generator().manual_seed(3)
+        states = [model.new_state() for _ in range(3)]
+        for state, n in zip(states, (9, 30, 17)):
+            model(torch.randint(0, 256, (n,), generator=g), [state], [n])
+        calls.clear()  # the prefills above ran one request each
+        logits.append(model(torch.randint(0, 256, (3,), generator=g), states, [1, 1, 1]).logits)
+        assert calls and all(groups == 3 for groups in calls)  # one padded call for the 3 requests
+    assert torch.allclose(logits[1], logits[0], atol=2e-4, rtol=1e-4)

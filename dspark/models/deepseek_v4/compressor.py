@@ -277,7 +277,6 @@ class Indexer(nn.Module):
     def _select_padded(self, q, weights, keys: list[torch.Tensor], batch: RaggedBatch, width: int) -> torch.Tensor:
         """`select` for many requests in one padded pass (`padded_index_scores`), top-k by the
         registry's `select_topk` (the op's tie rule) over the entries each row can see."""
-        scores = padded_index_scores(q, weights, keys, batch)  # [N, T_max] fp32
         visible = (batch.positions + 1) // self.rate  # <= T_b: a request's padding is never visible
-        reachable = torch.arange(scores.shape[1], device=q.device) < visible.unsqueeze(-1)
-        return self.topk_op(scores.masked_fill(~reachable, float("-inf")), self.topk)  # [N, width]
+        scores = padded_index_scores(q, weights, keys, batch, visible, self.scores_op)  # [N, T_max] fp32
+        return self.topk_op(scores, self.topk)  # [N, width]

@@ -2,13 +2,14 @@
 
 The registry's `lightning_indexer` op scores the rows of ONE request against that request's keys.
 A ragged decode / verify call has B requests with B different key sets; instead of B op calls the
-rows are scored together in torch, with the op reference's formula (`indexer_scores_ref`):
+rows are padded to [B, S_max] and the keys to [B, T_max] and scored by the registry's
+`index_scores` (one group per request; its reference is `indexer_scores_ref`'s formula):
 
     I[s, t] = Σ_h w[s, h] · ReLU(q[s, h] · κ_t)        fp32, κ = keys of the row's own request
 
-over queries padded to [B, S_max] and keys padded to [B, T_max]. Callers mask what a row may not
-pick (t ≥ its visible count, which never exceeds its request's T_b, so padding is never picked)
-and select with the registry's `select_topk` (ref: `select_topk_ref`), so picks and ties follow the op's definition.
+−inf where t ≥ the row's visible count, which never exceeds its request's T_b, so padding is never
+picked. Callers select with the registry's `select_topk` (ref: `select_topk_ref`), so picks and ties
+follow the op's definition.
 
 Shape symbols: N rows of the call, B requests, S_max / T_max the most rows / keys of a request,
 Hi / di index heads / head dim.
@@ -17,10 +18,11 @@ Hi / di index heads / head dim.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
-from dspark.kernels.indexer_ref import grouped_index_scores
+from dspark.kernels.indexer_ref import index_scores_ref
 from dspark.models.deepseek_v4.state import RaggedBatch
 
 def pads_well(batch: RaggedBatch) -> bool:
@@ -29,22 +31,24 @@ def pads_well(batch: RaggedBatch) -> bool:
     return len(batch.seq_lens) > 1 and max(batch.seq_lens) * len(batch.seq_lens) <= 2 * sum(batch.seq_lens)
 
 
-def padded_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor],
-                        batch: RaggedBatch) -> torch.Tensor:
-    """Scores of every row against its own request's keys.
+def padded_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor], batch: RaggedBatch,
+                        visible: torch.Tensor, scores_op: Callable = index_scores_ref) -> torch.Tensor:
+    """Scores of every row against its own request's keys, −inf where t ≥ visible[row].
 
     Shape: q [N, Hi, di] rotated index queries; weights [N, Hi] head weights (constants folded in);
-    keys one [T_b, di] per request. Returns [N, T_max] fp32; columns t >= T_b of a row are
-    meaningless (the caller masks them).
+    keys one [T_b, di] per request; visible [N] entries each row may see (≤ T_b, so a request's
+    padding never scores); `scores_op` the registry's `index_scores` (one group per request).
+    Returns [N, T_max] fp32.
     """
     n_req, seq_max, t_max = len(keys), max(batch.seq_lens), max(k.shape[0] for k in keys)
     slot = _padded_slots(batch, seq_max).to(q.device, non_blocking=True)  # [N] row -> b·S_max + s
     rows = torch.zeros(n_req * seq_max, dtype=torch.long, device=q.device).index_copy_(
         0, slot, torch.arange(q.shape[0], device=q.device))  # padded slot -> row (padding: row 0)
-    q_pad = q[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi, di]
-    w_pad = weights[rows].unflatten(0, (n_req, seq_max)).float()  # [B, S_max, Hi]
-    k_pad = _pad_keys(keys, t_max).float()  # [B, T_max, di]
-    return grouped_index_scores(q_pad, w_pad, k_pad).flatten(0, 1)[slot]  # [N, T_max]
+    q_pad = q[rows].unflatten(0, (n_req, seq_max))  # [B, S_max, Hi, di]
+    w_pad = weights[rows].unflatten(0, (n_req, seq_max))  # [B, S_max, Hi]
+    v_pad = visible[rows].unflatten(0, (n_req, seq_max))  # [B, S_max]
+    k_pad = _pad_keys(keys, t_max)  # [B, T_max, di]
+    return scores_op(q_pad, w_pad, k_pad, v_pad).flatten(0, 1)[slot]  # [N, T_max]
 
 
 def _padded_slots(batch: RaggedBatch, seq_max: int) -> torch.Tensor:

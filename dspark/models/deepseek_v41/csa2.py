@@ -131,6 +131,7 @@ class Indexer(nn.Module):
         kernels = KernelConfig() if kernels is None else kernels
         self.select_op = get_op(kernels, "lightning_indexer")
         self.topk_op = get_op(kernels, "select_topk")  # the static steps' selection over batched scores
+        self.scores_op = get_op(kernels, "index_scores")  # batched scores: static slots, padded requests
         # scores [S, T] fp32, visible [S] -> the candidate pool [S, T] bool (spec §5.4)
         self.pool_op = get_op(kernels, "indexer_pool")
         # x [..., di], cos/sin broadcastable to [..., rd/2] -> x rotated (index keys and queries)
@@ -204,10 +205,10 @@ class Indexer(nn.Module):
                 slots[b].topk = self.select(q[rows], weights[rows], request_keys, batch.positions[rows], slots[b])
             return
         visible = (batch.positions + 1) // self.ratio  # [N], <= T_b: padding is never reachable
-        reachable = torch.arange(t_max, device=q.device) < visible.unsqueeze(-1)  # [N, T_max]
+        scores = padded_index_scores(q, weights, keys, batch, visible, self.scores_op)  # [N, T_max]
         if self.uses_candidates and not self.is_candidate_source:
-            reachable &= _padded_pool([slot.candidates for slot in slots], batch, t_max, q.device)
-        scores = padded_index_scores(q, weights, keys, batch).masked_fill(~reachable, float("-inf"))
+            pool = _padded_pool([slot.candidates for slot in slots], batch, t_max, q.device)
+            scores = scores.masked_fill(~pool, float("-inf"))
         picks = self.topk_op(scores, self.topk)  # [N, min(k, T_max)]
         pools = None
         if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)

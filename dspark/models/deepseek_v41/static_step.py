@@ -16,7 +16,7 @@ The math is the model's own modules, in `DeepseekV41ForCausalLM.forward`'s order
 Engram hashing (`engram_hash.hash_columns`) and table lookups, the single-pass mHC sites of every
 `Block` (`attn_site`, `enter`, `ffn_after`, `close`), the attention projections and cache
 QAT, the source compressor's pooling op, the entries' RoPE + FP4 and index keys, the indexer's
-queries, scores (`grouped_index_scores`, the op reference's formula) and candidate pool op, MoE and
+queries, scores (the registry's `index_scores`) and candidate pool op, MoE and
 head. Only the cache plumbing of `Attention.forward` / `publish` / `Indexer.select_batch` and of
 `NgramHistory`, which read Python counters, is redone here with device-side rows.
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels.indexer_ref import grouped_index_scores
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
@@ -193,12 +192,10 @@ def select(indexer, q: torch.Tensor, weights: torch.Tensor, index: StepIndex, so
     """
     n_slots, n_tok = index.positions.shape
     keys = source.keys[:n_slots, : source.n_entries]  # [b, E, di] the bucket's slots
-    scores = grouped_index_scores(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys)
-    scores = scores.flatten(0, 1)  # [N, E] fp32
-    reachable = index.reachable(indexer.ratio, source.n_entries)  # [N, E]
+    scores = indexer.scores_op(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys,
+                               index.visible(indexer.ratio)).flatten(0, 1)  # [N, E] fp32, −inf if not complete
     if indexer.uses_candidates and not indexer.is_candidate_source:
-        reachable = reachable & shared.candidates
-    scores = scores.masked_fill(~reachable, float("-inf"))
+        scores = scores.masked_fill(~shared.candidates, float("-inf"))
     shared.topk = indexer.topk_op(scores, indexer.topk)
     if indexer.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
         visible = (index.flat + 1) // indexer.ratio  # [N]
