@@ -88,7 +88,8 @@ def wo_a_rows(device, g) -> list[dict]:
                     err = rel(grouped_wo_a.launch_grouped_wo_a(out, cos, sin, weight, tiles), ref)
                     seconds = graph_timer(lambda: grouped_wo_a.launch_grouped_wo_a(out, cos, sin, weight, tiles))
                 except Exception as exc:
-                    rows.append(dict(case="wo_a", layer=name, tokens=n_tok, tiles=tiles._asdict(), error=repr(exc)[:300]))
+                    rows.append(dict(case="wo_a", layer=name, tokens=n_tok, tiles=tiles._asdict(),
+                                     error=repr(exc)[:300]))
                     continue
                 n_bytes = weight.numel() * 2 + out.numel() * 2 + n_tok * groups * rank * 2
                 rows.append(dict(case="wo_a", layer=name, tokens=n_tok, tiles=tiles._asdict(), default=tiles == default,

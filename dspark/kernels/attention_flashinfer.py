@@ -25,6 +25,7 @@ The kernels are compiled by flashinfer's JIT on first use (needs nvcc), then cac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -120,6 +121,15 @@ class KeyLists:
         return cls(index[valid].to(torch.int32), indptr, listed, lengths)
 
 
+class _Plan(NamedTuple):
+    """What `run` must match: the query rows and heads, the dtype, and the rows' true key counts."""
+
+    n_q: int
+    n_heads: int
+    dtype: torch.dtype
+    lengths: torch.Tensor
+
+
 class SparseAttentionFlashinfer:
     """`sparse_attention(q, pool, index, sink, scale)` on flashinfer (module docstring).
 
@@ -130,7 +140,7 @@ class SparseAttentionFlashinfer:
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES):
         self.workspace_bytes = workspace_bytes
         self._wrapper = None
-        self._planned: tuple | None = None  # (S, H, scale, dtype, lengths) of the current plan
+        self._planned: _Plan | None = None
 
     def _get_wrapper(self, device: torch.device):
         if self._wrapper is None or self._wrapper.device != device:
@@ -149,21 +159,22 @@ class SparseAttentionFlashinfer:
         wrapper = self._get_wrapper(index.device)
         wrapper.plan(qo_indptr, keys.indptr, keys.indices, keys.listed, n_heads, HEAD_DIM, 0, 1, False,
                      float(scale), dtype, dtype)
-        self._planned = (n_q, n_heads, float(scale), dtype, keys.lengths)
+        self._planned = _Plan(n_q, n_heads, dtype, keys.lengths)
         return keys
 
     def run(self, q: torch.Tensor, pool: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
         """The planned attention of q [S, H, 512] over pool [P, 512], sink [H] applied: [S, H, 512].
         Device work only (no host sync): CUDA-graph capturable once planned."""
-        if self._planned is None or self._planned[:2] != tuple(q.shape[:2]) or self._planned[3] != q.dtype:
-            raise ValueError(f"run q {tuple(q.shape)} {q.dtype} does not match the plan {self._planned and self._planned[:4]}")
-        lengths = self._planned[4]
+        plan = self._planned
+        if plan is None or (plan.n_q, plan.n_heads, plan.dtype) != (q.shape[0], q.shape[1], q.dtype):
+            raise ValueError(f"run: q {tuple(q.shape)} {q.dtype} does not match the plan "
+                             f"{plan and (plan.n_q, plan.n_heads, plan.dtype)}")
         empty_q = q.new_empty((*q.shape[:2], 0))
         empty_kpe = pool.new_empty((pool.shape[0], 1, 0))
         out, lse = self._wrapper.run(q.contiguous(), empty_q, pool.contiguous().view(pool.shape[0], 1, HEAD_DIM),
                                      empty_kpe, return_lse=True, return_lse_base_on_e=True)
         # Rows without keys: the reference gives 0 (all mass on the sink); flashinfer leaves them undefined.
-        return apply_sink(out, lse, sink, lengths)
+        return apply_sink(out, lse, sink, plan.lengths)
 
     def __call__(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
                  scale: float) -> torch.Tensor:
