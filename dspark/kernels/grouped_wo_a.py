@@ -28,7 +28,9 @@ group's weight rows and the rows' K activations: first a plain pipelined GEMM ov
 of the tile's rows) before its dot; it accumulates in fp32 and writes its tile
 straight into y's token-major layout. This replaces the reference's rotation passes (slice, stack,
 cat), the batched GEMM over a [G, N, K] view and the [G, N, R] -> [N, G·R] transposing copy with one
-launch. No host sync: CUDA-graph capturable.
+launch. At decode sizes each group's heads are split into runs (`decode_splits`): more programs, each
+streaming fewer weight rows, then a second launch adds the runs' fp32 partials in order. No host
+sync: CUDA-graph capturable.
 """
 
 from __future__ import annotations
