@@ -169,12 +169,16 @@ class SparseAttentionFlashinfer:
         if plan is None or (plan.n_q, plan.n_heads, plan.dtype) != (q.shape[0], q.shape[1], q.dtype):
             raise ValueError(f"run: q {tuple(q.shape)} {q.dtype} does not match the plan "
                              f"{plan and (plan.n_q, plan.n_heads, plan.dtype)}")
+        # Rows without keys: the reference gives 0 (all mass on the sink); flashinfer leaves them undefined.
+        return apply_sink(*self.kernel(q, pool), sink, plan.lengths)
+
+    def kernel(self, q: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """flashinfer's planned kernel alone: (out [S, H, 512] without the sink, lse [S, H] fp32,
+        natural log). `run` adds the sink; the bench times this part by itself."""
         empty_q = q.new_empty((*q.shape[:2], 0))
         empty_kpe = pool.new_empty((pool.shape[0], 1, 0))
-        out, lse = self._wrapper.run(q.contiguous(), empty_q, pool.contiguous().view(pool.shape[0], 1, HEAD_DIM),
-                                     empty_kpe, return_lse=True, return_lse_base_on_e=True)
-        # Rows without keys: the reference gives 0 (all mass on the sink); flashinfer leaves them undefined.
-        return apply_sink(out, lse, sink, plan.lengths)
+        return self._wrapper.run(q.contiguous(), empty_q, pool.contiguous().view(pool.shape[0], 1, HEAD_DIM),
+                                 empty_kpe, return_lse=True, return_lse_base_on_e=True)
 
     def __call__(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
                  scale: float) -> torch.Tensor:

@@ -252,7 +252,6 @@ def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_to
     streams), post [BT, HC_PAD], comb [BT, HC_PAD, HC_PAD]), fp32, in the order of spec §6.2."""
     offs_j = tl.arange(0, HC_PAD)
     j_ok = offs_j < HC
-    tj_mask = t_mask[:, None] & j_ok[None, :]
     jk_ok = j_ok[:, None] & j_ok[None, :]
     jk = 2 * HC + offs_j[:, None] * HC + offs_j[None, :]  # [j, k] offset of comb in the mix vector
 
