@@ -42,6 +42,7 @@ same slots (`dspark.engine.static_draft`: greedy propose and observe as CUDA gra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -56,6 +57,8 @@ from dspark.draft import DSparkDrafter, MtpDrafter
 from dspark.draft.context import DSparkState
 from dspark.draft.mtp import MtpState
 from dspark.engine import Engine, EngineConfig
+from dspark.kernels import KernelConfig
+from dspark.kernels.registry import NOT_YET_ON_GPU
 from dspark.models.deepseek_v41.state import DecodeStateV41
 from dspark.profile import split_tokens, time_step
 from dspark.request import Request
@@ -428,6 +431,8 @@ def main() -> None:
     ap.add_argument("--contexts", default=None, help="comma list of decode contexts (default 4096,32768)")
     ap.add_argument("--decode-only", action="store_true", help="skip the HF peer and the prefill phase")
     ap.add_argument("--peer", action="store_true", help="with --decode-only: still run the HF peer (batch 1)")
+    ap.add_argument("--not-yet", action="store_true",
+                    help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
     cli = ap.parse_args()
     args = dict(SMOKE if cli.smoke else FULL)
     for name, parse in (("requests", int), ("contexts", int), ("modes", str)):
@@ -457,7 +462,10 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(0)
     config = load_config(args["config"])
     dtype = torch.float32 if cli.smoke else torch.bfloat16
-    model = dspark.init_model(config, seed=0, device=device, dtype=dtype)
+    kernels = KernelConfig.for_device(device)
+    if cli.not_yet and device.type == "cuda":
+        kernels = dataclasses.replace(kernels, **{op: "triton" for op in NOT_YET_ON_GPU})
+    model = dspark.init_model(config, seed=0, device=device, dtype=dtype, kernels=kernels)
     drafters = {"none": None, "dspark3": DSparkDrafter(model).init_weights(1)}
     try:  # V4.1's next-token layers are DSpark stages, not an MTP block: no MTP-1 mode there
         drafters["mtp1"] = MtpDrafter(model)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU steps of the seventh 2026-11-30 session (each part < 9.5 min):
+#
+#   run(command="bash bench/gpu_session7.sh a", kind="nvidia-h200")
+#
+# a: the two kernels written last session after the device time ran out (registry.NOT_YET_ON_GPU:
+#    `compressor_pool_gather`, `index_scores`): their GPU tests and the static steps that use them, the
+#    step profile with them on, and the 32K engine cells (128 / 256 requests) where DSpark / none was
+#    lowest, with them on.
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+W=/tmp/gpu-session && mkdir -p $W/logs
+
+logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/NAME.txt, record rc
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$W/logs/$name.txt" 2>&1
+  echo "$name rc=$?" | tee -a "$W/logs/$name.txt"
+}
+
+part_a() {
+  logged a_tests 200 python3 -m pytest -q -p no:cacheprovider -rs -x tests/kernels/test_compressor_pool.py \
+    tests/kernels/test_lightning_indexer.py tests/kernels/test_static_not_yet_kernels.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py tests/engine/test_engine_static_gpu.py
+  tail -n 8 $W/logs/a_tests.txt | cut -c1-400
+  logged a_profile 110 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
+    --out "$OUT/graph-profile-h200-not-yet.json"
+  grep -h "^{" $W/logs/a_profile.txt | cut -c1-500; tail -n 3 $W/logs/a_profile.txt | cut -c1-300
+  logged a_32k 200 python3 bench/engine_h200.py --static-decode --overlap --not-yet --requests 128,256 \
+    --modes none,dspark3 --contexts 32768 --decode-only --steps 4 --budget-s 160 --out "$OUT/engine-h200-32k-not-yet.json"
+  grep -h '"mode"\|skip\|Error' $W/logs/a_32k.txt | cut -c1-220
+}
+
+part_$1
+tar -C $W -cf "$OUT/logs7-$1.tar" logs
+ls -la "$OUT"
