@@ -2,11 +2,14 @@
 # GPU steps of the seventh 2026-11-30 session (each part < 9.5 min):
 #
 #   run(command="bash bench/gpu_session7.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session7.sh b")
 #
 # a: the two kernels written last session after the device time ran out (registry.NOT_YET_ON_GPU:
 #    `compressor_pool_gather`, `index_scores`): their GPU tests and the static steps that use them, the
 #    step profile with them on, and the 32K engine cells (128 / 256 requests) where DSpark / none was
 #    lowest, with them on.
+# b: the not-yet kernels' tests past the test fixed after a (its 1 × 1 case had nothing visible, so its
+#    error norm was 0 / 0), then the whole GPU-marked suite in one call, verbose, under a time limit.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -29,6 +32,16 @@ part_a() {
   logged a_32k 200 python3 bench/engine_h200.py --static-decode --overlap --not-yet --requests 128,256 \
     --modes none,dspark3 --contexts 32768 --decode-only --steps 4 --budget-s 160 --out "$OUT/engine-h200-32k-not-yet.json"
   grep -h '"mode"\|skip\|Error' $W/logs/a_32k.txt | cut -c1-220
+}
+
+part_b() {
+  logged b_tests 120 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_lightning_indexer.py \
+    tests/kernels/test_static_not_yet_kernels.py tests/models/test_deepseek_v4_static_graph_gpu.py \
+    tests/engine/test_engine_static_gpu.py
+  tail -n 8 $W/logs/b_tests.txt | cut -c1-400
+  logged b_gpu_suite 420 python3 -m pytest -v -p no:cacheprovider -rfs -m gpu --durations=20 tests
+  grep -c PASSED $W/logs/b_gpu_suite.txt; grep -h "FAILED\|ERROR\|passed\|failed" $W/logs/b_gpu_suite.txt | tail -n 25 | cut -c1-300
+  cp $W/logs/b_gpu_suite.txt "$OUT/gpu-suite-h200-s7.log"
 }
 
 part_$1

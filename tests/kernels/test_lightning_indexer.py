@@ -162,15 +162,17 @@ def test_real_shapes_on_gpu(n_q, n_heads, n_keys, topk, pool):
     check(args, topk, torch.bfloat16)
 
 
-def group_inputs(n_groups, n_q, n_heads, head_dim, n_keys, dtype, seed, spaced=0):
+def group_inputs(n_groups, n_q, n_heads, head_dim, n_keys, dtype, seed, spaced=0, empty_first=True):
     """`index_scores` inputs: B groups, keys [B, T, di] as a prefix of [B, T + spaced, di] rows (the
-    static state's layout), visible counts from 0 (nothing yet) to T."""
+    static state's layout), visible counts from 1 to T, and 0 (nothing yet) for the first row when
+    `empty_first`."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(n_groups, n_q, n_heads, head_dim, generator=g).to(DEVICE, dtype)
     weights = (torch.rand(n_groups, n_q, n_heads, generator=g) - 0.3).to(DEVICE)
     block = torch.randn(n_groups, n_keys + spaced, head_dim, generator=g).to(DEVICE, dtype)
-    visible = torch.randint(0, n_keys + 1, (n_groups, n_q), generator=g).to(DEVICE)
-    visible[0, 0] = 0
+    visible = torch.randint(1, n_keys + 1, (n_groups, n_q), generator=g).to(DEVICE)
+    if empty_first:
+        visible[0, 0] = 0
     return q, weights, block[:, :n_keys], visible
 
 
@@ -211,7 +213,7 @@ def test_index_scores_reference_validates_arguments():
 def test_index_scores_real_shapes_on_gpu(n_groups, n_q):
     """v4-mini / V4-Flash index heads (64 × 128) over 8192 entries per slot (32K context), bf16,
     keys a prefix of each slot's E + 1 rows."""
-    args = group_inputs(n_groups, n_q, 64, 128, 8192, torch.bfloat16, seed=n_groups, spaced=1)
+    args = group_inputs(n_groups, n_q, 64, 128, 8192, torch.bfloat16, seed=n_groups, spaced=1, empty_first=n_groups > 1)
     scores, ref = indexer.index_scores(*args), indexer_ref.index_scores_ref(*args)
     finite = torch.isfinite(ref)
     assert torch.equal(finite, torch.isfinite(scores))
