@@ -24,7 +24,7 @@ logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/N
 
 part_a() {
   logged a_tests 200 python3 -m pytest -q -p no:cacheprovider -rs -x tests/kernels/test_compressor_pool.py \
-    tests/kernels/test_lightning_indexer.py tests/kernels/test_static_not_yet_kernels.py \
+    tests/kernels/test_lightning_indexer.py tests/kernels/test_static_step_kernels.py \
     tests/models/test_deepseek_v4_static_graph_gpu.py tests/engine/test_engine_static_gpu.py
   tail -n 8 $W/logs/a_tests.txt | cut -c1-400
   logged a_profile 110 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
@@ -37,7 +37,7 @@ part_a() {
 
 part_b() {
   logged b_tests 120 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_lightning_indexer.py \
-    tests/kernels/test_static_not_yet_kernels.py tests/models/test_deepseek_v4_static_graph_gpu.py \
+    tests/kernels/test_static_step_kernels.py tests/models/test_deepseek_v4_static_graph_gpu.py \
     tests/engine/test_engine_static_gpu.py
   tail -n 8 $W/logs/b_tests.txt | cut -c1-400
   part_suite

@@ -9,17 +9,16 @@ import torch
 
 import dspark
 from dspark.kernels import KernelConfig
-from dspark.kernels.registry import NOT_YET_ON_GPU
 from dspark.models.deepseek_v4.static_step import StaticDecoder
 from static_step_checks import check_graph_replay
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("not_yet", [False, True])  # True: also the ops of registry.NOT_YET_ON_GPU on Triton
+@pytest.mark.parametrize("gather", [True, False])  # False: the step's former path (copied slots, torch scores)
 @torch.no_grad()
-def test_static_step_graph_replay_equals_eager_without_sync(not_yet):
+def test_static_step_graph_replay_equals_eager_without_sync(gather):
     kernels = KernelConfig.for_device("cuda")
-    if not_yet:
-        kernels = dataclasses.replace(kernels, **{op: "triton" for op in NOT_YET_ON_GPU})
+    if not gather:
+        kernels = dataclasses.replace(kernels, compressor_pool_gather="ref", index_scores="ref")
     model = dspark.init_model("tiny-v4", seed=0, device="cuda", kernels=kernels)
     check_graph_replay(model, StaticDecoder)

@@ -1,6 +1,5 @@
-"""The ops of `registry.NOT_YET_ON_GPU` on Triton (the batched `index_scores`, the pool reading its
-slots from the rings, `compressor_pool_gather`; on CPU the interpreter, see conftest.py) against
-their references, where the models use them: the V4 and V4.1 static decode steps (tiny configs,
+"""The static step's own ops on Triton (the batched `index_scores`, the pool reading its slots from
+the rings, `compressor_pool_gather`; on CPU the interpreter, see conftest.py) against their references, where the models use them: the V4 and V4.1 static decode steps (tiny configs,
 fp32, verify rounds of 4 tokens over 2 slots at different lengths, so rows see different numbers of
 entries) and the padded indexer pass of a ragged decode call."""
 
@@ -11,7 +10,6 @@ import torch
 
 import dspark
 from dspark.kernels import KernelConfig, triton_available
-from dspark.kernels.registry import NOT_YET_ON_GPU
 from dspark.models.deepseek_v4.static_step import StaticDecoder
 from dspark.models.deepseek_v41.static_step import StaticDecoderV41
 
@@ -23,17 +21,17 @@ from static_step_checks import run_rounds  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores")
 
 
 @needs_triton
 @torch.no_grad()
-def test_static_step_with_the_not_yet_kernels_follows_the_reference():
+def test_static_step_with_its_kernels_follows_the_reference():
     base = KernelConfig.for_device(DEVICE)
-    assert set(NOT_YET_ON_GPU) == {"index_scores", "compressor_pool_gather"}
     outs = {}
     for impl in ("ref", "triton"):
         model = dspark.init_model("tiny-v4", seed=0, device=DEVICE, dtype=torch.float32,
-                                  kernels=dataclasses.replace(base, **{op: impl for op in NOT_YET_ON_GPU}))
+                                  kernels=dataclasses.replace(base, **{op: impl for op in STATIC_STEP_OPS}))
         assert model.layers[1].attn.indexer.scores_op.__name__ == ("index_scores_ref" if impl == "ref" else
                                                                    "index_scores")
         assert model.layers[1].attn.compressor.pools_from_rows == (impl == "triton")
@@ -48,16 +46,16 @@ def test_static_step_with_the_not_yet_kernels_follows_the_reference():
 
 
 def _models(name, **options):
-    """(reference model, model with the not-yet ops on Triton), equal weights."""
+    """(reference model, model with the static step's ops on Triton), equal weights."""
     base = KernelConfig.for_device(DEVICE)
     return [dspark.init_model(name, seed=0, device=DEVICE, dtype=torch.float32,
-                              kernels=dataclasses.replace(base, **{op: impl for op in NOT_YET_ON_GPU}), **options)
+                              kernels=dataclasses.replace(base, **{op: impl for op in STATIC_STEP_OPS}), **options)
             for impl in ("ref", "triton")]
 
 
 @needs_triton
 @torch.no_grad()
-def test_static_v41_step_with_the_not_yet_kernels_follows_the_reference():
+def test_static_v41_step_with_its_kernels_follows_the_reference():
     ref, fused = _models("tiny-v41", prefill_mode="exact", cache_qat=False)
     outs = [torch.stack(run_rounds(StaticDecoderV41, model, None, rounds=2)) for model in (ref, fused)]
     assert torch.allclose(outs[1], outs[0], atol=2e-4, rtol=1e-4)
