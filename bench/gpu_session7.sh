@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session7.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session7.sh b")          # the suite hit tests/server's uvicorn import
 #   run(command="bash bench/gpu_session7.sh suite")
+#   run(command="bash bench/gpu_session7.sh c")
 #
 # a: the two kernels written last session after the device time ran out (registry.NOT_YET_ON_GPU:
 #    `compressor_pool_gather`, `index_scores`): their GPU tests and the static steps that use them, the
@@ -47,6 +48,12 @@ part_suite() {  # tests/server needs uvicorn, which the device's Python lacks (t
   logged b_gpu_suite 420 python3 -m pytest -v -p no:cacheprovider -rfs -m gpu --durations=20 --ignore=tests/server tests
   grep -c PASSED $W/logs/b_gpu_suite.txt; grep -h "FAILED\|ERROR\|passed\|failed" $W/logs/b_gpu_suite.txt | tail -n 25 | cut -c1-300
   cp $W/logs/b_gpu_suite.txt "$OUT/gpu-suite-h200-s7.log"
+}
+
+part_c() {  # where a 32K step's time goes (128 requests, one token each), the static step's ops on by default
+  logged c_profile 300 python3 bench/graph_decode.py --requests 128 --context 32768 --profile \
+    --out "$OUT/graph-profile-h200-32k.json"
+  grep -h "^{" $W/logs/c_profile.txt | cut -c1-1500; tail -n 3 $W/logs/c_profile.txt | cut -c1-300
 }
 
 part_$1

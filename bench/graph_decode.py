@@ -206,6 +206,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/graph-decode.json)")
     ap.add_argument("--profile", action="store_true", help="add each cell's kernel-time breakdown")
     ap.add_argument("--requests", default=None, help="comma list of request counts (default 1,8,64; smoke 1,2)")
+    ap.add_argument("--context", type=int, default=None, help="decode context (default 4096; smoke 40)")
     ap.add_argument("--not-yet", action="store_true",
                     help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
     cli = ap.parse_args()
@@ -221,6 +222,10 @@ def main() -> None:
         if not requests or min(requests) < 1:
             raise ValueError(f"--requests must list positive counts, got {cli.requests!r}")
         args["requests"] = requests
+    if cli.context is not None:
+        if cli.context < 1:
+            raise ValueError(f"--context must be positive, got {cli.context}")
+        args["context"] = cli.context
     device = torch.device("cpu" if cli.smoke else "cuda")
     dtype = torch.float32 if cli.smoke else torch.bfloat16
     config = load_config(args["config"])
