@@ -20,6 +20,7 @@ returns False, and the caller (the scheduler) decides whom to preempt.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 
 from dspark.engine.footprint import StateFootprint
@@ -91,10 +92,17 @@ class StateAllocator:
         self.rows_per_page = tuple(page_bytes // k.row_bytes for k in footprint.kinds)
         self.pool = PagePool(num_pages)
         self._tables: dict[Hashable, list[list[int]]] = {}
+        # The scheduler asks twice per running request per step; with hundreds of requests the
+        # per-kind arithmetic was the largest host cost of a decode step. The answer depends only
+        # on (length, fed) (the footprint is frozen), and a decode batch shares few distinct keys.
+        self._pages_needed = functools.lru_cache(maxsize=4096)(self._count_pages)
+
+    def _count_pages(self, length: int, fed: int) -> tuple[int, ...]:
+        return tuple(-(-rows // per) for rows, per in zip(self.footprint.rows(length, fed), self.rows_per_page))
 
     def pages_needed(self, length: int, fed: int = 0) -> tuple[int, ...]:
         """Pages per kind for one request at `length` after a call of `fed` tokens (ceil division)."""
-        return tuple(-(-rows // per) for rows, per in zip(self.footprint.rows(length, fed), self.rows_per_page))
+        return self._pages_needed(length, fed)
 
     def fits_alone(self, length: int, fed: int = 0) -> bool:
         """Whether one request at this size fits the whole budget."""
@@ -113,6 +121,8 @@ class StateAllocator:
         """
         table = self._tables.get(owner) or [[] for _ in self.rows_per_page]
         need = self.pages_needed(length, fed)
+        if owner in self._tables and all(n == len(pages) for n, pages in zip(need, table)):
+            return True  # the common decode case: no kind crosses a page boundary this step
         grow = sum(max(0, n - len(pages)) for n, pages in zip(need, table))
         if grow > self.pool.free:
             return False
