@@ -29,6 +29,7 @@ from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
+from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.pool import RequestPool
 from dspark.models.deepseek_v4.rope import Rope
@@ -93,15 +94,15 @@ class LatentAttention(nn.Module):
         self.eps = c.rms_norm_eps
         self.q_head_norm = q_head_norm
         self.scale = c.head_dim**-0.5  # no YaRN mscale (spec §7.4)
-        linear = dict(bias=False, dtype=dtype, device=device)
-        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, **linear)
+        linear = dict(dtype=dtype, device=device, kernels=kernels)
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, **linear)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, device=device, kernels=kernels)
-        self.wq_b = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, **linear)
-        self.wkv = nn.Linear(c.hidden_size, c.head_dim, **linear)
+        self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, **linear)
+        self.wkv = Linear(c.hidden_size, c.head_dim, **linear)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device=device, kernels=kernels)
         group_width = c.num_attention_heads * c.head_dim // c.o_groups
-        self.wo_a = nn.Linear(group_width, c.o_groups * c.o_lora_rank, **linear)
-        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, **linear)
+        self.wo_a = nn.Linear(group_width, c.o_groups * c.o_lora_rank, bias=False, dtype=dtype, device=device)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, **linear)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32, device=device))
         self.rope = Rope(rope, c.head_dim, device=device)
 

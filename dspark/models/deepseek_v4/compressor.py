@@ -28,6 +28,7 @@ from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
+from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import Rope
 from dspark.models.deepseek_v4.state import CompressorCache, RaggedBatch, copy_rows
@@ -60,8 +61,8 @@ class Compressor(nn.Module):
         self.rate = rate
         self.overlap = overlap
         width = (2 if overlap else 1) * head_dim
-        self.wkv = nn.Linear(dim, width, bias=False, dtype=dtype, device=device)
-        self.wgate = nn.Linear(dim, width, bias=False, dtype=dtype, device=device)
+        self.wkv = Linear(dim, width, dtype=dtype, device=device, kernels=kernels)
+        self.wgate = Linear(dim, width, dtype=dtype, device=device, kernels=kernels)
         self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32, device=device))
         self.norm = RMSNorm(head_dim, eps, device=device, kernels=kernels)
 
@@ -219,8 +220,8 @@ class Indexer(nn.Module):
         self.topk_op = get_op(kernels, "select_topk")  # the static steps' selection over batched scores
         self.scores_op = get_op(kernels, "index_scores")  # the static steps' scores of every slot at once
         self.rope_op = get_op(kernels, "rope")  # q [N, Hi, di], cos/sin [N, 1, rd/2] -> q rotated
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype, device=device)
-        self.weights_proj = nn.Linear(dim, n_heads, bias=False, dtype=dtype, device=device)
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, dtype=dtype, device=device, kernels=kernels)
+        self.weights_proj = Linear(dim, n_heads, dtype=dtype, device=device, kernels=kernels)
         self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device,
                                      kernels=kernels)
 

@@ -34,6 +34,7 @@ from dspark.models.deepseek_v4.attention import Attention
 from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4Config
 from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.moe import MoE
+from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch, check_capture, plan_batch
 
@@ -223,7 +224,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             for layer_type, mlp_type in zip(c.layer_types, c.mlp_layer_types)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=self.kernels)
-        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=self.dtype, device=device)
+        self.head = Linear(c.hidden_size, c.vocab_size, dtype=self.dtype, device=device, kernels=self.kernels)
         head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head
         self.mtp = nn.ModuleList(

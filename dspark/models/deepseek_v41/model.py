@@ -41,6 +41,7 @@ from torch import nn
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.kernels import KernelConfig
 from dspark.models.deepseek_v4.model import DeepseekV4Output, resolve_kernels
+from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import LayerCache, RaggedBatch, WindowCache, check_capture, plan_batch
 from dspark.models.deepseek_v41 import engram_hash
@@ -99,7 +100,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Block(c, role, quant, dtype=self.dtype, device=device, host_engram=host,
                                           kernels=self.kernels) for role in c.layer_roles)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=self.kernels)
-        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=self.dtype, device=device)
+        self.head = Linear(c.hidden_size, c.vocab_size, dtype=self.dtype, device=device, kernels=self.kernels)
         self.engram_ids = tuple(c.engram_layer_ids)
         self._init_engram_hashing(device)
         self.has_mtp = False  # the DSpark stages (`mtp.*`) belong to the drafter
