@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session7.sh b")          # the suite hit tests/server's uvicorn import
 #   run(command="bash bench/gpu_session7.sh suite")
 #   run(command="bash bench/gpu_session7.sh c")
+#   run(command="bash bench/gpu_session7.sh d")
 #
 # a: the two kernels written last session after the device time ran out (registry.NOT_YET_ON_GPU:
 #    `compressor_pool_gather`, `index_scores`): their GPU tests and the static steps that use them, the
@@ -54,6 +55,19 @@ part_c() {  # where a 32K step's time goes (128 requests, one token each), the s
   logged c_profile 300 python3 bench/graph_decode.py --requests 128 --context 32768 --profile \
     --out "$OUT/graph-profile-h200-32k.json"
   grep -h "^{" $W/logs/c_profile.txt | cut -c1-1500; tail -n 3 $W/logs/c_profile.txt | cut -c1-300
+}
+
+part_d() {  # the few-row linear kernels, the MoE pack kernel, the one-launch mHC decode site: tests, bench, step
+  logged d_tests 260 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_linear.py tests/kernels/test_moe.py \
+    tests/kernels/test_mhc.py tests/kernels/test_mhc_boundaries.py tests/kernels/test_static_step_kernels.py \
+    tests/kernels/test_cuda_graphs.py tests/models/test_deepseek_v4_static_graph_gpu.py \
+    tests/models_v41/test_deepseek_v41_static_graph_gpu.py "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
+  tail -n 12 $W/logs/d_tests.txt | cut -c1-400
+  logged d_linear 100 python3 bench/linear_decode.py --out "$OUT/linear-decode-h200.json"
+  grep -h '"rows": 1,\|"rows": 4,' $W/logs/d_linear.txt | cut -c1-330
+  logged d_profile 120 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
+    --out "$OUT/graph-profile-h200-linear.json"
+  grep -h "^{" $W/logs/d_profile.txt | cut -c1-400; tail -n 3 $W/logs/d_profile.txt | cut -c1-300
 }
 
 part_$1
