@@ -35,7 +35,7 @@ TUNED_FOR = "3.6"
 
 KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"),
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
-           moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel"),
+           moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
            moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
@@ -104,6 +104,8 @@ def run_every_tile_class():
                 moe._packed_experts(x, w, ids.int(), *weights, 10.0)
         # fused_moe routed these through the split-K decode router; the prefill router kernel too
         moe.route_prefill(*router, top_k=2, routed_scaling_factor=1.5, hash_routing=False)
+    # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.
+    moe._launch_pack(torch.randint(0, 384, (50, 6), generator=g).int().to(DEVICE), 384, 64)
     # Decode router at V4-Flash's E = 256 with the widest select tile (32 splits: S_PAD·E_PAD = 8192),
     # wide logits tiles, fp32 (3-pass TF32 dot) and hash routing.
     for tiles, dtype, hashed in ((moe_route_decode.RouteTiles(programs=256), torch.bfloat16, False),

@@ -129,6 +129,58 @@ def test_pack_by_expert_invariants(n_tok, n_exp, top_k, block_m):
     assert (block_expert[n_used:] == n_exp).all()  # then only unused blocks (skipped by the kernels)
 
 
+def _pack_ids(n_tok, n_exp, top_k, kind, seed):
+    """ids [N, K] int32: "random" over half the experts (the rest get none), "skewed" (a third of
+    the tokens within the first quarter of the experts), or "one" expert taking every assignment."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        return torch.full((n_tok, top_k), n_exp // 2, dtype=torch.int32)
+    if kind == "random":
+        picked = torch.randperm(n_exp, generator=g)[:max(1, n_exp // 2)]
+        return picked[torch.randint(0, picked.numel(), (n_tok, top_k), generator=g)].int()
+    ids = torch.randint(0, n_exp, (n_tok, top_k), generator=g)
+    ids[: n_tok // 3] %= max(1, n_exp // 4)
+    return ids.int()
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["random", "skewed", "one"])
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("n_exp", [8, 64, 256])
+@pytest.mark.parametrize("n_tok,top_k", [(37, 1), (37, 2), (37, 6), (190, 6)])  # N·K off the chunks; > 1024
+def test_pack_kernel_matches_torch_packing(n_tok, top_k, n_exp, block_m, kind, poisoned):
+    """`_pack_kernel` gives `_pack_by_expert`'s three outputs exactly (same dtypes, sentinels, order)."""
+    ids = _pack_ids(n_tok, n_exp, top_k, kind, seed=n_tok * top_k + n_exp).to(DEVICE)
+    want = moe._pack_by_expert(ids, n_exp, block_m)
+    with poisoned():
+        got = moe._launch_pack(ids, n_exp, block_m)
+    for name, out, ref in zip(("rows", "block_expert", "slot"), got, want):
+        assert out.dtype == ref.dtype and torch.equal(out, ref), name
+
+
+@needs_triton
+@pytest.mark.parametrize("n_exp,chunk", [(384, 32), (5, 16), (64, 64)])
+def test_pack_kernel_any_expert_count_and_chunk(n_exp, chunk, poisoned):
+    """E = 384 (512 bins), E below the 32-bin floor, and the other chunk widths."""
+    ids = _pack_ids(150, n_exp, 6, "skewed", seed=n_exp).to(DEVICE)
+    for block_m in (16, 64):
+        want = moe._pack_by_expert(ids, n_exp, block_m)
+        with poisoned():
+            got = moe._launch_pack(ids, n_exp, block_m, chunk=chunk)
+        assert all(torch.equal(out, ref) for out, ref in zip(got, want))
+
+
+def test_pack_dispatch_follows_the_bound(monkeypatch):
+    """The kernel up to PACK_KERNEL_MAX_ASSIGNMENTS assignments, the torch packing above."""
+    calls = []
+    monkeypatch.setattr(moe, "_launch_pack", lambda *a: calls.append("kernel"))
+    monkeypatch.setattr(moe, "_pack_by_expert", lambda *a: calls.append("torch"))
+    bound = moe.PACK_KERNEL_MAX_ASSIGNMENTS
+    for n_assign in (1, bound, bound + 1):
+        moe._pack_assignments(torch.zeros(n_assign, 1, dtype=torch.int32), 8, 16)
+    assert calls == ["kernel", "kernel", "torch"]
+
+
 # ------------------------------------------------------------------------------------- fused MoE
 
 
@@ -241,6 +293,31 @@ def test_moe_experts_paths_match_ref(n_tok, dim, n_exp, top_k, inter, inter_s, f
 
 
 @needs_triton
+@pytest.mark.parametrize("packing", ["kernel", "torch"])
+def test_packed_experts_either_packing_matches_ref(packing, monkeypatch, poisoned):
+    """`_packed_experts` on `_pack_kernel` (the torch packing raises), and above the bound on the
+    torch packing (the kernel raises): an expert with several M-blocks, experts with no token."""
+    def fail(*args, **kwargs):
+        raise AssertionError("wrong packing")
+
+    if packing == "kernel":
+        monkeypatch.setattr(moe, "_pack_by_expert", fail)
+    else:
+        monkeypatch.setattr(moe, "PACK_KERNEL_MAX_ASSIGNMENTS", 8)
+        monkeypatch.setattr(moe, "_launch_pack", fail)
+    n_tok, dim, n_exp, top_k, inter = 40, 64, 12, 2, 48
+    x = router_inputs(n_tok, dim, n_exp, top_k, torch.float32, seed=3)[0]
+    experts = expert_weights(n_exp, dim, inter, torch.float32, seed=4)
+    g = torch.Generator().manual_seed(5)
+    weights = (torch.rand(n_tok, top_k, generator=g) + 0.1).to(DEVICE)
+    second = torch.tensor([0, 1, 2, 4, 5])[torch.randint(0, 5, (n_tok,), generator=g)]
+    ids = torch.stack([torch.full((n_tok,), 3), second], 1).int().to(DEVICE)  # expert 3: 3 M-blocks; 6-11: none
+    with poisoned():
+        y = moe._packed_experts(x, weights, ids, *experts, 10.0)
+    assert rel_err(y, moe.moe_experts_ref(x, weights, ids, *experts, swiglu_limit=10.0)) < TOL[torch.float32]
+
+
+@needs_triton
 @pytest.mark.parametrize("tiles", [(8, 32, 64, 256, 2, 8), (32, 8, 256, 32, 8, 4)])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
@@ -269,7 +346,7 @@ def test_moe_experts_picks_decode_path_for_few_assignments(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("packed path used for a decode-sized call")
 
-    monkeypatch.setattr(moe, "_pack_by_expert", fail)
+    monkeypatch.setattr(moe, "_pack_assignments", fail)
     y = moe.moe_experts(x, weights, ids, *experts, swiglu_limit=10.0)
     assert rel_err(y, moe.moe_experts_ref(x, weights, ids, *experts, swiglu_limit=10.0)) < 1e-4
 
