@@ -20,13 +20,14 @@ Fused pre, two launches:
    The collapse needs `pre`, which needs the full reduction: that second read of x cannot be fused
    into the first without a grid-wide barrier.
 
-Decode (N <= 16, one token block), ONE launch (`_mhc_decode_kernel`): the statistics programs write
-their partials as above, then each takes a ticket from an atomic counter (acq_rel); the program that
-arrives last has seen every other program's stores and runs the whole epilogue alone (reduction,
-Sinkhorn once per token, the collapse over all of D). Nobody waits, so there is no grid barrier and
-no deadlock: the last arrival simply does the work that a second launch did. At these sizes the cost
-of the site is latency (two launches, and 8 epilogue programs that each reduced all partials and
-ran the same Sinkhorn), not bandwidth.
+Two launches at decode sizes too. One launch was tried (commit 4bc4ef7: every statistics program
+takes an atomic ticket after its partials, the last one runs the epilogue) and was not faster on one
+H200 (CUDA graph of 24 sites, D = 2048, bf16): 15.4 vs 14.3 µs per site at N = 1, 29.8 vs 15.3 at
+N = 8. It saves a launch gap of ~1.5 µs but pays the ticket (~0.9 µs) and a zeroed counter per call
+(a 0.9 µs fill: the library keeps no state to reset one), and one program then runs the whole
+epilogue chain -- partials, 20 Sinkhorn steps, the collapse over all of D -- that the second launch
+spreads over many programs. Its best variant (x prefetched before Sinkhorn) reached 13.9 vs 14.3 at
+N = 1 and lost from N = 2.
 
 `mhc_post_pre` runs the statistics kernel with the post fused into its prologue: it computes each
 X' tile from (f, x, post, comb), stores it, and accumulates the next site's GEMM and Σx'² from the
@@ -184,18 +185,19 @@ def _dot_fp32(x, w, acc, X_IS_TF32: tl.constexpr):
 
 
 @_jit
-def _stats_partials(
-    x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr, pid_t, pid_s,
+def _mhc_stats_kernel(
+    x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr,
     n_tok, dim, splits, iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
 ):
-    """Partials of t-block `pid_t`, split `pid_s`: d = x̂·fnᵀ -> dpart [splits, N, MIX_PAD], s = Σx̂² ->
-    sqpart [splits, N]; with FUSE_POST the X' tiles are computed and stored to xout first.
+    """Split-K partials of d = x̂·fnᵀ [splits, N, MIX_PAD] and s = Σx̂² [splits, N].
 
-    The split walks D-blocks pid_s, pid_s+splits, ... (`iters` of them); per D-block it handles all HC
-    streams, so with FUSE_POST the inputs of X' (all streams of x) load once per tile.
+    Program (t-block, split) walks D-blocks split, split+splits, ... (`iters` of them); per D-block
+    it handles all HC streams, so with FUSE_POST the inputs of X' (all streams of x) load once per tile.
     """
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
     offs_j = tl.arange(0, HC_PAD)
@@ -231,19 +233,6 @@ def _stats_partials(
     part = pid_s * n_tok + offs_t
     tl.store(dpart_ptr + part[:, None] * MIX_PAD + offs_m[None, :], acc, mask=t_mask[:, None])
     tl.store(sqpart_ptr + part, sq, mask=t_mask)
-
-
-@_jit
-def _mhc_stats_kernel(
-    x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr,
-    n_tok, dim, splits, iters,
-    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
-):
-    """Split-K partials of d = x̂·fnᵀ [splits, N, MIX_PAD] and s = Σx̂² [splits, N]; grid (t-blocks, splits)."""
-    _stats_partials(x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr,
-                    tl.program_id(0), tl.program_id(1), n_tok, dim, splits, iters,
-                    HC, HC_PAD, MIX, MIX_PAD, BLOCK_T, BLOCK_D, FUSE_POST, X_IS_TF32)
 
 
 @_jit
@@ -321,19 +310,6 @@ def _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC: tl.constexp
 
 
 @_jit
-def _collapse_block(x_ptr, u_ptr, pre, offs_t, t_mask, offs_d, dim, HC: tl.constexpr, HC_PAD: tl.constexpr):
-    """u[t, d] = Σ_k pre[t, k] · x[t, k, d] for tokens `offs_t` [BT], columns `offs_d` [BD]; pre [BT, HC_PAD]."""
-    offs_j = tl.arange(0, HC_PAD)
-    d_mask = offs_d < dim
-    x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
-                 mask=(t_mask[:, None] & (offs_j < HC)[None, :])[:, :, None] & d_mask[None, None, :],
-                 other=0.0).to(tl.float32)
-    u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
-    tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
-             mask=t_mask[:, None] & d_mask[None, :])
-
-
-@_jit
 def _mhc_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
@@ -346,66 +322,20 @@ def _mhc_epilogue_kernel(
     pid_d = tl.program_id(1)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
+    offs_j = tl.arange(0, HC_PAD)
+    tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
     pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
                                   rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T)
     if pid_d == 0:
         _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
-    _collapse_block(x_ptr, u_ptr, pre, offs_t, t_mask, pid_d * BLOCK_D + tl.arange(0, BLOCK_D), dim, HC, HC_PAD)
 
-
-# The decode tail is a call, not inlined: inlined after the statistics pass (254 of the 255 registers
-# with 4 warps) it made ptxas spill (16-24 bytes of stack for sm_90); as a call each keeps its own.
-_jit_call = triton.jit(noinline=True) if triton is not None else _jit
-
-
-@_jit_call
-def _decode_tail(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr, x_ptr, counter_ptr,
-                 n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
-                 HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-                 TAIL_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TAIL_D: tl.constexpr):
-    """The epilogue of all N (<= TAIL_T) tokens in one program: reduce the `splits` partials ->
-    post [N, H], comb [N, H, H]; u [N, D] = Σ_k pre_k x_k over all of D (x [N, H, D]), TAIL_D at a time."""
-    offs_t = tl.arange(0, TAIL_T).to(tl.int64)
-    t_mask = offs_t < n_tok
-    pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, TAIL_T, SPLIT_BLOCK)
-    _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
-    for d0 in range(0, dim, TAIL_D):
-        _collapse_block(x_ptr, u_ptr, pre, offs_t, t_mask, d0 + tl.arange(0, TAIL_D), dim, HC, HC_PAD)
-    # Leave the counter as found (every program has arrived, none reads it again): the launcher
-    # zeroes a fresh one per call anyway, but a counter reused across launches stays correct.
-    tl.store(counter_ptr, 0)
-
-
-@_jit
-def _mhc_decode_kernel(
-    x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr, counter_ptr,
-    base_ptr, scale_ptr, post2_ptr, comb2_ptr, u_ptr,
-    n_tok, dim, splits, iters, rms_eps, hc_eps, sinkhorn_iters,
-    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
-    TAIL_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TAIL_D: tl.constexpr,
-):
-    """The whole site for N <= BLOCK_T tokens in one launch, grid (splits,).
-
-    Every program writes its statistics partials (and, with FUSE_POST, its X' tiles) as
-    `_mhc_stats_kernel` does, then takes a ticket from `counter_ptr` (int32 [1], 0 at launch); the
-    program that arrives last reduces all partials of the N (<= TAIL_T) tokens and runs the epilogue:
-    post2 [N, H], comb2 [N, H, H] and the collapse u [N, D] over all D, read from xout (which is x
-    itself when not FUSE_POST: the launcher passes x there).
-    """
-    pid_s = tl.program_id(0)
-    _stats_partials(x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr, 0, pid_s,
-                    n_tok, dim, splits, iters, HC, HC_PAD, MIX, MIX_PAD, BLOCK_T, BLOCK_D, FUSE_POST, X_IS_TF32)
-    # The ticket is taken by one thread: the barrier first orders every thread's partial / X' stores
-    # before its release. Its acquire makes the other programs' stores visible to the last one (the
-    # ticket's value reaches the other threads through shared memory and a barrier), so the tail's
-    # plain loads (`_decode_tail`) see them.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == splits - 1:
-        _decode_tail(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post2_ptr, comb2_ptr, u_ptr, xout_ptr, counter_ptr,
-                     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, TAIL_T, SPLIT_BLOCK, TAIL_D)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < dim
+    x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
+                 mask=tj_mask[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
+    u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
+    tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & d_mask[None, :])
 
 
 @_jit
@@ -476,66 +406,6 @@ def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fuse
     return dpart, sqpart
 
 
-# Up to this many tokens a site is ONE launch (`_launch_decode`): one t-block of the decode
-# statistics tiles (`_stats_tiles`, BLOCK_T = 16), so a single program can own the whole epilogue.
-_DECODE_TOKENS = 16
-# Split-K cap at decode. The last program reduces every partial alone, on the critical path of the
-# site: 32 keep that to one step for N <= 4 and 4 steps at N = 16 (`_decode_tail_tiles`). At the
-# measured hidden size, D = 2048, the stats pass keeps exactly the shape measured in `_stats_tiles`
-# (32 D-blocks of 64, one per program); wider D gives each program 2 (4096) or 4 (7168) D-blocks,
-# whose loads do not depend on each other, where 64 or 112 partials would double or triple the tail.
-_DECODE_SPLITS = 32
-
-
-def _decode_tail_tiles(n_tok: int, n_hc: int, dim: int, splits: int) -> tuple[int, int, int]:
-    """(TAIL_T, SPLIT_BLOCK, TAIL_D) of the decode tail. Tokens pad to a power of two only (the tail
-    has no tl.dot, so not to 16 rows): at N = 1 it runs Sinkhorn once, not 16 times. Per step it
-    reduces ~2K partial values (SPLIT_BLOCK × TAIL_T × H × H) and collapses ~4K values of x
-    (TAIL_T × H × TAIL_D): at N = 1, 32 partials in one step and D = 2048 in two."""
-    tail_t = triton.next_power_of_2(n_tok)
-    hc_pad = triton.next_power_of_2(n_hc)
-    split_block = min(triton.next_power_of_2(splits), max(1, 2048 // (tail_t * hc_pad * hc_pad)))
-    tail_d = max(16, min(triton.next_power_of_2(dim), 4096 // (tail_t * hc_pad)))
-    return tail_t, split_block, tail_d
-
-
-def _launch_decode(src: torch.Tensor, fn, base, scale, n_hc: int, dim: int, rms_eps, hc_eps, sinkhorn_iters,
-                   fused=None):
-    """The whole site for N <= _DECODE_TOKENS in ONE launch (`_mhc_decode_kernel`): the pre over `src`
-    [N, H, D] or, with `fused` = (f, post, comb, x_out) as in `_launch_stats`, the post+pre (the
-    collapse then reads x_out). Returns post [N, H] fp32, comb [N, H, H] fp32, u [N, D] src.dtype."""
-    n_tok = src.shape[0]
-    n_mix = fn.shape[0]
-    block_t, block_d, warps = _stats_tiles(n_tok, fused is not None)
-    assert n_tok <= block_t, "the decode kernel has one t-block"
-    n_dblocks = triton.cdiv(dim, block_d)
-    splits = max(1, min(n_dblocks, 2 * _num_sms(src.device), _DECODE_SPLITS))
-    mix_pad = max(16, triton.next_power_of_2(n_mix))
-    dpart = torch.empty((splits, n_tok, mix_pad), device=src.device, dtype=torch.float32)
-    sqpart = torch.empty((splits, n_tok), device=src.device, dtype=torch.float32)
-    # The tickets need a counter that reads 0 at launch, and that costs one fill however it is done.
-    # A persistent counter that the last program resets would need module state (per device, per
-    # stream); a torch.empty'd one (alone or a slot of the partials) would not do either: under CUDA
-    # graph capture the pool hands a freed block to later allocations of the same graph, which
-    # overwrite it between replays. So a fresh zeroed int32 per call: a 4-byte fill, captured into the
-    # graph and re-run at each replay, in place of the second launch.
-    counter = torch.zeros(1, device=src.device, dtype=torch.int32)
-    post = torch.empty((n_tok, n_hc), device=src.device, dtype=torch.float32)
-    comb = torch.empty((n_tok, n_hc, n_hc), device=src.device, dtype=torch.float32)
-    u = torch.empty((n_tok, dim), device=src.device, dtype=src.dtype)
-    # Not fused: x_out is src, so the tail's collapse reads x (f, post, comb are then unused).
-    f, post_in, comb_in, x_out = fused if fused is not None else (src, src, src, src)
-    tail_t, split_block, tail_d = _decode_tail_tiles(n_tok, n_hc, dim, splits)
-    _mhc_decode_kernel[(splits,)](
-        src, f, post_in, comb_in, x_out, fn, dpart, sqpart, counter, base, scale, post, comb, u,
-        n_tok, dim, splits, triton.cdiv(n_dblocks, splits), float(rms_eps), float(hc_eps), int(sinkhorn_iters),
-        HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX=n_mix, MIX_PAD=mix_pad,
-        BLOCK_T=block_t, BLOCK_D=block_d, FUSE_POST=fused is not None, X_IS_TF32=src.dtype != torch.float32,
-        TAIL_T=tail_t, SPLIT_BLOCK=split_block, TAIL_D=tail_d, num_warps=warps,
-    )
-    return post, comb, u
-
-
 def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters):
     """post [N, H] fp32, comb [N, H, H] fp32, u [N, D] x.dtype from the statistics partials."""
     n_tok, n_hc, dim = x.shape
@@ -553,25 +423,15 @@ def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_ep
     return post, comb, u
 
 
-def _pre_site(src: torch.Tensor, fn, base, scale, n_hc: int, dim: int, rms_eps, hc_eps, sinkhorn_iters,
-              fused=None):
-    """(post, comb, u) of the site over `src` [N, H, D] contiguous (with `fused`: over the X' it
-    writes, see `_launch_stats`): one launch for N <= _DECODE_TOKENS, statistics + epilogue above."""
-    fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
-    if src.shape[0] <= _DECODE_TOKENS:
-        return _launch_decode(src, fn, base, scale, n_hc, dim, rms_eps, hc_eps, sinkhorn_iters, fused=fused)
-    dpart, sqpart = _launch_stats(src, fn, n_hc, dim, fused=fused)
-    collapsed = src if fused is None else fused[3]  # the collapse reads what the statistics saw
-    return _launch_epilogue(collapsed, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters)
-
-
 def mhc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
             rms_eps: float, hc_eps: float, sinkhorn_iters: int):
-    """Fused `mhc_pre_ref` (same signature, shapes and dtypes): statistics pass + epilogue (one
-    launch for N <= _DECODE_TOKENS)."""
+    """Fused `mhc_pre_ref` (same signature, shapes and dtypes): statistics pass + epilogue."""
     require_triton()
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
-    return _pre_site(x.contiguous(), fn, base, scale, n_hc, dim, rms_eps, hc_eps, sinkhorn_iters)
+    x = x.contiguous()
+    dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim)
+    return _launch_epilogue(x, dpart, sqpart, base.contiguous(), scale.contiguous(),
+                            rms_eps, hc_eps, sinkhorn_iters)
 
 
 def mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -592,13 +452,14 @@ def mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.T
 def mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                  rms_eps: float, hc_eps: float, sinkhorn_iters: int):
-    """Fused `mhc_post_pre_ref`: X' written and the next site's statistics accumulated in one pass
-    (for N <= _DECODE_TOKENS the epilogue too, in the same launch)."""
+    """Fused `mhc_post_pre_ref`: X' written and the next site's statistics accumulated in one pass."""
     require_triton()
     _check_post_args(f, x, post, comb)
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     x = x.contiguous()
     x_new = torch.empty_like(x)
     fused = (f.contiguous(), post.float().contiguous(), comb.float().contiguous(), x_new)
-    post2, comb2, u2 = _pre_site(x, fn, base, scale, n_hc, dim, rms_eps, hc_eps, sinkhorn_iters, fused=fused)
+    dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim, fused=fused)
+    post2, comb2, u2 = _launch_epilogue(x_new, dpart, sqpart, base.contiguous(), scale.contiguous(),
+                                        rms_eps, hc_eps, sinkhorn_iters)
     return x_new, post2, comb2, u2

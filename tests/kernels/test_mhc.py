@@ -2,9 +2,7 @@
 
 On CPU the Triton kernels run under the interpreter (tests/kernels/conftest.py), on tiny shapes that
 still cross every block edge: N not a multiple of the token tiles, D not a multiple of the D tile,
-more than one split-K partial, n_hc = 3 (padded to 4 inside the kernels). Up to 16 tokens a site
-is one launch whose last program runs the epilogue; the interpreter runs programs one after the
-other, so the last one is the last program id.
+more than one split-K partial, n_hc = 3 (padded to 4 inside the kernels).
 """
 
 import math
@@ -50,9 +48,9 @@ def prev_site(n_tok: int, n_hc: int, dim: int, dtype: torch.dtype, seed: int):
     return f, x, post, comb
 
 
-# (N, n_hc, D). N <= 16 (mhc._DECODE_TOKENS): the one-launch decode kernel, including N = 16 with
-# n_hc = 3 and D not a multiple of the D tile, and D = 1000 (4 D-blocks per split on CPU); N = 19,
-# 300: statistics + epilogue; N > 256: prefill tiles.
+# (N, n_hc, D): decode sizes N = 1, 3, 5, 16 (one token block), N = 16 with n_hc = 3 and D not a
+# multiple of the D tile, D = 1000 (4 D-blocks per split on CPU); N = 19: two token blocks; N > 256:
+# prefill tiles.
 SHAPES = [(1, 4, 256), (3, 4, 1000), (5, 4, 96), (16, 3, 80), (19, 3, 64), (300, 4, 64)]
 
 
@@ -194,95 +192,6 @@ def test_post_pre_fused_matches_ref(n_tok, n_hc, dim, dtype, poisoned):
     for out, want in zip(fused, ref):
         assert out.shape == want.shape and out.dtype == want.dtype
         assert rel_err(out, want) < TOL[dtype]
-
-
-class DecodeLaunches:
-    """Stands in for `mhc._mhc_decode_kernel`: counts its launches and records the ticket counter after
-    each; with `counter`, every launch takes its tickets from that one tensor (as the replays of a
-    CUDA graph reuse one captured buffer) instead of the fresh one the launcher made."""
-
-    def __init__(self, kernel, counter=None):
-        self.kernel, self.counter, self.after = kernel, counter, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            args = list(args)
-            slot = self.kernel.arg_names.index("counter_ptr")
-            if self.counter is not None:
-                args[slot] = self.counter
-            self.kernel[grid](*args, **kwargs)
-            self.after.append(int(args[slot].item()))
-
-        return launch
-
-
-def run_site(op: str, n_tok: int, n_hc: int, dim: int, dtype: torch.dtype, seed: int):
-    """(fused outputs, reference outputs) of `mhc_pre` or `mhc_post_pre` on random inputs."""
-    params = site_params(n_hc, dim, seed=seed + 100)
-    if op == "pre":
-        x = streams(n_tok, n_hc, dim, dtype, seed=seed)
-        return mhc.mhc_pre(x, *params, **EPS), mhc.mhc_pre_ref(x, *params, **EPS)
-    prev = prev_site(n_tok, n_hc, dim, dtype, seed=seed)
-    return mhc.mhc_post_pre(*prev, *params, **EPS), mhc.mhc_post_pre_ref(*prev, *params, **EPS)
-
-
-def assert_close_to_ref(fused, ref, dtype):
-    for out, want in zip(fused, ref, strict=True):
-        assert out.shape == want.shape and out.dtype == want.dtype
-        assert rel_err(out, want) < TOL[dtype]
-
-
-def forbid(*args, **kwargs):
-    raise AssertionError("two-launch path taken at a decode size")
-
-
-@needs_triton
-@pytest.mark.parametrize("op", ["pre", "post_pre"])
-@pytest.mark.parametrize("n_tok", [1, 16, 17])
-def test_decode_sizes_take_one_launch(op, n_tok, monkeypatch, poisoned):
-    """Up to mhc._DECODE_TOKENS tokens the site is the decode kernel alone (no statistics + epilogue
-    launches), its last program leaves the counter at 0; one token more takes the two launches."""
-    one_launch = n_tok <= mhc._DECODE_TOKENS
-    launches = DecodeLaunches(mhc._mhc_decode_kernel)
-    monkeypatch.setattr(mhc, "_mhc_decode_kernel", launches)
-    if one_launch:
-        monkeypatch.setattr(mhc, "_launch_stats", forbid)
-        monkeypatch.setattr(mhc, "_launch_epilogue", forbid)
-    with poisoned():
-        fused, ref = run_site(op, n_tok, 4, 96, torch.float32, seed=n_tok)
-    assert_close_to_ref(fused, ref, torch.float32)
-    assert launches.after == ([0] if one_launch else [])
-
-
-@needs_triton
-@pytest.mark.parametrize("op", ["pre", "post_pre"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_counter_reused_across_calls(op, dtype, monkeypatch, poisoned):
-    """Two calls in a row on different inputs, both drawing tickets from ONE counter: the last program
-    of the first resets it, so the second again finds its last program (else a stale count picks
-    none or the wrong one, and its outputs stay poisoned or wrong)."""
-    launches = DecodeLaunches(mhc._mhc_decode_kernel, counter=torch.zeros(1, dtype=torch.int32, device=DEVICE))
-    monkeypatch.setattr(mhc, "_mhc_decode_kernel", launches)
-    for seed in (1, 2):
-        with poisoned():
-            fused, ref = run_site(op, 3, 4, 200, dtype, seed=seed)
-        assert_close_to_ref(fused, ref, dtype)
-    assert launches.after == [0, 0]
-
-
-@needs_triton
-@pytest.mark.parametrize("op", ["pre", "post_pre"])
-@pytest.mark.parametrize("n_tok,dim", [(16, 1000), (2, 2100)])
-def test_decode_many_splits(op, n_tok, dim, monkeypatch, poisoned):
-    """GPU-sized split counts on CPU (more SMs pretended): 16 splits reduced in two steps of the tail at
-    N = 16; at D = 2100 the 33 D-blocks hit the split cap (32), so a program takes two."""
-    monkeypatch.setattr(mhc, "_num_sms", lambda device: 132)
-    launches = DecodeLaunches(mhc._mhc_decode_kernel)
-    monkeypatch.setattr(mhc, "_mhc_decode_kernel", launches)
-    with poisoned():
-        fused, ref = run_site(op, n_tok, 4, dim, torch.bfloat16, seed=dim)
-    assert_close_to_ref(fused, ref, torch.bfloat16)
-    assert launches.after == [0]
 
 
 @needs_triton
