@@ -57,17 +57,17 @@ part_c() {  # where a 32K step's time goes (128 requests, one token each), the s
   grep -h "^{" $W/logs/c_profile.txt | cut -c1-1500; tail -n 3 $W/logs/c_profile.txt | cut -c1-300
 }
 
-part_d() {  # the few-row linear kernels, the MoE pack kernel, the one-launch mHC decode site: tests, bench, step
-  logged d_tests 260 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_linear.py tests/kernels/test_moe.py \
-    tests/kernels/test_mhc.py tests/kernels/test_mhc_boundaries.py tests/kernels/test_static_step_kernels.py \
-    tests/kernels/test_cuda_graphs.py tests/models/test_deepseek_v4_static_graph_gpu.py \
-    tests/models_v41/test_deepseek_v41_static_graph_gpu.py "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
-  tail -n 12 $W/logs/d_tests.txt | cut -c1-400
-  logged d_linear 100 python3 bench/linear_decode.py --out "$OUT/linear-decode-h200.json"
-  grep -h '"rows": 1,\|"rows": 4,' $W/logs/d_linear.txt | cut -c1-330
-  logged d_profile 120 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
+part_d() {  # the few-row linear kernels and the MoE pack kernel (helpers measured the pack and mHC parts)
+  logged d_tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_linear.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
+  tail -n 8 $W/logs/d_tests.txt | cut -c1-400
+  logged d_linear 70 python3 bench/linear_decode.py --no-sweep --out "$OUT/linear-decode-h200.json"
+  grep -h '"rows": 1,\|"rows": 8,' $W/logs/d_linear.txt | cut -c1-260
+  logged d_pack 50 python3 bench/moe_pack.py --out "$OUT/moe-pack-h200.json"
+  grep -h '"moe"\|8190' $W/logs/d_pack.txt | cut -c1-200
+  logged d_profile 110 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
     --out "$OUT/graph-profile-h200-linear.json"
-  grep -h "^{" $W/logs/d_profile.txt | cut -c1-400; tail -n 3 $W/logs/d_profile.txt | cut -c1-300
+  grep -h "graph_ms\|launches" $W/logs/d_profile.txt | cut -c1-330; tail -n 2 $W/logs/d_profile.txt | cut -c1-200
 }
 
 part_$1
