@@ -1,13 +1,18 @@
-"""The dense projections of a decode step at 1..16 rows: the few-row Triton kernels
-(dspark/kernels/linear.py) against torch's matmul (cuBLAS), timed as CUDA-graph replays.
+"""The dense projections of a batch-1 decode step: the one-row Triton GEMV (dspark/kernels/linear.py)
+against torch's matmul (cuBLAS), timed as CUDA-graph replays.
 
     PYTHONPATH=. python bench/linear_decode.py --out $OUT/linear-decode-h200.json   # one H200, ~1 min
 
 Shapes: v4-mini's and V4-Flash's dense weights (bf16): attention wq_a / wq_b / wkv / wo_b, the
 indexer's wq_b and weights_proj, the compressor's wkv (overlapped: 2·d wide), the LM head. Each row:
-`us` of the default tiles and of torch, `pct_hbm` (weight + activations over 4.4 TB/s), `rel_err`
-against torch; at 1 and 4 rows also a sweep of tiles (`sweep`: tiles -> us), so the defaults can be
-checked. `us` from `bench.attn_batched.graph_timer` (L2 flushed, launch overhead removed).
+`us` of the GEMV with its default tiles on every shape, `torch_us`, `linear_picks_gemv` (whether
+`linear` runs it there: `gemv_pays`), `pct_hbm` (weight + activations over 4.4 TB/s), `rel_err`
+against torch; for v4-mini also a sweep of tiles (`sweep`: tiles -> us). `us` from
+`bench.attn_batched.graph_timer` (L2 flushed, launch overhead removed).
+
+`bench/results/linear-decode-h200.json` came from this script as of commit 0f14f31, which also timed a
+16-row tensor-core variant at 4, 8 and 16 rows (0.72-1.02× cuBLAS at 8 rows: dropped) and ran with
+`--no-sweep`.
 """
 
 from __future__ import annotations
@@ -36,9 +41,7 @@ SHAPES = {
     "v4-flash": {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
                  "index_wq_b": (8192, 1024), "head": (129280, 4096)},
 }
-ROWS = (1, 4, 8, 16)
 GEMV_SWEEP = [(n, k, w) for n in (1, 2, 4, 8, 16) for k in (256, 512, 1024) for w in (4, 8)]
-SKINNY_SWEEP = [(n, k, w, s) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4,) for s in (3, 4)]
 
 
 def rel(a, b) -> float:
@@ -55,31 +58,30 @@ def main() -> None:
     for model, shapes in SHAPES.items():
         for name, (n_out, n_in) in shapes.items():
             weight = (torch.randn(n_out, n_in, generator=g, device="cuda") * n_in ** -0.5).bfloat16()
-            for rows in ROWS:
-                x = torch.randn(rows, n_in, generator=g, device="cuda").bfloat16()
-                ref = F.linear(x, weight)
-                n_bytes = weight.numel() * 2 + (rows * (n_in + n_out)) * 2
-                fused_s = graph_timer(lambda: op.linear(x, weight))
-                torch_s = graph_timer(lambda: F.linear(x, weight))
-                row = dict(model=model, weight=name, n_out=n_out, n_in=n_in, rows=rows,
-                           us=fused_s * 1e6, torch_us=torch_s * 1e6, speedup=torch_s / fused_s,
-                           pct_hbm=100 * n_bytes / fused_s / HBM_BYTES_PER_S,
-                           torch_pct_hbm=100 * n_bytes / torch_s / HBM_BYTES_PER_S,
-                           rel_err=rel(op.linear(x, weight), ref))
-                if not cli.no_sweep and rows in (1, 4) and model == "v4-mini":
-                    variants = GEMV_SWEEP if rows == 1 else SKINNY_SWEEP
-                    sweep = {}
-                    for tiles in variants:
-                        try:
-                            sweep[str(tiles)] = graph_timer(lambda: op.launch_linear(x, weight, tiles), reps=20) * 1e6
-                        except Exception as exc:  # a shape the compiler rejects: record, go on
-                            sweep[str(tiles)] = repr(exc)[:120]
-                    timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
-                    row["best_tiles"] = min(timed, key=timed.get) if timed else None
-                    row["best_us"] = min(timed.values()) if timed else None
-                    row["sweep"] = sweep
-                rows_out.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
+            x = torch.randn(1, n_in, generator=g, device="cuda").bfloat16()
+            ref = F.linear(x, weight)
+            n_bytes = weight.numel() * 2 + (n_in + n_out) * 2
+            gemv_s = graph_timer(lambda: op.launch_gemv(x, weight))
+            torch_s = graph_timer(lambda: F.linear(x, weight))
+            row = dict(model=model, weight=name, n_out=n_out, n_in=n_in, rows=1, us=gemv_s * 1e6,
+                       torch_us=torch_s * 1e6, speedup=torch_s / gemv_s,
+                       linear_picks_gemv=op.gemv_pays(1, n_out, n_in),
+                       pct_hbm=100 * n_bytes / gemv_s / HBM_BYTES_PER_S,
+                       torch_pct_hbm=100 * n_bytes / torch_s / HBM_BYTES_PER_S,
+                       rel_err=rel(op.launch_gemv(x, weight), ref))
+            if not cli.no_sweep and model == "v4-mini":
+                sweep = {}
+                for tiles in GEMV_SWEEP:
+                    try:
+                        sweep[str(tiles)] = graph_timer(lambda: op.launch_gemv(x, weight, tiles), reps=20) * 1e6
+                    except Exception as exc:  # a shape the compiler rejects: record, go on
+                        sweep[str(tiles)] = repr(exc)[:120]
+                timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
+                row["best_tiles"] = min(timed, key=timed.get) if timed else None
+                row["best_us"] = min(timed.values()) if timed else None
+                row["sweep"] = sweep
+            rows_out.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
     result = {"conditions": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bfloat16",
                              "timer": "graph_timer (CUDA-graph replays, L2 flushed)",
                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},

@@ -1,21 +1,19 @@
-"""Few-row linear layers: y = x·Wᵀ for decode and verify calls, streaming the weight once.
+"""One-row linear layers: y = x·Wᵀ for a single decode row, streaming the weight once.
 
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
 * ``linear(x, weight) -> y``: x [..., K], weight [N, K] (no bias) -> y [..., N] in x.dtype.
 
-A decode step multiplies a handful of rows by every dense weight of the model: the time is the
-weight's bytes, and cuBLAS's small-M kernels left most of the bandwidth unused on the H200
-(`bench/results/graph-profile-h200-not-yet.json`: the q/kv/out projections of a one-token v4-mini
-step at 16-38 % of HBM). Two kernels, both one launch with no host sync:
+A batch-1 decode step multiplies one row by every dense weight of the model, and its small weights
+are latency-bound: cuBLAS's one-row kernels took 4.4-12.3 µs for the 1-4 MB projections of v4-mini
+on the H200, where `_gemv_kernel` (program n streams BLOCK_N weight rows in BLOCK_K-wide tiles and
+reduces them against x on the CUDA cores, fp32) takes 2.8-4.1 µs. On larger weights, or short rows
+(K = 512), cuBLAS was faster (`bench/results/linear-decode-h200.json`), so `linear` runs the kernel
+only where it won (`gemv_pays`) and torch's matmul everywhere else: every call of more than one row
+(a tensor-core 16-row tile variant measured 0.72-1.02× cuBLAS at 8 rows and was dropped), the LM
+head, the wide q projections.
 
-* one row (`_gemv_kernel`): program n streams BLOCK_N weight rows in BLOCK_K-wide tiles and reduces
-  each against x on the CUDA cores (fp32); small BLOCK_N spreads a short N over many SMs;
-* 2..ROWS_MAX rows (`_skinny_kernel`): a 16-row tensor-core tile (tl.dot, fp32 accumulation) per
-  BLOCK_N weight rows, so each weight tile is read once for every row.
-
-Above ROWS_MAX rows (prefill) the op is torch's matmul: there the GEMM is compute-bound and cuBLAS's
-tiles are the right tool. Shape symbols: M rows of x, K in-features, N out-features.
+Shape symbols: M rows of x, K in-features, N out-features.
 """
 
 from __future__ import annotations
@@ -28,7 +26,12 @@ from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 
-ROWS_MAX = 16  # one tensor-core tile of rows; larger calls go to torch's matmul
+# One H200, CUDA-graph replays (`bench/linear_decode.py`): the kernel won for every weight with
+# K >= 2048 and at most 4M elements (v4-mini wq_a / wkv / wo_b / weights_proj / compressor wkv:
+# 1.11-2.98×; V4-Flash wq_a / wkv: 1.38-1.51×) and lost for every other (K = 512 or 1024 rows:
+# 0.76-0.86×; 8M+ elements incl. the LM heads: 0.77-0.89×).
+GEMV_MIN_K = 2048
+GEMV_MAX_ELEMENTS = 4 << 20
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -46,7 +49,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-# --------------------------------------------------------------------------------- Triton kernels
+# --------------------------------------------------------------------------------- Triton kernel
 
 
 @_jit
@@ -63,30 +66,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_
         w = tl.load(w_ptr + rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]  # one reduction after the loop, not one per tile
     tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-@_jit
-def _skinny_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """y[:M, n-block] for M <= 16 rows: [16, BLOCK_K] × [BLOCK_K, BLOCK_N] tensor-core tiles."""
-    offs_m = tl.arange(0, 16)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < n_rows
-    n_mask = offs_n < n_out
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < n_in
-        x = tl.load(x_ptr + offs_m[:, None] * n_in + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * n_in + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(y_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
 
 
 # ------------------------------------------------------------------------------------- launchers
@@ -109,41 +88,31 @@ def gemv_tiles(n_out: int, n_in: int, n_sms: int) -> tuple[int, int, int]:
     return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
 
 
-def skinny_tiles(n_out: int, n_in: int, n_sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of `_skinny_kernel`: 16..64 weight rows per program (tl.dot
-    needs 16), fewer when that leaves SMs idle."""
-    block_k = min(256, max(16, triton.next_power_of_2(n_in)))
-    block_n = 64
-    while block_n > 16 and triton.cdiv(n_out, block_n) < 2 * n_sms:
-        block_n //= 2
-    return block_n, block_k, 4, 4
+def gemv_pays(rows: int, n_out: int, n_in: int) -> bool:
+    """Whether `linear` runs `_gemv_kernel` for this call (see GEMV_MIN_K)."""
+    return rows == 1 and n_in >= GEMV_MIN_K and n_out * n_in <= GEMV_MAX_ELEMENTS
+
+
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """`_gemv_kernel` for one row x [..., K] (one row in all) whatever the weight; `tiles` overrides
+    `gemv_tiles` (the bench compares it with torch on every shape; the model goes through `linear`)."""
+    _check_args(x, weight)
+    if x.numel() != x.shape[-1]:
+        raise ValueError(f"launch_gemv takes one row, got x {tuple(x.shape)}")
+    require_triton()
+    n_out, n_in = weight.shape
+    y = torch.empty(n_out, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device))
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](x.contiguous(), weight.contiguous(), y, n_out, n_in,
+                                                   BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return y.reshape(*x.shape[:-1], n_out)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Fused `linear_ref` (same signature): the few-row kernels up to ROWS_MAX rows, torch above."""
-    return launch_linear(x, weight)
-
-
-def launch_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple | None = None) -> torch.Tensor:
-    """`linear` with explicit `tiles` (`gemv_tiles` shape for one row, `skinny_tiles` shape for more;
-    the bench sweeps them, the model uses the defaults)."""
+    """Fused `linear_ref` (same signature): `_gemv_kernel` where `gemv_pays`, torch's matmul elsewhere
+    and while autograd records (the kernel has no backward)."""
     _check_args(x, weight)
-    rows = x.numel() // max(1, x.shape[-1])
-    if rows > ROWS_MAX or rows == 0 or records_grad(x, weight):  # the kernels have no backward
-        return F.linear(x, weight)
-    require_triton()
     n_out, n_in = weight.shape
-    x2 = x.reshape(rows, n_in).contiguous()
-    weight = weight.contiguous()
-    y = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
-    n_sms = _num_sms(x.device)
-    if rows == 1:
-        block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, n_sms)
-        _gemv_kernel[(triton.cdiv(n_out, block_n),)](x2, weight, y, n_out, n_in, BLOCK_N=block_n,
-                                                       BLOCK_K=block_k, num_warps=warps)
-    else:
-        block_n, block_k, warps, stages = tiles or skinny_tiles(n_out, n_in, n_sms)
-        _skinny_kernel[(triton.cdiv(n_out, block_n),)](x2, weight, y, rows, n_out, n_in, BLOCK_N=block_n,
-                                                         BLOCK_K=block_k, DOT_FP32=x.dtype == torch.float32,
-                                                         num_warps=warps, num_stages=stages)
-    return y.reshape(*x.shape[:-1], n_out)
+    if not gemv_pays(x.numel() // max(1, n_in), n_out, n_in) or records_grad(x, weight):
+        return F.linear(x, weight)
+    return launch_gemv(x, weight)

@@ -21,13 +21,12 @@ Fused pre, two launches:
    into the first without a grid-wide barrier.
 
 Two launches at decode sizes too. One launch was tried (commit 4bc4ef7: every statistics program
-takes an atomic ticket after its partials, the last one runs the epilogue) and was not faster on one
-H200 (CUDA graph of 24 sites, D = 2048, bf16): 15.4 vs 14.3 µs per site at N = 1, 29.8 vs 15.3 at
-N = 8. It saves a launch gap of ~1.5 µs but pays the ticket (~0.9 µs) and a zeroed counter per call
-(a 0.9 µs fill: the library keeps no state to reset one), and one program then runs the whole
+takes an atomic ticket after its partials, the last one runs the epilogue) and was slower on one
+H200 (`bench/mhc_decode_site.py`, CUDA graph of 24 sites, D = 2048, bf16): 15.7 vs 14.9 µs per site
+at N = 1, 29.7 vs 15.3 at N = 8. It saves a launch gap but pays the ticket and a zeroed counter per
+call (a 0.9 µs fill: the library keeps no state to reset one), and one program then runs the whole
 epilogue chain -- partials, 20 Sinkhorn steps, the collapse over all of D -- that the second launch
-spreads over many programs. Its best variant (x prefetched before Sinkhorn) reached 13.9 vs 14.3 at
-N = 1 and lost from N = 2.
+spreads over many programs.
 
 `mhc_post_pre` runs the statistics kernel with the post fused into its prologue: it computes each
 X' tile from (f, x, post, comb), stores it, and accumulates the next site's GEMM and Σx'² from the

@@ -486,11 +486,10 @@ def _launch_pack(ids: torch.Tensor, n_exp: int, block_m: int, chunk: int = 32, w
 
 # Up to this many (token, expert) assignments the packing is `_pack_kernel` (one launch), above it
 # the torch sort (~27 launches, which prefill's GEMMs dwarf). Each of the kernel's N·K / 32 programs
-# recounts all N·K assignments, so its work grows as (N·K)². Replayed in a CUDA graph on the H200
-# (E 64 / 256, one program per 32): 2.3 / 3.4 µs up to 768 assignments, 2.9 / 4.7 at 1536, 6.5 / 12
-# at 6144, 9.3 / 18 at 8190 (33 at E 384), 15 / 31 at 12288, 50 / 112 at 24576; the torch packing
-# takes 50-135 µs at all of these. At the bound the kernel still takes at most a quarter of that,
-# short of where the square takes over.
+# recounts all N·K assignments, so its work grows as (N·K)². Replayed in a CUDA graph on one H200
+# (`bench/moe_pack.py`, E 64 / 256 / 384): 2.5-6.0 µs up to 768 assignments, 11 / 19 / 34 µs at 8190,
+# against 55-148 µs for the torch packing; at the bound the kernel still takes at most a quarter of
+# that, short of where the square takes over.
 PACK_KERNEL_MAX_ASSIGNMENTS = 8192
 
 

@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import (attention, compressor, grouped_wo_a, indexer, indexer_pool, mhc, mhc_v41, moe, moe_decode,
-                            moe_route_decode, rms_norm, rope, triton_available)
+from dspark.kernels import (attention, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_v41, moe,
+                            moe_decode, moe_route_decode, rms_norm, rope, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -43,6 +43,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
            compressor: ("_pool_kernel", "_pool_part_kernel", "_norm_kernel"),
            grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel"),
+           linear: ("_gemv_kernel",),
            rms_norm: ("_rms_norm_kernel",),
            rope: ("_rope_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
@@ -174,6 +175,12 @@ def run_every_tile_class():
         x = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
         weight = torch.ones(shape[-1], device=DEVICE) if weighted else None
         rms_norm.rms_norm(x, weight, eps=1e-6, out_dtype=out_dtype)
+    # One-row GEMV at the launch shapes of the H200's grid (132 SMs): v4-mini wq_a / wo_b (8-row tiles
+    # shrunk to fill the grid), V4-Flash wq_a (1024-wide K, 8 rows), and a short row (K 130).
+    for n_out, n_in in ((512, 2048), (2048, 2048), (1024, 4096), (7, 130)):
+        x = torch.randn(1, n_in, generator=g).to(DEVICE, torch.bfloat16)
+        weight = torch.randn(n_out, n_in, generator=g).to(DEVICE, torch.bfloat16)
+        linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, n_in, 132))
     # RoPE, rd 64: q heads [N, H, 512] with [N, 1, 32] tables, kv latents [N, 512], indexer q [N, H, 128].
     for x_shape, table_shape in (((2, 64, 512), (2, 1, 32)), ((2, 512), (2, 32)), ((2, 64, 128), (2, 1, 32))):
         x = torch.randn(x_shape, generator=g).to(DEVICE, torch.bfloat16)
