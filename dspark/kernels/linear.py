@@ -3,6 +3,13 @@
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
 * ``linear(x, weight) -> y``: x [..., K], weight [N, K] (no bias) -> y [..., N] in x.dtype.
+* ``compressor_project(x, wkv, wgate, ape, phase) -> (kv, score)``: a compressor's two projections
+  and its position bias (deepseek_v4 spec §8.2): kv = x·wkvᵀ, score = x·wgateᵀ (rounded to x.dtype,
+  as the model's linear returns it) + ape[phase] in fp32; x [N, K], wkv / wgate [W, K], ape
+  [rate, W] fp32, phase [N] long -> kv [N, W] x.dtype, score [N, W] fp32. For one row where the GEMV
+  pays (`gemv_pays` on [2W, K]) one launch reads x once for both weights and adds the bias in its
+  epilogue (otherwise two GEMVs, a gather and an add: 4 launches per compressor, 15 compressors per
+  v4-mini step).
 
 A batch-1 decode step multiplies one row by every dense weight of the model, and its small weights
 are latency-bound: cuBLAS's one-row kernels took 4.4-12.3 µs for the 1-4 MB projections of v4-mini
@@ -49,7 +56,26 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-# --------------------------------------------------------------------------------- Triton kernel
+def _check_project_args(x, wkv, wgate, ape, phase) -> None:
+    _check_args(x, wkv)
+    if wgate.shape != wkv.shape or wgate.dtype != wkv.dtype:
+        raise ValueError(f"wgate must match wkv {tuple(wkv.shape)} {wkv.dtype}, got {tuple(wgate.shape)} {wgate.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, K], got shape {tuple(x.shape)}")
+    if ape.dim() != 2 or ape.shape[1] != wkv.shape[0] or ape.dtype != torch.float32:
+        raise ValueError(f"ape must be fp32 [rate, {wkv.shape[0]}], got {tuple(ape.shape)} {ape.dtype}")
+    if phase.shape != (x.shape[0],) or phase.dtype != torch.long:
+        raise ValueError(f"phase must be long [{x.shape[0]}], got {tuple(phase.shape)} {phase.dtype}")
+
+
+def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor,
+                           phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x·wkvᵀ [N, W] x.dtype, x·wgateᵀ + ape[phase] [N, W] fp32); model dtype + fp32 promotes to fp32."""
+    _check_project_args(x, wkv, wgate, ape, phase)
+    return F.linear(x, wkv), F.linear(x, wgate) + ape[phase]
+
+
+# --------------------------------------------------------------------------------- Triton kernels
 
 
 @_jit
@@ -66,6 +92,30 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_
         w = tl.load(w_ptr + rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]  # one reduction after the loop, not one per tile
     tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@_jit
+def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, kv_ptr, score_ptr, n_out, n_in,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """kv[n] = Σ_k x[k]·wkv[n, k] and score[n] = round(Σ_k x[k]·wgate[n, k]) + ape[phase, n] for the
+    BLOCK_N columns of program n (one row x, read once for both weights), fp32 sums."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    rows = offs_n.to(tl.int64)[:, None] * n_in
+    acc_kv = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < n_in
+        mask = n_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        acc_kv += tl.load(wkv_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_gate += tl.load(wgate_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    tl.store(kv_ptr + offs_n, tl.sum(acc_kv, axis=1).to(kv_ptr.dtype.element_ty), mask=n_mask)
+    gate = tl.sum(acc_gate, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)  # the linear's rounding
+    phase = tl.load(phase_ptr).to(tl.int64)
+    bias = tl.load(ape_ptr + phase * n_out + offs_n, mask=n_mask, other=0.0)
+    tl.store(score_ptr + offs_n, gate + bias, mask=n_mask)
 
 
 # ------------------------------------------------------------------------------------- launchers
@@ -116,3 +166,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not gemv_pays(x.numel() // max(1, n_in), n_out, n_in) or records_grad(x, weight):
         return F.linear(x, weight)
     return launch_gemv(x, weight)
+
+
+def project_tiles(n_out: int, n_in: int, n_sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of `_project_kernel`: the GEMV's tiles for the 2W rows of both weights,
+    BLOCK_N halved for its two [BLOCK_N, BLOCK_K] accumulators."""
+    block_n, block_k, warps = gemv_tiles(2 * n_out, n_in, n_sms)
+    return max(1, block_n // 2), block_k, warps
+
+
+def launch_project(x, wkv, wgate, ape, phase, tiles: tuple[int, int, int] | None = None):
+    """`_project_kernel` for one row x [1, K] whatever the weights (the bench compares it with the
+    reference on every shape; the model goes through `compressor_project`)."""
+    _check_project_args(x, wkv, wgate, ape, phase)
+    if x.shape[0] != 1:
+        raise ValueError(f"launch_project takes one row, got x {tuple(x.shape)}")
+    require_triton()
+    n_out, n_in = wkv.shape
+    kv = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    score = torch.empty((1, n_out), dtype=torch.float32, device=x.device)
+    block_n, block_k, warps = tiles or project_tiles(n_out, n_in, _num_sms(x.device))
+    _project_kernel[(triton.cdiv(n_out, block_n),)](
+        x.contiguous(), wkv.contiguous(), wgate.contiguous(), ape.contiguous(), phase.contiguous(), kv, score,
+        n_out, n_in, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return kv, score
+
+
+def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor,
+                       phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused `compressor_project_ref` (same signature): `_project_kernel` for one row where the GEMV
+    pays on the two weights together, the reference elsewhere and while autograd records."""
+    _check_project_args(x, wkv, wgate, ape, phase)
+    n_out, n_in = wkv.shape
+    if not gemv_pays(x.shape[0], 2 * n_out, n_in) or records_grad(x, wkv, wgate, ape):
+        return compressor_project_ref(x, wkv, wgate, ape, phase)
+    return launch_project(x, wkv, wgate, ape, phase)

@@ -43,7 +43,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
            compressor: ("_pool_kernel", "_pool_part_kernel", "_norm_kernel"),
            grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel"),
-           linear: ("_gemv_kernel",),
+           linear: ("_gemv_kernel", "_project_kernel"),
            rms_norm: ("_rms_norm_kernel",),
            rope: ("_rope_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
@@ -181,6 +181,12 @@ def run_every_tile_class():
         x = torch.randn(1, n_in, generator=g).to(DEVICE, torch.bfloat16)
         weight = torch.randn(n_out, n_in, generator=g).to(DEVICE, torch.bfloat16)
         linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, n_in, 132))
+    # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256).
+    for width in (1024, 256):
+        x = torch.randn(1, 2048, generator=g).to(DEVICE, torch.bfloat16)
+        wkv, wgate = (torch.randn(width, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+        ape, phase = torch.randn(4, width, device=DEVICE), torch.tensor([1], device=DEVICE)
+        linear.launch_project(x, wkv, wgate, ape, phase, linear.project_tiles(width, 2048, 132))
     # RoPE, rd 64: q heads [N, H, 512] with [N, 1, 32] tables, kv latents [N, 512], indexer q [N, H, 128].
     for x_shape, table_shape in (((2, 64, 512), (2, 1, 32)), ((2, 512), (2, 32)), ((2, 64, 128), (2, 1, 32))):
         x = torch.randn(x_shape, generator=g).to(DEVICE, torch.bfloat16)

@@ -120,3 +120,83 @@ def test_model_shapes_on_gpu(n_out, n_in):
     x, weight = make_inputs((1,), n_out, n_in, torch.bfloat16, seed=n_out)
     assert rel_err(op.launch_gemv(x, weight), op.linear_ref(x, weight)) < TOL[torch.bfloat16]
     assert rel_err(op.linear(x, weight), op.linear_ref(x, weight)) < TOL[torch.bfloat16]
+
+
+def project_inputs(n_rows, width, n_in, rate, dtype, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_rows, n_in, generator=g).to(device, dtype)
+    wkv, wgate = ((torch.randn(width, n_in, generator=g) * n_in ** -0.5).to(device, dtype) for _ in range(2))
+    ape = torch.randn(rate, width, generator=g).to(device)
+    phase = torch.randint(0, rate, (n_rows,), generator=g).to(device)
+    return x, wkv, wgate, ape, phase
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width,n_in", [(24, 40), (7, 1500), (48, 2048)])
+def test_compressor_project_kernel_matches_ref(dtype, width, n_in, poisoned):
+    """One row: kv in x's dtype, score = the gate rounded to x's dtype + ape[phase] in fp32."""
+    args = project_inputs(1, width, n_in, 4, dtype, seed=width + n_in)
+    with poisoned():
+        kv, score = op.launch_project(*args)
+    ref_kv, ref_score = op.compressor_project_ref(*args)
+    assert kv.dtype == dtype and score.dtype == torch.float32 and score.shape == ref_score.shape == (1, width)
+    assert rel_err(kv, ref_kv) < TOL[dtype]
+    assert rel_err(score, ref_score) < TOL[dtype]
+    # the bias is the phase's row: moving the phase moves the score by the difference of two ape rows
+    other = args[4].remainder(4).add(1).remainder(4)
+    _, moved = op.launch_project(*args[:4], other)
+    assert torch.allclose(moved - score, args[3][other] - args[3][args[4]], atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("n_rows,n_in,kernel", [(1, 2048, True), (3, 2048, False), (1, 1024, False)])
+def test_compressor_project_runs_the_kernel_where_the_gemv_pays(n_rows, n_in, kernel, monkeypatch):
+    args = project_inputs(n_rows, 16, n_in, 4, torch.float32, seed=n_rows)
+    calls = []
+    launch = op.launch_project
+    monkeypatch.setattr(op, "launch_project", lambda *a: calls.append(a) or launch(*a))
+    kv, score = op.compressor_project(*args)
+    ref_kv, ref_score = op.compressor_project_ref(*args)
+    assert bool(calls) == kernel
+    assert rel_err(kv, ref_kv) < TOL[torch.float32] and rel_err(score, ref_score) < TOL[torch.float32]
+
+
+def test_compressor_project_rejects_bad_arguments():
+    x, wkv, wgate, ape, phase = project_inputs(2, 8, 16, 4, torch.float32, seed=1, device="cpu")
+    with pytest.raises(ValueError, match="wgate must match"):
+        op.compressor_project_ref(x, wkv, wgate[:4], ape, phase)
+    with pytest.raises(ValueError, match="ape must be"):
+        op.compressor_project_ref(x, wkv, wgate, ape.double(), phase)
+    with pytest.raises(ValueError, match="phase must be"):
+        op.compressor_project_ref(x, wkv, wgate, ape, phase[:1])
+    with pytest.raises(ValueError, match="x must be"):
+        op.compressor_project_ref(x[None], wkv, wgate, ape, phase)
+
+
+@needs_triton
+@torch.no_grad()
+def test_compressor_module_on_the_fused_projection():
+    """`Compressor.project` of a 2048-wide model (one decode row: the kernel) equals the reference module's."""
+    from dspark.models.deepseek_v4.compressor import Compressor
+
+    torch.manual_seed(0)
+    kw = dict(overlap=True, eps=1e-6, dtype=torch.float32, device=DEVICE)
+    fused = Compressor(2048, 16, 4, kernels=KernelConfig(compressor_project="triton"), **kw)
+    ref = Compressor(2048, 16, 4, **kw)
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.normal_()
+    ref.load_state_dict(fused.state_dict())
+    x, positions = torch.randn(1, 2048, device=DEVICE), torch.tensor([13], device=DEVICE)
+    for got, want in zip(fused.project(x, positions), ref.project(x, positions)):
+        assert rel_err(got, want) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width,n_in", [(1024, 2048), (256, 2048), (512, 2048), (1024, 4096)])
+def test_compressor_project_model_shapes_on_gpu(width, n_in):
+    """v4-mini's compressors, W = CSA 2·512 (overlapped), its indexer's 2·128, HCA 512; V4-Flash's CSA; bf16."""
+    args = project_inputs(1, width, n_in, 4, torch.bfloat16, seed=width)
+    for got, want in zip(op.launch_project(*args), op.compressor_project_ref(*args)):
+        assert rel_err(got, want) < TOL[torch.bfloat16]

@@ -57,6 +57,8 @@ class Compressor(nn.Module):
         self.pools_from_rows = kernels.compressor_pool_gather == "triton"
         # entries [n, d_c], cos/sin [n, rd/2] -> entries rotated to their positions
         self.rope_op = get_op(kernels, "rope")
+        # x [N, D], wkv / wgate [W, D], ape [m, W], phase [N] -> (kv [N, W], gate + ape [N, W] fp32)
+        self.project_op = get_op(kernels, "compressor_project")
         self.head_dim = head_dim
         self.rate = rate
         self.overlap = overlap
@@ -71,9 +73,9 @@ class Compressor(nn.Module):
         """Per-token rows for all N tokens: (C [N, coff·d_c] model dtype, Z + ape [N, coff·d_c] fp32).
         `phase` = positions % rate where the caller has it (the static step computes it once per rate)."""
         phase = positions % self.rate if phase is None else phase
-        # model dtype + fp32 promotes to fp32: the same values as .float() first, one op fewer
-        score = self.wgate(x) + self.ape[phase]
-        return self.wkv(x), score
+        # The gate's linear in the model dtype, + ape promoting to fp32 (the same values as .float()
+        # first); at one decode row the fused op is one launch for both weights and the bias.
+        return self.project_op(x, self.wkv.weight, self.wgate.weight, self.ape, phase)
 
     def update(self, cache: CompressorCache, kv: torch.Tensor, score: torch.Tensor, rope: Rope) -> None:
         """Append one request's new rows [S, coff·d_c] and emit every entry they complete."""
