@@ -77,6 +77,9 @@ part_next() {  # compressor_project (NOT_YET_ON_GPU), the shipped GEMV policy in
   tail -n 6 $W/logs/next_tests.txt | cut -c1-400
   logged next_linear 70 python3 bench/linear_decode.py --no-sweep --out "$OUT/linear-decode-project-h200.json"
   grep -h '"project"' $W/logs/next_linear.txt | cut -c1-260
+  logged next_kernels 90 python3 bench/kernels.py --ops linear_wkv,compressor_project,index_scores --model-steps 0 \
+    --out "$OUT/kernels-s7-h200.json"
+  tail -n 12 $W/logs/next_kernels.txt | cut -c1-200
   logged next_profile 110 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
     --out "$OUT/graph-profile-h200-project.json"
   grep -h "graph_ms" $W/logs/next_profile.txt | cut -c1-330

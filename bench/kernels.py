@@ -44,8 +44,9 @@ BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
 OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "mhc_v41_pre", "mhc_v41_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
        "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
-       "indexer_pool", "compressor_csa", "compressor_hca", "grouped_wo_a", "rms_norm", "rms_norm_q", "rope_q")
-DECODE_ONLY = ("indexer_csa", "indexer_v41", "indexer_pool")  # decode / verify ops: M <= 256 rows
+       "indexer_pool", "compressor_csa", "compressor_hca", "grouped_wo_a", "rms_norm", "rms_norm_q", "rope_q",
+       "linear_wkv", "compressor_project", "index_scores")
+DECODE_ONLY = ("indexer_csa", "indexer_v41", "indexer_pool", "index_scores")  # decode / verify ops: M <= 256 rows
 COMPRESSOR_SLOTS = {"compressor_csa": 8, "compressor_hca": 128}  # rows pooled per entry (CSA: 2m half-rows)
 CONTEXT = 32768  # attention cases: queries at the end of a 32K-token context
 WINDOW, HCA_RATE, CSA_RATE, CSA_TOPK = 128, 128, 4, 512  # V4 attention (spec §7-§8)
@@ -407,6 +408,50 @@ def norm_rope_case(op: str, shape: LayerShape, layer: dict, m: int, device: str)
     return (lambda: rms_norm.rms_norm(x, weight, **kw)), (lambda: rms_norm.rms_norm_ref(x, weight, **kw)), n_bytes, 0
 
 
+def projection_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of a dense projection for M rows, bf16: `linear_wkv` the
+    attention's kv projection [d, D] (`linear`: the one-row GEMV where it pays, torch's matmul
+    otherwise, so above one row the two sides are the same call), `compressor_project` the CSA
+    compressor's wkv and wgate [2·d, D] each plus its ape bias (one launch for one row where the GEMV
+    pays). Bytes: the weights, x, and the outputs once."""
+    from dspark.kernels import linear
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    x = torch.randn(m, shape.dim, generator=gen, device=device).bfloat16()
+    width = shape.head_dim if op == "linear_wkv" else 2 * shape.head_dim
+    w = lambda: (torch.randn(width, shape.dim, generator=gen, device=device) * shape.dim ** -0.5).bfloat16()  # noqa: E731
+    if op == "linear_wkv":
+        weight = w()
+        n_bytes = weight.numel() * 2 + x.numel() * 2 + m * width * 2
+        return (lambda: linear.linear(x, weight)), (lambda: linear.linear_ref(x, weight)), n_bytes, \
+            2 * m * width * shape.dim
+    wkv, wgate = w(), w()
+    ape = torch.randn(CSA_RATE, width, generator=gen, device=device)
+    phase = torch.randint(0, CSA_RATE, (m,), generator=gen, device=device)
+    args = (x, wkv, wgate, ape, phase)
+    n_bytes = 2 * wkv.numel() * 2 + x.numel() * 2 + m * width * (2 + 4) + ape.numel() * 4
+    return (lambda: linear.compressor_project(*args)), (lambda: linear.compressor_project_ref(*args)), n_bytes, \
+        4 * m * width * shape.dim
+
+
+def index_scores_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
+    """(fused thunk, ref thunk, bytes, flop) of the static step's batched indexer scores: M slots, one
+    decode row each, every slot's own T = 8192 index keys (a 32K context), all visible. Bytes: keys,
+    q and weights read once, scores [M, 1, T] fp32 written once."""
+    from dspark.kernels import indexer, indexer_ref
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    n_keys, heads = CONTEXT // CSA_RATE, shape.index_heads
+    q = torch.randn(m, 1, heads, INDEX_DIM, generator=gen, device=device).bfloat16()
+    weights = torch.randn(m, 1, heads, generator=gen, device=device) * (heads * INDEX_DIM) ** -0.5
+    keys = torch.randn(m, n_keys, INDEX_DIM, generator=gen, device=device).bfloat16()
+    visible = torch.full((m, 1), n_keys, device=device)
+    args = (q, weights, keys, visible)
+    n_bytes = (keys.numel() + q.numel()) * 2 + weights.numel() * 4 + m * n_keys * 4
+    return (lambda: indexer.index_scores(*args)), (lambda: indexer_ref.index_scores_ref(*args)), n_bytes, \
+        2 * m * heads * n_keys * INDEX_DIM
+
+
 def rel_err(out, ref) -> float:
     """max over the float outputs of ‖out − ref‖ / ‖ref‖ on the reference's finite entries (the
     indexer's scores hold −inf on masked entries; they must be −inf in both), inf on a mismatch;
@@ -459,7 +504,8 @@ def slow_timer(args: argparse.Namespace, max_runs: int = 20):
 
 def run_case(shape: LayerShape, op: str, m: int, layer: dict, timer, ref_timer, device: str = "cuda") -> dict:
     """Check and time one case; `timer(fn)` / `ref_timer(fn)` return seconds."""
-    make = norm_rope_case if op.startswith(("rms_norm", "rope")) else wo_a_case if op == "grouped_wo_a" else mhc_v41_case if op.startswith("mhc_v41") else mhc_case if op.startswith("mhc") else \
+    make = projection_case if op in ("linear_wkv", "compressor_project") else index_scores_case if op == "index_scores" \
+        else norm_rope_case if op.startswith(("rms_norm", "rope")) else wo_a_case if op == "grouped_wo_a" else mhc_v41_case if op.startswith("mhc_v41") else mhc_case if op.startswith("mhc") else \
         attention_case if op.startswith("attn") else pool_case if op == "indexer_pool" else \
         indexer_case if op.startswith("indexer") else compressor_case if op.startswith("compressor") else moe_case
     fused, ref, n_bytes, flop = make(op, shape, layer, m, device)

@@ -55,10 +55,11 @@ def test_refuses_to_time_without_gpu(bench, capsys):
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 @pytest.mark.parametrize("op", ["mhc_post_pre", "mhc_v41_post_pre", "fused_moe_fp8_32", "fused_moe_packed",
-                                "attn_csa", "indexer_v41", "indexer_pool", "compressor_hca", "grouped_wo_a"])
+                                "attn_csa", "indexer_v41", "indexer_pool", "compressor_hca", "grouped_wo_a",
+                                "linear_wkv", "compressor_project", "index_scores"])
 def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
     """Inputs, checks and floor accounting of a case, on a tiny layer (interpreter on CPU)."""
-    if op.startswith("indexer"):
+    if op.startswith("indexer") or op == "index_scores":
         monkeypatch.setattr(bench, "CONTEXT", 4096)  # the interpreter scores every entry: 32K is slow
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = bench.LayerShape("tiny", dim=64, n_hc=4, n_experts=4, top_k=2, inter=64, n_heads=2, head_dim=32,
@@ -85,5 +86,13 @@ def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
     elif op == "grouped_wo_a":  # wo_a [2·16, 32], out [3, 2, 32] and cos/sin [3, 4] in, [3, 32] out
         assert row["bytes"] == 32 * 32 * 2 + 3 * 2 * 32 * 2 + 2 * 3 * 4 * 4 + 3 * 32 * 2
         assert row["flop"] == 2 * 3 * 32 * 32
+    elif op == "linear_wkv":  # wkv [32, 64], x [3, 64] in, [3, 32] out
+        assert row["bytes"] == 32 * 64 * 2 + 3 * 64 * 2 + 3 * 32 * 2 and row["flop"] == 2 * 3 * 32 * 64
+    elif op == "compressor_project":  # wkv, wgate [64, 64], x, ape [4, 64] in; kv bf16 + score fp32 out
+        assert row["bytes"] == 2 * 64 * 64 * 2 + 3 * 64 * 2 + 3 * 64 * 6 + 4 * 64 * 4
+        assert row["flop"] == 4 * 3 * 64 * 64
+    elif op == "index_scores":  # 3 slots x 1K keys (4K context / 4) x 64 heads x di 128, scores out
+        assert row["bytes"] == (3 * 1024 + 3 * 64) * 128 * 2 + 3 * 64 * 4 + 3 * 1024 * 4
+        assert row["flop"] == 2 * 3 * 64 * 1024 * 128
     else:
         assert row["flop"] == 2 * 3 * 4 * 64 + 2 * 3 * 3 * 3 * 64 * 64
