@@ -6,7 +6,8 @@
 #   run(command="bash bench/gpu_session7.sh suite")
 #   run(command="bash bench/gpu_session7.sh c")
 #   run(command="bash bench/gpu_session7.sh d")
-#   run(command="bash bench/gpu_session7.sh next")   # written after the device time ran out: not run yet
+#   run(command="bash bench/gpu_session7.sh next")    # written after the device time ran out: not run yet
+#   run(command="bash bench/gpu_session7.sh next2")   # likewise
 #
 # a: the two kernels written last session after the device time ran out (registry.NOT_YET_ON_GPU:
 #    `compressor_pool_gather`, `index_scores`): their GPU tests and the static steps that use them, the
@@ -71,8 +72,9 @@ part_d() {  # the few-row linear kernels and the MoE pack kernel (helpers measur
   grep -h "graph_ms\|launches" $W/logs/d_profile.txt | cut -c1-330; tail -n 2 $W/logs/d_profile.txt | cut -c1-200
 }
 
-part_next() {  # compressor_project (NOT_YET_ON_GPU), the shipped GEMV policy in the step, the engine
-  logged next_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_linear.py \
+part_next() {  # compressor_project (NOT_YET_ON_GPU), the shipped GEMV policy, DSpark rounds in flight, the engine
+  logged next_tests 230 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_linear.py \
+    tests/engine/test_engine_draft_lookahead.py \
     "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu" tests/models/test_deepseek_v4_static_graph_gpu.py
   tail -n 6 $W/logs/next_tests.txt | cut -c1-400
   logged next_linear 70 python3 bench/linear_decode.py --no-sweep --out "$OUT/linear-decode-project-h200.json"
@@ -80,9 +82,13 @@ part_next() {  # compressor_project (NOT_YET_ON_GPU), the shipped GEMV policy in
   logged next_kernels 90 python3 bench/kernels.py --ops linear_wkv,compressor_project,index_scores --model-steps 0 \
     --out "$OUT/kernels-s7-h200.json"
   tail -n 12 $W/logs/next_kernels.txt | cut -c1-200
+}
+
+part_next2() {
   logged next_profile 110 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
     --out "$OUT/graph-profile-h200-project.json"
   grep -h "graph_ms" $W/logs/next_profile.txt | cut -c1-330
+  # DSpark 3 rounds now run one in flight too (draft_lookahead.py): the dspark3 cells time that.
   logged next_engine 200 python3 bench/engine_h200.py --static-decode --overlap --not-yet --requests 1,8,64 \
     --modes none,dspark3 --contexts 4096 --decode-only --peer --steps 8 --budget-s 170 --out "$OUT/engine-h200-s7.json"
   grep -h '"mode"' $W/logs/next_engine.txt | cut -c1-220

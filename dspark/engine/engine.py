@@ -34,6 +34,7 @@ from functools import partial
 import torch
 
 from dspark.draft import DSparkDrafter, resolve_drafter
+from dspark.engine.draft_lookahead import DraftLookahead
 from dspark.engine.footprint import request_footprint
 from dspark.engine.lookahead import Lookahead
 from dspark.engine.pages import StateAllocator
@@ -80,11 +81,12 @@ class EngineConfig:
         max_prompt_tokens + max_new_tokens. The slots' memory grows with max_running × this.
     draft_seed : seed of the device generator that sampled DSpark drafts are drawn with under
         `static_decode` (one for all slots; verification keeps outputs exact whatever it draws).
-    overlap : keep one plain greedy decode step in flight while the host commits the previous one
-        (`dspark.engine.lookahead`; needs the static path; applies to rounds without a drafter whose
-        requests are all greedy, other rounds run as usual; on the CPU the same tokens, no overlap).
+    overlap : keep one greedy decode step or round in flight while the host commits the previous one
+        (needs the static path): plain rounds (`dspark.engine.lookahead`) and, with a static DSpark
+        drafter and a fixed `draft_tokens`, drafting rounds (`dspark.engine.draft_lookahead`), when
+        every request is greedy; other rounds run as usual; on the CPU the same tokens, no overlap.
         None (default): on exactly when the engine runs the static path; True requires that path.
-        One H200, v4-mini, 4K context: 1.07-1.09x the synchronous step (bench/README.md).
+        One H200, v4-mini, 4K context, plain rounds: 1.07-1.09x the synchronous step (bench/README.md).
     """
 
     max_running: int = 64
@@ -167,6 +169,8 @@ class Engine:
                              f"(static_decode={config.static_decode!r} on {type(model).__name__}, {model.device})")
         overlap = self.runner is not None if config.overlap is None else config.overlap
         self.lookahead = Lookahead(self.runner) if overlap and self.drafter is None else None
+        self.draft_ahead = (DraftLookahead(self.runner, self.static_draft, config.draft_tokens)
+                            if overlap and self.static_draft is not None and config.draft_tokens != "auto" else None)
         self._ids = itertools.count()
         self._trace: list[dict] = []
 
@@ -239,9 +243,10 @@ class Engine:
             self._bind_slots(requests)
         if self.lookahead is not None and all(req.params.greedy for req in requests):
             self._decode_ahead(requests)
+        elif self.draft_ahead is not None and self.draft_ahead.fits(requests):
+            self._draft_ahead(requests)
         else:
-            if self.lookahead is not None:
-                self.lookahead.discard()  # a sampled request: this round runs the usual way
+            self._discard_ahead()  # a sampled request, or a cap in reach: this round runs the usual way
             forward = draft = None
             if self.runner is not None:
                 forward = self.runner.forward
@@ -263,6 +268,29 @@ class Engine:
             kept = req.commit([token])
             if self.config.trace:
                 self._trace.append(trace_record(req, [], None, None, b, 0, 0, kept, position, len(requests)))
+
+    def _draft_ahead(self, requests: list[Request]) -> None:
+        """A greedy DSpark round from the round in flight (`DraftLookahead`): the same commit,
+        statistics and trace as `speculative_round` with the static drafter."""
+        results = self.draft_ahead.step(requests)
+        n, gamma = self.draft_ahead.budget, self.draft_ahead.gamma
+        confidence = torch.stack([r.confidence for r in results])  # [B, γ], as `_draft` returns it
+        for b, (req, res) in enumerate(zip(requests, results)):
+            req.confidences.append(res.confidence)
+            start = req.state.advance(n + 1)  # the anchor and n drafts fed at the request's length
+            req.state.truncate(start + 1 + res.accepted)
+            req.stats.record_round(n, res.accepted, gamma)
+            position = len(req.out)
+            kept = req.commit(res.drafts[:res.accepted] + [res.bonus])
+            if self.config.trace:
+                self._trace.append(trace_record(req, res.drafts, confidence, res.confidence_logits, b, n,
+                                                res.accepted, kept, position, len(requests)))
+
+    def _discard_ahead(self) -> None:
+        """Forget any step or round in flight (the batch changes, or this round runs synchronously)."""
+        for ahead in (self.lookahead, self.draft_ahead):
+            if ahead is not None:
+                ahead.discard()
 
     def _bind_slots(self, requests: list[Request]) -> None:
         """Move every request new to decoding into a free static slot (its dynamic state, and its
@@ -287,8 +315,8 @@ class Engine:
         (target and draft state) along. A mover that is itself leaving needs no copy."""
         if self.slots is None:
             return
-        if self.lookahead is not None and request_ids:
-            self.lookahead.discard()  # the batch changes (its key would not match anyway)
+        if request_ids:
+            self._discard_ahead()  # the batch changes (its key would not match anyway)
         leaving = set(request_ids)
         for rid in request_ids:
             move = self.slots.release(rid)

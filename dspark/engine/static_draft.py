@@ -87,6 +87,13 @@ class StaticDraftRunner:
         else:
             graph.replay(features, starts)
 
+    def propose(self, anchors: torch.Tensor, positions: torch.Tensor):
+        """Greedy γ-blocks of slots 0 .. b − 1 from device anchors and positions [b] (values as
+        `StaticDrafter.plan` checks them): the bucket's graph on CUDA (its buffers: copy what must
+        outlive the next call), the eager static propose elsewhere. No host read."""
+        graph = self.propose_graphs.get(anchors.shape[0])
+        return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
+
     def draft(self, requests: list) -> tuple[list[list[int]], list, torch.Tensor, list[torch.Tensor]]:
         """One γ-block per request (each holding a static slot), in one `propose` over the bucket of
         the first b slots that holds them all.
@@ -103,10 +110,8 @@ class StaticDraftRunner:
         anchors, positions, temperature = self.static.plan(anchors, positions, temps if sampled else None)
         if sampled:
             proposal = self.static.propose(anchors, positions, temperature, self.generator)
-        elif b in self.propose_graphs:
-            proposal = self.propose_graphs[b].replay(anchors, positions)
         else:
-            proposal = self.static.propose(anchors, positions)
+            proposal = self.propose(anchors, positions)
         index = [req.state.slot for req in requests]
         rows = torch.tensor(index, dtype=torch.long, device=proposal.tokens.device)  # [B]
         tokens = proposal.tokens.index_select(0, rows).tolist()  # copies out of the graph's buffers

@@ -123,6 +123,11 @@ class StaticRunner:
         graph's buffer (read or copy them before the next call). Touches no host value."""
         return self._step(ids, starts).logits
 
+    def step(self, ids: torch.Tensor, starts: torch.Tensor):
+        """`launch` returning the whole `StaticStepOutput` (logits [b, t, V], final streams, the captured
+        layers' features: the graph's buffers; `dspark.engine.draft_lookahead`). Touches no host value."""
+        return self._step(ids, starts)
+
     def _step(self, ids: torch.Tensor, starts: torch.Tensor):
         """ids [b, t], starts [b] on the device -> the step's `StaticStepOutput` (a graph's buffers)."""
         graph = self.graphs.get(tuple(ids.shape))

@@ -1,0 +1,154 @@
+"""One DSpark round in flight while the host commits the previous one (greedy, fixed budget, static slots).
+
+    ahead = DraftLookahead(runner, drafting, budget=3)   # the engine's `StaticRunner` and `StaticDraftRunner`
+    if ahead.fits(requests):
+        rounds = ahead.step(requests)                    # per request: drafts, accepted, bonus, confidences
+    ahead.discard()                                      # when the batch changes outside a round
+
+A greedy round with a fixed budget n needs the host for nothing but bookkeeping: the drafts, the
+verification's argmax, the accepted length a = the longest prefix of the n drafts that the argmax
+repeats, and the bonus token argmax[a] are all device values, and so are the next round's inputs
+(anchor = bonus at position start + a + 1). So after launching round k (propose, verify, observe,
+accept), `step` launches round k + 1 from round k's device results *before* it reads round k: the host
+then waits for round k only (an event after its results were copied to pinned host memory) and commits
+it while the GPU drafts and verifies round k + 1, the way `lookahead.py` runs plain greedy steps.
+
+Round k + 1 is a guess that the batch stays the same and is only launched when no request could meet
+its budget cap or its static capacity in it, whatever round k accepts (`remaining >= 2(n + 1)`,
+`length + 2(n + 1) <= max_context`): then it verifies exactly the n drafts the synchronous round would.
+When the batch changes (a request finished, was aborted or preempted, one joined, a slot moved), the
+round in flight no longer matches the requests' committed lengths and is dropped: every row it wrote
+(target and drafter) lies past a request's committed length, which the static states' position rule
+hides and the next round overwrites, as it does a rejected draft. Output, statistics and traces equal
+the synchronous engine's (tests/engine/test_engine_draft_lookahead.py).
+
+Host syncs: one per round (the event of the round whose results are read). On the CPU everything runs
+eagerly and in order (the logic is the same, the overlap is not).
+
+Shape symbols: b the round's bucket of slots, n the budget (drafts verified), γ the block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.slots import bucket
+
+Key = tuple[tuple[str, int, int], ...]  # (request id, slot, anchor position) of each request, in order
+
+
+@dataclass
+class RoundResult:
+    """One request's round: the γ drafts, how many of the n verified were accepted, the bonus token,
+    the confidences [γ] and their raw logits [γ] (host tensors)."""
+
+    drafts: list[int]
+    accepted: int
+    bonus: int
+    confidence: torch.Tensor
+    confidence_logits: torch.Tensor
+
+
+@dataclass
+class InFlightRound:
+    """A launched round: its inputs and device results, and their host copies behind `event`."""
+
+    key: Key | None  # None until the round it was chained from has been read
+    live: torch.Tensor  # [b] bool: slots that hold one of the requests
+    positions: torch.Tensor  # [b] long: anchor positions (free slots: 0)
+    next_anchors: torch.Tensor  # [b] long: the bonus token (free slots: 0)
+    next_positions: torch.Tensor  # [b] long: positions + accepted + 1 (free slots: 0)
+    host_ids: torch.Tensor  # [b, γ + 2] long: drafts, accepted, bonus
+    host_conf: torch.Tensor  # [b, 2, γ] fp32: confidences, their logits
+    event: torch.cuda.Event | None
+
+    def read(self) -> tuple[list[list[int]], torch.Tensor]:
+        """(ids rows [b] of γ + 2, conf [b, 2, γ]); waits for this round only."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_ids.tolist(), self.host_conf
+
+
+class DraftLookahead:
+    """Greedy DSpark rounds with a fixed budget over the static path, one round ahead (module docstring)."""
+
+    def __init__(self, runner, drafting, budget: int):
+        gamma = drafting.static.drafter.block_size
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= gamma:
+            raise ValueError(f"budget must be an int in [1, γ={gamma}], got {budget!r}")
+        if budget + 1 > runner.shape.tokens:
+            raise ValueError(f"budget {budget} needs {budget + 1} rows per step; the static step takes "
+                             f"{runner.shape.tokens}")
+        self.runner, self.drafting, self.budget, self.gamma = runner, drafting, budget, gamma
+        self.pending: InFlightRound | None = None
+
+    def discard(self) -> None:
+        """Forget the round in flight (its rows are invisible past every committed length)."""
+        self.pending = None
+
+    def fits(self, requests: list) -> bool:
+        """Whether every request is greedy and verifies the full budget in its next round (the
+        synchronous round caps it at `remaining − 1`) within its static capacity."""
+        n, capacity = self.budget, self.runner.shape.max_context
+        return all(r.params.greedy and r.remaining - 1 >= n and r.state.length + n + 1 <= capacity
+                   for r in requests)
+
+    def step(self, requests: list) -> list[RoundResult]:
+        """The next round of every request (each holding a static slot, `fits`); launches the round
+        after it first when that one cannot outgrow a cap. Does not touch the requests: the caller
+        commits (advance n + 1 rows, truncate to anchor + accepted + 1)."""
+        key: Key = tuple((r.request_id, r.state.slot, r.state.length) for r in requests)
+        current = self.pending if self.pending is not None and self.pending.key == key else None
+        if current is None:
+            current = self._launch_from_host(requests, key)
+        n, capacity = self.budget, self.runner.shape.max_context
+        chain = all(r.remaining >= 2 * (n + 1) and r.state.length + 2 * (n + 1) <= capacity for r in requests)
+        self.pending = self._launch(None, current.next_anchors, current.next_positions, current.live) if chain \
+            else None
+        ids, conf = current.read()
+        results = [RoundResult(ids[slot][:self.gamma], ids[slot][self.gamma], ids[slot][self.gamma + 1],
+                               conf[slot, 0], conf[slot, 1]) for _, slot, _ in key]
+        if self.pending is not None:  # launched at the positions this round's acceptance gives
+            self.pending.key = tuple((rid, slot, start + 1 + result.accepted)
+                                     for (rid, slot, start), result in zip(key, results))
+        return results
+
+    def _launch_from_host(self, requests: list, key: Key) -> InFlightRound:
+        """Round k from host values: each request's last token at its length (the planners' checks)."""
+        b = bucket(max(slot for _, slot, _ in key) + 1, self.runner.shape.slots)
+        anchors, positions, live = [0] * b, [0] * b, [False] * b
+        for req, (_, slot, start) in zip(requests, key):
+            anchors[slot], positions[slot], live[slot] = req.out[-1], start, True
+        self.runner.decoder.plan([[a] for a in anchors], positions)  # the target's checks of the positions
+        anchors, positions, _ = self.drafting.static.plan(anchors, positions)
+        return self._launch(key, anchors, positions, torch.tensor(live).to(positions.device, non_blocking=True))
+
+    def _launch(self, key: Key | None, anchors: torch.Tensor, positions: torch.Tensor,
+                live: torch.Tensor) -> InFlightRound:
+        """Propose, verify the first n drafts, observe, accept: device inputs [b], no host value read."""
+        n = self.budget
+        proposal = self.drafting.propose(anchors, positions)  # graph buffers: copied out below
+        drafts = proposal.tokens  # [b, γ]
+        ids = torch.where(live[:, None], torch.cat([anchors[:, None], drafts[:, :n]], dim=1), 0)  # [b, n + 1]
+        out = self.runner.step(ids, positions)
+        self.drafting.observe(out.features, positions)  # every row; the next anchor position hides the rest
+        argmax = out.logits.argmax(dim=-1)  # [b, n + 1]; ties to the lowest id, as `verify_greedy`
+        accepted = (drafts[:, :n] == argmax[:, :n]).long().cumprod(dim=1).sum(dim=1)  # [b]
+        bonus = argmax.gather(1, accepted[:, None]).squeeze(1)  # [b]
+        next_anchors = torch.where(live, bonus, 0)
+        next_positions = torch.where(live, positions + accepted + 1, 0)
+        ids_dev = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1)  # [b, γ + 2]
+        conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
+        event = None
+        if ids_dev.device.type == "cuda":
+            host_ids = torch.empty(ids_dev.shape, dtype=ids_dev.dtype, pin_memory=True)
+            host_conf = torch.empty(conf_dev.shape, dtype=conf_dev.dtype, pin_memory=True)
+            host_ids.copy_(ids_dev, non_blocking=True)
+            host_conf.copy_(conf_dev, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host_ids, host_conf = ids_dev, conf_dev
+        return InFlightRound(key, live, positions, next_anchors, next_positions, host_ids, host_conf, event)
