@@ -19,7 +19,8 @@ from dspark.engine.draft_lookahead import DraftLookahead
 from dspark.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the static-engine helpers
-from test_engine_static import LIMITS, _drafters, _prompts, _staggered  # noqa: E402
+from test_engine_lookahead import count_launches  # noqa: E402
+from test_engine_static import _drafters, _prompts, _staggered  # noqa: E402
 
 TEXTS = ["def read_config(path):\n    ", "ROMEO.\nBut soft, what light through yonder",
          "class Cache:\n    def __init__(self, size):\n", "KING.\nNow, my good lords,"]
@@ -36,21 +37,7 @@ def tiny_v4():
 
 
 def _count_launches(monkeypatch):
-    """Count the rounds launched from host values (no usable round in flight) and all rounds."""
-    counts = {"host": 0, "all": 0}
-    from_host, launch = DraftLookahead._launch_from_host, DraftLookahead._launch
-
-    def counting_host(self, *args):
-        counts["host"] += 1
-        return from_host(self, *args)
-
-    def counting_all(self, *args):
-        counts["all"] += 1
-        return launch(self, *args)
-
-    monkeypatch.setattr(DraftLookahead, "_launch_from_host", counting_host)
-    monkeypatch.setattr(DraftLookahead, "_launch", counting_all)
-    return counts
+    return count_launches(monkeypatch, DraftLookahead)
 
 
 def _run(model, prompts, new, **config):

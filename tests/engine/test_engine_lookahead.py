@@ -29,10 +29,11 @@ def tiny():
     return dspark.init_model(config, seed=0)
 
 
-def _count_host_launches(monkeypatch):
-    """Count the steps launched from host values (a step in flight was not usable) and all steps."""
+def count_launches(monkeypatch, cls=Lookahead):
+    """Count the steps (rounds, for `DraftLookahead`) of `cls` launched from host values (the one in
+    flight was not usable) and all of them."""
     counts = {"host": 0, "all": 0}
-    from_host, launch = Lookahead._launch_from_host, Lookahead._launch
+    from_host, launch = cls._launch_from_host, cls._launch
 
     def counting_host(self, *args):
         counts["host"] += 1
@@ -42,8 +43,8 @@ def _count_host_launches(monkeypatch):
         counts["all"] += 1
         return launch(self, *args)
 
-    monkeypatch.setattr(Lookahead, "_launch_from_host", counting_host)
-    monkeypatch.setattr(Lookahead, "_launch", counting_all)
+    monkeypatch.setattr(cls, "_launch_from_host", counting_host)
+    monkeypatch.setattr(cls, "_launch", counting_all)
     return counts
 
 
@@ -52,7 +53,7 @@ def test_overlap_gives_the_synchronous_engines_tokens_and_traces(tiny, monkeypat
     greedy = lambda i: SamplingParams()  # noqa: E731
     dynamic, dynamic_trace = _staggered(tiny, prompts, greedy, 16, static_decode=False)
     static, static_trace = _staggered(tiny, prompts, greedy, 16, static_decode=True, overlap=False)
-    counts = _count_host_launches(monkeypatch)
+    counts = count_launches(monkeypatch)
     ahead, ahead_trace = _staggered(tiny, prompts, greedy, 16, static_decode=True, overlap=True)
     assert ahead == static == dynamic
     assert ahead_trace == static_trace
@@ -62,7 +63,7 @@ def test_overlap_gives_the_synchronous_engines_tokens_and_traces(tiny, monkeypat
 def test_steady_batch_reads_every_step_from_the_step_in_flight(tiny, monkeypatch):
     """Three requests decoding together to the end: one host launch, then every round's tokens come
     from the step launched during the round before (plus the last, dropped, speculative step)."""
-    counts = _count_host_launches(monkeypatch)
+    counts = count_launches(monkeypatch)
     engine = Engine(tiny, EngineConfig(max_running=3, static_decode=True, overlap=True, **LIMITS))
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     rids = [engine.add_request(p, SamplingParams(), 12) for p in prompts]
@@ -82,7 +83,7 @@ def test_steady_batch_reads_every_step_from_the_step_in_flight(tiny, monkeypatch
 
 
 def test_sampled_requests_and_drafters_take_the_usual_round(tiny, monkeypatch):
-    counts = _count_host_launches(monkeypatch)
+    counts = count_launches(monkeypatch)
     prompts = _prompts(4, seed=5)
     params = lambda i: SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams()  # noqa: E731
     mixed, _ = _staggered(tiny, prompts, params, 10, static_decode=True, overlap=True)
