@@ -74,7 +74,7 @@ part_d() {  # the few-row linear kernels and the MoE pack kernel (helpers measur
 
 part_next() {  # compressor_project (NOT_YET_ON_GPU), the shipped GEMV policy, DSpark rounds in flight, the engine
   logged next_tests 230 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_linear.py \
-    tests/engine/test_engine_draft_lookahead.py \
+    tests/engine/test_engine_draft_lookahead.py tests/kernels/test_cache_round.py \
     "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu" tests/models/test_deepseek_v4_static_graph_gpu.py
   tail -n 6 $W/logs/next_tests.txt | cut -c1-400
   logged next_linear 70 python3 bench/linear_decode.py --no-sweep --out "$OUT/linear-decode-project-h200.json"
@@ -88,6 +88,9 @@ part_next2() {
   logged next_profile 110 python3 bench/graph_decode.py --requests 1,8,64 --not-yet --profile \
     --out "$OUT/graph-profile-h200-project.json"
   grep -h "graph_ms" $W/logs/next_profile.txt | cut -c1-330
+  logged next_v41 90 python3 bench/graph_decode.py --config v41-mini --requests 1,8 --not-yet --profile \
+    --out "$OUT/graph-profile-v41-mini-h200-s7.json"   # cache_round: V4.1's QAT rounding in one launch per call
+  grep -h "graph_ms" $W/logs/next_v41.txt | cut -c1-330
   # DSpark 3 rounds now run one in flight too (draft_lookahead.py): the dspark3 cells time that.
   logged next_engine 200 python3 bench/engine_h200.py --static-decode --overlap --not-yet --requests 1,8,64 \
     --modes none,dspark3 --contexts 4096 --decode-only --peer --steps 8 --budget-s 170 --out "$OUT/engine-h200-s7.json"

@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import (attention, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_v41, moe,
-                            moe_decode, moe_route_decode, rms_norm, rope, triton_available)
+from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
+                            mhc_v41, moe, moe_decode, moe_route_decode, rms_norm, rope, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -44,6 +44,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            compressor: ("_pool_kernel", "_pool_part_kernel", "_norm_kernel"),
            grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel"),
            linear: ("_gemv_kernel", "_project_kernel"),
+           cache_round: ("_round_kernel",),
            rms_norm: ("_rms_norm_kernel",),
            rope: ("_rope_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
@@ -187,6 +188,9 @@ def run_every_tile_class():
         wkv, wgate = (torch.randn(width, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
         ape, phase = torch.randn(4, width, device=DEVICE), torch.tensor([1], device=DEVICE)
         linear.launch_project(x, wkv, wgate, ape, phase, linear.project_tiles(width, 2048, 132))
+    # V4.1 cache QAT rounding, every format, bf16 window latents / fp32 rows.
+    for fmt, dtype in (("fp8_ue8m0", torch.bfloat16), ("fp4_ue8m0", torch.bfloat16), ("fp4_e4m3", torch.float32)):
+        cache_round.cache_round(torch.randn(2, 512, generator=g).to(DEVICE, dtype), fmt=fmt)
     # RoPE, rd 64: q heads [N, H, 512] with [N, 1, 32] tables, kv latents [N, 512], indexer q [N, H, 128].
     for x_shape, table_shape in (((2, 64, 512), (2, 1, 32)), ((2, 512), (2, 32)), ((2, 64, 128), (2, 1, 32))):
         x = torch.randn(x_shape, generator=g).to(DEVICE, torch.bfloat16)

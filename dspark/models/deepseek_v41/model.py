@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from dspark.models.deepseek_v4.mhc import collapse
-from dspark.kernels import KernelConfig
+from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.model import DeepseekV4Output, resolve_kernels
 from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
@@ -95,8 +95,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         if not isinstance(cache_qat, bool):
             raise ValueError(f"cache_qat: expected a bool, got {cache_qat!r}")
         self.cache_qat = cache_qat
-        quant = CacheQuant(cache_qat)
         self.kernels = resolve_kernels(kernels, device)
+        quant = CacheQuant(cache_qat, get_op(self.kernels, "cache_round"))
         self.layers = nn.ModuleList(Block(c, role, quant, dtype=self.dtype, device=device, host_engram=host,
                                           kernels=self.kernels) for role in c.layer_roles)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=self.kernels)

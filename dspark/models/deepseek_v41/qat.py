@@ -24,6 +24,7 @@ s = 1.625 and 10 -> 9.75). Elements round to nearest, ties to even. All function
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -70,17 +71,25 @@ def fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return _fp4(blocks, scale, x.dtype)
 
 
+def _round_ref(x: torch.Tensor, *, fmt: str) -> torch.Tensor:
+    """The formats above by name: `dspark.kernels.cache_round`'s op signature, its reference."""
+    return {"fp8_ue8m0": fp8_ue8m0, "fp4_ue8m0": fp4_ue8m0, "fp4_e4m3": fp4_e4m3}[fmt](x)
+
+
 @dataclass(frozen=True)
 class CacheQuant:
-    """The three cache formats of one model, or identities when `enabled` is False."""
+    """The three cache formats of one model, or identities when `enabled` is False. `round_op` is
+    the kernel registry's `cache_round` (x, *, fmt) -> rounded x (the model passes the one its
+    `KernelConfig` picks: one launch per call on CUDA); default the torch formats above."""
 
     enabled: bool = True
+    round_op: Callable[..., torch.Tensor] = _round_ref
 
     def window(self, kv: torch.Tensor) -> torch.Tensor:
-        return fp8_ue8m0(kv) if self.enabled else kv
+        return self.round_op(kv, fmt="fp8_ue8m0") if self.enabled else kv
 
     def entries(self, latents: torch.Tensor) -> torch.Tensor:
-        return fp4_e4m3(latents) if self.enabled else latents
+        return self.round_op(latents, fmt="fp4_e4m3") if self.enabled else latents
 
     def index(self, x: torch.Tensor) -> torch.Tensor:
-        return fp4_ue8m0(x) if self.enabled else x
+        return self.round_op(x, fmt="fp4_ue8m0") if self.enabled else x
