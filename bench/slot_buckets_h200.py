@@ -41,7 +41,7 @@ SMOKE = dict(config="tiny-v4", slots=4, live=(4, 3, 2, 1), context=40, warmup=1,
 def _spy(engine: Engine) -> dict:
     """Record each static step's (bucket, width) and every slot move of `engine`."""
     seen = {"steps": [], "moves": 0}
-    step, move = engine.runner._step, engine.runner.move
+    step, move = engine.runner.step, engine.runner.move
 
     def stepping(ids, starts):
         seen["steps"].append(tuple(ids.shape))
@@ -51,7 +51,7 @@ def _spy(engine: Engine) -> dict:
         seen["moves"] += 1
         move(src, dst)
 
-    engine.runner._step, engine.runner.move = stepping, moving
+    engine.runner.step, engine.runner.move = stepping, moving
     return seen
 
 

@@ -57,7 +57,6 @@ class InFlightRound:
 
     key: Key | None  # None until the round it was chained from has been read
     live: torch.Tensor  # [b] bool: slots that hold one of the requests
-    positions: torch.Tensor  # [b] long: anchor positions (free slots: 0)
     next_anchors: torch.Tensor  # [b] long: the bonus token (free slots: 0)
     next_positions: torch.Tensor  # [b] long: positions + accepted + 1 (free slots: 0)
     host_ids: torch.Tensor  # [b, γ + 2] long: drafts, accepted, bonus
@@ -121,7 +120,8 @@ class DraftLookahead:
         anchors, positions, live = [0] * b, [0] * b, [False] * b
         for req, (_, slot, start) in zip(requests, key):
             anchors[slot], positions[slot], live[slot] = req.out[-1], start, True
-        self.runner.decoder.plan([[a] for a in anchors], positions)  # the target's checks of the positions
+        # `fits` checked every round's rows against the static capacity; the drafter's plan checks the
+        # anchors (the target's vocabulary) and positions and copies them to the device.
         anchors, positions, _ = self.drafting.static.plan(anchors, positions)
         return self._launch(key, anchors, positions, torch.tensor(live).to(positions.device, non_blocking=True))
 
@@ -151,4 +151,4 @@ class DraftLookahead:
             event.record()
         else:
             host_ids, host_conf = ids_dev, conf_dev
-        return InFlightRound(key, live, positions, next_anchors, next_positions, host_ids, host_conf, event)
+        return InFlightRound(key, live, next_anchors, next_positions, host_ids, host_conf, event)

@@ -274,7 +274,8 @@ class Engine:
         statistics and trace as `speculative_round` with the static drafter."""
         results = self.draft_ahead.step(requests)
         n, gamma = self.draft_ahead.budget, self.draft_ahead.gamma
-        confidence = torch.stack([r.confidence for r in results])  # [B, γ], as `_draft` returns it
+        # [B, γ] as `_draft` returns it: only the trace reads it
+        confidence = torch.stack([r.confidence for r in results]) if self.config.trace else None
         for b, (req, res) in enumerate(zip(requests, results)):
             req.confidences.append(res.confidence)
             start = req.state.advance(n + 1)  # the anchor and n drafts fed at the request's length

@@ -104,7 +104,7 @@ class StaticRunner:
             offsets.append(len(rows))
             rows.extend(range(state.slot * tokens, state.slot * tokens + len(block)))
         ids, starts = self.decoder.plan(ids, starts)
-        out = self._step(ids, starts)
+        out = self.step(ids, starts)
         if observe is not None:
             observe(out.features, starts)
         for req, block in zip(requests, blocks):  # after `plan` accepted the positions
@@ -121,15 +121,12 @@ class StaticRunner:
         """One step on device inputs (ids [b, t], starts [b], values the caller derived on the device,
         e.g. the previous step's argmax; `dspark.engine.lookahead`): the logits [b, t, V] fp32, the
         graph's buffer (read or copy them before the next call). Touches no host value."""
-        return self._step(ids, starts).logits
+        return self.step(ids, starts).logits
 
     def step(self, ids: torch.Tensor, starts: torch.Tensor):
-        """`launch` returning the whole `StaticStepOutput` (logits [b, t, V], final streams, the captured
-        layers' features: the graph's buffers; `dspark.engine.draft_lookahead`). Touches no host value."""
-        return self._step(ids, starts)
-
-    def _step(self, ids: torch.Tensor, starts: torch.Tensor):
-        """ids [b, t], starts [b] on the device -> the step's `StaticStepOutput` (a graph's buffers)."""
+        """ids [b, t], starts [b] on the device -> the step's `StaticStepOutput` (logits [b, t, V], final
+        streams, the captured layers' features: a graph's buffers; `dspark.engine.draft_lookahead`).
+        Touches no host value."""
         graph = self.graphs.get(tuple(ids.shape))
         if graph is None:
             return self.decoder.forward(ids, starts, self.capture)

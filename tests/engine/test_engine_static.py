@@ -42,7 +42,7 @@ def _prompts(n, seed):
 def _spy_slots(engine):
     """Record the slot moves (src, dst) and every static step's bucket (slots it ran) of `engine`."""
     seen = {"moves": [], "buckets": set()}
-    move, step = engine.runner.move, engine.runner._step
+    move, step = engine.runner.move, engine.runner.step
 
     def moving(src, dst):
         seen["moves"].append((src, dst))
@@ -52,7 +52,7 @@ def _spy_slots(engine):
         seen["buckets"].add(ids.shape[0])
         return step(ids, starts)
 
-    engine.runner.move, engine.runner._step = moving, stepping
+    engine.runner.move, engine.runner.step = moving, stepping
     return seen
 
 

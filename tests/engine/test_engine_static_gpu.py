@@ -25,14 +25,14 @@ def _run(model, prompts, params=lambda i: SamplingParams(), **config):
                                         trace=True, **config))
     engine.replayed = set()  # the (b, t) of every static step, each checked to be a captured graph's
     if engine.runner is not None:
-        step = engine.runner._step
+        step = engine.runner.step
 
         def stepping(ids, starts):
             assert tuple(ids.shape) in engine.runner.graphs
             engine.replayed.add(tuple(ids.shape))
             return step(ids, starts)
 
-        engine.runner._step = stepping
+        engine.runner.step = stepping
     tokens, pending = {}, list(enumerate(prompts))
     while pending or engine.has_work():
         for _ in range(min(2, len(pending))):
