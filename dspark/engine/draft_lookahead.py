@@ -129,18 +129,20 @@ class DraftLookahead:
                 live: torch.Tensor) -> InFlightRound:
         """Propose, verify the first n drafts, observe, accept: device inputs [b], no host value read."""
         n = self.budget
-        proposal = self.drafting.propose(anchors, positions)  # graph buffers: copied out below
-        drafts = proposal.tokens  # [b, γ]
+        proposal = self.drafting.propose(anchors, positions)
+        # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
+        # replay below may reuse the blocks of propose's outputs (captured after them).
+        drafts = proposal.tokens.clone()  # [b, γ]
+        conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
         ids = torch.where(live[:, None], torch.cat([anchors[:, None], drafts[:, :n]], dim=1), 0)  # [b, n + 1]
         out = self.runner.step(ids, positions)
-        self.drafting.observe(out.features, positions)  # every row; the next anchor position hides the rest
         argmax = out.logits.argmax(dim=-1)  # [b, n + 1]; ties to the lowest id, as `verify_greedy`
+        self.drafting.observe(out.features, positions)  # every row; the next anchor position hides the rest
         accepted = (drafts[:, :n] == argmax[:, :n]).long().cumprod(dim=1).sum(dim=1)  # [b]
         bonus = argmax.gather(1, accepted[:, None]).squeeze(1)  # [b]
         next_anchors = torch.where(live, bonus, 0)
         next_positions = torch.where(live, positions + accepted + 1, 0)
         ids_dev = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1)  # [b, γ + 2]
-        conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
         event = None
         if ids_dev.device.type == "cuda":
             host_ids = torch.empty(ids_dev.shape, dtype=ids_dev.dtype, pin_memory=True)

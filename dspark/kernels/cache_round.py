@@ -14,7 +14,8 @@ kernels, 121 of them casts). The kernel reads each block once and writes it once
 fp8 casts: each grid (e4m3: 3 mantissa bits, subnormal step 2^-9; e2m1) is a power-of-two unit per
 binade, so |v| / unit is exact, rounding to the nearest integer (ties to even) is the fp32 magic-number
 add, and scaling back is exact again: the same values as the reference's casts, on the GPU and under
-the Triton interpreter alike.
+the Triton interpreter alike. Every division is `div_rn` (IEEE, as torch's): Triton's `/` on fp32 is
+the approximate `div.full`, which moved values across ties of the e4m3-scaled format on the H200.
 
 Shape symbols: n blocks of `block` values (the last dim is a multiple of the block).
 """
@@ -69,7 +70,7 @@ def _round_e4m3(v):
     a = tl.minimum(tl.abs(v), 448.0)
     exponent = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # floor(log2 a), at least -6
     unit = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((a / unit + 12582912.0) - 12582912.0) * unit
+    r = ((tl.math.div_rn(a, unit) + 12582912.0) - 12582912.0) * unit
     return tl.where(v < 0, -r, r)
 
 
@@ -78,7 +79,7 @@ def _round_e2m1(v):
     """`dspark.quant.round_e2m1`: magnitudes clamped to 6, units 0.5 / 1 / 2 below 2 / 4 / above."""
     m = tl.minimum(tl.abs(v), 6.0)
     unit = tl.where(m < 2.0, 0.5, tl.where(m >= 4.0, 2.0, 1.0))
-    g = ((m / unit + 12582912.0) - 12582912.0) * unit
+    g = ((tl.math.div_rn(m, unit) + 12582912.0) - 12582912.0) * unit
     return tl.where(v < 0, -g, g)
 
 
@@ -91,14 +92,14 @@ def _round_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexp
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)
     if FMT == 0:  # FP8 e4m3, UE8M0 scale, amax >= 1e-4
-        scale = _pow2_ceil(tl.maximum(amax, 1e-4) / 448.0)
-        out = _round_e4m3(tl.minimum(tl.maximum(v / scale[:, None], -448.0), 448.0)) * scale[:, None]
+        scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+        out = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -448.0), 448.0)) * scale[:, None]
     elif FMT == 1:  # FP4 e2m1, UE8M0 scale, amax >= 6·2^-126
-        scale = _pow2_ceil(tl.maximum(amax, 7.052966104933725e-38) / 6.0)
-        out = _round_e2m1(v / scale[:, None]) * scale[:, None]
+        scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 7.052966104933725e-38), 6.0))
+        out = _round_e2m1(tl.math.div_rn(v, scale[:, None])) * scale[:, None]
     else:  # FP4 e2m1, e4m3 scale, amax >= 6·2^-9
-        scale = _round_e4m3(tl.maximum(amax, 0.01171875) / 6.0)
-        out = _round_e2m1(v / scale[:, None]) * scale[:, None]
+        scale = _round_e4m3(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0))
+        out = _round_e2m1(tl.math.div_rn(v, scale[:, None])) * scale[:, None]
     tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -112,3 +112,13 @@ def test_real_sizes_on_gpu(fmt):
     assert torch.equal(op.cache_round(x.bfloat16(), fmt=fmt), op.cache_round_ref(x.bfloat16(), fmt=fmt))
     t = ties(fmt).cuda()
     assert torch.equal(op.cache_round(t, fmt=fmt), op.cache_round_ref(t, fmt=fmt))
+
+
+@needs_triton
+def test_e4m3_scale_saturates_past_448():
+    """Blocks whose amax / 6 is past e4m3's 448: the scale saturates at 448 in the reference on every
+    device (torch's CUDA float8 cast gives NaN there, its CPU cast saturates) and in the kernel."""
+    x = random_blocks(4, 64, seed=3).to(DEVICE) + torch.tensor([[5e4] + [0.0] * 63] * 4, device=DEVICE)
+    ref = op.cache_round_ref(x, fmt="fp4_e4m3")
+    assert torch.isfinite(ref).all() and ref[:, 0].eq(6 * 448.0).all()
+    assert torch.equal(op.cache_round(x, fmt="fp4_e4m3"), ref)
