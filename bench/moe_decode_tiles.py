@@ -1,6 +1,7 @@
 """Launch-shape sweep of the decode MoE kernels (`dspark.kernels.moe_decode`) at M = 1 and 8 tokens.
 
     python bench/moe_decode_tiles.py --out $OUT/moe-decode-tiles.json      # one H200, ~1 min
+    python bench/moe_decode_tiles.py --layers v4-mini --wide --graph --out $OUT/moe-decode-tiles-mini.json
 
 For the V4-Flash layer (D 4096, I 2048, top-6 of 256 experts plus the shared expert) and v4-mini
 (D 2048, I 512, top-6 of 64), bf16 and FP8 (128×128 blocks) weights, each kernel is timed alone over
@@ -10,7 +11,10 @@ every `DecodeTiles` candidate (output rows per program × reduction step × warp
 experts must read (plus scales) and the activations; % HBM against 4.4 TB/s. Timing:
 `triton.testing.do_bench` (L2 flushed), median. Every candidate's output is checked against the
 uniform shape's (same fp32 reduction order per row only when block_k matches, so the check is a relative
-error, reported).
+error, reported). `--wide` adds 4-row programs and reduction steps up to the whole row (1024, 2048: a
+v4-mini row is 2048 long, so one step loads it at once); `--graph` times each call as a CUDA-graph replay
+with L2 flushed (`bench.attn_batched.graph_timer`: what it costs inside the captured decode step, without
+the eager launch overhead that do_bench includes).
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HBM = 4.4e12
 LAYERS = {"v4-flash": (4096, 2048, 256), "v4-mini": (2048, 512, 64)}  # D, I (routed = shared), E
 TOP_K = 6
 UP_N, DOWN_N, BLOCK_K, WARPS = (8, 16, 32), (8, 16, 32), (128, 256, 512), (4, 8)
+WIDE_N, WIDE_K = (4, 8, 16, 32), (128, 256, 512, 1024, 2048)
 
 
 def weights(dim, inter, n_exp, fp8, g):
@@ -46,13 +54,17 @@ def nbytes(w, rows: int) -> int:
     return total
 
 
-def timed(fn) -> float:
+def timed(fn, graph: bool = False) -> float:
+    if graph:
+        from bench.attn_batched import graph_timer
+
+        return graph_timer(fn)
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=10, rep=40) * 1e-3
 
 
-def sweep_layer(name, fp8, m, g) -> dict:
+def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False) -> dict:
     from dspark.kernels import moe_decode as md
 
     dim, inter, n_exp = LAYERS[name]
@@ -67,23 +79,25 @@ def sweep_layer(name, fp8, m, g) -> dict:
     h_ref, args = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, default)
     y_ref = md.decode_down(h_ref, x, wts, ids, w2, s2, args, default)
     ups, downs = [], []
-    block_ks = (128,) if fp8 else BLOCK_K  # FP8 tiles are capped at the 128-wide scale block
-    for n, k, warps in itertools.product(UP_N, block_ks, WARPS):
+    block_ks = (128,) if fp8 else WIDE_K if wide else BLOCK_K  # FP8 tiles are capped at the 128-wide scale block
+    up_ns, down_ns = (WIDE_N, WIDE_N) if wide else (UP_N, DOWN_N)
+    timed_ = lambda fn: timed(fn, graph)  # noqa: E731
+    for n, k, warps in itertools.product(up_ns, [k for k in block_ks if k <= dim], WARPS):
         t = md.DecodeTiles(up_n=n, up_k=k, up_warps=warps)
         h, _ = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t)
         err = ((h - h_ref).norm() / h_ref.norm()).item()
-        s = timed(lambda: md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t))
+        s = timed_(lambda: md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t))
         ups.append({"up_n": n, "block_k": k, "num_warps": warps, "us": s * 1e6, "pct_hbm": 100 * up_bytes / s / HBM, "rel_err": err})
-    for n, k, warps in itertools.product(DOWN_N, block_ks, WARPS):
+    for n, k, warps in itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS):
         t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps)
         y = md.decode_down(h_ref, x, wts, ids, w2, s2, args, t)
         err = ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
-        s = timed(lambda: md.decode_down(h_ref, x, wts, ids, w2, s2, args, t))
+        s = timed_(lambda: md.decode_down(h_ref, x, wts, ids, w2, s2, args, t))
         downs.append({"down_n": n, "block_k": k, "num_warps": warps, "us": s * 1e6, "pct_hbm": 100 * down_bytes / s / HBM, "rel_err": err})
     best_up, best_down = min(ups, key=lambda r: r["us"]), min(downs, key=lambda r: r["us"])
-    full_default = timed(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, default))
-    shipped = md.decode_tiles(m, fp8)
-    full_shipped = timed(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped))
+    full_default = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, default))
+    shipped = md.decode_tiles(m, fp8, dim)
+    full_shipped = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped))
     total = up_bytes + down_bytes
     return {"layer": name, "fp8": fp8, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
             "default": {"tiles": default._asdict(), "us": full_default * 1e6, "pct_hbm": 100 * total / full_default / HBM},
@@ -96,16 +110,23 @@ def sweep_layer(name, fp8, m, g) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/moe-decode-tiles.json")
+    ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma list of {tuple(LAYERS)}")
+    ap.add_argument("--wide", action="store_true", help="also 4-row programs and whole-row reduction steps")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (L2 flushed), not do_bench")
     args = ap.parse_args()
+    layers = args.layers.split(",")
+    if not set(layers) <= set(LAYERS):
+        raise SystemExit(f"--layers: unknown {sorted(set(layers) - set(LAYERS))}; known {tuple(LAYERS)}")
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, fp8, m in itertools.product(LAYERS, (False, True), (1, 8)):
-        row = sweep_layer(name, fp8, m, g)
+    for name, fp8, m in itertools.product(layers, (False, True), (1, 8)):
+        row = sweep_layer(name, fp8, m, g, args.wide, args.graph)
         rows.append(row)
         print(f"{name} fp8={fp8} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
               f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
               f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM", flush=True)
-    conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM}
+    conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
+                  "wide": args.wide, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
 

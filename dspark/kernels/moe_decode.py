@@ -109,22 +109,31 @@ class DecodeTiles(NamedTuple):
     down_warps: int = 4
 
 
-# Picked per kernel from `bench/moe_decode_tiles.py` on one H200 (bench/results/moe-decode-tiles-h200.json,
-# V4-Flash layer: D 4096, I 2048, top-6 of 256): at one token, 8-row programs with long reduction steps
-# (more programs in flight per SM hide the weight stream's latency; 53 % -> 68 % of HBM for dense
-# weights); at 8 tokens, 16-row programs and 256-wide steps (89 % -> 88-92 % per kernel). FP8 steps stay
-# at the 128-wide scale block. The uniform shape before this table is `DecodeTiles()`.
-_MEASURED = {
-    (False, True): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
-    (False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
-    (True, True): DecodeTiles(up_n=32, down_n=8, up_k=128, down_k=128, up_warps=8, down_warps=8),
-    (True, False): DecodeTiles(up_n=32, down_n=32, up_k=128, down_k=128, up_warps=4, down_warps=4),
+# Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
+# (D 4096, I 2048, top-6 of 256; bench/results/moe-decode-tiles-h200.json): at one token, 8-row programs
+# with long reduction steps (more programs in flight per SM hide the weight stream's latency; 53 % -> 68 %
+# of HBM for dense weights); at 8 tokens, 16-row programs and 256-wide steps (89 % -> 88-92 % per
+# kernel). Layers of width D <= 2048 (v4-mini: I 512, top-6 of 64; `--layers v4-mini --wide --graph`,
+# moe-decode-tiles-mini-h200.json, CUDA-graph replays): at one token 4-row programs reading the whole
+# row in one or two steps, 37.7 -> 21.4 µs per layer for dense weights (the V4-Flash shapes left most
+# SMs waiting on a few long rows); at 8 tokens the uniform 16-row, 128-wide shape. FP8 steps stay at
+# the 128-wide scale block. The uniform shape before these tables is `DecodeTiles()`.
+_MEASURED = {  # (fp8, one token, D <= 2048) -> tiles
+    (False, True, False): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
+    (False, False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
+    (True, True, False): DecodeTiles(up_n=32, down_n=8, up_k=128, down_k=128, up_warps=8, down_warps=8),
+    (True, False, False): DecodeTiles(up_n=32, down_n=32, up_k=128, down_k=128, up_warps=4, down_warps=4),
+    (False, True, True): DecodeTiles(up_n=4, down_n=4, up_k=1024, down_k=512, up_warps=8, down_warps=4),
+    (False, False, True): DecodeTiles(up_n=16, down_n=16, up_k=128, down_k=128, up_warps=4, down_warps=4),
+    (True, True, True): DecodeTiles(up_n=16, down_n=8, up_k=128, down_k=128, up_warps=8, down_warps=8),
+    (True, False, True): DecodeTiles(up_n=32, down_n=16, up_k=128, down_k=128, up_warps=8, down_warps=4),
 }
+_NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 
 
-def decode_tiles(n_tok: int, fp8: bool) -> DecodeTiles:
-    """The measured launch shape for `n_tok` tokens with dense or FP8 expert weights."""
-    return _MEASURED[(bool(fp8), n_tok <= 1)]
+def decode_tiles(n_tok: int, fp8: bool, dim: int = 4096) -> DecodeTiles:
+    """The measured launch shape for `n_tok` tokens with dense or FP8 expert weights of width `dim`."""
+    return _MEASURED[(bool(fp8), n_tok <= 1, dim <= _NARROW_DIM)]
 
 
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
@@ -133,7 +142,7 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
     default: `decode_tiles` for N and the routed weights' kind."""
     if tiles is None:
-        tiles = decode_tiles(x.shape[0], _weight_parts(w1)[2])
+        tiles = decode_tiles(x.shape[0], _weight_parts(w1)[2], x.shape[1])
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 

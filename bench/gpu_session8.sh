@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU steps of the eighth 2026-11-30 session (each part < 9.5 min):
+#
+#   run(command="bash bench/gpu_session8.sh a", kind="nvidia-h200")
+#
+# a: last session's fixes (cache_round's div_rn and saturating reference, DraftLookahead's copy of the
+#    propose outputs) under their GPU tests; the decode MoE's launch shapes swept on v4-mini's layer as
+#    CUDA-graph replays (the shipped ones were picked on V4-Flash's); the v41-mini step with cache_round.
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+W=/tmp/gpu-session && mkdir -p $W/logs
+
+logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/NAME.txt, record rc
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$W/logs/$name.txt" 2>&1
+  echo "$name rc=$?" | tee -a "$W/logs/$name.txt"
+}
+
+part_a() {
+  logged a_tests 220 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_cache_round.py \
+    tests/engine/test_engine_draft_lookahead.py tests/kernels/test_linear.py \
+    "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
+  tail -n 6 $W/logs/a_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/a_tests.txt | head -n 20 | cut -c1-300
+  logged a_moe 200 python3 bench/moe_decode_tiles.py --layers v4-mini --wide --graph --out "$OUT/moe-decode-tiles-mini-h200.json"
+  grep -h "fp8=" $W/logs/a_moe.txt | cut -c1-400
+  logged a_v41 100 python3 bench/graph_decode.py --config v41-mini --requests 1,8 --not-yet --profile \
+    --out "$OUT/graph-profile-v41-mini-h200-s8.json"   # cache_round: V4.1's QAT rounding in one launch per call
+  grep -h "graph_ms" $W/logs/a_v41.txt | cut -c1-330; tail -n 2 $W/logs/a_v41.txt | cut -c1-200
+}
+
+part_$1
+tar -C $W -cf "$OUT/logs8-$1.tar" logs
+ls -la "$OUT"
