@@ -79,7 +79,8 @@ def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False) -> dic
     h_ref, args = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, default)
     y_ref = md.decode_down(h_ref, x, wts, ids, w2, s2, args, default)
     ups, downs = [], []
-    block_ks = (128,) if fp8 else WIDE_K if wide else BLOCK_K  # FP8 tiles are capped at the 128-wide scale block
+    # FP8 steps: one 128-wide scale block, or with --wide whole blocks (`moe_decode._gemv_fp8`)
+    block_ks = (WIDE_K[:3] if wide else (128,)) if fp8 else WIDE_K if wide else BLOCK_K
     up_ns, down_ns = (WIDE_N, WIDE_N) if wide else (UP_N, DOWN_N)
     timed_ = lambda fn: timed(fn, graph)  # noqa: E731
     for n, k, warps in itertools.product(up_ns, [k for k in block_ks if k <= dim], WARPS):

@@ -161,8 +161,8 @@ def _num_sms(device: torch.device) -> int:
 class Tiles:
     """Launch shape of `_partial_kernel`: BLOCK_H heads × BLOCK_N keys per step, warps, software
     pipeline stages, the grid target (the keys are split into chunks until the grid covers about
-    `waves` × SMs programs, keeping >= 4 key tiles per chunk), the program order and whether each
-    step prefetches the next key tile."""
+    `waves` × SMs programs, keeping >= `min_chunk_tiles` key tiles per chunk), the program order and
+    whether each step prefetches the next key tile."""
 
     block_h: int
     block_n: int
@@ -171,6 +171,9 @@ class Tiles:
     waves: int = 2
     heads_fastest: bool = True
     prefetch: bool = False
+    # 2, not 4: a decode query at 4K has 640 keys (CSA) or 160 (HCA), so 4-tile chunks left 10 and 4
+    # programs on 132 SMs for one request (`bench/attn_decode_chunks.py` measures 1 / 2 / 4).
+    min_chunk_tiles: int = 2
 
 
 def default_tiles(n_heads: int, head_dim: int) -> Tiles:
@@ -204,7 +207,7 @@ def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Te
     block_h, block_n = tiles.block_h, tiles.block_n
     d_pad = max(16, triton.next_power_of_2(head_dim))
     n_hblocks = triton.cdiv(n_heads, block_h)
-    max_chunks = max(1, triton.cdiv(n_keys, 4 * block_n))
+    max_chunks = max(1, triton.cdiv(n_keys, tiles.min_chunk_tiles * block_n))
     n_chunks = max(1, min(max_chunks, triton.cdiv(tiles.waves * _num_sms(q.device), n_q * n_hblocks)))
     keys_per_chunk = triton.cdiv(triton.cdiv(max(n_keys, 1), n_chunks), block_n) * block_n
     n_chunks = triton.cdiv(max(n_keys, 1), keys_per_chunk)

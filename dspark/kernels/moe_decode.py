@@ -32,12 +32,45 @@ _BLOCK_K = 128  # reduction step; FP8 weights cap it at the scale block
 def _gemv(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, FP8: tl.constexpr, SB: tl.constexpr,
           BLOCK_K: tl.constexpr):
     """fp32 [BLOCK_N]: W[e, offs_n, :] · v for one input row v (n_in long) of any float dtype."""
+    if FP8:
+        if BLOCK_K > SB:  # several scale blocks per step (`_common` makes BLOCK_K a multiple of SB)
+            return _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB, BLOCK_K // SB, SB)
+        return _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB, 1, BLOCK_K)
     acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(v_ptr + offs_k, mask=offs_k < n_in, other=0.0).to(tl.float32)
         w = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, FP8, SB, tl.float32)
         acc += tl.sum(w * v[None, :], axis=1)
+    return acc
+
+
+@_jit
+def _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB: tl.constexpr, KB: tl.constexpr,
+              SUB: tl.constexpr):
+    """`_gemv` of an FP8 weight, KB sub-blocks of SUB columns per step (SUB <= SB, each within one
+    scale column): each sub-block's dot product is summed in fp32 and then scaled by its UE8M0
+    factor, a power of two, so the result equals scaling every weight first (one multiply per
+    sub-block instead of per weight: the dequantising multiply was the CUDA cores' bottleneck)."""
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+    n_mask = offs_n < n_out
+    s_rows = tl.cdiv(n_out, SB)
+    s_cols = tl.cdiv(n_in, SB)
+    offs_j = tl.arange(0, KB)
+    offs_s = tl.arange(0, SUB)
+    rows = w_ptr + e * n_out * n_in + offs_n.to(tl.int64)[:, None, None] * n_in
+    s_row = (e * s_rows + offs_n // SB)[:, None] * s_cols
+    for k0 in range(0, n_in, KB * SUB):
+        first = k0 + offs_j * SUB  # [KB] first column of each sub-block
+        cols = first[:, None] + offs_s[None, :]  # [KB, SUB]
+        c_mask = cols < n_in
+        v = tl.load(v_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
+        w = tl.load(rows + cols[None, :, :], mask=n_mask[:, None, None] & c_mask[None, :, :], other=0.0)
+        part = tl.sum(w.to(tl.float32) * v[None, :, :], axis=2)  # [BLOCK_N, KB]
+        byte = tl.load(s_ptr + s_row + (first // SB)[None, :], mask=n_mask[:, None] & (first < n_in)[None, :],
+                       other=127)
+        factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
+        acc += tl.sum(part * factor, axis=1)
     return acc
 
 
@@ -116,8 +149,9 @@ class DecodeTiles(NamedTuple):
 # kernel). Layers of width D <= 2048 (v4-mini: I 512, top-6 of 64; `--layers v4-mini --wide --graph`,
 # moe-decode-tiles-mini-h200.json, CUDA-graph replays): at one token 4-row programs reading the whole
 # row in one or two steps, 37.7 -> 21.4 µs per layer for dense weights (the V4-Flash shapes left most
-# SMs waiting on a few long rows); at 8 tokens the uniform 16-row, 128-wide shape. FP8 steps stay at
-# the 128-wide scale block. The uniform shape before these tables is `DecodeTiles()`.
+# SMs waiting on a few long rows); at 8 tokens the uniform 16-row, 128-wide shape. The FP8 shapes were
+# measured with steps of one 128-wide scale block (before `_gemv_fp8` took several per step). The
+# uniform shape before these tables is `DecodeTiles()`.
 _MEASURED = {  # (fp8, one token, D <= 2048) -> tiles
     (False, True, False): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
     (False, False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
@@ -180,6 +214,11 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     return y
 
 
+def _fp8_step(block_k: int, sb: int) -> int:
+    """An FP8 reduction step: within one scale block, or whole scale blocks (`_gemv_fp8`)."""
+    return block_k if block_k > sb and block_k % sb == 0 else min(block_k, sb)
+
+
 def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int) -> dict:
-    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=min(block_k, sb) if fp8 else block_k,
-                BLOCK_K_S=min(block_k, sb_s) if fp8_s else block_k, num_warps=num_warps)
+    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=_fp8_step(block_k, sb) if fp8 else block_k,
+                BLOCK_K_S=_fp8_step(block_k, sb_s) if fp8_s else block_k, num_warps=num_warps)

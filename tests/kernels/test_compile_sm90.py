@@ -106,6 +106,18 @@ def run_every_tile_class():
                 moe._packed_experts(x, w, ids.int(), *weights, 10.0)
         # fused_moe routed these through the split-K decode router; the prefill router kernel too
         moe.route_prefill(*router, top_k=2, routed_scaling_factor=1.5, hash_routing=False)
+    # The decode MoE's one-token shapes (narrow and V4-Flash tables), dense and FP8 128×128 (several
+    # scale blocks per step where the step is wider than 128).
+    x1 = torch.randn(1, 64, generator=g).bfloat16().to(DEVICE)
+    ids1, wts1 = torch.tensor([[0, 1]], device=DEVICE, dtype=torch.int32), torch.rand(1, 2, device=DEVICE)
+    for tiles in {t for (_, one, _), t in moe_decode._MEASURED.items() if one}:
+        for block in (None, 128):
+            dense = [torch.randn(*s, generator=g) / 8 for s in ((2, 32, 64), (2, 64, 32), (2, 32, 64),
+                                                               (32, 64), (64, 32), (32, 64))]
+            weights = [w.bfloat16().to(DEVICE) if block is None else FP8BlockWeight(
+                *(t.to(DEVICE) for t in (q.data, q.scale)), block) for w in dense
+                for q in [FP8BlockWeight.quantize(w, block or 16)]]
+            moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles)
     # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.
     moe._launch_pack(torch.randint(0, 384, (50, 6), generator=g).int().to(DEVICE), 384, 64)
     # Decode router at V4-Flash's E = 256 with the widest select tile (32 splits: S_PAD·E_PAD = 8192),
