@@ -114,13 +114,19 @@ def main() -> None:
     ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma list of {tuple(LAYERS)}")
     ap.add_argument("--wide", action="store_true", help="also 4-row programs and whole-row reduction steps")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (L2 flushed), not do_bench")
+    ap.add_argument("--kinds", default="bf16,fp8", help="weight kinds: comma list of bf16, fp8")
+    ap.add_argument("--tokens", default="1,8", help="comma list of token counts")
     args = ap.parse_args()
     layers = args.layers.split(",")
     if not set(layers) <= set(LAYERS):
         raise SystemExit(f"--layers: unknown {sorted(set(layers) - set(LAYERS))}; known {tuple(LAYERS)}")
+    if not set(args.kinds.split(",")) <= {"bf16", "fp8"}:
+        raise SystemExit(f"--kinds: {args.kinds!r}, expected a comma list of bf16, fp8")
+    kinds = [k == "fp8" for k in args.kinds.split(",")]
+    tokens = [int(m) for m in args.tokens.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, fp8, m in itertools.product(layers, (False, True), (1, 8)):
+    for name, fp8, m in itertools.product(layers, kinds, tokens):
         row = sweep_layer(name, fp8, m, g, args.wide, args.graph)
         rows.append(row)
         print(f"{name} fp8={fp8} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
