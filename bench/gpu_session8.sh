@@ -31,16 +31,11 @@ part_a() {
   grep -h "graph_ms" $W/logs/a_v41.txt | cut -c1-330; tail -n 2 $W/logs/a_v41.txt | cut -c1-200
 }
 
-# b: this session's kernels and static-step changes under their GPU tests; the sparse attention's chunking
-#    (`min_chunk_tiles` 1 / 2 / 4) and the FP8 decode GEMV over several scale blocks per step, as graph
-#    replays.
+# b: the sparse attention's chunking (`min_chunk_tiles` 1 / 2 / 4) and the FP8 decode GEMV over several
+#    scale blocks per step: their tests, then timed as graph replays.
 part_b() {
-  logged b_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_moe.py \
-    tests/kernels/test_sparse_attention.py tests/kernels/test_compressor_pool.py tests/kernels/test_linear.py \
-    tests/kernels/test_static_step_kernels.py tests/models/test_deepseek_v4_static_graph_gpu.py \
-    tests/engine/test_engine_static_gpu.py tests/engine/test_engine_draft_lookahead.py \
-    "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
-  tail -n 6 $W/logs/b_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/b_tests.txt | head -n 20 | cut -c1-300
+  logged b_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_moe.py tests/kernels/test_sparse_attention.py
+  tail -n 4 $W/logs/b_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/b_tests.txt | head -n 20 | cut -c1-300
   logged b_attn 80 python3 bench/attn_decode_chunks.py --out "$OUT/attn-decode-chunks-h200.json"
   grep -h "^{" $W/logs/b_attn.txt | cut -c1-200
   logged b_fp8 150 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8 --tokens 1 --wide --graph \
@@ -48,12 +43,17 @@ part_b() {
   grep -h "fp8=" $W/logs/b_fp8.txt | cut -c1-400
 }
 
-# c: the step and the engine with everything of this session on by default.
+# c: the static-step changes of this session (fewer index ops, state written by the kernels that make
+#    it) under the GPU tests, then the step and the engine with everything on by default.
 part_c() {
-  logged c_profile 130 python3 bench/graph_decode.py --requests 1,8,64 --profile --out "$OUT/graph-profile-h200-s8.json"
+  logged c_tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_compressor_pool.py \
+    tests/kernels/test_linear.py tests/kernels/test_static_step_kernels.py tests/models/test_deepseek_v4_static_graph_gpu.py \
+    tests/engine/test_engine_static_gpu.py "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
+  tail -n 4 $W/logs/c_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/c_tests.txt | head -n 20 | cut -c1-300
+  logged c_profile 120 python3 bench/graph_decode.py --requests 1,8,64 --profile --out "$OUT/graph-profile-h200-s8.json"
   grep -h "graph_ms" $W/logs/c_profile.txt | cut -c1-330; tail -n 2 $W/logs/c_profile.txt | cut -c1-200
-  logged c_engine 230 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 \
-    --modes none,dspark3 --contexts 4096 --decode-only --peer --steps 8 --budget-s 200 --out "$OUT/engine-h200-s8.json"
+  logged c_engine 220 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 \
+    --modes none,dspark3 --contexts 4096 --decode-only --peer --steps 8 --budget-s 190 --out "$OUT/engine-h200-s8.json"
   grep -h '"mode"\|summary' $W/logs/c_engine.txt | cut -c1-260; tail -n 3 $W/logs/c_engine.txt | cut -c1-300
 }
 
