@@ -24,7 +24,7 @@ No host sync; CUDA-graph capturable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -171,9 +171,7 @@ class Tiles:
     waves: int = 2
     heads_fastest: bool = True
     prefetch: bool = False
-    # 2, not 4: a decode query at 4K has 640 keys (CSA) or 160 (HCA), so 4-tile chunks left 10 and 4
-    # programs on 132 SMs for one request (`bench/attn_decode_chunks.py` measures 1 / 2 / 4).
-    min_chunk_tiles: int = 2
+    min_chunk_tiles: int = 4
 
 
 def default_tiles(n_heads: int, head_dim: int) -> Tiles:
@@ -191,7 +189,13 @@ def default_tiles(n_heads: int, head_dim: int) -> Tiles:
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Fused `sparse_attention_ref` (same signature, shapes and dtypes)."""
-    return launch_sparse_attention(q, pool, index, sink, scale, default_tiles(q.shape[-2], q.shape[-1]))
+    tiles = default_tiles(q.shape[-2], q.shape[-1])
+    if q.shape[0] == 1:
+        # One query (batch-1 decode): 2-tile chunks, more programs for its few keys. On one H200
+        # (bench/attn_decode_chunks.py, v4-mini, graph replays) 16.9 vs 18.9 µs (CSA, 4K), 12.4 vs
+        # 14.2 (HCA, 4K), 14.4 vs 17.9 (HCA, 32K); from 8 queries on, 4-tile chunks were as fast or faster.
+        tiles = replace(tiles, min_chunk_tiles=2)
+    return launch_sparse_attention(q, pool, index, sink, scale, tiles)
 
 
 def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,

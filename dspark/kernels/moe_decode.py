@@ -149,17 +149,19 @@ class DecodeTiles(NamedTuple):
 # kernel). Layers of width D <= 2048 (v4-mini: I 512, top-6 of 64; `--layers v4-mini --wide --graph`,
 # moe-decode-tiles-mini-h200.json, CUDA-graph replays): at one token 4-row programs reading the whole
 # row in one or two steps, 37.7 -> 21.4 µs per layer for dense weights (the V4-Flash shapes left most
-# SMs waiting on a few long rows); at 8 tokens the uniform 16-row, 128-wide shape. The FP8 shapes were
-# measured with steps of one 128-wide scale block (before `_gemv_fp8` took several per step). The
-# uniform shape before these tables is `DecodeTiles()`.
+# SMs waiting on a few long rows); at 8 tokens the uniform 16-row, 128-wide shape. FP8 (128×128) at one
+# token: steps over 2-4 scale blocks (`_gemv_fp8`; `--kinds fp8 --tokens 1 --wide --graph`,
+# moe-decode-tiles-fp8-h200.json): V4-Flash 114.8 -> 80.6 µs (35 -> 50 % of HBM), v4-mini 39.1 ->
+# 19.2 µs. FP8 at 8 tokens keeps shapes measured with one scale block per step. The uniform shape
+# before these tables is `DecodeTiles()`.
 _MEASURED = {  # (fp8, one token, D <= 2048) -> tiles
     (False, True, False): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
     (False, False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
-    (True, True, False): DecodeTiles(up_n=32, down_n=8, up_k=128, down_k=128, up_warps=8, down_warps=8),
+    (True, True, False): DecodeTiles(up_n=16, down_n=4, up_k=256, down_k=512, up_warps=4, down_warps=4),
     (True, False, False): DecodeTiles(up_n=32, down_n=32, up_k=128, down_k=128, up_warps=4, down_warps=4),
     (False, True, True): DecodeTiles(up_n=4, down_n=4, up_k=1024, down_k=512, up_warps=8, down_warps=4),
     (False, False, True): DecodeTiles(up_n=16, down_n=16, up_k=128, down_k=128, up_warps=4, down_warps=4),
-    (True, True, True): DecodeTiles(up_n=16, down_n=8, up_k=128, down_k=128, up_warps=8, down_warps=8),
+    (True, True, True): DecodeTiles(up_n=4, down_n=4, up_k=512, down_k=512, up_warps=4, down_warps=4),
     (True, False, True): DecodeTiles(up_n=32, down_n=16, up_k=128, down_k=128, up_warps=8, down_warps=4),
 }
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
