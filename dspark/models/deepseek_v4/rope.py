@@ -69,6 +69,29 @@ class Rope(nn.Module):
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 
+class RopeTable:
+    """`Rope.cos_sin` of every position 0 .. C−1, computed once, so that a step gathers its rows in
+    one launch instead of running the six ops of `cos_sin` per call.
+
+    The rows are the values `rope.cos_sin` gives each position (the same ops, element by element),
+    so a gathered row equals a direct call bit for bit. Memory: C · rd · 4 bytes (rd/2 = 32 at
+    C = 128K: 32 MiB). Built outside any captured step (it allocates); `cos_sin` is capturable.
+
+    Shape symbols: C positions, rd/2 rotated channel pairs.
+    """
+
+    def __init__(self, rope: Rope, length: int):
+        cos, sin = rope.cos_sin(torch.arange(length, device=rope.inv_freq.device))
+        self.data = torch.stack((cos, sin))  # [2, C, rd/2] fp32: one gather reads both
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [*] long, each in [0, C) (not checked: that would sync) -> (cos, sin), each
+        [*, rd/2] fp32 and contiguous, equal to `rope.cos_sin(positions)`."""
+        rows = self.data.index_select(1, positions.reshape(-1))  # [2, n, rd/2]
+        rows = rows.view(2, *positions.shape, rows.shape[-1])
+        return rows[0], rows[1]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing `2·cos.shape[-1]` dims of `x` pairwise; pass `-sin` for the inverse.
 

@@ -1,7 +1,8 @@
 """Position-derived indices of one static step, built once per step and shared by every layer.
 
-    index = StepIndex(positions, rope_groups(model))   # positions [S, T] on the device
-    cos, sin = index.cos_sin(layer.attn.rope)          # [N, rd/2]: computed by the first layer of its table
+    tables = StepTables(model, shape)                  # once per decoder, outside any captured step
+    index = StepIndex(positions, tables)               # once per step; positions [S, T] on the device
+    cos, sin = index.cos_sin(layer.attn.rope)          # [N, rd/2]: gathered by the first layer of its group
     rows = index.ring_rows(ring)                       # [S, T] rows of the step's positions in the ring
 
 Every layer of a static step sees the same positions, and the ring rows, window key lists, compressor
@@ -13,6 +14,12 @@ the first layer that asks and reused
 by the rest (the same tensors, so the results are unchanged bit for bit). A `StepIndex` lives for one
 step (it is created inside the captured call, so a CUDA graph records each build once).
 
+In a CUDA graph every build is still a few launches of tiny kernels (~2 µs each), so what does not
+depend on the positions is made once per decoder in `StepTables`: a `RopeTable` per RoPE group (a
+step gathers its cos / sin rows in one launch instead of six ops per call) and one long `arange`
+span whose slices are every constant range a build needs (views: no launch). Builds use masked
+fills and `alpha` adds rather than `torch.where` with Python scalars, which adds a `scalar_tensor`.
+
 Shape symbols: S slots of the bucket, T tokens per step, N = S·T, W window, m rate, E entries.
 """
 
@@ -22,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from dspark.models.deepseek_v4.static_state import PositionRing
+from dspark.models.deepseek_v4.rope import RopeTable
+from dspark.models.deepseek_v4.static_state import PositionRing, StaticShape
 
 
 def rope_groups(model) -> dict[int, int]:
@@ -42,13 +50,66 @@ def rope_groups(model) -> dict[int, int]:
     return groups
 
 
-class StepIndex:
-    """The memo of one step's position-derived tensors (see the module docstring)."""
+class StepTables:
+    """A decoder's constant index tensors, built once at its construction (they allocate, so never
+    inside a captured step): `ropes` a `RopeTable` per RoPE group over positions 0 .. C−1 (`groups`
+    maps id(layer.attn.rope) to its group, `rope_groups`) and the range views `arange`, `steps`,
+    `negative` of one span −A .. A − 1, A covering every range a `StepIndex` asks for (C, S, T, each
+    layer's window and twice its compress rate).
 
-    def __init__(self, positions: torch.Tensor, rope_groups: dict[int, int]):
+    Memory: the tables' C · rd · 4 bytes per group (two groups in V4 / V4.1: 64 MiB at C = 128K),
+    plus 34 · A bytes for the spans.
+    """
+
+    def __init__(self, model, shape: StaticShape):
+        if not isinstance(shape, StaticShape):
+            raise ValueError(f"shape must be a StaticShape, got {shape!r}")
+        self.groups = rope_groups(model)
+        first = {}  # group -> the first layer's Rope of that group
+        for layer in model.layers:
+            first.setdefault(self.groups[id(layer.attn.rope)], layer.attn.rope)
+        self.ropes = [RopeTable(first[g], shape.max_context) for g in range(len(first))]
+        self.reach = _reach(model, shape)
+        self.span = torch.arange(-self.reach, self.reach, device=model.device)  # [2A]
+        self._below = self.span < 0  # [2A] bool
+        self._from_zero = (~self._below).long()  # [2A] long: 0 below 0, 1 from 0 on
+
+    def arange(self, start: int, end: int) -> torch.Tensor:
+        """[end − start] long start .. end − 1: a view of `span` (no launch)."""
+        if not -self.reach <= start <= end <= self.reach:
+            raise ValueError(f"arange({start}, {end}) outside the step tables' span [{-self.reach}, {self.reach}]")
+        return self.span[self.reach + start : self.reach + end]
+
+    def steps(self, start: int, end: int) -> torch.Tensor:
+        """[end − start] long, 1 where start .. end − 1 is >= 0, else 0 (a view: no launch)."""
+        self.arange(start, end)  # the range check
+        return self._from_zero[self.reach + start : self.reach + end]
+
+    def negative(self, start: int, end: int) -> torch.Tensor:
+        """[end − start] bool, start .. end − 1 < 0 (a view: no launch)."""
+        self.arange(start, end)
+        return self._below[self.reach + start : self.reach + end]
+
+
+def _reach(model, shape: StaticShape) -> int:
+    """The widest range a step's index builds take: slots, tokens, entries (<= C), window key
+    offsets (W) and, with overlap, a group's 2m pooled positions."""
+    sizes = [shape.max_context, shape.slots, shape.tokens]
+    for layer in model.layers:
+        attn = layer.attn
+        rate = max(getattr(attn, "rate", 0), getattr(attn, "ratio", 0))  # V4 names it rate, V4.1 ratio
+        sizes += [attn.window, 2 * rate]
+    return max(sizes)
+
+
+class StepIndex:
+    """The memo of one step's position-derived tensors (see the module docstring); `tables` are the
+    decoder's `StepTables`. Positions must lie in [0, C) (the tables' RoPE rows)."""
+
+    def __init__(self, positions: torch.Tensor, tables: StepTables):
         self.positions = positions  # [S, T] long
         self.flat = positions.reshape(-1)  # [N]
-        self._rope_groups = rope_groups
+        self.tables = tables
         self._memo: dict[tuple, object] = {}
 
     def _get(self, key: tuple, build: Callable[[], object]):
@@ -56,10 +117,17 @@ class StepIndex:
             self._memo[key] = build()
         return self._memo[key]
 
+    def _rope_rows(self, rope, key: tuple, positions: Callable[[], torch.Tensor]):
+        """`rope.cos_sin(positions())`: its group's table rows (one gather), or for a Rope outside the
+        model's layers a direct call."""
+        group = self.tables.groups.get(id(rope))
+        if group is None:
+            return self._get(("module", id(rope)) + key, lambda: rope.cos_sin(positions()))
+        return self._get(("rope", group) + key, lambda: self.tables.ropes[group].cos_sin(positions()))
+
     def cos_sin(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope.cos_sin` of every row's position: ([N, rd/2], [N, rd/2]) fp32."""
-        group = self._rope_groups.get(id(rope), ("module", id(rope)))
-        return self._get(("rope", group), lambda: rope.cos_sin(self.flat))
+        return self._rope_rows(rope, (), lambda: self.flat)
 
     def phase(self, rate: int) -> torch.Tensor:
         """[N] position % rate of every row (a compressor's `ape` row)."""
@@ -67,12 +135,11 @@ class StepIndex:
 
     def group_starts(self, rate: int) -> torch.Tensor:
         """[S·c] first position w·m of each candidate group (`groups`): the position its entry stands for."""
-        return self._get(("group_starts", rate), lambda: (self.groups(rate)[0] * rate).reshape(-1))
+        return self._get(("group_starts", rate), lambda: (self.groups(rate) * rate).reshape(-1))
 
     def group_cos_sin(self, rope, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope.cos_sin` of the candidate groups' first positions (`group_starts`): [S·c, rd/2] each."""
-        group = self._rope_groups.get(id(rope), ("module", id(rope)))
-        return self._get(("group_rope", group, rate), lambda: rope.cos_sin(self.group_starts(rate)))
+        return self._rope_rows(rope, ("groups", rate), lambda: self.group_starts(rate))
 
     def ring_rows(self, ring: PositionRing) -> torch.Tensor:
         """[S, T] flat rows of the step's positions in a ring of `ring.size` rows per slot."""
@@ -81,33 +148,39 @@ class StepIndex:
     def window_keys(self, window: int, ring: PositionRing) -> torch.Tensor:
         """[N, W] ring rows of keys p − W + 1 .. p of every row, −1 before position 0."""
         def build():
-            keys = self.positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=self.flat.device)
-            return torch.where(keys >= 0, ring.rows(keys), -1).flatten(0, 1)
+            keys = self.positions.unsqueeze(-1) + self.tables.arange(1 - window, 1)  # [S, T, W]
+            return ring.rows(keys).masked_fill_(keys < 0, -1).flatten(0, 1)
         return self._get(("window", window, ring.size), build)
 
-    def groups(self, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressor groups a step can complete: (w [S, c], complete [S, c] bool), c = ceil(T/m);
-        w from start // m on, complete when its last position (w+1)·m − 1 was fed."""
+    def groups(self, rate: int) -> torch.Tensor:
+        """[S, c] the compressor groups w a step can complete, c = ceil(T/m), from start // m on
+        (group w is complete once its last position (w+1)·m − 1 was fed: `entry_rows`)."""
         def build():
             p = self.positions
-            w = p[:, :1] // rate + torch.arange(-(-p.shape[1] // rate), device=p.device)
-            return w, (w + 1) * rate <= p[:, -1:] + 1
+            return p[:, :1] // rate + self.tables.arange(0, -(-p.shape[1] // rate))
         return self._get(("groups", rate), build)
+
+    def _group_positions(self, rate: int, overlap: bool) -> torch.Tensor:
+        """[S, c, slots] the positions pooled into each candidate group: w·m + (−m .. m − 1) with
+        overlap (group w − 1's then w's), w·m + (0 .. m − 1) without; negative = missing."""
+        def build():
+            n_slots = self.positions.shape[0]
+            offsets = self.tables.arange(-rate if overlap else 0, rate)  # [slots]
+            return self.group_starts(rate).view(n_slots, -1, 1) + offsets
+        return self._get(("group_pos", rate, overlap), build)
 
     def group_rows(self, rate: int, overlap: bool, ring: PositionRing):
         """The ring rows pooled into each candidate group: (rows [S, c, slots], half [slots] long,
         missing [S, c, slots, 1] bool). Without overlap the m rows of group w; with overlap the "a"
-        halves (half 0) of group w − 1 then the "b" halves (half 1) of group w; group −1 is missing."""
+        halves (half 0) of group w − 1 then the "b" halves (half 1) of group w; group −1 is missing
+        (its rows are some row of the slot, to be masked)."""
         def build():
-            w, _ = self.groups(rate)
+            pos = self._group_positions(rate, overlap)  # [S, c, slots]
             if overlap:
-                offsets = torch.arange(-rate, rate, device=w.device)
-                half = (offsets >= 0).long()
-            else:
-                offsets = torch.arange(rate, device=w.device)
-                half = torch.zeros(rate, dtype=torch.long, device=w.device)
-            pos = w.unsqueeze(-1) * rate + offsets  # [S, c, slots]
-            return ring.rows(pos.clamp(min=0)), half, (pos < 0).unsqueeze(-1)
+                half, missing = self.tables.steps(-rate, rate), pos < 0
+            else:  # every position is >= 0: constant views, no launch
+                half, missing = self.tables.steps(-rate, 0), self.tables.negative(0, rate).expand_as(pos)
+            return ring.rows(pos), half, missing.unsqueeze(-1)
         return self._get(("group_rows", rate, overlap, ring.size), build)
 
     def pool_index(self, rate: int, overlap: bool, ring: PositionRing) -> torch.Tensor:
@@ -115,42 +188,42 @@ class StepIndex:
         −1 for a missing slot: [S·c, slots], what `compressor_pool_gather` reads."""
         def build():
             rows, half, missing = self.group_rows(rate, overlap, ring)
-            flat = rows * (2 if overlap else 1) + half
-            return torch.where(missing.squeeze(-1), -1, flat).flatten(0, 1)
+            if not overlap:  # coff 1, half 0 and nothing missing: the rows themselves
+                return rows.flatten(0, 1)
+            return torch.add(half, rows, alpha=2).masked_fill_(missing.squeeze(-1), -1).flatten(0, 1)
         return self._get(("pool_index", rate, overlap, ring.size), build)
 
     def entry_rows(self, rate: int, n_entries: int) -> torch.Tensor:
-        """[S·c] flat entry rows (slot·(E+1) + w) of the candidate groups; incomplete ones go to the
-        trash row E of their slot."""
+        """[S·c] flat entry rows (slot·(E+1) + w) of the candidate groups; a group not complete yet
+        (w >= (p_last + 1) // m, `visible` of the step's last position) goes to the trash row E of
+        its slot."""
         def build():
-            w, complete = self.groups(rate)
-            row = torch.where(complete, w, n_entries)
-            row = row + torch.arange(w.shape[0], device=w.device).unsqueeze(-1) * (n_entries + 1)
-            return row.reshape(-1)
+            w = self.groups(rate)  # [S, c]
+            incomplete = w >= self.visible(rate)[:, -1:]
+            slots = self.tables.arange(0, w.shape[0]).unsqueeze(-1)  # [S, 1]
+            return torch.add(w.masked_fill(incomplete, n_entries), slots, alpha=n_entries + 1).reshape(-1)
         return self._get(("entry_rows", rate, n_entries), build)
 
     def entry_offsets(self, first: int, n_entries: int) -> torch.Tensor:
         """[N, 1] pool row of entry 0 of each row's slot, slot s's entries starting at first + s·(E+1)."""
         def build():
-            n_slots, n_tok = self.positions.shape
-            base = first + torch.arange(n_slots, device=self.flat.device) * (n_entries + 1)
-            return base.repeat_interleave(n_tok).unsqueeze(-1)
+            slots = self.tables.arange(0, self.positions.shape[0]).unsqueeze(-1).expand_as(self.positions)
+            return (slots * (n_entries + 1)).add_(first).reshape(-1, 1)  # mul writes a fresh [S, T]
         return self._get(("entry_offsets", first, n_entries), build)
 
     def visible(self, rate: int) -> torch.Tensor:
         """[S, T] entries complete for each row: (p + 1) // m (entry w is reachable when w < it)."""
         return self._get(("visible", rate), lambda: (self.positions + 1) // rate)
 
-    def reachable(self, rate: int, n_entries: int) -> torch.Tensor:
-        """[N, E] bool: entry w is complete for row p, w < (p + 1) // m."""
+    def unreachable(self, rate: int, n_entries: int) -> torch.Tensor:
+        """[N, E] bool: entry w is not complete yet for row p, w >= (p + 1) // m."""
         def build():
-            visible = self.visible(rate).reshape(-1)
-            return torch.arange(n_entries, device=self.flat.device) < visible.unsqueeze(-1)
-        return self._get(("reachable", rate, n_entries), build)
+            return self.tables.arange(0, n_entries) >= self.visible(rate).reshape(-1, 1)
+        return self._get(("unreachable", rate, n_entries), build)
 
     def causal_entries(self, rate: int, n_entries: int, first: int) -> torch.Tensor:
         """[N, E] pool rows of every entry a row can see (HCA), −1 for the rest."""
         def build():
-            entries = torch.arange(n_entries, device=self.flat.device) + self.entry_offsets(first, n_entries)
-            return torch.where(self.reachable(rate, n_entries), entries, -1)
+            entries = self.tables.arange(0, n_entries) + self.entry_offsets(first, n_entries)  # [N, E]
+            return entries.masked_fill_(self.unreachable(rate, n_entries), -1)
         return self._get(("causal", rate, n_entries, first), build)

@@ -65,12 +65,16 @@ class PositionRing:
     def __init__(self, data: torch.Tensor):
         self.data = data
         self.slots, self.size = data.shape[:2]
+        # [S] first flat row slot·R of each slot: made here, outside any captured step, so `rows`
+        # costs two launches (remainder, add) instead of four.
+        self.base = torch.arange(self.slots, device=data.device) * self.size
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """Flat row (slot·R + p mod R) of positions [b, ...] of slots 0 .. b − 1 (b <= S, p >= 0) ->
-        same shape, long. The data is slot-major, so a bucket of the first b slots is a prefix."""
-        base = torch.arange(positions.shape[0], device=positions.device) * self.size
-        return base.view(-1, *([1] * (positions.dim() - 1))) + positions.remainder(self.size)
+        """Flat row (slot·R + p mod R) of positions [b, ...] of slots 0 .. b − 1 (b <= S) -> same
+        shape, long. The data is slot-major, so a bucket of the first b slots is a prefix. A negative
+        p also lands on a row of its slot (p mod R >= 0), which callers mask."""
+        base = self.base[: positions.shape[0]].view(-1, *([1] * (positions.dim() - 1)))
+        return positions.remainder(self.size) + base
 
     def flat(self) -> torch.Tensor:
         """[S·R, *tail] view of the data."""

@@ -39,7 +39,7 @@ import torch
 
 from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.state import check_capture
-from dspark.models.deepseek_v4.static_index import StepIndex, rope_groups
+from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticLayerState, StaticShape, StaticState
 
 
@@ -68,7 +68,9 @@ class StaticDecoderBase(abc.ABC):
         self.model = model
         self.shape = shape
         self.state = self.new_state(model, shape)
-        self.rope_groups = rope_groups(model)  # layers with equal RoPE tables share one cos / sin per step
+        # The steps' constant index tensors (RoPE tables per group of equal ropes, ranges), made here:
+        # never inside a captured step. (Named for what it held first; the forwards pass it to StepIndex.)
+        self.rope_groups = StepTables(model, shape)
 
     @abc.abstractmethod
     def new_state(self, model, shape: StaticShape):
