@@ -85,6 +85,14 @@ def reference(positions: torch.Tensor, ring_size: int, window: int, rate: int, n
                 entry_offsets=offsets, causal_entries=causal, group_starts=(w * rate).reshape(-1), visible=visible)
 
 
+def built(index: StepIndex, ring: PositionRing) -> dict:
+    """What `reference` computes, from `index` (window 8, CSA-like rate 4 with overlap, E 24, first 33)."""
+    return dict(window_keys=index.window_keys(8, ring), entry_rows=index.entry_rows(4, 24),
+                pool_index=index.pool_index(4, True, ring), entry_offsets=index.entry_offsets(33, 24),
+                causal_entries=index.causal_entries(4, 24, 33), group_starts=index.group_starts(4),
+                visible=index.visible(4))
+
+
 @pytest.mark.parametrize("starts,tokens", [([0, 5, 17], 4), ([3, 90, 40], 1), ([0, 1], 3), ([61, 7], 4)])
 def test_step_index_equals_the_plain_formulas(model, starts, tokens):
     """Window keys, entry rows, pool indices, entry offsets, causal entries of buckets of 1..3 slots and
@@ -94,10 +102,7 @@ def test_step_index_equals_the_plain_formulas(model, starts, tokens):
     ring = PositionRing(torch.zeros(3, 11, 2))
     index = StepIndex(positions, tables)
     ref = reference(positions, ring.size, window=8, rate=4, n_entries=24, first=33)
-    got = dict(window_keys=index.window_keys(8, ring), entry_rows=index.entry_rows(4, 24),
-               pool_index=index.pool_index(4, True, ring), entry_offsets=index.entry_offsets(33, 24),
-               causal_entries=index.causal_entries(4, 24, 33), group_starts=index.group_starts(4),
-               visible=index.visible(4))
+    got = built(index, ring)
     for name, value in ref.items():
         assert torch.equal(got[name], value), name
     rows, half, missing = index.group_rows(8, False, ring)  # HCA: m rows, nothing missing
@@ -128,3 +133,25 @@ def test_a_step_builds_its_indices_in_few_ops(model):
     assert 0 < total <= 48, counter.ops
     assert not {"arange", "scalar_tensor", "cos", "sin"} & set(counter.ops), counter.ops
     assert counter.ops["index_select"] == 4  # cos / sin of the rows and of the group starts, per group
+
+
+@pytest.mark.gpu
+def test_rope_table_and_indices_on_cuda():
+    """On the GPU too: table rows equal `Rope.cos_sin` bit for bit over a V4-sized context (the
+    table is computed in one batch, a step's rows in small ones), and the indices equal the formulas."""
+    cuda = torch.device("cuda")
+    model = dspark.init_model("tiny-v4", seed=0, device=cuda)
+    for rope in {id(layer.attn.rope): layer.attn.rope for layer in model.layers}.values():
+        table = RopeTable(rope, 8192)
+        for positions in (torch.arange(8192, device=cuda), torch.tensor([0, 4095, 8191], device=cuda)):
+            cos, sin = table.cos_sin(positions)
+            ref_cos, ref_sin = rope.cos_sin(positions)
+            assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    tables = StepTables(model, StaticShape(slots=3, max_context=96, tokens=4))
+    ring = PositionRing(torch.zeros(3, 11, 2, device=cuda))
+    for starts, tokens in (([0, 5, 17], 4), ([3, 90, 40], 1)):
+        positions = torch.tensor(starts).unsqueeze(-1) + torch.arange(tokens)
+        index = StepIndex(positions.to(cuda), tables)
+        got = built(index, ring)
+        for name, value in reference(positions, ring.size, window=8, rate=4, n_entries=24, first=33).items():
+            assert torch.equal(got[name].cpu(), value), name

@@ -53,9 +53,9 @@ def rope_groups(model) -> dict[int, int]:
 class StepTables:
     """A decoder's constant index tensors, built once at its construction (they allocate, so never
     inside a captured step): `ropes` a `RopeTable` per RoPE group over positions 0 .. C−1 (`groups`
-    maps id(layer.attn.rope) to its group, `rope_groups`) and the range views `arange`, `steps`,
-    `negative` of one span −A .. A − 1, A covering every range a `StepIndex` asks for (C, S, T, each
-    layer's window and twice its compress rate).
+    maps id(layer.attn.rope) to its group, `rope_groups`) and the range views `arange`,
+    `nonnegative`, `negative` of one span −A .. A − 1, A covering every range a `StepIndex` asks
+    for (C, S, T, each layer's window and twice its compress rate).
 
     Memory: the tables' C · rd · 4 bytes per group (two groups in V4 / V4.1: 64 MiB at C = 128K),
     plus 34 · A bytes for the spans.
@@ -80,7 +80,7 @@ class StepTables:
             raise ValueError(f"arange({start}, {end}) outside the step tables' span [{-self.reach}, {self.reach}]")
         return self.span[self.reach + start : self.reach + end]
 
-    def steps(self, start: int, end: int) -> torch.Tensor:
+    def nonnegative(self, start: int, end: int) -> torch.Tensor:
         """[end − start] long, 1 where start .. end − 1 is >= 0, else 0 (a view: no launch)."""
         self.arange(start, end)  # the range check
         return self._from_zero[self.reach + start : self.reach + end]
@@ -177,9 +177,9 @@ class StepIndex:
         def build():
             pos = self._group_positions(rate, overlap)  # [S, c, slots]
             if overlap:
-                half, missing = self.tables.steps(-rate, rate), pos < 0
+                half, missing = self.tables.nonnegative(-rate, rate), pos < 0
             else:  # every position is >= 0: constant views, no launch
-                half, missing = self.tables.steps(-rate, 0), self.tables.negative(0, rate).expand_as(pos)
+                half, missing = self.tables.nonnegative(-rate, 0), self.tables.negative(0, rate).expand_as(pos)
             return ring.rows(pos), half, missing.unsqueeze(-1)
         return self._get(("group_rows", rate, overlap, ring.size), build)
 
