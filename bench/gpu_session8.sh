@@ -48,7 +48,7 @@ part_b() {
 part_c() {
   logged c_tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_compressor_pool.py \
     tests/kernels/test_linear.py tests/kernels/test_static_step_kernels.py tests/models/test_deepseek_v4_static_graph_gpu.py \
-    tests/engine/test_engine_static_gpu.py "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
+    tests/models/test_deepseek_v4_step_index.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/engine/test_engine_static_gpu.py "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
   tail -n 4 $W/logs/c_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/c_tests.txt | head -n 20 | cut -c1-300
   logged c_profile 120 python3 bench/graph_decode.py --requests 1,8,64 --profile --out "$OUT/graph-profile-h200-s8.json"
   grep -h "graph_ms" $W/logs/c_profile.txt | cut -c1-330; tail -n 2 $W/logs/c_profile.txt | cut -c1-200
