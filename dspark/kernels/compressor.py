@@ -2,9 +2,12 @@
 
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
-* ``compressor_pool_gather(kv_rows, score_rows, index, norm_weight, *, eps, out_dtype) -> entries``:
-  the same with each entry's slots named by row (`index` [n, slots] into [R, d] rows, −1 = empty):
-  the static decode step pools straight from its rings instead of gathering copies first.
+* ``compressor_pool_gather(kv_rows, score_rows, index, norm_weight, *, eps, out_dtype, cos_sin=None,
+  out=None, out_rows=None) -> entries``: the same with each entry's slots named by row (`index`
+  [n, slots] into [R, d] rows, −1 = empty): the static decode step pools straight from its rings
+  instead of gathering copies first. Optionally the entries are rotated (`cos_sin`, the `rope` op's
+  math) and stored at rows `out_rows` of `out` (the step's entry buffer): the kernel that normalises
+  an entry writes it where it lives, instead of a RoPE launch and an `index_copy_` after the pool.
 * ``compressor_pool(kv, score, norm_weight, *, eps, out_dtype) -> entries``: each complete group
   of `slots` rows (V4 HCA: 128 tokens; V4 CSA and its indexer: 2·4 overlapping half-rows; V4.1:
   2 tokens) becomes one entry RMSNorm(Σ_slots softmax_slots(score) ⊙ kv), per channel. The
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels.compressor_ref import _check_args, _check_gather_args
+from dspark.kernels.compressor_ref import _check_args, _check_dest, _check_gather_args
 from dspark.kernels.compressor_ref import compressor_pool_gather_ref, compressor_pool_ref  # noqa: F401 (the ops' refs)
 from dspark.kernels.registry import require_triton
 
@@ -65,9 +68,36 @@ def _pooled(kv_ptr, score_ptr, idx_ptr, e, n_slots, dim, offs_d, d_mask, BLOCK_S
 
 
 @_jit
-def _pool_kernel(kv_ptr, score_ptr, idx_ptr, w_ptr, out_ptr, n_slots, dim, eps,
-                 BLOCK_SLOTS: tl.constexpr, D_PAD: tl.constexpr, GATHER: tl.constexpr):
-    """out[e] = w ⊙ RMS-normalised(round(Σ_slots softmax(score[e]) ⊙ kv[e])) for entry e = program_id(0)."""
+def _store_entry(out_ptr, row, out_stride, normed, offs_d, d_mask, cos_ptr, sin_ptr, e, dim, half,
+                 D_PAD: tl.constexpr, ROPE: tl.constexpr):
+    """Store entry e's normed channels (fp32, already rounded to out's dtype) at `row` of out; with ROPE
+    its trailing 2·half channels are first rotated pairwise by cos/sin[e] [n, half] as the `rope` op
+    does: (a, b) -> (a·c − b·s, a·s + b·c) in fp32, one rounding (launched without FMA contraction)."""
+    if ROPE:
+        even, odd = tl.split(tl.reshape(normed, (D_PAD // 2, 2)))  # channel pairs (2i, 2i+1)
+        j = tl.arange(0, D_PAD // 2) - (dim // 2 - half)  # rotary pair index; < 0: a nope pair
+        rot = (j >= 0) & (j < half)
+        c = tl.load(cos_ptr + e * half + j, mask=rot, other=1.0)
+        s = tl.load(sin_ptr + e * half + j, mask=rot, other=0.0)
+        rotated = tl.join(tl.where(rot, even * c - odd * s, even), tl.where(rot, even * s + odd * c, odd))
+        normed = tl.reshape(rotated, (D_PAD,))
+    tl.store(out_ptr + row * out_stride + offs_d, normed.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@_jit
+def _entry_row(rows_ptr, e, SCATTER: tl.constexpr):
+    """Destination row of entry e: rows[e] with SCATTER, else e."""
+    if SCATTER:
+        return tl.load(rows_ptr + e).to(tl.int64)
+    return e
+
+
+@_jit
+def _pool_kernel(kv_ptr, score_ptr, idx_ptr, w_ptr, out_ptr, rows_ptr, cos_ptr, sin_ptr, n_slots, dim, half,
+                 out_stride, eps, BLOCK_SLOTS: tl.constexpr, D_PAD: tl.constexpr, GATHER: tl.constexpr,
+                 ROPE: tl.constexpr, SCATTER: tl.constexpr):
+    """out[row(e)] = rope(w ⊙ RMS-normalised(round(Σ_slots softmax(score[e]) ⊙ kv[e]))) for entry e =
+    program_id(0) (rope and row: `_store_entry`, `_entry_row`)."""
     e = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < dim
@@ -75,7 +105,9 @@ def _pool_kernel(kv_ptr, score_ptr, idx_ptr, w_ptr, out_ptr, n_slots, dim, eps,
     pooled = pooled.to(out_ptr.dtype.element_ty).to(tl.float32)  # the stored entry's rounding
     rstd = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / dim + eps)
     w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0)
-    tl.store(out_ptr + e * dim + offs_d, (w * pooled * rstd).to(out_ptr.dtype.element_ty), mask=d_mask)
+    normed = (w * pooled * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    _store_entry(out_ptr, _entry_row(rows_ptr, e, SCATTER), out_stride, normed, offs_d, d_mask, cos_ptr, sin_ptr,
+                 e, dim, half, D_PAD, ROPE)
 
 
 @_jit
@@ -95,17 +127,21 @@ def _pool_part_kernel(kv_ptr, score_ptr, idx_ptr, out_ptr, sq_ptr, n_slots, dim,
 
 
 @_jit
-def _norm_kernel(out_ptr, sq_ptr, w_ptr, n_dblocks, dim, eps, NB_PAD: tl.constexpr, D_PAD: tl.constexpr):
-    """out[e] = w ⊙ out[e] / rms(out[e]) from the blocks' Σ pooled², in place."""
+def _norm_kernel(src_ptr, sq_ptr, w_ptr, out_ptr, rows_ptr, cos_ptr, sin_ptr, n_dblocks, dim, half, out_stride,
+                 eps, NB_PAD: tl.constexpr, D_PAD: tl.constexpr, ROPE: tl.constexpr, SCATTER: tl.constexpr):
+    """out[row(e)] = rope(w ⊙ src[e] / rms(src[e])) from the blocks' Σ pooled² (src: the rounded pooled
+    rows; it may be out itself, in place: every store follows the row's reduction)."""
     e = tl.program_id(0).to(tl.int64)
     offs_b = tl.arange(0, NB_PAD)
     total = tl.sum(tl.load(sq_ptr + e * n_dblocks + offs_b, mask=offs_b < n_dblocks, other=0.0), axis=0)
     rstd = 1.0 / tl.sqrt(total / dim + eps)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < dim
-    pooled = tl.load(out_ptr + e * dim + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    pooled = tl.load(src_ptr + e * dim + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0)
-    tl.store(out_ptr + e * dim + offs_d, (w * pooled * rstd).to(out_ptr.dtype.element_ty), mask=d_mask)
+    normed = (w * pooled * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    _store_entry(out_ptr, _entry_row(rows_ptr, e, SCATTER), out_stride, normed, offs_d, d_mask, cos_ptr, sin_ptr,
+                 e, dim, half, D_PAD, ROPE)
 
 
 SPLIT_BELOW = 64  # entries per call under which channels are split over programs (module docstring)
@@ -120,13 +156,17 @@ def compressor_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Te
 
 
 def compressor_pool_gather(kv_rows: torch.Tensor, score_rows: torch.Tensor, index: torch.Tensor,
-                           norm_weight: torch.Tensor, *, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """Fused `compressor_pool_gather_ref` (same signature): the slots are read through `index`."""
+                           norm_weight: torch.Tensor, *, eps: float, out_dtype: torch.dtype,
+                           cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused `compressor_pool_gather_ref` (same signature): the slots are read through `index`; the
+    rotation and the store at `out_rows` happen in the launch that normalises each entry."""
     require_triton()
     _check_gather_args(kv_rows, score_rows, index, norm_weight, eps, out_dtype)
     n, n_slots = index.shape
+    _check_dest(n, kv_rows.shape[1], out_dtype, cos_sin, out, out_rows)
     return _launch(kv_rows, score_rows, index.contiguous(), norm_weight, n, n_slots, eps, out_dtype,
-                   split=n < SPLIT_BELOW)
+                   split=n < SPLIT_BELOW, cos_sin=cos_sin, out=out, out_rows=out_rows)
 
 
 def launch_compressor_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Tensor, *, eps: float,
@@ -140,26 +180,39 @@ def launch_compressor_pool(kv: torch.Tensor, score: torch.Tensor, norm_weight: t
                    eps, out_dtype, split)
 
 
-def _launch(kv, score, index, norm_weight, n, n_slots, eps, out_dtype, split):
-    """Pool n entries of n_slots rows of kv / score [R, d] (rows e·slots + j, or index [n, slots])."""
+def _launch(kv, score, index, norm_weight, n, n_slots, eps, out_dtype, split, cos_sin=None, out=None,
+            out_rows=None):
+    """Pool n entries of n_slots rows of kv / score [R, d] (rows e·slots + j, or index [n, slots]);
+    rotate them by cos_sin ([n, rd/2] each) and store them at out[out_rows] ([R', d], [n]) when given."""
     dim = kv.shape[-1]
-    out = torch.empty((n, dim), dtype=out_dtype, device=kv.device)
+    if out is not None and out.stride(-1) != 1:
+        raise ValueError(f"out must have contiguous rows, got strides {out.stride()}")
+    if cos_sin is not None and (dim - 2 * cos_sin[0].shape[-1]) % 2:
+        raise ValueError(f"the fused rotation needs an even number of unrotated channels, got d={dim}, "
+                         f"rd={2 * cos_sin[0].shape[-1]}")
+    dest = torch.empty((n, dim), dtype=out_dtype, device=kv.device) if out is None else out
     if n == 0:
-        return out
+        return dest
     kv, score, weight = kv.contiguous(), score.float().contiguous(), norm_weight.float().contiguous()
-    gather = index is not None
-    idx = index if gather else kv  # unused without GATHER
+    gather, rope, scatter = index is not None, cos_sin is not None, out_rows is not None
+    idx = index if gather else kv  # unused without GATHER (and likewise below)
+    rows = out_rows.contiguous() if scatter else kv
+    cos, sin = (t.float().contiguous() for t in cos_sin) if rope else (weight, weight)
+    half = cos.shape[-1] if rope else 0
     d_pad = triton.next_power_of_2(dim)
+    tail = dict(D_PAD=d_pad, ROPE=rope, SCATTER=scatter, num_warps=4 if d_pad >= 256 else 2,
+                enable_fp_fusion=not rope)  # the rotation rounds as the `rope` op: no FMA
     if split:
         n_dblocks = triton.cdiv(dim, _SPLIT_BLOCK_D)
+        pooled = dest if out is None else torch.empty((n, dim), dtype=out_dtype, device=kv.device)
         sq = torch.empty((n, n_dblocks), dtype=torch.float32, device=kv.device)
-        _pool_part_kernel[(n, n_dblocks)](kv, score, idx, out, sq, n_slots, dim, n_dblocks,
+        _pool_part_kernel[(n, n_dblocks)](kv, score, idx, pooled, sq, n_slots, dim, n_dblocks,
                                           BLOCK_SLOTS=max(1, min(triton.next_power_of_2(n_slots), 64)),
                                           BLOCK_D=_SPLIT_BLOCK_D, GATHER=gather, num_warps=4)
-        _norm_kernel[(n,)](out, sq, weight, n_dblocks, dim, float(eps), NB_PAD=triton.next_power_of_2(n_dblocks),
-                           D_PAD=d_pad, num_warps=4 if d_pad >= 256 else 2)
-        return out
+        _norm_kernel[(n,)](pooled, sq, weight, dest, rows, cos, sin, n_dblocks, dim, half, dest.stride(0), float(eps),
+                           NB_PAD=triton.next_power_of_2(n_dblocks), **tail)
+        return dest
     block_slots = max(1, min(triton.next_power_of_2(n_slots), 4096 // d_pad))  # [slots, d] tiles of <= 4K
-    _pool_kernel[(n,)](kv, score, idx, weight, out, n_slots, dim, float(eps), BLOCK_SLOTS=block_slots, D_PAD=d_pad,
-                       GATHER=gather, num_warps=4 if d_pad >= 256 else 2)
-    return out
+    _pool_kernel[(n,)](kv, score, idx, weight, dest, rows, cos, sin, n_slots, dim, half, dest.stride(0), float(eps),
+                       BLOCK_SLOTS=block_slots, GATHER=gather, **tail)
+    return dest

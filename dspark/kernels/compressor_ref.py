@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from dspark.kernels.rope_ref import rope_ref
+
 
 def _check_args(kv, score, norm_weight, eps, out_dtype) -> None:
     if kv.dim() != 3:
@@ -49,14 +51,43 @@ def _check_gather_args(kv_rows, score_rows, index, norm_weight, eps, out_dtype) 
     _check_args(kv_rows.unsqueeze(0), score_rows.unsqueeze(0), norm_weight, eps, out_dtype)
 
 
+def _check_dest(n, dim, out_dtype, cos_sin, out, out_rows) -> None:
+    """The gather op's optional RoPE tables and destination (see `compressor_pool_gather_ref`)."""
+    if cos_sin is not None:
+        cos, sin = cos_sin
+        if cos.dim() != 2 or cos.shape[0] != n or sin.shape != cos.shape or not 0 < 2 * cos.shape[1] <= dim:
+            raise ValueError(f"cos_sin must be two [n={n}, rd/2] tables with rd <= d={dim}, got "
+                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if (out is None) != (out_rows is None):
+        raise ValueError("out and out_rows go together: pass both or neither")
+    if out is None:
+        return
+    if out.dim() != 2 or out.shape[1] != dim or out.dtype != out_dtype:
+        raise ValueError(f"out must be [R, d={dim}] {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out_rows.shape != (n,) or out_rows.dtype != torch.long:
+        raise ValueError(f"out_rows must be long [n={n}], got {tuple(out_rows.shape)} {out_rows.dtype}")
+
+
 def compressor_pool_gather_ref(kv_rows: torch.Tensor, score_rows: torch.Tensor, index: torch.Tensor,
-                               norm_weight: torch.Tensor, *, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+                               norm_weight: torch.Tensor, *, eps: float, out_dtype: torch.dtype,
+                               cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """`compressor_pool_ref` of slots gathered by row: kv_rows [R, d], score_rows [R, d] fp32 (e.g. a
     static state's rings viewed as rows), index [n, slots] rows of each entry's slots, −1 = an empty
-    slot (value 0, logit −inf). Returns [n, d] in `out_dtype`."""
+    slot (value 0, logit −inf). Returns [n, d] in `out_dtype`.
+
+    Optional, for the static step (its entries go straight to their rows, no copy launch after):
+    cos_sin ([n, rd/2], [n, rd/2]) fp32 rotates each entry's trailing rd channels as the `rope` op
+    does (after the norm's rounding); out [R', d] `out_dtype` with out_rows [n] long stores entry e
+    at row out_rows[e] of out (an `index_copy_`; rows not named keep their values) and returns out.
+    """
     _check_gather_args(kv_rows, score_rows, index, norm_weight, eps, out_dtype)
+    _check_dest(index.shape[0], kv_rows.shape[1], out_dtype, cos_sin, out, out_rows)
     missing = (index < 0).unsqueeze(-1)
     rows = index.clamp(min=0)
     kv = kv_rows[rows].masked_fill(missing, 0)
     score = score_rows[rows].masked_fill(missing, float("-inf"))
-    return compressor_pool_ref(kv, score, norm_weight, eps=eps, out_dtype=out_dtype)
+    entries = compressor_pool_ref(kv, score, norm_weight, eps=eps, out_dtype=out_dtype)
+    if cos_sin is not None:
+        entries = rope_ref(entries, *cos_sin)
+    return entries if out is None else out.index_copy_(0, out_rows, entries)

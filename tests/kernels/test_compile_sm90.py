@@ -170,6 +170,12 @@ def run_every_tile_class():
             index = torch.tensor([[-1] + list(range(1, slots)), list(range(slots))], device=DEVICE)  # slots by row
             compressor._launch(kv.view(-1, dim), score.view(-1, dim), index, torch.ones(dim, device=DEVICE), 2, slots,
                                1e-6, torch.bfloat16, split)
+            if dtype == torch.bfloat16:  # the V4 static step: rd 64 rotated, entries stored at their rows
+                angles = torch.rand(2, 32, generator=g).to(DEVICE)
+                compressor._launch(kv.view(-1, dim), score.view(-1, dim), index, torch.ones(dim, device=DEVICE), 2,
+                                   slots, 1e-6, torch.bfloat16, split, cos_sin=(angles.cos(), angles.sin()),
+                                   out=torch.empty(5, dim, dtype=dtype, device=DEVICE),
+                                   out_rows=torch.tensor([4, 1], device=DEVICE))
     # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) decode tiles, and
     # v4-mini's (G 4, R 512) narrower decode tiles; the middle and prefill tiles; fp32 (ieee dot).
     for n_tok, heads, groups, rank, dtype in ((2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dspark.kernels import compressor, compressor_ref, triton_available
+from dspark.kernels.rope_ref import rope_ref
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,3 +122,95 @@ def test_real_shapes_on_gpu(n, slots, dim, split):
     out = compressor.launch_compressor_pool(kv, score, weight, eps=1e-6, out_dtype=torch.bfloat16, split=split)
     ref = compressor.compressor_pool_ref(kv, score, weight, eps=1e-6, out_dtype=torch.bfloat16)
     assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < TOL[torch.bfloat16]
+
+
+def _destination(n, dim, half, out_dtype, seed):
+    """A poisoned destination of n + 5 rows (NaN: a row written by mistake shows), n distinct rows of
+    it for the entries, and random RoPE tables [n, half]."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((n + 5, dim), float("nan"), dtype=out_dtype, device=DEVICE)
+    rows = torch.randperm(n + 5, generator=g)[:n].to(DEVICE)
+    angles = torch.rand(n, half, generator=g).to(DEVICE) * 6
+    return out, rows, (angles.cos(), angles.sin())
+
+
+DEST_CASES = [  # (n, slots, d, rd/2, kv dtype, out dtype): CSA and its indexer (rd 16 of 32 / 48), HCA
+    (3, 8, 32, 8, torch.bfloat16, torch.bfloat16),
+    (2, 8, 48, 16, torch.float32, torch.float32),
+    (2, 128, 64, 8, torch.bfloat16, torch.bfloat16),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("n,slots,dim,half,kv_dtype,out_dtype", DEST_CASES)
+def test_gather_with_rope_and_destination_matches_ref(n, slots, dim, half, kv_dtype, out_dtype, split, poisoned):
+    """The entries rotated and stored at their rows by the pooling launches equal the reference's
+    pool, `rope_ref`, `index_copy_`; every row not named keeps its (NaN) poison."""
+    kv, score, weight = make_inputs(n, slots, dim, kv_dtype, seed=dim + half)
+    kv_rows, score_rows = kv.reshape(-1, dim), score.reshape(-1, dim)
+    index = torch.arange(n * slots, device=DEVICE).view(n, slots)
+    index[0, : slots // 2] = -1
+    out, rows, cos_sin = _destination(n, dim, half, out_dtype, seed=n)
+    ref = compressor.compressor_pool_gather_ref(kv_rows, score_rows, index, weight, eps=1e-6, out_dtype=out_dtype,
+                                                cos_sin=cos_sin, out=out.clone(), out_rows=rows)
+    plain = compressor.compressor_pool_gather_ref(kv_rows, score_rows, index, weight, eps=1e-6, out_dtype=out_dtype)
+    assert torch.equal(ref[rows], rope_ref(plain, *cos_sin))
+    with poisoned():
+        got = compressor._launch(kv_rows, score_rows, index, weight, n, slots, 1e-6, out_dtype, split,
+                                 cos_sin=cos_sin, out=out, out_rows=rows)
+    assert got is out
+    untouched = torch.ones(n + 5, dtype=torch.bool, device=DEVICE)
+    untouched[rows] = False
+    assert out[untouched].isnan().all() and not out[rows].isnan().any()
+    assert rel_err(out[rows], ref[rows]) < TOL[out_dtype]
+
+
+@needs_triton
+def test_gather_op_stores_in_place_without_rope(poisoned):
+    """Destination only (no tables): the op's own launch choice, the reference's rows bit for bit in fp32."""
+    n, slots, dim = 2, 8, 32
+    kv, score, weight = make_inputs(n, slots, dim, torch.float32, seed=9)
+    index = torch.arange(n * slots, device=DEVICE).view(n, slots)
+    out, rows, _ = _destination(n, dim, 4, torch.float32, seed=2)
+    args = (kv.reshape(-1, dim), score.reshape(-1, dim), index, weight)
+    ref = compressor.compressor_pool_gather_ref(*args, eps=1e-6, out_dtype=torch.float32)
+    got = compressor.compressor_pool_gather(*args, eps=1e-6, out_dtype=torch.float32, out=out, out_rows=rows)
+    assert got is out and rel_err(out[rows], ref) < TOL[torch.float32]
+    assert out.isnan().sum() == 5 * dim
+
+
+def test_gather_destination_is_validated():
+    rows = torch.randn(16, 8)
+    index = torch.zeros(2, 4, dtype=torch.long)
+    op = compressor_ref.compressor_pool_gather_ref
+    kw = dict(eps=1e-6, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="go together"):
+        op(rows, rows, index, torch.ones(8), out=torch.zeros(4, 8), **kw)
+    with pytest.raises(ValueError, match="out must be"):
+        op(rows, rows, index, torch.ones(8), out=torch.zeros(4, 8).bfloat16(), out_rows=torch.tensor([0, 1]), **kw)
+    with pytest.raises(ValueError, match="out_rows must be"):
+        op(rows, rows, index, torch.ones(8), out=torch.zeros(4, 8), out_rows=torch.tensor([0, 1, 2]), **kw)
+    with pytest.raises(ValueError, match="cos_sin"):
+        op(rows, rows, index, torch.ones(8), cos_sin=(torch.ones(2, 5), torch.ones(2, 5)), **kw)
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("slots,dim", [(8, 512), (8, 128), (128, 512)])
+def test_gather_rope_destination_real_shapes_on_gpu(slots, dim, split):
+    """v4-mini's static step at batch 1: one entry (CSA / indexer / HCA, rd 64) stored in a big entry buffer."""
+    n = 1
+    kv, score, weight = make_inputs(n, slots, dim, torch.bfloat16, seed=dim, empty_first=slots == 8)
+    index = torch.arange(n * slots, device=DEVICE).view(n, slots)
+    out, rows, cos_sin = _destination(n, dim, 32, torch.bfloat16, seed=slots)
+    args = (kv.reshape(-1, dim), score.reshape(-1, dim), index, weight)
+    ref = compressor.compressor_pool_gather_ref(*args, eps=1e-6, out_dtype=torch.bfloat16, cos_sin=cos_sin,
+                                                out=out.clone(), out_rows=rows)
+    compressor._launch(*args, n, slots, 1e-6, torch.bfloat16, split, cos_sin=cos_sin, out=out, out_rows=rows)
+    assert rel_err(out[rows], ref[rows]) < TOL[torch.bfloat16]
+    assert out.isnan().sum() == 5 * dim

@@ -137,12 +137,13 @@ class Compressor(nn.Module):
         return self.rope_op(normed, cos, sin)
 
     def pool_rows(self, kv_rows: torch.Tensor, score_rows: torch.Tensor, index: torch.Tensor,
-                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                  cos_sin: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, out_rows: torch.Tensor) -> None:
         """`pool` of entries whose slots are rows of kv_rows / score_rows [R, d_c] (index [n, slots],
-        −1 = empty slot): the static step pools straight from its rings. -> rotated entries [n, d_c]."""
-        normed = self.pool_gather_op(kv_rows, score_rows, index, self.norm.weight, eps=self.norm.eps,
-                                     out_dtype=kv_rows.dtype)
-        return self.rope_op(normed, *cos_sin)
+        −1 = empty slot), each rotated entry stored at row out_rows[e] of out [R', d_c] (out_rows [n]
+        long): the static step pools straight from its rings into its entry buffer, RoPE and the
+        store in the pooling launches."""
+        self.pool_gather_op(kv_rows, score_rows, index, self.norm.weight, eps=self.norm.eps, out_dtype=out.dtype,
+                            cos_sin=cos_sin, out=out, out_rows=out_rows)
 
     def _overlap_slots_batch(self, spans: list[tuple[CompressorCache, int, int]]):
         """`_overlap_slots` of entries first..last−1 of several caches at once: their row windows are

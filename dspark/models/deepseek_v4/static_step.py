@@ -209,20 +209,23 @@ def update_compressor(compressor, state: StaticCompressorState, index: StepIndex
     step's positions, then pool the ceil(T/m) groups a step can complete and write each entry at its
     slot (groups not complete yet go to the trash row E: the same count every step, whatever the data).
     With the fused `compressor_pool_gather` the pool reads its slots straight from the rings
-    (`StepIndex.pool_index`); otherwise they are gathered into [S·c, slots, d_c] copies first.
+    (`StepIndex.pool_index`) and stores each rotated entry at its row; otherwise they are gathered
+    into [S·c, slots, d_c] copies first and the entries copied to their rows after.
     """
     m = compressor.rate
     rows = index.ring_rows(state.kv)  # the kv and score rings have the same size
     state.kv.write_rows(rows, kv)
     state.score.write_rows(rows, score)
     cos_sin = index.group_cos_sin(rope, m)
+    entry_rows = index.entry_rows(m, state.n_entries)  # [S·c]
     if compressor.pools_from_rows:
-        entries = compressor.pool_rows(state.kv.flat().view(-1, state.dim), state.score.flat().view(-1, state.dim),
-                                       index.pool_index(m, state.overlap, state.kv), cos_sin)  # [S·c, d_c]
-    else:
-        kv_slots, score_slots = _candidate_slots(state, index, m)  # [S·c, slots, d_c]
-        entries = compressor.pool(kv_slots, score_slots, index.group_starts(m), rope, cos_sin)
-    state.entries.view(-1, state.dim).index_copy_(0, index.entry_rows(m, state.n_entries), entries)
+        compressor.pool_rows(state.kv.flat().view(-1, state.dim), state.score.flat().view(-1, state.dim),
+                             index.pool_index(m, state.overlap, state.kv), cos_sin, state.entries.view(-1, state.dim),
+                             entry_rows)
+        return
+    kv_slots, score_slots = _candidate_slots(state, index, m)  # [S·c, slots, d_c]
+    entries = compressor.pool(kv_slots, score_slots, index.group_starts(m), rope, cos_sin)
+    state.entries.view(-1, state.dim).index_copy_(0, entry_rows, entries)
 
 
 def _candidate_slots(state: StaticCompressorState, index: StepIndex, m: int) -> tuple[torch.Tensor, torch.Tensor]:
