@@ -3,13 +3,16 @@
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
 * ``linear(x, weight) -> y``: x [..., K], weight [N, K] (no bias) -> y [..., N] in x.dtype.
-* ``compressor_project(x, wkv, wgate, ape, phase) -> (kv, score)``: a compressor's two projections
-  and its position bias (deepseek_v4 spec §8.2): kv = x·wkvᵀ, score = x·wgateᵀ (rounded to x.dtype,
+* ``compressor_project(x, wkv, wgate, ape, phase, *, kv_out=None, score_out=None, out_rows=None)
+  -> (kv, score)``: a compressor's two projections and its position bias (deepseek_v4 spec §8.2): kv = x·wkvᵀ, score = x·wgateᵀ (rounded to x.dtype,
   as the model's linear returns it) + ape[phase] in fp32; x [N, K], wkv / wgate [W, K], ape
   [rate, W] fp32, phase [N] long -> kv [N, W] x.dtype, score [N, W] fp32. For one row where the GEMV
   pays (`gemv_pays` on [2W, K]) one launch reads x once for both weights and adds the bias in its
   epilogue (otherwise two GEMVs, a gather and an add: 4 launches per compressor, 15 compressors per
-  v4-mini step).
+  v4-mini step). With destinations (``kv_out=`` [R, W] x.dtype, ``score_out=`` [R, W] fp32,
+  ``out_rows=`` [N] long: a static state's rings viewed as rows) row i goes to row out_rows[i] of
+  each and the op returns (kv_out, score_out): the kernel stores there itself (no `index_copy_`
+  launches after it), the reference path copies.
 
 A batch-1 decode step multiplies one row by every dense weight of the model, and its small weights
 are latency-bound: cuBLAS's one-row kernels took 4.4-12.3 µs for the 1-4 MB projections of v4-mini
@@ -68,11 +71,36 @@ def _check_project_args(x, wkv, wgate, ape, phase) -> None:
         raise ValueError(f"phase must be long [{x.shape[0]}], got {tuple(phase.shape)} {phase.dtype}")
 
 
+def _check_project_dest(x, wkv, kv_out, score_out, out_rows) -> None:
+    given = [t is not None for t in (kv_out, score_out, out_rows)]
+    if any(given) and not all(given):
+        raise ValueError("kv_out, score_out and out_rows go together: pass all three or none")
+    if not all(given):
+        return
+    width = wkv.shape[0]
+    if kv_out.dim() != 2 or kv_out.shape[1] != width or kv_out.dtype != x.dtype or kv_out.stride(1) != 1:
+        raise ValueError(f"kv_out must be [R, {width}] {x.dtype} with contiguous rows, got {tuple(kv_out.shape)} "
+                         f"{kv_out.dtype}")
+    if score_out.dim() != 2 or score_out.shape[1] != width or score_out.dtype != torch.float32 \
+            or score_out.stride(1) != 1:
+        raise ValueError(f"score_out must be fp32 [R, {width}] with contiguous rows, got {tuple(score_out.shape)} "
+                         f"{score_out.dtype}")
+    if out_rows.shape != (x.shape[0],) or out_rows.dtype != torch.long:
+        raise ValueError(f"out_rows must be long [{x.shape[0]}], got {tuple(out_rows.shape)} {out_rows.dtype}")
+
+
 def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor,
-                           phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x·wkvᵀ [N, W] x.dtype, x·wgateᵀ + ape[phase] [N, W] fp32); model dtype + fp32 promotes to fp32."""
+                           phase: torch.Tensor, *, kv_out: torch.Tensor | None = None,
+                           score_out: torch.Tensor | None = None,
+                           out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x·wkvᵀ [N, W] x.dtype, x·wgateᵀ + ape[phase] [N, W] fp32); model dtype + fp32 promotes to fp32.
+    With kv_out / score_out / out_rows both are copied to rows out_rows; returns (kv_out, score_out)."""
     _check_project_args(x, wkv, wgate, ape, phase)
-    return F.linear(x, wkv), F.linear(x, wgate) + ape[phase]
+    _check_project_dest(x, wkv, kv_out, score_out, out_rows)
+    kv, score = F.linear(x, wkv), F.linear(x, wgate) + ape[phase]
+    if kv_out is None:
+        return kv, score
+    return kv_out.index_copy_(0, out_rows, kv), score_out.index_copy_(0, out_rows, score)
 
 
 # --------------------------------------------------------------------------------- Triton kernels
@@ -95,10 +123,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @_jit
-def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, kv_ptr, score_ptr, n_out, n_in,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """kv[n] = Σ_k x[k]·wkv[n, k] and score[n] = round(Σ_k x[k]·wgate[n, k]) + ape[phase, n] for the
-    BLOCK_N columns of program n (one row x, read once for both weights), fp32 sums."""
+def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, rows_ptr, kv_ptr, score_ptr, n_out, n_in,
+                    kv_stride, score_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCATTER: tl.constexpr):
+    """kv[r, n] = Σ_k x[k]·wkv[n, k] and score[r, n] = round(Σ_k x[k]·wgate[n, k]) + ape[phase, n] for the
+    BLOCK_N columns of program n (one row x, read once for both weights), fp32 sums; r = rows[0] with
+    SCATTER (the row's place in a ring), else 0."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     rows = offs_n.to(tl.int64)[:, None] * n_in
@@ -111,11 +140,12 @@ def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, kv_ptr, score
         x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         acc_kv += tl.load(wkv_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
         acc_gate += tl.load(wgate_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-    tl.store(kv_ptr + offs_n, tl.sum(acc_kv, axis=1).to(kv_ptr.dtype.element_ty), mask=n_mask)
+    row = tl.load(rows_ptr).to(tl.int64) if SCATTER else 0
+    tl.store(kv_ptr + row * kv_stride + offs_n, tl.sum(acc_kv, axis=1).to(kv_ptr.dtype.element_ty), mask=n_mask)
     gate = tl.sum(acc_gate, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)  # the linear's rounding
     phase = tl.load(phase_ptr).to(tl.int64)
     bias = tl.load(ape_ptr + phase * n_out + offs_n, mask=n_mask, other=0.0)
-    tl.store(score_ptr + offs_n, gate + bias, mask=n_mask)
+    tl.store(score_ptr + row * score_stride + offs_n, gate + bias, mask=n_mask)
 
 
 # ------------------------------------------------------------------------------------- launchers
@@ -175,29 +205,39 @@ def project_tiles(n_out: int, n_in: int, n_sms: int) -> tuple[int, int, int]:
     return max(1, block_n // 2), block_k, warps
 
 
-def launch_project(x, wkv, wgate, ape, phase, tiles: tuple[int, int, int] | None = None):
+def launch_project(x, wkv, wgate, ape, phase, tiles: tuple[int, int, int] | None = None, *, kv_out=None,
+                   score_out=None, out_rows=None):
     """`_project_kernel` for one row x [1, K] whatever the weights (the bench compares it with the
-    reference on every shape; the model goes through `compressor_project`)."""
+    reference on every shape; the model goes through `compressor_project`); with the destinations of
+    `compressor_project` it stores the row at out_rows[0] of kv_out / score_out and returns them."""
     _check_project_args(x, wkv, wgate, ape, phase)
+    _check_project_dest(x, wkv, kv_out, score_out, out_rows)
     if x.shape[0] != 1:
         raise ValueError(f"launch_project takes one row, got x {tuple(x.shape)}")
     require_triton()
     n_out, n_in = wkv.shape
-    kv = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    score = torch.empty((1, n_out), dtype=torch.float32, device=x.device)
+    scatter = out_rows is not None
+    if not scatter:
+        kv_out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+        score_out = torch.empty((1, n_out), dtype=torch.float32, device=x.device)
     block_n, block_k, warps = tiles or project_tiles(n_out, n_in, _num_sms(x.device))
     _project_kernel[(triton.cdiv(n_out, block_n),)](
-        x.contiguous(), wkv.contiguous(), wgate.contiguous(), ape.contiguous(), phase.contiguous(), kv, score,
-        n_out, n_in, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    return kv, score
+        x.contiguous(), wkv.contiguous(), wgate.contiguous(), ape.contiguous(), phase.contiguous(),
+        out_rows if scatter else phase, kv_out, score_out, n_out, n_in, kv_out.stride(0), score_out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, SCATTER=scatter, num_warps=warps)
+    return kv_out, score_out
 
 
 def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor,
-                       phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       phase: torch.Tensor, *, kv_out: torch.Tensor | None = None,
+                       score_out: torch.Tensor | None = None,
+                       out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused `compressor_project_ref` (same signature): `_project_kernel` for one row where the GEMV
-    pays on the two weights together, the reference elsewhere and while autograd records."""
+    pays on the two weights together (storing at out_rows itself), the reference elsewhere (which
+    copies to out_rows after it) and while autograd records."""
     _check_project_args(x, wkv, wgate, ape, phase)
+    dest = dict(kv_out=kv_out, score_out=score_out, out_rows=out_rows)
     n_out, n_in = wkv.shape
     if not gemv_pays(x.shape[0], 2 * n_out, n_in) or records_grad(x, wkv, wgate, ape):
-        return compressor_project_ref(x, wkv, wgate, ape, phase)
-    return launch_project(x, wkv, wgate, ape, phase)
+        return compressor_project_ref(x, wkv, wgate, ape, phase, **dest)
+    return launch_project(x, wkv, wgate, ape, phase, **dest)

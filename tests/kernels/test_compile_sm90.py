@@ -206,6 +206,9 @@ def run_every_tile_class():
         wkv, wgate = (torch.randn(width, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
         ape, phase = torch.randn(4, width, device=DEVICE), torch.tensor([1], device=DEVICE)
         linear.launch_project(x, wkv, wgate, ape, phase, linear.project_tiles(width, 2048, 132))
+        rings = (torch.empty(7, width, dtype=torch.bfloat16, device=DEVICE), torch.empty(7, width, device=DEVICE))
+        linear.launch_project(x, wkv, wgate, ape, phase, linear.project_tiles(width, 2048, 132), kv_out=rings[0],
+                              score_out=rings[1], out_rows=torch.tensor([5], device=DEVICE))  # into the static rings
     # V4.1 cache QAT rounding, every format, bf16 window latents / fp32 rows.
     for fmt, dtype in (("fp8_ue8m0", torch.bfloat16), ("fp4_ue8m0", torch.bfloat16), ("fp4_e4m3", torch.float32)):
         cache_round.cache_round(torch.randn(2, 512, generator=g).to(DEVICE, dtype), fmt=fmt)

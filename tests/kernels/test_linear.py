@@ -155,7 +155,7 @@ def test_compressor_project_runs_the_kernel_where_the_gemv_pays(n_rows, n_in, ke
     args = project_inputs(n_rows, 16, n_in, 4, torch.float32, seed=n_rows)
     calls = []
     launch = op.launch_project
-    monkeypatch.setattr(op, "launch_project", lambda *a: calls.append(a) or launch(*a))
+    monkeypatch.setattr(op, "launch_project", lambda *a, **k: calls.append(a) or launch(*a, **k))
     kv, score = op.compressor_project(*args)
     ref_kv, ref_score = op.compressor_project_ref(*args)
     assert bool(calls) == kernel
@@ -172,6 +172,62 @@ def test_compressor_project_rejects_bad_arguments():
         op.compressor_project_ref(x, wkv, wgate, ape, phase[:1])
     with pytest.raises(ValueError, match="x must be"):
         op.compressor_project_ref(x[None], wkv, wgate, ape, phase)
+
+
+def ring_destination(n_rows, width, dtype, seed):
+    """Poisoned rings (NaN) of n_rows + 6 rows viewed as rows, and n_rows distinct rows of them."""
+    g = torch.Generator().manual_seed(seed)
+    kv_out = torch.full((n_rows + 6, width), float("nan"), dtype=dtype, device=DEVICE)
+    score_out = torch.full((n_rows + 6, width), float("nan"), device=DEVICE)
+    return kv_out, score_out, torch.randperm(n_rows + 6, generator=g)[:n_rows].to(DEVICE)
+
+
+def assert_rows_written(kv_out, score_out, rows, ref_kv, ref_score, tol):
+    """The named rows hold the reference's rows; every other row kept its NaN poison."""
+    untouched = torch.ones(kv_out.shape[0], dtype=torch.bool, device=kv_out.device)
+    untouched[rows] = False
+    assert kv_out[untouched].isnan().all() and score_out[untouched].isnan().all()
+    assert rel_err(kv_out[rows], ref_kv) < tol and rel_err(score_out[rows], ref_score) < tol
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width,n_in", [(24, 40), (48, 2048)])
+def test_compressor_project_kernel_stores_at_its_ring_row(dtype, width, n_in, poisoned):
+    """With destinations the kernel writes kv and score straight at out_rows[0] of the two rings."""
+    args = project_inputs(1, width, n_in, 4, dtype, seed=width + 1)
+    kv_out, score_out, rows = ring_destination(1, width, dtype, seed=width)
+    with poisoned():
+        got = op.launch_project(*args, kv_out=kv_out, score_out=score_out, out_rows=rows)
+    assert got[0] is kv_out and got[1] is score_out
+    assert_rows_written(kv_out, score_out, rows, *op.compressor_project_ref(*args), TOL[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("n_rows,n_in,kernel", [(1, 2048, True), (3, 2048, False), (1, 1024, False)])
+def test_compressor_project_destination_on_both_paths(n_rows, n_in, kernel, monkeypatch):
+    """The op's destinations wherever it runs: the kernel stores them, the reference copies them."""
+    args = project_inputs(n_rows, 16, n_in, 4, torch.float32, seed=n_rows + 7)
+    kv_out, score_out, rows = ring_destination(n_rows, 16, torch.float32, seed=n_rows)
+    calls = []
+    launch = op.launch_project
+    monkeypatch.setattr(op, "launch_project", lambda *a, **k: calls.append(k) or launch(*a, **k))
+    op.compressor_project(*args, kv_out=kv_out, score_out=score_out, out_rows=rows)
+    assert bool(calls) == kernel
+    assert_rows_written(kv_out, score_out, rows, *op.compressor_project_ref(*args), TOL[torch.float32])
+
+
+def test_compressor_project_destination_is_validated():
+    args = project_inputs(2, 8, 16, 4, torch.float32, seed=1, device="cpu")
+    kv_out, score_out, rows = torch.zeros(5, 8), torch.zeros(5, 8), torch.tensor([0, 3])
+    with pytest.raises(ValueError, match="go together"):
+        op.compressor_project_ref(*args, kv_out=kv_out, out_rows=rows)
+    with pytest.raises(ValueError, match="kv_out must be"):
+        op.compressor_project_ref(*args, kv_out=kv_out[:, :4], score_out=score_out, out_rows=rows)
+    with pytest.raises(ValueError, match="score_out must be"):
+        op.compressor_project_ref(*args, kv_out=kv_out, score_out=score_out.double(), out_rows=rows)
+    with pytest.raises(ValueError, match="out_rows must be"):
+        op.compressor_project_ref(*args, kv_out=kv_out, score_out=score_out, out_rows=rows[:1])
 
 
 @needs_triton
@@ -193,6 +249,29 @@ def test_compressor_module_on_the_fused_projection():
         assert rel_err(got, want) < TOL[torch.float32]
 
 
+@needs_triton
+@torch.no_grad()
+def test_compressor_module_projects_into_rings(monkeypatch):
+    """`Compressor.project_rows` of a 2048-wide model: one decode row through the kernel (which stores
+    it: no copy after), equal to the reference module's rows; the rest of the rings untouched."""
+    from dspark.models.deepseek_v4.compressor import Compressor
+
+    torch.manual_seed(1)
+    kw = dict(overlap=True, eps=1e-6, dtype=torch.float32, device=DEVICE)
+    fused = Compressor(2048, 16, 4, kernels=KernelConfig(compressor_project="triton"), **kw)
+    for p in fused.parameters():
+        p.normal_()
+    x, phase = torch.randn(1, 2048, device=DEVICE), torch.tensor([3], device=DEVICE)
+    kv_out, score_out, rows = ring_destination(1, 32, torch.float32, seed=4)
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda *a: copies.append(a))
+    fused.project_rows(x, phase, kv_out, score_out, rows)
+    assert not copies
+    monkeypatch.undo()
+    ref = op.compressor_project_ref(x, fused.wkv.weight, fused.wgate.weight, fused.ape, phase)
+    assert_rows_written(kv_out, score_out, rows, *ref, TOL[torch.float32])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("width,n_in", [(1024, 2048), (256, 2048), (512, 2048), (1024, 4096)])
 def test_compressor_project_model_shapes_on_gpu(width, n_in):
@@ -200,3 +279,13 @@ def test_compressor_project_model_shapes_on_gpu(width, n_in):
     args = project_inputs(1, width, n_in, 4, torch.bfloat16, seed=width)
     for got, want in zip(op.launch_project(*args), op.compressor_project_ref(*args)):
         assert rel_err(got, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width,n_in", [(1024, 2048), (256, 2048), (512, 2048)])
+def test_compressor_project_into_rings_model_shapes_on_gpu(width, n_in):
+    """v4-mini's compressors at batch 1: the row stored in poisoned rings, the rest untouched; bf16."""
+    args = project_inputs(1, width, n_in, 4, torch.bfloat16, seed=width + 3)
+    kv_out, score_out, rows = ring_destination(1, width, torch.bfloat16, seed=width)
+    op.compressor_project(*args, kv_out=kv_out, score_out=score_out, out_rows=rows)
+    assert_rows_written(kv_out, score_out, rows, *op.compressor_project_ref(*args), TOL[torch.bfloat16])

@@ -21,7 +21,7 @@ from static_step_checks import run_rounds  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores")
+STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores", "compressor_project")
 
 
 @needs_triton
@@ -82,3 +82,57 @@ def test_padded_indexer_pass_with_index_scores_follows_the_reference(name):
         logits.append(model(torch.randint(0, 256, (3,), generator=g), states, [1, 1, 1]).logits)
         assert calls and all(groups == 3 for groups in calls)  # one padded call for the 3 requests
     assert torch.allclose(logits[1], logits[0], atol=2e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("overlap,rate", [(True, 4), (False, 8)])  # a CSA / indexer compressor, an HCA one
+@torch.no_grad()
+def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeypatch):
+    """`update_compressor` at one decode row of a 2048-wide compressor (the projection kernel pays):
+    with the Triton ops the projection stores its rows in the rings and the pool stores the rotated
+    entry at its row, so the update makes no `index_copy_` and no separate RoPE launch (the reference
+    makes 3 copies and 1 rotation); rings and entries equal the reference's."""
+    from dspark.models.deepseek_v4.compressor import Compressor
+    from dspark.models.deepseek_v4.static_index import StepIndex
+    from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticShape
+    from dspark.models.deepseek_v4.static_step import update_compressor
+
+    rope = dspark.init_model("tiny-v4", seed=0, device=DEVICE, dtype=torch.float32).layers[1].attn.rope  # rd 8
+    fused_ops = KernelConfig(compressor_project="triton", compressor_pool_gather="triton", rope="triton")
+    torch.manual_seed(2)
+    modules = [Compressor(2048, 32, rate, overlap, 1e-6, torch.float32, DEVICE, kernels=k)
+               for k in (KernelConfig(), fused_ops)]
+    for p in modules[0].parameters():
+        p.normal_()
+    modules[1].load_state_dict(modules[0].state_dict())
+    shape = StaticShape(slots=2, max_context=64, tokens=1)
+    g = torch.Generator().manual_seed(5)
+    states = []
+    for _ in modules:  # random rings (earlier rows of the groups) and poisoned entries
+        entries = torch.full((2, 64 // rate + 1, 32), float("nan"), device=DEVICE)
+        state = StaticCompressorState(shape, rate, overlap, 32, entries, torch.float32, DEVICE)
+        state.kv.data.copy_(torch.randn(state.kv.data.shape, generator=g))
+        state.score.data.copy_(torch.randn(state.score.data.shape, generator=g))
+        states.append(state)
+    states[1].kv.data.copy_(states[0].kv.data)
+    states[1].score.data.copy_(states[0].score.data)
+    x = torch.randn(1, 2048, generator=g).to(DEVICE)
+    position = 3 * rate - 1  # the last row of group 2: the step completes entry 2 of slot 0
+    counts = []
+    for module, state in zip(modules, states):
+        calls = {"index_copy_": 0, "rope": 0}
+        index_copy = torch.Tensor.index_copy_
+        monkeypatch.setattr(torch.Tensor, "index_copy_",
+                            lambda *a: calls.__setitem__("index_copy_", calls["index_copy_"] + 1) or index_copy(*a))
+        module.rope_op = lambda *a, _op=module.rope_op: calls.__setitem__("rope", calls["rope"] + 1) or _op(*a)
+        update_compressor(module, state, StepIndex(torch.tensor([[position]], device=DEVICE), {}), x, rope)
+        monkeypatch.undo()
+        counts.append(calls)
+    assert counts == [{"index_copy_": 3, "rope": 1}, {"index_copy_": 0, "rope": 0}]
+    ref, fused = states
+    for got, want in ((fused.kv.data, ref.kv.data), (fused.score.data, ref.score.data)):  # rows ~45: x·w of 2048
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    written = ~ref.entries.isnan()
+    assert written.sum() == 32 and written[0, 2].all()  # entry 2 of slot 0 only; slot 1 untouched
+    assert torch.equal(written, ~fused.entries.isnan())
+    assert torch.allclose(fused.entries[written], ref.entries[written], rtol=1e-4, atol=1e-5)

@@ -77,6 +77,14 @@ class Compressor(nn.Module):
         # first); at one decode row the fused op is one launch for both weights and the bias.
         return self.project_op(x, self.wkv.weight, self.wgate.weight, self.ape, phase)
 
+    def project_rows(self, x: torch.Tensor, phase: torch.Tensor, kv_rows: torch.Tensor, score_rows: torch.Tensor,
+                     rows: torch.Tensor) -> None:
+        """`project` of x [N, D] stored at rows [N] (long) of kv_rows [R, coff·d_c] (model dtype) and
+        score_rows [R, coff·d_c] fp32: the static step's rings viewed as rows. At one decode row the
+        fused op's kernel stores them itself; elsewhere the op copies them after its reference."""
+        self.project_op(x, self.wkv.weight, self.wgate.weight, self.ape, phase, kv_out=kv_rows, score_out=score_rows,
+                        out_rows=rows)
+
     def update(self, cache: CompressorCache, kv: torch.Tensor, score: torch.Tensor, rope: Rope) -> None:
         """Append one request's new rows [S, coff·d_c] and emit every entry they complete."""
         first = cache.n_entries
@@ -232,12 +240,18 @@ class Indexer(nn.Module):
                 phase: torch.Tensor | None = None) -> IndexerQueries:
         """Dense part for all N tokens: x [N, D] (attention input), q_lora [N, q_lora_rank] (normed c_q);
         `phase` as in `Compressor.project`."""
+        q, weights = self.queries(x, q_lora, cos, sin)
+        kv, score = self.compressor.project(x, positions, phase)
+        return IndexerQueries(q, weights, kv, score)
+
+    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query side of `project`: (rotated q [N, Hi, di] model dtype, head weights [N, Hi] fp32)
+        (the static step writes the compressor rows itself, `Compressor.project_rows`)."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         # Both score constants folded into the head weights (ReLU commutes with a positive scale).
         weights = self.weights_proj(x).float() * (self.n_heads * self.head_dim) ** -0.5
-        kv, score = self.compressor.project(x, positions, phase)
-        return IndexerQueries(q, weights, kv, score)
+        return q, weights
 
     def forward(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:

@@ -189,13 +189,12 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
     state.window.write_rows(index.ring_rows(state.window), kv)
     keys = index.window_keys(attn.window, state.window)  # [N, W]
     if attn.compressor is not None:
-        rows = attn.compressor.project(x, index.flat, index.phase(attn.rate))
-        update_compressor(attn.compressor, state.compressor, index, *rows, attn.rope)
+        update_compressor(attn.compressor, state.compressor, index, x, attn.rope)
         first, n_entries = state.window.slots * state.window.size, state.compressor.n_entries
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
-            inputs = attn.indexer.project(x, q_lora, index.flat, cos, sin, index.phase(attn.indexer.rate))
-            update_compressor(attn.indexer.compressor, state.indexer, index, inputs.kv, inputs.score, attn.rope)
-            picks = select_entries(attn.indexer, inputs.q, inputs.weights, state.indexer, index)
+            q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
+            update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
+            picks = select_entries(attn.indexer, q_index, weights, state.indexer, index)
             keys = torch.cat((keys, torch.where(picks >= 0, picks + index.entry_offsets(first, n_entries), -1)), dim=-1)
         else:  # HCA: every complete entry
             keys = torch.cat((keys, index.causal_entries(attn.rate, n_entries, first)), dim=-1)
@@ -203,19 +202,19 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
     return attn.project_out(out, cos, sin)
 
 
-def update_compressor(compressor, state: StaticCompressorState, index: StepIndex, kv: torch.Tensor,
-                      score: torch.Tensor, rope) -> None:
-    """`Compressor.update_batch` on the static state: write the rows kv, score [N, coff·d_c] of the
-    step's positions, then pool the ceil(T/m) groups a step can complete and write each entry at its
-    slot (groups not complete yet go to the trash row E: the same count every step, whatever the data).
+def update_compressor(compressor, state: StaticCompressorState, index: StepIndex, x: torch.Tensor, rope) -> None:
+    """`Compressor.update_batch` on the static state: project x [N, D] (after attn_norm) into the rows
+    of the step's positions in the kv and score rings (`Compressor.project_rows`: at one decode row
+    the projection kernel stores them), then pool the ceil(T/m) groups a step can complete and write
+    each entry at its slot (groups not complete yet go to the trash row E: the same count every step,
+    whatever the data).
     With the fused `compressor_pool_gather` the pool reads its slots straight from the rings
     (`StepIndex.pool_index`) and stores each rotated entry at its row; otherwise they are gathered
     into [S·c, slots, d_c] copies first and the entries copied to their rows after.
     """
     m = compressor.rate
-    rows = index.ring_rows(state.kv)  # the kv and score rings have the same size
-    state.kv.write_rows(rows, kv)
-    state.score.write_rows(rows, score)
+    rows = index.ring_rows(state.kv).reshape(-1)  # [N]; the kv and score rings have the same size
+    compressor.project_rows(x, index.phase(m), state.kv.flat(), state.score.flat(), rows)
     cos_sin = index.group_cos_sin(rope, m)
     entry_rows = index.entry_rows(m, state.n_entries)  # [S·c]
     if compressor.pools_from_rows:
