@@ -7,8 +7,8 @@
     out = decoder.forward(ids, starts, capture_layers=(2,))  # + final streams and layer-2 inputs
 
 `step` feeds slot s the tokens input_ids[s] at positions starts[s] .. starts[s] + T − 1 and writes
-their state (`static_state.py`); every write is an `index_copy_` at rows computed on the device from
-the positions, every read a fixed-width gather whose invisible keys are −1, so the shapes and the
+their state (`static_state.py`); every write lands at rows computed on the device from the positions
+(an `index_copy_`, or at one decode row the store of the kernel that produces the rows), every read a fixed-width gather whose invisible keys are −1, so the shapes and the
 launched kernels never depend on the data and the whole call can be captured once per (b, T) and
 replayed. A step may run on a bucket of the first b <= S slots (ids [b, T], starts [b]): it touches
 only their rows, so slots >= b keep their state unchanged. The math is the model's own modules
