@@ -93,11 +93,12 @@ def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeyp
     entry at its row, so the update makes no `index_copy_` and no separate RoPE launch (the reference
     makes 3 copies and 1 rotation); rings and entries equal the reference's."""
     from dspark.models.deepseek_v4.compressor import Compressor
-    from dspark.models.deepseek_v4.static_index import StepIndex
+    from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
     from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticShape
     from dspark.models.deepseek_v4.static_step import update_compressor
 
-    rope = dspark.init_model("tiny-v4", seed=0, device=DEVICE, dtype=torch.float32).layers[1].attn.rope  # rd 8
+    model = dspark.init_model("tiny-v4", seed=0, device=DEVICE, dtype=torch.float32)
+    rope = model.layers[1].attn.rope  # rd 8
     fused_ops = KernelConfig(compressor_project="triton", compressor_pool_gather="triton", rope="triton")
     torch.manual_seed(2)
     modules = [Compressor(2048, 32, rate, overlap, 1e-6, torch.float32, DEVICE, kernels=k)
@@ -106,6 +107,7 @@ def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeyp
         p.normal_()
     modules[1].load_state_dict(modules[0].state_dict())
     shape = StaticShape(slots=2, max_context=64, tokens=1)
+    tables = StepTables(model, shape)  # the model's RoPE table groups; ranges up to 64 (> 2 · rate)
     g = torch.Generator().manual_seed(5)
     states = []
     for _ in modules:  # random rings (earlier rows of the groups) and poisoned entries
@@ -125,7 +127,7 @@ def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeyp
         monkeypatch.setattr(torch.Tensor, "index_copy_",
                             lambda *a: calls.__setitem__("index_copy_", calls["index_copy_"] + 1) or index_copy(*a))
         module.rope_op = lambda *a, _op=module.rope_op: calls.__setitem__("rope", calls["rope"] + 1) or _op(*a)
-        update_compressor(module, state, StepIndex(torch.tensor([[position]], device=DEVICE), {}), x, rope)
+        update_compressor(module, state, StepIndex(torch.tensor([[position]], device=DEVICE), tables), x, rope)
         monkeypatch.undo()
         counts.append(calls)
     assert counts == [{"index_copy_": 3, "rope": 1}, {"index_copy_": 0, "rope": 0}]
