@@ -122,6 +122,6 @@ def test_position_indices_are_built_once_per_step_not_per_layer(model, monkeypat
     calls.update(rows=0, cos_sin=0)
     decoder.step(ids, starts)
     n_layers = len(model.layers)
-    tables = len(decoder.rope_groups.ropes)
+    tables = len(decoder.index_tables.ropes)
     assert n_layers >= 4 and calls["rows"] <= 6 < 2 * n_layers  # per layer it was >= 2 (window write + keys)
     assert calls["cos_sin"] <= 2 * tables < n_layers  # token positions + group positions per table

@@ -69,8 +69,8 @@ class StaticDecoderBase(abc.ABC):
         self.shape = shape
         self.state = self.new_state(model, shape)
         # The steps' constant index tensors (RoPE tables per group of equal ropes, ranges), made here:
-        # never inside a captured step. (Named for what it held first; the forwards pass it to StepIndex.)
-        self.rope_groups = StepTables(model, shape)
+        # never inside a captured step.
+        self.index_tables = StepTables(model, shape)
 
     @abc.abstractmethod
     def new_state(self, model, shape: StaticShape):
@@ -151,7 +151,7 @@ class StaticDecoder(StaticDecoderBase):
         model, (n_slots, n_tok) = self.model, input_ids.shape
         capture = check_capture(capture_layers, len(model.layers))
         positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
-        index = StepIndex(positions, self.rope_groups)
+        index = StepIndex(positions, self.index_tables)
         ids = input_ids.reshape(-1)  # [N]
         x = model.embed(ids)
         x = x.unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, n_hc, D]

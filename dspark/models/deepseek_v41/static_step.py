@@ -71,7 +71,7 @@ class StaticDecoderV41(StaticDecoderBase):
         # `DeepseekV41ForCausalLM.forward` without bounded replay.
         materialised = model._materialised_inputs(capture, None)
         positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
-        index = StepIndex(positions, self.rope_groups)
+        index = StepIndex(positions, self.index_tables)
         ids = input_ids.reshape(-1)  # [N]
         engram_rows, live = self._engram_rows(input_ids, positions)
         x = model.embed(ids).unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, hc, D]
