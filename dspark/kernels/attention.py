@@ -24,6 +24,7 @@ No host sync; CUDA-graph capturable.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,6 +33,7 @@ from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # no
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
 # --------------------------------------------------------------------------------- Triton kernels
@@ -42,7 +44,7 @@ def _partial_kernel(
     q_ptr, pool_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr,
     n_q, n_heads, head_dim, n_keys, keys_per_chunk, scale, n_hblocks,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, PREFETCH: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Online softmax of query s, heads of block hb, over keys [c·keys_per_chunk, (c+1)·...):
     writes m, l [C, S, H] and acc [C, S, H, d] (fp32, un-normalised).
@@ -52,6 +54,7 @@ def _partial_kernel(
     hb·n_q + s (the query rows of one head block back to back). With PREFETCH the gather of key
     tile t+1 is issued before the math of tile t (register double-buffering: the loop's gathers
     are not pipelined by the compiler, so otherwise each step waits for its own)."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     if HEADS_FASTEST:
         s, hb = pid // n_hblocks, pid % n_hblocks
@@ -123,10 +126,11 @@ def _gather_tile(pool_ptr, idx_ptr, row_base, first, end, head_dim, offs_d, d_ma
 @_jit
 def _combine_kernel(
     m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, n_q, n_heads, head_dim, n_chunks,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[s, heads of block, d-block] = merged chunks with the sink in the denominator, cast to
     out's dtype (each d-block recomputes m and l: [BLOCK_H] work, cheaper than another pass)."""
+    pdl_prologue(PDL)
     s = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < n_heads
@@ -219,16 +223,20 @@ def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Te
     l = torch.empty_like(m)
     acc = torch.empty((n_chunks, n_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
     dot_fp32 = q.dtype == torch.float32 or pool.dtype == torch.float32
-    _partial_kernel[(n_q * n_hblocks, n_chunks)](
+    grid = (n_q * n_hblocks, n_chunks)
+    pdl = pdl_launch(q.device, math.prod(grid))
+    _partial_kernel[grid](
         q.contiguous(), pool.contiguous(), index.contiguous(), m, l, acc,
         n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale), n_hblocks,
         BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DOT_FP32=dot_fp32, HEADS_FASTEST=tiles.heads_fastest,
-        PREFETCH=tiles.prefetch,
+        PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     block_d = min(d_pad, 128)  # a [BLOCK_H, 512] fp32 tile would spill registers
-    _combine_kernel[(n_q, n_hblocks, triton.cdiv(head_dim, block_d))](
+    grid = (n_q, n_hblocks, triton.cdiv(head_dim, block_d))
+    pdl = pdl_launch(q.device, math.prod(grid))
+    _combine_kernel[grid](
         m, l, acc, sink.float().contiguous(), out, n_q, n_heads, head_dim, n_chunks,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        BLOCK_H=block_h, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return out

@@ -29,6 +29,7 @@ from dspark.kernels.registry import require_triton
 from dspark.models.deepseek_v41.qat import _round_ref
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 # fmt -> (block, kernel code)
 FORMATS = {"fp8_ue8m0": (32, 0), "fp4_ue8m0": (32, 1), "fp4_e4m3": (16, 2)}
@@ -84,8 +85,10 @@ def _round_e2m1(v):
 
 
 @_jit
-def _round_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr):
+def _round_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
+                  PDL: tl.constexpr):
     """ROWS blocks of BLOCK values per program: amax, scale, rounded values, written in y's dtype."""
+    pdl_prologue(PDL)
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = offs_r.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (offs_r < n_blocks)[:, None]
@@ -112,5 +115,7 @@ def cache_round(x: torch.Tensor, *, fmt: str) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     n_blocks, rows = x.numel() // block, 64
-    _round_kernel[(triton.cdiv(n_blocks, rows),)](x, y, n_blocks, BLOCK=block, ROWS=rows, FMT=FORMATS[fmt][1])
+    programs = triton.cdiv(n_blocks, rows)
+    pdl = pdl_launch(x.device, programs)
+    _round_kernel[(programs,)](x, y, n_blocks, BLOCK=block, ROWS=rows, FMT=FORMATS[fmt][1], PDL=pdl, launch_pdl=pdl)
     return y

@@ -35,12 +35,14 @@ sync: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from dspark.kernels.registry import require_triton
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
 def _check_args(out, cos, sin, weight) -> int:
@@ -82,7 +84,7 @@ def grouped_wo_a_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, we
 @_jit
 def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, head_dim, nope, stride_cs,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
-                 PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+                 PRECISION: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     """y[m, g·R + r] = Σ_k rot(x)[m, g, k] · w[g·R + r, k] for one [BLOCK_M, BLOCK_N] tile of group g.
 
     x [N, G·K] (= out [N, H, d]), w [G·R, K], y [N, G·R]. ALIGNED (the V4 layout, d 512 = 448 + 64):
@@ -94,6 +96,7 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, hea
     SPLITS > 1 (ALIGNED only): program axis 1 also picks one of SPLITS equal runs of the group's heads
     and y is fp32 partials [SPLITS, N, G·R] that `_sum_splits_kernel` adds up.
     """
+    pdl_prologue(PDL)
     pid_m, pid_ns, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid_n, split = pid_ns // SPLITS, pid_ns % SPLITS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -135,8 +138,9 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, hea
 
 
 @_jit
-def _sum_splits_kernel(part_ptr, y_ptr, n_elems, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, y_ptr, n_elems, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y = Σ_s part[s] (fp32, in split order: deterministic), cast to y's dtype."""
+    pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elems
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -252,12 +256,15 @@ def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     target = y if tiles.splits == 1 else torch.empty((tiles.splits, n, groups * rank), dtype=torch.float32,
                                                      device=out.device)
     grid = (triton.cdiv(n, tiles.block_m), triton.cdiv(rank, tiles.block_n) * tiles.splits, groups)
+    pdl = pdl_launch(out.device, math.prod(grid))
     _wo_a_kernel[grid](out.contiguous(), cos, sin, weight.contiguous(), target, n, rank, width, head_dim,
                        head_dim - rd, cos.shape[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                        BLOCK_K=tiles.block_k, ALIGNED=_aligned(head_dim, rd), PRECISION=precision,
-                       SPLITS=tiles.splits, num_warps=tiles.warps, num_stages=tiles.stages)
+                       SPLITS=tiles.splits, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps, num_stages=tiles.stages)
     if tiles.splits > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](target, y, y.numel(), SPLITS=tiles.splits, BLOCK=block,
-                                                            num_warps=4)
+        programs = triton.cdiv(y.numel(), block)
+        pdl = pdl_launch(out.device, programs)
+        _sum_splits_kernel[(programs,)](target, y, y.numel(), SPLITS=tiles.splits, BLOCK=block, PDL=pdl,
+                                        launch_pdl=pdl, num_warps=4)
     return y

@@ -33,6 +33,8 @@ No host sync, buffers sized from shapes: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dspark.kernels.indexer_ref import _check_args, _check_index_scores_args  # the refs below: the ops' refs
@@ -40,6 +42,7 @@ from dspark.kernels.indexer_ref import index_scores_ref, lightning_indexer_ref, 
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
 _REGISTER_ROW = 8192  # rows up to this many entries stay in registers during selection
@@ -54,10 +57,11 @@ def _score_kernel(
     q_ptr, w_ptr, k_ptr, vis_ptr, cand_ptr, out_ptr,
     n_q, n_heads, head_dim, n_keys, k_group_stride,
     HAS_CAND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
+    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     """scores[s, t] for the rows s of block program_id(1) and entries t of tile program_id(0), of
     group program_id(2) (`index_scores`: every tensor holds B groups back to back; one group otherwise)."""
+    pdl_prologue(PDL)
     b = tl.program_id(2).to(tl.int64)
     q_ptr += b * n_q * n_heads * head_dim
     w_ptr += b * n_q * n_heads
@@ -147,8 +151,10 @@ def _take_flags(tile, in_row, theta, n_ties, ties_seen):
 
 
 @_jit
-def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr):
+def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+                   PDL: tl.constexpr):
     """ids[s, :n_out] of row s = program_id(0): the top-k (ties: lower id) ascending, −1 padded."""
+    pdl_prologue(PDL)
     s = tl.program_id(0).to(tl.int64)
     row_ptr = score_ptr + s * n_keys
     offs = tl.arange(0, BLOCK_T)
@@ -198,11 +204,13 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         return torch.empty((n_q, min(topk, n_keys)), dtype=torch.int64, device=q.device), scores
     block_s, block_h, block_t, d_pad, warps = _score_tiles(n_q, n_heads, head_dim)
     cand = candidates.view(torch.uint8) if candidates is not None else visible  # dummy pointer when absent
-    _score_kernel[(triton.cdiv(n_keys, block_t), triton.cdiv(n_q, block_s))](
+    grid = (triton.cdiv(n_keys, block_t), triton.cdiv(n_q, block_s))
+    pdl = pdl_launch(q.device, math.prod(grid))
+    _score_kernel[grid](
         q.contiguous(), weights.float().contiguous(), keys.contiguous(), visible.contiguous(), cand.contiguous(),
         scores, n_q, n_heads, head_dim, n_keys, 0,
         HAS_CAND=candidates is not None, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
-        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, num_warps=warps,
+        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
     return select_topk(scores, topk), scores
 
@@ -220,11 +228,13 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     visible = visible.contiguous()
     if keys.stride(2) != 1 or keys.stride(1) != head_dim:  # rows must be dense; groups may be spaced
         keys = keys.contiguous()
-    _score_kernel[(triton.cdiv(n_keys, block_t), triton.cdiv(n_q, block_s), n_groups)](
+    grid = (triton.cdiv(n_keys, block_t), triton.cdiv(n_q, block_s), n_groups)
+    pdl = pdl_launch(q.device, math.prod(grid))
+    _score_kernel[grid](
         q.contiguous(), weights.float().contiguous(), keys, visible, visible, scores,
         n_q, n_heads, head_dim, n_keys, keys.stride(0),
         HAS_CAND=False, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
-        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, num_warps=warps,
+        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
     return scores
 
@@ -244,6 +254,7 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         return ids
     one_tile = n_keys <= _REGISTER_ROW
     block = max(16, triton.next_power_of_2(n_keys)) if one_tile else _STREAM_TILE
+    pdl = pdl_launch(scores.device, n_q)
     _select_kernel[(n_q,)](scores.contiguous(), ids, n_keys, n_out, n_out, ONE_TILE=one_tile, BLOCK_T=block,
-                           num_warps=8 if block >= 2048 else 4)
+                           PDL=pdl, launch_pdl=pdl, num_warps=8 if block >= 2048 else 4)
     return ids

@@ -27,6 +27,8 @@ No host sync, buffers sized from shapes: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,7 @@ from dspark.kernels.indexer import _REGISTER_ROW, _STREAM_TILE, _kth_largest, _o
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
 def _check_args(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> None:
@@ -76,8 +79,9 @@ def indexer_pool_ref(scores: torch.Tensor, visible: torch.Tensor, *, topk_blocks
 
 @_jit
 def _block_max_kernel(score_ptr, vis_ptr, out_ptr, n_keys, n_blocks, block,
-                      BLOCK_B: tl.constexpr, B_PAD: tl.constexpr):
+                      BLOCK_B: tl.constexpr, B_PAD: tl.constexpr, PDL: tl.constexpr):
     """out[s, b] for row s = program_id(0) and blocks b of tile program_id(1)."""
+    pdl_prologue(PDL)
     s = tl.program_id(0).to(tl.int64)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_j = tl.arange(0, B_PAD)
@@ -92,10 +96,12 @@ def _block_max_kernel(score_ptr, vis_ptr, out_ptr, n_keys, n_blocks, block,
 
 @_jit
 def _pool_select_kernel(bscore_ptr, keep_ptr, n_keys, n_blocks, block, topk,
-                        ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_T: tl.constexpr, B_PAD: tl.constexpr):
+                        ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_T: tl.constexpr, B_PAD: tl.constexpr,
+                        PDL: tl.constexpr):
     """keep[s, :] of row s = program_id(0): 1 on the entries of its top-k blocks, 0 elsewhere.
     The threshold search keeps the row in registers when it fits (ONE_TILE); the write pass walks
     [WRITE_T, B_PAD] entry tiles, small enough that the expanded tile stays in registers."""
+    pdl_prologue(PDL)
     s = tl.program_id(0).to(tl.int64)
     row_ptr = bscore_ptr + s * n_blocks
     offs = tl.arange(0, BLOCK_T)
@@ -133,11 +139,14 @@ def indexer_pool(scores: torch.Tensor, visible: torch.Tensor, *, topk_blocks: in
     bscores = torch.empty((n_q, n_blocks), dtype=torch.float32, device=scores.device)
     block_b = max(1, 1024 // b_pad)  # ~1024 entries per program
     scores, visible = scores.contiguous(), visible.contiguous()
-    _block_max_kernel[(n_q, triton.cdiv(n_blocks, block_b))](
-        scores, visible, bscores, n_keys, n_blocks, block, BLOCK_B=block_b, B_PAD=b_pad)
+    grid = (n_q, triton.cdiv(n_blocks, block_b))
+    pdl = pdl_launch(scores.device, math.prod(grid))
+    _block_max_kernel[grid](
+        scores, visible, bscores, n_keys, n_blocks, block, BLOCK_B=block_b, B_PAD=b_pad, PDL=pdl, launch_pdl=pdl)
     one_tile = n_blocks <= _REGISTER_ROW
     tile = max(16, triton.next_power_of_2(n_blocks)) if one_tile else _STREAM_TILE
+    pdl = pdl_launch(scores.device, n_q)
     _pool_select_kernel[(n_q,)](bscores, keep.view(torch.int8), n_keys, n_blocks, block, min(topk_blocks, n_blocks),
                                 ONE_TILE=one_tile, BLOCK_T=tile, WRITE_T=max(16, 2048 // b_pad), B_PAD=b_pad,
-                                num_warps=8 if tile >= 2048 else 4)
+                                PDL=pdl, launch_pdl=pdl, num_warps=8 if tile >= 2048 else 4)
     return keep

@@ -39,12 +39,15 @@ CUDA-graph capturable: no host sync, buffers sized from shapes only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
 # --------------------------------------------------------------------------------------- checks
@@ -188,13 +191,14 @@ def _mhc_stats_kernel(
     x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr,
     n_tok, dim, splits, iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Split-K partials of d = x̂·fnᵀ [splits, N, MIX_PAD] and s = Σx̂² [splits, N].
 
     Program (t-block, split) walks D-blocks split, split+splits, ... (`iters` of them); per D-block
     it handles all HC streams, so with FUSE_POST the inputs of X' (all streams of x) load once per tile.
     """
+    pdl_prologue(PDL)
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -313,10 +317,11 @@ def _mhc_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Reduce partials -> pre/post/comb (every D-block recomputes them: 4×4 work per token, cheaper
     than another launch); the first D-block stores post and comb; each stores its slice of u."""
+    pdl_prologue(PDL)
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -340,9 +345,10 @@ def _mhc_epilogue_kernel(
 @_jit
 def _mhc_post_kernel(
     f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, n_tok, dim,
-    HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """X'[t, k, d] for a [BLOCK_T, BLOCK_D] tile, all HC output streams (inputs loaded once)."""
+    pdl_prologue(PDL)
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_j = tl.arange(0, HC_PAD)
@@ -396,11 +402,12 @@ def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fuse
     dpart = torch.empty((splits, n_tok, mix_pad), device=src.device, dtype=torch.float32)
     sqpart = torch.empty((splits, n_tok), device=src.device, dtype=torch.float32)
     f, post, comb, x_out = fused if fused is not None else (src, src, src, src)  # unused if not fused
+    pdl = pdl_launch(src.device, n_tblocks * splits)
     _mhc_stats_kernel[(n_tblocks, splits)](
         src, f, post, comb, x_out, fn, dpart, sqpart, n_tok, dim, splits, triton.cdiv(n_dblocks, splits),
         HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX=n_mix, MIX_PAD=mix_pad,
         BLOCK_T=block_t, BLOCK_D=block_d, FUSE_POST=fused is not None, X_IS_TF32=src.dtype != torch.float32,
-        num_warps=warps,
+        PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
     return dpart, sqpart
 
@@ -413,11 +420,12 @@ def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_ep
     u = torch.empty((n_tok, dim), device=x.device, dtype=x.dtype)
     block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
+    pdl = pdl_launch(x.device, math.prod(grid))
     _mhc_epilogue_kernel[grid](
         x, dpart, sqpart, base, scale, post, comb, u, n_tok, dim, dpart.shape[0],
         float(rms_eps), float(hc_eps), int(sinkhorn_iters),
         HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
-        BLOCK_T=block_t, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
     )
     return post, comb, u
 
@@ -441,9 +449,11 @@ def mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.T
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
+    pdl = pdl_launch(x.device, math.prod(grid))
     _mhc_post_kernel[grid](
         f.contiguous(), x.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
         n_tok, dim, HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), BLOCK_T=block_t, BLOCK_D=block_d,
+        PDL=pdl, launch_pdl=pdl,
     )
     return out
 

@@ -35,6 +35,8 @@ sized from shapes: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,7 @@ from dspark.kernels.mhc import (
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
 def _check_v41_args(x: torch.Tensor, pre_in: torch.Tensor, norm_weight: torch.Tensor) -> None:
@@ -118,11 +121,12 @@ def _v41_stats_kernel(
     x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, pin_ptr, fn_ptr, u_ptr, dpart_ptr, sqpart_ptr, uqpart_ptr,
     n_tok, dim, splits, iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Split-K partials d = x̂·fnᵀ [splits, N, MIX_PAD], Σx̂² [splits, N] and Σu² [splits, N], and
     u = Σ_k pre_in[k]·x_k [N, D] for the D-blocks split, split+splits, ... (`iters` of them).
     With FUSE_POST the tiles of x are X' = post ⊗ f + combᵀ x, stored to xout and used rounded."""
+    pdl_prologue(PDL)
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -173,8 +177,10 @@ def _v41_epilogue_kernel(
     u_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, uqpart_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
     n_tok, dim, splits, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h tile [BLOCK_T, BLOCK_D] = RMSNorm(u); D-block 0 also stores pre/post/comb of its tokens."""
+    pdl_prologue(PDL)
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -228,21 +234,24 @@ def _launch(src, pin, fn, base, scale, norm_weight, eps: dict, fused=None):
     uqpart = torch.empty((splits, n_tok), device=dev, dtype=torch.float32)
     u = torch.empty((n_tok, dim), device=dev, dtype=src.dtype)
     f, post_in, comb_in, y = fused if fused is not None else (src, src, src, src)  # unused if not fused
+    pdl = pdl_launch(dev, n_tblocks * splits)
     _v41_stats_kernel[(n_tblocks, splits)](
         src, f, post_in, comb_in, y, pin, fn, u, dpart, sqpart, uqpart, n_tok, dim, splits,
         triton.cdiv(n_dblocks, splits), HC=n_hc, HC_PAD=hc_pad, MIX=n_mix, MIX_PAD=mix_pad,
         BLOCK_T=block_t, BLOCK_D=block_d, FUSE_POST=fused is not None, X_IS_TF32=src.dtype != torch.float32,
-        num_warps=warps,
+        PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
     pre = torch.empty((n_tok, n_hc), device=dev, dtype=torch.float32)
     post = torch.empty((n_tok, n_hc), device=dev, dtype=torch.float32)
     comb = torch.empty((n_tok, n_hc, n_hc), device=dev, dtype=torch.float32)
     h = torch.empty((n_tok, dim), device=dev, dtype=src.dtype)
     block_te, block_de = 4, min(256, triton.next_power_of_2(dim))
-    _v41_epilogue_kernel[(triton.cdiv(n_tok, block_te), triton.cdiv(dim, block_de))](
+    grid = (triton.cdiv(n_tok, block_te), triton.cdiv(dim, block_de))
+    pdl = pdl_launch(dev, math.prod(grid))
+    _v41_epilogue_kernel[grid](
         u, norm_weight, h, dpart, sqpart, uqpart, base, scale, pre, post, comb, n_tok, dim, splits,
         float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]), int(eps["sinkhorn_iters"]),
-        HC=n_hc, HC_PAD=hc_pad, MIX_PAD=mix_pad, BLOCK_T=block_te, BLOCK_D=block_de,
+        HC=n_hc, HC_PAD=hc_pad, MIX_PAD=mix_pad, BLOCK_T=block_te, BLOCK_D=block_de, PDL=pdl, launch_pdl=pdl,
     )
     return pre, post, comb, h
 

@@ -33,6 +33,8 @@ Weights are bf16/fp32 tensors or `FP8BlockWeight` (e4m3 + UE8M0 block scales, 12
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,7 @@ from dspark.kernels.fp8 import FP8BlockWeight
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
 _RENORM_EPS = 1e-20  # added to Σ of the selected scores before renormalising (HF; OFF adds none)
@@ -231,9 +234,10 @@ def _moe_route_kernel(
     x_ptr, gw_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
     n_tok, dim, n_exp, scaling,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, HASH: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_K: tl.constexpr, HASH: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Router for BLOCK_T tokens: logits over all E experts in registers, then `_route_pick`."""
+    pdl_prologue(PDL)
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
     offs_e = tl.arange(0, E_PAD)
@@ -313,9 +317,10 @@ def _moe_up_kernel(
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, rows_ptr, block_expert_ptr, h_ptr,
     n_rows, dim, inter, n_exp, top_k, limit,
     ROUTED: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[r, n] = silu(min(x·W1ᵀ, L)) · clamp(x·W3ᵀ, −L, L) for one [BLOCK_M, BLOCK_N] tile."""
+    pdl_prologue(PDL)
     e, rows, in_rows, in_mask, out_mask = _gemm_rows(tl.program_id(0), block_expert_ptr, rows_ptr, n_rows,
                                                      n_exp, top_k, ROUTED, True, BLOCK_M)
     if e < 0:
@@ -345,9 +350,10 @@ def _moe_up_kernel(
 def _moe_down_kernel(
     h_ptr, w2_ptr, s2_ptr, block_expert_ptr, out_ptr, n_rows, dim, inter, n_exp,
     ROUTED: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[r, n] = h[r]·W2[e, n]ᵀ in fp32 for one [BLOCK_M, BLOCK_N] tile (n over D)."""
+    pdl_prologue(PDL)
     e, rows, _, in_mask, out_mask = _gemm_rows(tl.program_id(0), block_expert_ptr, block_expert_ptr, n_rows,
                                                n_exp, 1, ROUTED, False, BLOCK_M)
     if e < 0:
@@ -366,8 +372,9 @@ def _moe_down_kernel(
 
 @_jit
 def _moe_finalize_kernel(routed_ptr, slot_ptr, w_ptr, shared_ptr, y_ptr, n_tok, dim,
-                         TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                         TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """y[t] = shared[t] + Σ_k w[t, k] · routed[slot[t, k]] for a [BLOCK_T, BLOCK_D] tile."""
+    pdl_prologue(PDL)
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask = offs_t < n_tok
@@ -383,7 +390,7 @@ def _moe_finalize_kernel(routed_ptr, slot_ptr, w_ptr, shared_ptr, y_ptr, n_tok, 
 @_jit
 def _pack_kernel(ids_ptr, rows_ptr, block_expert_ptr, slot_ptr, n_assign, n_exp, n_rows,
                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 PAD_J: tl.constexpr):
+                 PAD_J: tl.constexpr, PDL: tl.constexpr):
     """`_pack_by_expert` for the CHUNK assignments of one program: ids [N·K] int32 -> rows [R] int32,
     block_expert [R / BLOCK_M] int32, slot [N·K] int64 (E_PAD >= E, a power of two; the padding
     rows are stored PAD_J per expert at a time).
@@ -395,6 +402,7 @@ def _pack_kernel(ids_ptr, rows_ptr, block_expert_ptr, slot_ptr, n_assign, n_exp,
     also write each used block's expert. The sentinels go only where no real row goes (the padding
     inside each group, and the rows and blocks past the used ones), so no store needs ordering
     against another program's."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     c0 = pid * CHUNK
     offs = tl.arange(0, BLOCK)
@@ -477,9 +485,12 @@ def _launch_pack(ids: torch.Tensor, n_exp: int, block_m: int, chunk: int = 32, w
     block_expert = torch.empty(n_rows // block_m, dtype=torch.int32, device=ids.device)
     slot = torch.empty(n_assign, dtype=torch.int64, device=ids.device)
     e_pad = max(32, triton.next_power_of_2(n_exp))  # tl.histogram pads to one bin per lane anyway
-    _pack_kernel[(max(1, triton.cdiv(n_assign, chunk)),)](
+    programs = max(1, triton.cdiv(n_assign, chunk))
+    pdl = pdl_launch(ids.device, programs)
+    _pack_kernel[(programs,)](
         flat, rows, block_expert, slot, n_assign, n_exp, n_rows, BLOCK_M=block_m, E_PAD=e_pad,
-        CHUNK=chunk, BLOCK=1024, PAD_J=2048 // e_pad, num_warps=warps,  # [E_PAD, PAD_J] tiles: no spills
+        CHUNK=chunk, BLOCK=1024, PAD_J=2048 // e_pad, PDL=pdl, launch_pdl=pdl,
+        num_warps=warps,  # [E_PAD, PAD_J] tiles: no spills
     )
     return rows, block_expert, slot
 
@@ -529,11 +540,13 @@ def _launch_up(x, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, limit, 
     h = torch.empty((n_out_rows, inter), dtype=x.dtype, device=x.device)
     routed = rows is not None
     grid = (triton.cdiv(n_out_rows, block_m), triton.cdiv(inter, block_n))
+    pdl = pdl_launch(x.device, math.prod(grid))
     _moe_up_kernel[grid](
         x, d1, d3, s1, s3, rows if routed else x, block_expert if routed else x, h,
         n_rows, dim, inter, n_exp, top_k, float(limit),
         ROUTED=routed, FP8=fp8, SB=sb, CLAMP=limit > 0, DOT_FP32=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, PDL=pdl, launch_pdl=pdl,
+        num_warps=warps,
     )
     return h
 
@@ -546,10 +559,12 @@ def _launch_down(h, w2, block_expert, n_rows, tiles):
     out = torch.empty((h.shape[0], dim), dtype=torch.float32, device=h.device)
     routed = block_expert is not None
     grid = (triton.cdiv(h.shape[0], block_m), triton.cdiv(dim, block_n))
+    pdl = pdl_launch(h.device, math.prod(grid))
     _moe_down_kernel[grid](
         h, d2, s2, block_expert if routed else h, out, n_rows, dim, inter, n_exp,
         ROUTED=routed, FP8=fp8, SB=sb, DOT_FP32=h.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, PDL=pdl, launch_pdl=pdl,
+        num_warps=warps,
     )
     return out
 
@@ -590,13 +605,15 @@ def route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
     # All E logits of a token tile stay in registers; 8 warps and K-steps of 32 keep them unspilled.
     # Larger token tiles re-read W_g (2 MB for Flash) from L2 less often, but leave SMs idle below ~4k.
     block_t = 32 if n_tok > 2048 and e_pad <= 256 else 16
-    _moe_route_kernel[(triton.cdiv(n_tok, block_t),)](
+    programs = triton.cdiv(n_tok, block_t)
+    pdl = pdl_launch(x.device, programs)
+    _moe_route_kernel[(programs,)](
         x, gate_weight.contiguous(), x if hash_routing else gate_bias.float().contiguous(),
         tid2eid.contiguous() if hash_routing else x, token_ids.contiguous() if hash_routing else x,
         weights, ids, n_tok, dim, n_exp, float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
         BLOCK_T=block_t, BLOCK_K=32, HASH=bool(hash_routing), num_warps=8,
-        DOT_FP32=x.dtype == torch.float32 or gate_weight.dtype == torch.float32,
+        DOT_FP32=x.dtype == torch.float32 or gate_weight.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
     )
     return weights, ids
 
@@ -641,8 +658,11 @@ def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
     shared = _launch_down(h_shared, shared_w2, None, n_tok, shared_tiles)  # [N, D] fp32
     y = torch.empty_like(x)
     block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
-    _moe_finalize_kernel[(triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))](
+    grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
+    pdl = pdl_launch(x.device, math.prod(grid))
+    _moe_finalize_kernel[grid](
         routed, slot, weights, shared, y, n_tok, dim, TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d,
+        PDL=pdl, launch_pdl=pdl,
     )
     return y
 

@@ -18,11 +18,13 @@ Two launches, no host sync, CUDA-graph capturable. Weights may be dense or `FP8B
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from dspark.kernels.moe import _jit, _weight_parts, _weight_tile, tl, triton
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _BLOCK_N = 16  # output rows per program: small, so that one token still spreads over the SMs
 _BLOCK_K = 128  # reduction step; FP8 weights cap it at the scale block
@@ -91,9 +93,10 @@ def _decode_up_kernel(
     x_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, h_ptr,
     n_assign, dim, inter, inter_s, h_width, limit,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
-    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
+    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[a, offs_n] for one work row a (routed assignment or shared expert of a token)."""
+    pdl_prologue(PDL)
     a = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if a < n_assign:
@@ -115,9 +118,10 @@ def _decode_down_kernel(
     h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
     n_assign, dim, inter, inter_s, h_width,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
@@ -196,9 +200,11 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
     common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps)
-    _decode_up_kernel[(n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))](
+    grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
+    pdl = pdl_launch(x.device, math.prod(grid))
+    _decode_up_kernel[grid](
         x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, n_assign, dim, inter, inter_s, h_width,
-        float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, **common,
+        float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, PDL=pdl, launch_pdl=pdl, **common,
     )
     return h, (n_assign, dim, inter, inter_s, h_width)
 
@@ -209,9 +215,12 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
     y = torch.empty_like(x)
-    _decode_down_kernel[(x.shape[0], triton.cdiv(dim, tiles.down_n))](
+    grid = (x.shape[0], triton.cdiv(dim, tiles.down_n))
+    pdl = pdl_launch(x.device, math.prod(grid))
+    _decode_down_kernel[grid](
         h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
-        BLOCK_N=tiles.down_n, **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps),
+        BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
+        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps),
     )
     return y
 

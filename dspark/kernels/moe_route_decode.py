@@ -19,12 +19,14 @@ the call is CUDA-graph capturable. Shape symbols as in `moe.py`; S splits of D.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from dspark.kernels.moe import _check_route_args, _dot, _jit, _route_pick, tl, triton
 from dspark.kernels.registry import require_triton
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _BLOCK_T = 16  # tokens per logits program: tl.dot's minimum M (one decode token wastes rows, not bytes)
 _MAX_SELECT_TILE = 8192  # fp32 partials one select program sums at once (S_PAD · E_PAD): 32 regs/thread at 8 warps
@@ -81,8 +83,9 @@ def plan_route(n_tok: int, dim: int, n_exp: int, tiles: RouteTiles = RouteTiles(
 @_jit
 def _route_logits_kernel(x_ptr, gw_ptr, part_ptr, n_tok, dim, n_exp, chunk_steps,
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_FP32: tl.constexpr):
+                         DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     """partial[s, offs_t, offs_e] = Σ over D-chunk s of x[offs_t]·W_g[offs_e], fp32."""
+    pdl_prologue(PDL)
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     split = tl.program_id(2)
@@ -107,8 +110,9 @@ def _route_logits_kernel(x_ptr, gw_ptr, part_ptr, n_tok, dim, n_exp, chunk_steps
 def _route_select_kernel(part_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
                          n_tok, n_exp, n_splits, scaling,
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                         HASH: tl.constexpr):
+                         HASH: tl.constexpr, PDL: tl.constexpr):
     """Token t = program 0: logits = Σ_s partial[s, t] over a [S_PAD, E_PAD] tile, then `_route_pick`."""
+    pdl_prologue(PDL)
     offs_t = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one token per program
     offs_s = tl.arange(0, S_PAD).to(tl.int64)
     offs_e = tl.arange(0, E_PAD)
@@ -138,18 +142,20 @@ def route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int, r
     x, gate_weight = x.contiguous(), gate_weight.contiguous()
     partial = torch.empty((plan.splits, n_tok, n_exp), dtype=torch.float32, device=x.device)  # [S, N, E]
     grid = (triton.cdiv(n_tok, _BLOCK_T), triton.cdiv(n_exp, plan.block_e), plan.splits)
+    pdl = pdl_launch(x.device, math.prod(grid))
     _route_logits_kernel[grid](
         x, gate_weight, partial, n_tok, dim, n_exp, plan.chunk_steps,
         BLOCK_T=_BLOCK_T, BLOCK_E=plan.block_e, BLOCK_K=plan.block_k, num_warps=tiles.warps,
-        DOT_FP32=x.dtype == torch.float32 or gate_weight.dtype == torch.float32,
+        DOT_FP32=x.dtype == torch.float32 or gate_weight.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
     )
     weights = torch.empty((n_tok, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((n_tok, top_k), dtype=torch.int32, device=x.device)
+    pdl = pdl_launch(x.device, n_tok)
     _route_select_kernel[(n_tok,)](
         partial, x if hash_routing else gate_bias.float().contiguous(),
         tid2eid.contiguous() if hash_routing else x, token_ids.contiguous() if hash_routing else x,
         weights, ids, n_tok, n_exp, plan.splits, float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=plan.e_pad, S_PAD=plan.s_pad,
-        HASH=bool(hash_routing), num_warps=4 if plan.s_pad * plan.e_pad <= 4096 else 8,
+        HASH=bool(hash_routing), PDL=pdl, launch_pdl=pdl, num_warps=4 if plan.s_pad * plan.e_pad <= 4096 else 8,
     )
     return weights, ids

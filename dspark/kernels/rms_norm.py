@@ -32,6 +32,7 @@ from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
 from dspark.kernels.rms_norm_ref import _check_args, rms_norm_ref  # noqa: F401 (the op's ref)
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _MAX_TILE = 8192  # widest row kept in registers (V4-Pro hidden 7168)
 _TILE_ELEMENTS = 4096  # elements per program: BLOCK_M rows of a narrow D share one program
@@ -39,9 +40,10 @@ _TILE_ELEMENTS = 4096  # elements per program: BLOCK_M rows of a narrow D share 
 
 @_jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, dim, stride_x, eps, BLOCK_M: tl.constexpr,
-                     BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+                     BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr, HAS_WEIGHT: tl.constexpr, PDL: tl.constexpr):
     """y[m] = [w ⊙] x[m] · rsqrt(Σ x[m]² / D + eps) for BLOCK_M rows. x [M, D] with row stride
     `stride_x`, y [M, D] contiguous; ONE_TILE: D ≤ BLOCK_D, the row stays in registers."""
+    pdl_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
@@ -99,7 +101,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, *, eps: float, out_dt
         return y
     block_m, block_d, warps = _tiles(n_rows, dim)
     w = rows if weight is None else weight.float().contiguous()  # a dummy pointer when unweighted
-    _rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
+    programs = triton.cdiv(n_rows, block_m)
+    pdl = pdl_launch(x.device, programs)
+    _rms_norm_kernel[(programs,)](
         rows, w, y, n_rows, dim, rows.stride(0), eps, BLOCK_M=block_m, BLOCK_D=block_d, ONE_TILE=dim <= block_d,
-        HAS_WEIGHT=weight is not None, num_warps=warps, enable_fp_fusion=False)
+        HAS_WEIGHT=weight is not None, PDL=pdl, launch_pdl=pdl, num_warps=warps, enable_fp_fusion=False)
     return y

@@ -35,6 +35,7 @@ from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
 from dspark.kernels.rope_ref import _check_args, rope_ref  # noqa: F401 (the op's ref)
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _TILE_ELEMENTS = 4096  # elements per program: BLOCK_R rows of d channels
 
@@ -42,13 +43,14 @@ _TILE_ELEMENTS = 4096  # elements per program: BLOCK_R rows of d channels
 @_jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, dim, half, cos_inner, cos_outer_stride, cos_inner_stride,
                  sin_inner, sin_outer_stride, sin_inner_stride, BLOCK_R: tl.constexpr, BLOCK_NOPE: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):
+                 BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     """y[r] = [x[r, :nope] | rotated pairs of x[r, nope:]] for BLOCK_R rows; x, y [R, d] contiguous.
 
     Row r's table row sits at (r // inner)·outer_stride + (r % inner)·inner_stride in cos (and in
     sin, with its own strides): the broadcast of the tables over x's leading dims, at most two
     strided dims after merging (`_table_strides`).
     """
+    pdl_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -122,7 +124,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     block_nope = triton.next_power_of_2(nope) if nope else 0
     block_half = triton.next_power_of_2(half)
     block_r = max(1, min(_TILE_ELEMENTS // max(block_nope, 2 * block_half), triton.next_power_of_2(n_rows)))
-    _rope_kernel[(triton.cdiv(n_rows, block_r),)](
+    programs = triton.cdiv(n_rows, block_r)
+    pdl = pdl_launch(x.device, programs)
+    _rope_kernel[(programs,)](
         rows, cos, sin, y, n_rows, dim, half, cos_inner, cos_outer, cos_step, sin_inner, sin_outer, sin_step,
-        BLOCK_R=block_r, BLOCK_NOPE=block_nope, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False)
+        BLOCK_R=block_r, BLOCK_NOPE=block_nope, BLOCK_HALF=block_half, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        enable_fp_fusion=False)
     return y
