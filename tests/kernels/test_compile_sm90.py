@@ -230,7 +230,8 @@ COMPILE = textwrap.dedent("""
     for launch in json.load(sys.stdin):
         fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         kwargs = dict(launch["kwargs"])
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
+                   if k in kwargs}
         values = dict(zip(fn.arg_names, launch["args"]), **kwargs)
         constexprs = {p.name: values[p.name] for p in fn.params if p.is_constexpr}
         signature = {name: "constexpr" if name in constexprs else values[name] for name in fn.arg_names}

@@ -1,0 +1,281 @@
+"""Programmatic dependent launch (PDL) of the decode-sized Triton kernels.
+
+Every kernel of the modules below takes a trailing `PDL` constexpr and starts with
+`pdl_prologue(PDL)`; every launch passes `PDL=pdl, launch_pdl=pdl` with `pdl = pdl_launch(device,
+programs of the grid)`. The CPU tests check those contracts from the source and from recorded
+launches (the Triton interpreter has no `gdc_*`, so on CPU the kernels run with PDL off); one test
+AOT-compiles a kernel for sm_90 to see the instructions' order; the GPU test compares a chain of
+decode-sized ops replayed from CUDA graphs with PDL on and off, bit for bit.
+"""
+
+import ast
+import importlib.util
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark.kernels import (attention, cache_round, grouped_wo_a, indexer, indexer_pool, mhc, mhc_v41, moe,
+                            moe_decode, moe_route_decode, rms_norm, rope, triton_available, triton_compat)
+
+MODULES = (attention, cache_round, grouped_wo_a, indexer, indexer_pool, mhc, mhc_v41, moe, moe_decode,
+           moe_route_decode, rms_norm, rope)
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
+
+
+def _tree(module) -> ast.Module:
+    return ast.parse(Path(module.__file__).read_text())
+
+
+def _launches(tree: ast.Module):
+    """(enclosing function, call) of every `kernel[grid](...)` launch."""
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                    yield fn, node
+
+
+def _launched_kernels(module) -> set[str]:
+    return {call.func.value.id for _, call in _launches(_tree(module))}
+
+
+# ----------------------------------------------------------------------------------- host helper
+
+
+def test_pdl_launch_is_off_on_cpu():
+    for programs in (1, 8, 10_000):
+        assert triton_compat.pdl_launch(torch.device("cpu"), programs) is False
+
+
+def test_pdl_launch_needs_hopper_and_a_decode_sized_grid(monkeypatch):
+    """On a cc >= 9 device: PDL up to 4 programs per SM, not above; never below cc 9 or when the
+    module constant is off."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(triton_compat, "_pdl_device", lambda index: (True, 132))
+    assert triton_compat.pdl_launch(cuda, 1) and triton_compat.pdl_launch(cuda, 4 * 132)
+    assert not triton_compat.pdl_launch(cuda, 4 * 132 + 1)
+    monkeypatch.setattr(triton_compat, "_pdl_device", lambda index: (False, 132))
+    assert not triton_compat.pdl_launch(cuda, 1)
+    monkeypatch.setattr(triton_compat, "_pdl_device", lambda index: (True, 132))
+    monkeypatch.setattr(triton_compat, "PDL", False)
+    assert not triton_compat.pdl_launch(cuda, 1)
+
+
+def test_pdl_device_reads_capability_and_sms_once_per_index(monkeypatch):
+    asked = []
+
+    def props(index):
+        asked.append(index)
+        return SimpleNamespace(major={0: 9, 1: 8}[index], multi_processor_count=132 if index == 0 else 108)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    triton_compat._pdl_device.cache_clear()
+    try:
+        assert [triton_compat._pdl_device(i) for i in (0, 1, 0, 1)] == [(True, 132), (False, 108)] * 2
+    finally:
+        triton_compat._pdl_device.cache_clear()  # drop the fake devices' entries
+    assert asked == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_every_kernel_takes_pdl_and_starts_with_the_prologue(module):
+    names = _launched_kernels(module)
+    assert names, f"no launches found in {module.__name__}"
+    defs = {n.name: n for n in _tree(module).body if isinstance(n, ast.FunctionDef)}
+    for name in names:
+        kernel = getattr(module, name)
+        params = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+        assert params[-1] == "PDL", f"{module.__name__}.{name} has no trailing PDL parameter: {params}"
+        body = defs[name].body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        assert ast.unparse(body[0]) == "pdl_prologue(PDL)", f"{module.__name__}.{name} starts with {ast.unparse(body[0])}"
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_every_launch_passes_the_pdl_launch_answer(module):
+    """Each `kernel[grid](...)` passes PDL= and launch_pdl= the same name, bound to `pdl_launch(...)`
+    in the launching function (a future kernel cannot forget either)."""
+    for fn, call in _launches(_tree(module)):
+        where = f"{module.__name__}.{fn.name} -> {call.func.value.id}"
+        kwargs = {k.arg: ast.unparse(k.value) for k in call.keywords if k.arg}
+        assert "launch_pdl" in kwargs and "PDL" in kwargs, f"{where} misses PDL= or launch_pdl="
+        assert kwargs["launch_pdl"] == kwargs["PDL"], where
+        bound = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "pdl_launch"
+                 for t in node.targets if isinstance(t, ast.Name)}
+        assert kwargs["PDL"] in bound, f"{where}: PDL={kwargs['PDL']} is not a pdl_launch(...) result"
+
+
+class Recorder:
+    """Stands in for a kernel: logs the grid and the PDL flags, then runs the kernel with PDL off
+    (the interpreter has no gdc_*)."""
+
+    def __init__(self, kernel, name: str, log: list):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("launch", self.name, math.prod(grid), kwargs["PDL"], kwargs["launch_pdl"]))
+            return self.kernel[grid](*args, **dict(kwargs, PDL=False, launch_pdl=False))
+
+        return launch
+
+
+def _every_op(device: str) -> None:
+    """Each fused op once on small inputs, together reaching every kernel of MODULES, most of them
+    with more than one program (so that a launch asking for the wrong program count shows)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    eps = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=3)
+    x, site = rand(5, 4, 128), (rand(24, 512) * 0.05, rand(24), torch.rand(3, generator=g).to(device) + 0.5)
+    post, comb, u = mhc.mhc_pre(x, *site, **eps)
+    mhc.mhc_post(u, x, post, comb)
+    mhc.mhc_post_pre(u, x, post, comb, *site, **eps)
+    mhc_v41.mhc_v41_pre(x, post, *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
+    rms_norm.rms_norm(rand(40, 128), torch.ones(128, device=device), eps=1e-6, out_dtype=torch.float32)
+    angles = rand(4, 1, 8)
+    rope.rope(rand(4, 16, 256), angles.cos(), angles.sin())
+    cache_round.cache_round(rand(65, 64), fmt="fp8_ue8m0")
+    index = torch.randint(-1, 40, (2, 70), generator=g).to(device)
+    attention.sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125)
+    keys, visible = rand(100, 32), torch.tensor([99, 100], device=device)
+    indexer.lightning_indexer(rand(2, 4, 32), rand(2, 4), keys, visible, None, topk=8)
+    indexer.index_scores(rand(1, 2, 4, 32), rand(1, 2, 4), keys[None], visible[None])
+    indexer_pool.indexer_pool(rand(2, 64), torch.tensor([30, 64], device=device), topk_blocks=2, block=8)
+    out, cs = rand(17, 8, 64), rand(17, 8)
+    grouped_wo_a.launch_grouped_wo_a(out, cs, cs, rand(64, 256), grouped_wo_a.Tiles(16, 16, 16, 4, 2, 2))
+    n_exp, dim, inter = 4, 32, 16
+    experts = [rand(*s) / 4 for s in ((n_exp, inter, dim), (n_exp, dim, inter), (n_exp, inter, dim),
+                                      (inter, dim), (dim, inter), (inter, dim))]
+    router = (rand(40, dim), rand(n_exp, dim) / 4, torch.zeros(n_exp, device=device), None, None)
+    route = dict(top_k=2, routed_scaling_factor=1.5, hash_routing=False)
+    moe.fused_moe(*router, *experts, **route, swiglu_limit=10.0)  # decode router, packed experts
+    moe.route_prefill(*router, **route)
+    weights, ids = moe.moe_route(*router, **route)
+    moe_decode.decode_experts(router[0][:1], weights[:1], ids[:1].int(), *experts, 10.0)
+
+
+@needs_triton
+def test_each_launch_asks_pdl_launch_for_its_own_grid(monkeypatch):
+    """With `pdl_launch` answering True, every kernel of MODULES is launched with PDL=True and
+    launch_pdl=True, right after one `pdl_launch` call for its device and its grid's program count."""
+    log = []
+
+    def pdl_launch(device, programs):
+        log.append(("ask", device, programs))
+        return True
+
+    for module in MODULES:
+        monkeypatch.setattr(module, "pdl_launch", pdl_launch)
+        for name in _launched_kernels(module):
+            monkeypatch.setattr(module, name, Recorder(getattr(module, name), name, log))
+    _every_op("cpu")
+    launches = [i for i, event in enumerate(log) if event[0] == "launch"]
+    assert {log[i][1] for i in launches} == set().union(*map(_launched_kernels, MODULES))
+    assert len(log) == 2 * len(launches)
+    for i in launches:
+        _, name, programs, pdl, launch_pdl = log[i]
+        assert log[i - 1] == ("ask", torch.device("cpu"), programs), (name, log[i - 1], programs)
+        assert pdl is True and launch_pdl is True, name
+
+
+@needs_triton
+def test_pdl_prologue_calls_gdc_only_with_pdl():
+    """Under the interpreter (no gdc_*) a kernel with PDL=False runs; PDL=True reaches gdc_wait."""
+    if not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("checks the interpreter's behaviour (CPU machines)")
+    x = torch.zeros(64)
+    cache_round._round_kernel[(1,)](x, torch.empty_like(x), 1, BLOCK=64, ROWS=1, FMT=0, PDL=False, launch_pdl=False)
+    with pytest.raises(Exception, match="_semantic"):  # the interpreter cannot run griddepcontrol
+        cache_round._round_kernel[(1,)](x, torch.empty_like(x), 1, BLOCK=64, ROWS=1, FMT=0, PDL=True, launch_pdl=True)
+
+
+AOT = textwrap.dedent("""
+    import json, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dspark.kernels import rms_norm
+
+    fn = rms_norm._rms_norm_kernel
+    types = dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*bf16", n_rows="i32", dim="i32", stride_x="i32", eps="fp32")
+    found = {}
+    for pdl in (False, True):
+        constexprs = dict(BLOCK_M=1, BLOCK_D=2048, ONE_TILE=True, HAS_WEIGHT=True, PDL=pdl)
+        signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                             options=dict(launch_pdl=pdl)).asm["ptx"]
+        found[str(pdl)] = [ptx.find(s) for s in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
+                                                 "ld.global")]
+    print(json.dumps(found))
+""")
+
+
+@needs_triton
+def test_sm90_code_waits_before_it_releases_and_reads():
+    """AOT for sm_90 (no GPU needed): with PDL the wait precedes the release and the first global
+    load; without PDL neither instruction is emitted."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done = subprocess.run([sys.executable, "-c", AOT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    wait, release, load = found["True"]
+    assert 0 <= wait < release < load, found
+    assert found["False"][:2] == [-1, -1] and found["False"][2] >= 0, found
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+def _decode_chain():
+    """bench/pdl_ops.py's chain of decode-sized ops (v4-mini sizes), each reading the previous output."""
+    spec = importlib.util.spec_from_file_location("bench_pdl_ops", Path(__file__).resolve().parents[2] / "bench"
+                                                  / "pdl_ops.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.decode_chain()
+
+
+def _replay(step):
+    """Capture step() once (after a warm-up that compiles), replay twice; the outputs of each replay."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append([t.clone() for t in outs])
+    return replays
+
+
+@pytest.mark.gpu
+def test_decode_chain_with_pdl_equals_without(monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability >= 9")
+    assert triton_compat.pdl_launch(torch.device("cuda"), 1)
+    with_pdl = _replay(_decode_chain())
+    monkeypatch.setattr(triton_compat, "PDL", False)
+    assert not triton_compat.pdl_launch(torch.device("cuda"), 1)
+    without = _replay(_decode_chain())
+    for replay in (*with_pdl, without[1]):
+        for a, b in zip(replay, without[0]):
+            assert torch.equal(a, b)
