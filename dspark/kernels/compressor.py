@@ -34,7 +34,7 @@ from dspark.kernels.compressor_ref import _check_args, _check_dest, _check_gathe
 from dspark.kernels.compressor_ref import compressor_pool_gather_ref, compressor_pool_ref  # noqa: F401 (the ops' refs)
 from dspark.kernels.registry import require_triton
 
-from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import jit as _jit, pdl_launch, pdl_prologue, tl, triton  # noqa: F401 (stand-ins without triton)
 
 
 @_jit
@@ -95,9 +95,10 @@ def _entry_row(rows_ptr, e, SCATTER: tl.constexpr):
 @_jit
 def _pool_kernel(kv_ptr, score_ptr, idx_ptr, w_ptr, out_ptr, rows_ptr, cos_ptr, sin_ptr, n_slots, dim, half,
                  out_stride, eps, BLOCK_SLOTS: tl.constexpr, D_PAD: tl.constexpr, GATHER: tl.constexpr,
-                 ROPE: tl.constexpr, SCATTER: tl.constexpr):
+                 ROPE: tl.constexpr, SCATTER: tl.constexpr, PDL: tl.constexpr):
     """out[row(e)] = rope(w ⊙ RMS-normalised(round(Σ_slots softmax(score[e]) ⊙ kv[e]))) for entry e =
     program_id(0) (rope and row: `_store_entry`, `_entry_row`)."""
+    pdl_prologue(PDL)
     e = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < dim
@@ -112,9 +113,10 @@ def _pool_kernel(kv_ptr, score_ptr, idx_ptr, w_ptr, out_ptr, rows_ptr, cos_ptr, 
 
 @_jit
 def _pool_part_kernel(kv_ptr, score_ptr, idx_ptr, out_ptr, sq_ptr, n_slots, dim, n_dblocks,
-                      BLOCK_SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr):
+                      BLOCK_SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
     """Channels of block program_id(1) of entry e = program_id(0): out[e, block] = round(pooled),
     sq[e, block] = Σ_block round(pooled)² (the norm is `_norm_kernel`'s)."""
+    pdl_prologue(PDL)
     e = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs_d = blk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -128,9 +130,11 @@ def _pool_part_kernel(kv_ptr, score_ptr, idx_ptr, out_ptr, sq_ptr, n_slots, dim,
 
 @_jit
 def _norm_kernel(src_ptr, sq_ptr, w_ptr, out_ptr, rows_ptr, cos_ptr, sin_ptr, n_dblocks, dim, half, out_stride,
-                 eps, NB_PAD: tl.constexpr, D_PAD: tl.constexpr, ROPE: tl.constexpr, SCATTER: tl.constexpr):
+                 eps, NB_PAD: tl.constexpr, D_PAD: tl.constexpr, ROPE: tl.constexpr, SCATTER: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[row(e)] = rope(w ⊙ src[e] / rms(src[e])) from the blocks' Σ pooled² (src: the rounded pooled
     rows; it may be out itself, in place: every store follows the row's reduction)."""
+    pdl_prologue(PDL)
     e = tl.program_id(0).to(tl.int64)
     offs_b = tl.arange(0, NB_PAD)
     total = tl.sum(tl.load(sq_ptr + e * n_dblocks + offs_b, mask=offs_b < n_dblocks, other=0.0), axis=0)
@@ -206,13 +210,16 @@ def _launch(kv, score, index, norm_weight, n, n_slots, eps, out_dtype, split, co
         n_dblocks = triton.cdiv(dim, _SPLIT_BLOCK_D)
         pooled = dest if out is None else torch.empty((n, dim), dtype=out_dtype, device=kv.device)
         sq = torch.empty((n, n_dblocks), dtype=torch.float32, device=kv.device)
+        pdl = pdl_launch(kv.device, n * n_dblocks)
         _pool_part_kernel[(n, n_dblocks)](kv, score, idx, pooled, sq, n_slots, dim, n_dblocks,
                                           BLOCK_SLOTS=max(1, min(triton.next_power_of_2(n_slots), 64)),
-                                          BLOCK_D=_SPLIT_BLOCK_D, GATHER=gather, num_warps=4)
+                                          BLOCK_D=_SPLIT_BLOCK_D, GATHER=gather, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        pdl = pdl_launch(kv.device, n)
         _norm_kernel[(n,)](pooled, sq, weight, dest, rows, cos, sin, n_dblocks, dim, half, dest.stride(0), float(eps),
-                           NB_PAD=triton.next_power_of_2(n_dblocks), **tail)
+                           NB_PAD=triton.next_power_of_2(n_dblocks), PDL=pdl, launch_pdl=pdl, **tail)
         return dest
     block_slots = max(1, min(triton.next_power_of_2(n_slots), 4096 // d_pad))  # [slots, d] tiles of <= 4K
+    pdl = pdl_launch(kv.device, n)
     _pool_kernel[(n,)](kv, score, idx, weight, dest, rows, cos, sin, n_slots, dim, half, dest.stride(0), float(eps),
-                       BLOCK_SLOTS=block_slots, GATHER=gather, **tail)
+                       BLOCK_SLOTS=block_slots, GATHER=gather, PDL=pdl, launch_pdl=pdl, **tail)
     return dest

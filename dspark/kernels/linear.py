@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
 
-from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import jit as _jit, pdl_launch, pdl_prologue, tl, triton  # noqa: F401 (stand-ins without triton)
 
 # One H200, CUDA-graph replays (`bench/linear_decode.py`): the kernel won for every weight with
 # K >= 2048 and at most 4M elements (v4-mini wq_a / wkv / wo_b / weights_proj / compressor wkv:
@@ -107,8 +107,9 @@ def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tens
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[n] = Σ_k x[k]·w[n, k] for the BLOCK_N rows of program n, fp32 sums."""
+    pdl_prologue(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     rows = offs_n.to(tl.int64)[:, None] * n_in
@@ -124,10 +125,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_
 
 @_jit
 def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, rows_ptr, kv_ptr, score_ptr, n_out, n_in,
-                    kv_stride, score_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCATTER: tl.constexpr):
+                    kv_stride, score_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCATTER: tl.constexpr,
+                    PDL: tl.constexpr):
     """kv[r, n] = Σ_k x[k]·wkv[n, k] and score[r, n] = round(Σ_k x[k]·wgate[n, k]) + ape[phase, n] for the
     BLOCK_N columns of program n (one row x, read once for both weights), fp32 sums; r = rows[0] with
     SCATTER (the row's place in a ring), else 0."""
+    pdl_prologue(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     rows = offs_n.to(tl.int64)[:, None] * n_in
@@ -183,8 +186,10 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     n_out, n_in = weight.shape
     y = torch.empty(n_out, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device))
-    _gemv_kernel[(triton.cdiv(n_out, block_n),)](x.contiguous(), weight.contiguous(), y, n_out, n_in,
-                                                   BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    grid = (triton.cdiv(n_out, block_n),)
+    pdl = pdl_launch(x.device, grid[0])
+    _gemv_kernel[grid](x.contiguous(), weight.contiguous(), y, n_out, n_in, BLOCK_N=block_n, BLOCK_K=block_k,
+                       PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -221,10 +226,12 @@ def launch_project(x, wkv, wgate, ape, phase, tiles: tuple[int, int, int] | None
         kv_out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
         score_out = torch.empty((1, n_out), dtype=torch.float32, device=x.device)
     block_n, block_k, warps = tiles or project_tiles(n_out, n_in, _num_sms(x.device))
-    _project_kernel[(triton.cdiv(n_out, block_n),)](
+    grid = (triton.cdiv(n_out, block_n),)
+    pdl = pdl_launch(x.device, grid[0])
+    _project_kernel[grid](
         x.contiguous(), wkv.contiguous(), wgate.contiguous(), ape.contiguous(), phase.contiguous(),
         out_rows if scatter else phase, kv_out, score_out, n_out, n_in, kv_out.stride(0), score_out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, SCATTER=scatter, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, SCATTER=scatter, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return kv_out, score_out
 
 

@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.kernels import (attention, cache_round, grouped_wo_a, indexer, indexer_pool, mhc, mhc_v41, moe,
-                            moe_decode, moe_route_decode, rms_norm, rope, triton_available, triton_compat)
+from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
+                            mhc_v41, moe, moe_decode, moe_route_decode, rms_norm, rope, triton_available, triton_compat)
 
-MODULES = (attention, cache_round, grouped_wo_a, indexer, indexer_pool, mhc, mhc_v41, moe, moe_decode,
-           moe_route_decode, rms_norm, rope)
+MODULES = (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_v41, moe,
+           moe_decode, moe_route_decode, rms_norm, rope)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
 
@@ -169,6 +169,12 @@ def _every_op(device: str) -> None:
     moe.route_prefill(*router, **route)
     weights, ids = moe.moe_route(*router, **route)
     moe_decode.decode_experts(router[0][:1], weights[:1], ids[:1].int(), *experts, 10.0)
+    linear.launch_gemv(rand(1, 64), rand(40, 64))
+    ape, phase = rand(4, 24), torch.tensor([1], device=device)
+    linear.launch_project(rand(1, 64), rand(24, 64), rand(24, 64), ape, phase)
+    kv, score, norm_weight = rand(3, 8, 32), rand(3, 8, 32), torch.ones(32, device=device)
+    for split in (True, False):  # channel blocks + norm launch, or one program per entry
+        compressor.launch_compressor_pool(kv, score, norm_weight, eps=1e-6, out_dtype=torch.float32, split=split)
 
 
 @needs_triton
