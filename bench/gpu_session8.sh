@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session8.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session8.sh b")
 #   run(command="bash bench/gpu_session8.sh c")
+#   run(command="bash bench/gpu_session8.sh d")
 #
 # a: last session's fixes (cache_round's div_rn and saturating reference, DraftLookahead's copy of the
 #    propose outputs) under their GPU tests; the decode MoE's launch shapes swept on v4-mini's layer as
@@ -43,18 +44,27 @@ part_b() {
   grep -h "fp8=" $W/logs/b_fp8.txt | cut -c1-400
 }
 
-# c: the static-step changes of this session (fewer index ops, state written by the kernels that make
-#    it) under the GPU tests, then the step and the engine with everything on by default.
+# c: this session's static-step changes (fewer index ops, state written by the kernels that make it) and
+#    PDL under the GPU tests, then the step with everything on by default, and once more at one request
+#    with PDL off (the A/B).
 part_c() {
-  logged c_tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_compressor_pool.py \
-    tests/kernels/test_linear.py tests/kernels/test_static_step_kernels.py tests/models/test_deepseek_v4_static_graph_gpu.py \
-    tests/models/test_deepseek_v4_step_index.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/engine/test_engine_static_gpu.py "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
+  logged c_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_kernels_pdl.py \
+    tests/kernels/test_compressor_pool.py tests/kernels/test_linear.py tests/kernels/test_static_step_kernels.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py tests/models/test_deepseek_v4_step_index.py \
+    tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/engine/test_engine_static_gpu.py \
+    "tests/kernels/test_kernels_model.py::test_fused_matches_reference_on_gpu"
   tail -n 4 $W/logs/c_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/c_tests.txt | head -n 20 | cut -c1-300
   logged c_profile 120 python3 bench/graph_decode.py --requests 1,8,64 --profile --out "$OUT/graph-profile-h200-s8.json"
   grep -h "graph_ms" $W/logs/c_profile.txt | cut -c1-330; tail -n 2 $W/logs/c_profile.txt | cut -c1-200
-  logged c_engine 220 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 \
-    --modes none,dspark3 --contexts 4096 --decode-only --peer --steps 8 --budget-s 190 --out "$OUT/engine-h200-s8.json"
-  grep -h '"mode"\|summary' $W/logs/c_engine.txt | cut -c1-260; tail -n 3 $W/logs/c_engine.txt | cut -c1-300
+  logged c_nopdl 90 python3 bench/graph_decode.py --requests 1,8 --no-pdl --out "$OUT/graph-decode-h200-s8-no-pdl.json"
+  grep -h "graph_ms" $W/logs/c_nopdl.txt | cut -c1-330
+}
+
+# d: the engine with everything on by default, the HF peer in the same run.
+part_d() {
+  logged d_engine 230 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 \
+    --modes none,dspark3 --contexts 4096 --decode-only --peer --steps 8 --budget-s 200 --out "$OUT/engine-h200-s8.json"
+  grep -h '"mode"\|summary' $W/logs/d_engine.txt | cut -c1-260; tail -n 3 $W/logs/d_engine.txt | cut -c1-300
 }
 
 part_$1

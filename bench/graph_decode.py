@@ -209,7 +209,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=None, help="decode context (default 4096; smoke 40)")
     ap.add_argument("--not-yet", action="store_true",
                     help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch every Triton kernel without programmatic dependent launch (A/B of PDL)")
     cli = ap.parse_args()
+    if cli.no_pdl:
+        from dspark.kernels import triton_compat
+
+        triton_compat.PDL = False  # this bench process only: the one constant every launch consults
     args = dict(SMOKE if cli.smoke else FULL)
     if cli.config:
         if cli.config not in NAMES:
@@ -239,7 +245,7 @@ def main() -> None:
     roofline = active_bytes(model, args["context"])
     results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                               "dtype": str(dtype), "weights": "random", "kernels": str(model.kernels),
-                              "commit": _commit(), "smoke": cli.smoke, **options,
+                              "commit": _commit(), "smoke": cli.smoke, "pdl": not cli.no_pdl, **options,
                               "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": 1,
                               "static_capacity": args["context"] + HEADROOM, "grid": args,
                               "decode_state": "fabricated at the context (random values, prefill shapes)",
