@@ -221,9 +221,17 @@ class StepIndex:
             return self.tables.arange(0, n_entries) >= self.visible(rate).reshape(-1, 1)
         return self._get(("unreachable", rate, n_entries), build)
 
+    def hca_keys(self, window: int, ring: PositionRing, rate: int, n_entries: int, first: int) -> torch.Tensor:
+        """[N, W + E] the HCA key list [`window_keys` | `causal_entries`]: position-derived only, so
+        the HCA layers of a step share one (their rings and entry pools have the same sizes)."""
+        return self._get(("hca_keys", window, ring.size, rate, n_entries, first),
+                         lambda: torch.cat((self.window_keys(window, ring),
+                                            self.causal_entries(rate, n_entries, first)), dim=-1))
+
     def causal_entries(self, rate: int, n_entries: int, first: int) -> torch.Tensor:
         """[N, E] pool rows of every entry a row can see (HCA), −1 for the rest."""
         def build():
             entries = self.tables.arange(0, n_entries) + self.entry_offsets(first, n_entries)  # [N, E]
             return entries.masked_fill_(self.unreachable(rate, n_entries), -1)
         return self._get(("causal", rate, n_entries, first), build)
+

@@ -187,19 +187,26 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
     cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
     q_lora, q, kv = attn.project_qkv(x, cos, sin)
     state.window.write_rows(index.ring_rows(state.window), kv)
-    keys = index.window_keys(attn.window, state.window)  # [N, W]
-    if attn.compressor is not None:
+    if attn.compressor is None:  # SWA: the window alone
+        keys = index.window_keys(attn.window, state.window)  # [N, W]
+    else:
         update_compressor(attn.compressor, state.compressor, index, x, attn.rope)
         first, n_entries = state.window.slots * state.window.size, state.compressor.n_entries
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
             q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
             update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
             picks = select_entries(attn.indexer, q_index, weights, state.indexer, index)
-            keys = torch.cat((keys, torch.where(picks >= 0, picks + index.entry_offsets(first, n_entries), -1)), dim=-1)
-        else:  # HCA: every complete entry
-            keys = torch.cat((keys, index.causal_entries(attn.rate, n_entries, first)), dim=-1)
+            keys = torch.cat((index.window_keys(attn.window, state.window),
+                              offset_rows(picks, index.entry_offsets(first, n_entries))), dim=-1)
+        else:  # HCA: every complete entry (one key list for all HCA layers of the step)
+            keys = index.hca_keys(attn.window, state.window, attn.rate, n_entries, first)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
+
+
+def offset_rows(rows: torch.Tensor, offset: torch.Tensor | int) -> torch.Tensor:
+    """rows + offset where rows >= 0, −1 kept (rows: −1 = none): three launches, no scalar tensor."""
+    return torch.where(rows >= 0, rows + offset, rows)
 
 
 def update_compressor(compressor, state: StaticCompressorState, index: StepIndex, x: torch.Tensor, rope) -> None:

@@ -41,7 +41,7 @@ from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_state import StaticShape
-from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput
+from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput, offset_rows
 from dspark.models.deepseek_v41 import engram_hash
 from dspark.models.deepseek_v41.block import initial_pre
 from dspark.models.deepseek_v41.csa2 import SharedSlots
@@ -141,7 +141,7 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     window = state.windows[layer]
     window.write_rows(index.ring_rows(window), attn.quant.window(kv))  # the window cache is FP8 (QAT)
     keys = index.window_keys(attn.window, window)  # [N, W] rows of the layer's ring, −1 = none
-    keys = torch.where(keys >= 0, keys + state.window_offsets[layer], -1)
+    keys = offset_rows(keys, state.window_offsets[layer])
     if attn.ratio:
         source = state.sources[attn.role.kv_source]
         if attn.compressor is not None:
@@ -149,7 +149,7 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
         if attn.indexer is not None:
             select(attn.indexer, *attn.indexer.queries(x, q_lora, cos, sin), index, source, shared)
         offset = index.entry_offsets(source.offset, source.n_entries)  # [N, 1]
-        keys = torch.cat((keys, torch.where(shared.topk >= 0, shared.topk + offset, -1)), dim=-1)
+        keys = torch.cat((keys, offset_rows(shared.topk, offset)), dim=-1)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
 
