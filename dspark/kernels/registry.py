@@ -54,12 +54,13 @@ _OP_MODULES: dict[str, str] = {
     "cache_round": "cache_round",
     "rms_norm": "rms_norm",
     "rope": "rope",
+    "norm_rope": "norm_rope",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
 # with an explicit KernelConfig (e.g. `KernelConfig.for_device("cuda")` replaced with
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
-NOT_YET_ON_GPU: tuple[str, ...] = ()
+NOT_YET_ON_GPU: tuple[str, ...] = ("norm_rope",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,6 +117,7 @@ class KernelConfig:
     cache_round: Impl = "ref"
     rms_norm: Impl = "ref"
     rope: Impl = "ref"
+    norm_rope: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
-                            mhc_v41, moe, moe_decode, moe_route_decode, rms_norm, rope, triton_available)
+                            mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -46,7 +46,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            linear: ("_gemv_kernel", "_project_kernel"),
            cache_round: ("_round_kernel",),
            rms_norm: ("_rms_norm_kernel",),
-           rope: ("_rope_kernel",)}
+           rope: ("_rope_kernel",),
+           norm_rope: ("_norm_rope_kernel",)}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
          torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -217,6 +218,16 @@ def run_every_tile_class():
         x = torch.randn(x_shape, generator=g).to(DEVICE, torch.bfloat16)
         angles = torch.rand(table_shape, generator=g).to(DEVICE)
         rope.rope(x, angles.cos(), angles.sin())
+    # Norm + RoPE, d 512, rd 64: v4-mini q heads [N, 32, 512] (unweighted, several rows per program) and
+    # kv latents [N, 512] (weighted, stored at their window-ring rows), bf16 and fp32.
+    for x_shape, table_shape, weighted, dtype in (((2, 32, 512), (2, 1, 32), False, torch.bfloat16),
+                                                  ((2, 512), (2, 32), True, torch.bfloat16),
+                                                  ((2, 512), (2, 32), True, torch.float32)):
+        x = torch.randn(x_shape, generator=g).to(DEVICE, dtype)
+        angles = torch.rand(table_shape, generator=g).to(DEVICE)
+        weight = torch.ones(512, device=DEVICE) if weighted else None
+        dest = dict(out=torch.empty(9, 512, dtype=dtype, device=DEVICE), out_rows=torch.tensor([4, 1], device=DEVICE))
+        norm_rope.norm_rope(x, weight, angles.cos(), angles.sin(), eps=1e-6, **(dest if weighted else {}))
 
 
 COMPILE = textwrap.dedent("""

@@ -24,10 +24,11 @@ import pytest
 import torch
 
 from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
-                            mhc_v41, moe, moe_decode, moe_route_decode, rms_norm, rope, triton_available, triton_compat)
+                            mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope, triton_available,
+                            triton_compat)
 
 MODULES = (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_v41, moe,
-           moe_decode, moe_route_decode, rms_norm, rope)
+           moe_decode, moe_route_decode, norm_rope, rms_norm, rope)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
 
@@ -151,6 +152,8 @@ def _every_op(device: str) -> None:
     rms_norm.rms_norm(rand(40, 128), torch.ones(128, device=device), eps=1e-6, out_dtype=torch.float32)
     angles = rand(4, 1, 8)
     rope.rope(rand(4, 16, 256), angles.cos(), angles.sin())
+    norm_rope.norm_rope(rand(4, 16, 256), None, angles.cos(), angles.sin(), eps=1e-6,  # q heads, stored at rows
+                        out=rand(70, 256), out_rows=torch.arange(64, device=device))
     cache_round.cache_round(rand(65, 64), fmt="fp8_ue8m0")
     index = torch.randint(-1, 40, (2, 70), generator=g).to(device)
     attention.sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125)
