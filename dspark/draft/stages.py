@@ -86,7 +86,7 @@ class DSparkStage(Block):
         """Keys (= values) of committed rows: main_x [n, D], positions [n] -> [n, d] (RoPE applied)."""
         attn = self.attn
         cos, sin = attn.rope.cos_sin(positions)
-        return attn.rope_op(attn.kv_norm(attn.wkv(main_x)), cos, sin)
+        return attn.norm_rope_op(attn.wkv(main_x), attn.kv_norm.weight, cos, sin, eps=attn.kv_norm.eps)
 
     # ---------------------------------------------------------------------------------------
     # Block forward
@@ -114,10 +114,7 @@ class DSparkStage(Block):
         attn = self.attn
         n = x.shape[0]
         cos, sin = attn.rope.cos_sin(positions)  # [S, rd/2] fp32
-        q = attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.n_heads, attn.head_dim))
-        q = attn.norm_op(q, None, eps=attn.eps, out_dtype=x.dtype)  # per-head unweighted RMS, as in the target
-        q = attn.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [S, H, d]
-        kv = attn.rope_op(attn.kv_norm(attn.wkv(x)), cos, sin)  # [S, d] block keys, transient
+        _, q, kv = attn.project_qkv(x, cos, sin)  # [S, H, d] (per-head RMS, as in the target), [S, d] block keys
         pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
         index = torch.cat((ctx_index, block_index(n, gamma, ctx_pool.shape[0], x.device)), dim=-1)  # [S, W + γ]
         out = ops.attend(q, pool, index, attn.attn_sink, attn.scale)  # [S, H, d]

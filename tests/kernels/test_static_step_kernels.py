@@ -21,7 +21,7 @@ from static_step_checks import run_rounds  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores", "compressor_project")
+STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores", "compressor_project", "norm_rope")
 
 
 @needs_triton

@@ -22,11 +22,14 @@ K keys per query, G o_groups, R o_lora_rank.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.attention_ref import sparse_attention_ref
+from dspark.kernels.norm_rope_ref import norm_then_rope
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
 from dspark.models.deepseek_v4.linear import Linear
@@ -69,8 +72,8 @@ class LatentAttention(nn.Module):
     sees (window, compressed entries) is the subclass's business; `q_head_norm` selects V4's
     per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1). `kernels` picks the
     attention core (`sparse_attention` of the kernel registry), the inverse RoPE + grouped `wo_a`
-    (`grouped_wo_a`), the RoPE of q and kv (`rope`) and every norm (`rms_norm`); default the torch
-    references.
+    (`grouped_wo_a`), the RoPE of q and kv (`rope`, and `norm_rope`: the per-head q norm / kv_norm
+    and the RoPE after it in one op) and every norm (`rms_norm`); default the torch references.
     """
 
     def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None,
@@ -86,6 +89,11 @@ class LatentAttention(nn.Module):
         self.rope_op = get_op(kernels, "rope")
         # x [..., d], weight [d] or None -> RMS-normalised x (V4's per-head q norm: no weight)
         self.norm_op = get_op(kernels, "rms_norm")
+        # x [..., d], weight [d] or None, cos/sin as for rope -> rope(rms_norm(x)) [and its rows at out[out_rows]].
+        # While the config keeps norm_rope on its reference (CUDA's default until its GPU run) the configured
+        # rms_norm and rope ops run in sequence instead: the op's reference would replace fused ones.
+        self.norm_rope_op = (get_op(kernels, "norm_rope") if kernels.norm_rope != "ref"
+                             else functools.partial(norm_then_rope, self.norm_op, self.rope_op))
         self.n_heads = c.num_attention_heads
         self.head_dim = c.head_dim
         self.window = c.sliding_window
@@ -106,17 +114,23 @@ class LatentAttention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32, device=device))
         self.rope = Rope(rope, c.head_dim, device=device)
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_out: torch.Tensor | None = None,
+                    kv_rows: torch.Tensor | None = None):
         """x [N, D] (after attn_norm), cos/sin [N, rd/2] -> (c_q [N, q_lora], q [N, H, d], kv [N, d]).
 
         c_q = q_norm(x·wq_aᵀ) is also the indexer's input; q and kv carry RoPE at their positions.
+        kv_out [R, d] (x's dtype, contiguous rows) with kv_rows [N] long: kv row n is also stored at
+        row kv_rows[n] of kv_out (the static step's window ring), by the norm + RoPE op itself.
         """
         q_lora = self.q_norm(self.wq_a(x))  # [N, q_lora]
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
-        if self.q_head_norm:
-            q = self.norm_op(q, None, eps=self.eps, out_dtype=x.dtype)  # per-head unweighted RMS (spec §5)
-        q = self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [N, H, d]
-        kv = self.rope_op(self.kv_norm(self.wkv(x)), cos, sin)  # [N, d]
+        q_cos, q_sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [N, 1, rd/2]: one row for all heads
+        if self.q_head_norm:  # per-head unweighted RMS (spec §5), then RoPE
+            q = self.norm_rope_op(q, None, q_cos, q_sin, eps=self.eps)  # [N, H, d]
+        else:
+            q = self.rope_op(q, q_cos, q_sin)
+        kv = self.norm_rope_op(self.wkv(x), self.kv_norm.weight, cos, sin, eps=self.kv_norm.eps, out=kv_out,
+                               out_rows=kv_rows)  # [N, d]
         return q_lora, q, kv
 
     def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

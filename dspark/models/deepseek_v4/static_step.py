@@ -8,9 +8,10 @@
 
 `step` feeds slot s the tokens input_ids[s] at positions starts[s] .. starts[s] + T − 1 and writes
 their state (`static_state.py`); every write lands at rows computed on the device from the positions
-(an `index_copy_`, or at one decode row the store of the kernel that produces the rows), every read a fixed-width gather whose invisible keys are −1, so the shapes and the
-launched kernels never depend on the data and the whole call can be captured once per (b, T) and
-replayed. A step may run on a bucket of the first b <= S slots (ids [b, T], starts [b]): it touches
+(an `index_copy_`, or the store of the op that produces the rows: the window latents' norm + RoPE,
+and at one decode row the compressor projection), every read a fixed-width gather whose invisible
+keys are −1, so the shapes and the launched kernels never depend on the data and the whole call can
+be captured once per (b, T) and replayed. A step may run on a bucket of the first b <= S slots (ids [b, T], starts [b]): it touches
 only their rows, so slots >= b keep their state unchanged. The math is the model's own modules
 (projections, RoPE, compressor pooling, indexer scores, registry ops, mHC, MoE, norms, head); only
 the cache plumbing of `Attention.forward` and `Compressor.update_batch`, which reads Python
@@ -185,8 +186,9 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
     attends over the fixed-width key list [W | top-k picks (CSA) or all E entries (HCA)], −1 = none.
     """
     cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
-    q_lora, q, kv = attn.project_qkv(x, cos, sin)
-    state.window.write_rows(index.ring_rows(state.window), kv)
+    # the new window latents go straight to their ring rows from the kv norm + RoPE op (no copy after)
+    q_lora, q, _ = attn.project_qkv(x, cos, sin, kv_out=state.window.flat(),
+                                    kv_rows=index.ring_rows(state.window).reshape(-1))
     if attn.compressor is None:  # SWA: the window alone
         keys = index.window_keys(attn.window, state.window)  # [N, W]
     else:
