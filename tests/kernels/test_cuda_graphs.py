@@ -8,7 +8,7 @@ replay after the inputs are overwritten in place must give exactly the eager res
 import pytest
 import torch
 
-from dspark.kernels import indexer_pool, mhc, mhc_v41, moe, rms_norm, rope
+from dspark.kernels import indexer_pool, mhc, mhc_v41, moe, norm_rope, rms_norm, rope
 from dspark.kernels.fp8 import FP8BlockWeight
 
 EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
@@ -56,21 +56,27 @@ def test_mhc_ops_replay(n_tok):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_tok", [1, 64])
 def test_norm_and_rope_replay(n_tok):
-    """RMSNorm (hidden, weighted; per-head, unweighted, fp32 out) and RoPE of q heads, v4-mini sizes."""
+    """RMSNorm (hidden, weighted; per-head, unweighted, fp32 out) and RoPE of q heads, v4-mini sizes;
+    norm + RoPE of q heads and of kv latents stored at rows of a ring."""
     x = torch.randn(n_tok, 2048, device="cuda").bfloat16()
     weight = torch.rand(2048, device="cuda") + 0.5
     q = torch.randn(n_tok, 32, 512, device="cuda").bfloat16()
+    kv = torch.randn(n_tok, 512, device="cuda").bfloat16()
+    ring, ring_rows = torch.zeros(2 * n_tok, 512, device="cuda").bfloat16(), torch.arange(n_tok, device="cuda") * 2
     cos, sin = torch.randn(n_tok, 32, device="cuda"), torch.randn(n_tok, 32, device="cuda")
 
     def step():
         return (rms_norm.rms_norm(x, weight, eps=1e-6, out_dtype=torch.bfloat16),
                 rms_norm.rms_norm(q, None, eps=1e-6, out_dtype=torch.float32),
-                rope.rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+                rope.rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)),
+                norm_rope.norm_rope(q, None, cos.unsqueeze(-2), sin.unsqueeze(-2), eps=1e-6),
+                norm_rope.norm_rope(kv, weight[:512], cos, sin, eps=1e-6, out=ring, out_rows=ring_rows))
 
     graph, outs = capture(step)
-    refill(x, q, cos, sin)
+    refill(x, q, kv, cos, sin)
     graph.replay()
     torch.cuda.synchronize()
+    assert torch.equal(ring[ring_rows], outs[-1])
     for out, eager in zip(outs, step()):
         assert torch.equal(out, eager)
 

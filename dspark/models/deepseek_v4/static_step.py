@@ -11,11 +11,11 @@ their state (`static_state.py`); every write lands at rows computed on the devic
 (an `index_copy_`, or the store of the op that produces the rows: the window latents' norm + RoPE,
 and at one decode row the compressor projection), every read a fixed-width gather whose invisible
 keys are −1, so the shapes and the launched kernels never depend on the data and the whole call can
-be captured once per (b, T) and replayed. A step may run on a bucket of the first b <= S slots (ids [b, T], starts [b]): it touches
-only their rows, so slots >= b keep their state unchanged. The math is the model's own modules
-(projections, RoPE, compressor pooling, indexer scores, registry ops, mHC, MoE, norms, head); only
-the cache plumbing of `Attention.forward` and `Compressor.update_batch`, which reads Python
-counters, is redone here with device-side indices.
+be captured once per (b, T) and replayed. A step may run on a bucket of the first b <= S slots (ids
+[b, T], starts [b]): it touches only their rows, so slots >= b keep their state unchanged. The math
+is the model's own modules (projections, RoPE, compressor pooling, indexer scores, registry ops, mHC,
+MoE, norms, head); only the cache plumbing of `Attention.forward` and `Compressor.update_batch`,
+which reads Python counters, is redone here with device-side indices.
 
 Rollback: a slot's next start may be any position from the start of its previous step to the end
 of it (accepted tokens), exactly as `DecodeState.truncate` allows; nothing else needs resetting.
