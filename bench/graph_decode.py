@@ -204,7 +204,9 @@ def main() -> None:
     ap.add_argument("--config", default=None,
                     help="shipped config (default v4-mini; smoke tiny-v4): v41-mini / tiny-v41 for the V4.1 target")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/graph-decode.json)")
-    ap.add_argument("--profile", action="store_true", help="add each cell's kernel-time breakdown")
+    ap.add_argument("--profile", action="store_true",
+                    help="add each cell's kernel-time breakdown (with --no-pdl for per-kernel attribution: with "
+                         "PDL a kernel's time includes its wait for the one before)")
     ap.add_argument("--requests", default=None, help="comma list of request counts (default 1,8,64; smoke 1,2)")
     ap.add_argument("--context", type=int, default=None, help="decode context (default 4096; smoke 40)")
     ap.add_argument("--not-yet", action="store_true",
