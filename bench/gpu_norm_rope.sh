@@ -13,11 +13,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 W=/tmp/gpu-norm-rope && mkdir -p $W/logs
 
-logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/NAME.txt, record rc
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$W/logs/$name.txt" 2>&1
-  echo "$name rc=$?" | tee -a "$W/logs/$name.txt"
-}
+source "$(dirname "$0")/gpu_lib.sh"  # logged NAME TIMEOUT CMD...
 
 logged tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_norm_rope.py \
   "tests/kernels/test_cuda_graphs.py::test_norm_and_rope_replay" tests/kernels/test_kernels_pdl.py \

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +29,8 @@ from triton.language.extra import cuda as tlc
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.graph_timing import replay_seconds  # noqa: E402
 
 K = 256
 SIZES = {"tiny": (4, 1024), "wide": (264, 8192)}  # programs, elements per program
@@ -63,15 +64,7 @@ def timed(programs: int, block: int, mode: int, pdl: bool, start: torch.Tensor) 
     graph.replay()
     torch.cuda.synchronize()
     result = bufs[K % 2].clone()
-    times = []
-    for _ in range(20):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / K)
-    return statistics.median(times), result
+    return replay_seconds(graph, 20) * 1e6 / K, result
 
 
 def main() -> None:

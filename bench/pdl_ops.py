@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.graph_timing import replay_seconds  # noqa: E402
 from dspark.kernels import (attention, cache_round, grouped_wo_a, indexer, mhc, moe, rms_norm,  # noqa: E402
                             rope, triton_compat)
 
@@ -86,18 +86,6 @@ def kernels_per_chain(step) -> int:
     return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def timed(graph, repeats: int) -> float:
-    times = []
-    for _ in range(20):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / repeats)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/pdl-ops.json")
@@ -111,7 +99,7 @@ def main() -> None:
         torch.cuda.synchronize()
         results.setdefault(pdl, [t.clone() for t in outs])
         rows.append({"pdl": pdl, "pdl_launch_1": triton_compat.pdl_launch(torch.device("cuda"), 1),
-                     "us_per_chain": timed(graph, REPEATS), "kernels_per_chain": kernels_per_chain(step)})
+                     "us_per_chain": replay_seconds(graph, 20) * 1e6 / REPEATS, "kernels_per_chain": kernels_per_chain(step)})
         print(json.dumps(rows[-1]), flush=True)
     triton_compat.PDL = True
     equal = all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
