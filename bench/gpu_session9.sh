@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU steps of the ninth session, 2026-12-01 (each part < 9.5 min on one H200):
+#
+#   run(command="bash bench/gpu_session9.sh a", kind="nvidia-h200")
+#
+# a: last session's CPU-only work on the GPU: norm_rope (RMSNorm + RoPE of q heads / kv latents in one
+#    launch; the window latents stored at their ring rows) under its GPU tests, the v4-mini graph step
+#    with and without it (PDL on, the timing A/B), then with it and PDL off under the profiler (per-kernel
+#    attribution: with PDL on a kernel's time includes its wait for the one before).
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+W=/tmp/gpu-session && mkdir -p $W/logs
+
+source "$(dirname "$0")/gpu_lib.sh"  # logged NAME TIMEOUT CMD...
+
+step() {  # step NAME TIMEOUT ARGS...: bench/graph_decode.py into $OUT/NAME.json, its graph_ms lines shown
+  local name=$1 limit=$2; shift 2
+  logged "$name" "$limit" python3 bench/graph_decode.py "$@" --out "$OUT/$name.json"
+  grep -h "graph_ms" "$W/logs/$name.txt" | cut -c1-330; tail -n 2 "$W/logs/$name.txt" | cut -c1-200
+}
+
+part_a() {
+  logged a_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_norm_rope.py \
+    "tests/kernels/test_cuda_graphs.py::test_norm_and_rope_replay" tests/kernels/test_kernels_pdl.py \
+    tests/kernels/test_static_step_kernels.py tests/models/test_deepseek_v4_static_graph_gpu.py
+  tail -n 4 $W/logs/a_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/a_tests.txt | head -n 20 | cut -c1-300
+  step graph-decode-h200-s9-norm-rope 100 --requests 1,8 --not-yet
+  step graph-decode-h200-s9-base 100 --requests 1,8
+  step graph-profile-h200-s9-no-pdl 100 --requests 1 --not-yet --no-pdl --profile
+}
+
+case "${1:?part: a}" in
+  a) part_a ;;
+  *) echo "unknown part $1" >&2; exit 2 ;;
+esac
+cp $W/logs/*.txt "$OUT/" 2>/dev/null || true
