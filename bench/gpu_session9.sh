@@ -2,11 +2,15 @@
 # GPU steps of the ninth session, 2026-12-01 (each part < 9.5 min on one H200):
 #
 #   run(command="bash bench/gpu_session9.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session9.sh b")
 #
 # a: last session's CPU-only work on the GPU: norm_rope (RMSNorm + RoPE of q heads / kv latents in one
 #    launch; the window latents stored at their ring rows) under its GPU tests, the v4-mini graph step
 #    with and without it (PDL on, the timing A/B), then with it and PDL off under the profiler (per-kernel
 #    attribution: with PDL on a kernel's time includes its wait for the one before).
+# b: the weight prefetch before the PDL wait (`triton_compat.pdl_prefetch`, in the one-row GEMV and the
+#    compressor projection): their GPU tests, a chain of 24 GEMV layers with it / without it / without
+#    PDL (bench/pdl_prefetch.py), then the v4-mini graph step with and without it.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -30,8 +34,19 @@ part_a() {
   step graph-profile-h200-s9-no-pdl 100 --requests 1 --not-yet --no-pdl --profile
 }
 
-case "${1:?part: a}" in
+part_b() {
+  logged b_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_linear.py \
+    tests/kernels/test_kernels_pdl.py
+  tail -n 4 $W/logs/b_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/b_tests.txt | head -n 20 | cut -c1-300
+  logged b_chain 120 python3 bench/pdl_prefetch.py --out "$OUT/pdl-prefetch-h200.json"
+  grep -h "^{" $W/logs/b_chain.txt | cut -c1-200
+  step graph-decode-h200-s9-prefetch 100 --requests 1,8
+  step graph-decode-h200-s9-no-prefetch 100 --requests 1,8 --no-prefetch
+}
+
+case "${1:?part: a or b}" in
   a) part_a ;;
+  b) part_b ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true

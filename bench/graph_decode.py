@@ -213,11 +213,13 @@ def main() -> None:
                     help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every Triton kernel without programmatic dependent launch (A/B of PDL)")
+    ap.add_argument("--no-prefetch", action="store_true",
+                    help="no weight prefetch before the PDL wait (triton_compat.pdl_prefetch; A/B of it)")
     cli = ap.parse_args()
-    if cli.no_pdl:
-        from dspark.kernels import triton_compat
+    from dspark.kernels import triton_compat
 
-        triton_compat.PDL = False  # this bench process only: the one constant every launch consults
+    # this bench process only: the module constants every launch consults
+    triton_compat.PDL, triton_compat.PREFETCH = not cli.no_pdl, not cli.no_prefetch
     args = dict(SMOKE if cli.smoke else FULL)
     if cli.config:
         if cli.config not in NAMES:
@@ -247,7 +249,7 @@ def main() -> None:
     roofline = active_bytes(model, args["context"])
     results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                               "dtype": str(dtype), "weights": "random", "kernels": str(model.kernels),
-                              "commit": _commit(), "smoke": cli.smoke, "pdl": not cli.no_pdl, **options,
+                              "commit": _commit(), "smoke": cli.smoke, "pdl": not cli.no_pdl, "prefetch": not cli.no_prefetch, **options,
                               "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": 1,
                               "static_capacity": args["context"] + HEADROOM, "grid": args,
                               "decode_state": "fabricated at the context (random values, prefill shapes)",

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
 
-from dspark.kernels.triton_compat import jit as _jit, pdl_launch, pdl_prologue, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue, prefetch_launch
 
 # One H200, CUDA-graph replays (`bench/linear_decode.py`): the kernel won for every weight with
 # K >= 2048 and at most 4M elements (v4-mini wq_a / wkv / wo_b / weights_proj / compressor wkv:
@@ -107,11 +108,18 @@ def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tens
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """y[n] = Σ_k x[k]·w[n, k] for the BLOCK_N rows of program n, fp32 sums."""
-    pdl_prologue(PDL)
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """y[n] = Σ_k x[k]·w[n, k] for the BLOCK_N rows of program n, fp32 sums. With PREFETCH the
+    program's weight rows are requested into L2 before it waits for its predecessor."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
+    if PREFETCH:
+        first = tl.program_id(0) * BLOCK_N
+        rows_here = tl.minimum(BLOCK_N, n_out - first)
+        pdl_prefetch(w_ptr + first.to(tl.int64) * n_in, rows_here * n_in * (w_ptr.dtype.element_ty.primitive_bitwidth // 8),
+                     PDL)
+    pdl_prologue(PDL)
     rows = offs_n.to(tl.int64)[:, None] * n_in
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
@@ -126,13 +134,18 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_
 @_jit
 def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, rows_ptr, kv_ptr, score_ptr, n_out, n_in,
                     kv_stride, score_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCATTER: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """kv[r, n] = Σ_k x[k]·wkv[n, k] and score[r, n] = round(Σ_k x[k]·wgate[n, k]) + ape[phase, n] for the
     BLOCK_N columns of program n (one row x, read once for both weights), fp32 sums; r = rows[0] with
-    SCATTER (the row's place in a ring), else 0."""
-    pdl_prologue(PDL)
+    SCATTER (the row's place in a ring), else 0. PREFETCH: as `_gemv_kernel`'s, for both weights."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
+    if PREFETCH:
+        first = tl.program_id(0) * BLOCK_N
+        tile_bytes = tl.minimum(BLOCK_N, n_out - first) * n_in * (wkv_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        pdl_prefetch(wkv_ptr + first.to(tl.int64) * n_in, tile_bytes, PDL)
+        pdl_prefetch(wgate_ptr + first.to(tl.int64) * n_in, tile_bytes, PDL)
+    pdl_prologue(PDL)
     rows = offs_n.to(tl.int64)[:, None] * n_in
     acc_kv = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -188,8 +201,9 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device))
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
-    _gemv_kernel[grid](x.contiguous(), weight.contiguous(), y, n_out, n_in, BLOCK_N=block_n, BLOCK_K=block_k,
-                       PDL=pdl, launch_pdl=pdl, num_warps=warps)
+    weight = weight.contiguous()
+    _gemv_kernel[grid](x.contiguous(), weight, y, n_out, n_in, BLOCK_N=block_n, BLOCK_K=block_k,
+                       PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -228,10 +242,12 @@ def launch_project(x, wkv, wgate, ape, phase, tiles: tuple[int, int, int] | None
     block_n, block_k, warps = tiles or project_tiles(n_out, n_in, _num_sms(x.device))
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
+    wkv, wgate = wkv.contiguous(), wgate.contiguous()
     _project_kernel[grid](
-        x.contiguous(), wkv.contiguous(), wgate.contiguous(), ape.contiguous(), phase.contiguous(),
+        x.contiguous(), wkv, wgate, ape.contiguous(), phase.contiguous(),
         out_rows if scatter else phase, kv_out, score_out, n_out, n_in, kv_out.stride(0), score_out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, SCATTER=scatter, PDL=pdl, launch_pdl=pdl, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, SCATTER=scatter, PREFETCH=prefetch_launch(pdl, wkv, wgate), PDL=pdl,
+        launch_pdl=pdl, num_warps=warps)
     return kv_out, score_out
 
 

@@ -29,6 +29,7 @@ except ImportError:
 
 
 PDL = True  # the one place that turns programmatic dependent launch off for every kernel
+PREFETCH = True  # the one place that turns the weight prefetch before the PDL wait off (`pdl_prefetch`)
 _WAVES = 4  # grids of at most this many programs per SM launch with PDL (decode-sized)
 
 
@@ -40,6 +41,42 @@ def pdl_prologue(PDL: tl.constexpr):
     if PDL:
         _cuda.gdc_wait()
         _cuda.gdc_launch_dependents()
+
+
+@jit
+def pdl_prefetch(ptr, nbytes, PDL: tl.constexpr):
+    """Before `pdl_prologue`: ask L2 for the `nbytes` bytes at `ptr` (a scalar pointer; 16-byte aligned,
+    nbytes a multiple of 16: the launcher checks), for operands no predecessor writes (weights). While
+    this grid then waits in `gdc_wait` for its predecessor, its weights already stream from HBM into
+    L2: a one-row decode kernel is otherwise a launch, a wait, then a full HBM round trip for data
+    known before the step began. Thread t issues one bulk prefetch of the t-th 4 KB chunk (so the
+    range should be at most 4 KB × threads; the rest is not requested, it is only a hint). Without PDL
+    the kernel starts after its predecessor anyway: nothing to overlap, nothing issued."""
+    if PDL:
+        base = ptr + tl.zeros((1,), dtype=tl.int32)  # one element, held by every thread
+        size = tl.zeros((1,), dtype=tl.int32) + nbytes
+        tl.inline_asm_elementwise(
+            """{
+            .reg .u32 t, n;
+            .reg .u64 a;
+            .reg .pred p;
+            mov.u32 t, %tid.x;
+            mul.lo.u32 t, t, 4096;
+            setp.lt.u32 p, t, $2;
+            sub.u32 n, $2, t;
+            min.u32 n, n, 4096;
+            cvt.u64.u32 a, t;
+            add.u64 a, a, $1;
+            @p cp.async.bulk.prefetch.L2.global [a], n;
+            mov.u32 $0, 0;
+            }""", "=r,l,r", [base, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_launch(pdl: bool, *weights: torch.Tensor) -> bool:
+    """Whether a launch with PDL `pdl` prefetches `weights` (each [rows, ...] with contiguous rows) with
+    `pdl_prefetch`: only under PDL, and where every base address and row is 16-byte aligned."""
+    return PREFETCH and pdl and all(w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
+                                    for w in weights)
 
 
 @functools.lru_cache(maxsize=None)

@@ -91,7 +91,7 @@ def test_pdl_device_reads_capability_and_sms_once_per_index(monkeypatch):
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-def test_every_kernel_takes_pdl_and_starts_with_the_prologue(module):
+def test_every_kernel_takes_pdl_and_waits_before_touching_memory(module):
     names = _launched_kernels(module)
     assert names, f"no launches found in {module.__name__}"
     defs = {n.name: n for n in _tree(module).body if isinstance(n, ast.FunctionDef)}
@@ -102,7 +102,13 @@ def test_every_kernel_takes_pdl_and_starts_with_the_prologue(module):
         body = defs[name].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
-        assert ast.unparse(body[0]) == "pdl_prologue(PDL)", f"{module.__name__}.{name} starts with {ast.unparse(body[0])}"
+        lines = [ast.unparse(stmt) for stmt in body]
+        assert "pdl_prologue(PDL)" in lines, f"{module.__name__}.{name} has no top-level pdl_prologue(PDL)"
+        # Before the wait only index arithmetic and `pdl_prefetch` of weights: no load, store or atomic
+        # may touch memory a predecessor could still be writing.
+        before = "\n".join(lines[:lines.index("pdl_prologue(PDL)")])
+        for access in ("tl.load", "tl.store", "tl.atomic", "tl.make_tensor_descriptor"):
+            assert access not in before, f"{module.__name__}.{name} runs {access} before pdl_prologue(PDL)"
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
@@ -249,6 +255,49 @@ def test_sm90_code_waits_before_it_releases_and_reads():
     wait, release, load = found["True"]
     assert 0 <= wait < release < load, found
     assert found["False"][:2] == [-1, -1] and found["False"][2] >= 0, found
+
+
+AOT_PREFETCH = textwrap.dedent("""
+    import json, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dspark.kernels import linear
+
+    fn = linear._gemv_kernel
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_out="i32", n_in="i32")
+    found = {}
+    for prefetch in (False, True):
+        constexprs = dict(BLOCK_N=8, BLOCK_K=1024, PREFETCH=prefetch, PDL=True)
+        signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                             options=dict(launch_pdl=True, num_warps=8)).asm["ptx"]
+        found[str(prefetch)] = [ptx.find(s) for s in ("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait",
+                                                      "ld.global")]
+    print(json.dumps(found))
+""")
+
+
+@needs_triton
+def test_sm90_code_prefetches_weights_before_the_wait():
+    """AOT for sm_90: with PREFETCH the GEMV issues its L2 bulk prefetch before `griddepcontrol.wait`
+    and loads nothing before it; without PREFETCH no prefetch is emitted."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done = subprocess.run([sys.executable, "-c", AOT_PREFETCH], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    prefetch, wait, load = found["True"]
+    assert 0 <= prefetch < wait < load, found
+    assert found["False"][0] == -1 and 0 <= found["False"][1] < found["False"][2], found
+
+
+def test_prefetch_launch_needs_pdl_the_switch_and_aligned_rows(monkeypatch):
+    w = torch.empty(4, 64, dtype=torch.bfloat16)
+    assert triton_compat.prefetch_launch(True, w) and not triton_compat.prefetch_launch(False, w)
+    assert not triton_compat.prefetch_launch(True, w, w[:, 1:])  # a base 2 bytes past alignment
+    assert not triton_compat.prefetch_launch(True, torch.empty(4, 7, dtype=torch.bfloat16))  # 14-byte rows
+    monkeypatch.setattr(triton_compat, "PREFETCH", False)
+    assert not triton_compat.prefetch_launch(True, w)
 
 
 # ------------------------------------------------------------------------------------------- GPU
