@@ -1,4 +1,5 @@
-"""How many drafts each request verifies this round: fixed budget, Algorithm 1, asynchronous top-K.
+"""How many drafts each request verifies this round: fixed budget, Algorithm 1, asynchronous top-K,
+asynchronous uniform budget.
 
 Every planner returns a `VerifyPlan`: ℓ_r drafts for request r, i.e. a verify width of ℓ_r + 1
 tokens (its anchor plus the first ℓ_r drafts of its γ-block). Everything here is host-side and
@@ -37,6 +38,9 @@ tests/verify/test_planner.py). The planners below are non-anticipating:
   steps old (which predate every current draft); the current confidences only rank candidates, and
   (r, k) is admitted iff fewer than K candidates rank strictly above it, again a set that never
   contains (r, k + 1). This is the production scheme (paper §5.2, spec §4.3).
+* `uniform_budget`: one budget n for every request, an unconstrained argmax over the same stale
+  confidences; nothing current is read, so it is `plan_fixed` with an n chosen beforehand (the
+  engine's round in flight, which cannot read the current confidences at all).
 
 Shape symbols: R requests, γ block size.
 """
@@ -175,19 +179,52 @@ def async_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | Non
 
     Shapes: stale_confidence R rows of [γ] (or None); returns an int in [0, R·γ].
     """
-    rows = len(stale_confidence)
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
-        raise ValueError(f"gamma must be an int >= 0, got {gamma!r}")
-    filled = [[1.0] * gamma if c is None else c for c in stale_confidence]
-    a = survival(filled) if rows else torch.zeros(0, gamma, dtype=torch.float64)
-    if a.shape[1] != gamma:
-        raise ValueError(f"stale_confidence rows must have γ={gamma} entries, got {a.shape[1]}")
+    a = _stale_survival(stale_confidence, gamma)
+    rows = a.shape[0]
     if rows == 0:
         return 0
     _, values = _ranked_candidates(a, _max_lens(max_lens, rows, gamma))
     tau = rows + np.concatenate([[0.0], np.cumsum(values)])
     theta = tau * capacity.many(rows + np.arange(len(tau)))
     return int(np.argmax(theta))  # first maximum: the smallest budget among ties
+
+
+def uniform_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | None], gamma: int,
+                   capacity: CapacityTable, max_budget: int | None = None) -> int:
+    """One verification budget n for every request of a round launched before the previous round is
+    read, from confidences >= 2 rounds old (the engine's round in flight, `dspark.engine.draft_lookahead`).
+
+    Rule. Stale survivals a_{r,k} as in `async_budget` (a row None: survival 1 at every position). Among
+    the uniform plans ℓ_r = n for all R requests, B = R·(1 + n) and τ(n) = R + Σ_r Σ_{k<n} a_{r,k}, so
+
+        n* = argmax_{1 <= n <= N} τ(n) · SPS(R·(1 + n)),    N = max_budget (default γ),
+
+    the smallest n on ties. It is `async_budget`'s objective restricted to uniform plans, and it is
+    non-anticipating for the same reason: nothing it reads was computed from a draft of the round it
+    sizes, so the round verifies a budget fixed beforehand, exactly like `plan_fixed`.
+
+    Why uniform, and not K / R from `async_budget`. The static decode step verifies [b slots, 1 + n]
+    rows, one CUDA graph per width, and the round in flight is launched from the previous round's
+    device results with no host read: its width must be known on the host, and picking each request's
+    ℓ_r from the *current* confidences (what `select_top_k` does after `async_budget`) would need them
+    on the host, i.e. the sync this round exists to avoid. `async_budget`'s K assumes that per-request
+    top-K selection; spreading K evenly would verify the weak tails of some requests it meant to skip
+    and stop short on strong ones. Maximising Θ over the uniform plans prices exactly the plan the
+    round runs.
+
+    Shapes: stale_confidence R rows of [γ] (or None); returns an int in [1, N] (N >= 1), or 0 when R = 0.
+    """
+    a = _stale_survival(stale_confidence, gamma)
+    top = gamma if max_budget is None else max_budget
+    if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= gamma:
+        raise ValueError(f"max_budget must be an int in [1, γ={gamma}], got {max_budget!r}")
+    rows = a.shape[0]
+    if rows == 0:
+        return 0
+    n = np.arange(1, top + 1)  # [N]
+    tau = rows + a[:, :top].sum(dim=0).cumsum(dim=0).numpy()  # [N] τ(n): column sums, prefix-summed
+    theta = tau * capacity.many(rows * (1 + n))
+    return int(n[np.argmax(theta)])  # first maximum: the smallest budget among ties
 
 
 def select_top_k(confidence: Confidence, budget: int, max_lens: Sequence[int] | None = None) -> VerifyPlan:
@@ -223,6 +260,19 @@ def plan_async(confidence: Confidence, stale_confidence: Sequence[Sequence[float
         raise ValueError(f"stale_confidence has {len(stale_confidence)} rows for R={a.shape[0]} requests")
     budget = async_budget(stale_confidence, a.shape[1], capacity, max_lens)
     return select_top_k(a, budget, max_lens)
+
+
+def _stale_survival(stale_confidence: Sequence[Sequence[float] | torch.Tensor | None], gamma: int) -> torch.Tensor:
+    """Survival [R, γ] of stale confidence rows, a row None taken as survival 1 (a request with no
+    confidences that old must not be starved)."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma must be an int >= 0, got {gamma!r}")
+    if not len(stale_confidence):
+        return torch.zeros(0, gamma, dtype=torch.float64)
+    a = survival([[1.0] * gamma if c is None else c for c in stale_confidence])
+    if a.shape[1] != gamma:
+        raise ValueError(f"stale_confidence rows must have γ={gamma} entries, got {a.shape[1]}")
+    return a
 
 
 def _confidence(confidence: Confidence) -> torch.Tensor:
