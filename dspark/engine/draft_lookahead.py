@@ -1,8 +1,10 @@
-"""One DSpark round in flight while the host commits the previous one (greedy, fixed budget, static slots).
+"""One DSpark round in flight while the host commits the previous one (greedy, static slots).
 
     ahead = DraftLookahead(runner, drafting, budget=3)   # the engine's `StaticRunner` and `StaticDraftRunner`
+    ahead = DraftLookahead(runner, drafting, "auto", capacity)   # a budget per round, from stale confidences
     if ahead.fits(requests):
-        rounds = ahead.step(requests)                    # per request: drafts, accepted, bonus, confidences
+        n, rounds = ahead.step(requests)                 # the round's budget; per request: drafts, accepted,
+                                                         # bonus, confidences
     ahead.discard()                                      # when the batch changes outside a round
 
 A greedy round with a fixed budget n needs the host for nothing but bookkeeping: the drafts, the
@@ -14,8 +16,19 @@ then waits for round k only (an event after its results were copied to pinned ho
 it while the GPU drafts and verifies round k + 1, the way `lookahead.py` runs plain greedy steps.
 
 Round k + 1 is a guess that the batch stays the same and is only launched when no request could meet
-its budget cap or its static capacity in it, whatever round k accepts (`remaining >= 2(n + 1)`,
-`length + 2(n + 1) <= max_context`): then it verifies exactly the n drafts the synchronous round would.
+its budget cap or its static capacity in it, whatever round k accepts (`remaining >= n + n' + 2`,
+`length + n + n' + 2 <= max_context` for budgets n of round k and n' of round k + 1): then it verifies
+exactly the n' drafts the synchronous round with that budget would.
+
+The budget. A fixed budget n serves every round. With "auto" each round j gets one budget for the whole
+bucket, `planner.uniform_budget` over the confidences of each request's round j − 2 (None when it has
+none: a new, rebuilt or young request) and the capacity table: when round k + 1 is launched, round k
+has not been read, so round k − 1 is the newest the host has, "two steps back" as in the asynchronous
+planner (spec §4.3; `round._plan` uses the same rows for `plan_async`). A round launched from the host
+(nothing usable in flight) uses the same rule, so a round's budget never depends on how it was
+launched. One n for all requests because the step verifies [b, 1 + n] (a graph per width, all captured
+with the runner for widths up to γ + 1) and choosing per request would need the current confidences
+on the host (`uniform_budget` says more).
 When the batch changes (a request finished, was aborted or preempted, one joined, a slot moved), the
 round in flight no longer matches the requests' committed lengths and is dropped: every row it wrote
 (target and drafter) lies past a request's committed length, which the static states' position rule
@@ -25,7 +38,7 @@ the synchronous engine's (tests/engine/test_engine_draft_lookahead.py).
 Host syncs: one per round (the event of the round whose results are read). On the CPU everything runs
 eagerly and in order (the logic is the same, the overlap is not).
 
-Shape symbols: b the round's bucket of slots, n the budget (drafts verified), γ the block size.
+Shape symbols: b the round's bucket of slots, n the round's budget (drafts verified), γ the block size.
 """
 
 from __future__ import annotations
@@ -35,6 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.slots import bucket
+from dspark.verify.capacity import CapacityTable
+from dspark.verify.planner import uniform_budget
 
 Key = tuple[tuple[str, int, int], ...]  # (request id, slot, anchor position) of each request, in order
 
@@ -56,6 +71,7 @@ class InFlightRound:
     """A launched round: its inputs and device results, and their host copies behind `event`."""
 
     key: Key | None  # None until the round it was chained from has been read
+    budget: int  # n: drafts each request verifies
     live: torch.Tensor  # [b] bool: slots that hold one of the requests
     next_anchors: torch.Tensor  # [b] long: the bonus token (free slots: 0)
     next_positions: torch.Tensor  # [b] long: positions + accepted + 1 (free slots: 0)
@@ -71,16 +87,24 @@ class InFlightRound:
 
 
 class DraftLookahead:
-    """Greedy DSpark rounds with a fixed budget over the static path, one round ahead (module docstring)."""
+    """Greedy DSpark rounds over the static path, one round ahead, at a fixed budget or "auto" (module
+    docstring)."""
 
-    def __init__(self, runner, drafting, budget: int):
+    def __init__(self, runner, drafting, budget: int | str, capacity: CapacityTable | None = None):
         gamma = drafting.static.drafter.block_size
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= gamma:
-            raise ValueError(f"budget must be an int in [1, γ={gamma}], got {budget!r}")
-        if budget + 1 > runner.shape.tokens:
-            raise ValueError(f"budget {budget} needs {budget + 1} rows per step; the static step takes "
+        if budget == "auto":
+            if not isinstance(capacity, CapacityTable):
+                raise ValueError(f"budget 'auto' needs a CapacityTable to plan with, got capacity={capacity!r}")
+            widest = gamma
+        elif isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= gamma:
+            raise ValueError(f"budget must be an int in [1, γ={gamma}] or 'auto', got {budget!r}")
+        else:
+            widest = budget
+        if widest + 1 > runner.shape.tokens:
+            raise ValueError(f"budget {budget!r} needs {widest + 1} rows per step; the static step takes "
                              f"{runner.shape.tokens}")
         self.runner, self.drafting, self.budget, self.gamma = runner, drafting, budget, gamma
+        self.capacity = capacity
         self.pending: InFlightRound | None = None
 
     def discard(self) -> None:
@@ -88,33 +112,52 @@ class DraftLookahead:
         self.pending = None
 
     def fits(self, requests: list) -> bool:
-        """Whether every request is greedy and verifies the full budget in its next round (the
+        """Whether every request is greedy and verifies the full budget of its next round (the
         synchronous round caps it at `remaining − 1`) within its static capacity."""
-        n, capacity = self.budget, self.runner.shape.max_context
-        return all(r.params.greedy and r.remaining - 1 >= n and r.state.length + n + 1 <= capacity
-                   for r in requests)
+        if not all(r.params.greedy for r in requests):
+            return False
+        n, capacity = self._next(requests)[1], self.runner.shape.max_context
+        return all(r.remaining - 1 >= n and r.state.length + n + 1 <= capacity for r in requests)
 
-    def step(self, requests: list) -> list[RoundResult]:
-        """The next round of every request (each holding a static slot, `fits`); launches the round
-        after it first when that one cannot outgrow a cap. Does not touch the requests: the caller
-        commits (advance n + 1 rows, truncate to anchor + accepted + 1)."""
-        key: Key = tuple((r.request_id, r.state.slot, r.state.length) for r in requests)
+    def plan(self, stale: list) -> int:
+        """The budget of a round whose requests' confidences two rounds back are `stale` (rows [γ] or
+        None): the fixed budget, or `uniform_budget` over them."""
+        if self.budget != "auto":
+            return self.budget
+        return uniform_budget(stale, self.gamma, self.capacity)
+
+    def step(self, requests: list) -> tuple[int, list[RoundResult]]:
+        """The next round of every request (each holding a static slot, `fits`): its budget n and each
+        request's result; launches the round after it first when that one cannot outgrow a cap. Does not
+        touch the requests: the caller commits (advance n + 1 rows, truncate to anchor + accepted + 1)
+        and appends the confidences (which the next rounds' budgets read)."""
+        key, n = self._next(requests)
         current = self.pending if self.pending is not None and self.pending.key == key else None
         if current is None:
-            current = self._launch_from_host(requests, key)
-        n, capacity = self.budget, self.runner.shape.max_context
-        chain = all(r.remaining >= 2 * (n + 1) and r.state.length + 2 * (n + 1) <= capacity for r in requests)
-        self.pending = self._launch(None, current.next_anchors, current.next_positions, current.live) if chain \
-            else None
+            current = self._launch_from_host(requests, key, n)
+        # Round k + 1's rows two back are round k − 1's, the newest read: each request's last confidences.
+        n_next = self.plan([r.confidences[-1] if r.confidences else None for r in requests])
+        grow, capacity = n + n_next + 2, self.runner.shape.max_context
+        chain = all(r.remaining >= grow and r.state.length + grow <= capacity for r in requests)
+        self.pending = self._launch(None, n_next, current.next_anchors, current.next_positions, current.live) \
+            if chain else None
         ids, conf = current.read()
         results = [RoundResult(ids[slot][:self.gamma], ids[slot][self.gamma], ids[slot][self.gamma + 1],
                                conf[slot, 0], conf[slot, 1]) for _, slot, _ in key]
         if self.pending is not None:  # launched at the positions this round's acceptance gives
             self.pending.key = tuple((rid, slot, start + 1 + result.accepted)
                                      for (rid, slot, start), result in zip(key, results))
-        return results
+        return n, results
 
-    def _launch_from_host(self, requests: list, key: Key) -> InFlightRound:
+    def _next(self, requests: list) -> tuple[Key, int]:
+        """The next round's key and budget: the round in flight's when it matches the batch, else the
+        budget a launch from the host gets (rows two back: the older of the last two read)."""
+        key: Key = tuple((r.request_id, r.state.slot, r.state.length) for r in requests)
+        if self.pending is not None and self.pending.key == key:
+            return key, self.pending.budget
+        return key, self.plan([r.confidences[0] if len(r.confidences) == 2 else None for r in requests])
+
+    def _launch_from_host(self, requests: list, key: Key, n: int) -> InFlightRound:
         """Round k from host values: each request's last token at its length (the planners' checks)."""
         b = bucket(max(slot for _, slot, _ in key) + 1, self.runner.shape.slots)
         anchors, positions, live = [0] * b, [0] * b, [False] * b
@@ -123,12 +166,11 @@ class DraftLookahead:
         # `fits` checked every round's rows against the static capacity; the drafter's plan checks the
         # anchors (the target's vocabulary) and positions and copies them to the device.
         anchors, positions, _ = self.drafting.static.plan(anchors, positions)
-        return self._launch(key, anchors, positions, torch.tensor(live).to(positions.device, non_blocking=True))
+        return self._launch(key, n, anchors, positions, torch.tensor(live).to(positions.device, non_blocking=True))
 
-    def _launch(self, key: Key | None, anchors: torch.Tensor, positions: torch.Tensor,
+    def _launch(self, key: Key | None, n: int, anchors: torch.Tensor, positions: torch.Tensor,
                 live: torch.Tensor) -> InFlightRound:
         """Propose, verify the first n drafts, observe, accept: device inputs [b], no host value read."""
-        n = self.budget
         proposal = self.drafting.propose(anchors, positions)
         # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
         # replay below may reuse the blocks of propose's outputs (captured after them).
@@ -153,4 +195,4 @@ class DraftLookahead:
             event.record()
         else:
             host_ids, host_conf = ids_dev, conf_dev
-        return InFlightRound(key, live, next_anchors, next_positions, host_ids, host_conf, event)
+        return InFlightRound(key, n, live, next_anchors, next_positions, host_ids, host_conf, event)

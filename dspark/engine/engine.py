@@ -83,9 +83,12 @@ class EngineConfig:
         `static_decode` (one for all slots; verification keeps outputs exact whatever it draws).
     overlap : keep one greedy decode step or round in flight while the host commits the previous one
         (needs the static path): plain rounds (`dspark.engine.lookahead`) and, with a static DSpark
-        drafter and a fixed `draft_tokens`, drafting rounds (`dspark.engine.draft_lookahead`), when
-        every request is greedy; other rounds run as usual; on the CPU the same tokens, no overlap.
-        None (default): on exactly when the engine runs the static path; True requires that path.
+        drafter and a fixed `draft_tokens` or "auto" with planner "async", drafting rounds
+        (`dspark.engine.draft_lookahead`; "auto" there verifies one budget per round for the whole
+        batch, `planner.uniform_budget` over confidences two rounds old), when every request is
+        greedy; other rounds run as usual; on the CPU the same tokens, no overlap.
+        None (default): on exactly when the engine runs the static path; True requires that path,
+        and with draft_tokens="auto" planner "async" (Algorithm 1 cannot plan a round ahead).
         One H200, v4-mini, 4K context, plain rounds: 1.07-1.09x the synchronous step (bench/README.md).
     """
 
@@ -130,6 +133,10 @@ class EngineConfig:
             raise ValueError(f"overlap must be None (auto) or a bool, got {self.overlap!r}")
         if self.overlap and self.static_decode is False:
             raise ValueError("overlap=True needs the static path (static_decode=True or None)")
+        if self.overlap and self.draft_tokens == "auto" and self.planner != "async":
+            raise ValueError(f"overlap=True with draft_tokens='auto' needs planner='async', got planner="
+                             f"{self.planner!r}: Algorithm 1 sizes each verify from that round's confidences, "
+                             f"so no round can be in flight (overlap=None runs such rounds synchronously)")
         if isinstance(self.draft_seed, bool) or not isinstance(self.draft_seed, int) or self.draft_seed < 0:
             raise ValueError(f"draft_seed must be a non-negative int, got {self.draft_seed!r}")
 
@@ -169,8 +176,11 @@ class Engine:
                              f"(static_decode={config.static_decode!r} on {type(model).__name__}, {model.device})")
         overlap = self.runner is not None if config.overlap is None else config.overlap
         self.lookahead = Lookahead(self.runner) if overlap and self.drafter is None else None
-        self.draft_ahead = (DraftLookahead(self.runner, self.static_draft, config.draft_tokens)
-                            if overlap and self.static_draft is not None and config.draft_tokens != "auto" else None)
+        # Algorithm 1 ("sync") sizes a verify from that round's own confidences: no round can be in flight.
+        in_flight = config.draft_tokens != "auto" or config.planner == "async"
+        self.draft_ahead = (DraftLookahead(self.runner, self.static_draft, config.draft_tokens,
+                                           self.round_config.capacity)
+                            if overlap and self.static_draft is not None and in_flight else None)
         self._ids = itertools.count()
         self._trace: list[dict] = []
 
@@ -272,8 +282,8 @@ class Engine:
     def _draft_ahead(self, requests: list[Request]) -> None:
         """A greedy DSpark round from the round in flight (`DraftLookahead`): the same commit,
         statistics and trace as `speculative_round` with the static drafter."""
-        results = self.draft_ahead.step(requests)
-        n, gamma = self.draft_ahead.budget, self.draft_ahead.gamma
+        n, results = self.draft_ahead.step(requests)
+        gamma = self.draft_ahead.gamma
         # [B, γ] as `_draft` returns it: only the trace reads it
         confidence = torch.stack([r.confidence for r in results]) if self.config.trace else None
         for b, (req, res) in enumerate(zip(requests, results)):

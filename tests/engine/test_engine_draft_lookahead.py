@@ -5,8 +5,9 @@ Tokens, statistics and traces equal the synchronous engine's: with the shipped t
 acceptance, so rounds commit different lengths and the round in flight starts where round k's device
 acceptance put it), and with a random pair under staggered arrivals, finishes, slot moves and buckets.
 Most rounds come from the round in flight; a request near its budget cap runs the usual round; sampled
-requests and the "auto" planner take the usual round; aborts free every slot. On the CPU the rounds
-run eagerly and in order: the logic is the one the GPU runs, the overlap itself is not measured here."""
+requests and the synchronous "auto" planner (Algorithm 1) take the usual round; aborts free every slot.
+On the CPU the rounds run eagerly and in order: the logic is the one the GPU runs, the overlap itself is
+not measured here. "auto" with planner "async": tests/engine/test_engine_draft_lookahead_auto.py."""
 
 import sys
 from pathlib import Path
@@ -90,7 +91,9 @@ def test_sampled_requests_and_the_auto_planner_take_the_usual_round(pair, monkey
     while engine.has_work():
         engine.step()
     assert counts["all"] == 0
-    auto = Engine(pair, EngineConfig(max_running=2, static_decode=True, overlap=True, draft_tokens="auto",
+    # Algorithm 1 plans on the round's own confidences: with overlap on by default its rounds run as usual
+    # (planner "async" keeps them in flight: tests/engine/test_engine_draft_lookahead_auto.py).
+    auto = Engine(pair, EngineConfig(max_running=2, static_decode=True, draft_tokens="auto",
                                      drafter=pair.dspark, max_prompt_tokens=64, max_new_tokens=64))
     assert auto.draft_ahead is None
 
@@ -116,7 +119,7 @@ def test_abort_with_a_round_in_flight_frees_its_slot(pair):
 def test_budget_is_validated(pair):
     engine = Engine(pair, EngineConfig(max_running=2, static_decode=True, overlap=True, draft_tokens=3,
                                        drafter=pair.dspark, max_prompt_tokens=64, max_new_tokens=64))
-    with pytest.raises(ValueError, match="budget must be an int in \\[1, γ=5\\], got 0"):
+    with pytest.raises(ValueError, match="budget must be an int in \\[1, γ=5\\] or 'auto', got 0"):
         DraftLookahead(engine.runner, engine.static_draft, 0)
     with pytest.raises(ValueError, match="budget 5 needs 6 rows per step; the static step takes 4"):
         DraftLookahead(engine.runner, engine.static_draft, 5)

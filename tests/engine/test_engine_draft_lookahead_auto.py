@@ -1,0 +1,180 @@
+"""`EngineConfig(draft_tokens="auto", planner="async", overlap=True)` with a static DSpark drafter: greedy
+rounds keep one round in flight, each at one budget for the whole batch chosen from confidences two
+rounds old (`DraftLookahead(..., "auto", capacity)`, `planner.uniform_budget`).
+
+* greedy output equals plain greedy decoding token for token, most rounds coming from the round in flight;
+* every such round's budget is the rule over the confidences the trace recorded for each request's
+  round j − 2, and neither its round j − 1 nor its own round j (the rule would differ);
+* tokens, statistics and traces equal a synchronous engine that verifies the same budget in every round
+  (trained pair; random pair under staggered arrivals, finishes, slot moves and buckets);
+* bad planner / budget combinations raise ValueError naming the value.
+On the CPU the rounds run eagerly and in order: the logic the GPU runs, not the overlap itself."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dspark
+import dspark.round
+from dspark.engine import Engine, EngineConfig
+from dspark.engine.draft_lookahead import DraftLookahead
+from dspark.sampling import SamplingParams
+from dspark.verify.capacity import default_cpu_table
+from dspark.verify.planner import VerifyPlan, uniform_budget
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the static-engine helpers
+from test_engine_lookahead import count_launches  # noqa: E402
+from test_engine_static import _drafters, _prompts, _staggered  # noqa: E402
+
+TEXTS = ["def read_config(path):\n    ", "ROMEO.\nBut soft, what light through yonder",
+         "class Cache:\n    def __init__(self, size):\n", "KING.\nNow, my good lords,"]
+# 20 ms + 0.5 ms per batch token: with the trained pair's confidences the budget moves between 2 and 5.
+TABLE = default_cpu_table()
+AUTO = dict(draft_tokens="auto", planner="async", capacity=TABLE)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return dspark.load_model("tiny")
+
+
+def _spy_budgets(monkeypatch) -> list:
+    """Every round `DraftLookahead` runs: (its budget, [(request id, the request's round index)])."""
+    calls = []
+    step = DraftLookahead.step
+
+    def spying(self, requests):
+        rounds = [(r.request_id, r.stats.rounds) for r in requests]
+        n, results = step(self, requests)
+        calls.append((n, rounds))
+        return n, results
+
+    monkeypatch.setattr(DraftLookahead, "step", spying)
+    return calls
+
+
+def _replay_budgets(monkeypatch, trace: list) -> None:
+    """Make the synchronous round verify what `trace` says each request verified in that round."""
+    verified = {(r["request_id"], r["round"]): r["verified"] for r in trace}
+    monkeypatch.setattr(dspark.round, "_plan", lambda live, confidence, cfg, gamma: VerifyPlan(
+        tuple(verified[r.request_id, r.stats.rounds] for r in live)))
+
+
+def _rule(calls: list, trace: list, lag: int, gamma: int) -> list[int]:
+    """The budget of every recorded round from the confidences of each request's round j − lag
+    (None before its first round), as the trace recorded them."""
+    conf = {(r["request_id"], r["round"]): r["confidence"] for r in trace}
+    return [uniform_budget([conf[rid, j - lag] if j >= lag else None for rid, j in rounds], gamma, TABLE)
+            for _, rounds in calls]
+
+
+def _run(model, new, **config):
+    engine = Engine(model, EngineConfig(max_running=4, static_decode=True, trace=True, max_prompt_tokens=64,
+                                        max_new_tokens=64, drafter=model.dspark, **AUTO, **config))
+    rids = [engine.add_request(model.tokenizer.encode(t), SamplingParams(), new) for t in TEXTS]
+    tokens, stats = {rid: [] for rid in rids}, {}
+    while engine.has_work():
+        for event in engine.step():
+            tokens[event.request_id] += event.new_token_ids
+            if event.finished:
+                s = event.stats
+                stats[event.request_id] = (s.rounds, s.verified_tokens, s.new_tokens, s.accept_hist)
+    assert engine.slots.free == engine.slots.slots
+    return [tokens[rid] for rid in rids], engine.take_trace(), [stats[rid] for rid in rids], engine
+
+
+def test_auto_rounds_in_flight_give_plain_greedy(pair, monkeypatch):
+    counts = count_launches(monkeypatch, DraftLookahead)
+    calls = _spy_budgets(monkeypatch)
+    tokens, trace, _, engine = _run(pair, 40, overlap=True)
+    assert isinstance(engine.draft_ahead, DraftLookahead) and engine.draft_ahead.budget == "auto"
+    assert tokens == [o.token_ids for o in dspark.generate(pair, TEXTS, max_new_tokens=40)]
+    assert 0 < counts["host"] < counts["all"] - counts["host"]  # most rounds came from the round in flight
+    assert len({n for n, _ in calls}) > 2  # the budget is chosen per round
+    assert engine.draft_ahead.pending is None
+
+
+def test_each_budget_is_the_rule_over_confidences_two_rounds_old(pair, monkeypatch):
+    calls = _spy_budgets(monkeypatch)
+    _, trace, _, _ = _run(pair, 40, overlap=True)
+    rule = lambda lag: _rule(calls, trace, lag, pair.dspark.block_size)  # noqa: E731
+    assert len(calls) > 10
+    assert [n for n, _ in calls] == rule(2)
+    assert rule(1) != rule(2) and rule(0) != rule(2)  # the test tells fresher confidences apart
+
+
+def test_host_launched_and_chained_rounds_read_their_own_two_back_rows(pair):
+    """A round launched from the host (k) reads the older of the two confidence rows read so far (round
+    k − 2), the round chained behind it (k + 1) the newer one (round k − 1): set them apart by hand."""
+    engine = Engine(pair, EngineConfig(max_running=2, static_decode=True, overlap=True, drafter=pair.dspark,
+                                       max_prompt_tokens=64, max_new_tokens=64, **AUTO))
+    for text in TEXTS[:2]:
+        engine.add_request(pair.tokenizer.encode(text), SamplingParams(), 40)
+    while len(engine.running) < 2 or not all(len(r.confidences) == 2 for r in engine.running):
+        engine.step()
+    gamma = pair.dspark.block_size
+    old, new = torch.full((gamma,), 0.05), torch.ones(gamma)
+    low, high = uniform_budget([old, old], gamma, TABLE), uniform_budget([new, new], gamma, TABLE)
+    assert (low, high) == (1, gamma)
+    for req in engine.running:
+        req.confidences.extend([old, new])  # [round k − 2, round k − 1]
+    engine.draft_ahead.discard()
+    assert engine.draft_ahead.fits(engine.running)
+    n, _ = engine.draft_ahead.step(engine.running)
+    assert n == low and engine.draft_ahead.pending.budget == high
+
+
+def test_auto_rounds_in_flight_equal_synchronous_rounds_of_the_same_budgets(pair, monkeypatch):
+    ahead, ahead_trace, ahead_stats, _ = _run(pair, 40, overlap=True)
+    _replay_budgets(monkeypatch, ahead_trace)
+    sync, sync_trace, sync_stats, engine = _run(pair, 40, overlap=False)
+    assert engine.draft_ahead is None
+    assert ahead == sync and ahead_trace == sync_trace and ahead_stats == sync_stats
+    assert len({r["verified"] for r in ahead_trace}) > 2 and len({r["accepted"] for r in ahead_trace}) > 2
+
+
+def test_random_pair_under_staggered_arrivals(monkeypatch):
+    model = dspark.init_model("tiny-v4", seed=0)
+    config = dict(_drafters(model)["dspark_auto"], planner="async", capacity=TABLE)
+    prompts, greedy = _prompts(6, seed=7), (lambda i: SamplingParams())
+    calls = _spy_budgets(monkeypatch)
+    ahead, ahead_trace = _staggered(model, prompts, greedy, 14, static_decode=True, overlap=True, **config)
+    # Arrivals and finishes change the batch often: many rounds launch from the host, same rule.
+    assert len(calls) > 10 and [n for n, _ in calls] == _rule(calls, ahead_trace, 2, config["drafter"].block_size)
+    _replay_budgets(monkeypatch, ahead_trace)
+    sync, sync_trace = _staggered(model, prompts, greedy, 14, static_decode=True, overlap=False, **config)
+    assert ahead == sync and ahead_trace == sync_trace
+    plain, _ = _staggered(model, prompts, greedy, 14, static_decode=False)
+    assert ahead == plain
+
+
+def test_bad_planner_and_budget_combinations_name_the_value(pair):
+    with pytest.raises(ValueError, match="needs planner='async', got planner='sync'"):
+        EngineConfig(overlap=True, draft_tokens="auto", drafter="dspark")
+    limits = dict(max_running=2, static_decode=True, max_prompt_tokens=64, max_new_tokens=64, drafter=pair.dspark)
+    # overlap=None: Algorithm 1's rounds run synchronously (no round in flight)
+    assert Engine(pair, EngineConfig(draft_tokens="auto", **limits)).draft_ahead is None
+    auto = Engine(pair, EngineConfig(overlap=True, **AUTO, **limits))
+    with pytest.raises(ValueError, match="got 'uniform'"):
+        DraftLookahead(auto.runner, auto.static_draft, "uniform", TABLE)
+    with pytest.raises(ValueError, match="budget 'auto' needs a CapacityTable to plan with, got capacity=None"):
+        DraftLookahead(auto.runner, auto.static_draft, "auto")
+    fixed = Engine(pair, EngineConfig(overlap=True, draft_tokens=3, **limits))  # steps of 4 rows
+    with pytest.raises(ValueError, match="budget 'auto' needs 6 rows per step; the static step takes 4"):
+        DraftLookahead(fixed.runner, fixed.static_draft, "auto", TABLE)
+
+
+@pytest.mark.gpu
+def test_auto_rounds_in_flight_on_cuda_graphs(monkeypatch):
+    """On CUDA the rounds are graph replays at the width each round's budget gives, round k + 1
+    queued before round k is read: plain greedy tokens, budgets by the two-back rule."""
+    pair = dspark.load_model("tiny", device="cuda")
+    counts = count_launches(monkeypatch, DraftLookahead)
+    calls = _spy_budgets(monkeypatch)
+    tokens, trace, _, engine = _run(pair, 40, overlap=True)
+    assert tokens == [o.token_ids for o in dspark.generate(pair, TEXTS, max_new_tokens=40)]
+    assert engine.runner.graphs and engine.static_draft.propose_graphs
+    assert 0 < counts["host"] < counts["all"] - counts["host"] and len({n for n, _ in calls}) > 1
+    assert [n for n, _ in calls] == _rule(calls, trace, 2, pair.dspark.block_size)
