@@ -4,6 +4,9 @@ the HF transformers peer and the batch-1 HBM roofline, on v4-mini (random weight
     PYTHONPATH=. python bench/engine_h200.py --out $OUT/engine-h200.json            # one H200, < 8 min
     PYTHONPATH=. python bench/engine_h200.py --smoke --out /tmp/engine-smoke.json    # CPU, tiny config, ~1 min
     PYTHONPATH=. python bench/engine_h200.py --static-decode --out $OUT/engine-h200-static.json  # graphs
+    PYTHONPATH=. python bench/engine_h200.py --static-decode --overlap --requests 1,8,64 --contexts 4096 \
+        --modes none,dspark1,dspark2,dspark3,auto,auto_async --decode-only --steps 8 --confidence 0.8629 \
+        --table-from-cells --budget-s 300 --out $OUT/engine-h200-auto-ahead.json   # auto vs budgets 1..3
 
 What it measures (issue 7; seeds' conditions):
 
@@ -21,7 +24,18 @@ What it measures (issue 7; seeds' conditions):
   ceiling of 2, flagged), next to the measured tokens/step. "auto" is the synchronous planner
   (Algorithm 1) over a capacity table profiled here at the same context (width 4); "auto_async"
   the asynchronous planner (budget from confidences two rounds old, spec §4.3), which needs no
-  host sync on the current round's confidences before the verify call.
+  host sync on the current round's confidences before the verify call; with `--overlap` its greedy
+  rounds keep a round in flight at one budget per round (`planner.uniform_budget`), "auto" (Algorithm 1)
+  runs synchronously. `--modes` also takes dspark1 and dspark2 (fixed budgets 1 and 2, not in the
+  default grid).
+* `--confidence C`: the DSpark drafter's confidence head answers C at every position (a constant
+  logit, bench only), and every cell is converted at the matching geometric model instead of `TAU`: a
+  round that verifies ℓ drafts commits Σ_{k<=ℓ} C^k tokens, summed over each step's measured ℓ_r.
+  The planners then see exactly the acceptance the conversion credits (C = 0.8629 gives budget 3 its
+  3.25), so "auto vs the best fixed budget" measures the planner and its overlap, not random noise.
+* `--table-from-cells`: the auto cells plan with a capacity table built from the fixed cells of the
+  same load and context (none, dspark1..3: B = R(1 + n) tokens, their pipelined step time), i.e. the
+  static step's own SPS, instead of the dynamic-path table profiled at the start of the context.
 * prefill: one target forward of N ∈ {4K, 8K, 16K, 32K, 64K} new tokens over a fabricated context
   of 128K − N tokens (so the call ends at 128K), tokens/s = N / time; OOM is recorded, not fatal.
 * peer: HF transformers' `DeepseekV4ForCausalLM` (eager) on the same config at batch 1, greedy
@@ -47,6 +61,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import statistics
 import subprocess
 import time
@@ -67,8 +82,13 @@ from dspark.request import Request
 from dspark.verify.capacity import CapacityTable
 
 HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
-TAU = {"none": 1.0, "mtp1": 2.0, "dspark3": 3.25, "auto": 3.25, "auto_async": 3.25}
-MODES = ("none", "mtp1", "dspark3", "auto", "auto_async")
+# dspark1 / dspark2 at the geometric model that gives budget 3 its 3.25 (per-draft survival 0.8629)
+TAU = {"none": 1.0, "mtp1": 2.0, "dspark1": 1.863, "dspark2": 2.607, "dspark3": 3.25, "auto": 3.25,
+       "auto_async": 3.25}
+MODES = ("none", "mtp1", "dspark1", "dspark2", "dspark3", "auto", "auto_async")  # the order cells run in
+DEFAULT_MODES = ("none", "mtp1", "dspark3", "auto", "auto_async")
+BUDGET = {"none": 0, "mtp1": 1, "dspark1": 1, "dspark2": 2, "dspark3": 3, "auto": "auto", "auto_async": "auto"}
+FIXED_DSPARK = ("none", "dspark1", "dspark2", "dspark3")  # the cells a table from the cells is built on
 FULL = dict(config="v4-mini", requests=(1, 8, 16, 32, 64, 128, 256), contexts=(4096, 32768),
             prefill=(4096, 8192, 16384, 32768, 65536), prefill_context=131072, warmup=1, steps=3,
             hf_prompt=512, hf_new=32, capacity_probes=(1, 4, 16, 64, 256, 1024))
@@ -203,13 +223,42 @@ def profile_table(model, context: int, probes, g) -> CapacityTable:
     return CapacityTable.from_step_times(samples, f"{_device_name(model.device)}, ctx {context}, width 4 (bench)")
 
 
+class ConstantConfidence(torch.nn.Module):
+    """`--confidence`: a confidence head answering the same c_k at every position (random weights give
+    noise there); logits fp32 [..., γ] from hidden [..., γ, D]."""
+
+    def __init__(self, confidence: float):
+        super().__init__()
+        self.logit = math.log(confidence / (1 - confidence))
+
+    def forward(self, hidden: torch.Tensor, prev_embeddings: torch.Tensor) -> torch.Tensor:
+        return torch.full(hidden.shape[:-1], self.logit, dtype=torch.float32, device=hidden.device)
+
+
+def model_tau(verified: list[int], confidence: float) -> float:
+    """Committed tokens of one step under the geometric model: Σ_r Σ_{k<=ℓ_r} C^k."""
+    return sum((1 - confidence ** (n + 1)) / (1 - confidence) for n in verified)
+
+
+def cells_table(rows: list[dict], requests: int, context: int, device) -> CapacityTable | None:
+    """`--table-from-cells`: SPS at B = R(1 + n) from the pipelined step of the fixed DSpark cells (and
+    none) of this load and context; None with fewer than two of them."""
+    steps = {requests * (1 + BUDGET[r["mode"]]): r["step_ms_pipelined"] / 1e3 for r in rows
+             if r["mode"] in FIXED_DSPARK and r["requests"] == requests and r["context"] == context}
+    if len(steps) < 2:
+        return None
+    return CapacityTable.from_step_times({b: [t] for b, t in steps.items()},
+                                         f"{_device_name(device)}, ctx {context}, {requests} requests, fixed cells")
+
+
 def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dict:
     drafter = drafters[mode]
-    budget = {"none": 0, "mtp1": 1, "dspark3": 3, "auto": "auto", "auto_async": "auto"}[mode]
+    budget = BUDGET[mode]
     static = dict(static_decode=False)  # the dynamic path unless --static-decode (on CUDA the default is static)
     if args["static_decode"]:  # the slots hold the fabricated context + every step's tokens (≤ 16 each)
+        # Algorithm 1 ("auto") plans on the round's own confidences: its rounds cannot be in flight
         static = dict(static_decode=True, static_context=context + 16 * (args["warmup"] + args["steps"]),
-                      overlap=args.get("overlap", False))
+                      overlap=args.get("overlap", False) and mode != "auto")
     _sync(model.device)
     t = time.perf_counter()
     engine = Engine(model, EngineConfig(max_running=requests, max_prompt_tokens=context + 1, max_new_tokens=10**6,
@@ -218,9 +267,9 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
     _sync(model.device)
     capture_s = time.perf_counter() - t
     inject(engine, model, drafter, requests, context, g)
-    times, committed, verified = [], [], []
+    times, committed, verified, modelled = [], [], [], []
     for i in range(args["warmup"] + args["steps"]):
-        drafts_before = sum(r.stats.verified_tokens for r in engine.running)
+        drafts_before = [r.stats.verified_tokens for r in engine.running]
         before = sum(len(r.out) for r in engine.running)
         _sync(model.device)
         t = time.perf_counter()
@@ -229,17 +278,25 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
         if i >= args["warmup"]:
             times.append(time.perf_counter() - t)
             committed.append(sum(len(r.out) for r in engine.running) - before)
-            verified.append(sum(r.stats.verified_tokens for r in engine.running) - drafts_before)
+            lens = [r.stats.verified_tokens - v for r, v in zip(engine.running, drafts_before)]  # ℓ_r
+            verified.append(sum(lens))
+            modelled.append(model_tau(lens, args["confidence"]) if args["confidence"] else 0.0)
     step = statistics.median(times)
     # Back to back, one sync at the end: how a server runs the engine, and the only timing in which
-    # the overlap can hide the host's work for step t+1 behind the device's step t.
+    # the overlap can hide the host's work for step t+1 behind the device's step t. Reading the host
+    # counters between steps reads no device value.
     _sync(model.device)
     t = time.perf_counter()
     for _ in range(args["steps"]):
+        drafts_before = [r.stats.verified_tokens for r in engine.running]
         engine.step()
+        if args["confidence"]:
+            lens = [r.stats.verified_tokens - v for r, v in zip(engine.running, drafts_before)]
+            modelled.append(model_tau(lens, args["confidence"]))
     _sync(model.device)
     pipelined = (time.perf_counter() - t) / args["steps"]
-    tau = TAU[mode]
+    # committed tokens per request per step: the geometric model over every measured step, or TAU
+    tau = sum(modelled) / len(modelled) / requests if args["confidence"] else TAU[mode]
     drafting = engine.static_draft
     row = {"mode": mode, "requests": requests, "context": context, "static_decode": args["static_decode"],
            "static_drafter": drafting is not None,
@@ -250,9 +307,14 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
            "step_ms_pipelined": pipelined * 1e3, "tok_s_total_pipelined": tau * requests / pipelined}
     if mode == "mtp1":
         row["note"] = "MTP-1 converted at its ceiling of 2 tokens/step (every draft accepted)"
-    if mode in ("auto", "auto_async"):
+    if mode in ("auto", "auto_async") and not args["confidence"]:
         row["note"] = ("converted at 3.25 like budget 3; with random weights the confidences are noise, so its "
                        "verify width (mean_drafts_verified_per_request) is not what a trained drafter would get")
+    if args["confidence"]:
+        row["note"] = f"converted at the geometric model, constant confidence {args['confidence']}"
+    if mode in ("auto", "auto_async"):
+        row["capacity_label"] = table.label
+        row["round_in_flight"] = engine.draft_ahead is not None
     for r in list(engine.running):
         engine.abort(r.request_id)
     return row
@@ -267,6 +329,9 @@ def run_decode(model, drafters, args, clock, share_s, results, skipped, g):
         last: dict[str, tuple[int, float]] = {}
         for requests in args["requests"]:
             for mode in args["modes"]:
+                cell_table = table
+                if mode in ("auto", "auto_async") and args["table_from_cells"]:
+                    cell_table = cells_table(results["decode"], requests, context, model.device) or table
                 if mode not in drafters:
                     skipped.append({"phase": "decode", "mode": mode, "requests": requests, "context": context,
                                     "why": "drafter unavailable"})
@@ -279,7 +344,7 @@ def run_decode(model, drafters, args, clock, share_s, results, skipped, g):
                                         "why": f"predicted {predicted:.0f} s exceeds the time left for this phase"})
                         continue
                 try:
-                    row = decode_cell(model, drafters, mode, requests, context, table, args, g)
+                    row = decode_cell(model, drafters, mode, requests, context, cell_table, args, g)
                 except torch.OutOfMemoryError as e:
                     skipped.append({"phase": "decode", "mode": mode, "requests": requests, "context": context,
                                     "why": f"out of memory: {str(e)[:160]}"})
@@ -438,7 +503,12 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true",
                     help="with --static-decode: EngineConfig(overlap=True), one plain greedy step in flight")
     ap.add_argument("--requests", default=None, help="comma list: the decode grid's request counts")
-    ap.add_argument("--modes", default=None, help=f"comma list of decode modes (default all: {','.join(MODES)})")
+    ap.add_argument("--modes", default=None, help=f"comma list of decode modes, run in the order {','.join(MODES)} "
+                                                   f"(default {','.join(DEFAULT_MODES)})")
+    ap.add_argument("--confidence", type=float, default=None,
+                    help="constant DSpark confidence C in (0, 1) and the geometric conversion at C (module docstring)")
+    ap.add_argument("--table-from-cells", action="store_true",
+                    help="auto cells plan with SPS from the fixed cells (none, dspark1..3) of their load and context")
     ap.add_argument("--contexts", default=None, help="comma list of decode contexts (default 4096,32768)")
     ap.add_argument("--decode-only", action="store_true", help="skip the HF peer and the prefill phase")
     ap.add_argument("--peer", action="store_true", help="with --decode-only: still run the HF peer (batch 1)")
@@ -454,8 +524,12 @@ def main() -> None:
                 raise ValueError(f"--modes {value!r}: each must be one of {MODES}")
             if name != "modes" and (not items or min(items) < 1):
                 raise ValueError(f"--{name} must list positive ints, got {value!r}")
-            args[name] = items
-    args.setdefault("modes", MODES)
+            args[name] = tuple(sorted(items, key=MODES.index)) if name == "modes" else items
+    args.setdefault("modes", DEFAULT_MODES)
+    if cli.confidence is not None and not 0 < cli.confidence < 1:
+        raise ValueError(f"--confidence must lie in (0, 1), got {cli.confidence}")
+    args["confidence"] = cli.confidence
+    args["table_from_cells"] = cli.table_from_cells
     if cli.config:
         args["config"] = cli.config
     if cli.steps is not None:
@@ -482,7 +556,10 @@ def main() -> None:
         drafters["mtp1"] = MtpDrafter(model)
     except ValueError as e:
         print(f"no MTP-1 mode: {e}", flush=True)
-    drafters["auto"] = drafters["auto_async"] = drafters["dspark3"]
+    if cli.confidence is not None:  # the DSpark stages' last module holds the head (dspark_v4.py)
+        drafters["dspark3"].model.mtp[-1].confidence_head = ConstantConfidence(cli.confidence)
+    for mode in ("dspark1", "dspark2", "auto", "auto_async"):
+        drafters[mode] = drafters["dspark3"]
     results = {
         "conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                        "dtype": str(dtype), "weights": "random", "commit": _commit(), "smoke": cli.smoke,
@@ -490,7 +567,8 @@ def main() -> None:
                        "budget_s": budget, "kernels": str(model.kernels),
                        "graphs": cli.static_decode and device.type == "cuda", "static_decode": cli.static_decode,
                        "decode_state": "fabricated at the context length (random values, prefill shapes), not prefilled",
-                       "tau_conversion": TAU, "dspark_gamma": drafters["dspark3"].block_size,
+                       "tau_conversion": (f"geometric, constant confidence {cli.confidence}" if cli.confidence
+                                          else TAU), "dspark_gamma": drafters["dspark3"].block_size,
                        "grid": {k: v for k, v in args.items() if k != "config"}},
         "decode": [], "prefill": [], "capacity": {}, "skipped": [],
     }
@@ -538,11 +616,15 @@ def summarise(results: dict, args: dict) -> None:
             base, dsp = rows.get(("none", r, ctx)), rows.get(("dspark3", r, ctx))
             if base and dsp:
                 s.setdefault("dspark3_over_none_total", {})[f"{r}@{ctx}"] = dsp["tok_s_total"] / base["tok_s_total"]
-            fixed = [rows[(m, r, ctx)]["tok_s_total"] for m in ("none", "mtp1", "dspark3") if (m, r, ctx) in rows]
+            fixed = [rows[(m, r, ctx)] for m in ("none", "mtp1", "dspark1", "dspark2", "dspark3") if (m, r, ctx) in rows]
             for mode in ("auto", "auto_async"):
                 auto = rows.get((mode, r, ctx))
-                if auto and fixed:
-                    s.setdefault(f"{mode}_over_best_fixed", {})[f"{r}@{ctx}"] = auto["tok_s_total"] / max(fixed)
+                for timing in ("tok_s_total", "tok_s_total_pipelined"):
+                    if auto and fixed:
+                        best = max(fixed, key=lambda row: row[timing])
+                        suffix = "" if timing == "tok_s_total" else "_pipelined"
+                        s.setdefault(f"{mode}_over_best_fixed{suffix}", {})[f"{r}@{ctx}"] = auto[timing] / best[timing]
+                        s.setdefault(f"best_fixed{suffix}", {})[f"{r}@{ctx}"] = best["mode"]
     s["skipped_cells"] = len(results["skipped"])
     results["summary"] = s
 
