@@ -269,10 +269,17 @@ def _stale_survival(stale_confidence: Sequence[Sequence[float] | torch.Tensor | 
         raise ValueError(f"gamma must be an int >= 0, got {gamma!r}")
     if not len(stale_confidence):
         return torch.zeros(0, gamma, dtype=torch.float64)
-    a = survival([[1.0] * gamma if c is None else c for c in stale_confidence])
-    if a.shape[1] != gamma:
-        raise ValueError(f"stale_confidence rows must have γ={gamma} entries, got {a.shape[1]}")
-    return a
+    # The engine passes host tensors (one per request, every round): one stack, not a float() per entry.
+    ones = torch.ones(gamma, dtype=next((c.dtype for c in stale_confidence if isinstance(c, torch.Tensor)),
+                                        torch.float64))
+    rows = [ones if c is None else c if isinstance(c, torch.Tensor) else torch.tensor(c, dtype=torch.float64)
+            for c in stale_confidence]
+    bad = next((r for r in rows if r.shape != (gamma,)), None)
+    if bad is not None:
+        raise ValueError(f"stale_confidence rows must have γ={gamma} entries, got {bad.numel()}")
+    if len({r.dtype for r in rows}) > 1:
+        rows = [r.to(torch.float64) for r in rows]
+    return survival(torch.stack(rows))
 
 
 def _confidence(confidence: Confidence) -> torch.Tensor:
