@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # noqa: F401 (the op's ref)
+from dspark.kernels.attention_wide import _wide_kernel
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
@@ -163,10 +164,14 @@ def _num_sms(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch shape of `_partial_kernel`: BLOCK_H heads × BLOCK_N keys per step, warps, software
+    """Launch shape of the flash-decoding pass: BLOCK_H heads × BLOCK_N keys per step, warps, software
     pipeline stages, the grid target (the keys are split into chunks until the grid covers about
     `waves` × SMs programs, keeping >= `min_chunk_tiles` key tiles per chunk), the program order and
-    whether each step prefetches the next key tile."""
+    whether each step prefetches the next key tile (`_partial_kernel`).
+
+    `wide` runs `attention_wide._wide_kernel` instead (decode / verify-sized batches): block_h may
+    cover every head, `value_split` (1 or 2) programs share a query's value columns, and a launch
+    with one key chunk writes the output directly; heads_fastest and prefetch do not apply."""
 
     block_h: int
     block_n: int
@@ -176,6 +181,18 @@ class Tiles:
     heads_fastest: bool = True
     prefetch: bool = False
     min_chunk_tiles: int = 4
+    wide: bool = False
+    value_split: int = 1
+
+    def __post_init__(self):
+        for name in ("block_h", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 16 (tl.dot), got {value}")
+        if self.value_split not in (1, 2) or (self.value_split == 2 and not self.wide):
+            raise ValueError(f"Tiles.value_split must be 1, or 2 with wide=True, got {self.value_split}")
+        if min(self.num_warps, self.num_stages, self.waves, self.min_chunk_tiles) < 1:
+            raise ValueError(f"Tiles counts must be >= 1: {self}")
 
 
 def default_tiles(n_heads: int, head_dim: int) -> Tiles:
@@ -215,28 +232,54 @@ def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Te
     block_h, block_n = tiles.block_h, tiles.block_n
     d_pad = max(16, triton.next_power_of_2(head_dim))
     n_hblocks = triton.cdiv(n_heads, block_h)
+    per_chunk_row = n_q * n_hblocks * tiles.value_split  # programs per key chunk
     max_chunks = max(1, triton.cdiv(n_keys, tiles.min_chunk_tiles * block_n))
-    n_chunks = max(1, min(max_chunks, triton.cdiv(tiles.waves * _num_sms(q.device), n_q * n_hblocks)))
+    n_chunks = max(1, min(max_chunks, triton.cdiv(tiles.waves * _num_sms(q.device), per_chunk_row)))
     keys_per_chunk = triton.cdiv(triton.cdiv(max(n_keys, 1), n_chunks), block_n) * block_n
     n_chunks = triton.cdiv(max(n_keys, 1), keys_per_chunk)
+    q, pool, index = q.contiguous(), pool.contiguous(), index.contiguous()
+    sink = sink.float().contiguous()
+    if tiles.wide and n_chunks == 1:  # the kernel writes `out` itself
+        _launch_wide(q, pool, index, sink, out, (out, out, out), scale, tiles, n_hblocks, 1, keys_per_chunk, d_pad)
+        return out
     m = torch.empty((n_chunks, n_q, n_heads), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((n_chunks, n_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
-    dot_fp32 = q.dtype == torch.float32 or pool.dtype == torch.float32
-    grid = (n_q * n_hblocks, n_chunks)
-    pdl = pdl_launch(q.device, math.prod(grid))
-    _partial_kernel[grid](
-        q.contiguous(), pool.contiguous(), index.contiguous(), m, l, acc,
-        n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale), n_hblocks,
-        BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DOT_FP32=dot_fp32, HEADS_FASTEST=tiles.heads_fastest,
-        PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    if tiles.wide:
+        _launch_wide(q, pool, index, sink, out, (m, l, acc), scale, tiles, n_hblocks, n_chunks, keys_per_chunk,
+                     d_pad)
+    else:
+        dot_fp32 = q.dtype == torch.float32 or pool.dtype == torch.float32
+        grid = (n_q * n_hblocks, n_chunks)
+        pdl = pdl_launch(q.device, math.prod(grid))
+        _partial_kernel[grid](
+            q, pool, index, m, l, acc,
+            n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale), n_hblocks,
+            BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DOT_FP32=dot_fp32, HEADS_FASTEST=tiles.heads_fastest,
+            PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
     block_d = min(d_pad, 128)  # a [BLOCK_H, 512] fp32 tile would spill registers
     grid = (n_q, n_hblocks, triton.cdiv(head_dim, block_d))
     pdl = pdl_launch(q.device, math.prod(grid))
     _combine_kernel[grid](
-        m, l, acc, sink.float().contiguous(), out, n_q, n_heads, head_dim, n_chunks,
+        m, l, acc, sink, out, n_q, n_heads, head_dim, n_chunks,
         BLOCK_H=block_h, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return out
+
+
+def _launch_wide(q, pool, index, sink, out, partials, scale, tiles, n_hblocks, n_chunks, keys_per_chunk, d_pad):
+    """`_wide_kernel` over (query, chunk, head block, value half): out directly when n_chunks is 1,
+    else the partials (m, l, acc) that `_combine_kernel` merges."""
+    n_q, n_heads, head_dim = q.shape
+    split = tiles.value_split
+    grid = (n_q * n_chunks * n_hblocks * split,)
+    pdl = pdl_launch(q.device, math.prod(grid))
+    _wide_kernel[grid](
+        q, pool, index, sink, out, *partials,
+        n_q, n_heads, head_dim, index.shape[1], keys_per_chunk, float(scale), n_hblocks, n_chunks,
+        BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_V=max(16, d_pad // split), V_SPLIT=split,
+        FINAL=n_chunks == 1, DOT_FP32=q.dtype == torch.float32 or pool.dtype == torch.float32, PDL=pdl,
+        launch_pdl=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
