@@ -191,8 +191,9 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be a power of two >= 16 (tl.dot), got {value}")
         if self.value_split not in (1, 2) or (self.value_split == 2 and not self.wide):
             raise ValueError(f"Tiles.value_split must be 1, or 2 with wide=True, got {self.value_split}")
-        if min(self.num_warps, self.num_stages, self.waves, self.min_chunk_tiles) < 1:
-            raise ValueError(f"Tiles counts must be >= 1: {self}")
+        for name in ("num_warps", "num_stages", "waves", "min_chunk_tiles"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Tiles.{name} must be >= 1, got {getattr(self, name)}")
 
 
 def default_tiles(n_heads: int, head_dim: int) -> Tiles:
