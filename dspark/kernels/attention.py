@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # noqa: F401 (the op's ref)
-from dspark.kernels.attention_wide import _wide_kernel
+from dspark.kernels import attention_wide
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
@@ -241,14 +241,15 @@ def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Te
     q, pool, index = q.contiguous(), pool.contiguous(), index.contiguous()
     sink = sink.float().contiguous()
     if tiles.wide and n_chunks == 1:  # the kernel writes `out` itself
-        _launch_wide(q, pool, index, sink, out, (out, out, out), scale, tiles, n_hblocks, 1, keys_per_chunk, d_pad)
+        attention_wide.launch_wide(q, pool, index, sink, out, (out, out, out), scale, tiles, n_hblocks, 1,
+                                   keys_per_chunk, d_pad)
         return out
     m = torch.empty((n_chunks, n_q, n_heads), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((n_chunks, n_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
     if tiles.wide:
-        _launch_wide(q, pool, index, sink, out, (m, l, acc), scale, tiles, n_hblocks, n_chunks, keys_per_chunk,
-                     d_pad)
+        attention_wide.launch_wide(q, pool, index, sink, out, (m, l, acc), scale, tiles, n_hblocks, n_chunks,
+                                   keys_per_chunk, d_pad)
     else:
         dot_fp32 = q.dtype == torch.float32 or pool.dtype == torch.float32
         grid = (n_q * n_hblocks, n_chunks)
@@ -269,18 +270,3 @@ def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Te
     )
     return out
 
-
-def _launch_wide(q, pool, index, sink, out, partials, scale, tiles, n_hblocks, n_chunks, keys_per_chunk, d_pad):
-    """`_wide_kernel` over (query, chunk, head block, value half): out directly when n_chunks is 1,
-    else the partials (m, l, acc) that `_combine_kernel` merges."""
-    n_q, n_heads, head_dim = q.shape
-    split = tiles.value_split
-    grid = (n_q * n_chunks * n_hblocks * split,)
-    pdl = pdl_launch(q.device, math.prod(grid))
-    _wide_kernel[grid](
-        q, pool, index, sink, out, *partials,
-        n_q, n_heads, head_dim, index.shape[1], keys_per_chunk, float(scale), n_hblocks, n_chunks,
-        BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_V=max(16, d_pad // split), V_SPLIT=split,
-        FINAL=n_chunks == 1, DOT_FP32=q.dtype == torch.float32 or pool.dtype == torch.float32, PDL=pdl,
-        launch_pdl=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )

@@ -24,8 +24,12 @@ Shape symbols: S query rows, H heads, d head_dim, K keys per query, C key chunks
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from dspark.kernels.triton_compat import jit as _jit, tl
-from dspark.kernels.triton_compat import pdl_prologue
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
 @_jit
@@ -126,3 +130,20 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
     if DOT_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
     return tl.dot(a, b, acc)
+
+
+def launch_wide(q, pool, index, sink, out, partials, scale, tiles, n_hblocks, n_chunks, keys_per_chunk, d_pad):
+    """`_wide_kernel` over (query, chunk, head block, value half) with the launch shape `tiles`
+    (`attention.Tiles`): out [S, H, d] directly when n_chunks is 1, else the partials (m, l, acc) that
+    `attention._combine_kernel` merges. q, pool, index contiguous, sink fp32."""
+    n_q, n_heads, head_dim = q.shape
+    split = tiles.value_split
+    grid = (n_q * n_chunks * n_hblocks * split,)
+    pdl = pdl_launch(q.device, math.prod(grid))
+    _wide_kernel[grid](
+        q, pool, index, sink, out, *partials,
+        n_q, n_heads, head_dim, index.shape[1], keys_per_chunk, float(scale), n_hblocks, n_chunks,
+        BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_V=max(16, d_pad // split), V_SPLIT=split,
+        FINAL=n_chunks == 1, DOT_FP32=q.dtype == torch.float32 or pool.dtype == torch.float32, PDL=pdl,
+        launch_pdl=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )

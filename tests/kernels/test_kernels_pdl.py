@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
+from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
                             mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope, triton_available,
                             triton_compat)
 
-MODULES = (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_v41, moe,
+MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_v41, moe,
            moe_decode, moe_route_decode, norm_rope, rms_norm, rope)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
@@ -163,6 +163,8 @@ def _every_op(device: str) -> None:
     cache_round.cache_round(rand(65, 64), fmt="fp8_ue8m0")
     index = torch.randint(-1, 40, (2, 70), generator=g).to(device)
     attention.sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125)
+    attention.launch_sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125,
+                                      attention.Tiles(16, 16, 4, wide=True, value_split=2))
     keys, visible = rand(100, 32), torch.tensor([99, 100], device=device)
     indexer.lightning_indexer(rand(2, 4, 32), rand(2, 4), keys, visible, None, topk=8)
     indexer.index_scores(rand(1, 2, 4, 32), rand(1, 2, 4), keys[None], visible[None])
