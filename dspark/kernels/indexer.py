@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from dspark.kernels.indexer_ref import _check_args, _check_index_scores_args  # the refs below: the ops' refs
+from dspark.kernels.indexer_ref import _check_args, _check_index_scores_args, check_select_args  # the refs below: the ops' refs
 from dspark.kernels.indexer_ref import index_scores_ref, lightning_indexer_ref, select_topk_ref  # noqa: F401
 from dspark.kernels.registry import require_triton
 
@@ -151,18 +151,20 @@ def _take_flags(tile, in_row, theta, n_ties, ties_seen):
 
 
 @_jit
-def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-                   PDL: tl.constexpr):
-    """ids[s, :n_out] of row s = program_id(0): the top-k (ties: lower id) ascending, −1 padded."""
+def _select_kernel(score_ptr, out_ptr, offset_ptr, n_keys, topk, n_out, out_stride, ONE_TILE: tl.constexpr,
+                   BLOCK_T: tl.constexpr, HAS_OFFSET: tl.constexpr, PDL: tl.constexpr):
+    """ids[s, :n_out] of row s = program_id(0): the top-k (ties: lower id) ascending, + offset[s]
+    with HAS_OFFSET, −1 padded; row s of the output starts at out_ptr + s·out_stride."""
     pdl_prologue(PDL)
     s = tl.program_id(0).to(tl.int64)
+    base = tl.load(offset_ptr + s) if HAS_OFFSET else 0
     row_ptr = score_ptr + s * n_keys
     offs = tl.arange(0, BLOCK_T)
     keys = offs  # bound on both paths for the compiler; only the one-tile path reads it
     if ONE_TILE:
         keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
     theta, n_take, n_ties = _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE, BLOCK_T)
-    out_row = out_ptr + s * n_out
+    out_row = out_ptr + s * out_stride
     written = tl.full((), 0, tl.int32)
     ties_seen = tl.full((), 0, tl.int32)
     for t0 in range(0, n_keys, BLOCK_T):
@@ -174,7 +176,7 @@ def _select_kernel(score_ptr, out_ptr, n_keys, topk, n_out, ONE_TILE: tl.constex
             tile = _order_keys(tl.load(row_ptr + ids, mask=in_row, other=float("-inf")))
         take, ties_seen = _take_flags(tile, in_row, theta, n_ties, ties_seen)
         slot = written + tl.cumsum(take, axis=0) - 1
-        tl.store(out_row + slot, ids.to(tl.int64), mask=take != 0)
+        tl.store(out_row + slot, ids.to(tl.int64) + base, mask=take != 0)
         written += tl.sum(take, axis=0)
     for o0 in range(0, n_out, BLOCK_T):
         slot = o0 + offs
@@ -239,22 +241,23 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     return scores
 
 
-def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, topk: int, *, offset: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Fused `select_topk_ref` (same signature and tie rule): scores [S, T] fp32 (−inf = unreachable)
-    -> [S, min(k, T)] int64 ids of the best reachable entries, ascending by id, −1 padded."""
+    -> [S, min(k, T)] int64 ids of the best reachable entries, ascending by id, −1 padded; `offset`
+    added to the ids and `out` written in the kernel's stores (no launches after it)."""
     require_triton()
-    if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be fp32 [S, T], got {scores.dtype} {tuple(scores.shape)}")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    check_select_args(scores, topk, offset, out)
     n_q, n_keys = scores.shape
     n_out = min(topk, n_keys)
-    ids = torch.empty((n_q, n_out), dtype=torch.int64, device=scores.device)
+    ids = out if out is not None else torch.empty((n_q, n_out), dtype=torch.int64, device=scores.device)
     if n_q == 0 or n_keys == 0:
         return ids
     one_tile = n_keys <= _REGISTER_ROW
     block = max(16, triton.next_power_of_2(n_keys)) if one_tile else _STREAM_TILE
     pdl = pdl_launch(scores.device, n_q)
-    _select_kernel[(n_q,)](scores.contiguous(), ids, n_keys, n_out, n_out, ONE_TILE=one_tile, BLOCK_T=block,
-                           PDL=pdl, launch_pdl=pdl, num_warps=8 if block >= 2048 else 4)
+    offsets = offset.reshape(-1).contiguous() if offset is not None else ids  # a dummy pointer when absent
+    _select_kernel[(n_q,)](scores.contiguous(), ids, offsets, n_keys, n_out, n_out, ids.stride(0), ONE_TILE=one_tile,
+                           BLOCK_T=block, HAS_OFFSET=offset is not None, PDL=pdl, launch_pdl=pdl,
+                           num_warps=8 if block >= 2048 else 4)
     return ids

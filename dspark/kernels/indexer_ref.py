@@ -42,15 +42,40 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     return scores.masked_fill(~reachable, float("-inf"))
 
 
-def select_topk_ref(scores: torch.Tensor, topk: int) -> torch.Tensor:
+def check_select_args(scores: torch.Tensor, topk: int, offset: torch.Tensor | None,
+                      out: torch.Tensor | None) -> None:
+    """Validate `select_topk`'s arguments (shared by the kernel and the reference)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be fp32 [S, T], got {scores.dtype} {tuple(scores.shape)}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    n_q, n_out = scores.shape[0], min(topk, scores.shape[1])
+    if offset is not None and (offset.dtype != torch.int64 or offset.numel() != n_q or offset.dim() not in (1, 2)):
+        raise ValueError(f"offset must be int64 [S] or [S, 1] with S={n_q}, got {offset.dtype} {tuple(offset.shape)}")
+    if out is not None and (out.dtype != torch.int64 or tuple(out.shape) != (n_q, n_out) or out.stride(1) != 1):
+        raise ValueError(f"out must be int64 [S, min(k, T)] = [{n_q}, {n_out}] with contiguous rows, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+
+
+def select_topk_ref(scores: torch.Tensor, topk: int, *, offset: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """[S, T] fp32 scores (−inf = unreachable) -> [S, min(k, T)] int64 ids of the best reachable
-    entries under the tie rule above, ascending by id, −1 padded at the end."""
+    entries under the tie rule above, ascending by id, −1 padded at the end.
+
+    `offset` [S] or [S, 1] int64 is added to every id (not to the −1s): the picks as rows of a pool
+    whose entry 0 sits at `offset` (the V4 static step's key list). `out` [S, min(k, T)] int64 (rows
+    may be strided, e.g. the tail of the key list after the window) receives them and is returned."""
+    check_select_args(scores, topk, offset, out)
     n_keys = scores.shape[-1]
     k = min(topk, n_keys)
     order = torch.sort(scores, dim=-1, descending=True, stable=True)  # ties: lower id first
     best, ids = order.values[:, :k], order.indices[:, :k]
     ids = torch.where(best > float("-inf"), ids, n_keys).sort(dim=-1).values  # ascending, misses last
-    return ids.masked_fill(ids == n_keys, -1)
+    missing = ids == n_keys
+    if offset is not None:
+        ids = ids + offset.view(-1, 1)
+    ids = ids.masked_fill(missing, -1)
+    return ids if out is None else out.copy_(ids)
 
 
 def lightning_indexer_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,

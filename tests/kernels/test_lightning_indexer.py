@@ -110,6 +110,37 @@ def test_select_topk_matches_ref(n_q, n_keys, topk, long_rows, poisoned, monkeyp
         indexer.select_topk(scores, 0)
 
 
+@needs_triton
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_select_topk_offset_and_out_write_the_key_list(long_rows, monkeypatch):
+    """With `offset` and `out` (the V4 static step's CSA key list: window columns, then the picks as
+    pool rows) the kernel stores ids + offset[s] (−1 kept) into the strided tail of the list and
+    leaves the window columns alone; the reference does the same and equals the plain selection
+    shifted."""
+    if long_rows:
+        monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
+        monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+    g = torch.Generator().manual_seed(3)
+    n_q, n_keys, topk, window = 4, 40, 9, 5
+    scores = torch.randn(n_q, n_keys, generator=g)
+    scores[torch.rand(n_q, n_keys, generator=g) < 0.5] = float("-inf")
+    scores[1] = float("-inf")
+    scores = scores.to(DEVICE)
+    offset = torch.randint(100, 1000, (n_q, 1), generator=g).to(DEVICE)
+    plain = indexer.select_topk_ref(scores, topk)
+    expected = torch.where(plain >= 0, plain + offset, -1)
+    for op in (indexer.select_topk, indexer.select_topk_ref):
+        keys = torch.randint(-1, 50, (n_q, window + topk), generator=g).to(DEVICE)
+        head = keys[:, :window].clone()
+        assert op(scores, topk, offset=offset, out=keys[:, window:]).data_ptr() == keys[:, window:].data_ptr()
+        assert torch.equal(keys[:, window:], expected) and torch.equal(keys[:, :window], head)
+        assert torch.equal(op(scores, topk, offset=offset.view(-1)), expected)
+    with pytest.raises(ValueError, match="offset must be int64"):
+        indexer.select_topk(scores, topk, offset=offset.int())
+    with pytest.raises(ValueError, match="out must be int64"):
+        indexer.select_topk_ref(scores, topk, out=torch.empty(n_q, topk + 1, dtype=torch.long, device=DEVICE))
+
+
 def test_tie_rule_prefers_lower_ids():
     """Scores [1, 3, 3, 0, 3, (invisible)]: ties at 3 go to the lower ids; output ascending."""
     scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, float("-inf")]])

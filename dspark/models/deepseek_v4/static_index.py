@@ -152,6 +152,17 @@ class StepIndex:
             return ring.rows(keys).masked_fill_(keys < 0, -1).flatten(0, 1)
         return self._get(("window", window, ring.size), build)
 
+    def csa_keys(self, window: int, ring: PositionRing, width: int) -> torch.Tensor:
+        """[N, W + width] the CSA key list of the step: `window_keys`, then `width` columns that each
+        CSA layer's top-k selection overwrites with its picks (`select_topk(..., out=)`). One buffer
+        for all CSA layers of the step: a layer's attention reads its picks before the next layer's
+        selection writes them (stream order)."""
+        def build():
+            keys = torch.empty(self.positions.numel(), window + width, dtype=torch.long, device=self.positions.device)
+            keys[:, :window] = self.window_keys(window, ring)
+            return keys
+        return self._get(("csa_keys", window, ring.size, width), build)
+
     def groups(self, rate: int) -> torch.Tensor:
         """[S, c] the compressor groups w a step can complete, c = ceil(T/m), from start // m on
         (group w is complete once its last position (w+1)·m − 1 was fed: `entry_rows`)."""

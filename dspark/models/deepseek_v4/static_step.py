@@ -197,9 +197,9 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
             q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
             update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
-            picks = select_entries(attn.indexer, q_index, weights, state.indexer, index)
-            keys = torch.cat((index.window_keys(attn.window, state.window),
-                              offset_rows(picks, index.entry_offsets(first, n_entries))), dim=-1)
+            keys = index.csa_keys(attn.window, state.window, min(attn.indexer.topk, n_entries))
+            select_entries(attn.indexer, q_index, weights, state.indexer, index,
+                           offset=index.entry_offsets(first, n_entries), out=keys[:, attn.window:])
         else:  # HCA: every complete entry (one key list for all HCA layers of the step)
             keys = index.hca_keys(attn.window, state.window, attn.rate, n_entries, first)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
@@ -249,15 +249,18 @@ def _candidate_slots(state: StaticCompressorState, index: StepIndex, m: int) -> 
 
 
 def select_entries(indexer, q: torch.Tensor, weights: torch.Tensor, state: StaticCompressorState,
-                   index: StepIndex) -> torch.Tensor:
+                   index: StepIndex, *, offset: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """`Indexer.select` on the static state: every row scores all E index keys of its slot (one
     `index_scores` call for the bucket), entries it cannot see yet (w >= (p+1)//m) score −inf and come
     out as −1 picks.
 
-    q [N, Hi, di], weights [N, Hi] -> [N, min(k, E)] long entry ids, ascending.
+    q [N, Hi, di], weights [N, Hi] -> [N, min(k, E)] long entry ids, ascending; with `offset` [N, 1]
+    the ids are pool rows (entry id + offset, −1 kept) and with `out` they are stored there
+    (`select_topk`'s arguments: the selection kernel writes the key list itself).
     """
     n_slots, n_tok = index.positions.shape
     keys = state.entries[:n_slots, : state.n_entries]  # [b, E, di] the bucket's slots (a strided view)
     scores = indexer.scores_op(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys,
                                index.visible(indexer.rate))  # [b, T, E]
-    return indexer.topk_op(scores.flatten(0, 1), indexer.topk)
+    return indexer.topk_op(scores.flatten(0, 1), indexer.topk, offset=offset, out=out)
