@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session9.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session9.sh b")
+#   run(command="bash bench/gpu_session9.sh c")
 #
 # a: last session's CPU-only work on the GPU: norm_rope (RMSNorm + RoPE of q heads / kv latents in one
 #    launch; the window latents stored at their ring rows) under its GPU tests, the v4-mini graph step
@@ -11,6 +12,9 @@
 # b: the weight prefetch before the PDL wait (`triton_compat.pdl_prefetch`, in the one-row GEMV and the
 #    compressor projection): their GPU tests, a chain of 24 GEMV layers with it / without it / without
 #    PDL (bench/pdl_prefetch.py), then the v4-mini graph step with and without it.
+# c: the CSA key list written by the selection kernel (`select_topk(..., offset=, out=)`), the
+#    all-heads decode attention kernel (`attention_wide`) and the auto budget with a round in flight under
+#    their GPU tests; the attention launch shapes at 32K (bench/attn_variants.py); the v4-mini step.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -44,9 +48,21 @@ part_b() {
   step graph-decode-h200-s9-no-prefetch 100 --requests 1,8 --no-prefetch
 }
 
-case "${1:?part: a or b}" in
+part_c() {
+  logged c_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_lightning_indexer.py \
+    tests/kernels/test_attention_wide.py tests/models/test_deepseek_v4_static_graph_gpu.py
+  tail -n 4 $W/logs/c_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/c_tests.txt | head -n 20 | cut -c1-300
+  logged c_auto 100 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/engine/test_engine_draft_lookahead_auto.py
+  tail -n 3 $W/logs/c_auto.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/c_auto.txt | head -n 10 | cut -c1-300
+  logged c_attn 260 python3 bench/attn_variants.py --out "$OUT/attn-variants-h200.json"
+  tail -n 40 $W/logs/c_attn.txt | cut -c1-250
+  step graph-decode-h200-s9-select 90 --requests 1,8
+}
+
+case "${1:?part: a, b or c}" in
   a) part_a ;;
   b) part_b ;;
+  c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true

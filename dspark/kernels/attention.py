@@ -208,11 +208,29 @@ def default_tiles(n_heads: int, head_dim: int) -> Tiles:
     return Tiles(block_h, 32, 8 if d_pad >= 256 else 4)
 
 
+# From this many query rows on (decode / verify batches), head_dim 512 and at most 64 heads, the op runs
+# `attention_wide` with every head in one program. On one H200 at 32K context (bench/attn_variants.py,
+# `attn-variants-h200.json`, graph replays, L2 flushed) it took, against the shipped kernel:
+# v4-mini CSA 59.4 / 140.0 / 272.9 µs vs 65.7 / 165.5 / 324.8 at 64 / 256 / 512 queries, V4-Flash CSA
+# 67.7 / 132.4 / 257.0 vs 89.8 / 316.8 / 616.8, V4-Flash HCA 51.4 / 87.9 / 170.1 vs 60.2 / 200.5 / 389.0;
+# at 1 and 8 queries the shipped kernel was faster (17.0 vs 22.8 µs, v4-mini CSA at 1).
+WIDE_MIN_QUERIES = 64
+
+
+def wide_tiles(n_heads: int) -> Tiles:
+    """`attention_wide`'s launch shape measured best at 64+ queries (`all_s4_waves1`): every head of a
+    query in one program, 32-key tiles, 8 warps, 4 pipeline stages, a grid target of one wave."""
+    return Tiles(max(16, triton.next_power_of_2(n_heads)), 32, 8, num_stages=4, waves=1, wide=True)
+
+
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Fused `sparse_attention_ref` (same signature, shapes and dtypes)."""
-    tiles = default_tiles(q.shape[-2], q.shape[-1])
-    if q.shape[0] == 1:
+    n_q, n_heads, head_dim = q.shape
+    if n_q >= WIDE_MIN_QUERIES and n_heads <= 64 and triton.next_power_of_2(head_dim) == 512:  # as measured
+        return launch_sparse_attention(q, pool, index, sink, scale, wide_tiles(n_heads))
+    tiles = default_tiles(n_heads, head_dim)
+    if n_q == 1:
         # One query (batch-1 decode): 2-tile chunks, more programs for its few keys. On one H200
         # (bench/attn_decode_chunks.py, v4-mini, graph replays) 16.9 vs 18.9 µs (CSA, 4K), 12.4 vs
         # 14.2 (HCA, 4K), 14.4 vs 17.9 (HCA, 32K); from 8 queries on, 4-tile chunks were as fast or faster.
