@@ -36,6 +36,8 @@ _OP_MODULES: dict[str, str] = {
     "mhc_pre": "mhc",
     "mhc_post": "mhc",
     "mhc_post_pre": "mhc",
+    "mhc_pre_norm": "mhc_norm",
+    "mhc_post_pre_norm": "mhc_norm",
     "mhc_v41_pre": "mhc_v41",
     "mhc_v41_post_pre": "mhc_v41",
     "moe_route": "moe",
@@ -60,7 +62,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
 # with an explicit KernelConfig (e.g. `KernelConfig.for_device("cuda")` replaced with
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
-NOT_YET_ON_GPU: tuple[str, ...] = ()
+NOT_YET_ON_GPU: tuple[str, ...] = ("mhc_pre_norm", "mhc_post_pre_norm")
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,11 +96,17 @@ class KernelConfig:
     Build it at the edge with `KernelConfig.for_device(device)` (CUDA with Triton installed ->
     every op ``"triton"``; otherwise ``"ref"``) or explicitly, e.g.
     ``KernelConfig(fused_moe="ref")`` to isolate one op. Validated once; immutable.
+
+    `mhc_pre_norm` / `mhc_post_pre_norm` fold the sublayer's RMSNorm into a V4 mHC site. A model
+    runs them only when they are ``"triton"``; at ``"ref"`` it keeps the unfused pair (`mhc_pre` /
+    `mhc_post_pre`, then `rms_norm`, each as chosen here), of which their references are the torch form.
     """
 
     mhc_pre: Impl = "ref"
     mhc_post: Impl = "ref"
     mhc_post_pre: Impl = "ref"
+    mhc_pre_norm: Impl = "ref"
+    mhc_post_pre_norm: Impl = "ref"
     mhc_v41_pre: Impl = "ref"
     mhc_v41_post_pre: Impl = "ref"
     moe_route: Impl = "ref"

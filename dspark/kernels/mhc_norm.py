@@ -1,0 +1,220 @@
+"""V4 mHC pre sites with the sublayer's RMSNorm folded in (deepseek_v4 spec §6.2 then §5).
+
+Ops (each `<op>` is Triton, `<op>_ref` is torch, same signature):
+
+* ``mhc_pre_norm(x, fn, base, scale, norm_weight, *, rms_eps, hc_eps, sinkhorn_iters, norm_eps)
+  -> (post, comb, h)``: `mhc_pre` of one site, then h = RMSNorm(u) with the sublayer's norm weight
+  (attn_norm / ffn_norm): the sublayer input, normalised;
+* ``mhc_post_pre_norm(f, x, post, comb, fn, base, scale, norm_weight, *, ..., norm_eps)
+  -> (x_new, post2, comb2, h2)``: `mhc_post_pre`, then the same norm of its u2.
+
+Shape symbols: N tokens, H = n_hc streams, D hidden size, M = (2+H)·H mixes (24 for H = 4).
+
+Every V4 pre site is followed by its sublayer's RMSNorm, which at one decode token is a launch of
+its own (2 per layer: 24 of a v4-mini step). Here the statistics pass is `mhc.py`'s unchanged and
+the norm moves into the epilogue, so a site is two launches, as `mhc_pre` alone.
+
+The norm needs Σu² over the whole row, and u = Σ_k pre_k x_k needs the site's `pre`, known only
+after the statistics' split-K reduction (unlike V4.1, whose collapse weights are carried in: there
+the statistics pass takes Σu², `mhc_v41.py`). So each epilogue program, after reducing the mixes,
+walks the full row of its tokens once for Σu² (re-collapsing x: 4·D values per token, L2-resident
+right after the statistics pass read it), then collapses and normalises its own D-blocks. At decode
+sizes the D-blocks spread over programs (the walk is repeated by each, in parallel: a few µs of L2
+reads in total); at prefill sizes one program per token block walks the row twice and x is read
+twice instead of writing and re-reading u (18·D instead of 14·D bytes per token in bf16).
+
+Rounding: u is rounded to x.dtype before its square is summed and before it is normalised (what the
+unfused path stores and RMSNorm reads); then r = rsqrt(Σu²/D + norm_eps) and h = w ⊙ (u · r), in
+`rms_norm.py`'s order. post, comb and u come from `mhc_pre`'s statistics kernel and its epilogue's
+code (`mhc._site_mixes`, the same collapse); the epilogue's tiles differ at decode sizes, so sums of
+4 streams or of the split partials may associate differently (an fp32 ulp). h differs from
+`rms_norm(u)` where Σu² is reduced in another order: ~1 fp32 ulp of r, at most 1 ulp of x.dtype per
+element (rms_norm's own tolerance).
+
+No host sync, buffers sized from shapes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dspark.kernels.mhc import (
+    _check_post_args, _check_pre_args, _launch_stats, _num_sms, _site_mixes, _store_mixes, mhc_post_pre_ref,
+    mhc_pre_ref,
+)
+from dspark.kernels.registry import require_triton
+from dspark.kernels.rms_norm_ref import rms_norm_ref
+
+from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
+
+
+def _check_norm_weight(x: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    if tuple(norm_weight.shape) != (x.shape[-1],) or not norm_weight.is_floating_point():
+        raise ValueError(f"norm_weight must be a float [D] = [{x.shape[-1]}] tensor, "
+                         f"got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+
+
+# ----------------------------------------------------------------------------------- references
+
+
+def mhc_pre_norm_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                     norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+                     norm_eps: float):
+    """mHC pre of one site (spec §6.2), then the sublayer's RMSNorm of its collapse (spec §5).
+
+    The V4 block's former torch order, op for op: `mhc_pre_ref`, then `rms_norm_ref` (the RMSNorm
+    module's reference) on u in x.dtype.
+
+    Parameters
+    ----------
+    x : [N, H, D] bf16 or fp32 -- the streams at the site.
+    fn : [(2+H)·H, H·D] fp32; base : [(2+H)·H] fp32; scale : [3] fp32 -- the site's parameters.
+    norm_weight : [D] fp32 -- the sublayer's RMSNorm weight (attn_norm / ffn_norm).
+    rms_eps, hc_eps, sinkhorn_iters : as `mhc_pre_ref`; norm_eps : eps of the sublayer RMSNorm.
+
+    Returns
+    -------
+    post : [N, H] fp32; comb : [N, H, H] fp32; h : [N, D] x.dtype = RMSNorm(Σ_k pre_k · x[:, k]).
+    """
+    _check_norm_weight(x, norm_weight)
+    post, comb, u = mhc_pre_ref(x, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+    return post, comb, rms_norm_ref(u, norm_weight, eps=norm_eps, out_dtype=u.dtype)
+
+
+def mhc_post_pre_norm_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                          fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
+                          rms_eps: float, hc_eps: float, sinkhorn_iters: int, norm_eps: float):
+    """`mhc_post_pre_ref`, then the next sublayer's RMSNorm of its u2 (`rms_norm_ref`).
+
+    Shape: f [N, D], x [N, H, D], post [N, H], comb [N, H, H] (previous site); fn, base, scale,
+    norm_weight [D] of the next site. Returns (x_new [N, H, D] x.dtype, post2 [N, H], comb2 [N, H, H],
+    h2 [N, D] x.dtype).
+    """
+    _check_norm_weight(x, norm_weight)
+    x_new, post2, comb2, u2 = mhc_post_pre_ref(f, x, post, comb, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
+                                               sinkhorn_iters=sinkhorn_iters)
+    return x_new, post2, comb2, rms_norm_ref(u2, norm_weight, eps=norm_eps, out_dtype=u2.dtype)
+
+
+# --------------------------------------------------------------------------------- Triton kernel
+
+
+@_jit
+def _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out_ty,
+                   HC: tl.constexpr):
+    """u = Σ_k pre_k · x_k for a [BLOCK_T, BLOCK_D] tile, rounded to `out_ty` (as `mhc_pre` stores
+    it), returned in fp32. pre [BT, HC_PAD] (0 on padded streams)."""
+    x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
+                 mask=tj_mask[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
+    return tl.sum(pre[:, :, None] * x3, axis=1).to(out_ty).to(tl.float32)
+
+
+@_jit
+def _mhc_norm_epilogue_kernel(
+    x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, h_ptr,
+    n_tok, dim, splits, n_dblocks, iters, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+    HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (t-block, p) of P = grid[1]: reduce the partials -> pre/post/comb (p = 0 stores post
+    and comb), Σu² over the whole row, then h = w ⊙ u · rsqrt(Σu²/D + norm_eps) on the D-blocks
+    p, p + P, ... (`iters` of them)."""
+    pdl_prologue(PDL)
+    pid_t = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    n_prog = tl.num_programs(1)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    offs_j = tl.arange(0, HC_PAD)
+    tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
+    pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
+                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T)
+    if pid_p == 0:
+        _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+    out_ty = h_ptr.dtype.element_ty
+    squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for b in range(0, n_dblocks):  # the whole row: every program needs the full Σu²
+        offs_d = b * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < dim
+        u = _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out_ty, HC)
+        squares += tl.sum(u * u, axis=1)
+    r = tl.rsqrt(squares / dim + norm_eps)  # [BT]
+    for it in range(0, iters):  # fixed trip count (see mhc._mhc_stats_kernel); blocks past the end are masked
+        offs_d = (pid_p + it * n_prog) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < dim
+        u = _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out_ty, HC)
+        w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        h = w[None, :] * (u * r[:, None])  # rms_norm's order: u · r first, then the weight
+        tl.store(h_ptr + offs_t[:, None] * dim + offs_d[None, :], h.to(out_ty), mask=t_mask[:, None] & d_mask[None, :])
+
+
+# ------------------------------------------------------------------------------------ launchers
+
+
+def _norm_tiles(n_tok: int, dim: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_D) of the epilogue. Up to 4 tokens (one decode step of a few requests) one
+    token per program row block, so no lane idles on a masked token and the Σu² walk takes few
+    wide steps (2 at D = 2048); above, `mhc._launch_epilogue`'s 4 × 256 tiles. Both hold a
+    [BT, 4, BD] fp32 tile of 4096 values (32 per thread at 4 warps)."""
+    if n_tok <= 4:
+        return 1, min(1024, triton.next_power_of_2(dim))
+    return 4, min(256, triton.next_power_of_2(dim))
+
+
+def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weight, eps: dict, tiles=None):
+    """post [N, H] fp32, comb [N, H, H] fp32, h [N, D] x.dtype from the statistics partials over x.
+    `tiles` (BLOCK_T, BLOCK_D) overrides `_norm_tiles` (benches)."""
+    n_tok, n_hc, dim = x.shape
+    post = torch.empty((n_tok, n_hc), device=x.device, dtype=torch.float32)
+    comb = torch.empty((n_tok, n_hc, n_hc), device=x.device, dtype=torch.float32)
+    h = torch.empty((n_tok, dim), device=x.device, dtype=x.dtype)
+    block_t, block_d = tiles or _norm_tiles(n_tok, dim)
+    n_tblocks, n_dblocks = triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d)
+    # D-blocks over programs until the grid covers ~2 waves of SMs (decode); one program per token
+    # block once the token blocks alone do (prefill: each walk of the row is then x's only re-read).
+    programs = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(x.device), n_tblocks)))
+    grid = (n_tblocks, programs)
+    pdl = pdl_launch(x.device, math.prod(grid))
+    _mhc_norm_epilogue_kernel[grid](
+        x, dpart, sqpart, base, scale, norm_weight, post, comb, h, n_tok, dim, dpart.shape[0], n_dblocks,
+        triton.cdiv(n_dblocks, programs), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
+        int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
+        BLOCK_T=block_t, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
+    )
+    return post, comb, h
+
+
+def mhc_pre_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                 norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+                 norm_eps: float):
+    """Fused `mhc_pre_norm_ref` (same signature, shapes and dtypes): `mhc_pre`'s statistics pass +
+    the epilogue with the norm folded in."""
+    require_triton()
+    _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    _check_norm_weight(x, norm_weight)
+    x = x.contiguous()
+    dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim)
+    eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
+    return _launch_norm_epilogue(x, dpart, sqpart, base.contiguous(), scale.contiguous(),
+                                 norm_weight.float().contiguous(), eps)
+
+
+def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                      fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
+                      rms_eps: float, hc_eps: float, sinkhorn_iters: int, norm_eps: float):
+    """Fused `mhc_post_pre_norm_ref`: `mhc_post_pre`'s statistics pass (X' written tile by tile),
+    then the epilogue with the norm folded in, over X'."""
+    require_triton()
+    _check_post_args(f, x, post, comb)
+    _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
+    _check_norm_weight(x, norm_weight)
+    x = x.contiguous()
+    x_new = torch.empty_like(x)
+    fused = (f.contiguous(), post.float().contiguous(), comb.float().contiguous(), x_new)
+    dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim, fused=fused)
+    eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
+    return (x_new, *_launch_norm_epilogue(x_new, dpart, sqpart, base.contiguous(), scale.contiguous(),
+                                          norm_weight.float().contiguous(), eps))

@@ -1,0 +1,167 @@
+"""V4 mHC sites with the sublayer RMSNorm folded in (dspark/kernels/mhc_norm.py): the references are
+the block's former torch order bit for bit; the fused ops match the unfused Triton pair (mhc_pre /
+mhc_post_pre, then rms_norm) within rms_norm's tolerance, and the references within mHC's.
+
+On CPU the kernels run under the interpreter (conftest.py) on tiny shapes that cross the block
+edges: N = 1..4 (one token per row block, the decode tiles; D = 1100: two D-blocks of 1024 on two
+programs), N = 5 and 19 (4-token blocks, a partial one; D = 600: 3 D-blocks over 2 programs, so one
+program stores two and the other one a block past the end, masked), D not a multiple of the D tile,
+N = 300 (prefill tiles, one program per token block; post+pre only: slow under the interpreter); n_hc = 3 (padded to 4).
+"""
+
+import pytest
+import torch
+
+from dspark.kernels import mhc, mhc_norm, rms_norm, triton_available
+from dspark.models.deepseek_v4.norm import RMSNorm
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MHC_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # ‖Δ‖/‖ref‖ vs the references, as test_mhc.py
+NORM_TOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}  # vs the unfused Triton pair: test_kernels_norm_rope.py
+EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
+NORM_EPS = 1e-6
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in output: an element was not written"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).abs() / ref.double().abs().clamp_min(1e-30)).max().item()
+
+
+def site(n_tok: int, n_hc: int, dim: int, dtype: torch.dtype, seed: int):
+    """Streams x [N, H, D], a site's (fn, base, scale) with base ~ N(0, 0.5), scale ~ U(0.5, 1.5),
+    and a norm weight U(0.5, 1.5) [D]."""
+    g = torch.Generator().manual_seed(seed)
+    n_mix = (2 + n_hc) * n_hc
+    x = torch.randn(n_tok, n_hc, dim, generator=g).to(dtype)
+    params = (torch.randn(n_mix, n_hc * dim, generator=g) * 0.05, torch.randn(n_mix, generator=g) * 0.5,
+              torch.rand(3, generator=g) + 0.5)
+    weight = torch.rand(dim, generator=g) + 0.5
+    return x.to(DEVICE), [p.to(DEVICE) for p in params], weight.to(DEVICE)
+
+
+def finished(n_tok: int, n_hc: int, dim: int, dtype: torch.dtype, seed: int):
+    """A sublayer output f [N, D] and the (post, comb) of the site that ran it, on streams x."""
+    x, params, _ = site(n_tok, n_hc, dim, dtype, seed)
+    post, comb, _ = mhc.mhc_pre_ref(x, *params, **EPS)
+    f = torch.randn(n_tok, dim, generator=torch.Generator().manual_seed(seed + 1)).to(device=DEVICE, dtype=dtype)
+    return f, x, post, comb
+
+
+SHAPES = [(1, 4, 256), (2, 4, 1100), (4, 3, 80), (5, 4, 600), (19, 3, 64)]  # (N, n_hc, D)
+
+
+# ---------------------------------------------------------------------- reference vs the model path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ref_is_the_block_torch_order_bit_for_bit(dtype):
+    """mhc_pre_ref then the RMSNorm module (its reference), and mhc_post_pre_ref then it: what a V4
+    block computed before the fold, exactly."""
+    x, params, weight = site(6, 4, 48, dtype, seed=1)
+    norm = RMSNorm(48, NORM_EPS, device=DEVICE)
+    norm.weight.data.copy_(weight)
+    post, comb, u = mhc.mhc_pre_ref(x, *params, **EPS)
+    out = mhc_norm.mhc_pre_norm_ref(x, *params, weight, **EPS, norm_eps=NORM_EPS)
+    for got, want in zip(out, (post, comb, norm(u))):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+    f = torch.randn(6, 48).to(device=DEVICE, dtype=dtype)
+    x_new, post2, comb2, u2 = mhc.mhc_post_pre_ref(f, x, post, comb, *params, **EPS)
+    out = mhc_norm.mhc_post_pre_norm_ref(f, x, post, comb, *params, weight, **EPS, norm_eps=NORM_EPS)
+    for got, want in zip(out, (x_new, post2, comb2, norm(u2))):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("op", ["mhc_pre_norm_ref", "mhc_post_pre_norm_ref"])
+def test_rejects_a_bad_norm_weight(op):
+    f, x, post, comb = finished(2, 4, 8, torch.float32, seed=3)
+    _, params, weight = site(2, 4, 8, torch.float32, seed=4)
+    lead = (x,) if op == "mhc_pre_norm_ref" else (f, x, post, comb)
+    with pytest.raises(ValueError, match="norm_weight"):
+        getattr(mhc_norm, op)(*lead, *params, weight[:4], **EPS, norm_eps=NORM_EPS)
+
+
+# ------------------------------------------------------------------------------- fused vs unfused
+
+
+def unfused_pre(x, params, weight):
+    """The path the fold replaces, in Triton: mhc_pre, then the rms_norm kernel on u."""
+    post, comb, u = mhc.mhc_pre(x, *params, **EPS)
+    return post, comb, rms_norm.rms_norm(u, weight, eps=NORM_EPS, out_dtype=u.dtype)
+
+
+def assert_matches(fused, unfused, ref, dtype):
+    """Mixes as the unfused kernels (same statistics kernel and mixes code), the normed input within
+    rms_norm's tolerance of the unfused kernel, everything within mHC's tolerance of the reference."""
+    *mixes, h = fused
+    *want_mixes, want_h = unfused
+    for got, want in zip(mixes, want_mixes):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert h.shape == want_h.shape and h.dtype == want_h.dtype == dtype
+    assert rel_err(h, want_h) < NORM_TOL[dtype] and max_rel(h, want_h) <= 2 * NORM_TOL[dtype]
+    for got, want in zip(fused, ref):
+        assert rel_err(got, want) < MHC_TOL[dtype]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_tok,n_hc,dim", SHAPES)
+def test_pre_norm_matches_the_unfused_kernels(n_tok, n_hc, dim, dtype, poisoned):
+    x, params, weight = site(n_tok, n_hc, dim, dtype, seed=n_tok + dim)
+    with poisoned():
+        fused = mhc_norm.mhc_pre_norm(x, *params, weight, **EPS, norm_eps=NORM_EPS)
+    assert_matches(fused, unfused_pre(x, params, weight),
+                   mhc_norm.mhc_pre_norm_ref(x, *params, weight, **EPS, norm_eps=NORM_EPS), dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,n_tok,n_hc,dim", [(dtype, *shape) for dtype in (torch.float32, torch.bfloat16)
+                                                  for shape in SHAPES] + [(torch.bfloat16, 300, 4, 64)])
+def test_post_pre_norm_matches_the_unfused_kernels(n_tok, n_hc, dim, dtype, poisoned):
+    f, x, post, comb = finished(n_tok, n_hc, dim, dtype, seed=5)
+    _, params, weight = site(n_tok, n_hc, dim, dtype, seed=6)
+    with poisoned():
+        fused = mhc_norm.mhc_post_pre_norm(f, x, post, comb, *params, weight, **EPS, norm_eps=NORM_EPS)
+    x_new, post2, comb2, u2 = mhc.mhc_post_pre(f, x, post, comb, *params, **EPS)
+    assert torch.equal(fused[0], x_new)  # the same statistics kernel writes X'
+    unfused = (x_new, post2, comb2, rms_norm.rms_norm(u2, weight, eps=NORM_EPS, out_dtype=u2.dtype))
+    ref = mhc_norm.mhc_post_pre_norm_ref(f, x, post, comb, *params, weight, **EPS, norm_eps=NORM_EPS)
+    assert_matches(fused, unfused, ref, dtype)
+
+
+@needs_triton
+def test_every_epilogue_program_walks_the_whole_row(monkeypatch):
+    """Σu² is over the full row whatever share of it a program stores: a norm taken over one D-block
+    only would be far off at D = 1000 (4 D-blocks of 256 here, 4 programs at N = 3 on CPU)."""
+    x, params, weight = site(3, 4, 1000, torch.float32, seed=9)
+    monkeypatch.setattr(mhc_norm, "_norm_tiles", lambda n, d: (1, 256))
+    h = mhc_norm.mhc_pre_norm(x, *params, weight, **EPS, norm_eps=NORM_EPS)[2]
+    want = mhc_norm.mhc_pre_norm_ref(x, *params, weight, **EPS, norm_eps=NORM_EPS)[2]
+    assert rel_err(h, want) < MHC_TOL[torch.float32]
+
+
+# ----------------------------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tok", [1, 4, 8, 64, 4096])
+@pytest.mark.parametrize("dim", [2048, 4096, 7168])
+def test_real_shapes_on_gpu(n_tok, dim):
+    dtype = torch.bfloat16
+    x, params, weight = site(n_tok, 4, dim, dtype, seed=0)
+    fused = mhc_norm.mhc_pre_norm(x, *params, weight, **EPS, norm_eps=NORM_EPS)
+    assert_matches(fused, unfused_pre(x, params, weight),
+                   mhc_norm.mhc_pre_norm_ref(x, *params, weight, **EPS, norm_eps=NORM_EPS), dtype)
+    f, x, post, comb = finished(n_tok, 4, dim, dtype, seed=2)
+    fused = mhc_norm.mhc_post_pre_norm(f, x, post, comb, *params, weight, **EPS, norm_eps=NORM_EPS)
+    x_new, post2, comb2, u2 = mhc.mhc_post_pre(f, x, post, comb, *params, **EPS)
+    assert torch.equal(fused[0], x_new)
+    unfused = (x_new, post2, comb2, rms_norm.rms_norm(u2, weight, eps=NORM_EPS, out_dtype=u2.dtype))
+    assert_matches(fused, unfused,
+                   mhc_norm.mhc_post_pre_norm_ref(f, x, post, comb, *params, weight, **EPS, norm_eps=NORM_EPS), dtype)
