@@ -62,6 +62,8 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
 # with an explicit KernelConfig (e.g. `KernelConfig.for_device("cuda")` replaced with
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
+# The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
+NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
 NOT_YET_ON_GPU: tuple[str, ...] = ("mhc_pre_norm", "mhc_post_pre_norm")
 
 
@@ -167,3 +169,26 @@ def get_op(config: KernelConfig, name: str) -> Callable[..., Any]:
         require_triton()
     module = importlib.import_module(f"dspark.kernels.{_OP_MODULES[name]}")
     return getattr(module, name if impl == "triton" else f"{name}_ref")
+
+
+def norm_folded_op(config: KernelConfig, name: str) -> Callable[..., Any]:
+    """An mHC site followed by its sublayer's RMSNorm, as op `name` of `NORM_FOLDED` is called.
+
+    The op itself when `config` picks its kernel; otherwise (``"ref"``) the unfused pair it folds:
+    the site op (`mhc_pre` / `mhc_post_pre`), then `rms_norm` on the site's last output (u), each
+    as `config` picks them -- exactly what a model ran before the fold (`rms_norm` as the RMSNorm
+    module calls it), so "ref" changes no bit and no kernel choice. The op's `_ref` is this pair's
+    torch form. Signature: ``(*site_args, norm_weight, *, norm_eps, **site_kwargs) -> (*mixes, h)``.
+    """
+    if name not in NORM_FOLDED:
+        raise ValueError(f"{name!r} is not a norm-folded op; those are {tuple(NORM_FOLDED)}")
+    if getattr(config, name) != "ref":
+        return get_op(config, name)
+    site_op, norm_op = get_op(config, NORM_FOLDED[name]), get_op(config, "rms_norm")
+
+    def site_then_norm(*args, norm_eps: float, **site_kwargs):
+        *site_args, norm_weight = args
+        *mixes, u = site_op(*site_args, **site_kwargs)
+        return (*mixes, norm_op(u, norm_weight, eps=norm_eps, out_dtype=u.dtype))
+
+    return site_then_norm

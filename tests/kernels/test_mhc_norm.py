@@ -12,7 +12,7 @@ N = 300 (prefill tiles, one program per token block; post+pre only: slow under t
 import pytest
 import torch
 
-from dspark.kernels import mhc, mhc_norm, rms_norm, triton_available
+from dspark.kernels import KernelConfig, mhc, mhc_norm, norm_folded_op, rms_norm, triton_available
 from dspark.models.deepseek_v4.norm import RMSNorm
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -84,6 +84,29 @@ def test_rejects_a_bad_norm_weight(op):
     lead = (x,) if op == "mhc_pre_norm_ref" else (f, x, post, comb)
     with pytest.raises(ValueError, match="norm_weight"):
         getattr(mhc_norm, op)(*lead, *params, weight[:4], **EPS, norm_eps=NORM_EPS)
+
+
+def test_norm_folded_op_at_ref_is_the_reference_pair():
+    """`norm_folded_op` with the op at "ref" runs the site op, then `rms_norm`, as the config picks them:
+    with everything on the references that is the op's reference, bit for bit."""
+    x, params, weight = site(3, 4, 32, torch.float32, seed=8)
+    site_then_norm = norm_folded_op(KernelConfig(), "mhc_pre_norm")
+    want = mhc_norm.mhc_pre_norm_ref(x, *params, weight, **EPS, norm_eps=NORM_EPS)
+    for got, ref in zip(site_then_norm(x, *params, weight, **EPS, norm_eps=NORM_EPS), want):
+        assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="mhc_pre"):
+        norm_folded_op(KernelConfig(), "mhc_pre")
+
+
+@needs_triton
+def test_norm_folded_op_keeps_the_other_ops_choice():
+    """Op on: the fused kernel. Op at "ref" beside Triton site and norm ops: those two kernels, exactly."""
+    config = KernelConfig.uniform("triton")
+    assert norm_folded_op(config, "mhc_post_pre_norm") is mhc_norm.mhc_post_pre_norm
+    x, params, weight = site(2, 4, 40, torch.float32, seed=10)
+    unfused = norm_folded_op(KernelConfig(**dict(vars(config), mhc_pre_norm="ref")), "mhc_pre_norm")
+    for got, want in zip(unfused(x, *params, weight, **EPS, norm_eps=NORM_EPS), unfused_pre(x, params, weight)):
+        assert torch.equal(got, want)
 
 
 # ------------------------------------------------------------------------------- fused vs unfused

@@ -8,7 +8,9 @@
     logits = head(norm(hc_head(X)))                    [N, V] fp32
 
 Every mHC post is followed by the next site's pre, so they run as one op (`mhc_post_pre`, spec
-§6.5), inside a block and across block boundaries: 2 mHC ops per layer + 1 (`Block`).
+§6.5), inside a block and across block boundaries: 2 mHC ops per layer + 1 (`Block`). Every pre is
+followed by its sublayer's norm, which folds into the site op where `mhc_pre_norm` /
+`mhc_post_pre_norm` are on (`dspark.kernels.norm_folded_op`).
 
 One ragged call serves chunked prefill, one-token decode and multi-token verify (docs/design.md):
 the N rows are the concatenated new tokens of several requests; dense parts (projections, MoE, mHC)
@@ -29,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dspark.kernels import KernelConfig, get_op
+from dspark.kernels import KernelConfig, get_op, norm_folded_op
 from dspark.models.deepseek_v4.attention import Attention
 from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4Config
 from dspark.models.deepseek_v4.mhc import hc_head
@@ -72,14 +74,15 @@ def _hc_params(n_mix: int, width: int, n_scales: int, device) -> tuple[nn.Parame
 
 
 class Site(NamedTuple):
-    """The mixes of an mHC site whose sublayer has not run yet (the output of a pre).
+    """The mixes of an mHC site whose sublayer has not run yet (the output of a pre and its norm).
 
-    post [N, n_hc] fp32, comb [N, n_hc, n_hc] fp32, u [N, D] the collapsed sublayer input.
+    post [N, n_hc] fp32, comb [N, n_hc, n_hc] fp32, h [N, D] the sublayer input: the collapse u
+    after the sublayer's RMSNorm (attn_norm / ffn_norm).
     """
 
     post: torch.Tensor
     comb: torch.Tensor
-    u: torch.Tensor
+    h: torch.Tensor
 
 
 class PendingPost(NamedTuple):
@@ -101,9 +104,11 @@ class Block(nn.Module):
 
     `kernels` (default: torch references) picks every implementation. The mHC sites run as the
     registry's ops: `mhc_pre` (attention site), `mhc_post_pre` (the attention's post fused with the
-    MoE's pre), `mhc_post` (the MoE's post). `forward` runs the block closed (3 mHC ops); the model
-    instead opens it (`open`: everything up to the MoE's output, the post left pending) and applies
-    the pending post with the next block's `enter` (`mhc_post_pre` again): 2 ops per block + 1.
+    MoE's pre), `mhc_post` (the MoE's post); each pre's sublayer norm (attn_norm / ffn_norm) runs
+    folded into it (`mhc_pre_norm` / `mhc_post_pre_norm`) where those ops are on, after it otherwise.
+    `forward` runs the block closed (3 mHC ops); the model instead opens it (`open`: everything up
+    to the MoE's output, the post left pending) and applies the pending post with the next block's
+    `enter` (`mhc_post_pre` again): 2 ops per block + 1.
     """
 
     def __init__(self, config: DeepseekV4Config, layer_type: str, mlp_type: str, dtype=None, device=None,
@@ -117,9 +122,9 @@ class Block(nn.Module):
         self.norm_eps = c.rms_norm_eps
         self.attn = Attention(c, layer_type, dtype=dtype, device=device, kernels=kernels)
         self.ffn = MoE(c, hashed=mlp_type == HASH_MOE, dtype=dtype, device=device, kernels=kernels)
-        # The references are `hc_pre`/`hc_post` of mhc.py op for op, so "ref" changes no bit.
-        self.pre_op = get_op(kernels, "mhc_pre")
-        self.post_pre_op = get_op(kernels, "mhc_post_pre")
+        # The references are `hc_pre`/`hc_post` of mhc.py then the norm, op for op: "ref" changes no bit.
+        self.pre_op = norm_folded_op(kernels, "mhc_pre_norm")
+        self.post_pre_op = norm_folded_op(kernels, "mhc_post_pre_norm")
         self.post_op = get_op(kernels, "mhc_post")
         self.mhc_eps = dict(rms_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, kernels=kernels)
@@ -134,15 +139,18 @@ class Block(nn.Module):
         return self.close(pending, y)
 
     def attn_site(self, x: torch.Tensor) -> Site:
-        """The attention site's pre on the block's input streams x [N, n_hc, D]."""
-        return Site(*self.pre_op(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, **self.mhc_eps))
+        """The attention site's pre and attn_norm on the block's input streams x [N, n_hc, D]."""
+        return Site(*self.pre_op(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm.weight,
+                                 norm_eps=self.attn_norm.eps, **self.mhc_eps))
 
     def enter(self, pending: PendingPost, y: torch.Tensor) -> tuple[torch.Tensor, Site]:
         """The previous block's pending post on its streams y [N, n_hc, D], fused with this block's
-        attention-site pre: one op. Returns (this block's input streams x [N, n_hc, D], its Site)."""
-        x, post, comb, u = self.post_pre_op(pending.f, y, pending.post, pending.comb, self.hc_attn_fn,
-                                            self.hc_attn_base, self.hc_attn_scale, **self.mhc_eps)
-        return x, Site(post, comb, u)
+        attention-site pre (and attn_norm): one op. Returns (this block's input streams x [N, n_hc, D],
+        its Site)."""
+        x, post, comb, h = self.post_pre_op(pending.f, y, pending.post, pending.comb, self.hc_attn_fn,
+                                            self.hc_attn_base, self.hc_attn_scale, self.attn_norm.weight,
+                                            norm_eps=self.attn_norm.eps, **self.mhc_eps)
+        return x, Site(post, comb, h)
 
     def open(self, x: torch.Tensor, site: Site, batch: RaggedBatch,
              caches: list[LayerCache]) -> tuple[torch.Tensor, PendingPost]:
@@ -151,7 +159,7 @@ class Block(nn.Module):
         x [N, n_hc, D] the block's input streams, `site` their attention-site mixes. Returns
         (streams y [N, n_hc, D] after the attention's post, the MoE's PendingPost on y).
         """
-        return self.ffn_after(self.attn(self.attn_norm(site.u), batch, caches), x, site, batch.input_ids)
+        return self.ffn_after(self.attn(site.h, batch, caches), x, site, batch.input_ids)
 
     def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site,
                   input_ids: torch.Tensor) -> tuple[torch.Tensor, PendingPost]:
@@ -161,9 +169,10 @@ class Block(nn.Module):
         attention-site mixes, input_ids [N] (hash routing). Split out so that another attention
         driver (the static decode step, `static_step.py`) runs the same block.
         """
-        y, post, comb, v = self.post_pre_op(a, x, site.post, site.comb, self.hc_ffn_fn, self.hc_ffn_base,
-                                            self.hc_ffn_scale, **self.mhc_eps)
-        return y, PendingPost(self.ffn(self.ffn_norm(v), input_ids), post, comb)
+        y, post, comb, h = self.post_pre_op(a, x, site.post, site.comb, self.hc_ffn_fn, self.hc_ffn_base,
+                                            self.hc_ffn_scale, self.ffn_norm.weight, norm_eps=self.ffn_norm.eps,
+                                            **self.mhc_eps)
+        return y, PendingPost(self.ffn(h, input_ids), post, comb)
 
     def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:
         """Apply the pending post alone (no next site to fuse with): y [N, n_hc, D] -> [N, n_hc, D]."""

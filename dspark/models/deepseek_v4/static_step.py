@@ -162,7 +162,7 @@ class StaticDecoder(StaticDecoderBase):
         for i, layer in enumerate(model.layers):
             if i in capture:
                 features[i] = x
-            a = static_attention(layer.attn, layer.attn_norm(site.u), index, self.state.layers[i])
+            a = static_attention(layer.attn, site.h, index, self.state.layers[i])  # h: after attn_norm
             y, pending = layer.ffn_after(a, x, site, ids)
             if i + 1 < len(model.layers):
                 x, site = model.layers[i + 1].enter(pending, y)
