@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
-                            mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope, triton_available)
+                            mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope,
+                            triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -34,6 +35,7 @@ def _triton_minor() -> str:
 TUNED_FOR = "3.6"
 
 KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"),
+           mhc_norm: ("_mhc_norm_epilogue_kernel",),
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
@@ -91,6 +93,12 @@ def run_every_tile_class():
         v41 = (post, *site, torch.ones(256, device=DEVICE))  # carried pre, site, norm weight
         mhc_v41.mhc_v41_pre(x, *v41, **eps, norm_eps=1e-6)
         mhc_v41.mhc_v41_post_pre(x[:, 0], x, post, comb, *v41, **eps, norm_eps=1e-6)
+        mhc_norm.mhc_post_pre_norm(x[:, 0], x, post, comb, *site, torch.ones(256, device=DEVICE), **eps, norm_eps=1e-6)
+    for n_tok, dim in ((1, 2048), (3, 7168)):  # the norm epilogue's decode tiles (1 x 1024) at v4-mini / Pro D
+        x = torch.randn(n_tok, 4, dim, generator=g).bfloat16().to(DEVICE)
+        site = [t.to(DEVICE) for t in (torch.randn(24, 4 * dim, generator=g) * 0.05, torch.randn(24, generator=g),
+                                       torch.rand(3, generator=g) + 0.5)]
+        mhc_norm.mhc_pre_norm(x, *site, torch.ones(dim, device=DEVICE), **eps, norm_eps=1e-6)
     for n_tok, n_exp in ((3, 256), (40, 2)):  # MoE tiles switch above 32 rows per expert; E = 256 as Flash
         x = torch.randn(n_tok, 64, generator=g).bfloat16().to(DEVICE)
         router = (x, (torch.randn(n_exp, 64, generator=g) / 8).bfloat16().to(DEVICE), torch.zeros(n_exp, device=DEVICE),

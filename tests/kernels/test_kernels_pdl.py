@@ -23,11 +23,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
-                            mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope, triton_available,
-                            triton_compat)
+from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, indexer, indexer_pool,
+                            linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope,
+                            triton_available, triton_compat)
 
-MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_v41, moe,
+MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_norm,
+           mhc_v41, moe,
            moe_decode, moe_route_decode, norm_rope, rms_norm, rope)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
@@ -155,6 +156,7 @@ def _every_op(device: str) -> None:
     mhc.mhc_post(u, x, post, comb)
     mhc.mhc_post_pre(u, x, post, comb, *site, **eps)
     mhc_v41.mhc_v41_pre(x, post, *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
+    mhc_norm.mhc_pre_norm(x, *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
     rms_norm.rms_norm(rand(40, 128), torch.ones(128, device=device), eps=1e-6, out_dtype=torch.float32)
     angles = rand(4, 1, 8)
     rope.rope(rand(4, 16, 256), angles.cos(), angles.sin())
