@@ -1,0 +1,148 @@
+"""A/B of the V4 mHC site with the sublayer RMSNorm folded in (`mhc_norm.py`) against the unfused pair
+(`mhc_pre` / `mhc_post_pre`, then `rms_norm`), at decode sizes on one GPU.
+
+Per (N, D), bf16: accuracy of both against the references, whether the fused h equals the pair's
+bit for bit (and the largest difference where not), then µs per site of a CUDA graph of 12 × (pre,
+post_pre) sites = 24 sites, each followed by its norm (the unfused pair: 48 launches + 24 norms;
+fused: 48 launches), median of replays. Also the epilogue's tile variants (`--tiles`).
+
+    PYTHONPATH=. python bench/mhc_norm_site.py --out $OUT/mhc-norm-site-h200.json
+
+(`bench/mhc_decode_site.py` times the reverted one-launch site and runs only on that commit.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_timing import replay_seconds  # noqa: E402
+
+from dspark.kernels import mhc, mhc_norm, rms_norm  # noqa: E402
+
+EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
+NORM_EPS = 1e-6
+
+
+def site(dim: int, g: torch.Generator):
+    """One site's (fn, base, scale, norm weight) on the GPU."""
+    return [t.cuda() for t in (torch.randn(24, 4 * dim, generator=g) * 0.05, torch.randn(24, generator=g) * 0.5,
+                               torch.rand(3, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5)]
+
+
+def unfused_pre(x, fn, base, scale, w):
+    post, comb, u = mhc.mhc_pre(x, fn, base, scale, **EPS)
+    return post, comb, rms_norm.rms_norm(u, w, eps=NORM_EPS, out_dtype=u.dtype)
+
+
+def unfused_post_pre(f, x, post, comb, fn, base, scale, w):
+    x_new, post2, comb2, u = mhc.mhc_post_pre(f, x, post, comb, fn, base, scale, **EPS)
+    return x_new, post2, comb2, rms_norm.rms_norm(u, w, eps=NORM_EPS, out_dtype=u.dtype)
+
+
+def fused_pre(x, fn, base, scale, w):
+    return mhc_norm.mhc_pre_norm(x, fn, base, scale, w, **EPS, norm_eps=NORM_EPS)
+
+
+def fused_post_pre(f, x, post, comb, fn, base, scale, w):
+    return mhc_norm.mhc_post_pre_norm(f, x, post, comb, fn, base, scale, w, **EPS, norm_eps=NORM_EPS)
+
+
+PATHS = {"unfused": (unfused_pre, unfused_post_pre), "fused": (fused_pre, fused_post_pre)}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check(n: int, dim: int, g: torch.Generator) -> dict:
+    x = torch.randn(n, 4, dim, generator=g).cuda().bfloat16()
+    f = torch.randn(n, dim, generator=g).cuda().bfloat16()
+    params = site(dim, g)
+    post, comb, _ = mhc.mhc_pre_ref(x, *params[:3], **EPS)
+    row = dict(n=n, dim=dim)
+    for name, args, ref in (("pre", (x, *params), mhc_norm.mhc_pre_norm_ref(x, *params, **EPS, norm_eps=NORM_EPS)),
+                            ("post_pre", (f, x, post, comb, *params),
+                             mhc_norm.mhc_post_pre_norm_ref(f, x, post, comb, *params, **EPS, norm_eps=NORM_EPS))):
+        i = 0 if name == "pre" else 1
+        fused, unfused = PATHS["fused"][i](*args), PATHS["unfused"][i](*args)
+        h, h_pair = fused[-1], unfused[-1]
+        row[name] = dict(rel_err_fused=max(rel(o, r) for o, r in zip(fused, ref)),
+                         rel_err_unfused=max(rel(o, r) for o, r in zip(unfused, ref)),
+                         h_equal=torch.equal(h, h_pair), h_differing=int((h != h_pair).sum()),
+                         h_max_rel=((h.double() - h_pair.double()).abs() / h_pair.double().abs().clamp_min(1e-30))
+                         .max().item(),
+                         mixes_equal=all(torch.equal(a, b) for a, b in zip(fused[:-1], unfused[:-1])))
+    return row
+
+
+def site_us(path: str, n: int, dim: int, g: torch.Generator, reps: int) -> float:
+    """µs per site: a graph of 12 × (pre, post_pre) with their norms, bf16, distinct parameters."""
+    pre, post_pre = PATHS[path]
+    params = [site(dim, g) for _ in range(24)]
+    x = torch.randn(n, 4, dim, generator=g).cuda().bfloat16()
+    f = torch.randn(n, dim, generator=g).cuda().bfloat16()
+    post, comb, _ = mhc.mhc_pre_ref(x, *params[0][:3], **EPS)
+
+    def step():
+        for i in range(12):
+            pre(x, *params[2 * i])
+            post_pre(f, x, post, comb, *params[2 * i + 1])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return replay_seconds(graph, reps) * 1e6 / 24
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mhc-norm-site.json"))
+    ap.add_argument("--tokens", default="1,8", help="comma list of N")
+    ap.add_argument("--dims", default="2048,4096", help="comma list of D")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--tiles", default="1x512,1x1024,4x256",
+                    help="epilogue (BLOCK_T x BLOCK_D) variants of the fused path, timed besides the default")
+    cli = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    results = {"conditions": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
+                              "dtype": "bfloat16", "sites_per_graph": 24, "reps": cli.reps}, "check": [], "time": []}
+    tokens = [int(t) for t in cli.tokens.split(",")]
+    dims = [int(d) for d in cli.dims.split(",")]
+    for n in tokens:
+        for dim in dims:
+            row = check(n, dim, g)
+            results["check"].append(row)
+            print(json.dumps(row), flush=True)
+    default_tiles = mhc_norm._norm_tiles
+    for n in tokens:
+        for dim in dims:
+            row = dict(n=n, dim=dim, **{f"{p}_us": round(site_us(p, n, dim, g, cli.reps), 2) for p in PATHS})
+            for spec in cli.tiles.split(","):
+                bt, bd = (int(v) for v in spec.split("x"))
+                mhc_norm._norm_tiles = lambda n_tok, d, _t=(bt, min(bd, 1 << (d - 1).bit_length())): _t
+                try:
+                    row[f"fused_{spec}_us"] = round(site_us("fused", n, dim, g, cli.reps), 2)
+                finally:
+                    mhc_norm._norm_tiles = default_tiles
+            results["time"].append(row)
+            print(json.dumps(row), flush=True)
+    with open(cli.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+    print("wrote", cli.out)
+
+
+if __name__ == "__main__":
+    main()
