@@ -162,12 +162,25 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = V4_DENSE_BLOCK) -> tu
     q : [..., M, K] float8_e4m3fn, ``x / scale`` rounded to nearest (ties to even).
     scale : [..., Mb, Kb] ``UE8M0_DTYPE``, ``2 ** ceil(log2(amax / 448))`` per block.
     """
+    q, exponent = quantize_fp8_exponent(x, block)
+    return q, ue8m0_from_exponent(exponent)
+
+
+def quantize_fp8_exponent(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8` with the scales left as integer exponents (scale = ``2 ** exponent``).
+
+    Device work only: `quantize_fp8` range-checks the exponents on the host when it encodes them
+    (a sync), which a per-call activation quantiser cannot afford; the exponents here are clamped
+    to [-127, 127] already, so every one of them is a valid UE8M0 byte minus 127.
+
+    x : [..., M, K] floating. Returns q [..., M, K] float8_e4m3fn and exponent [..., Mb, Kb] int32.
+    """
     x = x.to(torch.float32)
     exponent = _block_scale_exponent(_block_amax(x, block), FP8_E4M3_MAX)  # [..., Mb, Kb]
     scaled = torch.ldexp(x, -_expand_blocks(exponent, x.shape, block))
     # |scaled| <= 448 by construction; the clamp only guards against e4m3fn's NaN on overflow.
     q = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-    return q, ue8m0_from_exponent(exponent)
+    return q, exponent.to(torch.int32)
 
 
 def dequantize_fp8(

@@ -7,7 +7,12 @@ The model holds a `KernelConfig` (built once at the edge, from the device the mo
 * ``"triton"`` -- the fused Triton kernels (`<op>`): CUDA tensors, or CPU tensors under the Triton
   interpreter in tests;
 * ``"flashinfer"`` -- only where an op has one (`FLASHINFER_OPS`): flashinfer's kernels behind the
-  same signature, an optional dependency, never a default (chosen explicitly in the config).
+  same signature, an optional dependency, never a default (chosen explicitly in the config);
+* ``"deep_gemm"`` -- only where an op has one (`DEEP_GEMM_OPS`: the linear and the MoE experts):
+  DeepGEMM's FP8 GEMMs, W8A8 (activations quantised to e4m3 per token per 128 columns, so results
+  differ by fp8 error: `deep_gemm_path`), never a default. Where deep_gemm cannot run (not installed,
+  not Hopper, shapes, autograd) the op runs the Triton / torch op instead and says why
+  (``op.fallback_reason`` and one warning per reason): selecting it never fails for lack of it.
 
 Triton is an optional dependency (the ``gpu`` extra): importing this package never imports it;
 asking for a ``"triton"`` op without it raises an ImportError that says how to install it.
@@ -23,13 +28,21 @@ from typing import Any, Callable, Literal
 
 import torch
 
-Impl = Literal["ref", "triton", "flashinfer"]
-IMPLS: tuple[str, ...] = ("ref", "triton", "flashinfer")
+Impl = Literal["ref", "triton", "flashinfer", "deep_gemm"]
+IMPLS: tuple[str, ...] = ("ref", "triton", "flashinfer", "deep_gemm")
 # op name -> (module under dspark.kernels, callable class): a fresh instance per `get_op`, which holds
 # its own flashinfer workspaces (no state shared between models).
 FLASHINFER_OPS: dict[str, tuple[str, str]] = {
     "sparse_attention": ("attention_flashinfer", "SparseAttentionFlashinfer"),
 }
+# op name -> (module, callable class): a fresh instance per `get_op`, which caches the FP8 copies of
+# its module's weights and its per-device decision (deep_gemm or the fallback).
+DEEP_GEMM_OPS: dict[str, tuple[str, str]] = {
+    "linear": ("deep_gemm_path", "DeepGemmLinear"),
+    "moe_experts": ("moe_deep_gemm", "DeepGemmMoeExperts"),
+}
+# The optional backends: impl name -> the ops that have it.
+OPTIONAL_BACKENDS: dict[str, dict[str, tuple[str, str]]] = {"flashinfer": FLASHINFER_OPS, "deep_gemm": DEEP_GEMM_OPS}
 
 # op name -> module under dspark.kernels that defines `<op>` (Triton) and `<op>_ref` (torch).
 _OP_MODULES: dict[str, str] = {
@@ -93,7 +106,8 @@ def require_triton() -> None:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Implementation per fused op, each ``"ref"`` or ``"triton"``.
+    """Implementation per fused op: ``"ref"`` or ``"triton"``, or an optional backend where the op has
+    one (``"flashinfer"``: sparse_attention; ``"deep_gemm"``: linear, moe_experts with fused_moe="triton").
 
     Build it at the edge with `KernelConfig.for_device(device)` (CUDA with Triton installed ->
     every op ``"triton"``; otherwise ``"ref"``) or explicitly, e.g.
@@ -134,9 +148,14 @@ class KernelConfig:
             value = getattr(self, field.name)
             if value not in IMPLS:
                 raise ValueError(f"KernelConfig.{field.name}={value!r}: must be one of {IMPLS}")
-            if value == "flashinfer" and field.name not in FLASHINFER_OPS:
-                raise ValueError(f"KernelConfig.{field.name}='flashinfer': no flashinfer implementation; "
-                                 f"ops that have one: {tuple(FLASHINFER_OPS)}")
+            backend_ops = OPTIONAL_BACKENDS.get(value)
+            if backend_ops is not None and field.name not in backend_ops:
+                raise ValueError(f"KernelConfig.{field.name}={value!r}: no {value} implementation; "
+                                 f"ops that have one: {tuple(backend_ops)}")
+        if self.moe_experts == "deep_gemm" and self.fused_moe != "triton":
+            # The MoE module calls `moe_experts` on its fused path only; elsewhere the choice would be ignored.
+            raise ValueError(f"KernelConfig.moe_experts='deep_gemm' needs fused_moe='triton' (the MoE runs "
+                             f"moe_experts on its fused path), got fused_moe={self.fused_moe!r}")
 
     @classmethod
     def uniform(cls, impl: Impl) -> KernelConfig:
@@ -157,13 +176,14 @@ def get_op(config: KernelConfig, name: str) -> Callable[..., Any]:
     """The implementation of op `name` that `config` selects (same signature for both impls).
 
     Raises ValueError for an unknown op name, ImportError for ``"triton"`` without Triton (a
-    ``"flashinfer"`` op raises its ImportError on its first call, where it needs the package).
+    ``"flashinfer"`` op raises its ImportError on its first call, where it needs the package; a
+    ``"deep_gemm"`` op never does: it falls back, see the module docstring).
     """
     if name not in _OP_MODULES:
         raise ValueError(f"unknown kernel op {name!r}; known ops: {OPS}")
     impl = getattr(config, name)
-    if impl == "flashinfer":
-        module, cls = FLASHINFER_OPS[name]
+    if impl in OPTIONAL_BACKENDS:
+        module, cls = OPTIONAL_BACKENDS[impl][name]
         return getattr(importlib.import_module(f"dspark.kernels.{module}"), cls)()
     if impl == "triton":
         require_triton()
