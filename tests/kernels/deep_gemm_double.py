@@ -72,7 +72,7 @@ def make(legacy: bool = False, alignment: int = 128) -> types.ModuleType:
             else:
                 assert bool(((block == group) | (block == -1)).all()) and -1 <= group < w.shape[0], block
             valid = block >= 0
-            rows = torch.arange(start, start + alignment)
+            rows = torch.arange(start, start + alignment, device=d.device)
             d[rows[~valid]] = float("nan")
             if group >= 0:
                 d[rows[valid]] = (x[rows[valid]] @ w[group].T).to(d.dtype)
