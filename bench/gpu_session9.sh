@@ -4,6 +4,8 @@
 #   run(command="bash bench/gpu_session9.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session9.sh b")
 #   run(command="bash bench/gpu_session9.sh c")
+#   run(command="bash bench/gpu_session9.sh d")
+#   run(command="bash bench/gpu_session9.sh e")
 #
 # a: last session's CPU-only work on the GPU: norm_rope (RMSNorm + RoPE of q heads / kv latents in one
 #    launch; the window latents stored at their ring rows) under its GPU tests, the v4-mini graph step
@@ -15,6 +17,15 @@
 # c: the CSA key list written by the selection kernel (`select_topk(..., offset=, out=)`), the
 #    all-heads decode attention kernel (`attention_wide`) and the auto budget with a round in flight under
 #    their GPU tests; the attention launch shapes at 32K (bench/attn_variants.py); the v4-mini step.
+# d: the V4 mHC sites with the sublayer RMSNorm folded in (`mhc_pre_norm`, `mhc_post_pre_norm`, in
+#    NOT_YET_ON_GPU) and the mHC statistics' fn prefetch under their GPU tests, per site (bench/mhc_norm_site.py)
+#    and in the step (with / without the folds; the folds without the prefetch); the deep_gemm path's
+#    fallback and contract double on CUDA tensors (bench/deep_gemm_check.py).
+# e: the folds' tests once more (bound fixed after d), then the engine with everything on by default:
+#    no speculation, DSpark budgets 1-3, auto (Algorithm 1, synchronous) and auto_async (a uniform budget
+#    from confidences two rounds old, round in flight), graphs + overlap, 1 / 8 / 64 requests at 4K, a
+#    constant drafter confidence 0.8629 (budget 3 -> 3.25 tokens per round, the seeds' conversion), the
+#    auto cells planning on the fixed cells' step times; HF transformers eager at batch 1 as the peer.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -59,10 +70,36 @@ part_c() {
   step graph-decode-h200-s9-select 90 --requests 1,8
 }
 
-case "${1:?part: a, b or c}" in
+part_d() {
+  logged d_tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc_norm.py \
+    tests/kernels/test_mhc_norm_model.py "tests/kernels/test_cuda_graphs.py::test_mhc_ops_replay" \
+    tests/kernels/test_kernels_pdl.py tests/kernels/test_mhc.py tests/kernels/test_deep_gemm_path.py \
+    tests/kernels/test_moe_deep_gemm.py
+  tail -n 4 $W/logs/d_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/d_tests.txt | head -n 20 | cut -c1-300
+  logged d_site 60 python3 bench/mhc_norm_site.py --out "$OUT/mhc-norm-site-h200.json"
+  tail -n 12 $W/logs/d_site.txt | cut -c1-250
+  logged d_deep_gemm 80 python3 bench/deep_gemm_check.py --out "$OUT/deep-gemm-check-h200.json"
+  tail -n 12 $W/logs/d_deep_gemm.txt | cut -c1-250
+  step graph-decode-h200-s9-mhc-norm 80 --requests 1,8 --not-yet
+  step graph-decode-h200-s9-d-base 80 --requests 1,8
+  step graph-decode-h200-s9-mhc-norm-no-prefetch 80 --requests 1,8 --not-yet --no-prefetch
+}
+
+part_e() {
+  logged e_tests 80 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc_norm.py
+  tail -n 3 $W/logs/e_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/e_tests.txt | head -n 10 | cut -c1-300
+  logged e_engine 420 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 --contexts 4096 \
+    --modes none,dspark1,dspark2,dspark3,auto,auto_async --decode-only --steps 8 --confidence 0.8629 \
+    --table-from-cells --budget-s 270 --peer --out "$OUT/engine-h200-s9.json"
+  tail -n 30 $W/logs/e_engine.txt | cut -c1-300
+}
+
+case "${1:?part: a, b, c, d or e}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
+  d) part_d ;;
+  e) part_e ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true

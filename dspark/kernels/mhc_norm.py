@@ -41,10 +41,11 @@ import math
 import torch
 
 from dspark.kernels.mhc import (
-    _check_post_args, _check_pre_args, _launch_stats, _num_sms, _site_mixes, _store_mixes, mhc_post_pre_ref,
-    mhc_pre_ref,
+    _check_post_args, _check_pre_args, _launch_stats, _num_sms, _site_mixes, _store_mixes, mhc_post_pre,
+    mhc_post_pre_ref, mhc_pre, mhc_pre_ref,
 )
 from dspark.kernels.registry import require_triton
+from dspark.kernels.rms_norm import rms_norm
 from dspark.kernels.rms_norm_ref import rms_norm_ref
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
@@ -187,14 +188,30 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
     return post, comb, h
 
 
+# Above this many tokens the ops run the unfused Triton pair (`mhc_pre` / `mhc_post_pre`, then
+# `rms_norm`), which they match within rms_norm's tolerance. On one H200 (v4-mini graph step, 4K,
+# `bench/gpu_session9.sh d`) the fold took 1.869 -> 1.828 ms at one request but 2.993 -> 3.113 ms at 8,
+# where the epilogue's 4 x 256 tiles walk each token's whole row in every program.
+FOLD_MAX_TOKENS = 4
+
+
+def _normed(op_out: tuple, norm_weight: torch.Tensor, norm_eps: float) -> tuple:
+    """(..., u) of the unfused site op -> (..., rms_norm(u)) by the Triton RMSNorm."""
+    *head, u = op_out
+    return (*head, rms_norm(u, norm_weight, eps=norm_eps, out_dtype=u.dtype))
+
+
 def mhc_pre_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                  norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
                  norm_eps: float):
     """Fused `mhc_pre_norm_ref` (same signature, shapes and dtypes): `mhc_pre`'s statistics pass +
-    the epilogue with the norm folded in."""
+    the epilogue with the norm folded in (up to FOLD_MAX_TOKENS tokens)."""
     require_triton()
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     _check_norm_weight(x, norm_weight)
+    if x.shape[0] > FOLD_MAX_TOKENS:
+        return _normed(mhc_pre(x, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters),
+                       norm_weight, norm_eps)
     x = x.contiguous()
     dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim)
     eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
@@ -206,11 +223,14 @@ def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb
                       fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
                       rms_eps: float, hc_eps: float, sinkhorn_iters: int, norm_eps: float):
     """Fused `mhc_post_pre_norm_ref`: `mhc_post_pre`'s statistics pass (X' written tile by tile),
-    then the epilogue with the norm folded in, over X'."""
+    then the epilogue with the norm folded in, over X' (up to FOLD_MAX_TOKENS tokens)."""
     require_triton()
     _check_post_args(f, x, post, comb)
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     _check_norm_weight(x, norm_weight)
+    if x.shape[0] > FOLD_MAX_TOKENS:
+        return _normed(mhc_post_pre(f, x, post, comb, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
+                                    sinkhorn_iters=sinkhorn_iters), norm_weight, norm_eps)
     x = x.contiguous()
     x_new = torch.empty_like(x)
     fused = (f.contiguous(), post.float().contiguous(), comb.float().contiguous(), x_new)
