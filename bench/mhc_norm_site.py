@@ -127,12 +127,13 @@ def main() -> None:
             results["check"].append(row)
             print(json.dumps(row), flush=True)
     default_tiles = mhc_norm._norm_tiles
+    mhc_norm.FOLD_MAX_TOKENS = 1 << 30  # this process only: time the fused epilogue at every N
     for n in tokens:
         for dim in dims:
             row = dict(n=n, dim=dim, **{f"{p}_us": round(site_us(p, n, dim, g, cli.reps), 2) for p in PATHS})
             for spec in cli.tiles.split(","):
                 bt, bd = (int(v) for v in spec.split("x"))
-                mhc_norm._norm_tiles = lambda n_tok, d, _t=(bt, min(bd, 1 << (d - 1).bit_length())): _t
+                mhc_norm._norm_tiles = lambda n_tok, d, _t=(bt, min(bd, 1 << (dim - 1).bit_length())): _t
                 try:
                     row[f"fused_{spec}_us"] = round(site_us("fused", n, dim, g, cli.reps), 2)
                 finally:

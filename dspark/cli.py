@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft-tokens", type=_draft_tokens, default=0)
     g.add_argument("--drafter", default=None, help="dspark, mtp or ngram (default: the model's best)")
-    g.add_argument("--planner", default="sync", help="sync or async (with --draft-tokens auto)")
+    g.add_argument("--planner", default="async", help="async (default) or sync (with --draft-tokens auto)")
     g.add_argument("--capacity", default=None,
                    help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: CPU table)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -18,7 +18,7 @@ from dspark.verify.capacity import CapacityTable
 
 def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, draft_tokens: int | str = 0, drafter=None,
-             planner: str = "sync", capacity: CapacityTable | None = None, prefill_chunk: int = 512):
+             planner: str = "async", capacity: CapacityTable | None = None, prefill_chunk: int = 512):
     """Generate continuations of `prompt` with `model`.
 
     Parameters
@@ -35,8 +35,9 @@ def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 0.0, 
         tokens; "auto" lets the confidence-scheduled planner choose per request.
     drafter : None | "dspark" | "mtp" | "ngram" | Drafter
         None picks the model's DSpark stages, else its MTP block, else n-gram lookup.
-    planner : "sync" (paper Algorithm 1) or "async" (budget from confidences two rounds old),
-        used with draft_tokens="auto" over `capacity` (default: the shipped CPU table).
+    planner : "async" (default; budget from confidences two rounds old, the production scheme) or
+        "sync" (paper Algorithm 1), used with draft_tokens="auto" over `capacity` (default: the
+        shipped CPU table).
 
     Returns
     -------

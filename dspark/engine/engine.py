@@ -64,7 +64,9 @@ class EngineConfig:
     prefill_chunk : prompt tokens per request per step.
     draft_tokens : 0 (plain), n ≤ γ (fixed verification budget) or "auto" (confidence-scheduled).
     drafter : None | "dspark" | "mtp" | "ngram" | a Drafter object; used when draft_tokens != 0.
-    planner : "sync" (Algorithm 1) or "async" (budget from confidences two rounds old).
+    planner : "async" (default: the production scheme, spec §4.3: budget from confidences two rounds
+        old, so a round can be launched before the previous one is read) or "sync" (Algorithm 1,
+        which reads each round's own confidences on the host first).
     capacity : SPS(B) table the planner reads; default: the shipped CPU table.
     trace : keep one record per request per round (see `take_trace`).
     state_budget_bytes : device memory for per-request decode state (target and drafter), in bytes;
@@ -99,7 +101,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     draft_tokens: int | str = 0
     drafter: object = None
-    planner: str = "sync"
+    planner: str = "async"
     capacity: CapacityTable | None = None
     trace: bool = False
     state_budget_bytes: int | None = None

@@ -93,7 +93,7 @@ def test_sampled_requests_and_the_auto_planner_take_the_usual_round(pair, monkey
     assert counts["all"] == 0
     # Algorithm 1 plans on the round's own confidences: with overlap on by default its rounds run as usual
     # (planner "async" keeps them in flight: tests/engine/test_engine_draft_lookahead_auto.py).
-    auto = Engine(pair, EngineConfig(max_running=2, static_decode=True, draft_tokens="auto",
+    auto = Engine(pair, EngineConfig(max_running=2, static_decode=True, draft_tokens="auto", planner="sync",
                                      drafter=pair.dspark, max_prompt_tokens=64, max_new_tokens=64))
     assert auto.draft_ahead is None
 

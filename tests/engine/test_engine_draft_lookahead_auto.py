@@ -152,10 +152,11 @@ def test_random_pair_under_staggered_arrivals(monkeypatch):
 
 def test_bad_planner_and_budget_combinations_name_the_value(pair):
     with pytest.raises(ValueError, match="needs planner='async', got planner='sync'"):
-        EngineConfig(overlap=True, draft_tokens="auto", drafter="dspark")
+        EngineConfig(overlap=True, draft_tokens="auto", drafter="dspark", planner="sync")
     limits = dict(max_running=2, static_decode=True, max_prompt_tokens=64, max_new_tokens=64, drafter=pair.dspark)
     # overlap=None: Algorithm 1's rounds run synchronously (no round in flight)
-    assert Engine(pair, EngineConfig(draft_tokens="auto", **limits)).draft_ahead is None
+    assert Engine(pair, EngineConfig(draft_tokens="auto", planner="sync", **limits)).draft_ahead is None
+    assert EngineConfig().planner == "async"  # the default keeps auto rounds in flight
     auto = Engine(pair, EngineConfig(overlap=True, **AUTO, **limits))
     with pytest.raises(ValueError, match="got 'uniform'"):
         DraftLookahead(auto.runner, auto.static_draft, "uniform", TABLE)

@@ -89,7 +89,9 @@ def _drafters(model):
     dsp = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=16)).init_weights(3)
     return {"none": dict(), "ngram3": dict(draft_tokens=3, drafter="ngram"),
             "ngram_auto": dict(draft_tokens="auto", drafter="ngram"),
-            "dspark3": dict(draft_tokens=3, drafter=dsp), "dspark_auto": dict(draft_tokens="auto", drafter=dsp),
+            "dspark3": dict(draft_tokens=3, drafter=dsp),
+            # Algorithm 1 on both paths ("async" keeps a round in flight at one budget for the batch)
+            "dspark_auto": dict(draft_tokens="auto", drafter=dsp, planner="sync"),
             "mtp1": dict(draft_tokens=1, drafter=MtpDrafter(model))}
 
 
