@@ -6,6 +6,7 @@
 #   run(command="bash bench/gpu_session9.sh c")
 #   run(command="bash bench/gpu_session9.sh d")
 #   run(command="bash bench/gpu_session9.sh e")
+#   run(command="bash bench/gpu_session9.sh f")
 #
 # a: last session's CPU-only work on the GPU: norm_rope (RMSNorm + RoPE of q heads / kv latents in one
 #    launch; the window latents stored at their ring rows) under its GPU tests, the v4-mini graph step
@@ -26,6 +27,7 @@
 #    from confidences two rounds old, round in flight), graphs + overlap, 1 / 8 / 64 requests at 4K, a
 #    constant drafter confidence 0.8629 (budget 3 -> 3.25 tokens per round, the seeds' conversion), the
 #    auto cells planning on the fixed cells' step times; HF transformers eager at batch 1 as the peer.
+# f: part e's engine grid at 32K context (no HF peer).
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -94,12 +96,20 @@ part_e() {
   tail -n 30 $W/logs/e_engine.txt | cut -c1-300
 }
 
-case "${1:?part: a, b, c, d or e}" in
+part_f() {
+  logged f_engine 330 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64 --contexts 32768 \
+    --modes none,dspark1,dspark2,dspark3,auto_async --decode-only --steps 8 --confidence 0.8629 \
+    --table-from-cells --budget-s 270 --out "$OUT/engine-h200-s9-32k.json"
+  tail -n 22 $W/logs/f_engine.txt | cut -c1-300
+}
+
+case "${1:?part: a, b, c, d, e or f}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
   d) part_d ;;
   e) part_e ;;
+  f) part_f ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true
