@@ -192,22 +192,29 @@ def _mhc_stats_kernel(
     n_tok, dim, splits, iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_STREAMS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Split-K partials of d = x̂·fnᵀ [splits, N, MIX_PAD] and s = Σx̂² [splits, N].
+    """Split-K partials of d = x̂·fnᵀ [P, N, MIX_PAD] and s = Σx̂² [P, N], P = splits (× HC with
+    SPLIT_STREAMS).
 
     Program (t-block, split) walks D-blocks split, split+splits, ... (`iters` of them); per D-block
     it handles all HC streams, so with FUSE_POST the inputs of X' (all streams of x) load once per tile.
+    With SPLIT_STREAMS (a few decode tokens) program p takes stream p % HC of split p // HC: 4× the
+    programs, each with one stream's loads in flight instead of a chain of HC dependent rounds.
     With PREFETCH the programs of t-block 0 ask L2 for fn before they wait for the predecessor (split s
     for the s-th share of its bytes: the site's fp32 weights, 0.8 MB at D = 2048, stream in meanwhile).
     """
     pid_t = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_p = tl.program_id(1)
+    if SPLIT_STREAMS:
+        pid_s, k_first = pid_p // HC, pid_p % HC
+    else:
+        pid_s, k_first = pid_p, 0
     if PREFETCH:
         if pid_t == 0:
             fn_bytes = MIX * HC * dim * 4
-            share = tl.cdiv(tl.cdiv(fn_bytes, splits), 16) * 16
-            start = pid_s * share
+            share = tl.cdiv(tl.cdiv(fn_bytes, tl.num_programs(1)), 16) * 16
+            start = pid_p * share
             pdl_prefetch(fn_ptr + start // 4, tl.maximum(tl.minimum(share, fn_bytes - start), 0), PDL)
     pdl_prologue(PDL)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -229,7 +236,8 @@ def _mhc_stats_kernel(
             x3 = tl.load(x_ptr + offs_t[:, None, None] * row + offs_j[None, :, None] * dim
                          + offs_d[None, None, :], mask=x3_mask, other=0.0).to(tl.float32)
             f = tl.load(f_ptr + offs_t[:, None] * dim + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-        for k in range(HC):  # a loop, not static_range: unrolled, the 4 streams' tiles spilled registers
+        for kk in range(1 if SPLIT_STREAMS else HC):  # a loop, not static_range: unrolled, the 4 streams' tiles spilled
+            k = k_first + kk
             tile_off = offs_t[:, None] * row + k * dim + offs_d[None, :]
             if FUSE_POST:
                 xk = _post_stream(x3, f, post_ptr, comb_ptr, offs_t, offs_j, t_mask, k, HC)
@@ -242,7 +250,7 @@ def _mhc_stats_kernel(
             w = tl.load(fn_ptr + offs_m[:, None] * row + k * dim + offs_d[None, :],
                         mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [MIX_PAD, BD]
             acc = _dot_fp32(xk, w, acc, X_IS_TF32)
-    part = pid_s * n_tok + offs_t
+    part = pid_p * n_tok + offs_t
     tl.store(dpart_ptr + part[:, None] * MIX_PAD + offs_m[None, :], acc, mask=t_mask[:, None])
     tl.store(sqpart_ptr + part, sq, mask=t_mask)
 
@@ -326,7 +334,7 @@ def _mhc_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Reduce partials -> pre/post/comb (every D-block recomputes them: 4×4 work per token, cheaper
     than another launch); the first D-block stores post and comb; each stores its slice of u."""
@@ -338,7 +346,7 @@ def _mhc_epilogue_kernel(
     offs_j = tl.arange(0, HC_PAD)
     tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
     pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T)
+                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     if pid_d == 0:
         _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
 
@@ -383,6 +391,11 @@ def _num_sms(device: torch.device) -> int:
     return 2  # Triton interpreter on CPU: few programs keep it fast, yet >1 split is exercised
 
 
+# Up to this many tokens the statistics pass splits the HC streams over programs too
+# (`_mhc_stats_kernel` SPLIT_STREAMS) and the epilogues take one token per program row block.
+SPLIT_STREAMS_MAX_TOKENS = 4
+
+
 def _stats_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps) of the statistics kernel. tl.dot needs >= 16 token rows; more
     rows per tile re-read fn (1.5 MB for Flash) from L2 fewer times. The sizes are the largest that
@@ -405,20 +418,29 @@ def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fuse
     block_t, block_d, warps = tiles or _stats_tiles(n_tok, fused is not None)
     n_tblocks = triton.cdiv(n_tok, block_t)
     n_dblocks = triton.cdiv(dim, block_d)
+    split_streams = n_tok <= SPLIT_STREAMS_MAX_TOKENS
+    per_split = n_hc if split_streams else 1
     # Split K until the grid covers ~2 waves of SMs: a decode step has one t-block only.
-    splits = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(src.device), n_tblocks)))
+    splits = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(src.device), n_tblocks * per_split)))
     mix_pad = max(16, triton.next_power_of_2(n_mix))  # tl.dot needs N >= 16 on the GPU
-    dpart = torch.empty((splits, n_tok, mix_pad), device=src.device, dtype=torch.float32)
-    sqpart = torch.empty((splits, n_tok), device=src.device, dtype=torch.float32)
+    dpart = torch.empty((splits * per_split, n_tok, mix_pad), device=src.device, dtype=torch.float32)
+    sqpart = torch.empty((splits * per_split, n_tok), device=src.device, dtype=torch.float32)
     f, post, comb, x_out = fused if fused is not None else (src, src, src, src)  # unused if not fused
-    pdl = pdl_launch(src.device, n_tblocks * splits)
-    _mhc_stats_kernel[(n_tblocks, splits)](
+    pdl = pdl_launch(src.device, n_tblocks * splits * per_split)
+    _mhc_stats_kernel[(n_tblocks, splits * per_split)](
         src, f, post, comb, x_out, fn, dpart, sqpart, n_tok, dim, splits, triton.cdiv(n_dblocks, splits),
         HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX=n_mix, MIX_PAD=mix_pad,
         BLOCK_T=block_t, BLOCK_D=block_d, FUSE_POST=fused is not None, X_IS_TF32=src.dtype != torch.float32,
-        PREFETCH=prefetch_launch(pdl, fn), PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        SPLIT_STREAMS=split_streams, PREFETCH=prefetch_launch(pdl, fn), PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
     return dpart, sqpart
+
+
+def split_block(n_partials: int, block_t: int) -> int:
+    """Partials an epilogue reduces per step (`_site_mixes`' SPLIT_BLOCK): all of them in one load
+    round for one-token tiles (up to 256: at most a few thousand fp32 values per program), 8 per
+    step for the 4-token tiles, whose [8, 4, 4, 4] comb loads already fill their registers."""
+    return min(256, triton.next_power_of_2(n_partials)) if block_t == 1 else 8
 
 
 def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters):
@@ -427,14 +449,15 @@ def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_ep
     post = torch.empty((n_tok, n_hc), device=x.device, dtype=torch.float32)
     comb = torch.empty((n_tok, n_hc, n_hc), device=x.device, dtype=torch.float32)
     u = torch.empty((n_tok, dim), device=x.device, dtype=x.dtype)
-    block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
+    # one token per program row block where the statistics split the streams (few tokens, many partials)
+    block_t, block_d = (1 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 4), min(256, triton.next_power_of_2(dim))
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
     pdl = pdl_launch(x.device, math.prod(grid))
     _mhc_epilogue_kernel[grid](
         x, dpart, sqpart, base, scale, post, comb, u, n_tok, dim, dpart.shape[0],
         float(rms_eps), float(hc_eps), int(sinkhorn_iters),
         HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
-        BLOCK_T=block_t, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
+        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl, launch_pdl=pdl,
     )
     return post, comb, u
 

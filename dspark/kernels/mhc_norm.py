@@ -42,7 +42,7 @@ import torch
 
 from dspark.kernels.mhc import (
     _check_post_args, _check_pre_args, _launch_stats, _num_sms, _site_mixes, _store_mixes, mhc_post_pre,
-    mhc_post_pre_ref, mhc_pre, mhc_pre_ref,
+    mhc_post_pre_ref, mhc_pre, mhc_pre_ref, split_block,
 )
 from dspark.kernels.registry import require_triton
 from dspark.kernels.rms_norm import rms_norm
@@ -118,7 +118,7 @@ def _mhc_norm_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, h_ptr,
     n_tok, dim, splits, n_dblocks, iters, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t-block, p) of P = grid[1]: reduce the partials -> pre/post/comb (p = 0 stores post
     and comb), Σu² over the whole row, then h = w ⊙ u · rsqrt(Σu²/D + norm_eps) on the D-blocks
@@ -132,7 +132,7 @@ def _mhc_norm_epilogue_kernel(
     offs_j = tl.arange(0, HC_PAD)
     tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
     pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T)
+                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     if pid_p == 0:
         _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
     out_ty = h_ptr.dtype.element_ty
@@ -183,7 +183,8 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
         x, dpart, sqpart, base, scale, norm_weight, post, comb, h, n_tok, dim, dpart.shape[0], n_dblocks,
         triton.cdiv(n_dblocks, programs), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
         int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
-        BLOCK_T=block_t, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
+        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl,
+        launch_pdl=pdl,
     )
     return post, comb, h
 

@@ -99,6 +99,15 @@ def run_every_tile_class():
         site = [t.to(DEVICE) for t in (torch.randn(24, 4 * dim, generator=g) * 0.05, torch.randn(24, generator=g),
                                        torch.rand(3, generator=g) + 0.5)]
         mhc_norm.mhc_pre_norm(x, *site, torch.ones(dim, device=DEVICE), **eps, norm_eps=1e-6)
+    # One-token epilogues reduce every statistics partial in one round: on the H200 the streams split
+    # gives 128 (D = 2048) or 264 (V4-Flash) partials, more than the CPU's 2-"SM" launches write.
+    x1 = torch.randn(1, 4, 2048, generator=g).bfloat16().to(DEVICE)
+    head = [t.to(DEVICE) for t in (torch.randn(24, generator=g), torch.rand(3, generator=g) + 0.5)]
+    for partials in (128, 264):
+        dpart, sqpart = torch.randn(partials, 1, 32, generator=g).to(DEVICE), torch.rand(partials, 1).to(DEVICE)
+        mhc._launch_epilogue(x1, dpart, sqpart, *head, 1e-6, 1e-6, 20)
+        mhc_norm._launch_norm_epilogue(x1, dpart, sqpart, *head, torch.ones(2048, device=DEVICE),
+                                       dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20))
     for n_tok, n_exp in ((3, 256), (40, 2)):  # MoE tiles switch above 32 rows per expert; E = 256 as Flash
         x = torch.randn(n_tok, 64, generator=g).bfloat16().to(DEVICE)
         router = (x, (torch.randn(n_exp, 64, generator=g) / 8).bfloat16().to(DEVICE), torch.zeros(n_exp, device=DEVICE),

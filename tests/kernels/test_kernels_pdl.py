@@ -156,7 +156,8 @@ def _every_op(device: str) -> None:
     mhc.mhc_post(u, x, post, comb)
     mhc.mhc_post_pre(u, x, post, comb, *site, **eps)
     mhc_v41.mhc_v41_pre(x, post, *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
-    mhc_norm.mhc_pre_norm(x, *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
+    mhc.mhc_pre(x[:2], *site, **eps)  # the statistics split over the streams (a few tokens)
+    mhc_norm.mhc_pre_norm(x[:2], *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)  # folded up to 4 tokens
     rms_norm.rms_norm(rand(40, 128), torch.ones(128, device=device), eps=1e-6, out_dtype=torch.float32)
     angles = rand(4, 1, 8)
     rope.rope(rand(4, 16, 256), angles.cos(), angles.sin())

@@ -195,6 +195,35 @@ def test_post_pre_fused_matches_ref(n_tok, n_hc, dim, dtype, poisoned):
 
 
 @needs_triton
+@pytest.mark.parametrize("n_tok,n_hc,dim", [(1, 4, 1100), (3, 4, 256), (4, 3, 200)])
+def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, monkeypatch, poisoned):
+    """Up to SPLIT_STREAMS_MAX_TOKENS tokens each statistics program takes one stream of one split
+    (HC × splits partials, here several D-splits of several D-blocks each, with the SM count raised),
+    and the epilogue reduces them in one round: pre and post+pre equal the references, and the
+    partials are HC × as many as the unsplit pass writes."""
+    monkeypatch.setattr(mhc, "_num_sms", lambda device: 16)
+    assert n_tok <= mhc.SPLIT_STREAMS_MAX_TOKENS
+    x = streams(n_tok, n_hc, dim, torch.float32, seed=n_tok)
+    params = site_params(n_hc, dim, seed=dim)
+    dpart, _ = mhc._launch_stats(x, params[0], n_hc, dim)
+    splits = min(triton_cdiv(dim, 64), triton_cdiv(32, n_hc))
+    assert dpart.shape[0] == splits * n_hc
+    with poisoned():
+        got = mhc.mhc_pre(x, *params, **EPS)
+    for out, want in zip(got, mhc.mhc_pre_ref(x, *params, **EPS)):
+        assert rel_err(out, want) < TOL[torch.float32]
+    f, x, post, comb = prev_site(n_tok, n_hc, dim, torch.float32, seed=3)
+    with poisoned():
+        got = mhc.mhc_post_pre(f, x, post, comb, *params, **EPS)
+    for out, want in zip(got, mhc.mhc_post_pre_ref(f, x, post, comb, *params, **EPS)):
+        assert rel_err(out, want) < TOL[torch.float32]
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@needs_triton
 def test_pre_fused_matches_spec_18_2_vector():
     x, fn = hadamard_case(2.0 * torch.sin(torch.arange(24.0)), dim=4)
     args = (x.to(DEVICE), fn.to(DEVICE), torch.zeros(24, device=DEVICE), torch.tensor([1.0, 0.5, 2.0], device=DEVICE))
