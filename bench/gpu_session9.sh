@@ -7,6 +7,7 @@
 #   run(command="bash bench/gpu_session9.sh d")
 #   run(command="bash bench/gpu_session9.sh e")
 #   run(command="bash bench/gpu_session9.sh f")
+#   run(command="bash bench/gpu_session9.sh g")
 #
 # a: last session's CPU-only work on the GPU: norm_rope (RMSNorm + RoPE of q heads / kv latents in one
 #    launch; the window latents stored at their ring rows) under its GPU tests, the v4-mini graph step
@@ -28,6 +29,9 @@
 #    constant drafter confidence 0.8629 (budget 3 -> 3.25 tokens per round, the seeds' conversion), the
 #    auto cells planning on the fixed cells' step times; HF transformers eager at batch 1 as the peer.
 # f: part e's engine grid at 32K context (no HF peer).
+# g: the mHC statistics split over the streams at a few tokens (`mhc.SPLIT_STREAMS_MAX_TOKENS`) and the
+#    one-round epilogue reduction under the mHC GPU tests; per site with / without it (folded and unfused
+#    pairs, bench/mhc_norm_site.py); the v4-mini step, and its PDL-off attribution profile at one request.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -103,13 +107,26 @@ part_f() {
   tail -n 22 $W/logs/f_engine.txt | cut -c1-300
 }
 
-case "${1:?part: a, b, c, d, e or f}" in
+part_g() {
+  logged g_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py \
+    tests/kernels/test_mhc_norm.py "tests/kernels/test_cuda_graphs.py::test_mhc_ops_replay" \
+    "tests/kernels/test_kernels_pdl.py::test_decode_chain_with_pdl_equals_without"
+  tail -n 3 $W/logs/g_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/g_tests.txt | head -n 10 | cut -c1-300
+  logged g_site 70 python3 bench/mhc_norm_site.py --dims 2048 --tiles "" --split-streams 0 \
+    --out "$OUT/mhc-site-split-h200.json"
+  grep -h '_us' $W/logs/g_site.txt | cut -c1-300
+  step graph-decode-h200-s9-split 70 --requests 1,8
+  step graph-profile-h200-s9-final-no-pdl 70 --requests 1 --no-pdl --profile
+}
+
+case "${1:?part: a, b, c, d, e, f or g}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
   d) part_d ;;
   e) part_e ;;
   f) part_f ;;
+  g) part_g ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true

@@ -114,6 +114,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--tiles", default="1x512,1x1024,4x256",
                     help="epilogue (BLOCK_T x BLOCK_D) variants of the fused path, timed besides the default")
+    ap.add_argument("--split-streams", default="",
+                    help="comma list of mhc.SPLIT_STREAMS_MAX_TOKENS values to time both paths at besides the "
+                         "shipped one (0: the statistics pass never splits the streams)")
     cli = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -131,7 +134,14 @@ def main() -> None:
     for n in tokens:
         for dim in dims:
             row = dict(n=n, dim=dim, **{f"{p}_us": round(site_us(p, n, dim, g, cli.reps), 2) for p in PATHS})
-            for spec in cli.tiles.split(","):
+            shipped = mhc.SPLIT_STREAMS_MAX_TOKENS
+            for value in (int(v) for v in cli.split_streams.split(",") if v):
+                mhc.SPLIT_STREAMS_MAX_TOKENS = value  # this process only
+                try:
+                    row.update({f"{p}_split{value}_us": round(site_us(p, n, dim, g, cli.reps), 2) for p in PATHS})
+                finally:
+                    mhc.SPLIT_STREAMS_MAX_TOKENS = shipped
+            for spec in (s for s in cli.tiles.split(",") if s):
                 bt, bd = (int(v) for v in spec.split("x"))
                 mhc_norm._norm_tiles = lambda n_tok, d, _t=(bt, min(bd, 1 << (dim - 1).bit_length())): _t
                 try:
