@@ -24,7 +24,8 @@ import torch
 
 from bench.mhc_boundaries import closed_boundaries
 from dspark.api import init_model
-from dspark.kernels import KernelConfig, get_op
+from dspark.kernels import KernelConfig, get_op, norm_folded_op
+from dspark.kernels.registry import NORM_FOLDED
 from dspark.models.deepseek_v4 import model as v4_model
 from dspark.models.deepseek_v4.mhc import hc_head, hc_post, hc_pre
 from dspark.models.deepseek_v4.state import plan_batch
@@ -103,24 +104,28 @@ def test_v4_boundary_fusion_is_bit_identical_on_the_references():
 
 @pytest.fixture
 def count_ops(monkeypatch):
-    """Patch `get_op` where the given model module looks it up: every mHC op a block fetches counts
-    its calls in the returned Counter (build the model after calling this)."""
+    """Patch `get_op` (and `norm_folded_op`) where the given model module looks them up: every mHC op
+    a block fetches counts its calls in the returned Counter, a site with its norm folded in under
+    the site op's name (build the model after calling this)."""
 
     def install(module) -> Counter:
         calls = Counter()
 
-        def counting_get_op(config, name):
-            op = get_op(config, name)
-            if not name.startswith("mhc"):
-                return op
-
+        def counting(op, name):
             def counted(*args, **kwargs):
                 calls[name] += 1
                 return op(*args, **kwargs)
 
             return counted
 
+        def counting_get_op(config, name):
+            op = get_op(config, name)
+            return counting(op, name) if name.startswith("mhc") else op
+
         monkeypatch.setattr(module, "get_op", counting_get_op)
+        if hasattr(module, "norm_folded_op"):
+            monkeypatch.setattr(module, "norm_folded_op",
+                                lambda config, name: counting(norm_folded_op(config, name), NORM_FOLDED[name]))
         return calls
 
     return install
