@@ -114,6 +114,30 @@ def _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out
 
 
 @_jit
+def _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps, pid_p, n_prog,
+                           HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """h = w ⊙ u · rsqrt(Σu²/D + norm_eps) with u = Σ_k pre_k x_k for tokens `offs_t` [BT] (t_mask
+    [BT]; pre and tj_mask [BT, HC_PAD]): Σu² over the whole row, then program p of P = n_prog stores
+    the D-blocks p, p + P, ... (`iters` of them). Shared by every folded epilogue (`hc_head_norm.py` too)."""
+    offs_j = tl.arange(0, HC_PAD)
+    out_ty = h_ptr.dtype.element_ty
+    squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for b in range(0, n_dblocks):  # the whole row: every program needs the full Σu²
+        offs_d = b * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < dim
+        u = _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out_ty, HC)
+        squares += tl.sum(u * u, axis=1)
+    r = tl.rsqrt(squares / dim + norm_eps)  # [BT]
+    for it in range(0, iters):  # fixed trip count (see mhc._mhc_stats_kernel); blocks past the end are masked
+        offs_d = (pid_p + it * n_prog) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < dim
+        u = _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out_ty, HC)
+        w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        h = w[None, :] * (u * r[:, None])  # rms_norm's order: u · r first, then the weight
+        tl.store(h_ptr + offs_t[:, None] * dim + offs_d[None, :], h.to(out_ty), mask=t_mask[:, None] & d_mask[None, :])
+
+
+@_jit
 def _mhc_norm_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, h_ptr,
     n_tok, dim, splits, n_dblocks, iters, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
@@ -135,21 +159,8 @@ def _mhc_norm_epilogue_kernel(
                                   rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     if pid_p == 0:
         _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
-    out_ty = h_ptr.dtype.element_ty
-    squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for b in range(0, n_dblocks):  # the whole row: every program needs the full Σu²
-        offs_d = b * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < dim
-        u = _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out_ty, HC)
-        squares += tl.sum(u * u, axis=1)
-    r = tl.rsqrt(squares / dim + norm_eps)  # [BT]
-    for it in range(0, iters):  # fixed trip count (see mhc._mhc_stats_kernel); blocks past the end are masked
-        offs_d = (pid_p + it * n_prog) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < dim
-        u = _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out_ty, HC)
-        w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        h = w[None, :] * (u * r[:, None])  # rms_norm's order: u · r first, then the weight
-        tl.store(h_ptr + offs_t[:, None] * dim + offs_d[None, :], h.to(out_ty), mask=t_mask[:, None] & d_mask[None, :])
+    _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps, pid_p, n_prog,
+                           HC, HC_PAD, BLOCK_T, BLOCK_D)
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -165,6 +176,17 @@ def _norm_tiles(n_tok: int, dim: int) -> tuple[int, int]:
     return 4, min(256, triton.next_power_of_2(dim))
 
 
+def norm_epilogue_grid(n_tok: int, dim: int, device: torch.device, tiles=None):
+    """(BLOCK_T, BLOCK_D, D-blocks, grid) of a folded epilogue (`_store_normed_collapse`): D-blocks
+    spread over programs until the grid covers ~2 waves of SMs (decode); one program per token block
+    once the token blocks alone do (prefill: each walk of the row is then x's only re-read).
+    `tiles` (BLOCK_T, BLOCK_D) overrides `_norm_tiles`."""
+    block_t, block_d = tiles or _norm_tiles(n_tok, dim)
+    n_tblocks, n_dblocks = triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d)
+    programs = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(device), n_tblocks)))
+    return block_t, block_d, n_dblocks, (n_tblocks, programs)
+
+
 def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weight, eps: dict, tiles=None):
     """post [N, H] fp32, comb [N, H, H] fp32, h [N, D] x.dtype from the statistics partials over x.
     `tiles` (BLOCK_T, BLOCK_D) overrides `_norm_tiles` (benches)."""
@@ -172,16 +194,11 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
     post = torch.empty((n_tok, n_hc), device=x.device, dtype=torch.float32)
     comb = torch.empty((n_tok, n_hc, n_hc), device=x.device, dtype=torch.float32)
     h = torch.empty((n_tok, dim), device=x.device, dtype=x.dtype)
-    block_t, block_d = tiles or _norm_tiles(n_tok, dim)
-    n_tblocks, n_dblocks = triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d)
-    # D-blocks over programs until the grid covers ~2 waves of SMs (decode); one program per token
-    # block once the token blocks alone do (prefill: each walk of the row is then x's only re-read).
-    programs = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(x.device), n_tblocks)))
-    grid = (n_tblocks, programs)
+    block_t, block_d, n_dblocks, grid = norm_epilogue_grid(n_tok, dim, x.device, tiles)
     pdl = pdl_launch(x.device, math.prod(grid))
     _mhc_norm_epilogue_kernel[grid](
         x, dpart, sqpart, base, scale, norm_weight, post, comb, h, n_tok, dim, dpart.shape[0], n_dblocks,
-        triton.cdiv(n_dblocks, programs), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
+        triton.cdiv(n_dblocks, grid[1]), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
         int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
         BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl,
         launch_pdl=pdl,

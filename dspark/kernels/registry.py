@@ -51,6 +51,7 @@ _OP_MODULES: dict[str, str] = {
     "mhc_post_pre": "mhc",
     "mhc_pre_norm": "mhc_norm",
     "mhc_post_pre_norm": "mhc_norm",
+    "hc_head_norm": "hc_head_norm",
     "mhc_v41_pre": "mhc_v41",
     "mhc_v41_post_pre": "mhc_v41",
     "moe_route": "moe",
@@ -77,7 +78,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ()
+NOT_YET_ON_GPU: tuple[str, ...] = ("hc_head_norm",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,6 +117,7 @@ class KernelConfig:
     `mhc_pre_norm` / `mhc_post_pre_norm` fold the sublayer's RMSNorm into a V4 mHC site. A model
     runs them only when they are ``"triton"``; at ``"ref"`` it keeps the unfused pair (`mhc_pre` /
     `mhc_post_pre`, then `rms_norm`, each as chosen here), of which their references are the torch form.
+    `hc_head_norm` likewise folds the final `norm` into V4's output collapse (`head_norm_op`).
     """
 
     mhc_pre: Impl = "ref"
@@ -123,6 +125,7 @@ class KernelConfig:
     mhc_post_pre: Impl = "ref"
     mhc_pre_norm: Impl = "ref"
     mhc_post_pre_norm: Impl = "ref"
+    hc_head_norm: Impl = "ref"
     mhc_v41_pre: Impl = "ref"
     mhc_v41_post_pre: Impl = "ref"
     moe_route: Impl = "ref"
@@ -212,3 +215,16 @@ def norm_folded_op(config: KernelConfig, name: str) -> Callable[..., Any]:
         return (*mixes, norm_op(u, norm_weight, eps=norm_eps, out_dtype=u.dtype))
 
     return site_then_norm
+
+
+def head_norm_op(config: KernelConfig) -> Callable[..., Any]:
+    """V4's output collapse followed by its final RMSNorm, as op `hc_head_norm` is called:
+    ``(x, fn, base, scale, norm_weight, *, rms_eps, hc_eps, norm_eps) -> h``.
+
+    The op itself when `config` picks its kernel; otherwise (``"ref"``) the unfused pair it folds:
+    the torch `hc_head`, then `rms_norm` as `config` picks it -- what a model ran before the fold,
+    bit for bit (`hc_head_norm.hc_head_then`; with `rms_norm` at "ref" it is the op's reference).
+    """
+    if config.hc_head_norm != "ref":
+        return get_op(config, "hc_head_norm")
+    return importlib.import_module("dspark.kernels.hc_head_norm").hc_head_then(get_op(config, "rms_norm"))

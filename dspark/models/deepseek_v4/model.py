@@ -10,7 +10,8 @@
 Every mHC post is followed by the next site's pre, so they run as one op (`mhc_post_pre`, spec
 §6.5), inside a block and across block boundaries: 2 mHC ops per layer + 1 (`Block`). Every pre is
 followed by its sublayer's norm, which folds into the site op where `mhc_pre_norm` /
-`mhc_post_pre_norm` are on (`dspark.kernels.norm_folded_op`).
+`mhc_post_pre_norm` are on (`dspark.kernels.norm_folded_op`); the output collapse and `norm` are
+one op where `hc_head_norm` is on (`dspark.kernels.head_norm_op`).
 
 One ragged call serves chunked prefill, one-token decode and multi-token verify (docs/design.md):
 the N rows are the concatenated new tokens of several requests; dense parts (projections, MoE, mHC)
@@ -31,10 +32,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dspark.kernels import KernelConfig, get_op, norm_folded_op
+from dspark.kernels import KernelConfig, get_op, head_norm_op, norm_folded_op
 from dspark.models.deepseek_v4.attention import Attention
 from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4Config
-from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
@@ -199,6 +199,7 @@ class MTPBlock(Block):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **norm)
         head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head
+        self.head_norm_op = head_norm_op(KernelConfig() if kernels is None else kernels)  # hc_head, then norm
 
     def mix_inputs(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """embedded [N, D] (embedding of the next token), hidden [N, n_hc, D] -> block input [N, n_hc, D]."""
@@ -206,8 +207,8 @@ class MTPBlock(Block):
 
     def collapse(self, x: torch.Tensor) -> torch.Tensor:
         """[N, n_hc, D] -> [N, D], normalised, ready for the shared head."""
-        h = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.norm_eps)
-        return self.norm(h)
+        return self.head_norm_op(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm.weight,
+                                 rms_eps=self.norm_eps, hc_eps=self.hc_eps, norm_eps=self.norm.eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -236,6 +237,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = Linear(c.hidden_size, c.vocab_size, dtype=self.dtype, device=device, kernels=self.kernels)
         head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head
+        self.head_norm_op = head_norm_op(self.kernels)  # hc_head, then norm; at "ref" exactly the two
         self.mtp = nn.ModuleList(
             MTPBlock(c, dtype=self.dtype, device=device, kernels=self.kernels) for _ in range(c.num_nextn_predict_layers)
         )
@@ -301,10 +303,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 x = layer.close(pending, y)
         if len(self.layers) in capture:
             features[len(self.layers)] = x
-        h = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.config.hc_eps,
-                    self.config.rms_norm_eps)
         self._commit(states, batch)
-        return DeepseekV4Output(self._logits(self.norm(h)), x, features)
+        return DeepseekV4Output(self._logits(self.collapse(x)), x, features)
 
     def forward_mtp(
         self,
@@ -332,6 +332,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = mtp(x, batch, [state.layers[0] for state in states])
         self._commit(states, batch)
         return DeepseekV4Output(self._logits(mtp.collapse(x)), x)
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        """Output collapse `hc_head` (spec §6.4) then `norm`: final streams [N, n_hc, D] -> [N, D], the
+        LM head's input (one op where `hc_head_norm` is on)."""
+        return self.head_norm_op(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm.weight,
+                                 rms_eps=self.config.rms_norm_eps, hc_eps=self.config.hc_eps, norm_eps=self.norm.eps)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head in the model dtype, returned as fp32 [N, V]."""

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticLayerState, StaticShape, StaticState
@@ -170,10 +169,8 @@ class StaticDecoder(StaticDecoderBase):
                 x = layer.close(pending, y)
         if len(model.layers) in capture:
             features[len(model.layers)] = x
-        h = hc_head(x, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, model.config.hc_eps,
-                    model.config.rms_norm_eps)
         per_slot = (n_slots, n_tok, *x.shape[1:])
-        return StaticStepOutput(model._logits(model.norm(h)).view(n_slots, n_tok, -1), x.view(per_slot),
+        return StaticStepOutput(model._logits(model.collapse(x)).view(n_slots, n_tok, -1), x.view(per_slot),
                                 {i: f.view(per_slot) for i, f in features.items()})
 
 
