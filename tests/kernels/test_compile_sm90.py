@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc,
-                            mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope,
+from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer, indexer_pool,
+                            linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope,
                             triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
@@ -36,6 +36,7 @@ TUNED_FOR = "3.6"
 
 KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"),
            mhc_norm: ("_mhc_norm_epilogue_kernel",),
+           hc_head_norm: ("_hc_head_norm_kernel",),
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
@@ -108,6 +109,14 @@ def run_every_tile_class():
         mhc._launch_epilogue(x1, dpart, sqpart, *head, 1e-6, 1e-6, 20)
         mhc_norm._launch_norm_epilogue(x1, dpart, sqpart, *head, torch.ones(2048, device=DEVICE),
                                        dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20))
+    # The output collapse + final norm: its statistics pass (M = 4 mixes, MIX_PAD 16) and epilogue at the
+    # decode tiles (v4-mini D, Pro D) and the 4 x 256 / prefill tiles, bf16 and fp32 streams.
+    for n_tok, dim, dtype in ((1, 2048, torch.bfloat16), (3, 7168, torch.bfloat16), (8, 2048, torch.bfloat16),
+                              (260, 256, torch.bfloat16), (2, 2048, torch.float32)):
+        x = torch.randn(n_tok, 4, dim, generator=g).to(DEVICE, dtype)
+        head = [t.to(DEVICE) for t in (torch.randn(4, 4 * dim, generator=g) * 0.05, torch.randn(4, generator=g),
+                                       torch.rand(1, generator=g) + 0.5)]
+        hc_head_norm.hc_head_norm(x, *head, torch.ones(dim, device=DEVICE), rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6)
     for n_tok, n_exp in ((3, 256), (40, 2)):  # MoE tiles switch above 32 rows per expert; E = 256 as Flash
         x = torch.randn(n_tok, 64, generator=g).bfloat16().to(DEVICE)
         router = (x, (torch.randn(n_exp, 64, generator=g) / 8).bfloat16().to(DEVICE), torch.zeros(n_exp, device=DEVICE),

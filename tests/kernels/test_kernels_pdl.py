@@ -23,12 +23,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, indexer, indexer_pool,
-                            linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope,
-                            triton_available, triton_compat)
+from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
+                            indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope,
+                            rms_norm, rope, triton_available, triton_compat)
 
-MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, indexer, indexer_pool, linear, mhc, mhc_norm,
-           mhc_v41, moe,
+MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer, indexer_pool, linear,
+           mhc, mhc_norm, mhc_v41, moe,
            moe_decode, moe_route_decode, norm_rope, rms_norm, rope)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
@@ -157,7 +157,10 @@ def _every_op(device: str) -> None:
     mhc.mhc_post_pre(u, x, post, comb, *site, **eps)
     mhc_v41.mhc_v41_pre(x, post, *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
     mhc.mhc_pre(x[:2], *site, **eps)  # the statistics split over the streams (a few tokens)
-    mhc_norm.mhc_pre_norm(x[:2], *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)  # folded up to 4 tokens
+    # 2 tokens: within mhc_norm.FOLD_MAX_TOKENS, so its own epilogue launches (5 run the unfused pair)
+    mhc_norm.mhc_pre_norm(x[:2], *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
+    head = (rand(4, 512) * 0.05, rand(4), torch.rand(1, generator=g).to(device) + 0.5)
+    hc_head_norm.hc_head_norm(x, *head, torch.ones(128, device=device), rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6)
     rms_norm.rms_norm(rand(40, 128), torch.ones(128, device=device), eps=1e-6, out_dtype=torch.float32)
     angles = rand(4, 1, 8)
     rope.rope(rand(4, 16, 256), angles.cos(), angles.sin())
