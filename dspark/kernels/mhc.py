@@ -416,6 +416,10 @@ def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fuse
     n_tok = src.shape[0]
     n_mix = fn.shape[0]
     block_t, block_d, warps = tiles or _stats_tiles(n_tok, fused is not None)
+    if tiles is None and src.dtype == torch.float32:
+        # fp32 x takes the 3-pass TF32 dot: at 4 warps the 16 x 64 decode tile spills on sm_90 (255
+        # registers + 8 bytes of stack, triton 3.6); at 8 it fits (223). bf16 streams keep the measured 4.
+        warps = max(warps, 8)
     n_tblocks = triton.cdiv(n_tok, block_t)
     n_dblocks = triton.cdiv(dim, block_d)
     split_streams = n_tok <= SPLIT_STREAMS_MAX_TOKENS
