@@ -114,8 +114,8 @@ def _collapse_tile(x_ptr, pre, offs_t, tj_mask, offs_j, offs_d, d_mask, dim, out
 
 
 @_jit
-def _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps, pid_p, n_prog,
-                           HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps,
+                           pid_p, n_prog, HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """h = w ⊙ u · rsqrt(Σu²/D + norm_eps) with u = Σ_k pre_k x_k for tokens `offs_t` [BT] (t_mask
     [BT]; pre and tj_mask [BT, HC_PAD]): Σu² over the whole row, then program p of P = n_prog stores
     the D-blocks p, p + P, ... (`iters` of them). Shared by every folded epilogue (`hc_head_norm.py` too)."""
@@ -159,8 +159,8 @@ def _mhc_norm_epilogue_kernel(
                                   rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     if pid_p == 0:
         _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
-    _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps, pid_p, n_prog,
-                           HC, HC_PAD, BLOCK_T, BLOCK_D)
+    _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps,
+                           pid_p, n_prog, HC, HC_PAD, BLOCK_T, BLOCK_D)
 
 
 # ------------------------------------------------------------------------------------ launchers

@@ -116,7 +116,8 @@ def run_every_tile_class():
         x = torch.randn(n_tok, 4, dim, generator=g).to(DEVICE, dtype)
         head = [t.to(DEVICE) for t in (torch.randn(4, 4 * dim, generator=g) * 0.05, torch.randn(4, generator=g),
                                        torch.rand(1, generator=g) + 0.5)]
-        hc_head_norm.hc_head_norm(x, *head, torch.ones(dim, device=DEVICE), rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6)
+        norm_weight = torch.ones(dim, device=DEVICE)
+        hc_head_norm.hc_head_norm(x, *head, norm_weight, rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6)
     for n_tok, n_exp in ((3, 256), (40, 2)):  # MoE tiles switch above 32 rows per expert; E = 256 as Flash
         x = torch.randn(n_tok, 64, generator=g).bfloat16().to(DEVICE)
         router = (x, (torch.randn(n_exp, 64, generator=g) / 8).bfloat16().to(DEVICE), torch.zeros(n_exp, device=DEVICE),

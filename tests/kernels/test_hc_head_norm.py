@@ -81,7 +81,7 @@ def test_head_norm_op_at_ref_is_the_reference_pair():
 def test_head_norm_op_keeps_the_norm_choice():
     """Op on: the fused kernel. Op at "ref" beside a Triton rms_norm: hc_head, then that kernel, exactly."""
     config = KernelConfig.uniform("triton")
-    assert head_norm_op(config) is hc_head_norm.hc_head_norm and get_op(config, "hc_head_norm") is hc_head_norm.hc_head_norm
+    assert head_norm_op(config) is get_op(config, "hc_head_norm") is hc_head_norm.hc_head_norm
     x, params, weight = head(2, 4, 40, torch.float32, seed=10)
     unfused = head_norm_op(KernelConfig(**dict(vars(config), hc_head_norm="ref")))
     u = hc_head(x, *params, EPS["hc_eps"], EPS["rms_eps"])
@@ -120,7 +120,8 @@ def test_runs_the_reference_while_autograd_records():
     x, (fn, base, scale), weight = head(2, 4, 32, torch.float32, seed=11)
     fn.requires_grad_(True)
     got = hc_head_norm.hc_head_norm(x, fn, base, scale, weight, **EPS)
-    assert got.grad_fn is not None and torch.equal(got, hc_head_norm.hc_head_norm_ref(x, fn, base, scale, weight, **EPS))
+    want = hc_head_norm.hc_head_norm_ref(x, fn, base, scale, weight, **EPS)
+    assert got.grad_fn is not None and torch.equal(got, want)
     got.sum().backward()
     assert fn.grad is not None and fn.grad.abs().sum() > 0
 

@@ -27,8 +27,8 @@ from dspark.kernels import (attention, attention_wide, cache_round, compressor, 
                             indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope,
                             rms_norm, rope, triton_available, triton_compat)
 
-MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer, indexer_pool, linear,
-           mhc, mhc_norm, mhc_v41, moe,
+MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer, indexer_pool,
+           linear, mhc, mhc_norm, mhc_v41, moe,
            moe_decode, moe_route_decode, norm_rope, rms_norm, rope)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 

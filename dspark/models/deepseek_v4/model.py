@@ -237,7 +237,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = Linear(c.hidden_size, c.vocab_size, dtype=self.dtype, device=device, kernels=self.kernels)
         head = _hc_params(c.hc_mult, c.hc_mult * c.hidden_size, 1, device)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = head
-        self.head_norm_op = head_norm_op(self.kernels)  # hc_head, then norm; at "ref" exactly the two
+        self.head_norm_op = head_norm_op(self.kernels)  # hc_head, then norm (at "ref" exactly the two)
         self.mtp = nn.ModuleList(
             MTPBlock(c, dtype=self.dtype, device=device, kernels=self.kernels) for _ in range(c.num_nextn_predict_layers)
         )
