@@ -8,7 +8,7 @@ replay after the inputs are overwritten in place must give exactly the eager res
 import pytest
 import torch
 
-from dspark.kernels import indexer_pool, mhc, mhc_norm, mhc_v41, moe, norm_rope, rms_norm, rope
+from dspark.kernels import hc_head_norm, indexer_pool, mhc, mhc_norm, mhc_v41, moe, norm_rope, rms_norm, rope
 from dspark.kernels.fp8 import FP8BlockWeight
 
 EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
@@ -47,7 +47,9 @@ def test_mhc_ops_replay(n_tok):
         return (*mhc.mhc_pre(x, fn, base, scale, **EPS), mhc.mhc_post(f, x, post, comb),
                 *mhc.mhc_post_pre(f, x, post, comb, fn, base, scale, **EPS),
                 *mhc_norm.mhc_pre_norm(x, fn, base, scale, weight, **EPS, norm_eps=1e-6),
-                *mhc_norm.mhc_post_pre_norm(f, x, post, comb, fn, base, scale, weight, **EPS, norm_eps=1e-6))
+                *mhc_norm.mhc_post_pre_norm(f, x, post, comb, fn, base, scale, weight, **EPS, norm_eps=1e-6),
+                hc_head_norm.hc_head_norm(x, fn[:4], base[:4], scale[:1], weight, rms_eps=1e-6, hc_eps=1e-6,
+                                          norm_eps=1e-6))
 
     graph, outs = capture(step)
     refill(x, f)
