@@ -37,7 +37,7 @@ import math
 import torch
 
 from dspark.kernels.autograd import records_grad
-from dspark.kernels.mhc import _launch_stats
+from dspark.kernels.mhc import _launch_stats, split_block
 from dspark.kernels.mhc_norm import _check_norm_weight, _store_normed_collapse, norm_epilogue_grid
 from dspark.kernels.registry import require_triton
 from dspark.kernels.rms_norm_ref import rms_norm_ref
@@ -136,7 +136,7 @@ def _hc_head_norm_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, w_ptr, h_ptr,
     n_tok, dim, splits, n_dblocks, iters, rms_eps, hc_eps, norm_eps,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t-block, p) of P = grid[1]: reduce the partials -> pre (every program: H values per
     token, cheaper than a launch), Σu² over the whole row, then h on the D-blocks p, p + P, ..."""
@@ -145,7 +145,7 @@ def _hc_head_norm_kernel(
     t_mask = offs_t < n_tok
     tj_mask = t_mask[:, None] & (tl.arange(0, HC_PAD) < HC)[None, :]
     pre = _head_pre(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits, rms_eps, hc_eps,
-                    HC, HC_PAD, MIX_PAD, BLOCK_T)
+                    HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps,
                            tl.program_id(1), tl.num_programs(1), HC, HC_PAD, BLOCK_T, BLOCK_D)
 
@@ -164,7 +164,7 @@ def _launch_head_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
         x, dpart, sqpart, base, scale, norm_weight, h, n_tok, dim, dpart.shape[0], n_dblocks,
         triton.cdiv(n_dblocks, grid[1]), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
         HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
-        BLOCK_T=block_t, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
+        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl, launch_pdl=pdl,
     )
     return h
 
