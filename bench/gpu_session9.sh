@@ -8,6 +8,7 @@
 #   run(command="bash bench/gpu_session9.sh e")
 #   run(command="bash bench/gpu_session9.sh f")
 #   run(command="bash bench/gpu_session9.sh g")
+#   run(command="bash bench/gpu_session9.sh h")
 #
 # a: last session's CPU-only work on the GPU: norm_rope (RMSNorm + RoPE of q heads / kv latents in one
 #    launch; the window latents stored at their ring rows) under its GPU tests, the v4-mini graph step
@@ -32,6 +33,8 @@
 # g: the mHC statistics split over the streams at a few tokens (`mhc.SPLIT_STREAMS_MAX_TOKENS`) and the
 #    one-round epilogue reduction under the mHC GPU tests; per site with / without it (folded and unfused
 #    pairs, bench/mhc_norm_site.py); the v4-mini step, and its PDL-off attribution profile at one request.
+# h: `hc_head_norm` (the V4 output collapse + final RMSNorm in two launches, NOT_YET_ON_GPU) under its GPU
+#    tests, and the v4-mini step with it (--not-yet) at 1 and 8 requests.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -119,7 +122,14 @@ part_g() {
   step graph-profile-h200-s9-final-no-pdl 70 --requests 1 --no-pdl --profile
 }
 
-case "${1:?part: a, b, c, d, e, f or g}" in
+part_h() {
+  logged h_tests 100 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_hc_head_norm.py \
+    tests/kernels/test_hc_head_norm_model.py "tests/kernels/test_cuda_graphs.py::test_mhc_ops_replay"
+  tail -n 3 $W/logs/h_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/h_tests.txt | head -n 10 | cut -c1-300
+  step graph-decode-h200-s9-hc-head 60 --requests 1,8 --not-yet
+}
+
+case "${1:?part: a, b, c, d, e, f, g or h}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
@@ -127,6 +137,7 @@ case "${1:?part: a, b, c, d, e, f or g}" in
   e) part_e ;;
   f) part_f ;;
   g) part_g ;;
+  h) part_h ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true
