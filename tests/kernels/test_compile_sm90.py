@@ -2,11 +2,19 @@
 
 The interpreter runs a kernel's Python, not its compiled form, so it cannot see what only the GPU
 compiler sees (dot shape limits, register pressure). This test records the launches of the fused
-ops -- kernel, argument types, constexprs, warps -- on tiny inputs that reach every tile class, then
-compiles each one ahead of time for sm_90 in a subprocess with the interpreter off (Triton's bundled
-ptxas needs no GPU) and reads the spill report with the bundled cuobjdump.
+ops -- kernel, constexprs, warps, and every other argument as Triton's JIT specialises it at a real
+launch -- on tiny inputs that reach every tile class, then compiles each one ahead of time for sm_90
+in a subprocess with the interpreter off (Triton's bundled ptxas needs no GPU) and reads the spill
+report with the bundled cuobjdump.
+
+The JIT's specialisation matters: it marks pointers to 16-byte aligned data and integers divisible by
+16 `tt.divisibility = 16` and turns integers equal to 1 into constants, and with those hints the
+compiler vectorises loads and allocates registers differently (`attention_wide._wide_kernel`'s row
+gathers compile to 2-byte loads and spill without them). Alignment and divisibility come from the
+tiny inputs, so their shapes keep the shipped launches' multiples of 16 where a launch has them.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -16,9 +24,9 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import (attention, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer, indexer_pool,
-                            linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope, rms_norm, rope,
-                            triton_available)
+from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
+                            indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope,
+                            rms_norm, rope, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -42,6 +50,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
            moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
+           attention_wide: ("_wide_kernel",),
            indexer: ("_score_kernel", "_select_kernel"),
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
            compressor: ("_pool_kernel", "_pool_part_kernel", "_norm_kernel"),
@@ -51,33 +60,50 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            rms_norm: ("_rms_norm_kernel",),
            rope: ("_rope_kernel",),
            norm_rope: ("_norm_rope_kernel",)}
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
-         torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Recorder:
-    """Stands in for a kernel: records each launch's signature, then launches the real kernel."""
+    """Stands in for a kernel: records each launch -- every parameter as the JIT specialises it (its
+    [type, hint] or ["constexpr", value]) and the compile options -- then launches the real kernel."""
 
     def __init__(self, kernel, module: str, name: str, log: list):
         self.kernel, self.module, self.name, self.log = kernel, module, name, log
+        self.names, self.bind = jit_binder(kernel)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            kw = {k: describe(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            self.log.append({"module": self.module, "kernel": self.name, "args": [describe(a) for a in args],
-                             "kwargs": kw})
+            _, specialization, options = self.bind(*args, **kwargs)
+            self.log.append({"module": self.module, "kernel": self.name, "options": options,
+                             "params": {name: list(spec) for name, spec in zip(self.names, specialization)}})
             return self.kernel[grid](*args, **kwargs)
 
         return launch
 
 
-def describe(value):
-    if isinstance(value, torch.Tensor):
-        return "*" + TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    return "i32" if isinstance(value, int) else "fp32"
+def jit_binder(kernel):
+    """(parameter names, Triton's own launch binder for `kernel`): the binder maps a launch's arguments
+    to (bound arguments, one (type, hint) per parameter, compile options), the specialisation that
+    `JITFunction.run` compiles for on an sm_90 device. Hints: "D" (`tt.divisibility = 16`) for a
+    pointer to 16-byte aligned data and an integer divisible by 16, "" for neither; an integer equal
+    to 1 becomes ("constexpr", 1); the kernel's `do_not_specialize*` opt-outs apply. The caching
+    allocators of both devices align storage to more than 16 bytes, so a CPU tensor's alignment is
+    its CUDA twin's. Under the interpreter the kernel's JITFunction is rebuilt from its function."""
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    if not isinstance(kernel, JITFunction):  # the interpreter's stand-in keeps the decorator's arguments
+        opt_outs = ("do_not_specialize", "do_not_specialize_on_alignment")
+        kernel = JITFunction(kernel.fn, **{k: kernel.kwargs.get(k) for k in opt_outs})
+    return [p.name for p in kernel.params], create_function_from_signature(kernel.signature, kernel.params,
+                                                                           _sm90_backend())
+
+
+@functools.cache
+def _sm90_backend():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    return make_backend(GPUTarget("cuda", 90, 32))
 
 
 def run_every_tile_class():
@@ -163,6 +189,24 @@ def run_every_tile_class():
         pool = torch.randn(40, 512, generator=g).bfloat16().to(DEVICE)
         index = torch.randint(-1, 40, (2, 70), generator=g).to(DEVICE)
         attention.sparse_attention(q, pool, index, torch.zeros(n_heads, device=DEVICE), 512 ** -0.5)
+    # From 64 query rows the op runs `attention_wide` at `wide_tiles(n_heads)`. With the H200's 132 SMs, 64
+    # rows of 64 keys fit one key chunk (the kernel writes `out`); 256 keys split into chunks (partials and
+    # the merge), here on 16 rows (the same tiles and hints in a quarter of the interpreter's time). Keys
+    # per query a multiple of 16, as the shipped window + top-k widths.
+    n_sms, attention._num_sms = attention._num_sms, lambda device: 132
+    try:
+        for n_heads in (64, 32):
+            for n_q, n_keys in ((attention.WIDE_MIN_QUERIES, 64), (16, 256)):
+                q = torch.randn(n_q, n_heads, 512, generator=g).bfloat16().to(DEVICE)
+                args = (q, torch.randn(40, 512, generator=g).bfloat16().to(DEVICE),
+                        torch.randint(-1, 40, (n_q, n_keys), generator=g).to(DEVICE),
+                        torch.zeros(n_heads, device=DEVICE), 512 ** -0.5)
+                if n_q >= attention.WIDE_MIN_QUERIES:
+                    attention.sparse_attention(*args)
+                else:
+                    attention.launch_sparse_attention(*args, attention.wide_tiles(n_heads))
+    finally:
+        attention._num_sms = n_sms
     # Indexer, V4-Flash (64 heads) and V4.1 (32 heads), di 128, bf16: the widest register row
     # (4096 < T <= 8192) and, with the register limit lowered, the streaming selection tiles.
     for n_heads, n_keys, register_row in ((64, 5000, indexer._REGISTER_ROW), (32, 100, 64)):
@@ -261,27 +305,33 @@ COMPILE = textwrap.dedent("""
     import importlib, json, os, re, subprocess, sys
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
     results = []
     for launch in json.load(sys.stdin):
         fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-        kwargs = dict(launch["kwargs"])
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
-                   if k in kwargs}
-        values = dict(zip(fn.arg_names, launch["args"]), **kwargs)
-        constexprs = {p.name: values[p.name] for p in fn.params if p.is_constexpr}
-        signature = {name: "constexpr" if name in constexprs else values[name] for name in fn.arg_names}
-        compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options=options)
+        signature, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(fn.arg_names):  # as JITFunction._pack_args turns the specialisation into them
+            signature[name], value = launch["params"][name]
+            if signature[name] == "constexpr":  # a constexpr parameter, an integer equal to 1, or None
+                constexprs[(i,)] = value
+            elif isinstance(value, str):
+                attrs[(i,)] = backend.parse_attr(value)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=target,
+                                  options=launch["options"])
         path = "/tmp/_dspark_sm90_%d.cubin" % os.getpid()
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True).stdout
         os.remove(path)
         regs, stack = re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups()
-        results.append({"kernel": launch["kernel"], "regs": int(regs), "stack": int(stack), "constexprs": constexprs})
+        constants = {fn.arg_names[i]: v for (i,), v in constexprs.items()}
+        hinted = [fn.arg_names[i] for (i,), a in attrs.items() if a]
+        results.append({"kernel": launch["kernel"], "regs": int(regs), "stack": int(stack), "constexprs": constants,
+                        "divisible_by_16": hinted})
     print(json.dumps(results))
 """)
 
@@ -303,5 +353,55 @@ def test_fused_launches_compile_for_sm90_without_spills(monkeypatch, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(results) == len(unique)
-    spills = [r for r in results if r["stack"] > 0]
+    spills = [r for r in results if r["stack"] > known_spill(r)]
     assert not spills, f"register spills on sm_90: {spills}"
+
+
+# Spills of shipped launches under the JIT's specialisation, known and left as they are because the
+# launch shapes were measured the fastest on the H200 with them (bytes of stack allowed); any other
+# spill, or a larger one, fails the test.
+# * `_wide_kernel`, every one of 64 heads in one program with one key chunk (n_chunks = 1 becomes a
+#   constant): 24 B; attn-variants-h200.json timed this shape (it is `all_s4_waves1` at 256+ queries).
+# * `_decode_down_kernel`, dense bf16 one-token tiles 4 x 512 (v4-mini): 8 B; picked by
+#   bench/moe_decode_tiles.py (moe-decode-tiles-mini-h200.json).
+KNOWN_SPILLS = (
+    ("_wide_kernel", dict(BLOCK_H=64, n_chunks=1), 24),
+    ("_decode_down_kernel", dict(FP8=False, BLOCK_N=4, BLOCK_K=512), 8),
+)
+
+
+def known_spill(result: dict) -> int:
+    """Stack bytes allowed for one compiled launch (`KNOWN_SPILLS`), 0 for every other."""
+    for kernel, constants, limit in KNOWN_SPILLS:
+        if result["kernel"] == kernel and all(result["constexprs"].get(k) == v for k, v in constants.items()):
+            return limit
+    return 0
+
+
+@pytest.mark.skipif(triton_available() and _triton_minor() != TUNED_FOR,
+                    reason=f"the recorder uses triton {TUNED_FOR}'s JIT binder")
+@pytest.mark.parametrize("opt_out", [False, True], ids=["jit", "do_not_specialize"])
+def test_recorder_keeps_the_jit_specialisation(opt_out, monkeypatch):
+    """A `_wide_kernel` launch is recorded as the JIT specialises it: hints for the 16-byte aligned
+    tensors and the 32-key chunk, none for an index 8 bytes into its storage or for 3 heads of 40,
+    the one head block and the one key chunk as the constant 1 -- unless the kernel opts out."""
+    import triton
+
+    kernel = attention_wide._wide_kernel
+    if opt_out:
+        kernel = triton.jit(kernel.fn, do_not_specialize=["n_chunks"], do_not_specialize_on_alignment=["q_ptr"])
+    log = []
+    monkeypatch.setattr(attention_wide, "_wide_kernel", Recorder(kernel, attention_wide.__name__, "_wide_kernel", log))
+    g = torch.Generator().manual_seed(0)
+    index = torch.randint(-1, 9, (2 * 17 + 1,), generator=g).to(DEVICE)[1:].view(2, 17)
+    attention.launch_sparse_attention(torch.randn(2, 3, 40, generator=g).to(DEVICE),
+                                      torch.randn(9, 40, generator=g).to(DEVICE), index,
+                                      torch.zeros(3, device=DEVICE), 0.3, attention.wide_tiles(3))
+    [record] = log
+    params = record["params"]
+    assert params["idx_ptr"] == ["*i64", ""] and params["n_heads"] == params["head_dim"] == ["i32", ""]
+    assert params["pool_ptr"] == ["*fp32", "D"] and params["keys_per_chunk"] == ["i32", "D"]
+    assert params["n_hblocks"] == ["constexpr", 1] and params["BLOCK_H"] == ["constexpr", 16]
+    assert params["q_ptr"] == ["*fp32", "" if opt_out else "D"]
+    assert params["n_chunks"] == (["i32", None] if opt_out else ["constexpr", 1])
+    assert {k: record["options"][k] for k in ("num_warps", "num_stages")} == {"num_warps": 8, "num_stages": 4}
