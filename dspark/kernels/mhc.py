@@ -330,6 +330,22 @@ def _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC: tl.constexp
 
 
 @_jit
+def _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok, dim, splits, rms_eps, hc_eps,
+                 sinkhorn_iters, store, HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
+                 BLOCK_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """An epilogue program's token block (program_id(0)): (offs_t [BT], t_mask [BT], tj_mask [BT, HC_PAD],
+    pre [BT, HC_PAD]) from the statistics partials; post and comb are stored where `store`."""
+    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    tj_mask = t_mask[:, None] & (tl.arange(0, HC_PAD) < HC)[None, :]
+    pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
+                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
+    if store:
+        _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+    return offs_t, t_mask, tj_mask, pre
+
+
+@_jit
 def _mhc_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
@@ -339,17 +355,11 @@ def _mhc_epilogue_kernel(
     """Reduce partials -> pre/post/comb (every D-block recomputes them: 4×4 work per token, cheaper
     than another launch); the first D-block stores post and comb; each stores its slice of u."""
     pdl_prologue(PDL)
-    pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
-    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t_mask = offs_t < n_tok
+    offs_t, t_mask, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok,
+                                                dim, splits, rms_eps, hc_eps, sinkhorn_iters, pid_d == 0, HC, HC_PAD,
+                                                MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     offs_j = tl.arange(0, HC_PAD)
-    tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
-    pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
-    if pid_d == 0:
-        _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
-
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
     x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],

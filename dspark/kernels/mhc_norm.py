@@ -41,7 +41,7 @@ import math
 import torch
 
 from dspark.kernels.mhc import (
-    _check_post_args, _check_pre_args, _launch_stats, _num_sms, _site_mixes, _store_mixes, mhc_post_pre,
+    _block_mixes, _check_post_args, _check_pre_args, _launch_stats, _num_sms, mhc_post_pre,
     mhc_post_pre_ref, mhc_pre, mhc_pre_ref, split_block,
 )
 from dspark.kernels.registry import require_triton
@@ -148,19 +148,12 @@ def _mhc_norm_epilogue_kernel(
     and comb), Σu² over the whole row, then h = w ⊙ u · rsqrt(Σu²/D + norm_eps) on the D-blocks
     p, p + P, ... (`iters` of them)."""
     pdl_prologue(PDL)
-    pid_t = tl.program_id(0)
     pid_p = tl.program_id(1)
-    n_prog = tl.num_programs(1)
-    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t_mask = offs_t < n_tok
-    offs_j = tl.arange(0, HC_PAD)
-    tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
-    pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
-    if pid_p == 0:
-        _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+    offs_t, t_mask, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok,
+                                                dim, splits, rms_eps, hc_eps, sinkhorn_iters, pid_p == 0, HC, HC_PAD,
+                                                MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps,
-                           pid_p, n_prog, HC, HC_PAD, BLOCK_T, BLOCK_D)
+                           pid_p, tl.num_programs(1), HC, HC_PAD, BLOCK_T, BLOCK_D)
 
 
 # ------------------------------------------------------------------------------------ launchers

@@ -251,15 +251,20 @@ AOT = textwrap.dedent("""
 """)
 
 
+def _aot(script: str) -> dict:
+    """Run an AOT-compile script in a subprocess with the interpreter off; its last line's JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @needs_triton
 def test_sm90_code_waits_before_it_releases_and_reads():
     """AOT for sm_90 (no GPU needed): with PDL the wait precedes the release and the first global
     load; without PDL neither instruction is emitted."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run([sys.executable, "-c", AOT], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _aot(AOT)
     wait, release, load = found["True"]
     assert 0 <= wait < release < load, found
     assert found["False"][:2] == [-1, -1] and found["False"][2] >= 0, found
@@ -289,11 +294,7 @@ AOT_PREFETCH = textwrap.dedent("""
 def test_sm90_code_prefetches_weights_before_the_wait():
     """AOT for sm_90: with PREFETCH the GEMV issues its L2 bulk prefetch before `griddepcontrol.wait`
     and loads nothing before it; without PREFETCH no prefetch is emitted."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run([sys.executable, "-c", AOT_PREFETCH], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _aot(AOT_PREFETCH)
     prefetch, wait, load = found["True"]
     assert 0 <= prefetch < wait < load, found
     assert found["False"][0] == -1 and 0 <= found["False"][1] < found["False"][2], found
