@@ -54,13 +54,16 @@ _STREAM_TILE = 4096  # tile of the passes over longer rows
 
 @_jit
 def _score_kernel(
-    q_ptr, w_ptr, k_ptr, vis_ptr, cand_ptr, out_ptr,
-    n_q, n_heads, head_dim, n_keys, k_group_stride,
+    q_ptr, w_ptr, k_ptr, vis_ptr, cand_ptr, out_ptr, bmax_ptr,
+    n_q, n_heads, head_dim, n_keys, n_blocks, k_group_stride,
     HAS_CAND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, POOL_B: tl.constexpr, PDL: tl.constexpr,
 ):
     """scores[s, t] for the rows s of block program_id(1) and entries t of tile program_id(0), of
-    group program_id(2) (`index_scores`: every tensor holds B groups back to back; one group otherwise)."""
+    group program_id(2) (`index_scores`: every tensor holds B groups back to back; one group otherwise).
+    POOL_B > 0 (a power of two dividing BLOCK_T; `index_scores_pooled`): also the tile's block maxima
+    bmax[s, b] over POOL_B consecutive masked scores, the newest visible entry's block pinned to +inf
+    (`indexer_pool._block_max_kernel`'s rule), so the pool need not re-read the scores."""
     pdl_prologue(PDL)
     b = tl.program_id(2).to(tl.int64)
     q_ptr += b * n_q * n_heads * head_dim
@@ -68,6 +71,7 @@ def _score_kernel(
     k_ptr += b * k_group_stride  # a slot's keys may be a prefix of a longer row block (static state)
     vis_ptr += b * n_q
     out_ptr += b * n_q * n_keys
+    bmax_ptr += b * n_q * n_blocks
     if HAS_CAND:
         cand_ptr += b * n_q * n_keys
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -92,10 +96,18 @@ def _score_kernel(
         else:
             dots = tl.dot(q, tl.trans(keys))  # [BH, BT] fp32 accumulation
         score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)  # padded heads: w = 0
-        reachable = offs_t < tl.load(vis_ptr + s, mask=row_ok, other=0)
+        vis = tl.load(vis_ptr + s, mask=row_ok, other=0)
+        reachable = offs_t < vis
         if HAS_CAND:
             reachable &= tl.load(cand_ptr + s * n_keys + offs_t, mask=row_ok & t_mask, other=0) != 0
-        tl.store(out_ptr + s * n_keys + offs_t, tl.where(reachable, score, float("-inf")), mask=row_ok & t_mask)
+        score = tl.where(reachable, score, float("-inf"))
+        tl.store(out_ptr + s * n_keys + offs_t, score, mask=row_ok & t_mask)
+        if POOL_B > 0:  # the tile holds BLOCK_T / POOL_B whole blocks; entries past T pad with −inf
+            blocks = tl.reshape(tl.where(t_mask, score, float("-inf")), (BLOCK_T // POOL_B, POOL_B))
+            offs_b = tl.program_id(0) * (BLOCK_T // POOL_B) + tl.arange(0, BLOCK_T // POOL_B)
+            newest = tl.where(vis > 0, (vis - 1) // POOL_B, -1)  # Triton's // truncates: (0 − 1) // b would be 0
+            best = tl.where(offs_b == newest, float("inf"), tl.max(blocks, axis=1))
+            tl.store(bmax_ptr + s * n_blocks + offs_b, best, mask=row_ok & (offs_b < n_blocks))
 
 
 @_jit
@@ -210,9 +222,10 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     pdl = pdl_launch(q.device, math.prod(grid))
     _score_kernel[grid](
         q.contiguous(), weights.float().contiguous(), keys.contiguous(), visible.contiguous(), cand.contiguous(),
-        scores, n_q, n_heads, head_dim, n_keys, 0,
+        scores, scores, n_q, n_heads, head_dim, n_keys, 0, 0,
         HAS_CAND=candidates is not None, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
-        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, POOL_B=0, PDL=pdl, launch_pdl=pdl,
+        num_warps=warps,
     )
     return select_topk(scores, topk), scores
 
@@ -221,11 +234,27 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     """Fused `index_scores_ref` (same signature, shapes and dtypes): one `_score_kernel` launch."""
     require_triton()
     _check_index_scores_args(q, weights, keys, visible)
+    scores = torch.empty(q.shape[:2] + keys.shape[1:2], dtype=torch.float32, device=q.device)
+    launch_index_scores(q, weights, keys, visible, scores)
+    return scores
+
+
+def pool_block_fits(block: int, n_heads: int, head_dim: int) -> bool:
+    """Whether `_score_kernel`'s key tiles hold whole pool blocks of `block` entries (a power of two
+    up to BLOCK_T), so that its epilogue can write their maxima (`launch_index_scores`' block_max)."""
+    block_t = _score_tiles(1, n_heads, head_dim)[2]  # BLOCK_T does not depend on the row count
+    return block & (block - 1) == 0 and block <= block_t
+
+
+def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                        scores: torch.Tensor, block_max: torch.Tensor | None = None, block: int = 0) -> None:
+    """One `_score_kernel` launch over B groups (arguments checked by the caller): writes scores
+    [B, S, T] fp32 and, with `block_max` [B, S, ceil(T / block)] fp32 (`pool_block_fits(block, ...)`),
+    the pool's block maxima with the newest block pinned (`indexer_pool.index_scores_pooled`)."""
     n_groups, n_q, n_heads, head_dim = q.shape
     n_keys = keys.shape[1]
-    scores = torch.empty((n_groups, n_q, n_keys), dtype=torch.float32, device=q.device)
     if scores.numel() == 0:
-        return scores
+        return
     block_s, block_h, block_t, d_pad, warps = _score_tiles(n_q, n_heads, head_dim)
     visible = visible.contiguous()
     if keys.stride(2) != 1 or keys.stride(1) != head_dim:  # rows must be dense; groups may be spaced
@@ -234,11 +263,12 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     pdl = pdl_launch(q.device, math.prod(grid))
     _score_kernel[grid](
         q.contiguous(), weights.float().contiguous(), keys, visible, visible, scores,
-        n_q, n_heads, head_dim, n_keys, keys.stride(0),
+        scores if block_max is None else block_max,  # a dummy pointer when absent
+        n_q, n_heads, head_dim, n_keys, 0 if block_max is None else block_max.shape[-1], keys.stride(0),
         HAS_CAND=False, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
-        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, POOL_B=0 if block_max is None else block,
+        PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
-    return scores
 
 
 def select_topk(scores: torch.Tensor, topk: int, *, offset: torch.Tensor | None = None,

@@ -62,6 +62,7 @@ _OP_MODULES: dict[str, str] = {
     "select_topk": "indexer",
     "index_scores": "indexer",
     "indexer_pool": "indexer_pool",
+    "index_scores_pooled": "indexer_pool",
     "compressor_pool": "compressor",
     "compressor_pool_gather": "compressor",
     "grouped_wo_a": "grouped_wo_a",
@@ -78,7 +79,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ("hc_head_norm",)
+NOT_YET_ON_GPU: tuple[str, ...] = ("hc_head_norm", "index_scores_pooled")
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,6 +119,9 @@ class KernelConfig:
     runs them only when they are ``"triton"``; at ``"ref"`` it keeps the unfused pair (`mhc_pre` /
     `mhc_post_pre`, then `rms_norm`, each as chosen here), of which their references are the torch form.
     `hc_head_norm` likewise folds the final `norm` into V4's output collapse (`head_norm_op`).
+    `index_scores_pooled` folds the candidate pool's block maxima into the V4.1 candidate source's
+    batched scores: run only when ``"triton"``; at ``"ref"`` the source keeps `index_scores` then
+    `indexer_pool` (each as chosen here).
     """
 
     mhc_pre: Impl = "ref"
@@ -136,6 +140,7 @@ class KernelConfig:
     select_topk: Impl = "ref"
     index_scores: Impl = "ref"
     indexer_pool: Impl = "ref"
+    index_scores_pooled: Impl = "ref"
     compressor_pool: Impl = "ref"
     compressor_pool_gather: Impl = "ref"
     grouped_wo_a: Impl = "ref"
