@@ -216,6 +216,6 @@ def index_scores_pooled(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
         launch_index_scores(q, weights, keys, visible, scores, bscores, block)
     else:
         launch_index_scores(q, weights, keys, visible, scores)
-        _launch_block_max(scores.view(-1, n_keys), visible.reshape(-1).contiguous(), bscores.view(-1, bscores.shape[-1]),
-                          block)
+        _launch_block_max(scores.view(-1, n_keys), visible.reshape(-1).contiguous(),
+                          bscores.view(-1, bscores.shape[-1]), block)
     return scores, bscores

@@ -7,10 +7,20 @@ Inputs are small integers with power-of-two head weights: every score is exact i
 (so reference and kernel agree bit for bit too), with many tied scores and block maxima, ReLU zeros,
 and −inf wherever an entry is not visible yet (rows from nothing visible to everything visible)."""
 
+import dataclasses
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from dspark.kernels import indexer, indexer_pool, triton_available
+import dspark
+from dspark.kernels import KernelConfig, indexer, indexer_pool, triton_available
+from dspark.models.deepseek_v41.csa2 import Indexer
+from dspark.models.deepseek_v41.static_step import StaticDecoderV41
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from static_step_checks import run_rounds  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,8 +47,8 @@ def test_ref_matches_the_unfused_references():
     scores, bscores = indexer_pool.index_scores_pooled_ref(q, weights, keys, visible, block=4)
     assert torch.equal(scores, indexer.index_scores_ref(q, weights, keys, visible))
     assert bscores.shape == (2, 3, 10) and bscores.dtype == torch.float32
-    assert torch.equal(bscores.flatten(0, 1), indexer_pool._block_scores_ref(scores.flatten(0, 1), visible.flatten(), 4))
     flat = scores.flatten(0, 1), visible.flatten()
+    assert torch.equal(bscores.flatten(0, 1), indexer_pool._block_scores_ref(*flat, 4))
     keep = indexer_pool.indexer_pool_ref(*flat, topk_blocks=3, block=4, bscores=bscores.flatten(0, 1))
     assert torch.equal(keep, indexer_pool.indexer_pool_ref(*flat, topk_blocks=3, block=4))
 
@@ -93,3 +103,53 @@ def test_fused_pool_is_the_unfused_pool(n_groups, n_q, n_heads, head_dim, n_keys
     ref_scores, ref_bscores = indexer_pool.index_scores_pooled_ref(*args, block=block)
     assert torch.equal(scores, ref_scores) and torch.equal(bscores, ref_bscores)  # exact integer scores
     assert bscores.isinf().any() and (bscores == float("inf")).any()  # masked blocks and pins exercised
+
+
+# ------------------------------------------------------------------------------- the V4.1 call sites
+
+V41_OPS = ("index_scores", "indexer_pool", "select_topk", "compressor_pool_gather", "compressor_project", "norm_rope")
+
+
+def _v41_model(pooled: bool):
+    """tiny-v41 (candidate source at layer 4, blocks of 4, 2 kept) with its static-step ops on Triton;
+    `pooled`: `index_scores_pooled` too. Returns (model, the calls of the candidate source's pooled op)."""
+    kernels = dataclasses.replace(KernelConfig.for_device(DEVICE), **{op: "triton" for op in V41_OPS},
+                                  index_scores_pooled="triton" if pooled else "ref")
+    model = dspark.init_model("tiny-v41", seed=0, device=DEVICE, dtype=torch.float32, kernels=kernels,
+                              prefill_mode="exact", cache_qat=False)
+    indexers = [m for m in model.modules() if isinstance(m, Indexer)]
+    assert [i.pooled_scores_op is not None for i in indexers] == [pooled and i.is_candidate_source for i in indexers]
+    calls = []
+    for indexer_module in indexers:
+        if indexer_module.pooled_scores_op is not None:
+            op = indexer_module.pooled_scores_op
+            indexer_module.pooled_scores_op = lambda *a, _op=op, **k: calls.append(a[0].shape[0]) or _op(*a, **k)
+    return model, calls
+
+
+@needs_triton
+@torch.no_grad()
+def test_v41_static_step_with_the_fused_pool_is_unchanged():
+    outs = []
+    for pooled in (False, True):
+        model, calls = _v41_model(pooled)
+        outs.append(torch.stack(run_rounds(StaticDecoderV41, model, None, rounds=2)))
+        assert bool(calls) == pooled  # the static step's candidate source ran the fused op
+    assert torch.equal(outs[1], outs[0])
+
+
+@needs_triton
+@torch.no_grad()
+def test_v41_padded_pass_with_the_fused_pool_is_unchanged():
+    """A ragged decode call of 3 requests: the candidate source's padded pass (`select_batch`)."""
+    logits = []
+    for pooled in (False, True):
+        model, calls = _v41_model(pooled)
+        g = torch.Generator().manual_seed(3)
+        states = [model.new_state() for _ in range(3)]
+        for state, n in zip(states, (9, 30, 17)):
+            model(torch.randint(0, 256, (n,), generator=g), [state], [n])
+        assert not calls  # one request at a time: `select` (the lightning indexer), not the padded pass
+        logits.append(model(torch.randint(0, 256, (3,), generator=g), states, [1, 1, 1]).logits)
+        assert calls == ([3] if pooled else [])  # one padded call for the 3 requests
+    assert torch.equal(logits[1], logits[0])

@@ -32,13 +32,14 @@ def pads_well(batch: RaggedBatch) -> bool:
 
 
 def padded_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor], batch: RaggedBatch,
-                        visible: torch.Tensor, scores_op: Callable = index_scores_ref) -> torch.Tensor:
+                        visible: torch.Tensor, scores_op: Callable = index_scores_ref, **op_kwargs):
     """Scores of every row against its own request's keys, −inf where t ≥ visible[row].
 
     Shape: q [N, Hi, di] rotated index queries; weights [N, Hi] head weights (constants folded in);
     keys one [T_b, di] per request; visible [N] entries each row may see (≤ T_b, so a request's
     padding never scores); `scores_op` the registry's `index_scores` (one group per request).
-    Returns [N, T_max] fp32.
+    Returns [N, T_max] fp32. With the registry's `index_scores_pooled` as `scores_op` (and its
+    `block=` in op_kwargs): (scores [N, T_max], the V4.1 pool's block scores [N, ceil(T_max / block)]).
     """
     n_req, seq_max, t_max = len(keys), max(batch.seq_lens), max(k.shape[0] for k in keys)
     slot = _padded_slots(batch, seq_max).to(q.device, non_blocking=True)  # [N] row -> b·S_max + s
@@ -48,7 +49,10 @@ def padded_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: list[torch
     w_pad = weights[rows].unflatten(0, (n_req, seq_max))  # [B, S_max, Hi]
     v_pad = visible[rows].unflatten(0, (n_req, seq_max))  # [B, S_max]
     k_pad = _pad_keys(keys, t_max)  # [B, T_max, di]
-    return scores_op(q_pad, w_pad, k_pad, v_pad).flatten(0, 1)[slot]  # [N, T_max]
+    out = scores_op(q_pad, w_pad, k_pad, v_pad, **op_kwargs)  # [B, S_max, ...] each
+    if isinstance(out, torch.Tensor):
+        return out.flatten(0, 1)[slot]  # [N, T_max]
+    return tuple(t.flatten(0, 1)[slot] for t in out)
 
 
 def _padded_slots(batch: RaggedBatch, seq_max: int) -> torch.Tensor:

@@ -134,6 +134,10 @@ class Indexer(nn.Module):
         self.scores_op = get_op(kernels, "index_scores")  # batched scores: static slots, padded requests
         # scores [S, T] fp32, visible [S] -> the candidate pool [S, T] bool (spec §5.4)
         self.pool_op = get_op(kernels, "indexer_pool")
+        # Batched scores + the pool's block scores in one kernel (the candidate source's batched passes),
+        # only when picked; otherwise (None) `scores_op` then `pool_op` compute the same pool.
+        self.pooled_scores_op = (get_op(kernels, "index_scores_pooled")
+                                 if role.is_candidate_source and kernels.index_scores_pooled != "ref" else None)
         # x [..., di], cos/sin broadcastable to [..., rd/2] -> x rotated (index keys and queries)
         self.rope_op = get_op(kernels, "rope")
         self.n_heads = c.index_n_heads
@@ -205,15 +209,20 @@ class Indexer(nn.Module):
                 slots[b].topk = self.select(q[rows], weights[rows], request_keys, batch.positions[rows], slots[b])
             return
         visible = (batch.positions + 1) // self.ratio  # [N], <= T_b: padding is never reachable
-        scores = padded_index_scores(q, weights, keys, batch, visible, self.scores_op)  # [N, T_max]
+        bscores = None  # the pool's block scores [N, ceil(T_max / b)] when the scores kernel wrote them
+        if self.pooled_scores_op is not None:
+            scores, bscores = padded_index_scores(q, weights, keys, batch, visible, self.pooled_scores_op,
+                                                  block=self.candidate_block_size)
+        else:
+            scores = padded_index_scores(q, weights, keys, batch, visible, self.scores_op)  # [N, T_max]
         if self.uses_candidates and not self.is_candidate_source:
             pool = _padded_pool([slot.candidates for slot in slots], batch, t_max, q.device)
             scores = scores.masked_fill(~pool, float("-inf"))
         picks = self.topk_op(scores, self.topk)  # [N, min(k, T_max)]
         pools = None
         if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
-            pools = self.pool_op(scores, visible, topk_blocks=self.candidate_blocks,
-                                 block=self.candidate_block_size)  # padding columns are −inf: never kept
+            pools = self.pool_op(scores, visible, topk_blocks=self.candidate_blocks, block=self.candidate_block_size,
+                                 bscores=bscores)  # padding columns are −inf: never kept
         for b, request_keys in enumerate(keys):
             rows, n_keys = batch.rows(b), request_keys.shape[0]
             slots[b].topk = picks[rows, : min(self.topk, n_keys)]

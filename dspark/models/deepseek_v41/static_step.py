@@ -192,12 +192,18 @@ def select(indexer, q: torch.Tensor, weights: torch.Tensor, index: StepIndex, so
     """
     n_slots, n_tok = index.positions.shape
     keys = source.keys[:n_slots, : source.n_entries]  # [b, E, di] the bucket's slots
-    scores = indexer.scores_op(q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys,
-                               index.visible(indexer.ratio)).flatten(0, 1)  # [N, E] fp32, −inf if not complete
+    args = (q.view(n_slots, n_tok, *q.shape[1:]), weights.view(n_slots, n_tok, -1), keys, index.visible(indexer.ratio))
+    bscores = None  # the pool's block scores [N, ceil(E / b)] when the scores kernel wrote them
+    if indexer.pooled_scores_op is not None:  # candidate source, `index_scores_pooled` picked
+        scores, bscores = indexer.pooled_scores_op(*args, block=indexer.candidate_block_size)
+        bscores = bscores.flatten(0, 1)
+    else:
+        scores = indexer.scores_op(*args)
+    scores = scores.flatten(0, 1)  # [N, E] fp32, −inf if not complete
     if indexer.uses_candidates and not indexer.is_candidate_source:
         scores = scores.masked_fill(~shared.candidates, float("-inf"))
     shared.topk = indexer.topk_op(scores, indexer.topk)
     if indexer.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
         visible = (index.flat + 1) // indexer.ratio  # [N]
         shared.candidates = indexer.pool_op(scores, visible, topk_blocks=indexer.candidate_blocks,
-                                            block=indexer.candidate_block_size)
+                                            block=indexer.candidate_block_size, bscores=bscores)
