@@ -21,7 +21,9 @@ Fused kernels, two launches:
 1. `_score_kernel`, grid (T tiles, S blocks): each program loads one tile of keys once and scores
    it against every row of its block (one [Hi, di] × [di, BLOCK_T] tensor-core dot per row, ReLU,
    head weights, Σ over heads in fp32), applying the visibility and candidate masks as −inf before
-   it writes [S, T] fp32 scores (the masked entries can therefore never be selected).
+   it writes [S, T] fp32 scores (the masked entries can therefore never be selected). With POOL_B
+   (`indexer_pool.index_scores_pooled`, via `launch_index_scores`) its epilogue also writes the V4.1
+   candidate pool's block maxima of each tile's whole blocks, so the pool does not re-read the scores.
 2. `_select_kernel`, one program per row: radix-style bisection over the scores' order-preserving
    int32 keys finds the k-th largest score θ in 32 counting passes (one register-resident tile for
    T ≤ 8192, else passes over L2-resident tiles); one more pass writes the entries > θ and the

@@ -223,6 +223,10 @@ def run_every_tile_class():
     block = torch.randn(3, 301, 128, generator=g).bfloat16().to(DEVICE)
     indexer.index_scores(torch.randn(3, 2, 64, 128, generator=g).bfloat16().to(DEVICE),
                          torch.randn(3, 2, 64, device=DEVICE), block[:, :300], torch.full((3, 2), 250, device=DEVICE))
+    # The V4.1 candidate source's scores (32 index heads x 128) with the pool's block maxima of 8 (POOL_B).
+    indexer_pool.index_scores_pooled(torch.randn(3, 2, 32, 128, generator=g).bfloat16().to(DEVICE),
+                                     torch.randn(3, 2, 32, device=DEVICE), block[:, :300],
+                                     torch.full((3, 2), 250, device=DEVICE), block=8)
     # V4.1 candidate pool, blocks of 8: the widest register row (4096 < B <= 8192) and the streamed rows.
     for n_blocks, register_row in ((5000, indexer_pool._REGISTER_ROW), (100, 64)):
         scores = torch.randn(2, 8 * n_blocks, generator=g).to(DEVICE)

@@ -153,3 +153,24 @@ def test_v41_padded_pass_with_the_fused_pool_is_unchanged():
         logits.append(model(torch.randint(0, 256, (3,), generator=g), states, [1, 1, 1]).logits)
         assert calls == ([3] if pooled else [])  # one padded call for the 3 requests
     assert torch.equal(logits[1], logits[0])
+
+
+# ----------------------------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_keys", [4096, 32_768])  # v41-mini's candidate source at 16K / 128K context (ratio 4)
+def test_real_shapes_on_gpu(n_keys):
+    """8 slots x 4 tokens, 32 index heads x 128 (bf16), blocks of 8, 2048 kept: the fused pool is the
+    unfused pool, and the epilogue's block scores are the reference's of the same scores."""
+    g = torch.Generator().manual_seed(n_keys)
+    q = torch.randn(8, 4, 32, 128, generator=g).bfloat16().to(DEVICE)
+    weights = torch.randn(8, 4, 32, generator=g).to(DEVICE)
+    keys = torch.randn(8, n_keys, 128, generator=g).bfloat16().to(DEVICE)
+    visible = torch.randint(0, n_keys + 1, (8, 4), generator=g).to(DEVICE)
+    scores, bscores = indexer_pool.index_scores_pooled(q, weights, keys, visible, block=8)
+    assert torch.equal(scores, indexer.index_scores(q, weights, keys, visible))
+    flat = scores.flatten(0, 1), visible.flatten()
+    assert torch.equal(bscores.flatten(0, 1), indexer_pool._block_scores_ref(*flat, 8))
+    fused = indexer_pool.indexer_pool(*flat, topk_blocks=2048, block=8, bscores=bscores.flatten(0, 1))
+    assert torch.equal(fused, indexer_pool.indexer_pool(*flat, topk_blocks=2048, block=8))

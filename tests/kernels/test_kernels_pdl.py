@@ -175,6 +175,8 @@ def _every_op(device: str) -> None:
     indexer.lightning_indexer(rand(2, 4, 32), rand(2, 4), keys, visible, None, topk=8)
     indexer.index_scores(rand(1, 2, 4, 32), rand(1, 2, 4), keys[None], visible[None])
     indexer_pool.indexer_pool(rand(2, 64), torch.tensor([30, 64], device=device), topk_blocks=2, block=8)
+    for block in (8, 3):  # block maxima in the score kernel's epilogue; the scores, then `_block_max_kernel`
+        indexer_pool.index_scores_pooled(rand(1, 2, 4, 32), rand(1, 2, 4), keys[None], visible[None], block=block)
     out, cs = rand(17, 8, 64), rand(17, 8)
     grouped_wo_a.launch_grouped_wo_a(out, cs, cs, rand(64, 256), grouped_wo_a.Tiles(16, 16, 16, 4, 2, 2))
     n_exp, dim, inter = 4, 32, 16
