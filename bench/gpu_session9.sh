@@ -33,8 +33,10 @@
 # g: the mHC statistics split over the streams at a few tokens (`mhc.SPLIT_STREAMS_MAX_TOKENS`) and the
 #    one-round epilogue reduction under the mHC GPU tests; per site with / without it (folded and unfused
 #    pairs, bench/mhc_norm_site.py); the v4-mini step, and its PDL-off attribution profile at one request.
-# h: `hc_head_norm` (the V4 output collapse + final RMSNorm in two launches, NOT_YET_ON_GPU) under its GPU
-#    tests, and the v4-mini step with it (--not-yet) at 1 and 8 requests.
+# h (not run: written after the device time ran out): `hc_head_norm` (the V4 output collapse + final
+#    RMSNorm in two launches) and `index_scores_pooled` (V4.1's pool block maxima in the indexer score
+#    kernel), both NOT_YET_ON_GPU, under their GPU tests; the v4-mini and v41-mini steps with them
+#    (--not-yet) and without.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -123,10 +125,14 @@ part_g() {
 }
 
 part_h() {
-  logged h_tests 100 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_hc_head_norm.py \
-    tests/kernels/test_hc_head_norm_model.py "tests/kernels/test_cuda_graphs.py::test_mhc_ops_replay"
+  logged h_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_hc_head_norm.py \
+    tests/kernels/test_hc_head_norm_model.py "tests/kernels/test_cuda_graphs.py::test_mhc_ops_replay" \
+    tests/kernels/test_indexer_pool_fused.py tests/kernels/test_indexer_pool.py tests/kernels/test_lightning_indexer.py
   tail -n 3 $W/logs/h_tests.txt | cut -c1-400; grep -h "^E  \|FAILED" $W/logs/h_tests.txt | head -n 10 | cut -c1-300
-  step graph-decode-h200-s9-hc-head 60 --requests 1,8 --not-yet
+  step graph-decode-h200-hc-head 60 --requests 1,8 --not-yet
+  step graph-decode-h200-hc-head-base 60 --requests 1,8
+  step graph-decode-v41-mini-h200-pooled 60 --config v41-mini --requests 1,8 --not-yet
+  step graph-decode-v41-mini-h200-pooled-base 60 --config v41-mini --requests 1,8
 }
 
 case "${1:?part: a, b, c, d, e, f, g or h}" in
