@@ -24,6 +24,7 @@ state moves into the static drafter with its target state); other drafters keep 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -42,6 +43,7 @@ from dspark.engine.scheduler import Scheduler
 from dspark.engine.slots import SlotState, SlotTable
 from dspark.engine.static_draft import StaticDraftRunner
 from dspark.engine.static_runner import StaticRunner
+from dspark.kernels.registry import OPTIONAL_BACKENDS
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from dspark.request import GenerationStats, Request
@@ -408,10 +410,17 @@ def static_by_default(model) -> bool:
                    for layer in model.layers if hasattr(layer, "engram"))
 
 
+def host_bound_ops(kernels) -> list[str]:
+    """The ops `kernels` runs on an optional backend (`registry.OPTIONAL_BACKENDS`), as "op='impl'":
+    flashinfer's attention plans on the host at each call (a device-to-host copy), and deep_gemm
+    converts each weight on its first call (a host sync) and JIT-compiles; a CUDA graph holds neither."""
+    return [f"{f.name}={getattr(kernels, f.name)!r}" for f in dataclasses.fields(kernels)
+            if getattr(kernels, f.name) in OPTIONAL_BACKENDS]
+
+
 def graph_capturable(kernels) -> bool:
-    """Whether every op `kernels` picks can run inside a captured step: flashinfer's attention plans
-    on the host at each call (a device-to-host copy), which a CUDA graph cannot hold."""
-    return kernels.sparse_attention != "flashinfer"
+    """Whether every op `kernels` picks can run inside a captured step (`host_bound_ops`)."""
+    return not host_bound_ops(kernels)
 
 
 def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner, StaticDraftRunner | None]:
@@ -421,8 +430,8 @@ def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, Stati
         raise ValueError(f"static_decode supports DeepSeek-V4 and V4.1 targets only, got {type(model).__name__}")
     if not graph_capturable(model.kernels):
         raise ValueError(f"static_decode needs graph-capturable kernels, but the model runs "
-                         f"sparse_attention={model.kernels.sparse_attention!r} (it plans on the host at each "
-                         f"call); use static_decode=False, or sparse_attention='triton'")
+                         f"{', '.join(host_bound_ops(model.kernels))} (host work at each or the first call); "
+                         f"use static_decode=False, or 'triton' for those ops")
     tokens = _verify_width(drafter, config)
     capture = drafter.capture_layers if drafter is not None else ()
     # A request of `slot_context` positions verifies at most T tokens from its last anchor.

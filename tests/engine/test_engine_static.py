@@ -275,6 +275,11 @@ def test_static_decode_refuses_kernels_a_graph_cannot_hold():
     assert not graph_capturable(kernels) and graph_capturable(KernelConfig.uniform("triton"))
     with pytest.raises(ValueError, match="sparse_attention='flashinfer'"):
         Engine(model, EngineConfig(max_running=2, static_decode=True, **LIMITS))
+    # deep_gemm converts each weight at its first call (a host sync) and JIT-compiles: no graph either
+    deep = KernelConfig(fused_moe="triton", moe_experts="deep_gemm", linear="deep_gemm")
+    assert not graph_capturable(deep)
+    with pytest.raises(ValueError, match="moe_experts='deep_gemm', linear='deep_gemm'|linear='deep_gemm', moe_experts"):
+        Engine(dspark.init_model(config, seed=0, kernels=deep), EngineConfig(max_running=2, static_decode=True, **LIMITS))
 
 
 @pytest.mark.parametrize("prefill_mode", ["exact", "bounded_replay"])
