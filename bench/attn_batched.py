@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:  # run as a script from any directory
     sys.path.insert(0, str(REPO))
 
 from bench.engine_h200 import fabricate_state  # noqa: E402
-from bench.graph_timing import replay_seconds  # noqa: E402
+from bench.graph_timing import capture, replay_seconds  # noqa: E402
 from dspark.api import init_model  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
 
@@ -150,17 +150,6 @@ def graph_timer(fn, reps: int = 50) -> float:
     replay, median) and the second is subtracted. What the op costs once the launches are captured,
     as in the graph-captured decode step."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-
-    def capture(body):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()  # compile and allocate outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        return graph
 
     both = capture(lambda: (flush.zero_(), fn()))
     alone = capture(flush.zero_)
@@ -328,15 +317,24 @@ def conditions(device) -> dict:
     return info
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    cfg = dict(SMOKE if args.smoke else FULL)
+def run_setup(args, full: dict, smoke: dict, script: str) -> tuple[dict, torch.device] | None:
+    """(grid, device) of a run from `--smoke` / `--batches`; None, after saying so, without a GPU."""
+    cfg = dict(smoke if args.smoke else full)
     if args.batches:
         cfg["batches"] = tuple(int(b) for b in args.batches.split(","))
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/attn_batched.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        print(f"{script} needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return None
+    return cfg, device
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup = run_setup(args, FULL, SMOKE, "bench/attn_batched.py")
+    if setup is None:
         return 2
+    cfg, device = setup
     start = time.time()
     cond = conditions(device)
     print(json.dumps(cond), flush=True)

@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:  # run as a script from any directory
     sys.path.insert(0, str(REPO))
 
 from bench.attn_batched import (HBM_BYTES_PER_S, HEAD_DIM, LAYERS, conditions, cpu_timer,  # noqa: E402
-                                decode_inputs, graph_timer)
+                                decode_inputs, graph_timer, run_setup)
 from dspark.kernels import attention  # noqa: E402
 
 # (name, heads, layer kind) of the cases; layer kind keys attn_batched.LAYERS (rate, top-k).
@@ -152,14 +152,11 @@ def summary(rows: list[dict], variants: dict) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = dict(SMOKE if args.smoke else FULL)
-    if args.batches:
-        cfg["batches"] = tuple(int(b) for b in args.batches.split(","))
-    variants = VARIANTS if not args.variants else {v: VARIANTS[v] for v in args.variants.split(",")}
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/attn_variants.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    setup = run_setup(args, FULL, SMOKE, "bench/attn_variants.py")
+    if setup is None:
         return 2
+    cfg, device = setup
+    variants = VARIANTS if not args.variants else {v: VARIANTS[v] for v in args.variants.split(",")}
     start = time.time()
     cond = conditions(device)
     print(json.dumps(cond), flush=True)

@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from graph_timing import replay_seconds  # noqa: E402
+from graph_timing import capture, replay_seconds  # noqa: E402
 
 from dspark.kernels import mhc, mhc_norm, rms_norm  # noqa: E402
 
@@ -95,15 +95,7 @@ def site_us(path: str, n: int, dim: int, g: torch.Generator, reps: int) -> float
             pre(x, *params[2 * i])
             post_pre(f, x, post, comb, *params[2 * i + 1])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return replay_seconds(graph, reps) * 1e6 / 24
+    return replay_seconds(capture(step), reps) * 1e6 / 24
 
 
 def main() -> None:

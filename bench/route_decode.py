@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:  # run as a script from any directory
 
 import torch  # noqa: E402
 
-from bench.graph_timing import replay_seconds  # noqa: E402
+from bench.graph_timing import capture, replay_seconds  # noqa: E402
 
 LAYERS = {"v4-mini": (2048, 64), "v4-flash": (4096, 256)}  # D, E
 TOP_K = 6
@@ -83,15 +83,7 @@ class GraphTimer:
         self.flush_s = None  # one graph of the writes alone, measured once
 
     def _replay_s(self, body) -> float:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()  # compiles / warms up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        return replay_seconds(graph, 5)
+        return replay_seconds(capture(body), 5)
 
     def __call__(self, fn) -> dict:
         def warm():

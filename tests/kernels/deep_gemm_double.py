@@ -7,14 +7,19 @@ alignment of the contiguous layout, one group per alignment block), then compute
 computes: (A · sfa) @ (B · sfb)ᵀ in fp32, rounded once to bf16. Rows the current release skips (-1 in
 a contiguous layout) are written as NaN, so a caller that reads them fails.
 
-`make(legacy=True)` exposes the older release's names and its stricter layout (no -1 rows).
+`make(legacy=True)` exposes the older release's names and its stricter layout (no -1 rows). The
+`double` fixture (import it into a test module) installs either as `deep_gemm`.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 
+import pytest
 import torch
+
+from dspark.kernels import deep_gemm_path
 
 GRAN = 128
 
@@ -89,4 +94,13 @@ def make(legacy: bool = False, alignment: int = 128) -> types.ModuleType:
         module.m_grouped_fp8_gemm_nt_contiguous = grouped_contiguous
         module.get_mk_alignment_for_contiguous_layout = get_alignment
         module.get_m_alignment_for_contiguous_layout = get_alignment  # the current release keeps the alias
+    return module
+
+
+@pytest.fixture(params=[False, True], ids=["current", "older"])
+def double(request, monkeypatch):
+    """The test double (current and older API) as `deep_gemm`, on a device that passes the Hopper check."""
+    module = make(legacy=request.param)
+    monkeypatch.setitem(sys.modules, "deep_gemm", module)
+    monkeypatch.setattr(deep_gemm_path, "device_reason", lambda device: None)
     return module

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import deep_gemm_double
+from deep_gemm_double import double  # noqa: F401 (the fixture)
 from dspark.kernels import KernelConfig, get_op
 from dspark.kernels import deep_gemm_path as dg
 from dspark.kernels.fp8 import FP8BlockWeight
@@ -25,15 +26,6 @@ from dspark.models.deepseek_v4.linear import Linear
 def no_deep_gemm(monkeypatch):
     """deep_gemm absent, even where it is installed (None in sys.modules makes the import fail)."""
     monkeypatch.setitem(sys.modules, "deep_gemm", None)
-
-
-@pytest.fixture(params=[False, True], ids=["current", "older"])
-def double(request, monkeypatch):
-    """The test double as `deep_gemm`, on a device that passes the Hopper check."""
-    module = deep_gemm_double.make(legacy=request.param)
-    monkeypatch.setitem(sys.modules, "deep_gemm", module)
-    monkeypatch.setattr(dg, "device_reason", lambda device: None)
-    return module
 
 
 def _data(m=6, n=192, k=256, seed=0):

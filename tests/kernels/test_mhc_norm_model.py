@@ -3,18 +3,17 @@ on Triton; on CPU the interpreter, conftest.py) against the same model with them
 pre, then the `rms_norm` op): dynamic ragged calls and the static decode step, fp32 tiny-v4; and,
 with them on, no `rms_norm` call normalises with an attn_norm / ffn_norm weight (no separate launch)."""
 
-import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import dspark
-from dspark.kernels import KernelConfig, mhc_norm, triton_available
+from dspark.kernels import mhc_norm, triton_available
 from dspark.models.deepseek_v4.static_step import StaticDecoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from model_pairs import tiny_v4_pair  # noqa: E402
 from static_step_checks import run_rounds  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -23,21 +22,7 @@ FOLDED = ("mhc_pre_norm", "mhc_post_pre_norm")
 
 
 def pair(monkeypatch):
-    """(folds off, folds on) tiny-v4 fp32 models with equal weights, every other op as the device's
-    default (the references on CPU), and the list of norm weights the models' `rms_norm` op is
-    called with (the op is wrapped before the models pick it up)."""
-    from dspark.kernels import rms_norm
-
-    normed = []
-    for name in ("rms_norm", "rms_norm_ref"):
-        op = getattr(rms_norm, name)
-        monkeypatch.setattr(rms_norm, name,
-                            lambda x, weight, *, _op=op, **kw: normed.append(weight) or _op(x, weight, **kw))
-    base = KernelConfig.for_device(DEVICE)
-    models = [dspark.init_model("tiny-v4", seed=0, device=DEVICE, dtype=torch.float32,
-                                kernels=dataclasses.replace(base, **{op: impl for op in FOLDED}))
-              for impl in ("ref", "triton")]
-    return models, normed
+    return tiny_v4_pair(monkeypatch, FOLDED, DEVICE)
 
 
 def sublayer_norm_calls(model, normed: list) -> int:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import deep_gemm_double
+from deep_gemm_double import double  # noqa: F401 (the fixture)
 from dspark.kernels import KernelConfig, get_op
 from dspark.kernels import deep_gemm_path as dg
 from dspark.kernels import moe_deep_gemm as mdg
@@ -35,14 +36,6 @@ def _experts(n_tok=5, dim=256, inter=128, inter_s=128, n_exp=4, top_k=2, fp8_blo
 
     return (x, weights, ids, w(n_exp, inter, dim), w(n_exp, dim, inter), w(n_exp, inter, dim),
             w(inter_s, dim), w(dim, inter_s), w(inter_s, dim))
-
-
-@pytest.fixture(params=[False, True], ids=["current", "older"])
-def double(request, monkeypatch):
-    module = deep_gemm_double.make(legacy=request.param)
-    monkeypatch.setitem(sys.modules, "deep_gemm", module)
-    monkeypatch.setattr(dg, "device_reason", lambda device: None)
-    return module
 
 
 def _rel(a, b):
