@@ -8,8 +8,8 @@
 Writes JSON to --out (default $OUT/graph-decode.json; `--config` other than v4-mini / tiny-v4:
 graph-decode-<config>.json). Conditions: v4-mini or v41-mini (random weights, bf16,
 `KernelConfig.for_device("cuda")`; V4.1: Engram tables on the device, cache QAT on), B ∈ {1, 8, 64}
-requests, one decode token each, context 4096; every request's decode state is fabricated at the
-context (`engine_h200.fabricate_state`: random values of the shapes a prefill leaves), then loaded
+requests, one decode token each (`--tokens T`: T, a verify block), context 4096; every request's decode
+state is fabricated at the context (`engine_h200.fabricate_state`: random values of the shapes a prefill leaves), then loaded
 into a static bucket (`StaticDecoder`, V4.1: `StaticDecoderV41`) of B slots with capacity
 context + 64. Per cell, median ms of `steps` steps (CUDA synchronised around each) of
 
@@ -154,25 +154,26 @@ def op_sites(fn, top: int = 40) -> dict:
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context."""
     device, context = model.device, args["context"]
-    shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=1)
+    n_tok = args["tokens"]
+    shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=n_tok)
     decoder = (StaticDecoderV41 if isinstance(model, DeepseekV41ForCausalLM) else StaticDecoder)(model, shape)
-    graph = StepGraph(decoder, 1) if graphs else None  # before loading: its warm-up writes every slot
+    graph = StepGraph(decoder, n_tok) if graphs else None  # before loading: its warm-up writes every slot
     vocab, token_map = model.config.vocab_size, _token_map(model)
     states = [fabricate_state(model.new_state(), context, g, vocab, token_map) for _ in range(n_req)]
     for slot, state in enumerate(states):
         decoder.load(slot, state)
-    ids_host = torch.randint(0, model.config.vocab_size, (n_req, 1), generator=torch.Generator().manual_seed(n_req))
+    ids_host = torch.randint(0, model.config.vocab_size, (n_req, n_tok), generator=torch.Generator().manual_seed(n_req))
     ids, starts = decoder.plan(ids_host, [context] * n_req)
     flat = ids.reshape(-1)
 
     def dynamic():
-        out = model(flat, states, [1] * n_req).logits
+        out = model(flat, states, [n_tok] * n_req).logits
         for state in states:
             state.truncate(context)
         return out
 
-    reference = dynamic().view(n_req, 1, -1)
-    row = {"requests": n_req, "context": context,
+    reference = dynamic().view(n_req, n_tok, -1)
+    row = {"requests": n_req, "context": context, "tokens": n_tok,
            "static_max_abs_diff": (decoder.step(ids, starts) - reference).abs().max().item(),
            "dynamic_ms": timed(dynamic, device, args["warmup"], args["steps"]),
            "static_eager_ms": timed(lambda: decoder.step(ids, starts), device, args["warmup"], args["steps"])}
@@ -186,7 +187,7 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
         row["op_sites"] = op_sites(lambda: decoder.step(ids, starts))
     for key in ("dynamic", "static_eager", "graph"):
         if f"{key}_ms" in row:
-            row[f"{key}_tok_s_total"] = n_req / (row[f"{key}_ms"] / 1e3)
+            row[f"{key}_tok_s_total"] = n_req / (row[f"{key}_ms"] / 1e3)  # steps: one committed token each
     print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "op_sites")}), flush=True)
     if profile:
         summary = {k: v for k, v in row["profile"].items() if k != "top"}
@@ -209,6 +210,8 @@ def main() -> None:
                          "PDL a kernel's time includes its wait for the one before)")
     ap.add_argument("--requests", default=None, help="comma list of request counts (default 1,8,64; smoke 1,2)")
     ap.add_argument("--context", type=int, default=None, help="decode context (default 4096; smoke 40)")
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="tokens per request per step (default 1; 4 = a DSpark budget-3 verify block)")
     ap.add_argument("--not-yet", action="store_true",
                     help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
     ap.add_argument("--no-pdl", action="store_true",
@@ -236,6 +239,9 @@ def main() -> None:
         if cli.context < 1:
             raise ValueError(f"--context must be positive, got {cli.context}")
         args["context"] = cli.context
+    if cli.tokens < 1:
+        raise ValueError(f"--tokens must be positive, got {cli.tokens}")
+    args["tokens"] = cli.tokens
     device = torch.device("cpu" if cli.smoke else "cuda")
     dtype = torch.float32 if cli.smoke else torch.bfloat16
     config = load_config(args["config"])
@@ -250,7 +256,7 @@ def main() -> None:
     results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                               "dtype": str(dtype), "weights": "random", "kernels": str(model.kernels),
                               "commit": _commit(), "smoke": cli.smoke, "pdl": not cli.no_pdl, "prefetch": not cli.no_prefetch, **options,
-                              "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": 1,
+                              "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": args["tokens"],
                               "static_capacity": args["context"] + HEADROOM, "grid": args,
                               "decode_state": "fabricated at the context (random values, prefill shapes)",
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},

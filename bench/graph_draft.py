@@ -42,13 +42,13 @@ from dspark.draft.static_drafter import StaticDrafter  # noqa: E402
 from dspark.draft.static_graph import ObserveGraph, ProposeGraph  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
 from engine_h200 import _commit, _device_name, fabricate_drafter_state  # noqa: E402
-from graph_decode import timed  # noqa: E402
+from graph_decode import kernel_profile, op_sites, timed  # noqa: E402
 
 FULL = dict(config="v4-mini", requests=(1, 8, 64), context=4096, warmup=3, steps=20)
 SMOKE = dict(config="tiny-v4", requests=(1, 2), context=40, warmup=1, steps=3)
 
 
-def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> dict:
+def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False) -> dict:
     """All timings for n_req requests at the context."""
     target, device, context = drafter.target, drafter.model.device, args["context"]
     vocab, rows, (w, s) = target.config.vocab_size, drafter.block_size + 1, (args["warmup"], args["steps"])
@@ -80,6 +80,11 @@ def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> d
         replayed = propose_graph.replay(anchors, positions)
         row["graph_token_mismatches"] = int((replayed.tokens != reference.tokens).sum())
         row["graph_ms"] = timed(propose_graph.replay, device, w, s)
+    if profile:
+        replay = (lambda: propose_graph.replay(anchors, positions)) if propose_graph is not None else (
+            lambda: static.propose(anchors, positions))
+        row["propose_profile"] = kernel_profile(replay, device, s)
+        row["propose_op_sites"] = op_sites(lambda: static.propose(anchors, positions))
     width = (target.config.hc_mult, target.config.hidden_size)
     feats = {i: torch.randn(n_req, rows, *width, generator=g, device=device).to(target.dtype)
              for i in drafter.capture_layers}
@@ -93,7 +98,20 @@ def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator) -> d
     row["observe_static_eager_ms"] = timed(lambda: static.observe(feats, positions), device, w, s)
     if observe_graph is not None:
         row["observe_graph_ms"] = timed(lambda: observe_graph.replay(feats, positions), device, w, s)
-    print(json.dumps(row), flush=True)
+    if profile:
+        replay = (lambda: observe_graph.replay(feats, positions)) if observe_graph is not None else (
+            lambda: static.observe(feats, positions))
+        row["observe_profile"] = kernel_profile(replay, device, s)
+    print(json.dumps({k: v for k, v in row.items() if not k.endswith(("_profile", "_op_sites"))}), flush=True)
+    for key in ("propose_profile", "observe_profile"):
+        if key in row:
+            summary = {k: v for k, v in row[key].items() if k != "top"}
+            print(json.dumps({key: summary, "top": [(r["name"][:60], round(r["us_per_step"], 1), r["calls_per_step"])
+                                                    for r in row[key]["top"][:15]]}), flush=True)
+    if "propose_op_sites" in row:
+        sites = row["propose_op_sites"]
+        print(json.dumps({"propose_torch_ops": sites["torch_ops_per_step"],
+                          "sites": [(r["site"][-60:], r["ops"]) for r in sites["top"][:20]]}), flush=True)
     return row
 
 
@@ -101,9 +119,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny-v4 on the CPU, torch references, no graph")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/graph-draft.json)")
+    ap.add_argument("--requests", default=None, help="comma list of request counts (default 1,8,64; smoke 1,2)")
+    ap.add_argument("--profile", action="store_true",
+                    help="add the propose and observe replays' kernel-time breakdown and propose's torch-op sites "
+                         "(with --no-pdl for per-kernel attribution)")
+    ap.add_argument("--no-pdl", action="store_true", help="launch every Triton kernel without PDL")
     cli = ap.parse_args()
+    from dspark.kernels import triton_compat
+
+    triton_compat.PDL = not cli.no_pdl  # this bench process only: the constant every launch consults
     out = cli.out or os.path.join(os.environ.get("OUT", "."), "graph-draft.json")
     args = dict(SMOKE if cli.smoke else FULL)
+    if cli.requests:
+        requests = tuple(int(n) for n in cli.requests.split(","))
+        if not requests or min(requests) < 1:
+            raise ValueError(f"--requests must list positive counts, got {cli.requests!r}")
+        args["requests"] = requests
     device = torch.device("cpu" if cli.smoke else "cuda")
     dtype = torch.float32 if cli.smoke else torch.bfloat16
     model = dspark.init_model(load_config(args["config"]), seed=0, device=device, dtype=dtype,
@@ -114,13 +145,13 @@ def main() -> None:
                               "dtype": str(dtype), "weights": "random (target and drafter)",
                               "kernels": str(model.kernels), "commit": _commit(), "smoke": cli.smoke,
                               "gamma": drafter.block_size, "window": drafter.window,
-                              "stages": drafter.config.num_stages, "grid": args,
+                              "stages": drafter.config.num_stages, "grid": args, "pdl": not cli.no_pdl,
                               "draft_state": "fabricated at the context (random keys of the last W positions)",
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
                "cells": []}
     with torch.no_grad():
         for n_req in args["requests"]:
-            results["cells"].append(cell(drafter, n_req, args, graphs=not cli.smoke, g=g))
+            results["cells"].append(cell(drafter, n_req, args, graphs=not cli.smoke, g=g, profile=cli.profile))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     with open(out, "w") as f:
