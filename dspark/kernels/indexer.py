@@ -59,7 +59,7 @@ def _score_kernel(
     q_ptr, w_ptr, k_ptr, vis_ptr, cand_ptr, out_ptr, bmax_ptr,
     n_q, n_heads, head_dim, n_keys, n_blocks, k_group_stride,
     HAS_CAND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, POOL_B: tl.constexpr, PDL: tl.constexpr,
+    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, FP32_CHUNK: tl.constexpr, POOL_B: tl.constexpr, PDL: tl.constexpr,
 ):
     """scores[s, t] for the rows s of block program_id(1) and entries t of tile program_id(0), of
     group program_id(2) (`index_scores`: every tensor holds B groups back to back; one group otherwise).
@@ -83,19 +83,26 @@ def _score_kernel(
     offs_d = tl.arange(0, D_PAD)
     h_mask = offs_h < n_heads
     d_mask = offs_d < head_dim
-    keys = tl.load(k_ptr + offs_t.to(tl.int64)[:, None] * head_dim + offs_d[None, :],
-                   mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BT, D], read once per block
-    if DOT_FP32:
-        keys = keys.to(tl.float32)
+    k_rows = k_ptr + offs_t.to(tl.int64)[:, None] * head_dim
+    if not DOT_FP32:
+        keys = tl.load(k_rows + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BT, D], once
     for i in range(BLOCK_S):
         s = s0 + i
         row_ok = s < n_q
-        q = tl.load(q_ptr + (s * n_heads + offs_h)[:, None] * head_dim + offs_d[None, :],
-                    mask=row_ok & h_mask[:, None] & d_mask[None, :], other=0.0)  # [BH, D]
+        q_rows = q_ptr + (s * n_heads + offs_h)[:, None] * head_dim
         w = tl.load(w_ptr + s * n_heads + offs_h, mask=row_ok & h_mask, other=0.0).to(tl.float32)
         if DOT_FP32:
-            dots = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="tf32x3")
+            # fp32 operands FP32_CHUNK dims at a time: whole-D fp32 tiles, which tf32x3 splits into
+            # three, overflow shared memory at wide heads (262 KB at 32 heads x 512 on sm_90)
+            dots = tl.zeros((BLOCK_H, BLOCK_T), tl.float32)
+            for d0 in range(0, D_PAD, FP32_CHUNK):
+                offs_c = d0 + tl.arange(0, FP32_CHUNK)
+                c_mask = offs_c < head_dim
+                kc = tl.load(k_rows + offs_c[None, :], mask=t_mask[:, None] & c_mask[None, :], other=0.0)
+                qc = tl.load(q_rows + offs_c[None, :], mask=row_ok & h_mask[:, None] & c_mask[None, :], other=0.0)
+                dots += tl.dot(qc.to(tl.float32), tl.trans(kc.to(tl.float32)), input_precision="tf32x3")
         else:
+            q = tl.load(q_rows + offs_d[None, :], mask=row_ok & h_mask[:, None] & d_mask[None, :], other=0.0)  # [BH, D]
             dots = tl.dot(q, tl.trans(keys))  # [BH, BT] fp32 accumulation
         score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)  # padded heads: w = 0
         vis = tl.load(vis_ptr + s, mask=row_ok, other=0)
@@ -226,7 +233,8 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         q.contiguous(), weights.float().contiguous(), keys.contiguous(), visible.contiguous(), cand.contiguous(),
         scores, scores, n_q, n_heads, head_dim, n_keys, 0, 0,
         HAS_CAND=candidates is not None, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
-        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, POOL_B=0, PDL=pdl, launch_pdl=pdl,
+        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, FP32_CHUNK=min(d_pad, 32), POOL_B=0,
+        PDL=pdl, launch_pdl=pdl,
         num_warps=warps,
     )
     return select_topk(scores, topk), scores
@@ -268,7 +276,8 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
         scores if block_max is None else block_max,  # a dummy pointer when absent
         n_q, n_heads, head_dim, n_keys, 0 if block_max is None else block_max.shape[-1], keys.stride(0),
         HAS_CAND=False, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_T=block_t, D_PAD=d_pad,
-        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, POOL_B=0 if block_max is None else block,
+        DOT_FP32=q.dtype == torch.float32 or keys.dtype == torch.float32, FP32_CHUNK=min(d_pad, 32),
+        POOL_B=0 if block_max is None else block,
         PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
 

@@ -227,6 +227,10 @@ def run_every_tile_class():
     indexer_pool.index_scores_pooled(torch.randn(3, 2, 32, 128, generator=g).bfloat16().to(DEVICE),
                                      torch.randn(3, 2, 32, device=DEVICE), block[:, :300],
                                      torch.full((3, 2), 250, device=DEVICE), block=8)
+    # fp32 operands at wide heads (32 x 512; the GPU tests' shape): the tf32x3 dot over D chunks.
+    indexer_pool.index_scores_pooled(torch.randn(2, 2, 32, 512, generator=g).to(DEVICE),
+                                     torch.randn(2, 2, 32, device=DEVICE), torch.randn(2, 70, 512, generator=g).to(DEVICE),
+                                     torch.full((2, 2), 60, device=DEVICE), block=8)
     # V4.1 candidate pool, blocks of 8: the widest register row (4096 < B <= 8192) and the streamed rows.
     for n_blocks, register_row in ((5000, indexer_pool._REGISTER_ROW), (100, 64)):
         scores = torch.randn(2, 8 * n_blocks, generator=g).to(DEVICE)
@@ -334,7 +338,8 @@ COMPILE = textwrap.dedent("""
         regs, stack = re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups()
         constants = {fn.arg_names[i]: v for (i,), v in constexprs.items()}
         hinted = [fn.arg_names[i] for (i,), a in attrs.items() if a]
-        results.append({"kernel": launch["kernel"], "regs": int(regs), "stack": int(stack), "constexprs": constants,
+        results.append({"kernel": launch["kernel"], "regs": int(regs), "stack": int(stack),
+                        "shared": compiled.metadata.shared, "constexprs": constants,
                         "divisible_by_16": hinted})
     print(json.dumps(results))
 """)
@@ -359,6 +364,11 @@ def test_fused_launches_compile_for_sm90_without_spills(monkeypatch, tmp_path):
     assert len(results) == len(unique)
     spills = [r for r in results if r["stack"] > known_spill(r)]
     assert not spills, f"register spills on sm_90: {spills}"
+    too_big = [r for r in results if r["shared"] > SM90_SHARED_BYTES]
+    assert not too_big, f"more shared memory than an sm_90 block may have: {too_big}"
+
+
+SM90_SHARED_BYTES = 232448  # 227 KB: the opt-in shared memory limit of one block on sm_90
 
 
 # Spills of shipped launches under the JIT's specialisation, known and left as they are because the
