@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 from dspark.request import Request
-from dspark.sampling import probs_from_logits, sample
+from dspark.sampling import greedy, probs_from_logits, sample
 from dspark.verify.acceptance import accept_greedy, verify_chain
 from dspark.verify.capacity import CapacityTable
 from dspark.verify.planner import VerifyPlan, plan_algorithm1, plan_async, plan_fixed
@@ -154,11 +154,11 @@ def _greedy_targets(logits: torch.Tensor, live: list[Request], blocks: list[list
     [N, V] and one host copy for the whole round, instead of a verify call and two host reads per
     request (what made the host side grow with the batch). The argmax is `verify_greedy`'s (ties to
     the lowest id), so acceptance is unchanged."""
-    greedy = [b for b, req in enumerate(live) if req.params.greedy]
-    if not greedy:
+    greedy_rows = [b for b, req in enumerate(live) if req.params.greedy]
+    if not greedy_rows:
         return {}
-    ids = logits.argmax(dim=-1).tolist()  # [N]
-    return {b: ids[offsets[b]:offsets[b] + len(blocks[b])] for b in greedy}
+    ids = greedy(logits).tolist()  # [N]
+    return {b: ids[offsets[b]:offsets[b] + len(blocks[b])] for b in greedy_rows}
 
 
 def trace_record(req: Request, draft: list[int], confidence, logits, b: int, verified: int, accepted: int,

@@ -158,12 +158,32 @@ def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:
     return out.scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
 
 
+# Rows at least this long are reduced in two passes (`greedy`): on the H200 torch's argmax of one
+# 129K-entry row took ~27 µs (`bench/results/graph-draft-h200-s10-profile.log`: five calls per DSpark
+# propose), a single-row reduction with little of the GPU busy.
+TWO_PASS_MIN = 1 << 15
+_TWO_PASS_CHUNKS = (256, 128, 64)  # chunk counts tried, in order; one must divide V
+
+
 def greedy(logits_or_probs: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dimension; ties go to the lowest index (torch.argmax semantics).
 
+    Long rows (V >= TWO_PASS_MIN, V divisible by one of `_TWO_PASS_CHUNKS`) run in two passes: the
+    first maximum of each of c chunks, then the first chunk holding the row's maximum. The first
+    maximum of that chunk is the row's first maximum, so the result equals torch.argmax (NaN counts
+    as the maximum in both passes, as in torch.argmax). Many short reductions keep more of a GPU busy
+    than one long one; no host sync.
+
     Shape: [..., V] (any dtype) -> LongTensor [...].
     """
-    return logits_or_probs.argmax(dim=-1)
+    x = logits_or_probs
+    vocab = x.shape[-1] if x.dim() else 0
+    chunks = next((c for c in _TWO_PASS_CHUNKS if vocab % c == 0), None) if vocab >= TWO_PASS_MIN else None
+    if chunks is None or x.numel() == 0:
+        return x.argmax(dim=-1)
+    values, inner = x.reshape(*x.shape[:-1], chunks, vocab // chunks).max(dim=-1)  # [..., c] first maxima
+    chunk = values.argmax(dim=-1, keepdim=True)  # [..., 1] the first chunk holding the row maximum
+    return torch.add(inner.gather(-1, chunk), chunk, alpha=vocab // chunks).squeeze(-1)
 
 
 def exponential_noise(shape: torch.Size | tuple[int, ...], generator: Generators,
@@ -221,7 +241,7 @@ def sample(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
     if not torch.is_floating_point(probs) or probs.dim() < 1:
         raise ValueError(f"probs must be a floating tensor [..., V], got {probs.dtype} {tuple(probs.shape)}")
     noise = exponential_noise(probs.shape, generator, probs.device)  # [..., V]
-    return (probs.float() / noise).argmax(dim=-1)
+    return greedy(probs.float() / noise)
 
 
 def sample_from_logits(logits: torch.Tensor, params: SamplingParams, generator: Generators) -> torch.Tensor:

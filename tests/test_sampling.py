@@ -78,6 +78,30 @@ def test_greedy_is_one_hot_argmax_with_ties_to_lowest_index():
     assert greedy(logits).tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("shape", [(1, 129280), (3, 129280), (2, 2, 65536), (4, 40000), (2, 129281)])
+def test_greedy_on_long_rows_is_torch_argmax(shape, monkeypatch):
+    """Long rows take the two-pass path (first maximum per chunk, then the first chunk with the row
+    maximum); it must pick torch.argmax's index: ties (many, from small integers) to the lowest id,
+    a row of one value, -inf rows and NaN as the maximum. 129281 divides by no chunk count: one pass."""
+    import dspark.sampling as sampling
+
+    passes = []
+    real_max = torch.Tensor.max
+    monkeypatch.setattr(torch.Tensor, "max", lambda self, *a, **k: passes.append(a) or real_max(self, *a, **k))
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randint(-4, 5, shape, generator=g).float()
+    rows = x.view(-1, shape[-1])
+    rows[0] = 1.0  # one value everywhere: index 0
+    if rows.shape[0] > 2:
+        rows[1] = float("-inf")
+        rows[2, shape[-1] - 1] = float("nan")
+    assert torch.equal(greedy(x), x.argmax(dim=-1))
+    assert torch.equal(greedy(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    assert bool(passes) == any(shape[-1] % c == 0 for c in sampling._TWO_PASS_CHUNKS)
+    y = torch.randn(shape, generator=g)
+    assert torch.equal(greedy(y), y.argmax(dim=-1))
+
+
 def test_top_k_keeps_ties_at_the_kth_value():
     # logits [2, 1, 1, 0], top_k = 2: the 2nd largest value (1) is tied, so both 1s stay.
     probs = probs_from_logits(torch.tensor([2.0, 1.0, 1.0, 0.0]), SamplingParams(1.0, top_k=2))

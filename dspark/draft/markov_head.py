@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.sampling import SamplingParams, sample
+from dspark.sampling import SamplingParams, greedy, sample
 
 
 class MarkovHead(nn.Module):
@@ -109,7 +109,7 @@ def sample_chain(head: MarkovHead, base: torch.Tensor, hidden: torch.Tensor, anc
         bias, state = head.step(state, prev, hidden[:, k])
         logits = base[:, k].float() + bias  # [B, V]
         if params.greedy:
-            prev = logits.argmax(dim=-1)
+            prev = greedy(logits)
         else:
             q = torch.softmax(logits / params.temperature, dim=-1)
             prev = sample_per_request(q, generators)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dspark.draft.markov_head import MarkovHead
+from dspark.sampling import greedy
 
 
 def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
@@ -53,13 +54,13 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
         embeds.append(head.embed(prev))  # W1[x_{k−1}]
         bias, state = head.step(state, prev, hidden[:, k])
         logits = base[:, k].float() + bias  # [S, V]
-        best = logits.argmax(dim=-1)
+        best = greedy(logits)
         if temperature is None:
             prev = best
         else:
             q = torch.softmax(logits / t, dim=-1)  # [S, V]
             noise = torch.empty_like(q).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
-            prev = torch.where(greedy_row[:, 0], best, (q / noise).argmax(dim=-1))
+            prev = torch.where(greedy_row[:, 0], best, greedy(q / noise))
             one_hot = torch.zeros_like(q).scatter_(-1, best[:, None], 1.0)
             probs.append(torch.where(greedy_row, one_hot, q))
         tokens.append(prev)

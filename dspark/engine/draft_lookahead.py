@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.slots import bucket
+from dspark.sampling import greedy
 from dspark.verify.capacity import CapacityTable
 from dspark.verify.planner import uniform_budget
 
@@ -178,7 +179,7 @@ class DraftLookahead:
         conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
         ids = torch.where(live[:, None], torch.cat([anchors[:, None], drafts[:, :n]], dim=1), 0)  # [b, n + 1]
         out = self.runner.step(ids, positions)
-        argmax = out.logits.argmax(dim=-1)  # [b, n + 1]; ties to the lowest id, as `verify_greedy`
+        argmax = greedy(out.logits)  # [b, n + 1]; ties to the lowest id, as `verify_greedy`
         self.drafting.observe(out.features, positions)  # every row; the next anchor position hides the rest
         accepted = (drafts[:, :n] == argmax[:, :n]).long().cumprod(dim=1).sum(dim=1)  # [b]
         bonus = argmax.gather(1, accepted[:, None]).squeeze(1)  # [b]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.slots import bucket
+from dspark.sampling import greedy
 
 Key = tuple[tuple[str, int, int], ...]  # (request id, slot, start position) of each request, in order
 
@@ -95,7 +96,7 @@ class Lookahead:
 
     def _launch(self, key: Key, ids: torch.Tensor, starts: torch.Tensor, live: torch.Tensor) -> InFlight:
         logits = self.runner.launch(ids, starts)  # [b, 1, V], the graph's buffer: argmax before the next replay
-        argmax = logits[:, 0].argmax(dim=-1)  # [b]; ties to the lowest id, as `verify_greedy`
+        argmax = greedy(logits[:, 0])  # [b]; ties to the lowest id, as `verify_greedy`
         event = None
         if argmax.device.type == "cuda":
             host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)

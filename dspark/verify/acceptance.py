@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.sampling import Generators, SamplingParams, exponential_noise, probs_from_logits, uniform_noise
+from dspark.sampling import Generators, SamplingParams, exponential_noise, greedy, probs_from_logits, uniform_noise
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +242,7 @@ def verify_sample_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | 
         has_mass = residual.sum(dim=-1, keepdim=True) > 0
         dist = torch.where(rejected & has_mass, residual, p_row)
     # Exponential race (as in `dspark.sampling.sample`): needs no normalisation of the residual.
-    next_token = (dist / noise).argmax(dim=-1)
+    next_token = greedy(dist / noise)
     return n_accepted, next_token
 
 
@@ -293,7 +293,7 @@ def _check_tokens(draft_tokens: torch.Tensor) -> tuple[int, int]:
 def _target_ids(target: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """Target argmax ids [R, K+1] from ids [R, K+1] or scores [R, K+1, V]."""
     if torch.is_floating_point(target) and target.dim() == 3 and target.shape[:2] == (rows, width + 1):
-        return target.argmax(dim=-1)
+        return greedy(target)
     if not torch.is_floating_point(target) and target.dim() == 2 and target.shape == (rows, width + 1):
         return target.long()
     raise ValueError(f"target must be integer ids [R, K+1] or floating scores [R, K+1, V] with "
