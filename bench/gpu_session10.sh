@@ -2,6 +2,7 @@
 # GPU steps of the tenth session, 2026-12-01 (each part < 9.5 min on one H200):
 #
 #   run(command="bash bench/gpu_session10.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session10.sh c")
 #
 # a: the ninth session's CPU-only ops (`hc_head_norm`: V4's output collapse + final RMSNorm in two
 #    launches; `index_scores_pooled`: V4.1's pool block maxima in the indexer score kernel), both in
@@ -10,6 +11,12 @@
 #    (bench/graph_draft.py --profile, PDL off for per-kernel attribution) and the target's 4-token
 #    verify step (bench/graph_decode.py --tokens 4 --profile --no-pdl); the one-row GEMV against cuBLAS
 #    with the weight prefetch (bench/linear_decode.py).
+# c: the engine over the issue's whole load grid: 1 / 8 / 16 / 32 / 64 / 128 / 256 requests x no
+#    speculation, MTP-1, DSpark budgets 1-3 and auto (round in flight), graphs + overlap, a constant
+#    drafter confidence 0.8629 (budget 3 -> 3.25 tokens per round, the seeds' conversion), the auto
+#    cells planning on the fixed cells' step times, at 4K (with HF transformers eager at batch 1) and 32K.
+#
+# Only 8 files come back from a call, so every part ends by packing $OUT into one session10-PART.tgz.
 set -uo pipefail
 : "${OUT:?OUT must name the folder to write results into}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -44,8 +51,21 @@ part_a() {
   tail -n 25 $W/logs/a_linear.txt | cut -c1-250
 }
 
-case "${1:?part: a}" in
+part_c() {
+  local grid=(--static-decode --overlap --requests 1,8,16,32,64,128,256 --modes none,mtp1,dspark1,dspark2,dspark3,auto_async
+              --decode-only --steps 8 --confidence 0.8629 --table-from-cells)
+  logged c_engine_4k 330 python3 bench/engine_h200.py "${grid[@]}" --contexts 4096 --budget-s 280 --peer \
+    --out "$OUT/engine-h200-s10.json"
+  tail -n 40 $W/logs/c_engine_4k.txt | cut -c1-300
+  logged c_engine_32k 250 python3 bench/engine_h200.py "${grid[@]}" --contexts 32768 --budget-s 210 \
+    --out "$OUT/engine-h200-s10-32k.json"
+  tail -n 30 $W/logs/c_engine_32k.txt | cut -c1-300
+}
+
+case "${1:?part: a or c}" in
   a) part_a ;;
+  c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true
+(cd "$OUT" && tar czf "session10-$1.tgz" --exclude='*.tgz' . && find . -type f ! -name '*.tgz' -delete)
