@@ -68,4 +68,4 @@ case "${1:?part: a or c}" in
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true
-(cd "$OUT" && tar czf "session10-$1.tgz" --exclude='*.tgz' . && find . -type f ! -name '*.tgz' -delete)
+(cd "$OUT" && tar czf "/tmp/session10-$1.tgz" . && find . -type f -delete && mv "/tmp/session10-$1.tgz" .)
