@@ -256,39 +256,155 @@ def _mhc_stats_kernel(
 
 
 @_jit
-def _sinkhorn(logits, valid, hc_eps, sinkhorn_iters):
+def _sinkhorn(logits, valid, hc_eps, sinkhorn_iters, RECIP: tl.constexpr = True):
     """Row softmax + hc_eps, one column norm, then (iters-1) × (row norm, column norm).
 
     logits, valid: [BT, HC_PAD (j), HC_PAD (k)]; padded entries stay exactly 0.
+
+    Each thread holds the whole 4 × 4 matrix (the compiler replicates it), so the sums are register
+    adds; the cost is instructions. `a / b` is PTX div.full.f32, which ptxas expands per ELEMENT into
+    range checks, two predicated rescales of a and b, then a · rcp(b). With RECIP each normalisation
+    takes one reciprocal per row or column and multiplies: for a divisor in [2^-126, 2^126] -- every
+    sum + hc_eps here -- div.full is exactly a · rcp(b), so the bits are the same with ~half the
+    instructions (the loop is the epilogue's longest dependent chain). RECIP=False: the former
+    per-element division, kept for `bench/mhc_epilogue.py`.
     """
     logits = tl.where(valid, logits, -1.0e30)  # finite: padded rows must not produce inf - inf
     e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    comb = e / tl.sum(e, axis=2)[:, :, None]
-    comb = tl.where(valid, comb + hc_eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+    if RECIP:
+        # tl.fma(a, r, 0.0), not a * r: a plain product would be contracted into the next sum's adds
+        # (an FFMA, one rounding fewer), changing the bits; a·r + 0 rounds as the product (values >= 0).
+        comb = tl.fma(e, (1.0 / tl.sum(e, axis=2))[:, :, None], 0.0)
+        comb = tl.where(valid, comb + hc_eps, 0.0)
+        comb = tl.fma(comb, (1.0 / (tl.sum(comb, axis=1) + hc_eps))[:, None, :], 0.0)
+        for _ in range(sinkhorn_iters - 1):
+            comb = tl.fma(comb, (1.0 / (tl.sum(comb, axis=2) + hc_eps))[:, :, None], 0.0)
+            comb = tl.fma(comb, (1.0 / (tl.sum(comb, axis=1) + hc_eps))[:, None, :], 0.0)
+    else:
+        comb = e / tl.sum(e, axis=2)[:, :, None]
+        comb = tl.where(valid, comb + hc_eps, 0.0)
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
     return comb
+
+
+@_jit
+def _site_params(base_ptr, scale_ptr, HC: tl.constexpr, HC_PAD: tl.constexpr):
+    """A site's (scale_pre, scale_post, scale_comb) scalars and base of pre [HC_PAD], post [HC_PAD],
+    comb [HC_PAD (j), HC_PAD (k)], 0 on padding. Kernels load them before the partials' reductions:
+    a load placed after a reduction waits for its barrier, one more memory round trip."""
+    offs_j = tl.arange(0, HC_PAD)
+    j_ok = offs_j < HC
+    jk = 2 * HC + offs_j[:, None] * HC + offs_j[None, :]  # [j, k] offset of comb in the mix vector
+    return (tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2),
+            tl.load(base_ptr + offs_j, mask=j_ok, other=0.0), tl.load(base_ptr + HC + offs_j, mask=j_ok, other=0.0),
+            tl.load(base_ptr + jk, mask=j_ok[:, None] & j_ok[None, :], other=0.0))
+
+
+@_jit
+def _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits,
+                  HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                  SPLIT_BLOCK: tl.constexpr, PRE: tl.constexpr, MIXES: tl.constexpr):
+    """The statistics partials of tokens `offs_t` [BT] summed: (sq [BT], pre_mix [BT, HC_PAD] (zeros
+    unless PRE), post_mix [BT, HC_PAD], comb_mix [BT, HC_PAD, HC_PAD] (zeros unless MIXES)).
+
+    SPLIT_BLOCK partials per step (decode launches write up to ~264; `split_block` takes them all in
+    one step there). A step issues all its loads before its first reduction, so they share one memory
+    round trip: each reduction ends in a barrier that a later load would wait behind."""
+    offs_j = tl.arange(0, HC_PAD)
+    j_ok = offs_j < HC
+    jk = 2 * HC + offs_j[:, None] * HC + offs_j[None, :]
+    jk_ok = j_ok[:, None] & j_ok[None, :]
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    pre_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
+    post_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
+    comb_mix = tl.zeros((BLOCK_T, HC_PAD, HC_PAD), dtype=tl.float32)
+    for s0 in range(0, splits, SPLIT_BLOCK):
+        offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
+        rows = offs_s[:, None] * n_tok + offs_t[None, :]  # [SB, BT]
+        st_mask = (offs_s < splits)[:, None] & t_mask[None, :]
+        part = rows * MIX_PAD
+        stj_mask = st_mask[:, :, None] & j_ok[None, None, :]
+        sq_p = tl.load(sqpart_ptr + rows, mask=st_mask, other=0.0)
+        if PRE:
+            pre_p = tl.load(dpart_ptr + part[:, :, None] + offs_j[None, None, :], mask=stj_mask, other=0.0)
+        if MIXES:
+            post_p = tl.load(dpart_ptr + part[:, :, None] + HC + offs_j[None, None, :], mask=stj_mask, other=0.0)
+            comb_p = tl.load(dpart_ptr + part[:, :, None, None] + jk[None, None, :, :],
+                             mask=st_mask[:, :, None, None] & jk_ok[None, None, :, :], other=0.0)
+        sq += tl.sum(sq_p, axis=0)
+        if PRE:
+            pre_mix += tl.sum(pre_p, axis=0)
+        if MIXES:
+            post_mix += tl.sum(post_p, axis=0)
+            comb_mix += tl.sum(comb_p, axis=0)
+    return sq, pre_mix, post_mix, comb_mix
+
+
+@_jit
+def _rho(sq, dim, rms_eps, HC: tl.constexpr):
+    """ρ = rsqrt(Σx̂²/(H·D) + rms_eps) [BT] from the summed sq [BT]."""
+    return tl.rsqrt(sq / (HC * dim) + rms_eps)
+
+
+@_jit
+def _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC: tl.constexpr, HC_PAD: tl.constexpr):
+    """pre [BT, HC_PAD] = σ(μ_pre·ρ·scale + base) + hc_eps, 0 on padded streams (spec §6.2 step 5)."""
+    pre = tl.sigmoid(pre_mix * rho[:, None] * s_pre + b_pre[None, :]) + hc_eps
+    return tl.where((tl.arange(0, HC_PAD) < HC)[None, :], pre, 0.0)
+
+
+@_jit
+def _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps, sinkhorn_iters,
+                  HC: tl.constexpr, HC_PAD: tl.constexpr):
+    """post [BT, HC_PAD] and comb [BT, HC_PAD, HC_PAD] (spec §6.2 steps 6-8)."""
+    j_ok = tl.arange(0, HC_PAD) < HC
+    post = 2.0 * tl.sigmoid(post_mix * rho[:, None] * s_post + b_post[None, :])
+    comb = _sinkhorn(comb_mix * rho[:, None, None] * s_comb + b_comb[None, :, :],
+                     t_mask[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :], hc_eps, sinkhorn_iters)
+    return post, comb
 
 
 @_jit
 def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
                 rms_eps, hc_eps, sinkhorn_iters,
                 HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                SPLIT_BLOCK: tl.constexpr = 8):
+                SPLIT_BLOCK: tl.constexpr = 8, LEGACY: tl.constexpr = False):
     """Reduce the statistics partials of tokens `offs_t` [BT] -> (pre [BT, HC_PAD] (0 on padded
-    streams), post [BT, HC_PAD], comb [BT, HC_PAD, HC_PAD]), fp32, in the order of spec §6.2."""
+    streams), post [BT, HC_PAD], comb [BT, HC_PAD, HC_PAD]), fp32, in the order of spec §6.2.
+    LEGACY: the former order (each partial load behind the previous reduction, base and scale
+    after all of them, per-element division in the Sinkhorn) -- same values, kept for the bench."""
+    if LEGACY:
+        pre, post, comb = _site_mixes_legacy(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim,
+                                             splits, rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T,
+                                             SPLIT_BLOCK)
+    else:
+        s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+        sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                        HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True, True)
+        rho = _rho(sq, dim, rms_eps, HC)
+        post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
+                                   sinkhorn_iters, HC, HC_PAD)
+        pre = _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD)
+    return pre, post, comb
+
+
+@_jit
+def _site_mixes_legacy(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
+                       rms_eps, hc_eps, sinkhorn_iters,
+                       HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                       SPLIT_BLOCK: tl.constexpr):
+    """`_site_mixes` as it was before the load reordering (`bench/mhc_epilogue.py`'s baseline)."""
     offs_j = tl.arange(0, HC_PAD)
     j_ok = offs_j < HC
     jk_ok = j_ok[:, None] & j_ok[None, :]
-    jk = 2 * HC + offs_j[:, None] * HC + offs_j[None, :]  # [j, k] offset of comb in the mix vector
-
+    jk = 2 * HC + offs_j[:, None] * HC + offs_j[None, :]
     sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     pre_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
     post_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
     comb_mix = tl.zeros((BLOCK_T, HC_PAD, HC_PAD), dtype=tl.float32)
-    # SPLIT_BLOCK partials per step (decode launches write up to ~128 of them; one per step was serial)
     for s0 in range(0, splits, SPLIT_BLOCK):
         offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
         s_ok = offs_s < splits
@@ -303,7 +419,6 @@ def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_to
                                    other=0.0), axis=0)
         comb_mix += tl.sum(tl.load(dpart_ptr + part[:, :, None, None] + jk[None, None, :, :],
                                    mask=st_mask[:, :, None, None] & jk_ok[None, None, :, :], other=0.0), axis=0)
-
     rho = tl.rsqrt(sq / (HC * dim) + rms_eps)  # [BT]
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
@@ -315,7 +430,7 @@ def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_to
     pre = tl.where(j_ok[None, :], pre, 0.0)
     post = 2.0 * tl.sigmoid(post_mix * rho[:, None] * s_post + b_post[None, :])
     comb = _sinkhorn(comb_mix * rho[:, None, None] * s_comb + b_comb[None, :, :],
-                     t_mask[:, None, None] & jk_ok[None, :, :], hc_eps, sinkhorn_iters)
+                     t_mask[:, None, None] & jk_ok[None, :, :], hc_eps, sinkhorn_iters, False)
     return pre, post, comb
 
 
@@ -332,14 +447,14 @@ def _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC: tl.constexp
 @_jit
 def _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok, dim, splits, rms_eps, hc_eps,
                  sinkhorn_iters, store, HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-                 BLOCK_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+                 BLOCK_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr, LEGACY: tl.constexpr = False):
     """An epilogue program's token block (program_id(0)): (offs_t [BT], t_mask [BT], tj_mask [BT, HC_PAD],
     pre [BT, HC_PAD]) from the statistics partials; post and comb are stored where `store`."""
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
     tj_mask = t_mask[:, None] & (tl.arange(0, HC_PAD) < HC)[None, :]
     pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
+                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, LEGACY)
     if store:
         _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
     return offs_t, t_mask, tj_mask, pre
@@ -351,22 +466,45 @@ def _mhc_epilogue_kernel(
     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    LEGACY: tl.constexpr = False,
 ):
-    """Reduce partials -> pre/post/comb (every D-block recomputes them: 4×4 work per token, cheaper
-    than another launch); the first D-block stores post and comb; each stores its slice of u."""
+    """Program (t-block, d-block): reduce the partials -> pre (every D-block: H values per token,
+    cheaper than another launch) and store its slice of u; D-block 0 then runs the Sinkhorn and
+    stores post and comb (the collapse needs only pre). The x tile, base and scale are loaded before
+    the partials' reductions, so one memory round trip precedes the arithmetic.
+    LEGACY: the former order (every D-block runs the Sinkhorn before its collapse) for the bench."""
     pdl_prologue(PDL)
     pid_d = tl.program_id(1)
-    offs_t, t_mask, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok,
-                                                dim, splits, rms_eps, hc_eps, sinkhorn_iters, pid_d == 0, HC, HC_PAD,
-                                                MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     offs_j = tl.arange(0, HC_PAD)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
-    x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
-                 mask=tj_mask[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
-    u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
-    tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
-             mask=t_mask[:, None] & d_mask[None, :])
+    if LEGACY:
+        offs_t, t_mask, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr,
+                                                    n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters, pid_d == 0,
+                                                    HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True)
+        x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
+                     mask=tj_mask[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
+        u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
+        tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
+                 mask=t_mask[:, None] & d_mask[None, :])
+    else:
+        offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        t_mask = offs_t < n_tok
+        tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
+        x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
+                     mask=tj_mask[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
+        s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+        sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                        HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True, True)
+        rho = _rho(sq, dim, rms_eps, HC)
+        pre = _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD)
+        u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
+        tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
+                 mask=t_mask[:, None] & d_mask[None, :])
+        if pid_d == 0:
+            post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
+                                       sinkhorn_iters, HC, HC_PAD)
+            _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
 
 
 @_jit
@@ -457,8 +595,9 @@ def split_block(n_partials: int, block_t: int) -> int:
     return min(256, triton.next_power_of_2(n_partials)) if block_t == 1 else 8
 
 
-def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters):
-    """post [N, H] fp32, comb [N, H, H] fp32, u [N, D] x.dtype from the statistics partials."""
+def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters, legacy=False):
+    """post [N, H] fp32, comb [N, H, H] fp32, u [N, D] x.dtype from the statistics partials.
+    `legacy` launches the former kernel order (`_mhc_epilogue_kernel` LEGACY; bench/mhc_epilogue.py)."""
     n_tok, n_hc, dim = x.shape
     post = torch.empty((n_tok, n_hc), device=x.device, dtype=torch.float32)
     comb = torch.empty((n_tok, n_hc, n_hc), device=x.device, dtype=torch.float32)
@@ -471,7 +610,8 @@ def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_ep
         x, dpart, sqpart, base, scale, post, comb, u, n_tok, dim, dpart.shape[0],
         float(rms_eps), float(hc_eps), int(sinkhorn_iters),
         HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
-        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl, launch_pdl=pdl,
+        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl,
+        LEGACY=bool(legacy), launch_pdl=pdl,
     )
     return post, comb, u
 

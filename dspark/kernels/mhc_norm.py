@@ -41,8 +41,8 @@ import math
 import torch
 
 from dspark.kernels.mhc import (
-    _block_mixes, _check_post_args, _check_pre_args, _launch_stats, _num_sms, mhc_post_pre,
-    mhc_post_pre_ref, mhc_pre, mhc_pre_ref, split_block,
+    _block_mixes, _check_post_args, _check_pre_args, _launch_stats, _num_sms, _partial_sums, _post_comb_of, _pre_of,
+    _rho, _site_params, _store_mixes, mhc_post_pre, mhc_post_pre_ref, mhc_pre, mhc_pre_ref, split_block,
 )
 from dspark.kernels.registry import require_triton
 from dspark.kernels.rms_norm import rms_norm
@@ -138,22 +138,86 @@ def _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, di
 
 
 @_jit
+def _load_row(x_ptr, w_ptr, t, dim, HC: tl.constexpr, HC_PAD: tl.constexpr, ROW: tl.constexpr):
+    """Token t's streams [HC_PAD, ROW] in x.dtype and the norm weight [ROW] fp32 (0 past D and on
+    padded streams): the whole row in registers, loaded before anything waits on a reduction."""
+    offs_j = tl.arange(0, HC_PAD)
+    offs_d = tl.arange(0, ROW)
+    d_mask = offs_d < dim
+    x2 = tl.load(x_ptr + t * (HC * dim) + offs_j[:, None] * dim + offs_d[None, :],
+                 mask=(offs_j < HC)[:, None] & d_mask[None, :], other=0.0)
+    return x2, tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+
+
+@_jit
+def _store_normed_row(h_ptr, x2, w, pre, t, dim, norm_eps, ROW: tl.constexpr):
+    """h = w ⊙ u · rsqrt(Σu²/D + norm_eps) of token t from its row in registers: x2 [HC_PAD, ROW],
+    w [ROW], pre [HC_PAD]; u = Σ_k pre_k x_k rounded to h's dtype first, as `_collapse_tile`."""
+    out_ty = h_ptr.dtype.element_ty
+    u = tl.sum(pre[:, None] * x2.to(tl.float32), axis=0).to(out_ty).to(tl.float32)  # [ROW]
+    r = tl.rsqrt(tl.sum(u * u, axis=0) / dim + norm_eps)
+    offs_d = tl.arange(0, ROW)
+    tl.store(h_ptr + t * dim + offs_d, (w * (u * r)).to(out_ty), mask=offs_d < dim)  # rms_norm's order
+
+
+@_jit
 def _mhc_norm_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, h_ptr,
     n_tok, dim, splits, n_dblocks, iters, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ROW: tl.constexpr = 0, LEGACY: tl.constexpr = False,
 ):
-    """Program (t-block, p) of P = grid[1]: reduce the partials -> pre/post/comb (p = 0 stores post
-    and comb), Σu² over the whole row, then h = w ⊙ u · rsqrt(Σu²/D + norm_eps) on the D-blocks
-    p, p + P, ... (`iters` of them)."""
+    """ROW > 0 (one token per program row, grid [N, 2]): program (t, 0) loads token t's whole row
+    (ROW >= D wide) and the pre partials, then pre -> u -> Σu² -> h in registers, one walk over x;
+    program (t, 1) reduces the post/comb partials, runs the Sinkhorn and stores post and comb. The
+    collapse needs only pre, so the Sinkhorn runs beside it on another SM instead of before it.
+
+    ROW = 0 (token blocks of BLOCK_T, grid [t-blocks, P]): program p reduces the partials -> pre,
+    walks the whole row for Σu², then stores h on the D-blocks p, p + P, ... (`iters` of them);
+    p = 0 then runs the Sinkhorn and stores post and comb. LEGACY: the former kernel (every program
+    runs the Sinkhorn before its walks, partial loads behind reductions), kept for the bench."""
     pdl_prologue(PDL)
     pid_p = tl.program_id(1)
-    offs_t, t_mask, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok,
-                                                dim, splits, rms_eps, hc_eps, sinkhorn_iters, pid_p == 0, HC, HC_PAD,
-                                                MIX_PAD, BLOCK_T, SPLIT_BLOCK)
-    _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps,
-                           pid_p, tl.num_programs(1), HC, HC_PAD, BLOCK_T, BLOCK_D)
+    if LEGACY:
+        offs_t, t_mask, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr,
+                                                    n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters, pid_p == 0,
+                                                    HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True)
+        _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps,
+                               pid_p, tl.num_programs(1), HC, HC_PAD, BLOCK_T, BLOCK_D)
+    elif ROW > 0:
+        t = tl.program_id(0).to(tl.int64)
+        offs_t = t + tl.arange(0, 1)
+        t_mask = offs_t < n_tok
+        if pid_p == 0:
+            x2, w = _load_row(x_ptr, w_ptr, t, dim, HC, HC_PAD, ROW)
+            s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+            sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                            HC_PAD, MIX_PAD, 1, SPLIT_BLOCK, True, False)
+            pre = _pre_of(pre_mix, _rho(sq, dim, rms_eps, HC), s_pre, b_pre, hc_eps, HC, HC_PAD)
+            _store_normed_row(h_ptr, x2, w, tl.reshape(pre, (HC_PAD,)), t, dim, norm_eps, ROW)
+        else:
+            s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+            sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                            HC_PAD, MIX_PAD, 1, SPLIT_BLOCK, False, True)
+            post, comb = _post_comb_of(post_mix, comb_mix, _rho(sq, dim, rms_eps, HC), s_post, s_comb, b_post,
+                                       b_comb, t_mask, hc_eps, sinkhorn_iters, HC, HC_PAD)
+            _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+    else:
+        offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        t_mask = offs_t < n_tok
+        tj_mask = t_mask[:, None] & (tl.arange(0, HC_PAD) < HC)[None, :]
+        s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+        sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                        HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True, True)
+        rho = _rho(sq, dim, rms_eps, HC)
+        _store_normed_collapse(x_ptr, w_ptr, h_ptr, _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD), offs_t,
+                               t_mask, tj_mask, dim, n_dblocks, iters, norm_eps, pid_p, tl.num_programs(1), HC, HC_PAD,
+                               BLOCK_T, BLOCK_D)
+        if pid_p == 0:
+            post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
+                                       sinkhorn_iters, HC, HC_PAD)
+            _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -180,21 +244,51 @@ def norm_epilogue_grid(n_tok: int, dim: int, device: torch.device, tiles=None):
     return block_t, block_d, n_dblocks, (n_tblocks, programs)
 
 
-def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weight, eps: dict, tiles=None):
+# The widest token row the decode epilogue holds in registers (`_mhc_norm_epilogue_kernel` ROW):
+# V4-Pro's D = 7168 pads to 8192 (4 streams: 32768 values, 64 per thread at 16 warps).
+ROW_MAX = 8192
+
+
+def row_tiles(n_tok: int, dim: int) -> tuple[int, int] | None:
+    """(ROW, num_warps) of the one-walk decode epilogue, or None where it does not apply (more than 4
+    tokens, whose 4 × 256 token blocks walk the row; rows wider than ROW_MAX). ~64 values of x per
+    thread: 4 warps at D = 2048, 8 at 4096, 16 at 8192."""
+    row = triton.next_power_of_2(dim)
+    if n_tok > 4 or row > ROW_MAX:
+        return None
+    return row, min(16, max(4, 4 * row // 2048))
+
+
+def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weight, eps: dict, tiles=None,
+                          variant: str = "row"):
     """post [N, H] fp32, comb [N, H, H] fp32, h [N, D] x.dtype from the statistics partials over x.
-    `tiles` (BLOCK_T, BLOCK_D) overrides `_norm_tiles` (benches)."""
+
+    `variant`: "row" (the shipped choice: `row_tiles` where they apply, else the walk), "walk" (token
+    blocks that walk the row, Sinkhorn once per block), "legacy" (the former kernel; benches).
+    `tiles` (BLOCK_T, BLOCK_D) overrides `_norm_tiles` of the walks, or (ROW, num_warps) the row
+    tiles of "row" (benches)."""
+    if variant not in ("row", "walk", "legacy"):
+        raise ValueError(f"variant must be 'row', 'walk' or 'legacy', got {variant!r}")
     n_tok, n_hc, dim = x.shape
     post = torch.empty((n_tok, n_hc), device=x.device, dtype=torch.float32)
     comb = torch.empty((n_tok, n_hc, n_hc), device=x.device, dtype=torch.float32)
     h = torch.empty((n_tok, dim), device=x.device, dtype=x.dtype)
-    block_t, block_d, n_dblocks, grid = norm_epilogue_grid(n_tok, dim, x.device, tiles)
+    row = (tiles or row_tiles(n_tok, dim)) if variant == "row" else None
+    if row is not None:
+        (row_width, warps), grid = row, (n_tok, 2)
+        block_t, block_d, n_dblocks = 1, row_width, 1
+        if row_width < dim:
+            raise ValueError(f"row tiles ({row_width}) narrower than D = {dim}")
+    else:
+        row_width, warps = 0, 4
+        block_t, block_d, n_dblocks, grid = norm_epilogue_grid(n_tok, dim, x.device, tiles)
     pdl = pdl_launch(x.device, math.prod(grid))
     _mhc_norm_epilogue_kernel[grid](
         x, dpart, sqpart, base, scale, norm_weight, post, comb, h, n_tok, dim, dpart.shape[0], n_dblocks,
         triton.cdiv(n_dblocks, grid[1]), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
         int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
         BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl,
-        launch_pdl=pdl,
+        ROW=row_width, LEGACY=variant == "legacy", launch_pdl=pdl, num_warps=warps,
     )
     return post, comb, h
 

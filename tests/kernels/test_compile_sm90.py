@@ -133,8 +133,10 @@ def run_every_tile_class():
     for partials in (128, 264):
         dpart, sqpart = torch.randn(partials, 1, 32, generator=g).to(DEVICE), torch.rand(partials, 1).to(DEVICE)
         mhc._launch_epilogue(x1, dpart, sqpart, *head, 1e-6, 1e-6, 20)
-        mhc_norm._launch_norm_epilogue(x1, dpart, sqpart, *head, torch.ones(2048, device=DEVICE),
-                                       dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20))
+        for variant in ("row", "walk"):  # the walk: token blocks of more than 4 tokens, rows past ROW_MAX
+            mhc_norm._launch_norm_epilogue(x1, dpart, sqpart, *head, torch.ones(2048, device=DEVICE),
+                                           dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20),
+                                           variant=variant)
     # The output collapse + final norm: its statistics pass (M = 4 mixes, MIX_PAD 16) and epilogue at the
     # decode tiles (v4-mini D, Pro D) and the 4 x 256 / prefill tiles, bf16 and fp32 streams.
     for n_tok, dim, dtype in ((1, 2048, torch.bfloat16), (3, 7168, torch.bfloat16), (8, 2048, torch.bfloat16),

@@ -168,6 +168,7 @@ def test_every_epilogue_program_walks_the_whole_row(monkeypatch):
     """Σu² is over the full row whatever share of it a program stores: a norm taken over one D-block
     only would be far off at D = 1000 (4 D-blocks of 256 here, 4 programs at N = 3 on CPU)."""
     x, params, weight = site(3, 4, 1000, torch.float32, seed=9)
+    monkeypatch.setattr(mhc_norm, "row_tiles", lambda n, d: None)  # the walks, not the row in registers
     monkeypatch.setattr(mhc_norm, "_norm_tiles", lambda n, d: (1, 256))
     h = mhc_norm.mhc_pre_norm(x, *params, weight, **EPS, norm_eps=NORM_EPS)[2]
     want = mhc_norm.mhc_pre_norm_ref(x, *params, weight, **EPS, norm_eps=NORM_EPS)[2]
