@@ -245,18 +245,19 @@ def norm_epilogue_grid(n_tok: int, dim: int, device: torch.device, tiles=None):
 
 
 # The widest token row the decode epilogue holds in registers (`_mhc_norm_epilogue_kernel` ROW):
-# V4-Pro's D = 7168 pads to 8192 (4 streams: 32768 values, 64 per thread at 16 warps).
-ROW_MAX = 8192
+# V4-Flash's D = 4096 (4 streams: 16384 values, 64 per thread at 8 warps). V4-Pro's 7168 pads to
+# 8192, which spilled registers on sm_90 at 16 warps (24 bytes, triton 3.6): it takes the walks.
+ROW_MAX = 4096
 
 
 def row_tiles(n_tok: int, dim: int) -> tuple[int, int] | None:
     """(ROW, num_warps) of the one-walk decode epilogue, or None where it does not apply (more than 4
     tokens, whose 4 × 256 token blocks walk the row; rows wider than ROW_MAX). ~64 values of x per
-    thread: 4 warps at D = 2048, 8 at 4096, 16 at 8192."""
+    thread: 4 warps up to D = 2048, 8 at 4096."""
     row = triton.next_power_of_2(dim)
     if n_tok > 4 or row > ROW_MAX:
         return None
-    return row, min(16, max(4, 4 * row // 2048))
+    return row, max(4, 4 * row // 2048)
 
 
 def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weight, eps: dict, tiles=None,
