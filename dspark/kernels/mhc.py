@@ -465,8 +465,8 @@ def _mhc_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
-    LEGACY: tl.constexpr = False,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, LEGACY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t-block, d-block): reduce the partials -> pre (every D-block: H values per token,
     cheaper than another launch) and store its slice of u; D-block 0 then runs the Sinkhorn and
