@@ -72,6 +72,7 @@ _OP_MODULES: dict[str, str] = {
     "rms_norm": "rms_norm",
     "rope": "rope",
     "norm_rope": "norm_rope",
+    "step_index": "step_index",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
@@ -79,7 +80,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ("index_scores_pooled",)
+NOT_YET_ON_GPU: tuple[str, ...] = ("index_scores_pooled", "step_index")
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,6 +151,7 @@ class KernelConfig:
     rms_norm: Impl = "ref"
     rope: Impl = "ref"
     norm_rope: Impl = "ref"
+    step_index: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -26,7 +26,7 @@ import torch
 
 from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
                             indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope,
-                            rms_norm, rope, triton_available)
+                            rms_norm, rope, step_index, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -59,7 +59,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            cache_round: ("_round_kernel",),
            rms_norm: ("_rms_norm_kernel",),
            rope: ("_rope_kernel",),
-           norm_rope: ("_norm_rope_kernel",)}
+           norm_rope: ("_norm_rope_kernel",),
+           step_index: ("_step_index_kernel",)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -309,6 +310,15 @@ def run_every_tile_class():
         weight = torch.ones(512, device=DEVICE) if weighted else None
         dest = dict(out=torch.empty(9, 512, dtype=dtype, device=DEVICE), out_rows=torch.tensor([4, 1], device=DEVICE))
         norm_rope.norm_rope(x, weight, angles.cos(), angles.sin(), eps=1e-6, **(dest if weighted else {}))
+    # The static step's index segments (every kind): one slot at one token, and 4 slots x 4 tokens.
+    segments = step_index.SegmentTable.build(
+        [(step_index.ROW, 1, 1, 0, 0, 0, 0, 0), (step_index.ROW, 4, 1, 4160, 0, 0, 0, 0),
+         (step_index.RING, 1, 1, 128, 0, 0, 0, 0), (step_index.KEYS, 1, 640, 128, 128, 1, 0, 0),
+         (step_index.KEYS, 1, 160, 128, 128, 128, 32, 128), (step_index.PHASE, 1, 1, 4, 0, 0, 0, 0),
+         (step_index.POOL, 4, 8, 8, 1, 0, 0, 0), (step_index.ENTRY_ROW, 4, 1, 1040, 0, 0, 0, 0),
+         (step_index.ENTRY_OFFSET, 1, 1, 128, 1040, 0, 0, 0), (step_index.VISIBLE, 1, 1, 4, 0, 0, 0, 0)], DEVICE)
+    for starts in ([4095], [0, 7, 100, 4000]):
+        step_index.step_index(torch.tensor(starts, device=DEVICE), segments, tokens=len(starts))
 
 
 COMPILE = textwrap.dedent("""

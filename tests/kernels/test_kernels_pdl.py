@@ -25,11 +25,11 @@ import torch
 
 from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
                             indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope,
-                            rms_norm, rope, triton_available, triton_compat)
+                            rms_norm, rope, step_index, triton_available, triton_compat)
 
 MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer, indexer_pool,
            linear, mhc, mhc_norm, mhc_v41, moe,
-           moe_decode, moe_route_decode, norm_rope, rms_norm, rope)
+           moe_decode, moe_route_decode, norm_rope, rms_norm, rope, step_index)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
 
@@ -167,6 +167,9 @@ def _every_op(device: str) -> None:
     norm_rope.norm_rope(rand(4, 16, 256), None, angles.cos(), angles.sin(), eps=1e-6,  # q heads, stored at rows
                         out=rand(70, 256), out_rows=torch.arange(64, device=device))
     cache_round.cache_round(rand(65, 64), fmt="fp8_ue8m0")
+    segments = step_index.SegmentTable.build([(step_index.ROW, 1, 1, 0, 0, 0, 0, 0),
+                                              (step_index.KEYS, 1, 12, 11, 8, 4, 4, 40)], device)
+    step_index.step_index(torch.tensor([3, 17], device=device), segments, tokens=2)
     index = torch.randint(-1, 40, (2, 70), generator=g).to(device)
     attention.sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125)
     attention.launch_sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125,

@@ -127,7 +127,7 @@ def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeyp
         monkeypatch.setattr(torch.Tensor, "index_copy_",
                             lambda *a: calls.__setitem__("index_copy_", calls["index_copy_"] + 1) or index_copy(*a))
         module.rope_op = lambda *a, _op=module.rope_op: calls.__setitem__("rope", calls["rope"] + 1) or _op(*a)
-        update_compressor(module, state, StepIndex(torch.tensor([[position]], device=DEVICE), tables), x, rope)
+        update_compressor(module, state, StepIndex(torch.tensor([position], device=DEVICE), 1, tables), x, rope)
         monkeypatch.undo()
         counts.append(calls)
     assert counts == [{"index_copy_": 3, "rope": 1}, {"index_copy_": 0, "rope": 0}]

@@ -100,7 +100,8 @@ def test_step_index_equals_the_plain_formulas(model, starts, tokens):
     tables = StepTables(model, StaticShape(slots=3, max_context=96, tokens=4))
     positions = torch.tensor(starts).unsqueeze(-1) + torch.arange(tokens)
     ring = PositionRing(torch.zeros(3, 11, 2))
-    index = StepIndex(positions, tables)
+    index = StepIndex(torch.tensor(starts), tokens, tables)
+    assert torch.equal(index.positions, positions)
     ref = reference(positions, ring.size, window=8, rate=4, n_entries=24, first=33)
     got = built(index, ring)
     for name, value in ref.items():
@@ -117,9 +118,8 @@ def test_hca_layers_share_one_key_list_and_picks_keep_their_holes(model):
     from dspark.models.deepseek_v4.static_step import offset_rows
 
     tables = StepTables(model, StaticShape(slots=3, max_context=96, tokens=4))
-    positions = torch.tensor([0, 5, 17]).unsqueeze(-1) + torch.arange(4)
     ring = PositionRing(torch.zeros(3, 11, 2))
-    index = StepIndex(positions, tables)
+    index = StepIndex(torch.tensor([0, 5, 17]), 4, tables)
     keys = index.hca_keys(8, ring, 4, 24, 33)
     assert index.hca_keys(8, ring, 4, 24, 33) is keys
     assert torch.equal(keys, torch.cat((index.window_keys(8, ring), index.causal_entries(4, 24, 33)), dim=-1))
@@ -167,7 +167,7 @@ def test_rope_table_and_indices_on_cuda():
     ring = PositionRing(torch.zeros(3, 11, 2, device=cuda))
     for starts, tokens in (([0, 5, 17], 4), ([3, 90, 40], 1)):
         positions = torch.tensor(starts).unsqueeze(-1) + torch.arange(tokens)
-        index = StepIndex(positions.to(cuda), tables)
+        index = StepIndex(torch.tensor(starts, device=cuda), tokens, tables)
         got = built(index, ring)
         for name, value in reference(positions, ring.size, window=8, rate=4, n_entries=24, first=33).items():
             assert torch.equal(got[name].cpu(), value), name

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.models.deepseek_v4.state import check_capture
-from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
+from dspark.models.deepseek_v4.static_index import StepIndex, StepPlan, StepTables
 from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticLayerState, StaticShape, StaticState
 
 
@@ -68,13 +68,18 @@ class StaticDecoderBase(abc.ABC):
         self.model = model
         self.shape = shape
         self.state = self.new_state(model, shape)
-        # The steps' constant index tensors (RoPE tables per group of equal ropes, ranges), made here:
-        # never inside a captured step.
-        self.index_tables = StepTables(model, shape)
+        # The steps' constant index tensors (RoPE tables per group of equal ropes, ranges, the
+        # segments of the step-index op), made here: never inside a captured step.
+        self.index_tables = StepTables(model, shape, self.index_plan())
 
     @abc.abstractmethod
     def new_state(self, model, shape: StaticShape):
         """The family's fixed-size state for `shape` (slots, capacity, tokens per step)."""
+
+    def index_plan(self) -> StepPlan | None:
+        """The `StepIndex` requests of every step (a `StepPlan`), built in one `step_index` launch;
+        None: each is built by torch ops on first use."""
+        return None
 
     def load(self, slot: int, state) -> int:
         """Copy a request's dynamic decode state into `slot`; returns the slot's next start position."""
@@ -143,6 +148,13 @@ class StaticDecoder(StaticDecoderBase):
     def new_state(self, model, shape: StaticShape) -> StaticState:
         return StaticState(model, shape)
 
+    def index_plan(self) -> StepPlan:
+        """What `static_attention` asks the step's `StepIndex` for, layer by layer (same calls)."""
+        plan = StepPlan()
+        for layer, state in zip(self.model.layers, self.state.layers):
+            plan_attention(layer.attn, plan, state)
+        return plan
+
     def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
                 capture_layers: tuple[int, ...] = ()) -> StaticStepOutput:
         """`step`, also returning the final streams and the input streams of `capture_layers` (what a
@@ -150,8 +162,7 @@ class StaticDecoder(StaticDecoderBase):
         self._check_inputs(input_ids, starts)
         model, (n_slots, n_tok) = self.model, input_ids.shape
         capture = check_capture(capture_layers, len(model.layers))
-        positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
-        index = StepIndex(positions, self.index_tables)
+        index = StepIndex(starts, n_tok, self.index_tables)  # positions [S, T] and every planned index
         ids = input_ids.reshape(-1)  # [N]
         x = model.embed(ids)
         x = x.unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, n_hc, D]
@@ -201,6 +212,34 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
             keys = index.hca_keys(attn.window, state.window, attn.rate, n_entries, first)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
+
+
+def plan_attention(attn, plan: StepPlan, state: StaticLayerState) -> None:
+    """The `StepIndex` calls of `static_attention` and `update_compressor` for one layer, on `plan`
+    (the non-fused pool's group rows stay torch builds: the reference path)."""
+    plan.cos_sin(attn.rope)
+    plan.ring_rows(state.window)
+    if attn.compressor is None:
+        plan.window_keys(attn.window, state.window)
+        return
+    first, n_entries = state.window.slots * state.window.size, state.compressor.n_entries
+    parts = [(attn.compressor, state.compressor)]
+    if attn.indexer is not None:
+        parts.append((attn.indexer.compressor, state.indexer))
+        plan.csa_keys(attn.window, state.window, min(attn.indexer.topk, n_entries))
+        plan.entry_offsets(first, n_entries)
+        plan.visible(attn.indexer.rate)
+    else:
+        plan.hca_keys(attn.window, state.window, attn.rate, n_entries, first)
+    for compressor, part in parts:
+        plan.ring_rows(part.kv)
+        plan.phase(compressor.rate)
+        plan.group_cos_sin(attn.rope, compressor.rate)
+        plan.entry_rows(compressor.rate, part.n_entries)
+        if compressor.pools_from_rows:
+            plan.pool_index(compressor.rate, part.overlap, part.kv)
+        else:
+            plan.group_starts(compressor.rate)
 
 
 def offset_rows(rows: torch.Tensor, offset: torch.Tensor | int) -> torch.Tensor:

@@ -70,8 +70,8 @@ class StaticDecoderV41(StaticDecoderBase):
         # Layers whose input streams a standalone post builds (Engram layers, capture points): as in
         # `DeepseekV41ForCausalLM.forward` without bounded replay.
         materialised = model._materialised_inputs(capture, None)
-        positions = starts.unsqueeze(-1) + torch.arange(n_tok, device=starts.device)  # [S, T]
-        index = StepIndex(positions, self.index_tables)
+        index = StepIndex(starts, n_tok, self.index_tables)
+        positions = index.positions  # [S, T]
         ids = input_ids.reshape(-1)  # [N]
         engram_rows, live = self._engram_rows(input_ids, positions)
         x = model.embed(ids).unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, hc, D]
