@@ -39,7 +39,7 @@ import torch
 
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.state import check_capture
-from dspark.models.deepseek_v4.static_index import StepIndex
+from dspark.models.deepseek_v4.static_index import StepIndex, StepPlan
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput, offset_rows
 from dspark.models.deepseek_v41 import engram_hash
@@ -58,6 +58,14 @@ class StaticDecoderV41(StaticDecoderBase):
                              "'auto'); a static step gathers table rows on the device: build the model with "
                              "engram_tables='device'")
         return StaticStateV41(model, shape)
+
+    def index_plan(self) -> StepPlan:
+        """What `static_attention` (with `publish` and `select`) asks the step's `StepIndex` for,
+        layer by layer (same calls)."""
+        plan = StepPlan()
+        for i, layer in enumerate(self.model.layers):
+            plan_attention(layer.attn, plan, self.state, i)
+        return plan
 
     def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
                 capture_layers: tuple[int, ...] = ()) -> StaticStepOutput:
@@ -152,6 +160,28 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
         keys = torch.cat((keys, offset_rows(shared.topk, offset)), dim=-1)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
+
+
+def plan_attention(attn, plan: StepPlan, state: StaticStateV41, layer: int) -> None:
+    """The `StepIndex` calls of `static_attention`, `publish` and `select` for one layer, on `plan`."""
+    plan.cos_sin(attn.rope)
+    plan.ring_rows(state.windows[layer])
+    plan.window_keys(attn.window, state.windows[layer])
+    if not attn.ratio:
+        return
+    source = state.sources[attn.role.kv_source]
+    if attn.compressor is not None:
+        m = source.rate
+        if m == 1:
+            plan.entry_rows(1, source.n_entries)
+        else:
+            plan.ring_rows(source.kv)
+            plan.pool_index(m, False, source.kv)  # `group_rows` without overlap: these rows
+            plan.entry_rows(m, source.n_entries)
+        plan.group_cos_sin(attn.rope, m)
+    if attn.indexer is not None:
+        plan.visible(attn.indexer.ratio)
+    plan.entry_offsets(source.offset, source.n_entries)
 
 
 def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> None:
