@@ -214,6 +214,8 @@ def main() -> None:
                     help="tokens per request per step (default 1; 4 = a DSpark budget-3 verify block)")
     ap.add_argument("--not-yet", action="store_true",
                     help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
+    ap.add_argument("--triton", default="",
+                    help="comma list of registry.NOT_YET_ON_GPU ops to run on Triton (one of --not-yet's)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every Triton kernel without programmatic dependent launch (A/B of PDL)")
     ap.add_argument("--no-prefetch", action="store_true",
@@ -250,6 +252,11 @@ def main() -> None:
     kernels = KernelConfig.for_device(device)
     if cli.not_yet and device.type == "cuda":
         kernels = dataclasses.replace(kernels, **{op: "triton" for op in NOT_YET_ON_GPU})
+    chosen = [op for op in cli.triton.split(",") if op]
+    if any(op not in NOT_YET_ON_GPU for op in chosen):
+        raise ValueError(f"--triton {cli.triton!r}: each op must be one of registry.NOT_YET_ON_GPU {NOT_YET_ON_GPU}")
+    if chosen and device.type == "cuda":
+        kernels = dataclasses.replace(kernels, **{op: "triton" for op in chosen})
     model = dspark.init_model(config, seed=0, device=device, dtype=dtype, kernels=kernels, **options)
     g = torch.Generator(device=device).manual_seed(0)
     roofline = active_bytes(model, args["context"])
