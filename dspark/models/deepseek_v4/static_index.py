@@ -21,9 +21,9 @@ span whose slices are every constant range a build needs (views: no launch). Bui
 fills and `alpha` adds rather than `torch.where` with Python scalars, which adds a `scalar_tensor`.
 
 Even so a v4-mini step spent ~50 launches here (`bench/results/graph-profile-h200-s9-final-no-pdl.json`,
-op_sites). So a decoder also declares its `plan`: the tensors every step of it asks for, as `segments`
-of the registry's `step_index` op (`dspark/kernels/step_index_ref.py`), which builds all of them, and the
-step's positions, in one launch into one flat buffer; a `StepIndex` hands out views of it, and the
+op_sites). So a decoder also declares its `plan` (`StepPlan`, static_plan.py): the tensors every
+step asks for, as `segments` of the registry's `step_index` op (`dspark/kernels/step_index_ref.py`),
+which builds all of them, and the step's positions, in one launch into one flat buffer; a `StepIndex` hands out views of it, and the
 RoPE rows of every planned table row in one gather from the groups' tables laid end to end. What the
 plan leaves out, and everything where the model's `KernelConfig.step_index` is "ref", is built by the
 torch code below on first use, as before (the same values).
@@ -38,9 +38,10 @@ from typing import Callable
 import torch
 
 from dspark.kernels import get_op
-from dspark.kernels.step_index_ref import (ENTRY_OFFSET, ENTRY_ROW, KEYS, PHASE, POOL, RING, ROW, VISIBLE,
-                                           SegmentTable)
+from dspark.kernels.step_index_ref import ENTRY_OFFSET, ENTRY_ROW, PHASE, RING, ROW, VISIBLE, SegmentTable
 from dspark.models.deepseek_v4.rope import RopeTable
+from dspark.models.deepseek_v4.static_plan import (POSITIONS, StepPlan, hca_segment, pool_segment, segment,
+                                                   window_segment)
 from dspark.models.deepseek_v4.static_state import PositionRing, StaticShape
 
 
@@ -59,80 +60,6 @@ def rope_groups(model) -> dict[int, int]:
             groups[id(rope)] = len(tables)
             tables.append(rope)
     return groups
-
-
-def _segment(kind: int, m: int = 1, width: int = 1, a: int = 0, b: int = 0, c: int = 0, d: int = 0,
-             e: int = 0) -> tuple[int, ...]:
-    """One `step_index` segment row (see dspark/kernels/step_index_ref.py): also the memo key of its tensor."""
-    return (kind, m, width, a, b, c, d, e)
-
-
-POSITIONS = _segment(ROW)  # [S, T] the step's positions
-
-
-def window_segment(window: int, size: int, extra: int = 0) -> tuple[int, ...]:
-    """[N, W + extra]: window keys of a ring of `size` rows per slot, then `extra` columns of −1."""
-    return _segment(KEYS, width=window + extra, a=size, b=window, c=1)
-
-
-def hca_segment(window: int, size: int, rate: int, n_entries: int, first: int) -> tuple[int, ...]:
-    """[N, W + E]: window keys, then the causal entries (pool rows first + s·(E+1) + w, −1 unreachable)."""
-    return _segment(KEYS, width=window + n_entries, a=size, b=window, c=rate, d=n_entries, e=first)
-
-
-def pool_segment(rate: int, overlap: bool, size: int) -> tuple[int, ...]:
-    """[S·c, slots]: `StepIndex.pool_index`."""
-    return _segment(POOL, m=rate, width=2 * rate if overlap else rate, a=size, b=int(overlap))
-
-
-class StepPlan:
-    """What every step of a decoder asks its `StepIndex` for, recorded by calling the same methods
-    (same arguments) once at the decoder's construction: `StepTables` turns it into the segments
-    that the `step_index` op builds in one launch per step. Methods return nothing."""
-
-    def __init__(self):
-        self.segments: list[tuple[int, ...]] = []
-        self.ropes: list[tuple[object, int]] = []  # (rope module, rate): RoPE rows of positions (1) or groups
-
-    def _add(self, row: tuple[int, ...]) -> None:
-        if row not in self.segments:
-            self.segments.append(row)
-
-    def cos_sin(self, rope) -> None:
-        self.ropes.append((rope, 1))
-
-    def group_cos_sin(self, rope, rate: int) -> None:
-        self.ropes.append((rope, rate))
-
-    def ring_rows(self, ring: PositionRing) -> None:
-        self._add(_segment(RING, a=ring.size))
-
-    def window_keys(self, window: int, ring: PositionRing) -> None:
-        self._add(window_segment(window, ring.size))
-
-    def csa_keys(self, window: int, ring: PositionRing, width: int) -> None:
-        self._add(window_segment(window, ring.size, width))
-
-    def hca_keys(self, window: int, ring: PositionRing, rate: int, n_entries: int, first: int) -> None:
-        self._add(hca_segment(window, ring.size, rate, n_entries, first))
-
-    def phase(self, rate: int) -> None:
-        self._add(_segment(PHASE, a=rate))
-
-    def group_starts(self, rate: int) -> None:
-        self._add(_segment(ROW, m=rate))
-
-    def pool_index(self, rate: int, overlap: bool, ring: PositionRing) -> None:
-        self._add(pool_segment(rate, overlap, ring.size))
-
-    def entry_rows(self, rate: int, n_entries: int) -> None:
-        self._add(_segment(ENTRY_ROW, m=rate, a=n_entries))
-
-    def entry_offsets(self, first: int, n_entries: int) -> None:
-        self._add(_segment(ENTRY_OFFSET, a=first, b=n_entries))
-
-    def visible(self, rate: int) -> None:
-        self._add(_segment(VISIBLE, a=rate))
 
 
 class StepTables:
@@ -191,7 +118,7 @@ class StepTables:
         group = self.groups.get(id(rope))
         if group is None or self.rope_data is None:
             return None
-        return _segment(ROW, m=rate, a=group * self.context)
+        return segment(ROW, m=rate, a=group * self.context)
 
     def arange(self, start: int, end: int) -> torch.Tensor:
         """[end − start] long start .. end − 1: a view of `span` (no launch)."""
@@ -282,11 +209,11 @@ class StepIndex:
 
     def phase(self, rate: int) -> torch.Tensor:
         """[N] position % rate of every row (a compressor's `ape` row)."""
-        return self._segment(_segment(PHASE, a=rate), (-1,), lambda: self.flat % rate)
+        return self._segment(segment(PHASE, a=rate), (-1,), lambda: self.flat % rate)
 
     def group_starts(self, rate: int) -> torch.Tensor:
         """[S·c] first position w·m of each candidate group (`groups`): the position its entry stands for."""
-        return self._segment(_segment(ROW, m=rate), (-1,), lambda: (self.groups(rate) * rate).reshape(-1))
+        return self._segment(segment(ROW, m=rate), (-1,), lambda: (self.groups(rate) * rate).reshape(-1))
 
     def group_cos_sin(self, rope, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope.cos_sin` of the candidate groups' first positions (`group_starts`): [S·c, rd/2] each."""
@@ -294,7 +221,7 @@ class StepIndex:
 
     def ring_rows(self, ring: PositionRing) -> torch.Tensor:
         """[S, T] flat rows of the step's positions in a ring of `ring.size` rows per slot."""
-        return self._segment(_segment(RING, a=ring.size), self.positions.shape, lambda: ring.rows(self.positions))
+        return self._segment(segment(RING, a=ring.size), self.positions.shape, lambda: ring.rows(self.positions))
 
     def window_keys(self, window: int, ring: PositionRing) -> torch.Tensor:
         """[N, W] ring rows of keys p − W + 1 .. p of every row, −1 before position 0."""
@@ -367,18 +294,18 @@ class StepIndex:
             incomplete = w >= self.visible(rate)[:, -1:]
             slots = self.tables.arange(0, w.shape[0]).unsqueeze(-1)  # [S, 1]
             return torch.add(w.masked_fill(incomplete, n_entries), slots, alpha=n_entries + 1).reshape(-1)
-        return self._segment(_segment(ENTRY_ROW, m=rate, a=n_entries), (-1,), build)
+        return self._segment(segment(ENTRY_ROW, m=rate, a=n_entries), (-1,), build)
 
     def entry_offsets(self, first: int, n_entries: int) -> torch.Tensor:
         """[N, 1] pool row of entry 0 of each row's slot, slot s's entries starting at first + s·(E+1)."""
         def build():
             slots = self.tables.arange(0, self.positions.shape[0]).unsqueeze(-1).expand_as(self.positions)
             return (slots * (n_entries + 1)).add_(first).reshape(-1, 1)  # mul writes a fresh [S, T]
-        return self._segment(_segment(ENTRY_OFFSET, a=first, b=n_entries), (-1, 1), build)
+        return self._segment(segment(ENTRY_OFFSET, a=first, b=n_entries), (-1, 1), build)
 
     def visible(self, rate: int) -> torch.Tensor:
         """[S, T] entries complete for each row: (p + 1) // m (entry w is reachable when w < it)."""
-        return self._segment(_segment(VISIBLE, a=rate), self.positions.shape, lambda: (self.positions + 1) // rate)
+        return self._segment(segment(VISIBLE, a=rate), self.positions.shape, lambda: (self.positions + 1) // rate)
 
     def unreachable(self, rate: int, n_entries: int) -> torch.Tensor:
         """[N, E] bool: entry w is not complete yet for row p, w >= (p + 1) // m."""

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.models.deepseek_v4.state import check_capture
-from dspark.models.deepseek_v4.static_index import StepIndex, StepPlan, StepTables
+from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
+from dspark.models.deepseek_v4.static_plan import StepPlan
 from dspark.models.deepseek_v4.static_state import StaticCompressorState, StaticLayerState, StaticShape, StaticState
 
 

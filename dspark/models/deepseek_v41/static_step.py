@@ -39,7 +39,8 @@ import torch
 
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.state import check_capture
-from dspark.models.deepseek_v4.static_index import StepIndex, StepPlan
+from dspark.models.deepseek_v4.static_index import StepIndex
+from dspark.models.deepseek_v4.static_plan import StepPlan
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput, offset_rows
 from dspark.models.deepseek_v41 import engram_hash
