@@ -150,3 +150,23 @@ def test_step_index_on_cuda_equals_reference_at_v4_mini_sizes():
         starts = torch.randint(0, 4156, (n_slots,), generator=g).cuda()
         assert torch.equal(si.step_index(starts, segments, tokens=tokens),
                            si.step_index_ref(starts, segments, tokens=tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_static_steps_with_the_op_equal_the_torch_builds():
+    """tiny-v4 and tiny-v41 on CUDA with every other op as `for_device` picks (Triton selection writing
+    its picks into the op's CSA key list, fused pool reading its `pool_index`): the same logits, bit
+    for bit, with `step_index` on Triton and on its reference (the torch builds)."""
+    import dataclasses
+
+    for name, decoder_cls, options in (("tiny-v4", StaticDecoder, {}),
+                                       ("tiny-v41", StaticDecoderV41, dict(prefill_mode="exact", cache_qat=False,
+                                                                           engram_tables="device"))):
+        logits = []
+        for impl in ("ref", "triton"):
+            kernels = dataclasses.replace(KernelConfig.for_device("cuda"), step_index=impl)
+            model = dspark.init_model(name, seed=0, device="cuda", kernels=kernels, **options)
+            logits.append(_steps(decoder_cls(model, StaticShape(slots=2, max_context=48, tokens=3)), 3))
+        for ref, fused in zip(*logits):
+            assert torch.equal(ref, fused), name
