@@ -63,7 +63,7 @@ def _step_index_kernel(starts_ptr, seg_ptr, out_ptr, n_slots, n_tok, BLOCK: tl.c
     tl.store(out_ptr + offset + idx, value, mask=mask)
 
 
-_BLOCK = 1024
+_BLOCK = 512  # 4 elements per thread of 4 warps: 78 registers on sm_90 (1024 spilled)
 
 
 def step_index(starts: torch.Tensor, segments: SegmentTable, *, tokens: int) -> torch.Tensor:
