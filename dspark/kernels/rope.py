@@ -24,7 +24,10 @@ requiring grad with grad mode on, i.e. training) `rope` runs `rope_ref`.
 Fused kernel: one program per BLOCK_R rows copies the nope dims and rotates the pairs (even and odd
 channels loaded as two strided vectors), reading each row's cos/sin through the broadcast
 strides: no expanded copy of the tables. One launch replaces the reference's ~10 kernels (float
-copy, four products, difference, sum, stack, cast, cat). No host sync: CUDA-graph capturable.
+copy, four products, difference, sum, stack, cast, cat). BLOCK_R is a tile of ~4096 elements for
+many rows but shrinks so that few rows still spread over >= ~`MIN_PROGRAMS` programs: the indexer q
+of one decode token ([1, 64, 128], 64 rows) was one program of 64 rows (9.1 µs on the H200, graph
+profile s9), now 32 programs of 2 rows. No host sync: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from dspark.kernels.rope_ref import _check_args, rope_ref  # noqa: F401 (the op'
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
-_TILE_ELEMENTS = 4096  # elements per program: BLOCK_R rows of d channels
+_TILE_ELEMENTS = 4096  # elements per program at most: BLOCK_R rows of d channels
+MIN_PROGRAMS = 32  # few rows are spread over about this many programs (a latency-bound launch)
 
 
 @_jit
@@ -110,6 +114,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Fused `rope_ref` (same signature, shapes and dtypes; the reference under autograd)."""
     if records_grad(x, cos, sin):
         return rope_ref(x, cos, sin)
+    return launch_rope(x, cos, sin)
+
+
+def rows_per_program(n_rows: int, width: int, min_programs: int) -> int:
+    """BLOCK_R (a power of two): a tile of up to `_TILE_ELEMENTS` elements of `width` padded channels,
+    fewer rows where that leaves fewer than ~`min_programs` programs (at least min_programs / 2)."""
+    spread = triton.next_power_of_2(triton.cdiv(n_rows, max(1, min_programs)))
+    return max(1, min(_TILE_ELEMENTS // width, spread))
+
+
+def launch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                min_programs: int = MIN_PROGRAMS) -> torch.Tensor:
+    """`rope` without the autograd rule, with an explicit program target (`rows_per_program`; the bench
+    passes min_programs=1, the former launch shape: one tile of up to 4096 elements per program)."""
     require_triton()
     _check_args(x, cos, sin)
     lead, dim, half = x.shape[:-1], x.shape[-1], cos.shape[-1]
@@ -123,11 +141,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     nope = dim - 2 * half
     block_nope = triton.next_power_of_2(nope) if nope else 0
     block_half = triton.next_power_of_2(half)
-    block_r = max(1, min(_TILE_ELEMENTS // max(block_nope, 2 * block_half), triton.next_power_of_2(n_rows)))
+    width = max(block_nope, 2 * block_half)
+    block_r = rows_per_program(n_rows, width, min_programs)
     programs = triton.cdiv(n_rows, block_r)
     pdl = pdl_launch(x.device, programs)
     _rope_kernel[(programs,)](
         rows, cos, sin, y, n_rows, dim, half, cos_inner, cos_outer, cos_step, sin_inner, sin_outer, sin_step,
-        BLOCK_R=block_r, BLOCK_NOPE=block_nope, BLOCK_HALF=block_half, PDL=pdl, launch_pdl=pdl, num_warps=4,
-        enable_fp_fusion=False)
+        BLOCK_R=block_r, BLOCK_NOPE=block_nope, BLOCK_HALF=block_half, PDL=pdl, launch_pdl=pdl,
+        num_warps=min(4, max(1, block_r * width // 256)), enable_fp_fusion=False)  # 1 warp for a 2-row tile
     return y

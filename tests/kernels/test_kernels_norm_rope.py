@@ -151,6 +151,28 @@ def test_rope_matches_ref_and_inverts(dtype, case, poisoned):
 
 
 @needs_triton
+@pytest.mark.parametrize("min_programs", [1, 4])
+@pytest.mark.parametrize("case", [0, 1, 3, 5])
+def test_rope_multi_row_tiles_match_ref(case, min_programs, poisoned):
+    """Several rows per program, with a masked tail (15 rows in tiles of 4 or 16): the launch shape
+    of many rows, and min_programs=1, the former launch shape that the bench times."""
+    x_shape, table_shape = ROPE_CASES[case]
+    x, cos, sin = rope_inputs(x_shape, table_shape, torch.float32, seed=20 + case)
+    with poisoned():
+        y = rp.launch_rope(x, cos, sin, min_programs=min_programs)
+    assert torch.equal(y, rp.rope_ref(x, cos, sin))
+
+
+def test_rope_spreads_few_rows_over_programs():
+    """The indexer q of one decode token (64 rows of d 128, 64 padded channels per tile) runs as 32
+    programs of 2 rows (it was one program of 64); many rows keep 4096-element tiles."""
+    assert rp.rows_per_program(64, 64, rp.MIN_PROGRAMS) == 2
+    assert rp.rows_per_program(64, 64, 1) == 64
+    assert rp.rows_per_program(1 << 16, 64, rp.MIN_PROGRAMS) == 64
+    assert rp.rows_per_program(3, 512, rp.MIN_PROGRAMS) == 1
+
+
+@needs_triton
 def test_rope_of_a_strided_view_and_no_rows(poisoned):
     x, cos, sin = rope_inputs((6, 40), (3, 4), torch.float32, seed=9)
     view = x[::2, 4:36]  # [3, 32], non-contiguous rows
