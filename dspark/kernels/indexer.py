@@ -24,11 +24,11 @@ Fused kernels, two launches:
    it writes [S, T] fp32 scores (the masked entries can therefore never be selected). With POOL_B
    (`indexer_pool.index_scores_pooled`, via `launch_index_scores`) its epilogue also writes the V4.1
    candidate pool's block maxima of each tile's whole blocks, so the pool does not re-read the scores.
-2. `_select_kernel`, one program per row: radix-style bisection over the scores' order-preserving
-   int32 keys finds the k-th largest score θ in 32 counting passes (one register-resident tile for
-   T ≤ 8192, else passes over L2-resident tiles); one more pass writes the entries > θ and the
-   first (k − #(> θ)) entries equal to θ, in id order, via prefix sums -- so ids come out ascending
-   and the tie rule is exactly the reference's.
+2. `_select_kernel`, one program per row: a radix search over the scores' order-preserving int32
+   keys finds the k-th largest score θ in 8 counting passes of 4 bits (16 counts each; one
+   register-resident tile for T ≤ 8192, else passes over L2-resident tiles); one more pass writes
+   the entries > θ and the first (k − #(> θ)) entries equal to θ, in id order, via prefix sums --
+   so ids come out ascending and the tie rule is exactly the reference's.
 
 No host sync, buffers sized from shapes: CUDA-graph capturable.
 """
@@ -49,6 +49,9 @@ from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _REGISTER_ROW = 8192  # rows up to this many entries stay in registers during selection
 _STREAM_TILE = 4096  # tile of the passes over longer rows
+# Bits of θ per counting pass of the selection (`_kth_largest`): 8 passes instead of 32. On one H200 the
+# v4-mini batch-1 step's _select_kernel (one row of 1024 entries) took 9.5 µs with 32 (graph profile s9).
+RADIX_BITS = 4
 
 
 # --------------------------------------------------------------------------------- Triton kernels
@@ -142,19 +145,48 @@ def _count_at_least(row_ptr, n_keys, keys, threshold, ONE_TILE: tl.constexpr, BL
 
 
 @_jit
-def _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr):
+def _digit_counts(keys, in_row, lo, SHIFT: tl.constexpr, RADIX: tl.constexpr):
+    """Histogram [RADIX] int32 of the keys >= lo by their digit (key − lo) >> SHIFT, keys past the
+    last digit counted in it (a histogram, not RADIX comparisons per key: few registers)."""
+    rel = keys.to(tl.int64) - lo
+    digit = tl.minimum(rel >> SHIFT, RADIX - 1).to(tl.int32)
+    return tl.histogram(digit, RADIX, mask=(rel >= 0) & in_row)
+
+
+@_jit
+def _count_each(row_ptr, n_keys, keys, lo, SHIFT: tl.constexpr, RADIX: tl.constexpr, ONE_TILE: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """#(key >= lo + d·2^SHIFT) for d = 0 .. RADIX−1 ([RADIX] int32) in one pass over the row."""
+    if ONE_TILE:
+        hist = _digit_counts(keys, keys == keys, lo, SHIFT, RADIX)
+    else:
+        hist = tl.zeros((RADIX,), tl.int32)
+        for t0 in range(0, n_keys, BLOCK_T):
+            offs = t0 + tl.arange(0, BLOCK_T)
+            tile = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
+            hist += _digit_counts(tile, offs < n_keys, lo, SHIFT, RADIX)
+    return tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # the counts of digits >= d
+
+
+@_jit
+def _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+                 RADIX_BITS: tl.constexpr):
     """Threshold of a row's top-k: (θ, n_take, n_ties) -- θ the order key of the k-th largest
-    finite score, n_take = min(k, #finite) entries to take, n_ties of them equal to θ (the rest > θ)."""
+    finite score, n_take = min(k, #finite) entries to take, n_ties of them equal to θ (the rest > θ).
+
+    θ is the largest int32 t with #(key >= t) >= n_take, found digit by digit from the top: each of
+    32 / RADIX_BITS passes counts the row against the 2^RADIX_BITS candidates lo + d·2^shift at once
+    (a histogram of the digits) and keeps the largest d whose count still reaches n_take (d = 0
+    always does: #(key >= lo) >= n_take holds from lo = −2^31 on). RADIX_BITS 1 is a bisection in the
+    former kernel's 32 passes; 4 takes 8 passes: the passes are serial reductions, so at one row
+    (batch-1 decode) their number sets the kernel's latency."""
     # Finite entries: order key above _order_keys(−inf) = 0xFF800000 ^ 0x7FFFFFFF = −2139095041.
     n_take = tl.minimum(_count_at_least(row_ptr, n_keys, keys, -2139095040, ONE_TILE, BLOCK_T), topk)
-    # Largest θ with #(key >= θ) >= n_take; bisection over the int32 range (int64 arithmetic).
-    lo = tl.full((), -2147483648, tl.int64)
-    hi = tl.full((), 2147483647, tl.int64)
-    for _ in range(32):
-        mid = (lo + hi + 1) >> 1  # arithmetic shift: floor, also for negative sums
-        enough = _count_at_least(row_ptr, n_keys, keys, mid.to(tl.int32), ONE_TILE, BLOCK_T) >= n_take
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
+    lo = tl.full((), -2147483648, tl.int64)  # int64: lo + d·2^shift never wraps
+    for p in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)  # a constant: p is unrolled
+        counts = _count_each(row_ptr, n_keys, keys, lo, shift, 1 << RADIX_BITS, ONE_TILE, BLOCK_T)
+        lo += (tl.sum((counts >= n_take).to(tl.int64), axis=0) - 1) << shift  # counts fall with d
     theta = lo.to(tl.int32)
     n_above = tl.where(n_take > 0, _count_at_least(row_ptr, n_keys, keys, theta + 1, ONE_TILE, BLOCK_T), 0)
     return theta, n_take, n_take - n_above
@@ -173,7 +205,7 @@ def _take_flags(tile, in_row, theta, n_ties, ties_seen):
 
 @_jit
 def _select_kernel(score_ptr, out_ptr, offset_ptr, n_keys, topk, n_out, out_stride, ONE_TILE: tl.constexpr,
-                   BLOCK_T: tl.constexpr, HAS_OFFSET: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_T: tl.constexpr, HAS_OFFSET: tl.constexpr, RADIX_BITS: tl.constexpr, PDL: tl.constexpr):
     """ids[s, :n_out] of row s = program_id(0): the top-k (ties: lower id) ascending, + offset[s]
     with HAS_OFFSET, −1 padded; row s of the output starts at out_ptr + s·out_stride."""
     pdl_prologue(PDL)
@@ -184,7 +216,7 @@ def _select_kernel(score_ptr, out_ptr, offset_ptr, n_keys, topk, n_out, out_stri
     keys = offs  # bound on both paths for the compiler; only the one-tile path reads it
     if ONE_TILE:
         keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
-    theta, n_take, n_ties = _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE, BLOCK_T)
+    theta, n_take, n_ties = _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE, BLOCK_T, RADIX_BITS)
     out_row = out_ptr + s * out_stride
     written = tl.full((), 0, tl.int32)
     ties_seen = tl.full((), 0, tl.int32)
@@ -287,8 +319,17 @@ def select_topk(scores: torch.Tensor, topk: int, *, offset: torch.Tensor | None 
     """Fused `select_topk_ref` (same signature and tie rule): scores [S, T] fp32 (−inf = unreachable)
     -> [S, min(k, T)] int64 ids of the best reachable entries, ascending by id, −1 padded; `offset`
     added to the ids and `out` written in the kernel's stores (no launches after it)."""
+    return launch_select_topk(scores, topk, offset, out, RADIX_BITS)
+
+
+def launch_select_topk(scores: torch.Tensor, topk: int, offset: torch.Tensor | None, out: torch.Tensor | None,
+                       radix_bits: int) -> torch.Tensor:
+    """`select_topk` with θ found `radix_bits` bits per pass (1, 2, 4 or 8; the bench times 1, the
+    former 32-pass search, against `RADIX_BITS`)."""
     require_triton()
     check_select_args(scores, topk, offset, out)
+    if radix_bits not in (1, 2, 4, 8):
+        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
     n_q, n_keys = scores.shape
     n_out = min(topk, n_keys)
     ids = out if out is not None else torch.empty((n_q, n_out), dtype=torch.int64, device=scores.device)
@@ -299,6 +340,6 @@ def select_topk(scores: torch.Tensor, topk: int, *, offset: torch.Tensor | None 
     pdl = pdl_launch(scores.device, n_q)
     offsets = offset.reshape(-1).contiguous() if offset is not None else ids  # a dummy pointer when absent
     _select_kernel[(n_q,)](scores.contiguous(), ids, offsets, n_keys, n_out, n_out, ids.stride(0), ONE_TILE=one_tile,
-                           BLOCK_T=block, HAS_OFFSET=offset is not None, PDL=pdl, launch_pdl=pdl,
-                           num_warps=8 if block >= 2048 else 4)
+                           BLOCK_T=block, HAS_OFFSET=offset is not None, RADIX_BITS=radix_bits, PDL=pdl,
+                           launch_pdl=pdl, num_warps=8 if block >= 2048 else 4)
     return ids

@@ -27,7 +27,7 @@ Fused kernels, two launches:
    the key tile, as V4.1's 8; other blocks: its scores, then this kernel), saving a launch and a
    read of the [S, T] fp32 scores.
 2. `_pool_select_kernel`, one program per row: the block top-k threshold by the indexer's radix
-   bisection (`indexer._kth_largest`, same tie rule), then one pass over the blocks in id order that
+   search (`indexer._kth_largest`, same tie rule), then one pass over the blocks in id order that
    writes every entry of the row's mask (kept blocks expanded to their entries).
 
 No host sync, buffers sized from shapes: CUDA-graph capturable.
@@ -40,7 +40,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dspark.kernels.indexer import (_REGISTER_ROW, _STREAM_TILE, _kth_largest, _order_keys, _take_flags,
+from dspark.kernels.indexer import (_REGISTER_ROW, _STREAM_TILE, RADIX_BITS, _kth_largest, _order_keys, _take_flags,
                                     launch_index_scores, pool_block_fits)
 from dspark.kernels.indexer_ref import _check_index_scores_args, index_scores_ref
 from dspark.kernels.registry import require_triton
@@ -133,7 +133,7 @@ def _block_max_kernel(score_ptr, vis_ptr, out_ptr, n_keys, n_blocks, block,
 @_jit
 def _pool_select_kernel(bscore_ptr, keep_ptr, n_keys, n_blocks, block, topk,
                         ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_T: tl.constexpr, B_PAD: tl.constexpr,
-                        PDL: tl.constexpr):
+                        RADIX_BITS: tl.constexpr, PDL: tl.constexpr):
     """keep[s, :] of row s = program_id(0): 1 on the entries of its top-k blocks, 0 elsewhere.
     The threshold search keeps the row in registers when it fits (ONE_TILE); the write pass walks
     [WRITE_T, B_PAD] entry tiles, small enough that the expanded tile stays in registers."""
@@ -144,7 +144,7 @@ def _pool_select_kernel(bscore_ptr, keep_ptr, n_keys, n_blocks, block, topk,
     keys = offs  # bound on both paths for the compiler; only the one-tile path reads it
     if ONE_TILE:
         keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_blocks, other=float("-inf")))
-    theta, n_take, n_ties = _kth_largest(row_ptr, n_blocks, keys, topk, ONE_TILE, BLOCK_T)
+    theta, n_take, n_ties = _kth_largest(row_ptr, n_blocks, keys, topk, ONE_TILE, BLOCK_T, RADIX_BITS)
     offs_w = tl.arange(0, WRITE_T)
     offs_j = tl.arange(0, B_PAD)
     ties_seen = tl.full((), 0, tl.int32)
@@ -181,8 +181,8 @@ def indexer_pool(scores: torch.Tensor, visible: torch.Tensor, *, topk_blocks: in
     pdl = pdl_launch(scores.device, n_q)
     _pool_select_kernel[(n_q,)](bscores.contiguous(), keep.view(torch.int8), n_keys, n_blocks, block,
                                 min(topk_blocks, n_blocks), ONE_TILE=one_tile, BLOCK_T=tile,
-                                WRITE_T=max(16, 2048 // b_pad), B_PAD=b_pad, PDL=pdl, launch_pdl=pdl,
-                                num_warps=8 if tile >= 2048 else 4)
+                                WRITE_T=max(16, 2048 // b_pad), B_PAD=b_pad, RADIX_BITS=RADIX_BITS, PDL=pdl,
+                                launch_pdl=pdl, num_warps=8 if tile >= 2048 else 4)
     return keep
 
 

@@ -111,6 +111,30 @@ def test_select_topk_matches_ref(n_q, n_keys, topk, long_rows, poisoned, monkeyp
 
 
 @needs_triton
+@pytest.mark.parametrize("radix_bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_select_radix_widths_match_ref(radix_bits, long_rows, poisoned, monkeypatch):
+    """θ found 1, 2, 4 or 8 bits per pass (1: the former bisection; 4: shipped) gives the reference's
+    ids bit for bit over keys spread across the whole int32 order: ±inf, ±0, subnormals, ±huge, ties
+    at the cut, k at, above and below the finite count, one row (the batch-1 decode) and several."""
+    if long_rows:
+        monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
+        monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+    g = torch.Generator().manual_seed(radix_bits)
+    special = torch.tensor([float("inf"), -0.0, 0.0, 1e-45, -1e-45, 3e38, -3e38, 1.0, 1.0, -2.0])
+    scores = torch.randn(3, 45, generator=g) * torch.logspace(-30, 30, 45)
+    scores[:, ::4] = special[torch.randint(0, len(special), (3, 12), generator=g)]
+    scores[torch.rand(3, 45, generator=g) < 0.2] = float("-inf")
+    scores = scores.to(DEVICE)
+    for rows, topk in ((1, 7), (3, 12), (3, 40), (1, 64)):
+        with poisoned():
+            ids = indexer.launch_select_topk(scores[:rows], topk, None, None, radix_bits)
+        assert torch.equal(ids, indexer.select_topk_ref(scores[:rows], topk))
+    with pytest.raises(ValueError, match="radix_bits must be 1, 2, 4 or 8, got 3"):
+        indexer.launch_select_topk(scores, 4, None, None, 3)
+
+
+@needs_triton
 @pytest.mark.parametrize("long_rows", [False, True])
 def test_select_topk_offset_and_out_write_the_key_list(long_rows, monkeypatch):
     """With `offset` and `out` (the V4 static step's CSA key list: window columns, then the picks as
