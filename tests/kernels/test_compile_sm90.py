@@ -208,6 +208,11 @@ def run_every_tile_class():
                     attention.sparse_attention(*args)
                 else:
                     attention.launch_sparse_attention(*args, attention.wide_tiles(n_heads))
+        # v4-mini's batch-1 CSA decode at 4K (window 128 + top-512): 10 key chunks, merged 16 at a time.
+        attention.sparse_attention(torch.randn(1, 32, 512, generator=g).bfloat16().to(DEVICE),
+                                   torch.randn(40, 512, generator=g).bfloat16().to(DEVICE),
+                                   torch.randint(-1, 40, (1, 640), generator=g).to(DEVICE),
+                                   torch.zeros(32, device=DEVICE), 512 ** -0.5)
     finally:
         attention._num_sms = n_sms
     # Indexer, V4-Flash (64 heads) and V4.1 (32 heads), di 128, bf16: the widest register row

@@ -83,6 +83,35 @@ def test_launch_tiles_match_ref(tiles, poisoned):
 
 
 @needs_triton
+@pytest.mark.parametrize("combine_chunks", [1, 4, 16])
+def test_chunks_merged_per_step_match_ref(combine_chunks, poisoned):
+    """One decode query over 7 key chunks of 3 head blocks (40 heads): the merge takes 1, 4 (a
+    masked tail of 1) or 8 chunks per step, in 1, 2 or 4 d-blocks; each equals the reference, the
+    sink included, and the merges differ only by the fp32 order of their sums."""
+    args = make_inputs(1, 40, 128, 180, 64, 300, 140, torch.float32, seed=7)
+    tiles = attention.Tiles(16, 16, 4, waves=16, min_chunk_tiles=1, combine_chunks=combine_chunks)
+    with poisoned():
+        out = attention.launch_sparse_attention(*args, 0.3, tiles)
+    assert rel_err(out, attention.sparse_attention_ref(*args, 0.3)) < TOL[torch.float32]
+    former = attention.launch_sparse_attention(*args, 0.3, attention.Tiles(16, 16, 4, waves=16, min_chunk_tiles=1,
+                                                                           combine_chunks=1))
+    assert rel_err(out, former) < 1e-6
+
+
+def test_combine_blocks_spread_one_decode_query():
+    """v4-mini's CSA decode merge (10 chunks, 2 head blocks of 16, d 512): 16 chunks x 16 columns
+    per program, 64 programs; one chunk per step keeps the former [16, 128] tiles; 64-head blocks
+    merge 4 chunks at a time."""
+    assert attention.combine_blocks(10, 16, 512, 16) == (16, 16)
+    assert attention.combine_blocks(10, 16, 512, 1) == (1, 128)
+    assert attention.combine_blocks(3, 16, 512, 16) == (4, 64)
+    assert attention.combine_blocks(10, 64, 512, 16) == (4, 16)
+    assert attention.combine_blocks(10, 64, 512, 1) == (1, 128)
+    with pytest.raises(ValueError, match="combine_chunks must be a power of two >= 1, got 3"):
+        attention.Tiles(16, 16, 4, combine_chunks=3)
+
+
+@needs_triton
 def test_sparse_attention_sink_and_empty_rows():
     """A row with no key returns 0 (all mass on the sink); a large sink shrinks the output."""
     q, pool, index, sink = make_inputs(2, 4, 32, 10, 8, 0, 0, torch.float32, seed=1)
