@@ -3,6 +3,8 @@
 #
 #   run(command="bash bench/gpu_session10.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session10.sh c")
+#   run(command="bash bench/gpu_session10.sh b")
+#   run(command="bash bench/gpu_session10.sh d")
 #
 # a: the ninth session's CPU-only ops (`hc_head_norm`: V4's output collapse + final RMSNorm in two
 #    launches; `index_scores_pooled`: V4.1's pool block maxima in the indexer score kernel), both in
@@ -15,6 +17,16 @@
 #    speculation, MTP-1, DSpark budgets 1-3 and auto (round in flight), graphs + overlap, a constant
 #    drafter confidence 0.8629 (budget 3 -> 3.25 tokens per round, the seeds' conversion), the auto
 #    cells planning on the fixed cells' step times, at 4K (with HF transformers eager at batch 1) and 32K.
+# b: the helpers' kernels under their GPU tests (all on by default except `step_index` and
+#    `index_scores_pooled`): the mHC epilogues (loads before reductions, Sinkhorn by reciprocal, the
+#    one-token folded row in registers), the V4.1 mHC statistics split over the streams, the indexer-q
+#    RoPE over more programs, the histogram top-k selection, the 16-chunk attention merge, the 1-8-row
+#    GEMV / compressor projection, `step_index` (every index tensor of a static step in one launch), the
+#    indexer score kernel's chunked fp32 dot; then the v4-mini / v41-mini graph steps at 1 / 8 requests
+#    with `step_index` + `index_scores_pooled` and without, the 4-token verify step, the PDL-off profile.
+# d: the per-op benches of b's kernels: bench/mhc_epilogue.py, bench/latency_kernels.py,
+#    bench/mhc_v41_site.py, bench/linear_decode.py --rows, bench/argmax_rows.py, and the DSpark propose
+#    graph after the two-pass argmax (bench/graph_draft.py).
 #
 # Only 8 files come back from a call, so every part ends by packing $OUT into one session10-PART.tgz.
 set -uo pipefail
@@ -51,6 +63,36 @@ part_a() {
   tail -n 25 $W/logs/a_linear.txt | cut -c1-250
 }
 
+part_b() {
+  tests b_tests1 170 tests/kernels/test_step_index.py tests/models/test_deepseek_v4_step_index.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py \
+    tests/kernels/test_mhc.py tests/kernels/test_mhc_norm.py tests/kernels/test_hc_head_norm.py tests/kernels/test_mhc_v41.py \
+    tests/kernels/test_kernels_pdl.py
+  tests b_tests2 150 tests/kernels/test_kernels_norm_rope.py tests/kernels/test_lightning_indexer.py \
+    tests/kernels/test_indexer_pool_fused.py tests/kernels/test_sparse_attention.py tests/kernels/test_linear.py \
+    tests/kernels/test_static_step_kernels.py "tests/kernels/test_cuda_graphs.py"
+  step graph-decode-h200-s10-b 50 --requests 1,8 --triton step_index,index_scores_pooled
+  step graph-decode-h200-s10-b-base 50 --requests 1,8
+  step graph-decode-v41-mini-h200-s10-b 55 --config v41-mini --requests 1,8 --triton step_index,index_scores_pooled
+  step graph-verify-h200-s10-b 50 --requests 1 --tokens 4 --triton step_index
+  step graph-profile-h200-s10-b-no-pdl 50 --requests 1 --triton step_index --no-pdl --profile
+}
+
+part_d() {
+  logged d_epi 150 python3 bench/mhc_epilogue.py --out "$OUT/mhc-epilogue-h200.json"
+  tail -n 15 $W/logs/d_epi.txt | cut -c1-300
+  logged d_lat 120 python3 bench/latency_kernels.py --out "$OUT/latency-kernels-h200.json"
+  tail -n 15 $W/logs/d_lat.txt | cut -c1-300
+  logged d_v41 120 python3 bench/mhc_v41_site.py --out "$OUT/mhc-v41-site-h200.json"
+  tail -n 12 $W/logs/d_v41.txt | cut -c1-300
+  logged d_rows 100 python3 bench/linear_decode.py --no-sweep --rows 1,2,4,8 --out "$OUT/linear-rows-h200.json"
+  tail -n 12 $W/logs/d_rows.txt | cut -c1-300
+  logged d_argmax 40 python3 bench/argmax_rows.py --out "$OUT/argmax-rows-h200.json"
+  tail -n 6 $W/logs/d_argmax.txt | cut -c1-300
+  logged d_draft 70 python3 bench/graph_draft.py --requests 1,8 --out "$OUT/graph-draft-h200-s10.json"
+  grep -h "^{" $W/logs/d_draft.txt | cut -c1-600
+}
+
 part_c() {
   local grid=(--static-decode --overlap --requests 1,8,16,32,64,128,256 --modes none,mtp1,dspark1,dspark2,dspark3,auto_async
               --decode-only --steps 8 --confidence 0.8629 --table-from-cells)
@@ -62,8 +104,10 @@ part_c() {
   tail -n 30 $W/logs/c_engine_32k.txt | cut -c1-300
 }
 
-case "${1:?part: a or c}" in
+case "${1:?part: a, b, c or d}" in
   a) part_a ;;
+  b) part_b ;;
+  d) part_d ;;
   c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
