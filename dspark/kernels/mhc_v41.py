@@ -18,10 +18,15 @@ starts, so ONE pass over x (or over Y as it is computed) does everything that re
 1. `_v41_stats_kernel`, grid (token blocks, K-splits): per tile, the 24-column GEMM x̂·fnᵀ and Σx̂²
    (split-K partials, as `mhc.py`), and the collapse u = Σ_k pre_in[k]·x_k, stored in x.dtype
    (what the unfused path feeds RMSNorm), with its Σu² partial. Each split owns distinct D-blocks,
-   so u needs no reduction, only its sum of squares does.
+   so u needs no reduction, only its sum of squares does. Up to `SPLIT_STREAMS_MAX_TOKENS` tokens
+   the programs also split the streams, as `mhc._mhc_stats_kernel` (a one-token site otherwise runs
+   as few programs as it has D-splits, each a chain of H stream rounds): H programs per split, each
+   with one stream's GEMM; the stream-0 one also takes the split's collapse, which needs every stream.
 2. `_v41_epilogue_kernel`, grid (token blocks, D-blocks): h = w ⊙ u · rsqrt(Σu²/D + norm_eps) from
    the reduced Σu² (reads u, a quarter of x); the first D-block of each token block also reduces
-   the GEMM partials and runs sigmoid + Sinkhorn (`mhc._site_mixes`) and stores pre/post/comb.
+   the GEMM partials and runs sigmoid + Sinkhorn (`mhc._block_mixes`) and stores pre/post/comb.
+   Where the streams split it takes one token per program and reduces every partial in one load
+   round (`mhc.split_block`).
 
 Two launches, not one: RMSNorm and Sinkhorn need the full split-K reduction, and a grid-wide
 "last program finishes" scheme would need a zeroed counter per call (another launch anyway).
@@ -41,8 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels.mhc import (
-    _check_post_args, _check_pre_args, _dot_fp32, _num_sms, _post_stream, _site_mixes, _split_sinkhorn_ref,
-    _store_mixes,
+    _block_mixes, _check_post_args, _check_pre_args, _dot_fp32, _num_sms, _post_stream, _split_sinkhorn_ref,
+    split_block,
 )
 from dspark.kernels.registry import require_triton
 
@@ -117,18 +122,47 @@ def mhc_v41_post_pre_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, c
 
 
 @_jit
+def _v41_collapse_tile(x_ptr, x3, f, post_ptr, comb_ptr, xout_ptr, pin_ptr, offs_t, offs_j, offs_d, t_mask, td_mask,
+                       dim, HC: tl.constexpr, FUSE_POST: tl.constexpr):
+    """u = Σ_k pre_in[k]·x_k [BLOCK_T, BLOCK_D] fp32 over every stream (with FUSE_POST of the rounded
+    Y_k, recomputed from x3 [BT, HC_PAD, BD] and f [BT, BD]), summed in stream order as the unsplit
+    pass does, so a split pass collapses to the same bits. Unrolled: all streams' loads in flight."""
+    u = tl.zeros(td_mask.shape, dtype=tl.float32)
+    for k in tl.static_range(HC):
+        if FUSE_POST:
+            xk = _post_stream(x3, f, post_ptr, comb_ptr, offs_t, offs_j, t_mask, k, HC)
+            xk = xk.to(xout_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            xk = tl.load(x_ptr + offs_t[:, None] * (HC * dim) + k * dim + offs_d[None, :], mask=td_mask,
+                         other=0.0).to(tl.float32)
+        u += tl.load(pin_ptr + offs_t * HC + k, mask=t_mask, other=0.0)[:, None] * xk
+    return u
+
+
+@_jit
 def _v41_stats_kernel(
     x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, pin_ptr, fn_ptr, u_ptr, dpart_ptr, sqpart_ptr, uqpart_ptr,
     n_tok, dim, splits, iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
+    SPLIT_STREAMS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Split-K partials d = x̂·fnᵀ [splits, N, MIX_PAD], Σx̂² [splits, N] and Σu² [splits, N], and
-    u = Σ_k pre_in[k]·x_k [N, D] for the D-blocks split, split+splits, ... (`iters` of them).
-    With FUSE_POST the tiles of x are X' = post ⊗ f + combᵀ x, stored to xout and used rounded."""
+    """Split-K partials d = x̂·fnᵀ [P, N, MIX_PAD] and Σx̂² [P, N], P = splits (× HC with
+    SPLIT_STREAMS), Σu² [splits, N], and u = Σ_k pre_in[k]·x_k [N, D] for the D-blocks split,
+    split+splits, ... (`iters` of them). With FUSE_POST the tiles of x are X' = post ⊗ f + combᵀ x,
+    stored to xout and used rounded.
+
+    With SPLIT_STREAMS (a few decode tokens) program p takes stream p % HC of split p // HC, as
+    `mhc._mhc_stats_kernel`: HC × the programs, each with one stream's GEMM loads in flight. The
+    collapse needs every stream of a D-block, so the stream-0 program of each split also takes it
+    (`_v41_collapse_tile`: the other streams' x tiles, no fn) and writes that split's Σu² partial."""
     pdl_prologue(PDL)
     pid_t = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_p = tl.program_id(1)
+    if SPLIT_STREAMS:
+        pid_s, k_first = pid_p // HC, pid_p % HC
+    else:
+        pid_s, k_first = pid_p, 0
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
     offs_j = tl.arange(0, HC_PAD)
@@ -142,13 +176,16 @@ def _v41_stats_kernel(
         offs_d = (pid_s + it * splits) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = offs_d < dim
         td_mask = t_mask[:, None] & d_mask[None, :]
+        x3 = tl.zeros((BLOCK_T, HC_PAD, BLOCK_D), dtype=tl.float32)  # the input streams (FUSE_POST only)
+        f = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         if FUSE_POST:
             x3_mask = t_mask[:, None, None] & (offs_j[None, :, None] < HC) & d_mask[None, None, :]
             x3 = tl.load(x_ptr + offs_t[:, None, None] * row + offs_j[None, :, None] * dim
                          + offs_d[None, None, :], mask=x3_mask, other=0.0).to(tl.float32)
             f = tl.load(f_ptr + offs_t[:, None] * dim + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
         u = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for k in range(HC):
+        for kk in range(1 if SPLIT_STREAMS else HC):
+            k = k_first + kk
             tile_off = offs_t[:, None] * row + k * dim + offs_d[None, :]
             if FUSE_POST:
                 xk = _post_stream(x3, f, post_ptr, comb_ptr, offs_t, offs_j, t_mask, k, HC)
@@ -158,36 +195,56 @@ def _v41_stats_kernel(
             else:
                 xk = tl.load(x_ptr + tile_off, mask=td_mask, other=0.0).to(tl.float32)
             sq += tl.sum(xk * xk, axis=1)
-            u += tl.load(pin_ptr + offs_t * HC + k, mask=t_mask, other=0.0)[:, None] * xk
+            if not SPLIT_STREAMS:
+                u += tl.load(pin_ptr + offs_t * HC + k, mask=t_mask, other=0.0)[:, None] * xk
             w = tl.load(fn_ptr + offs_m[:, None] * row + k * dim + offs_d[None, :],
                         mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [MIX_PAD, BD]
             acc = _dot_fp32(xk, w, acc, X_IS_TF32)
+        u_mask = td_mask
+        if SPLIT_STREAMS:
+            u_mask = td_mask & (k_first == 0)
+            if k_first == 0:
+                u = _v41_collapse_tile(x_ptr, x3, f, post_ptr, comb_ptr, xout_ptr, pin_ptr, offs_t, offs_j, offs_d,
+                                       t_mask, td_mask, dim, HC, FUSE_POST)
         u = u.to(u_ptr.dtype.element_ty)
-        tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u, mask=td_mask)
+        tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u, mask=u_mask)
         u = u.to(tl.float32)  # RMSNorm sees the rounded collapse, as the unfused path does
         uq += tl.sum(u * u, axis=1)
-    part = pid_s * n_tok + offs_t
+    part = pid_p * n_tok + offs_t
     tl.store(dpart_ptr + part[:, None] * MIX_PAD + offs_m[None, :], acc, mask=t_mask[:, None])
     tl.store(sqpart_ptr + part, sq, mask=t_mask)
-    tl.store(uqpart_ptr + part, uq, mask=t_mask)
+    uq_mask = t_mask
+    if SPLIT_STREAMS:
+        uq_mask = t_mask & (k_first == 0)
+    tl.store(uqpart_ptr + pid_s * n_tok + offs_t, uq, mask=uq_mask)
+
+
+@_jit
+def _sum_partials(part_ptr, offs_t, t_mask, n_tok, n_parts, BLOCK_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Σ over the n_parts rows of a partials buffer [n_parts, N] for tokens `offs_t` [BT] -> [BT] fp32,
+    SPLIT_BLOCK rows per load round (one round where SPLIT_BLOCK >= n_parts)."""
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s0 in range(0, n_parts, SPLIT_BLOCK):
+        offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
+        total += tl.sum(tl.load(part_ptr + offs_s[:, None] * n_tok + offs_t[None, :],
+                                mask=(offs_s < n_parts)[:, None] & t_mask[None, :], other=0.0), axis=0)
+    return total
 
 
 @_jit
 def _v41_epilogue_kernel(
     u_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, uqpart_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-    n_tok, dim, splits, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
+    n_tok, dim, n_parts, u_parts, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h tile [BLOCK_T, BLOCK_D] = RMSNorm(u); D-block 0 also stores pre/post/comb of its tokens."""
+    """h tile [BLOCK_T, BLOCK_D] = RMSNorm(u) from the u_parts Σu² partials; D-block 0 also reduces
+    the n_parts GEMM / Σx̂² partials (`mhc._block_mixes`) and stores pre/post/comb of its tokens."""
     pdl_prologue(PDL)
-    pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
-    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
-    uq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for s in range(splits):
-        uq += tl.load(uqpart_ptr + s * n_tok + offs_t, mask=t_mask, other=0.0)
+    uq = _sum_partials(uqpart_ptr, offs_t, t_mask, n_tok, u_parts, BLOCK_T, SPLIT_BLOCK)
     r = tl.rsqrt(uq / dim + norm_eps)  # [BT]
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
@@ -197,14 +254,21 @@ def _v41_epilogue_kernel(
     h = w[None, :] * (u * r[:, None])
     tl.store(h_ptr + offs_t[:, None] * dim + offs_d[None, :], h.to(h_ptr.dtype.element_ty), mask=td_mask)
     if pid_d == 0:
-        pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim,
-                                      splits, rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T)
+        _, _, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok, dim,
+                                          n_parts, rms_eps, hc_eps, sinkhorn_iters, True, HC, HC_PAD, MIX_PAD,
+                                          BLOCK_T, SPLIT_BLOCK)
         offs_j = tl.arange(0, HC_PAD)
-        tl.store(pre_ptr + offs_t[:, None] * HC + offs_j[None, :], pre, mask=t_mask[:, None] & (offs_j < HC)[None, :])
-        _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+        tl.store(pre_ptr + offs_t[:, None] * HC + offs_j[None, :], pre, mask=tj_mask)
 
 
 # ------------------------------------------------------------------------------------ launchers
+
+
+# Up to this many tokens the statistics pass splits the HC streams over programs too (`_v41_stats_kernel`
+# SPLIT_STREAMS) and the epilogue takes one token per program, reducing every partial in one round:
+# V4's threshold (`mhc.SPLIT_STREAMS_MAX_TOKENS`), same reasoning. bench/mhc_v41_site.py sets 0 to time
+# the unsplit pass.
+SPLIT_STREAMS_MAX_TOKENS = 4
 
 
 def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
@@ -217,43 +281,64 @@ def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     return (16, 64, 8) if n_tok <= 256 else (64, 32, 8)
 
 
-def _launch(src, pin, fn, base, scale, norm_weight, eps: dict, fused=None):
-    """Both launches over `src` [N, H, D] (or, with `fused` = (f, post, comb, y), over the Y tiles
-    computed from src and written to y). Returns (pre, post, comb, h)."""
+def _launch_stats(src, pin, fn, fused=None, tiles=None):
+    """The statistics pass over `src` [N, H, D] (with `fused` = (f, post, comb, y): over the Y tiles
+    computed from src and written to y). Returns (u [N, D] src.dtype, dpart [P, N, MIX_PAD],
+    sqpart [P, N], uqpart [S, N]): P = S partials, × H where the streams split. `tiles` overrides
+    `_v41_tiles` (bench/mhc_v41_site.py)."""
     n_tok, n_hc, dim = src.shape
     n_mix = fn.shape[0]
-    block_t, block_d, warps = _v41_tiles(n_tok, fused is not None)
+    block_t, block_d, warps = tiles or _v41_tiles(n_tok, fused is not None)
     n_tblocks = triton.cdiv(n_tok, block_t)
     n_dblocks = triton.cdiv(dim, block_d)
-    splits = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(src.device), n_tblocks)))  # ~2 waves of SMs
+    split_streams = n_tok <= SPLIT_STREAMS_MAX_TOKENS
+    per_split = n_hc if split_streams else 1
+    # Split K until the grid covers ~2 waves of SMs: a decode step has one t-block only.
+    splits = max(1, min(n_dblocks, triton.cdiv(2 * _num_sms(src.device), n_tblocks * per_split)))
     mix_pad = max(16, triton.next_power_of_2(n_mix))
-    hc_pad = triton.next_power_of_2(n_hc)
     dev = src.device
-    dpart = torch.empty((splits, n_tok, mix_pad), device=dev, dtype=torch.float32)
-    sqpart = torch.empty((splits, n_tok), device=dev, dtype=torch.float32)
+    dpart = torch.empty((splits * per_split, n_tok, mix_pad), device=dev, dtype=torch.float32)
+    sqpart = torch.empty((splits * per_split, n_tok), device=dev, dtype=torch.float32)
     uqpart = torch.empty((splits, n_tok), device=dev, dtype=torch.float32)
     u = torch.empty((n_tok, dim), device=dev, dtype=src.dtype)
     f, post_in, comb_in, y = fused if fused is not None else (src, src, src, src)  # unused if not fused
-    pdl = pdl_launch(dev, n_tblocks * splits)
-    _v41_stats_kernel[(n_tblocks, splits)](
+    pdl = pdl_launch(dev, n_tblocks * splits * per_split)
+    _v41_stats_kernel[(n_tblocks, splits * per_split)](
         src, f, post_in, comb_in, y, pin, fn, u, dpart, sqpart, uqpart, n_tok, dim, splits,
-        triton.cdiv(n_dblocks, splits), HC=n_hc, HC_PAD=hc_pad, MIX=n_mix, MIX_PAD=mix_pad,
+        triton.cdiv(n_dblocks, splits), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX=n_mix, MIX_PAD=mix_pad,
         BLOCK_T=block_t, BLOCK_D=block_d, FUSE_POST=fused is not None, X_IS_TF32=src.dtype != torch.float32,
-        PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        SPLIT_STREAMS=split_streams, PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
+    return u, dpart, sqpart, uqpart
+
+
+def _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps: dict, n_hc: int):
+    """(pre [N, H], post [N, H], comb [N, H, H] fp32, h [N, D] u.dtype) from the collapse u [N, D] and
+    the statistics partials of `_launch_stats`."""
+    n_tok, dim = u.shape
+    dev = u.device
     pre = torch.empty((n_tok, n_hc), device=dev, dtype=torch.float32)
     post = torch.empty((n_tok, n_hc), device=dev, dtype=torch.float32)
     comb = torch.empty((n_tok, n_hc, n_hc), device=dev, dtype=torch.float32)
-    h = torch.empty((n_tok, dim), device=dev, dtype=src.dtype)
-    block_te, block_de = 4, min(256, triton.next_power_of_2(dim))
-    grid = (triton.cdiv(n_tok, block_te), triton.cdiv(dim, block_de))
+    h = torch.empty((n_tok, dim), device=dev, dtype=u.dtype)
+    # one token per program where the statistics split the streams (few tokens, many partials)
+    block_t, block_d = (1 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 4), min(256, triton.next_power_of_2(dim))
+    grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
     pdl = pdl_launch(dev, math.prod(grid))
     _v41_epilogue_kernel[grid](
-        u, norm_weight, h, dpart, sqpart, uqpart, base, scale, pre, post, comb, n_tok, dim, splits,
-        float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]), int(eps["sinkhorn_iters"]),
-        HC=n_hc, HC_PAD=hc_pad, MIX_PAD=mix_pad, BLOCK_T=block_te, BLOCK_D=block_de, PDL=pdl, launch_pdl=pdl,
+        u, norm_weight, h, dpart, sqpart, uqpart, base, scale, pre, post, comb, n_tok, dim, dpart.shape[0],
+        uqpart.shape[0], float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
+        int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
+        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl, launch_pdl=pdl,
     )
     return pre, post, comb, h
+
+
+def _launch(src, pin, fn, base, scale, norm_weight, eps: dict, fused=None):
+    """Both launches over `src` [N, H, D] (or, with `fused` = (f, post, comb, y), over the Y tiles
+    computed from src and written to y). Returns (pre, post, comb, h)."""
+    u, dpart, sqpart, uqpart = _launch_stats(src, pin, fn, fused)
+    return _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps, src.shape[1])
 
 
 def mhc_v41_pre(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,

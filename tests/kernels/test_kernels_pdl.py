@@ -157,6 +157,8 @@ def _every_op(device: str) -> None:
     mhc.mhc_post_pre(u, x, post, comb, *site, **eps)
     mhc_v41.mhc_v41_pre(x, post, *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
     mhc.mhc_pre(x[:2], *site, **eps)  # the statistics split over the streams (a few tokens)
+    mhc_v41.mhc_v41_post_pre(u[:2], x[:2], post[:2], comb[:2], post[:2], *site, torch.ones(128, device=device),
+                             **eps, norm_eps=1e-6)  # V4.1 likewise, the post fused
     # 2 tokens: within mhc_norm.FOLD_MAX_TOKENS, so its own epilogue launches (5 run the unfused pair)
     mhc_norm.mhc_pre_norm(x[:2], *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
     head = (rand(4, 512) * 0.05, rand(4), torch.rand(1, generator=g).to(device) + 0.5)

@@ -133,6 +133,37 @@ def test_fused_collapses_with_the_carried_pre_not_its_own():
     assert rel_err(b[3], mhc_v41.mhc_v41_pre_ref(x, pre_in.flip(-1), *params, **EPS)[3]) < TOL[torch.float32]
 
 
+@needs_triton
+@pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(1, 4, 1100, torch.float32), (3, 4, 256, torch.bfloat16),
+                                                  (4, 3, 200, torch.float32)])
+def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, dtype, monkeypatch, poisoned):
+    """Up to SPLIT_STREAMS_MAX_TOKENS tokens each statistics program takes one stream of one split
+    (HC × splits GEMM partials, one Σu² partial per split; here several D-splits of several D-blocks
+    each, with the SM count raised): the collapse u equals the unsplit pass's bit for bit (same
+    stream order), and pre and post+pre equal the references with the epilogue's one-round reduce."""
+    monkeypatch.setattr(mhc_v41, "_num_sms", lambda device: 16)
+    assert n_tok <= mhc_v41.SPLIT_STREAMS_MAX_TOKENS
+    x, pre_in, params = site(n_tok, n_hc, dim, dtype, seed=n_tok + dim)
+    f, _, post, comb = finished_site(n_tok, n_hc, dim, dtype, seed=9)
+    for fused in (None, (f, post, comb, torch.empty_like(x))):
+        u, dpart, sqpart, uqpart = mhc_v41._launch_stats(x, pre_in, params[0], fused)
+        n_dblocks = -(-dim // (32 if fused else 64))  # the decode tiles' BLOCK_D
+        splits = min(n_dblocks, -(-32 // n_hc))
+        assert dpart.shape[0] == sqpart.shape[0] == n_hc * splits and uqpart.shape[0] == splits
+        with monkeypatch.context() as unsplit:
+            unsplit.setattr(mhc_v41, "SPLIT_STREAMS_MAX_TOKENS", 0)
+            u_unsplit, dpart_unsplit, *_ = mhc_v41._launch_stats(x, pre_in, params[0], fused)
+        assert dpart_unsplit.shape[0] == min(n_dblocks, 32) and torch.equal(u, u_unsplit)
+    with poisoned():
+        got = mhc_v41.mhc_v41_pre(x, pre_in, *params, **EPS)
+    for out, want in zip(got, mhc_v41.mhc_v41_pre_ref(x, pre_in, *params, **EPS)):
+        assert rel_err(out, want) < TOL[dtype]
+    with poisoned():
+        got = mhc_v41.mhc_v41_post_pre(f, x, post, comb, pre_in, *params, **EPS)
+    for out, want in zip(got, mhc_v41.mhc_v41_post_pre_ref(f, x, post, comb, pre_in, *params, **EPS)):
+        assert rel_err(out, want) < TOL[dtype]
+
+
 # ----------------------------------------------------------------------------------- GPU, real shapes
 
 
