@@ -11,13 +11,16 @@ Per N (1, 4, 8 tokens) at D = 2048 (v41-mini), bf16 streams, 4 streams:
   ones bit for bit (the collapse u does by construction; h may differ by the Σu² partials' order).
 * time: µs per site of a CUDA graph of 12 × (mhc_v41_pre, mhc_v41_post_pre) = 24 sites, distinct
   parameters per site, median of `--reps` replays. Paths: `unsplit` (mhc_v41.SPLIT_STREAMS_MAX_TOKENS
-  = 0, the pass before the split), `shipped` (the module's threshold, 4), and where N is above it
-  `split_forced` (threshold N: would the split still pay at 8 tokens?). `--block-d` adds split-path
+  = 0, the pass before the split), `shipped` (the module's threshold, 4), `before` and
+  `split_noprefetch` (unsplit / shipped with triton_compat.PREFETCH off: the statistics pass's L2
+  prefetch of fn before its PDL wait came with the split; `before` is the kernel as it was, but for
+  the epilogue's vectorised Σu² reduce), and where N is above the threshold `split_forced`
+  (threshold N: would the split still pay at 8 tokens?). `--block-d` adds split-path
   variants of the statistics tiles (PRE/POST_PRE D-block widths, the shipped decode tiles are 64/32,
   and optionally the warps, shipped 8): narrower blocks mean more D-splits (more programs, more
   partials for the one-round epilogue); a split program holds one stream, so fewer warps may do.
 
-The module threshold is rebound in this process only (as bench/mhc_norm_site.py does for V4).
+The module constants are rebound in this process only (as bench/mhc_norm_site.py does for V4).
 """
 
 from __future__ import annotations
@@ -80,14 +83,15 @@ class Variant:
     """A way to run the ops (a context): the module's split threshold and, optionally, the statistics
     D-block widths (pre, post_pre) in place of the shipped decode tiles'."""
 
-    def __init__(self, threshold: int, tiles: tuple[int, ...] | None = None):
-        self.threshold, self.tiles = threshold, tiles
+    def __init__(self, threshold: int, tiles: tuple[int, ...] | None = None, prefetch: bool = True):
+        self.threshold, self.tiles, self.prefetch = threshold, tiles, prefetch
 
     def __enter__(self):
-        from dspark.kernels import mhc_v41
+        from dspark.kernels import mhc_v41, triton_compat
 
-        self.saved = mhc_v41.SPLIT_STREAMS_MAX_TOKENS, mhc_v41._v41_tiles
+        self.saved = mhc_v41.SPLIT_STREAMS_MAX_TOKENS, mhc_v41._v41_tiles, triton_compat.PREFETCH
         mhc_v41.SPLIT_STREAMS_MAX_TOKENS = self.threshold  # this process only
+        triton_compat.PREFETCH = triton_compat.PREFETCH and self.prefetch
         if self.tiles is not None:
             shipped, (bd_pre, bd_post, *warps) = mhc_v41._v41_tiles, self.tiles
 
@@ -99,9 +103,9 @@ class Variant:
         return self
 
     def __exit__(self, *exc):
-        from dspark.kernels import mhc_v41
+        from dspark.kernels import mhc_v41, triton_compat
 
-        mhc_v41.SPLIT_STREAMS_MAX_TOKENS, mhc_v41._v41_tiles = self.saved
+        mhc_v41.SPLIT_STREAMS_MAX_TOKENS, mhc_v41._v41_tiles, triton_compat.PREFETCH = self.saved
 
 
 def check(n: int, dim: int, dtype: torch.dtype, g: torch.Generator, device: str, paths: dict) -> dict:
@@ -185,7 +189,8 @@ def run(args) -> dict:
                              "shipped_block_d": [mhc_v41._v41_tiles(1, False)[1], mhc_v41._v41_tiles(1, True)[1]]},
               "check": [], "time": []}
     for n in tokens:
-        paths = {"unsplit": Variant(0), "shipped": Variant(shipped)}
+        paths = {"unsplit": Variant(0), "before": Variant(0, prefetch=False), "shipped": Variant(shipped),
+                 "split_noprefetch": Variant(shipped, prefetch=False)}
         if n > shipped:
             paths["split_forced"] = Variant(n)
         for tiles in variants:
@@ -196,6 +201,7 @@ def run(args) -> dict:
         row = dict(n=n, dim=dim, **{f"{name}_us": site_us(p, n, dim, dtype, g, device, timer, sites)
                                         for name, p in paths.items()})
         row["speedup_shipped_vs_unsplit"] = round(row["unsplit_us"] / row["shipped_us"], 3)
+        row["speedup_shipped_vs_before"] = round(row["before_us"] / row["shipped_us"], 3)
         result["time"].append(row)
         print(json.dumps(row), flush=True)
     return result

@@ -187,6 +187,15 @@ def _dot_fp32(x, w, acc, X_IS_TF32: tl.constexpr):
 
 
 @_jit
+def _prefetch_fn_share(fn_ptr, fn_bytes, pid_p, PDL: tl.constexpr):
+    """Before `pdl_prologue`: program `pid_p` of the statistics grid's axis 1 asks L2 for its share of
+    the site's fp32 fn (`fn_bytes` bytes, shares of 16-byte multiples, see `pdl_prefetch`)."""
+    share = tl.cdiv(tl.cdiv(fn_bytes, tl.num_programs(1)), 16) * 16
+    start = pid_p * share
+    pdl_prefetch(fn_ptr + start // 4, tl.maximum(tl.minimum(share, fn_bytes - start), 0), PDL)
+
+
+@_jit
 def _mhc_stats_kernel(
     x_ptr, f_ptr, post_ptr, comb_ptr, xout_ptr, fn_ptr, dpart_ptr, sqpart_ptr,
     n_tok, dim, splits, iters,
@@ -212,10 +221,7 @@ def _mhc_stats_kernel(
         pid_s, k_first = pid_p, 0
     if PREFETCH:
         if pid_t == 0:
-            fn_bytes = MIX * HC * dim * 4
-            share = tl.cdiv(tl.cdiv(fn_bytes, tl.num_programs(1)), 16) * 16
-            start = pid_p * share
-            pdl_prefetch(fn_ptr + start // 4, tl.maximum(tl.minimum(share, fn_bytes - start), 0), PDL)
+            _prefetch_fn_share(fn_ptr, MIX * HC * dim * 4, pid_p, PDL)
     pdl_prologue(PDL)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok

@@ -22,6 +22,7 @@ starts, so ONE pass over x (or over Y as it is computed) does everything that re
    the programs also split the streams, as `mhc._mhc_stats_kernel` (a one-token site otherwise runs
    as few programs as it has D-splits, each a chain of H stream rounds): H programs per split, each
    with one stream's GEMM; the stream-0 one also takes the split's collapse, which needs every stream.
+   Under PDL the programs prefetch the site's fn into L2 before they wait, as `mhc.py`'s pass does.
 2. `_v41_epilogue_kernel`, grid (token blocks, D-blocks): h = w ⊙ u · rsqrt(Σu²/D + norm_eps) from
    the reduced Σu² (reads u, a quarter of x); the first D-block of each token block also reduces
    the GEMM partials and runs sigmoid + Sinkhorn (`mhc._block_mixes`) and stores pre/post/comb.
@@ -46,13 +47,13 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels.mhc import (
-    _block_mixes, _check_post_args, _check_pre_args, _dot_fp32, _num_sms, _post_stream, _split_sinkhorn_ref,
-    split_block,
+    _block_mixes, _check_post_args, _check_pre_args, _dot_fp32, _num_sms, _post_stream, _prefetch_fn_share,
+    _split_sinkhorn_ref, split_block,
 )
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
-from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue, prefetch_launch
 
 
 def _check_v41_args(x: torch.Tensor, pre_in: torch.Tensor, norm_weight: torch.Tensor) -> None:
@@ -145,7 +146,7 @@ def _v41_stats_kernel(
     n_tok, dim, splits, iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr, X_IS_TF32: tl.constexpr,
-    SPLIT_STREAMS: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_STREAMS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Split-K partials d = x̂·fnᵀ [P, N, MIX_PAD] and Σx̂² [P, N], P = splits (× HC with
     SPLIT_STREAMS), Σu² [splits, N], and u = Σ_k pre_in[k]·x_k [N, D] for the D-blocks split,
@@ -155,14 +156,19 @@ def _v41_stats_kernel(
     With SPLIT_STREAMS (a few decode tokens) program p takes stream p % HC of split p // HC, as
     `mhc._mhc_stats_kernel`: HC × the programs, each with one stream's GEMM loads in flight. The
     collapse needs every stream of a D-block, so the stream-0 program of each split also takes it
-    (`_v41_collapse_tile`: the other streams' x tiles, no fn) and writes that split's Σu² partial."""
-    pdl_prologue(PDL)
+    (`_v41_collapse_tile`: the other streams' x tiles, no fn) and writes that split's Σu² partial.
+    With PREFETCH the programs of t-block 0 ask L2 for their share of fn before they wait for the
+    predecessor, as `mhc._mhc_stats_kernel`."""
     pid_t = tl.program_id(0)
     pid_p = tl.program_id(1)
     if SPLIT_STREAMS:
         pid_s, k_first = pid_p // HC, pid_p % HC
     else:
         pid_s, k_first = pid_p, 0
+    if PREFETCH:
+        if pid_t == 0:
+            _prefetch_fn_share(fn_ptr, MIX * HC * dim * 4, pid_p, PDL)
+    pdl_prologue(PDL)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
     offs_j = tl.arange(0, HC_PAD)
@@ -307,7 +313,7 @@ def _launch_stats(src, pin, fn, fused=None, tiles=None):
         src, f, post_in, comb_in, y, pin, fn, u, dpart, sqpart, uqpart, n_tok, dim, splits,
         triton.cdiv(n_dblocks, splits), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX=n_mix, MIX_PAD=mix_pad,
         BLOCK_T=block_t, BLOCK_D=block_d, FUSE_POST=fused is not None, X_IS_TF32=src.dtype != torch.float32,
-        SPLIT_STREAMS=split_streams, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        SPLIT_STREAMS=split_streams, PREFETCH=prefetch_launch(pdl, fn), PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
     return u, dpart, sqpart, uqpart
 
