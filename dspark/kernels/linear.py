@@ -1,4 +1,4 @@
-"""One-row linear layers: y = x·Wᵀ for a single decode row, streaming the weight once.
+"""Few-row linear layers: y = x·Wᵀ for 1 to 8 decode rows, streaming the weight once.
 
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
@@ -6,9 +6,9 @@ Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 * ``compressor_project(x, wkv, wgate, ape, phase, *, kv_out=None, score_out=None, out_rows=None)
   -> (kv, score)``: a compressor's two projections and its position bias (deepseek_v4 spec §8.2): kv = x·wkvᵀ, score = x·wgateᵀ (rounded to x.dtype,
   as the model's linear returns it) + ape[phase] in fp32; x [N, K], wkv / wgate [W, K], ape
-  [rate, W] fp32, phase [N] long -> kv [N, W] x.dtype, score [N, W] fp32. For one row where the GEMV
-  pays (`gemv_pays` on [2W, K]) one launch reads x once for both weights and adds the bias in its
-  epilogue (otherwise two GEMVs, a gather and an add: 4 launches per compressor, 15 compressors per
+  [rate, W] fp32, phase [N] long -> kv [N, W] x.dtype, score [N, W] fp32. For 1 to 8 rows where the
+  GEMV range holds (`project_pays`) one launch reads x once for both weights and adds the bias in its
+  epilogue (otherwise two matmuls, a gather and an add: 4 launches per compressor, 15 compressors per
   v4-mini step). With destinations (``kv_out=`` [R, W] x.dtype, ``score_out=`` [R, W] fp32,
   ``out_rows=`` [N] long: a static state's rings viewed as rows) row i goes to row out_rows[i] of
   each and the op returns (kv_out, score_out): the kernel stores there itself (no `index_copy_`
@@ -19,9 +19,14 @@ are latency-bound: cuBLAS's one-row kernels took 4.4-12.3 µs for the 1-4 MB pro
 on the H200, where `_gemv_kernel` (program n streams BLOCK_N weight rows in BLOCK_K-wide tiles and
 reduces them against x on the CUDA cores, fp32) takes 2.8-4.1 µs. On larger weights, or short rows
 (K = 512), cuBLAS was faster (`bench/results/linear-decode-h200.json`), so `linear` runs the kernel
-only where it won (`gemv_pays`) and torch's matmul everywhere else: every call of more than one row
-(a tensor-core 16-row tile variant measured 0.72-1.02× cuBLAS at 8 rows and was dropped), the LM
-head, the wide q projections.
+only where it won (`gemv_pays`) and torch's matmul everywhere else: the LM head, the wide q
+projections, and (GEMV_MAX_ROWS) every call of more than one row until the multi-row kernel is timed
+(a tensor-core 16-row tile variant measured 0.72-1.02× cuBLAS at 8 rows and was dropped).
+
+A verify step (a few tokens per request) or a decode step of a few requests has 2-8 rows: each
+program then multiplies its weight tile with all M rows (ROWS = M rounded up to a power of two,
+accumulators [ROWS, BLOCK_N, BLOCK_K] in fp32 on the CUDA cores; `tl.dot` needs 16 rows), so the
+weight still streams once and the op stays bandwidth-bound.
 
 Shape symbols: M rows of x, K in-features, N out-features.
 """
@@ -43,6 +48,16 @@ from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue,
 # 0.76-0.86×; 8M+ elements incl. the LM heads: 0.77-0.89×).
 GEMV_MIN_K = 2048
 GEMV_MAX_ELEMENTS = 4 << 20
+# The most rows the kernels take (ROWS, a power of two: every weight tile multiplies ROWS rows of x
+# on the CUDA cores; from 16 rows a tensor-core tile is the tool).
+MAX_ROWS = 8
+# The most rows `linear` sends to `_gemv_kernel`: 1 until the H200 has timed the multi-row GEMV against
+# cuBLAS (`bench/linear_decode.py --rows`, which raises it to time `linear` itself).
+GEMV_MAX_ROWS = 1
+# The most rows `compressor_project` sends to `_project_kernel`: every row count the kernel takes. Its
+# reference is six launches (2 matmuls, a gather, an add, 2 ring copies: 17-34 µs on the H200 at one
+# row, the kernel 4.3-7.2 µs), and at <= 8 rows the kernel still streams each weight once.
+PROJECT_MAX_ROWS = MAX_ROWS
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -108,10 +123,28 @@ def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tens
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """y[n] = Σ_k x[k]·w[n, k] for the BLOCK_N rows of program n, fp32 sums. With PREFETCH the
-    program's weight rows are requested into L2 before it waits for its predecessor."""
+def _rows_times_tile(acc, x, w_ptr, rows, offs_k, mask):
+    """acc [ROWS, BLOCK_N, BLOCK_K] + w·x for one K tile: w [1, BLOCK_N, BLOCK_K] loaded at the weight
+    rows `rows` [1, BLOCK_N, 1] (element offsets) and columns offs_k [1, 1, BLOCK_K], x [ROWS, 1, BLOCK_K]
+    fp32. Each (row, n, k) lane of acc adds its own product, so a row's lanes hold the same partial
+    sums at every ROWS."""
+    w = tl.load(w_ptr + rows + offs_k, mask=mask, other=0.0).to(tl.float32)
+    return acc + w * x  # one reduction after the loop, not one per tile
+
+
+@_jit
+def _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask):
+    """Rows offs_m of x [M, K] (contiguous), columns offs_k, fp32 [ROWS, 1, BLOCK_K]; masked lanes 0."""
+    ptrs = x_ptr + offs_m.to(tl.int64)[:, None, None] * n_in + offs_k[None, None, :]
+    return tl.load(ptrs, mask=m_mask[:, None, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """y[m, n] = Σ_k x[m, k]·w[n, k] for the n_rows (<= ROWS) rows of x and the BLOCK_N weight rows of
+    program n, fp32 sums: each weight tile is read once and multiplied with every row of x. With
+    PREFETCH the program's weight rows are requested into L2 before it waits for its predecessor."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     if PREFETCH:
@@ -120,24 +153,28 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_
         pdl_prefetch(w_ptr + first.to(tl.int64) * n_in, rows_here * n_in * (w_ptr.dtype.element_ty.primitive_bitwidth // 8),
                      PDL)
     pdl_prologue(PDL)
-    rows = offs_n.to(tl.int64)[:, None] * n_in
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < n_rows
+    rows = offs_n.to(tl.int64)[None, :, None] * n_in
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < n_in
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]  # one reduction after the loop, not one per tile
-    tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_mask)
+        x = _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask)
+        acc = _rows_times_tile(acc, x, w_ptr, rows, offs_k[None, None, :], n_mask[None, :, None] & k_mask[None, None, :])
+    y = tl.sum(acc, axis=2)
+    out = y_ptr + offs_m.to(tl.int64)[:, None] * n_out + offs_n[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @_jit
-def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, rows_ptr, kv_ptr, score_ptr, n_out, n_in,
-                    kv_stride, score_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCATTER: tl.constexpr,
-                    PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """kv[r, n] = Σ_k x[k]·wkv[n, k] and score[r, n] = round(Σ_k x[k]·wgate[n, k]) + ape[phase, n] for the
-    BLOCK_N columns of program n (one row x, read once for both weights), fp32 sums; r = rows[0] with
-    SCATTER (the row's place in a ring), else 0. PREFETCH: as `_gemv_kernel`'s, for both weights."""
+def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, rows_ptr, kv_ptr, score_ptr, n_rows, n_out, n_in,
+                    kv_stride, score_stride, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SCATTER: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """kv[r, n] = Σ_k x[m, k]·wkv[n, k] and score[r, n] = round(Σ_k x[m, k]·wgate[n, k]) + ape[phase[m], n]
+    for the n_rows (<= ROWS) rows m of x and the BLOCK_N columns of program n (x read once for both
+    weights, each weight tile once for every row), fp32 sums; r = rows[m] with SCATTER (the row's place
+    in a ring), else m. PREFETCH: as `_gemv_kernel`'s, for both weights."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     if PREFETCH:
@@ -146,22 +183,29 @@ def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, rows_ptr, kv_
         pdl_prefetch(wkv_ptr + first.to(tl.int64) * n_in, tile_bytes, PDL)
         pdl_prefetch(wgate_ptr + first.to(tl.int64) * n_in, tile_bytes, PDL)
     pdl_prologue(PDL)
-    rows = offs_n.to(tl.int64)[:, None] * n_in
-    acc_kv = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < n_rows
+    rows = offs_n.to(tl.int64)[None, :, None] * n_in
+    acc_kv = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_gate = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < n_in
-        mask = n_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        acc_kv += tl.load(wkv_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        acc_gate += tl.load(wgate_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-    row = tl.load(rows_ptr).to(tl.int64) if SCATTER else 0
-    tl.store(kv_ptr + row * kv_stride + offs_n, tl.sum(acc_kv, axis=1).to(kv_ptr.dtype.element_ty), mask=n_mask)
-    gate = tl.sum(acc_gate, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)  # the linear's rounding
-    phase = tl.load(phase_ptr).to(tl.int64)
-    bias = tl.load(ape_ptr + phase * n_out + offs_n, mask=n_mask, other=0.0)
-    tl.store(score_ptr + row * score_stride + offs_n, gate + bias, mask=n_mask)
+        mask = n_mask[None, :, None] & k_mask[None, None, :]
+        x = _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask)
+        acc_kv = _rows_times_tile(acc_kv, x, wkv_ptr, rows, offs_k[None, None, :], mask)
+        acc_gate = _rows_times_tile(acc_gate, x, wgate_ptr, rows, offs_k[None, None, :], mask)
+    if SCATTER:
+        out_row = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    else:
+        out_row = offs_m.to(tl.int64)
+    mask = m_mask[:, None] & n_mask[None, :]
+    kv = tl.sum(acc_kv, axis=2).to(kv_ptr.dtype.element_ty)
+    tl.store(kv_ptr + out_row[:, None] * kv_stride + offs_n[None, :], kv, mask=mask)
+    gate = tl.sum(acc_gate, axis=2).to(x_ptr.dtype.element_ty).to(tl.float32)  # the linear's rounding
+    phase = tl.load(phase_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    bias = tl.load(ape_ptr + phase[:, None] * n_out + offs_n[None, :], mask=mask, other=0.0)
+    tl.store(score_ptr + out_row[:, None] * score_stride + offs_n[None, :], gate + bias, mask=mask)
 
 
 # ------------------------------------------------------------------------------------- launchers
@@ -173,37 +217,51 @@ def _num_sms(device: torch.device) -> int:
     return 2  # Triton interpreter on CPU: few programs keep it fast
 
 
-def gemv_tiles(n_out: int, n_in: int, n_sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) of `_gemv_kernel`: K tiles up to 1024 wide, 8192-element weight tiles
-    (16 KB of bf16 in flight per program and step), and BLOCK_N small enough that the grid has about
-    two programs per SM when N allows."""
+def gemv_tiles(n_out: int, n_in: int, n_sms: int, rows: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of `_gemv_kernel` for `rows` rows of x: K tiles up to 1024 wide,
+    8192-element accumulators in all (ROWS·BLOCK_N·BLOCK_K, ROWS = rows rounded up to a power of
+    two: 16 KB of bf16 weights in flight per program and step at one row), and BLOCK_N small enough
+    that the grid has about two programs per SM when N allows. BLOCK_K depends on K alone, and the
+    warps on the weight tile alone, so every row count accumulates a row over the same lanes (see
+    `launch_gemv`)."""
     block_k = min(1024, max(16, triton.next_power_of_2(n_in)))
-    block_n = max(1, 8192 // block_k)
+    block_n = max(1, 8192 // (block_k * triton.next_power_of_2(rows)))
     while block_n > 1 and triton.cdiv(n_out, block_n) < 2 * n_sms:
         block_n //= 2
     return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
 
 
 def gemv_pays(rows: int, n_out: int, n_in: int) -> bool:
-    """Whether `linear` runs `_gemv_kernel` for this call (see GEMV_MIN_K)."""
-    return rows == 1 and n_in >= GEMV_MIN_K and n_out * n_in <= GEMV_MAX_ELEMENTS
+    """Whether `linear` runs `_gemv_kernel` for this call (see GEMV_MIN_K, GEMV_MAX_ROWS)."""
+    return 1 <= rows <= GEMV_MAX_ROWS and n_in >= GEMV_MIN_K and n_out * n_in <= GEMV_MAX_ELEMENTS
+
+
+def _check_rows(rows: int, launcher: str) -> None:
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"{launcher} takes 1 to {MAX_ROWS} rows, got {rows}")
 
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """`_gemv_kernel` for one row x [..., K] (one row in all) whatever the weight; `tiles` overrides
-    `gemv_tiles` (the bench compares it with torch on every shape; the model goes through `linear`)."""
+    """`_gemv_kernel` for the M = x.numel() / K rows of x [..., K] (1 <= M <= MAX_ROWS) whatever the
+    weight; `tiles` overrides `gemv_tiles` (the bench compares it with torch on every shape; the model
+    goes through `linear`). At the default tiles each row's result is bit-identical to a one-row launch
+    on that row: BLOCK_K depends on K alone and the accumulator takes the weight tile's layout (8
+    consecutive k per thread, 32 lanes and BLOCK_K / 256 warps along K, the other warps along N), so
+    every row count sums a row's products in the same lanes, the same K-tile order and the same
+    reduction tree."""
     _check_args(x, weight)
-    if x.numel() != x.shape[-1]:
-        raise ValueError(f"launch_gemv takes one row, got x {tuple(x.shape)}")
-    require_triton()
     n_out, n_in = weight.shape
-    y = torch.empty(n_out, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device))
+    rows = x.numel() // max(1, n_in)
+    _check_rows(rows, "launch_gemv")
+    require_triton()
+    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device), rows)
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
     weight = weight.contiguous()
-    _gemv_kernel[grid](x.contiguous(), weight, y, n_out, n_in, BLOCK_N=block_n, BLOCK_K=block_k,
-                       PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+    _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, ROWS=triton.next_power_of_2(rows),
+                       BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch_launch(pdl, weight), PDL=pdl,
+                       launch_pdl=pdl, num_warps=warps)
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -217,37 +275,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return launch_gemv(x, weight)
 
 
-def project_tiles(n_out: int, n_in: int, n_sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) of `_project_kernel`: the GEMV's tiles for the 2W rows of both weights,
-    BLOCK_N halved for its two [BLOCK_N, BLOCK_K] accumulators."""
-    block_n, block_k, warps = gemv_tiles(2 * n_out, n_in, n_sms)
+def project_tiles(n_out: int, n_in: int, n_sms: int, rows: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of `_project_kernel` for `rows` rows: the GEMV's tiles for the 2W rows
+    of both weights, BLOCK_N halved for its two [ROWS, BLOCK_N, BLOCK_K] accumulators."""
+    block_n, block_k, warps = gemv_tiles(2 * n_out, n_in, n_sms, rows)
     return max(1, block_n // 2), block_k, warps
+
+
+def project_pays(rows: int, width: int, n_in: int) -> bool:
+    """Whether `compressor_project` runs `_project_kernel`: 1 to PROJECT_MAX_ROWS rows of K >= GEMV_MIN_K
+    and both weights together ([2W, K]) of at most GEMV_MAX_ELEMENTS (see PROJECT_MAX_ROWS)."""
+    return 1 <= rows <= PROJECT_MAX_ROWS and n_in >= GEMV_MIN_K and 2 * width * n_in <= GEMV_MAX_ELEMENTS
 
 
 def launch_project(x, wkv, wgate, ape, phase, tiles: tuple[int, int, int] | None = None, *, kv_out=None,
                    score_out=None, out_rows=None):
-    """`_project_kernel` for one row x [1, K] whatever the weights (the bench compares it with the
-    reference on every shape; the model goes through `compressor_project`); with the destinations of
-    `compressor_project` it stores the row at out_rows[0] of kv_out / score_out and returns them."""
+    """`_project_kernel` for the 1 to MAX_ROWS rows of x [M, K] whatever the weights (the bench compares
+    it with the reference on every shape; the model goes through `compressor_project`); with the
+    destinations of `compressor_project` it stores row i at out_rows[i] of kv_out / score_out and
+    returns them. Rows are bit-identical to one-row launches at the default tiles (as `launch_gemv`)."""
     _check_project_args(x, wkv, wgate, ape, phase)
     _check_project_dest(x, wkv, kv_out, score_out, out_rows)
-    if x.shape[0] != 1:
-        raise ValueError(f"launch_project takes one row, got x {tuple(x.shape)}")
+    rows = x.shape[0]
+    _check_rows(rows, "launch_project")
     require_triton()
     n_out, n_in = wkv.shape
     scatter = out_rows is not None
     if not scatter:
-        kv_out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-        score_out = torch.empty((1, n_out), dtype=torch.float32, device=x.device)
-    block_n, block_k, warps = tiles or project_tiles(n_out, n_in, _num_sms(x.device))
+        kv_out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+        score_out = torch.empty((rows, n_out), dtype=torch.float32, device=x.device)
+    block_n, block_k, warps = tiles or project_tiles(n_out, n_in, _num_sms(x.device), rows)
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
     wkv, wgate = wkv.contiguous(), wgate.contiguous()
     _project_kernel[grid](
         x.contiguous(), wkv, wgate, ape.contiguous(), phase.contiguous(),
-        out_rows if scatter else phase, kv_out, score_out, n_out, n_in, kv_out.stride(0), score_out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, SCATTER=scatter, PREFETCH=prefetch_launch(pdl, wkv, wgate), PDL=pdl,
-        launch_pdl=pdl, num_warps=warps)
+        out_rows.contiguous() if scatter else phase, kv_out, score_out, rows, n_out, n_in, kv_out.stride(0),
+        score_out.stride(0), ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, SCATTER=scatter,
+        PREFETCH=prefetch_launch(pdl, wkv, wgate), PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return kv_out, score_out
 
 
@@ -255,12 +320,12 @@ def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, 
                        phase: torch.Tensor, *, kv_out: torch.Tensor | None = None,
                        score_out: torch.Tensor | None = None,
                        out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused `compressor_project_ref` (same signature): `_project_kernel` for one row where the GEMV
-    pays on the two weights together (storing at out_rows itself), the reference elsewhere (which
-    copies to out_rows after it) and while autograd records."""
+    """Fused `compressor_project_ref` (same signature): `_project_kernel` where `project_pays` (storing
+    at out_rows itself), the reference elsewhere (which copies to out_rows after it) and while
+    autograd records."""
     _check_project_args(x, wkv, wgate, ape, phase)
     dest = dict(kv_out=kv_out, score_out=score_out, out_rows=out_rows)
     n_out, n_in = wkv.shape
-    if not gemv_pays(x.shape[0], 2 * n_out, n_in) or records_grad(x, wkv, wgate, ape):
+    if not project_pays(x.shape[0], n_out, n_in) or records_grad(x, wkv, wgate, ape):
         return compressor_project_ref(x, wkv, wgate, ape, phase, **dest)
     return launch_project(x, wkv, wgate, ape, phase, **dest)

@@ -1,6 +1,7 @@
-"""One-row linear (dspark/kernels/linear.py): the Triton GEMV against torch's matmul on random inputs,
-fp32 and bf16, shapes off every tile; which calls `linear` sends to it (one row, the weights where it
-won on the H200) and which to torch; autograd; argument errors; the models' `Linear` module."""
+"""Few-row linear (dspark/kernels/linear.py): the Triton GEMV and compressor projection against torch on
+random inputs, fp32 and bf16, shapes off every tile, 1 to 8 rows (each row equal to a one-row launch
+on it); which calls `linear` / `compressor_project` send to the kernels and which to torch; autograd;
+argument errors; the models' `Linear` and `Compressor` modules."""
 
 import pytest
 import torch
@@ -51,10 +52,51 @@ def test_gemv_any_tiles(tiles, poisoned):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(2,), (3,), (2, 4)])  # 2, 3 (ROWS 4, a masked row), 8 rows
+@pytest.mark.parametrize("n_out,n_in", [(33, 1500), (9, 2048)])
+def test_multi_row_gemv_matches_ref_and_one_row_launches(dtype, lead, n_out, n_in, poisoned):
+    """Every weight tile times every row: each row within tolerance of torch, and bit-identical to
+    the one-row launch on that row (same K tile, same lanes, same reduction order)."""
+    x, weight = make_inputs(lead, n_out, n_in, dtype, seed=n_out + 3 * len(lead) + lead[0])
+    with poisoned():
+        y = op.launch_gemv(x, weight)
+        one_by_one = torch.stack([op.launch_gemv(row, weight) for row in x.reshape(-1, n_in)])
+    ref = op.linear_ref(x, weight)
+    assert y.shape == ref.shape == (*lead, n_out) and y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_err(y, ref) < TOL[dtype]
+    assert torch.equal(y.reshape(-1, n_out), one_by_one)
+
+
+@needs_triton
+def test_multi_row_gemv_any_tiles(poisoned):
+    x, weight = make_inputs((5,), 37, 700, torch.float32, seed=6)
+    for tiles in ((2, 128, 4), (4, 256, 8)):
+        with poisoned():
+            y = op.launch_gemv(x, weight, tiles)
+        assert rel_err(y, op.linear_ref(x, weight)) < TOL[torch.float32]
+
+
+@needs_triton
+@pytest.mark.parametrize("max_rows,lead,kernel", [(8, (4,), True), (8, (2, 4), True), (8, (9,), False),
+                                                  (2, (3,), False), (1, (2,), False)])
+def test_linear_multi_row_routing_follows_gemv_max_rows(max_rows, lead, kernel, monkeypatch):
+    """GEMV_MAX_ROWS (the bench raises it) lets `linear` run the kernel for up to that many rows."""
+    monkeypatch.setattr(op, "GEMV_MAX_ROWS", max_rows)
+    x, weight = make_inputs(lead, 33, 2048, torch.float32, seed=len(lead))
+    calls = []
+    launch = op.launch_gemv
+    monkeypatch.setattr(op, "launch_gemv", lambda *a: calls.append(a) or launch(*a))
+    y = op.linear(x, weight)
+    assert bool(calls) == kernel
+    assert y.shape == (*lead, 33) and rel_err(y, op.linear_ref(x, weight)) < TOL[torch.float32]
+
+
+@needs_triton
 @pytest.mark.parametrize("lead,n_out,n_in,kernel", [
     ((1,), 33, 2048, True),  # one row, K >= 2048, a small weight: the kernel
     ((1, 1), 2048, 2048, True),
-    ((2,), 33, 2048, False),  # more than one row
+    ((2,), 33, 2048, False),  # more than GEMV_MAX_ROWS (1) rows
     ((1,), 33, 1024, False),  # K below 2048
     ((1,), 2049, 2048, False),  # more than 4M elements
 ])
@@ -94,8 +136,8 @@ def test_bad_arguments_name_the_shapes():
         op.linear_ref(x[:, :5], weight)
     with pytest.raises(ValueError, match="share a dtype"):
         op.linear_ref(x.double(), weight)
-    with pytest.raises(ValueError, match="one row"):
-        op.launch_gemv(x, weight)
+    with pytest.raises(ValueError, match="1 to 8 rows, got 9"):
+        op.launch_gemv(torch.zeros(9, 24), weight)
 
 
 @needs_triton
@@ -150,7 +192,8 @@ def test_compressor_project_kernel_matches_ref(dtype, width, n_in, poisoned):
 
 
 @needs_triton
-@pytest.mark.parametrize("n_rows,n_in,kernel", [(1, 2048, True), (3, 2048, False), (1, 1024, False)])
+@pytest.mark.parametrize("n_rows,n_in,kernel", [(1, 2048, True), (3, 2048, True), (9, 2048, False),
+                                                (1, 1024, False)])
 def test_compressor_project_runs_the_kernel_where_the_gemv_pays(n_rows, n_in, kernel, monkeypatch):
     args = project_inputs(n_rows, 16, n_in, 4, torch.float32, seed=n_rows)
     calls = []
@@ -204,7 +247,8 @@ def test_compressor_project_kernel_stores_at_its_ring_row(dtype, width, n_in, po
 
 
 @needs_triton
-@pytest.mark.parametrize("n_rows,n_in,kernel", [(1, 2048, True), (3, 2048, False), (1, 1024, False)])
+@pytest.mark.parametrize("n_rows,n_in,kernel", [(1, 2048, True), (3, 2048, True), (9, 2048, False),
+                                                (1, 1024, False)])
 def test_compressor_project_destination_on_both_paths(n_rows, n_in, kernel, monkeypatch):
     """The op's destinations wherever it runs: the kernel stores them, the reference copies them."""
     args = project_inputs(n_rows, 16, n_in, 4, torch.float32, seed=n_rows + 7)
@@ -215,6 +259,48 @@ def test_compressor_project_destination_on_both_paths(n_rows, n_in, kernel, monk
     op.compressor_project(*args, kv_out=kv_out, score_out=score_out, out_rows=rows)
     assert bool(calls) == kernel
     assert_rows_written(kv_out, score_out, rows, *op.compressor_project_ref(*args), TOL[torch.float32])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_rows", [2, 3, 8])
+@pytest.mark.parametrize("width,n_in", [(24, 40), (7, 1500)])
+def test_multi_row_project_matches_ref_and_one_row_launches(dtype, n_rows, width, n_in, poisoned):
+    """Several rows, each at its own phase: within tolerance of the reference, each row bit-identical
+    to the one-row launch on it; with destinations every row lands at its ring row, the rest untouched."""
+    args = project_inputs(n_rows, width, n_in, 4, dtype, seed=n_rows * 11 + width)
+    with poisoned():
+        kv, score = op.launch_project(*args)
+        singles = [op.launch_project(args[0][i:i + 1], *args[1:4], args[4][i:i + 1]) for i in range(n_rows)]
+    ref_kv, ref_score = op.compressor_project_ref(*args)
+    assert kv.shape == score.shape == (n_rows, width) and kv.dtype == dtype and score.dtype == torch.float32
+    assert rel_err(kv, ref_kv) < TOL[dtype] and rel_err(score, ref_score) < TOL[dtype]
+    assert torch.equal(kv, torch.cat([s[0] for s in singles])) and torch.equal(score, torch.cat([s[1] for s in singles]))
+    kv_out, score_out, rows = ring_destination(n_rows, width, dtype, seed=n_rows)
+    with poisoned():
+        op.launch_project(*args, kv_out=kv_out, score_out=score_out, out_rows=rows)
+    assert_rows_written(kv_out, score_out, rows, ref_kv, ref_score, TOL[dtype])
+    assert torch.equal(kv_out[rows], kv) and torch.equal(score_out[rows], score)
+
+
+@needs_triton
+def test_compressor_project_at_four_rows_launches_the_kernel(monkeypatch):
+    """A verify block of 4 rows: one `_project_kernel` launch of ROWS 4, no reference op."""
+    args = project_inputs(4, 16, 2048, 4, torch.float32, seed=12)
+    kv_out, score_out, rows = ring_destination(4, 16, torch.float32, seed=5)
+    want = op.compressor_project_ref(*args)
+    launches = []
+    kernel = op._project_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append(k["ROWS"]) or kernel[grid](*a, **k)
+
+    monkeypatch.setattr(op, "_project_kernel", Recorder())
+    monkeypatch.setattr(op, "compressor_project_ref", lambda *a, **k: pytest.fail("ran the reference"))
+    op.compressor_project(*args, kv_out=kv_out, score_out=score_out, out_rows=rows)
+    assert launches == [4]
+    assert_rows_written(kv_out, score_out, rows, *want, TOL[torch.float32])
 
 
 def test_compressor_project_destination_is_validated():
