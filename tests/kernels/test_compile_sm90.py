@@ -289,21 +289,26 @@ def run_every_tile_class():
         x = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
         weight = torch.ones(shape[-1], device=DEVICE) if weighted else None
         rms_norm.rms_norm(x, weight, eps=1e-6, out_dtype=out_dtype)
-    # One-row GEMV at the launch shapes of the H200's grid (132 SMs): v4-mini wq_a / wo_b (8-row tiles
-    # shrunk to fill the grid), V4-Flash wq_a (1024-wide K, 8 rows), and a short row (K 130).
+    # GEMV at the launch shapes of the H200's grid (132 SMs): v4-mini wq_a / wo_b (8-row tiles shrunk
+    # to fill the grid), V4-Flash wq_a (1024-wide K, 8 rows), a short row (K 130); 1, 2, 3 (ROWS 4) and 8
+    # rows of x (a verify block, a few requests).
     for n_out, n_in in ((512, 2048), (2048, 2048), (1024, 4096), (7, 130)):
-        x = torch.randn(1, n_in, generator=g).to(DEVICE, torch.bfloat16)
         weight = torch.randn(n_out, n_in, generator=g).to(DEVICE, torch.bfloat16)
-        linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, n_in, 132))
-    # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256).
+        for rows in (1, 2, 3, 8):
+            x = torch.randn(rows, n_in, generator=g).to(DEVICE, torch.bfloat16)
+            linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, n_in, 132, rows))
+    # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256), 1, 4
+    # and 8 rows, into fresh outputs and into the static rings.
     for width in (1024, 256):
-        x = torch.randn(1, 2048, generator=g).to(DEVICE, torch.bfloat16)
         wkv, wgate = (torch.randn(width, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-        ape, phase = torch.randn(4, width, device=DEVICE), torch.tensor([1], device=DEVICE)
-        linear.launch_project(x, wkv, wgate, ape, phase, linear.project_tiles(width, 2048, 132))
-        rings = (torch.empty(7, width, dtype=torch.bfloat16, device=DEVICE), torch.empty(7, width, device=DEVICE))
-        linear.launch_project(x, wkv, wgate, ape, phase, linear.project_tiles(width, 2048, 132), kv_out=rings[0],
-                              score_out=rings[1], out_rows=torch.tensor([5], device=DEVICE))  # into the static rings
+        ape = torch.randn(4, width, device=DEVICE)
+        rings = (torch.empty(11, width, dtype=torch.bfloat16, device=DEVICE), torch.empty(11, width, device=DEVICE))
+        for rows in (1, 4, 8):
+            x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
+            phase, tiles = torch.arange(rows, device=DEVICE) % 4, linear.project_tiles(width, 2048, 132, rows)
+            linear.launch_project(x, wkv, wgate, ape, phase, tiles)
+            linear.launch_project(x, wkv, wgate, ape, phase, tiles, kv_out=rings[0], score_out=rings[1],
+                                  out_rows=torch.arange(rows, device=DEVICE) + 2)
     # V4.1 cache QAT rounding, every format, bf16 window latents / fp32 rows.
     for fmt, dtype in (("fp8_ue8m0", torch.bfloat16), ("fp4_ue8m0", torch.bfloat16), ("fp4_e4m3", torch.float32)):
         cache_round.cache_round(torch.randn(2, 512, generator=g).to(DEVICE, dtype), fmt=fmt)

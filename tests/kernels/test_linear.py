@@ -375,3 +375,31 @@ def test_compressor_project_into_rings_model_shapes_on_gpu(width, n_in):
     kv_out, score_out, rows = ring_destination(1, width, torch.bfloat16, seed=width)
     op.compressor_project(*args, kv_out=kv_out, score_out=score_out, out_rows=rows)
     assert_rows_written(kv_out, score_out, rows, *op.compressor_project_ref(*args), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 4, 8])
+@pytest.mark.parametrize("n_out,n_in", [(512, 2048), (2048, 2048), (64, 2048), (1024, 4096), (16384, 512)])
+def test_multi_row_gemv_model_shapes_on_gpu(rows, n_out, n_in):
+    """v4-mini wq_a / wo_b / weights_proj, V4-Flash wq_a, v4-mini wq_b (K 512), bf16, 2-8 rows: within
+    tolerance of torch and each row bit-identical to the one-row launch on it."""
+    x, weight = make_inputs((rows,), n_out, n_in, torch.bfloat16, seed=n_out + rows)
+    y = op.launch_gemv(x, weight)
+    assert rel_err(y, op.linear_ref(x, weight)) < TOL[torch.bfloat16]
+    for i in range(rows):
+        assert torch.equal(y[i], op.launch_gemv(x[i:i + 1], weight)[0]), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 4, 8])
+@pytest.mark.parametrize("width,n_in", [(1024, 2048), (256, 2048), (512, 2048), (1024, 4096)])
+def test_multi_row_project_into_rings_model_shapes_on_gpu(rows, width, n_in):
+    """The compressors of a verify block (4 tokens) or a few requests: every row at its ring row and
+    bit-identical to the one-row launch on it, the rest of the rings untouched; bf16."""
+    args = project_inputs(rows, width, n_in, 4, torch.bfloat16, seed=width + rows)
+    kv_out, score_out, out_rows = ring_destination(rows, width, torch.bfloat16, seed=width)
+    op.launch_project(*args, kv_out=kv_out, score_out=score_out, out_rows=out_rows)
+    assert_rows_written(kv_out, score_out, out_rows, *op.compressor_project_ref(*args), TOL[torch.bfloat16])
+    for i in range(rows):
+        kv, score = op.launch_project(args[0][i:i + 1], *args[1:4], args[4][i:i + 1])
+        assert torch.equal(kv_out[out_rows[i]], kv[0]) and torch.equal(score_out[out_rows[i]], score[0]), i
