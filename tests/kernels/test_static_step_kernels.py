@@ -86,9 +86,10 @@ def test_padded_indexer_pass_with_index_scores_follows_the_reference(name):
 
 @needs_triton
 @pytest.mark.parametrize("overlap,rate", [(True, 4), (False, 8)])  # a CSA / indexer compressor, an HCA one
+@pytest.mark.parametrize("tokens", [1, 4])  # a decode row, a verify block of 4 rows (one projection launch)
 @torch.no_grad()
-def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeypatch):
-    """`update_compressor` at one decode row of a 2048-wide compressor (the projection kernel pays):
+def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, tokens, monkeypatch):
+    """`update_compressor` at `tokens` rows of one request, 2048-wide compressor (the projection kernel pays):
     with the Triton ops the projection stores its rows in the rings and the pool stores the rotated
     entry at its row, so the update makes no `index_copy_` and no separate RoPE launch (the reference
     makes 3 copies and 1 rotation); rings and entries equal the reference's."""
@@ -106,7 +107,7 @@ def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeyp
     for p in modules[0].parameters():
         p.normal_()
     modules[1].load_state_dict(modules[0].state_dict())
-    shape = StaticShape(slots=2, max_context=64, tokens=1)
+    shape = StaticShape(slots=2, max_context=64, tokens=tokens)
     tables = StepTables(model, shape)  # the model's RoPE table groups; ranges up to 64 (> 2 · rate)
     g = torch.Generator().manual_seed(5)
     states = []
@@ -118,8 +119,9 @@ def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeyp
         states.append(state)
     states[1].kv.data.copy_(states[0].kv.data)
     states[1].score.data.copy_(states[0].score.data)
-    x = torch.randn(1, 2048, generator=g).to(DEVICE)
+    x = torch.randn(tokens, 2048, generator=g).to(DEVICE)
     position = 3 * rate - 1  # the last row of group 2: the step completes entry 2 of slot 0
+    positions = torch.arange(position - tokens + 1, position + 1, device=DEVICE)[None]
     counts = []
     for module, state in zip(modules, states):
         calls = {"index_copy_": 0, "rope": 0}
@@ -127,7 +129,7 @@ def test_batch1_compressor_update_writes_from_its_kernels(overlap, rate, monkeyp
         monkeypatch.setattr(torch.Tensor, "index_copy_",
                             lambda *a: calls.__setitem__("index_copy_", calls["index_copy_"] + 1) or index_copy(*a))
         module.rope_op = lambda *a, _op=module.rope_op: calls.__setitem__("rope", calls["rope"] + 1) or _op(*a)
-        update_compressor(module, state, StepIndex(torch.tensor([position], device=DEVICE), 1, tables), x, rope)
+        update_compressor(module, state, StepIndex(positions[:, 0], tokens, tables), x, rope)
         monkeypatch.undo()
         counts.append(calls)
     assert counts == [{"index_copy_": 3, "rope": 1}, {"index_copy_": 0, "rope": 0}]
