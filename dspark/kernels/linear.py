@@ -52,7 +52,7 @@ GEMV_MAX_ELEMENTS = 4 << 20
 # on the CUDA cores; from 16 rows a tensor-core tile is the tool).
 MAX_ROWS = 8
 # The most rows `linear` sends to `_gemv_kernel`: 1 until the H200 has timed the multi-row GEMV against
-# cuBLAS (`bench/linear_decode.py --rows`, which raises it to time `linear` itself).
+# cuBLAS (`bench/linear_decode.py --rows`, which raises it to report the K and size rule at each count).
 GEMV_MAX_ROWS = 1
 # The most rows `compressor_project` sends to `_project_kernel`: every row count the kernel takes. Its
 # reference is six launches (2 matmuls, a gather, an add, 2 ring copies: 17-34 µs on the H200 at one
