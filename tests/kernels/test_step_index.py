@@ -75,7 +75,7 @@ def test_v4_static_step_with_the_op_equals_the_torch_builds(pool):
     logits = []
     for impl in ("ref", "triton"):
         kernels = KernelConfig(step_index=impl, compressor_pool_gather=pool)
-        model = dspark.init_model("tiny-v4", seed=0, kernels=kernels)
+        model = dspark.init_model("tiny-v4", seed=0, device=DEVICE, kernels=kernels)
         logits.append(_steps(StaticDecoder(model, StaticShape(slots=2, max_context=48, tokens=3)), 3))
     for ref, fused in zip(*logits):
         assert torch.equal(ref, fused)
@@ -85,7 +85,7 @@ def test_v41_static_step_with_the_op_equals_the_torch_builds():
     """tiny-v41 shares `StepIndex` (no plan: the op makes its positions): same logits."""
     logits = []
     for impl in ("ref", "triton"):
-        model = dspark.init_model("tiny-v41", seed=0, prefill_mode="exact", cache_qat=False,
+        model = dspark.init_model("tiny-v41", seed=0, device=DEVICE, prefill_mode="exact", cache_qat=False,
                                   kernels=KernelConfig(step_index=impl))
         logits.append(_steps(StaticDecoderV41(model, StaticShape(slots=2, max_context=48, tokens=3)), 2))
     for ref, fused in zip(*logits):
@@ -115,7 +115,7 @@ def test_a_v4_step_builds_its_indices_in_one_launch_and_one_gather(monkeypatch):
     the position-derived tensors cost one `step_index` launch and one RoPE `index_select`; with the
     torch builds the same step dispatched 47 ops there (and `forward` an arange and an add)."""
     kernels = KernelConfig(step_index="triton", compressor_pool_gather="triton")
-    model = dspark.init_model("tiny-v4", seed=0, kernels=kernels)
+    model = dspark.init_model("tiny-v4", seed=0, device=DEVICE, kernels=kernels)
     decoder = StaticDecoder(model, StaticShape(slots=1, max_context=64, tokens=1))
     ids, starts = decoder.plan([[1]], [40])
     decoder.step(ids, starts)
