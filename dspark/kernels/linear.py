@@ -245,7 +245,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     """`_gemv_kernel` for the M = x.numel() / K rows of x [..., K] (1 <= M <= MAX_ROWS) whatever the
     weight; `tiles` overrides `gemv_tiles` (the bench compares it with torch on every shape; the model
     goes through `linear`). At the default tiles each row's result is bit-identical to a one-row launch
-    on that row: BLOCK_K depends on K alone and the accumulator takes the weight tile's layout (8
+    on that row (on the H200 not for fp32 with a masked K tail, K = 1500: ulps apart, FMA contraction): BLOCK_K depends on K alone and the accumulator takes the weight tile's layout (8
     consecutive k per thread, 32 lanes and BLOCK_K / 256 warps along K, the other warps along N), so
     every row count sums a row's products in the same lanes, the same K-tile order and the same
     reduction tree."""
@@ -293,7 +293,8 @@ def launch_project(x, wkv, wgate, ape, phase, tiles: tuple[int, int, int] | None
     """`_project_kernel` for the 1 to MAX_ROWS rows of x [M, K] whatever the weights (the bench compares
     it with the reference on every shape; the model goes through `compressor_project`); with the
     destinations of `compressor_project` it stores row i at out_rows[i] of kv_out / score_out and
-    returns them. Rows are bit-identical to one-row launches at the default tiles (as `launch_gemv`)."""
+    returns them. Rows are bit-identical to one-row launches at the default tiles (as `launch_gemv`, with
+    its fp32 exception)."""
     _check_project_args(x, wkv, wgate, ape, phase)
     _check_project_dest(x, wkv, kv_out, score_out, out_rows)
     rows = x.shape[0]

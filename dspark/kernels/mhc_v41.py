@@ -282,9 +282,12 @@ def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     rows for tl.dot; more rows re-read fn from L2 less often), but the collapse keeps one more
     [BT, BD] fp32 tile live, so the tiles are smaller: the largest that compile for sm_90 without
     register spills (checked by tests/kernels/test_compile_sm90.py)."""
+    # A split program holds one stream's loads: 4 warps ran the one-token site in 10.3 µs against 19.0
+    # at 8 (H200, bench/results/mhc-v41-site-h200.json, `split_64_32_4`), 12.4 against 19.5 at 4 tokens.
+    warps = 4 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 8
     if fused:
-        return (16, 32, 8) if n_tok <= 256 else (32, 16, 8)
-    return (16, 64, 8) if n_tok <= 256 else (64, 32, 8)
+        return (16, 32, warps) if n_tok <= 256 else (32, 16, 8)
+    return (16, 64, warps) if n_tok <= 256 else (64, 32, 8)
 
 
 def _launch_stats(src, pin, fn, fused=None, tiles=None):
