@@ -30,7 +30,7 @@ from torch import nn
 from dspark.draft.confidence import ConfidenceHead
 from dspark.draft.config import DSparkConfig
 from dspark.draft.markov_head import MarkovHead, build_head
-from dspark.draft.stages import DSparkStage
+from dspark.draft.stages import BlockRows, DSparkStage, share_ropes
 from dspark.draft.stages_v41 import DSparkStageV41
 from dspark.kernels import KernelConfig
 from dspark.models.deepseek_v4.config import DeepseekV4Config
@@ -140,6 +140,7 @@ class DSparkModel(nn.Module):
         else:
             stages = (DSparkStage(c, i == 0, i == n - 1, n, **built) for i in range(n))
         self.mtp = nn.ModuleList(stages)
+        share_ropes(self.mtp)
         last = self.mtp[-1]
         r = config.dspark_markov_rank
         last.markov_head = build_head(config.dspark_markov_head_type, target_config.vocab_size, r, d, device)
@@ -185,14 +186,15 @@ class DSparkModel(nn.Module):
         """
         x = embeds.to(self.dtype).unsqueeze(-2).expand(-1, self.n_hc, -1).contiguous()  # [S, n_hc, D]
         last = self.mtp[-1]
+        rows = BlockRows(positions, self.gamma)  # the stages' shared RoPE rows and own-block pool rows
         if self.carries_pre:  # V4.1 stages: single-pass mHC, one-hot pre into stage 0, last FFN pre out
             mix = initial_pre(x.shape[0], self.n_hc, x.device)
             for stage, pool in zip(self.mtp, pools):
-                x, mix = stage(x, mix, ids, positions, pool, ctx_index, self.gamma)
+                x, mix = stage(x, mix, ids, positions, pool, ctx_index, self.gamma, rows)
             pre = collapse(x, mix)  # [S, D]
         else:
             for stage, pool in zip(self.mtp, pools):
-                x = stage(x, ids, positions, pool, ctx_index, self.gamma)
+                x = stage(x, ids, positions, pool, ctx_index, self.gamma, rows)
             pre = last.collapse(x)  # [S, D]
         hidden = last.norm(pre)
         # The head runs in its own (the target's) dtype, as the target's logits do; casting the small

@@ -55,6 +55,46 @@ def block_index(n_rows: int, gamma: int, pool_offset: int, device) -> torch.Tens
     return pool_offset + first[:, None] + torch.arange(gamma, device=device)
 
 
+class BlockRows:
+    """The position-derived tensors of one `DSparkModel.blocks` call, built by the first stage that
+    asks and reused by the others (every stage sees the same rows): the RoPE cos / sin of the rows'
+    positions per Rope module (stages with equal tables share one module, `share_ropes`) and the
+    own-block pool rows per context-pool length. In a CUDA-graph propose each build is a few tiny
+    launches, ~36 of the drafter's 117 torch ops for three stages. Lives for one call.
+
+    positions [S] long, rows grouped γ per block."""
+
+    def __init__(self, positions: torch.Tensor, gamma: int):
+        self.positions, self.gamma = positions, gamma
+        self._memo: dict[tuple, object] = {}
+
+    def cos_sin(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope.cos_sin(positions)`: ([S, rd/2], [S, rd/2]) fp32."""
+        key = ("rope", id(rope))
+        if key not in self._memo:
+            self._memo[key] = rope.cos_sin(self.positions)
+        return self._memo[key]
+
+    def own_block(self, pool_offset: int) -> torch.Tensor:
+        """`block_index` of the rows after a context pool of `pool_offset` rows: [S, γ]."""
+        key = ("own", pool_offset)
+        if key not in self._memo:
+            self._memo[key] = block_index(self.positions.shape[0], self.gamma, pool_offset, self.positions.device)
+        return self._memo[key]
+
+
+def share_ropes(stages) -> None:
+    """Point every stage whose RoPE table equals the first stage's at the first stage's module, so
+    that `BlockRows` builds their cos / sin once (θ is a non-persistent buffer made from the config:
+    checkpoints and state dicts are unaffected). Host-side, at construction."""
+    first = stages[0].attn.rope
+    for stage in stages[1:]:
+        rope = stage.attn.rope
+        if (rope.attention_factor == first.attention_factor and rope.inv_freq.shape == first.inv_freq.shape
+                and torch.equal(rope.inv_freq, first.inv_freq)):
+            stage.attn.rope = first
+
+
 class DSparkStage(Block):
     """Draft stage i: a V4 block (`attn`, `ffn`, `attn_norm`, `ffn_norm`, `hc_attn_*`, `hc_ffn_*`).
 
@@ -93,30 +133,31 @@ class DSparkStage(Block):
     # ---------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor,
-                ctx_index: torch.Tensor, gamma: int) -> torch.Tensor:
+                ctx_index: torch.Tensor, gamma: int, rows: BlockRows | None = None) -> torch.Tensor:
         """x [S, n_hc, D] block streams -> [S, n_hc, D].
 
         ids [S] block token ids (router input only for hash layers, which stages are not);
         positions [S] absolute positions of the block rows; ctx_pool [P, d] context keys;
-        ctx_index [S, W] pool rows each query sees (−1 = none); rows are grouped γ per block.
+        ctx_index [S, W] pool rows each query sees (−1 = none); rows are grouped γ per block;
+        `rows` the call's shared `BlockRows` of those positions (None: built here).
         """
         ops = self.stage_kernels.current()
+        rows = BlockRows(positions, gamma) if rows is None else rows
         post, comb, u = ops.pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, **self.mhc_eps)
-        a = self._attend(ops, self.attn_norm(u), positions, ctx_pool, ctx_index, gamma)
+        a = self._attend(ops, self.attn_norm(u), rows, ctx_pool, ctx_index)
         y, post, comb, v = ops.post_pre(a, x, post, comb, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
                                         **self.mhc_eps)
         moe = self.ffn.forward_ref if ops.reference else self.ffn
         return ops.post(moe(self.ffn_norm(v), ids), y, post, comb)
 
-    def _attend(self, ops, x: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor, ctx_index: torch.Tensor,
-                gamma: int) -> torch.Tensor:
+    def _attend(self, ops, x: torch.Tensor, rows: BlockRows, ctx_pool: torch.Tensor,
+                ctx_index: torch.Tensor) -> torch.Tensor:
         """Attention of the block rows x [S, D] (after attn_norm) -> [S, D]."""
         attn = self.attn
-        n = x.shape[0]
-        cos, sin = attn.rope.cos_sin(positions)  # [S, rd/2] fp32
+        cos, sin = rows.cos_sin(attn.rope)  # [S, rd/2] fp32
         _, q, kv = attn.project_qkv(x, cos, sin)  # [S, H, d] (per-head RMS, as in the target), [S, d] block keys
         pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
-        index = torch.cat((ctx_index, block_index(n, gamma, ctx_pool.shape[0], x.device)), dim=-1)  # [S, W + γ]
+        index = torch.cat((ctx_index, rows.own_block(ctx_pool.shape[0])), dim=-1)  # [S, W + γ]
         out = ops.attend(q, pool, index, attn.attn_sink, attn.scale)  # [S, H, d]
         # inverse RoPE (undo the values' rotation) + block-diagonal wo_a -> [S, G·R], then wo_b
         return attn.wo_b(ops.wo_a(out, cos, sin, attn.wo_a.weight))

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dspark.draft.stage_kernels import V41_SITES, StageKernels
-from dspark.draft.stages import block_index
+from dspark.draft.stages import BlockRows
 from dspark.kernels import KernelConfig
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.norm import RMSNorm
@@ -71,7 +71,8 @@ class DSparkStageV41(Block):
         return attn.quant.window(attn.rope_op(attn.kv_norm(attn.wkv(main_x)), cos, sin))
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                ctx_pool: torch.Tensor, ctx_index: torch.Tensor, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx_pool: torch.Tensor, ctx_index: torch.Tensor, gamma: int,
+                rows: BlockRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, hc, D] block streams, carried pre [S, hc] fp32 -> (streams [S, hc, D], FFN pre [S, hc]).
 
         ids [S] block token ids (router input for `bias_vl`); positions [S]; ctx_pool [P, d] context
@@ -81,7 +82,7 @@ class DSparkStageV41(Block):
         # attention site: own mixes of x, input attn_norm(Σ_k pre_k x_k) with the carried pre
         a_pre, a_post, a_comb, h = ops.pre(x, pre, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
                                            self.attn_norm.weight, norm_eps=self.attn_norm.eps, **self._eps())
-        a = self._attend(ops, h, positions, ctx_pool, ctx_index, gamma)
+        a = self._attend(ops, h, BlockRows(positions, gamma) if rows is None else rows, ctx_pool, ctx_index)
         # attention post, then the FFN site on Y (collapsed with the attention site's pre)
         y, f_pre, f_post, f_comb, g = ops.post_pre(a, x, a_post, a_comb, a_pre, self.hc_ffn_fn, self.hc_ffn_base,
                                                    self.hc_ffn_scale, self.ffn_norm.weight,
@@ -89,15 +90,15 @@ class DSparkStageV41(Block):
         moe = self.ffn.forward_ref if ops.reference else self.ffn
         return ops.post(moe(g, ids), y, f_post, f_comb), f_pre
 
-    def _attend(self, ops, x: torch.Tensor, positions: torch.Tensor, ctx_pool: torch.Tensor, ctx_index: torch.Tensor,
-                gamma: int) -> torch.Tensor:
+    def _attend(self, ops, x: torch.Tensor, rows: BlockRows, ctx_pool: torch.Tensor,
+                ctx_index: torch.Tensor) -> torch.Tensor:
         """Attention of the block rows x [S, D] (after attn_norm) -> [S, D]."""
         attn = self.attn
-        cos, sin = attn.rope.cos_sin(positions)
+        cos, sin = rows.cos_sin(attn.rope)
         _, q, kv = attn.project_qkv(x, cos, sin)  # no per-head q norm (V4.1)
         kv = attn.quant.window(kv)  # block keys, transient, rounded like the window cache
         pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
-        index = torch.cat((ctx_index, block_index(x.shape[0], gamma, ctx_pool.shape[0], x.device)), dim=-1)
+        index = torch.cat((ctx_index, rows.own_block(ctx_pool.shape[0])), dim=-1)
         out = ops.attend(q, pool, index, attn.attn_sink, attn.scale)  # [S, H, d]
         return attn.wo_b(ops.wo_a(out, cos, sin, attn.wo_a.weight))  # inverse RoPE, grouped wo_a, wo_b
 
