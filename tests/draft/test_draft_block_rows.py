@@ -33,7 +33,8 @@ def test_stages_build_rope_and_block_rows_once_with_the_same_output(target, monk
                         lambda self, n: calls.__setitem__("own_block", calls["own_block"] + 1) or own_block(self, n))
     built = {"n": 0}
     init = BlockRows.__init__
-    monkeypatch.setattr(BlockRows, "__init__", lambda self, *a: built.__setitem__("n", built["n"] + 1) or init(self, *a))
+    monkeypatch.setattr(BlockRows, "__init__",
+                        lambda self, *a: built.__setitem__("n", built["n"] + 1) or init(self, *a))
     with torch.no_grad():
         shared = drafter.block_from(anchors, starts, pools, index).out
     assert calls["cos_sin"] == 1 and built["n"] == 1  # one call's rows for every stage

@@ -141,7 +141,8 @@ def test_v41_static_step_with_the_fused_pool_is_unchanged():
 @needs_triton
 @torch.no_grad()
 def test_v41_padded_pass_with_the_fused_pool_is_unchanged():
-    """A ragged decode call of 3 requests: the candidate source's padded pass (`select_batch`)."""
+    """Three prefills (`select`, per request) then a ragged decode call of the 3 requests: the
+    candidate source's padded pass (`select_batch`); logits equal with the fused op and without."""
     logits = []
     for pooled in (False, True):
         model, calls = _v41_model(pooled)
@@ -149,7 +150,9 @@ def test_v41_padded_pass_with_the_fused_pool_is_unchanged():
         states = [model.new_state() for _ in range(3)]
         for state, n in zip(states, (9, 30, 17)):
             model(torch.randint(0, 256, (n,), generator=g), [state], [n])
-        assert not calls  # one request at a time: `select` (the lightning indexer), not the padded pass
+        # one request at a time (`select`): the candidate source's per-request score passes, one group each
+        assert calls == ([1] * 3 if pooled else [])
+        calls.clear()
         logits.append(model(torch.randint(0, 256, (3,), generator=g), states, [1, 1, 1]).logits)
         assert calls == ([3] if pooled else [])  # one padded call for the 3 requests
     assert torch.equal(logits[1], logits[0])

@@ -173,7 +173,9 @@ class Indexer(nn.Module):
         """One request's picks: q [S, Hi, di], weights [S, Hi], keys [T, di], positions [S] ->
         [S, min(k, T)] ascending entry ids, −1 = none. Publishes the candidate pool into `slots`
         (candidate source) or scores inside it (later index sources: the registry op never picks
-        outside the pool). Scoring and top-k are the registry's `lightning_indexer`."""
+        outside the pool). Scoring and top-k are the registry's `lightning_indexer`; the candidate source
+        with `index_scores_pooled` picked scores with it (the pool's block maxima in the same pass) and
+        selects with `select_topk`, the same picks."""
         n_keys = keys.shape[0]
         if n_keys == 0:  # nothing compressed yet: the indexer is not run (spec §5.3)
             return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
@@ -183,11 +185,18 @@ class Indexer(nn.Module):
         picks, pools = [], []
         for i in range(0, q.shape[0], chunk):
             rows = slice(i, i + chunk)
-            ids, scores = self.select_op(q[rows], weights[rows], keys, visible[rows],
-                                         None if pool is None else pool[rows], topk=self.topk)
+            if self.pooled_scores_op is not None:  # the candidate source, pool block maxima in the score pass
+                scores, bscores = self.pooled_scores_op(q[None, rows], weights[None, rows], keys[None],
+                                                        visible[None, rows], block=self.candidate_block_size)
+                scores, bscores = scores[0], bscores[0]
+                ids = self.topk_op(scores, self.topk)  # the lightning indexer's selection and tie rule
+            else:
+                ids, scores = self.select_op(q[rows], weights[rows], keys, visible[rows],
+                                             None if pool is None else pool[rows], topk=self.topk)
+                bscores = None
             if self.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
                 pools.append(self.pool_op(scores, visible[rows], topk_blocks=self.candidate_blocks,
-                                          block=self.candidate_block_size))
+                                          block=self.candidate_block_size, bscores=bscores))
             picks.append(ids)
         if self.is_candidate_source:
             slots.candidates = torch.cat(pools)
