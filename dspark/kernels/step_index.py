@@ -15,6 +15,7 @@ from dspark.kernels.step_index_ref import (ENTRY_OFFSET, ENTRY_ROW, FIELDS, KEYS
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
+
 @_jit
 def _step_index_kernel(starts_ptr, seg_ptr, out_ptr, n_slots, n_tok, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (g, blk): elements blk·BLOCK .. of segment g. Its offset in `out` is the element count
