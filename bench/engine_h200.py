@@ -52,7 +52,8 @@ slots whose context holds the cell's steps, one CUDA graph per verify width capt
 engine is built (not in the step time; `engine_build_s` in the row), the fabricated states loaded into the slots at
 the first (warm-up) step. The DSpark cells (dspark3, auto, auto_async) then also draft on the static drafter over the
 same slots (`dspark.engine.static_draft`: greedy propose and observe as CUDA graphs; `static_drafter` and
-`draft_graphs` in the row); MTP-1 keeps its dynamic drafter. Prefill and the peer are unchanged by the flag.
+`draft_graphs` in the row), and so does MTP-1 (`dspark.engine.static_mtp_draft`; its rounds stay
+synchronous under `--overlap`). Prefill and the peer are unchanged by the flag.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def fabricate_drafter_state(drafter, context: int, g: torch.Generator, vocab: in
         return dstate
     if isinstance(dstate, MtpState):
         t = drafter.target
-        fabricate_state(dstate.state, context, g, vocab)
+        # a prefill of `context` rows pairs the first context − 1 (X_t, tok_{t+1}); X_{context−1} waits
+        fabricate_state(dstate.state, context - 1, g, vocab)
         dstate.pending = _randn((t.config.hc_mult, t.config.hidden_size), t.dtype, t.device, g)
         return dstate
     raise ValueError(f"cannot fabricate a state for {type(drafter).__name__}")

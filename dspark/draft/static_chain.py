@@ -45,8 +45,7 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
     if temperature is not None:
         if generator is None:
             raise ValueError("generator: required when temperature is given (sampled rows draw noise)")
-        greedy_row = (temperature == 0)[:, None]  # [S, 1]
-        t = torch.where(greedy_row, 1.0, temperature[:, None].float())  # [S, 1]; greedy rows: any finite value
+        greedy_row, t = row_temperatures(temperature)
     state = head.init_state(n_slots, base.device)
     prev = anchors
     tokens, probs, embeds = [], [], []
@@ -54,15 +53,32 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
         embeds.append(head.embed(prev))  # W1[x_{k−1}]
         bias, state = head.step(state, prev, hidden[:, k])
         logits = base[:, k].float() + bias  # [S, V]
-        best = greedy(logits)
         if temperature is None:
-            prev = best
+            prev = greedy(logits)
         else:
-            q = torch.softmax(logits / t, dim=-1)  # [S, V]
-            noise = torch.empty_like(q).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
-            prev = torch.where(greedy_row[:, 0], best, greedy(q / noise))
-            one_hot = torch.zeros_like(q).scatter_(-1, best[:, None], 1.0)
-            probs.append(torch.where(greedy_row, one_hot, q))
+            prev, q = pick_static(logits, greedy_row, t, generator)
+            probs.append(q)
         tokens.append(prev)
     return (torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
             torch.stack(embeds, dim=1))
+
+
+def row_temperatures(temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """temperature fp32 [S] (0 = greedy) -> (greedy_row bool [S, 1], t fp32 [S, 1]: 1 on greedy rows,
+    where any finite value serves) for `pick_static`."""
+    greedy_row = (temperature == 0)[:, None]  # [S, 1]
+    return greedy_row, torch.where(greedy_row, 1.0, temperature[:, None].float())
+
+
+def pick_static(logits: torch.Tensor, greedy_row: torch.Tensor, t: torch.Tensor,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of logits fp32 [S, V]: argmax on greedy rows (greedy_row bool [S, 1]), an
+    exponential-race sample of q = softmax(logits / t) elsewhere (t fp32 [S, 1], any finite value on
+    greedy rows; noise from `generator`). Returns (tokens long [S], q fp32 [S, V]: one-hot on greedy
+    rows). No host read."""
+    best = greedy(logits)
+    q = torch.softmax(logits / t, dim=-1)  # [S, V]
+    noise = torch.empty_like(q).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    tokens = torch.where(greedy_row[:, 0], best, greedy(q / noise))
+    one_hot = torch.zeros_like(q).scatter_(-1, best[:, None], 1.0)
+    return tokens, torch.where(greedy_row, one_hot, q)

@@ -63,37 +63,9 @@ class StaticDrafter:
     # ---------------------------------------------------------------------------------------
 
     def plan(self, anchors, positions, temperature=None):
-        """Validate host values and copy them to the drafter's device.
-
-        anchors [b] token ids in [0, V) of slots 0 .. b − 1 (b <= S); positions [b] >= 0 the anchors'
-        positions; temperature [b] (0 = greedy, else >= MIN_TEMPERATURE, finite) or None (all greedy).
-        Lists or CPU tensors. Returns (anchors long [b], positions long [b], temperature fp32 [b] or
-        None) on the device.
-        """
-        anchors = torch.as_tensor(anchors, dtype=torch.long)
-        positions = torch.as_tensor(positions, dtype=torch.long)
-        s = anchors.shape[0] if anchors.dim() == 1 else -1
-        if not 1 <= s <= self.shape.slots:
-            raise ValueError(f"anchors must be [b<={self.shape.slots}], got {tuple(anchors.shape)}")
-        if tuple(positions.shape) != (s,):
-            raise ValueError(f"positions must be [b={s}] like anchors, got {tuple(positions.shape)}")
+        """Validate host values and copy them to the drafter's device (`plan_propose`)."""
         vocab = self.drafter.model.markov_head.embed.num_embeddings
-        bad = ((anchors < 0) | (anchors >= vocab)).nonzero().flatten()
-        if bad.numel():
-            raise ValueError(f"anchors[{int(bad[0])}]={int(anchors[bad[0]])} outside [0, {vocab})")
-        bad = (positions < 0).nonzero().flatten()
-        if bad.numel():
-            raise ValueError(f"positions[{int(bad[0])}]={int(positions[bad[0]])} must be >= 0")
-        if temperature is not None:
-            temperature = torch.as_tensor(temperature, dtype=torch.float32)
-            if tuple(temperature.shape) != (s,):
-                raise ValueError(f"temperature must be [b={s}], got {tuple(temperature.shape)}")
-            for b, t in enumerate(temperature.tolist()):
-                if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
-                    raise ValueError(f"temperature[{b}]={t!r}: must be 0 (greedy) or a finite value "
-                                     f">= {MIN_TEMPERATURE}")
-            temperature = temperature.to(self.device, non_blocking=True)
-        return anchors.to(self.device, non_blocking=True), positions.to(self.device, non_blocking=True), temperature
+        return plan_propose(anchors, positions, temperature, self.shape.slots, vocab, self.device)
 
     # ---------------------------------------------------------------------------------------
     # Device side (capturable)
@@ -165,3 +137,36 @@ class StaticDrafter:
             got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
             raise ValueError(f"{name} must be a long [b<={self.shape.slots}] tensor on {self.device} like the "
                              f"call's other inputs, got {got}")
+
+
+def plan_propose(anchors, positions, temperature, slots: int, vocab: int, device):
+    """The host side of a static `propose` over a bucket: validate and copy to `device`.
+
+    anchors [b] token ids in [0, vocab) of slots 0 .. b − 1 (b <= `slots`); positions [b] >= 0 the
+    anchors' positions; temperature [b] (0 = greedy, else >= MIN_TEMPERATURE, finite) or None (all
+    greedy). Lists or CPU tensors. Returns (anchors long [b], positions long [b], temperature fp32 [b]
+    or None) on the device.
+    """
+    anchors = torch.as_tensor(anchors, dtype=torch.long)
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    s = anchors.shape[0] if anchors.dim() == 1 else -1
+    if not 1 <= s <= slots:
+        raise ValueError(f"anchors must be [b<={slots}], got {tuple(anchors.shape)}")
+    if tuple(positions.shape) != (s,):
+        raise ValueError(f"positions must be [b={s}] like anchors, got {tuple(positions.shape)}")
+    bad = ((anchors < 0) | (anchors >= vocab)).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"anchors[{int(bad[0])}]={int(anchors[bad[0]])} outside [0, {vocab})")
+    bad = (positions < 0).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"positions[{int(bad[0])}]={int(positions[bad[0]])} must be >= 0")
+    if temperature is not None:
+        temperature = torch.as_tensor(temperature, dtype=torch.float32)
+        if tuple(temperature.shape) != (s,):
+            raise ValueError(f"temperature must be [b={s}], got {tuple(temperature.shape)}")
+        for b, t in enumerate(temperature.tolist()):
+            if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+                raise ValueError(f"temperature[{b}]={t!r}: must be 0 (greedy) or a finite value "
+                                 f">= {MIN_TEMPERATURE}")
+        temperature = temperature.to(device, non_blocking=True)
+    return anchors.to(device, non_blocking=True), positions.to(device, non_blocking=True), temperature

@@ -24,7 +24,7 @@ from dspark.draft.base import DraftProposal
 from dspark.draft.static_drafter import StaticDrafter
 
 
-def _capture(device, fn, pool):
+def capture_call(device, fn, pool):
     """Warm fn up on a side stream (Triton compiles and autotunes outside the capture), then record it.
     Returns (graph, fn's outputs at capture)."""
     side = torch.cuda.Stream(device)
@@ -69,7 +69,7 @@ class ProposeGraph:
         s, device = _bucket(static, slots), static.device
         self.anchors = torch.zeros(s, dtype=torch.long, device=device)
         self.positions = torch.zeros(s, dtype=torch.long, device=device)
-        self.graph, self.proposal = _capture(device, lambda: static.propose(self.anchors, self.positions), pool)
+        self.graph, self.proposal = capture_call(device, lambda: static.propose(self.anchors, self.positions), pool)
 
     def pool(self):
         return self.graph.pool()
@@ -97,7 +97,7 @@ class ObserveGraph:
         self.features = {i: torch.zeros(s, tokens, *width, dtype=target.dtype, device=device)
                          for i in static.drafter.capture_layers}
         self.starts = torch.zeros(s, dtype=torch.long, device=device)
-        self.graph, _ = _capture(device, lambda: static.observe(self.features, self.starts), pool)
+        self.graph, _ = capture_call(device, lambda: static.observe(self.features, self.starts), pool)
 
     def pool(self):
         return self.graph.pool()

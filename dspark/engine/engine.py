@@ -17,9 +17,10 @@ round's target call runs on a fixed pool of `max_running` static slots (`dspark.
 CUDA-graph replays on CUDA): a request moves into the next free slot at its first round, and gives the
 slot back when it finishes, is aborted or is preempted; the live slots stay 0 .. n − 1 (the last one
 moves into a freed gap, `dspark.engine.slots`), so a round runs on the smallest bucket of slots that
-holds them. With a DSpark drafter the
-round drafts and observes on the same slots too (`dspark.engine.static_draft`: the request's draft
-state moves into the static drafter with its target state); other drafters keep their dynamic path.
+holds them. With a DSpark or an MTP drafter the
+round drafts and observes on the same slots too (`dspark.engine.static_draft`,
+`dspark.engine.static_mtp_draft`: the request's draft state moves into the static drafter with its
+target state); the n-gram drafter keeps its dynamic path.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from functools import partial
 
 import torch
 
-from dspark.draft import DSparkDrafter, resolve_drafter
+from dspark.draft import DSparkDrafter, MtpDrafter, resolve_drafter
 from dspark.engine.draft_lookahead import DraftLookahead
 from dspark.engine.footprint import request_footprint
 from dspark.engine.lookahead import Lookahead
@@ -42,6 +43,7 @@ from dspark.engine.pages import StateAllocator
 from dspark.engine.scheduler import Scheduler
 from dspark.engine.slots import SlotState, SlotTable
 from dspark.engine.static_draft import StaticDraftRunner
+from dspark.engine.static_mtp_draft import StaticMtpRunner
 from dspark.engine.static_runner import StaticRunner
 from dspark.kernels.registry import OPTIONAL_BACKENDS
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -184,7 +186,7 @@ class Engine:
         in_flight = config.draft_tokens != "auto" or config.planner == "async"
         self.draft_ahead = (DraftLookahead(self.runner, self.static_draft, config.draft_tokens,
                                            self.round_config.capacity)
-                            if overlap and self.static_draft is not None and in_flight else None)
+                            if overlap and isinstance(self.static_draft, StaticDraftRunner) and in_flight else None)
         self._ids = itertools.count()
         self._trace: list[dict] = []
 
@@ -423,9 +425,10 @@ def graph_capturable(kernels) -> bool:
     return not host_bound_ops(kernels)
 
 
-def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner, StaticDraftRunner | None]:
-    """The slot table, static runner and (for a DSpark drafter) static drafting of `static_decode`:
-    `max_running` slots, T = the verify width."""
+def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner,
+                                                                StaticDraftRunner | StaticMtpRunner | None]:
+    """The slot table, static runner and (for a DSpark or MTP drafter) static drafting of
+    `static_decode`: `max_running` slots, T = the verify width."""
     if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
         raise ValueError(f"static_decode supports DeepSeek-V4 and V4.1 targets only, got {type(model).__name__}")
     if not graph_capturable(model.kernels):
@@ -433,12 +436,16 @@ def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, Stati
                          f"{', '.join(host_bound_ops(model.kernels))} (host work at each or the first call); "
                          f"use static_decode=False, or 'triton' for those ops")
     tokens = _verify_width(drafter, config)
-    capture = drafter.capture_layers if drafter is not None else ()
     # A request of `slot_context` positions verifies at most T tokens from its last anchor.
-    runner = StaticRunner(model, config.max_running, config.slot_context + tokens, tokens, capture)
+    context = config.slot_context + tokens
     drafting = None
     if isinstance(drafter, DSparkDrafter):
         drafting = StaticDraftRunner(drafter, config.max_running, tokens, config.draft_seed)
+    elif isinstance(drafter, MtpDrafter):
+        drafting = StaticMtpRunner(drafter, config.max_running, context, tokens, config.draft_seed)
+    capture = drafting.capture_layers if isinstance(drafting, StaticMtpRunner) else \
+        drafter.capture_layers if drafter is not None else ()
+    runner = StaticRunner(model, config.max_running, context, tokens, capture)
     return SlotTable(config.max_running), runner, drafting
 
 

@@ -78,9 +78,10 @@ class StaticDraftRunner:
         """Slot `dst` takes over slot `src`'s draft state (with its target slot; between rounds)."""
         self.static.state.move(src, dst)
 
-    def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor) -> None:
+    def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor, ids: torch.Tensor | None = None) -> None:
         """Every bucket slot's rows of one verify step: features {layer: [b, t, n_hc, D]}, starts long
-        [b] (device tensors, the target step's own)."""
+        [b] (device tensors, the target step's own); the step's ids [b, t] are not needed (DSpark's
+        context keys come from the features alone)."""
         graph = self.observe_graphs.get(tuple(features[self.static.drafter.capture_layers[0]].shape[:2]))
         if graph is None:
             self.static.observe(features, starts)

@@ -74,8 +74,9 @@ class StaticRunner:
         Returns the ragged output of the dynamic path: logits fp32 [N, V], final streams [N, n_hc, D]
         and features {layer: [N, n_hc, D]} of the requests' rows in order, and each request's first
         row. Advances every request's `SlotState` by its block (roll back with `truncate`).
-        `observe(features {layer: [b, t, n_hc, D]}, starts [b])`, when given, gets every bucket slot's
-        rows of the step before the gather (the static drafter's `observe`; device tensors, no host read).
+        `observe(features {layer: [b, t, n_hc, D]}, starts [b], ids [b, t])`, when given, gets every
+        bucket slot's rows of the step before the gather (the static drafter's `observe`; device
+        tensors, no host read).
         """
         missing = set(drafter.capture_layers if drafter is not None else ()) - set(self.capture)
         if missing:
@@ -106,7 +107,7 @@ class StaticRunner:
         ids, starts = self.decoder.plan(ids, starts)
         out = self.step(ids, starts)
         if observe is not None:
-            observe(out.features, starts)
+            observe(out.features, starts, ids)
         for req, block in zip(requests, blocks):  # after `plan` accepted the positions
             req.state.advance(len(block))
         index = torch.tensor(rows, dtype=torch.long).to(self.model.device, non_blocking=True)  # [N]

@@ -30,7 +30,7 @@ def test_engine_bench_smoke_writes_every_section(tmp_path):
 
 def test_engine_bench_smoke_static_decode_runs_every_decode_cell_on_static_slots(tmp_path):
     """`--static-decode`: every decode cell runs (fabricated states loaded into the static slots of
-    `EngineConfig(static_decode=True)`; DSpark cells draft on the static drafter) and says so; no CUDA
+    `EngineConfig(static_decode=True)`; DSpark and MTP-1 cells draft on their static drafters) and says so; no CUDA
     graphs on the CPU."""
     out = tmp_path / "engine-static.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -47,7 +47,7 @@ def test_engine_bench_smoke_static_decode_runs_every_decode_cell_on_static_slots
     assert cells == {(m, n, c) for m in ("none", "mtp1", "dspark3", "auto", "auto_async") for n in (1, 4) for c in (40, 100)}
     for d in r["decode"]:
         assert d["static_decode"] is True and d["step_ms"] > 0 and d["engine_build_s"] >= 0
-        assert d["static_drafter"] is (d["mode"] in ("dspark3", "auto", "auto_async")) and d["draft_graphs"] is False
+        assert d["static_drafter"] is (d["mode"] != "none") and d["draft_graphs"] is False
         assert d["mean_drafts_verified_per_request"] == {"none": 0, "mtp1": 1, "dspark3": 3}.get(d["mode"], d["mean_drafts_verified_per_request"])
 
 

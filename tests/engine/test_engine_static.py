@@ -338,10 +338,12 @@ def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
     blocks = [[5, 6, 7], [8]]
     dynamic = tiny(torch.tensor([5, 6, 7, 8]), states, [3, 1], capture_layers=(2,))
     seen = []
-    out, offsets = runner.forward(requests, blocks, observe=lambda features, starts: seen.append((features, starts)))
+    out, offsets = runner.forward(requests, blocks,
+                                  observe=lambda features, starts, ids: seen.append((features, starts, ids)))
     assert offsets == [0, 3] and [r.state.length for r in requests] == [12, 18]
-    (features, starts), = seen  # every slot's rows of the step, for the static drafter
+    (features, starts, ids), = seen  # every slot's rows of the step, for the static drafter
     assert starts.tolist() == [17, 0, 9] and tuple(features[2].shape[:2]) == (3, 3)
+    assert ids.tolist() == [[8, 0, 0], [0, 0, 0], [5, 6, 7]]  # the step's tokens (padding: 0)
     torch.testing.assert_close(features[2][[2, 2, 2, 0], [0, 1, 2, 0]], out.features[2])
     pairs = ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden), (out.features[2], dynamic.features[2]))
     for got, want in pairs:

@@ -1,0 +1,147 @@
+"""The engine's MTP drafting on the static slots (`static_decode` with an `MtpDrafter`).
+
+    drafting = StaticMtpRunner(drafter, slots=64, max_context=8192, tokens=2, seed=0)   # before any request is loaded
+    drafting.load(slot, req.dstate, length)        # at the request's first round, with its target state
+    tokens, probs, conf, logits = drafting.draft(requests)   # what `dspark.round._draft` returns
+    runner.forward(requests, blocks, drafter, observe=drafting.observe)   # every slot's verify rows
+
+The `StaticDraftRunner` of the MTP block (`dspark.draft.static_mtp`): a request drafts from the slot
+with its target slot's number, one `propose` over the bucket of the first b slots serves every live
+request, and `observe` takes all t rows of every bucket slot of a verify step (the final streams,
+which the target step returns as the features of layer `num_hidden_layers`: `capture_layers`, its
+starts and its tokens); the next anchor position hides the rows past the committed ones.
+
+On CUDA the greedy `propose` of each bucket b and the `observe` of each (b, t), t = 1 .. T, are CUDA
+graphs (`MtpProposeGraph`, `MtpObserveGraph`, captured here before any request is loaded: their
+warm-ups write every slot). A round with any sampled request runs the eager static `propose` for the
+whole batch, with per-slot temperatures and noise from one device generator seeded by `seed`, as the
+DSpark runner does (`static_draft.py` says why outputs stay exact).
+
+Shape symbols: S slots, b a call's bucket, T rows per verify step at most, t this step's, k block
+size, V vocabulary, n_hc streams, D hidden size, B live requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.draft.base import DraftProposal
+from dspark.draft.mtp import MtpDrafter, MtpState
+from dspark.draft.static_graph import capture_call
+from dspark.draft.static_mtp import StaticMtpDrafter
+from dspark.engine.slots import bucket, buckets
+from dspark.models.deepseek_v4.static_state import StaticShape
+
+
+class MtpProposeGraph:
+    """`StaticMtpDrafter.propose` (greedy) of slots 0 .. b − 1 captured: inputs `anchors`, `positions`
+    [b] long; output `proposal` (tokens [b, k], confidence [b, k], probs None)."""
+
+    def __init__(self, static: StaticMtpDrafter, slots: int, pool=None):
+        self.anchors = torch.zeros(slots, dtype=torch.long, device=static.device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=static.device)
+        self.graph, self.proposal = capture_call(static.device, lambda: static.propose(self.anchors, self.positions),
+                                                 pool)
+
+    def replay(self, anchors: torch.Tensor, positions: torch.Tensor) -> DraftProposal:
+        self.anchors.copy_(anchors)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.proposal
+
+
+class MtpObserveGraph:
+    """`StaticMtpDrafter.observe` of t = `tokens` rows per slot of slots 0 .. b − 1 captured: inputs
+    `hidden` [b, t, n_hc, D] (the target's dtype), `starts` [b], `ids` [b, t]. The warm-up writes
+    positions 0 .. t − 1 of those slots: capture before loading requests."""
+
+    def __init__(self, static: StaticMtpDrafter, slots: int, tokens: int, pool=None):
+        target, device = static.target, static.device
+        width = (target.config.hc_mult, target.config.hidden_size)
+        self.hidden = torch.zeros(slots, tokens, *width, dtype=target.dtype, device=device)
+        self.starts = torch.zeros(slots, dtype=torch.long, device=device)
+        self.ids = torch.zeros(slots, tokens, dtype=torch.long, device=device)
+        self.graph, _ = capture_call(device, lambda: static.observe(self.hidden, self.starts, self.ids), pool)
+
+    def replay(self, hidden: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor) -> None:
+        self.hidden.copy_(hidden)
+        self.starts.copy_(starts)
+        self.ids.copy_(ids)
+        self.graph.replay()
+
+
+class StaticMtpRunner:
+    """A `StaticMtpDrafter` over `slots` slots of `max_context` target positions taking up to `tokens`
+    rows per observe, with its CUDA graphs."""
+
+    def __init__(self, drafter: MtpDrafter, slots: int, max_context: int, tokens: int, seed: int):
+        self.static = StaticMtpDrafter(drafter, StaticShape(slots, max_context, tokens))
+        device = self.static.device
+        # The target step hands its final streams over as the features of this layer id.
+        self.capture_layers = (drafter.target.config.num_hidden_layers,)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.observe_graphs: dict[tuple[int, int], MtpObserveGraph] = {}  # (b, t) -> graph
+        self.propose_graphs: dict[int, MtpProposeGraph] = {}  # b -> graph
+        if device.type == "cuda":  # before any request is loaded: the warm-ups write every slot
+            pool = None
+            for b in buckets(slots):
+                for t in range(1, tokens + 1):
+                    graph = self.observe_graphs[b, t] = MtpObserveGraph(self.static, b, t, pool=pool)
+                    pool = graph.graph.pool()
+                self.propose_graphs[b] = MtpProposeGraph(self.static, b, pool=pool)
+
+    @property
+    def slots(self) -> int:
+        return self.static.shape.slots
+
+    def load(self, slot: int, dstate: MtpState, length: int) -> None:
+        """Copy a request's dynamic MTP state into `slot`; `length` is its target length (the position of
+        its next anchor), which the MTP state must have reached too."""
+        drafted = self.static.load(slot, dstate)
+        if drafted != length:
+            raise RuntimeError(f"slot {slot}: the MTP state pairs {drafted} positions but the target holds {length}")
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s MTP state (with its target slot; between rounds)."""
+        self.static.move(src, dst)
+
+    def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor, ids: torch.Tensor) -> None:
+        """Every bucket slot's rows of one verify step: features {num_hidden_layers: [b, t, n_hc, D]},
+        starts long [b], ids long [b, t] (device tensors, the target step's own)."""
+        hidden = features[self.capture_layers[0]]
+        graph = self.observe_graphs.get(tuple(ids.shape))
+        if graph is None:
+            self.static.observe(hidden, starts, ids)
+        else:
+            graph.replay(hidden, starts, ids)
+
+    def propose(self, anchors: torch.Tensor, positions: torch.Tensor) -> DraftProposal:
+        """Greedy k-blocks of slots 0 .. b − 1 from device anchors and positions [b]: the bucket's graph
+        on CUDA (its buffers: copy what must outlive the next call), the eager static propose elsewhere."""
+        graph = self.propose_graphs.get(anchors.shape[0])
+        return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
+
+    def draft(self, requests: list) -> tuple[list[list[int]], list, torch.Tensor, list[None]]:
+        """One k-block per request (each holding a static slot), in one `propose` over the bucket of the
+        first b slots that holds them all.
+
+        Returns, in request order: tokens (B lists of k ids), q (fp32 [k, V] on the device for a sampled
+        request, None for a greedy one), confidences fp32 [B, k] on the host and B None (no confidence
+        head: what the dynamic `_draft` gives for MTP)."""
+        b = bucket(max((req.state.slot for req in requests), default=0) + 1, self.slots)
+        anchors, positions, temps = [0] * b, [0] * b, [0.0] * b
+        for req in requests:
+            slot = req.state.slot
+            anchors[slot], positions[slot], temps[slot] = req.out[-1], req.state.length, req.params.temperature
+        sampled = any(t > 0 for t in temps)
+        anchors, positions, temperature = self.static.plan(anchors, positions, temps if sampled else None)
+        if sampled:
+            proposal = self.static.propose(anchors, positions, temperature, self.generator)
+        else:
+            proposal = self.propose(anchors, positions)
+        index = [req.state.slot for req in requests]
+        rows = torch.tensor(index, dtype=torch.long, device=proposal.tokens.device)  # [B]
+        tokens = proposal.tokens.index_select(0, rows).tolist()  # copies out of the graph's buffers
+        confidence = proposal.confidence.index_select(0, rows).float().cpu()  # [B, k]
+        probs = [None if req.params.greedy else proposal.probs[slot] for req, slot in zip(requests, index)]
+        return tokens, probs, confidence, [None] * len(requests)
