@@ -147,3 +147,31 @@ def test_overlap_keeps_a_step_in_flight_with_the_same_tokens():
     assert ahead == static == dynamic
     assert engine.lookahead is not None and engine.replayed and counts["host"] > 0
     assert engine.slots.free == engine.slots.slots
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampled", [False, True])
+def test_static_mtp_rounds_replay_graphs_with_the_default_engine_tokens(sampled, monkeypatch):
+    """MTP-1 on the static path: greedy rounds replay the MTP observe graph of each (bucket, width) and the
+    propose graph of each bucket (the dynamic `MtpDrafter.propose` is forbidden) and give the default
+    engine's tokens; with sampled requests in the batch the eager sampled static propose runs, greedy
+    requests keep their tokens and every slot is given back."""
+    from dspark.draft import MtpDrafter
+
+    model, _ = _model_and_drafter()
+    prompts = _prompts()
+    params = (lambda i: SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams()) if sampled \
+        else (lambda i: SamplingParams())
+    default, _, _ = _run(model, prompts, params, draft_tokens=1, drafter=MtpDrafter(model), static_decode=False)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("static_decode drafted with the dynamic MtpDrafter.propose")
+
+    monkeypatch.setattr(MtpDrafter, "propose", forbidden)
+    static, trace, engine = _run(model, prompts, params, draft_tokens=1, drafter=MtpDrafter(model), static_decode=True)
+    keys = [(b, t) for b in buckets(3) for t in (1, 2)]
+    assert sorted(engine.static_draft.observe_graphs) == keys and sorted(engine.static_draft.propose_graphs) == [1, 2, 3]
+    greedy = range(len(prompts)) if not sampled else (0, 2, 4)
+    assert all(static[f"r{i}"] == default[f"r{i}"] for i in greedy) and sorted(static) == sorted(default)
+    assert sum(accepted for _, accepted in trace) > 0
+    assert engine.slots.free == engine.slots.slots and not engine.has_work()
