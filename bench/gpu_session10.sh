@@ -6,6 +6,7 @@
 #   run(command="bash bench/gpu_session10.sh b")
 #   run(command="bash bench/gpu_session10.sh d")
 #   run(command="bash bench/gpu_session10.sh e")
+#   run(command="bash bench/gpu_session10.sh f")   # not run: written after the device time ran out
 #
 # a: the ninth session's CPU-only ops (`hc_head_norm`: V4's output collapse + final RMSNorm in two
 #    launches; `index_scores_pooled`: V4.1's pool block maxima in the indexer score kernel), both in
@@ -32,6 +33,9 @@
 #    tests that built their models on the CPU, the multi-row fp32 GEMV / projection at K = 1500), the
 #    GPU tests b's timeouts cut (V4.1 mHC, PDL chains, static-step kernels, CUDA-graph replays), the
 #    v41-mini step without step_index / pooled scores (b's comparison), and the V4.1 mHC site bench.
+# f: MTP-1 on the static slots (`EngineConfig(static_decode=True)`, CPU-tested only) under its GPU test
+#    (graphs replayed, the default engine's tokens), then the engine's none / mtp1 cells at 1 / 8 / 64 /
+#    256 requests, 4K (bench/engine_h200.py --static-decode: the mtp1 cells take the static path).
 #
 # Only 8 files come back from a call, so every part ends by packing $OUT into one session10-PART.tgz.
 set -uo pipefail
@@ -109,6 +113,13 @@ part_e() {
   tail -n 12 $W/logs/e_v41.txt | cut -c1-300
 }
 
+part_f() {
+  tests f_tests 150 tests/engine/test_engine_static_gpu.py -k mtp
+  logged f_engine 330 python3 bench/engine_h200.py --static-decode --overlap --requests 1,8,64,256 --contexts 4096 \
+    --modes none,mtp1 --decode-only --steps 8 --budget-s 280 --out "$OUT/engine-h200-mtp-static.json"
+  tail -n 30 $W/logs/f_engine.txt | cut -c1-300
+}
+
 part_c() {
   local grid=(--static-decode --overlap --requests 1,8,16,32,64,128,256 --modes none,mtp1,dspark1,dspark2,dspark3,auto_async
               --decode-only --steps 8 --confidence 0.8629 --table-from-cells)
@@ -120,11 +131,12 @@ part_c() {
   tail -n 30 $W/logs/c_engine_32k.txt | cut -c1-300
 }
 
-case "${1:?part: a, b, c, d or e}" in
+case "${1:?part: a, b, c, d, e or f}" in
   a) part_a ;;
   b) part_b ;;
   d) part_d ;;
   e) part_e ;;
+  f) part_f ;;
   c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
