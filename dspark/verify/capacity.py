@@ -12,6 +12,18 @@ time is used (a smaller batch is assumed no faster, the conservative choice); ab
 the time grows in proportion to B (the compute-bound regime every GPU reaches eventually).
 
 Lookups are O(1): the curve is tabulated once for every integer B up to the last probe.
+
+What an entry prices. SPS(B) is one number per B, but a step of B tokens costs more when it spreads
+over more requests (each reads its own context) and when it drafts too. The planners read B = R(1 + n)
+for R requests verifying n drafts each, and the round in flight's plain rounds ("auto"'s budget 0,
+`planner.uniform_budget(..., min_budget=0)`) read B = R as a plain step of R requests. A `dspark
+profile` table times target forwards of B tokens in blocks of `width` rows (ceil(B / width) requests,
+no drafter): exact for the budget width − 1 (width 4: budget 3), optimistic at B = R for plain steps
+(R / width requests' blocks, not R requests' single rows), and no entry includes drafting.
+`bench/engine_h200.py --table-from-cells` instead builds a table from the static engine's own
+pipelined steps of one load: budgets 1..3 (propose, verify, observe) at B = R(1 + n), and B = R from
+its plain-decoding cell ('none', which runs without a drafter, so without the observe a plain round
+of the engine adds).
 """
 
 from __future__ import annotations

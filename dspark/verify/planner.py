@@ -40,7 +40,8 @@ tests/verify/test_planner.py). The planners below are non-anticipating:
   contains (r, k + 1). This is the production scheme (paper §5.2, spec §4.3).
 * `uniform_budget`: one budget n for every request, an unconstrained argmax over the same stale
   confidences; nothing current is read, so it is `plan_fixed` with an n chosen beforehand (the
-  engine's round in flight, which cannot read the current confidences at all).
+  engine's round in flight, which cannot read the current confidences at all). With `min_budget=0`
+  the argmax includes n = 0, plain decoding, which drafts nothing and so decides nothing about drafts.
 
 Shape symbols: R requests, γ block size.
 """
@@ -190,18 +191,25 @@ def async_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | Non
 
 
 def uniform_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | None], gamma: int,
-                   capacity: CapacityTable, max_budget: int | None = None) -> int:
+                   capacity: CapacityTable, max_budget: int | None = None, min_budget: int = 1) -> int:
     """One verification budget n for every request of a round launched before the previous round is
     read, from confidences >= 2 rounds old (the engine's round in flight, `dspark.engine.draft_lookahead`).
 
     Rule. Stale survivals a_{r,k} as in `async_budget` (a row None: survival 1 at every position). Among
     the uniform plans ℓ_r = n for all R requests, B = R·(1 + n) and τ(n) = R + Σ_r Σ_{k<n} a_{r,k}, so
 
-        n* = argmax_{1 <= n <= N} τ(n) · SPS(R·(1 + n)),    N = max_budget (default γ),
+        n* = argmax_{M <= n <= N} τ(n) · SPS(R·(1 + n)),    M = min_budget (default 1),
+                                                              N = max_budget (default γ),
 
     the smallest n on ties. It is `async_budget`'s objective restricted to uniform plans, and it is
     non-anticipating for the same reason: nothing it reads was computed from a draft of the round it
     sizes, so the round verifies a budget fixed beforehand, exactly like `plan_fixed`.
+
+    n = 0 (`min_budget=0`) is plain decoding: τ(0) = R tokens at SPS(R), the table's entry at B = R,
+    which must then price a plain step of R requests (no propose; `CapacityTable` says which tables
+    do). Where that beats every drafting budget, e.g. a large batch whose step is compute-bound, the
+    round skips drafting; ties go to it, as to any smaller budget. The default floor of 1 keeps a
+    caller that always drafts (and cannot run a plain step) on budgets 1..N.
 
     Why uniform, and not K / R from `async_budget`. The static decode step verifies [b slots, 1 + n]
     rows, one CUDA graph per width, and the round in flight is launched from the previous round's
@@ -212,18 +220,22 @@ def uniform_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | N
     and stop short on strong ones. Maximising Θ over the uniform plans prices exactly the plan the
     round runs.
 
-    Shapes: stale_confidence R rows of [γ] (or None); returns an int in [1, N] (N >= 1), or 0 when R = 0.
+    Shapes: stale_confidence R rows of [γ] (or None); returns an int in [M, N] (1 <= N <= γ,
+    0 <= M <= N), or 0 when R = 0.
     """
     a = _stale_survival(stale_confidence, gamma)
     top = gamma if max_budget is None else max_budget
     if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= gamma:
         raise ValueError(f"max_budget must be an int in [1, γ={gamma}], got {max_budget!r}")
+    if isinstance(min_budget, bool) or not isinstance(min_budget, int) or not 0 <= min_budget <= top:
+        raise ValueError(f"min_budget must be an int in [0, max_budget={top}], got {min_budget!r}")
     rows = a.shape[0]
     if rows == 0:
         return 0
-    n = np.arange(1, top + 1)  # [N]
-    tau = rows + a[:, :top].sum(dim=0).cumsum(dim=0).numpy()  # [N] τ(n): column sums, prefix-summed
-    theta = tau * capacity.many(rows * (1 + n))
+    # [N + 1] Σ_r Σ_{k<n} a_{r,k} for n = 0..N: column sums, prefix-summed
+    drafted = np.concatenate([[0.0], a[:, :top].sum(dim=0).cumsum(dim=0).numpy()])
+    n = np.arange(min_budget, top + 1)  # [N − M + 1]
+    theta = (rows + drafted[n]) * capacity.many(rows * (1 + n))
     return int(n[np.argmax(theta)])  # first maximum: the smallest budget among ties
 
 

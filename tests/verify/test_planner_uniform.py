@@ -1,6 +1,7 @@
 """`uniform_budget`: one verify budget for every request of a round, from stale confidences only.
 
-Checked by hand on small cases, against a brute-force Θ over every n, and for its validation."""
+Checked by hand on small cases, against a brute-force Θ over every n (from 1, or from 0 = plain
+decoding with `min_budget=0`), on the H200 cells where plain decoding won, and for its validation."""
 
 import itertools
 
@@ -36,11 +37,12 @@ def test_uniform_budget_is_the_best_uniform_plan():
     """n maximises Θ = τ · SPS(B) over the plans ℓ_r = n of every request (planner.throughput's own τ)."""
     g = torch.Generator().manual_seed(0)
     tables = [default_cpu_table(), _table({1: 50, 8: 48, 9: 20, 24: 15, 64: 6})]
-    for rows, table, trial in itertools.product((1, 3, 8), tables, range(5)):
+    for rows, table, floor, trial in itertools.product((1, 3, 8), tables, (0, 1), range(5)):
         stale = torch.rand(rows, 5, generator=g) ** 0.3
-        n = uniform_budget(list(stale), 5, table)
-        theta = [expected_tokens(stale, plan_fixed(m, 5, rows)) * table(rows * (1 + m)) for m in range(1, 6)]
-        assert theta[n - 1] == pytest.approx(max(theta)) and all(t < max(theta) for t in theta[:n - 1])
+        n = uniform_budget(list(stale), 5, table, min_budget=floor)
+        theta = [expected_tokens(stale, plan_fixed(m, 5, rows)) * table(rows * (1 + m)) for m in range(floor, 6)]
+        i = n - floor
+        assert theta[i] == pytest.approx(max(theta)) and all(t < max(theta) for t in theta[:i])
 
 
 def test_uniform_budget_validates():
@@ -49,9 +51,49 @@ def test_uniform_budget_validates():
         uniform_budget([None], 3, sps, max_budget=4)
     with pytest.raises(ValueError, match="max_budget must be an int in \\[1, γ=3\\], got 0"):
         uniform_budget([None], 3, sps, max_budget=0)
+    with pytest.raises(ValueError, match="min_budget must be an int in \\[0, max_budget=2\\], got 3"):
+        uniform_budget([None], 3, sps, max_budget=2, min_budget=3)
+    with pytest.raises(ValueError, match="min_budget must be an int in \\[0, max_budget=3\\], got -1"):
+        uniform_budget([None], 3, sps, min_budget=-1)
+    with pytest.raises(ValueError, match="min_budget must be an int in \\[0, max_budget=3\\], got True"):
+        uniform_budget([None], 3, sps, min_budget=True)
     with pytest.raises(ValueError, match="stale_confidence rows must have γ=3 entries, got 2"):
         uniform_budget([[0.5, 0.5]], 3, sps)
     with pytest.raises(ValueError, match="gamma must be an int >= 0, got '3'"):
         uniform_budget([None], "3", sps)
     with pytest.raises(ValueError, match="confidence values must lie in \\[0, 1\\]"):
         uniform_budget([[0.5, 1.5, 0.5]], 3, sps)
+
+
+def test_uniform_budget_may_choose_plain_decoding():
+    # Two requests, γ = 3, stale c = 0.5 everywhere: a = (0.5, 0.25, 0.125) per request, so
+    # τ(0..3) = 2, 3, 3.5, 3.75 at B = 2, 4, 6, 8 (n = 0: the anchors only, plain decoding).
+    stale = [[0.5] * 3] * 2
+    # SPS(2, 4, 6, 8) = (10, 6, 5, 4): Θ = 20, 18, 17.5, 15 -> plain decoding pays most ...
+    plain_pays = _table({2: 10, 4: 6, 6: 5, 8: 4})
+    assert uniform_budget(stale, 3, plain_pays, min_budget=0) == 0
+    assert uniform_budget(stale, 3, plain_pays) == 1  # ... which the default floor of 1 never picks
+    # SPS(4) = 8: Θ = 20, 24, 21, 15 -> one draft pays.
+    assert uniform_budget(stale, 3, _table({2: 10, 4: 8, 6: 6, 8: 4}), min_budget=0) == 1
+    # Ties go to plain decoding: nothing survives, so every budget commits R tokens at a lower SPS.
+    assert uniform_budget([[0.0] * 3] * 2, 3, _table({2: 10, 8: 10}), min_budget=0) == 0
+    assert uniform_budget([], 3, plain_pays, min_budget=0) == 0
+
+
+def _h200_cells(requests: int, tok_s: dict[int, float]) -> CapacityTable:
+    """A table as `bench/engine_h200.py --table-from-cells` builds it: the pipelined step of the fixed
+    cells (budget 0 = plain decoding at B = R), here from their tok/s at constant confidence 0.8629."""
+    per_request = {0: 1.0, 1: 1.863, 2: 2.607, 3: 3.25}  # Σ_{k<=n} 0.8629^k, the bench's conversion
+    return CapacityTable.from_step_times({requests * (1 + n): [requests * per_request[n] / tok_s[n]]
+                                          for n in tok_s}, "H200 4K cells (bench/README.md, tenth session c)")
+
+
+def test_uniform_budget_on_the_h200_cells():
+    """The tenth session's 4K cells: at 256 requests plain decoding was best (32 120 tok/s vs 30 549 for
+    budget 3) and the planner now picks it; at 64 requests budget 3 (19 460 vs 13 156) stays."""
+    stale = lambda r: [[0.8629] * 5] * r  # noqa: E731
+    big = _h200_cells(256, {0: 32120, 1: 23211, 2: 29368, 3: 30549})
+    assert uniform_budget(stale(256), 5, big, max_budget=3, min_budget=0) == 0
+    assert uniform_budget(stale(256), 5, big, max_budget=3) == 3
+    mid = _h200_cells(64, {0: 13156, 1: 13008, 2: 16838, 3: 19460})
+    assert uniform_budget(stale(64), 5, mid, max_budget=3, min_budget=0) == 3
