@@ -25,9 +25,9 @@ What it measures (issue 7; seeds' conditions):
   (Algorithm 1) over a capacity table profiled here at the same context (width 4); "auto_async"
   the asynchronous planner (budget from confidences two rounds old, spec §4.3), which needs no
   host sync on the current round's confidences before the verify call; with `--overlap` its greedy
-  rounds keep a round in flight at one budget per round (`planner.uniform_budget`), "auto" (Algorithm 1)
-  runs synchronously. `--modes` also takes dspark1 and dspark2 (fixed budgets 1 and 2, not in the
-  default grid).
+  rounds keep a round in flight at one budget per round (`planner.uniform_budget`; budget 0 is a plain
+  step that still feeds the drafter), "auto" (Algorithm 1) runs synchronously. `--modes` also takes
+  dspark1 and dspark2 (fixed budgets 1 and 2, not in the default grid).
 * `--confidence C`: the DSpark drafter's confidence head answers C at every position (a constant
   logit, bench only), and every cell is converted at the matching geometric model instead of `TAU`: a
   round that verifies ℓ drafts commits Σ_{k<=ℓ} C^k tokens, summed over each step's measured ℓ_r.
@@ -35,7 +35,9 @@ What it measures (issue 7; seeds' conditions):
   3.25), so "auto vs the best fixed budget" measures the planner and its overlap, not random noise.
 * `--table-from-cells`: the auto cells plan with a capacity table built from the fixed cells of the
   same load and context (none, dspark1..3: B = R(1 + n) tokens, their pipelined step time), i.e. the
-  static step's own SPS, instead of the dynamic-path table profiled at the start of the context.
+  static step's own SPS, instead of the dynamic-path table profiled at the start of the context. The
+  'none' cell (B = R) prices auto_async's plain rounds (a little low: it has no drafter to observe), so
+  list none in `--modes` with auto_async.
 * prefill: one target forward of N ∈ {4K, 8K, 16K, 32K, 64K} new tokens over a fabricated context
   of 128K − N tokens (so the call ends at 128K), tokens/s = N / time; OOM is recorded, not fatal.
 * peer: HF transformers' `DeepseekV4ForCausalLM` (eager) on the same config at batch 1, greedy

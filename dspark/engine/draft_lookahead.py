@@ -1,10 +1,11 @@
-"""One DSpark round in flight while the host commits the previous one (greedy, static slots).
+"""One DSpark round in flight while the host commits the previous one (greedy, static slots); with
+"auto", plain rounds where plain decoding pays more.
 
     ahead = DraftLookahead(runner, drafting, budget=3)   # the engine's `StaticRunner` and `StaticDraftRunner`
     ahead = DraftLookahead(runner, drafting, "auto", capacity)   # a budget per round, from stale confidences
     if ahead.fits(requests):
-        n, rounds = ahead.step(requests)                 # the round's budget; per request: drafts, accepted,
-                                                         # bonus, confidences
+        n, rounds = ahead.step(requests)                 # the round's budget (0: a plain round); per request:
+                                                         # drafts, accepted, bonus, confidences
     ahead.discard()                                      # when the batch changes outside a round
 
 A greedy round with a fixed budget n needs the host for nothing but bookkeeping: the drafts, the
@@ -29,6 +30,25 @@ planner (spec §4.3; `round._plan` uses the same rows for `plan_async`). A round
 launched. One n for all requests because the step verifies [b, 1 + n] (a graph per width, all captured
 with the runner for widths up to γ + 1) and choosing per request would need the current confidences
 on the host (`uniform_budget` says more).
+
+Plain rounds (budget 0, "auto" only). `uniform_budget(..., min_budget=0)` also prices n = 0: τ = R
+tokens at SPS(R), the capacity table's entry at B = R, which is what a plain step of R requests costs
+when the table is profiled that way (`bench/engine_h200.py --table-from-cells` takes it from the
+'none' cell; `dspark profile` tables price B target tokens of width-4 blocks, see
+`dspark.verify.capacity`). When it wins, e.g. a large batch whose step is compute-bound, the round
+is a plain greedy step: no propose, the target verifies [b, 1] rows (the anchors; the width-1 graph),
+the drafter observes the step's features at the anchors' positions exactly as a drafting round
+observes its rows (so its context holds every committed token and a later drafting round drafts from
+the same context as an engine that never stopped drafting), accepted = 0 and the bonus is the argmax.
+Such a round chains like any other (next anchor = its bonus at start + 1), so switching between plain
+and drafting rounds needs no drop: each launched round carries its own budget, and one launched from
+the host gets the budget of the same rule. No confidences are made while plain: a request keeps its
+last known row, which the engine appends again after each plain round (`Engine._draft_ahead`), so
+"the newest drafting round at or before j − 2" is what both a chained and a host-launched round j read;
+a request with none stays None (survival 1). A batch that went plain therefore stays plain until its
+membership changes (a request finishing or joining changes R, and a new request's survival 1 favours
+drafting): nothing probes whether the text got easier. Fixed budgets never run plain rounds.
+
 When the batch changes (a request finished, was aborted or preempted, one joined, a slot moved), the
 round in flight no longer matches the requests' committed lengths and is dropped: every row it wrote
 (target and drafter) lies past a request's committed length, which the static states' position rule
@@ -58,13 +78,14 @@ Key = tuple[tuple[str, int, int], ...]  # (request id, slot, anchor position) of
 @dataclass
 class RoundResult:
     """One request's round: the γ drafts, how many of the n verified were accepted, the bonus token,
-    the confidences [γ] and their raw logits [γ] (host tensors)."""
+    the confidences [γ] and their raw logits [γ] (host tensors); a plain round (n = 0): no drafts,
+    accepted 0, confidences None."""
 
     drafts: list[int]
     accepted: int
     bonus: int
-    confidence: torch.Tensor
-    confidence_logits: torch.Tensor
+    confidence: torch.Tensor | None
+    confidence_logits: torch.Tensor | None
 
 
 @dataclass
@@ -77,19 +98,19 @@ class InFlightRound:
     next_anchors: torch.Tensor  # [b] long: the bonus token (free slots: 0)
     next_positions: torch.Tensor  # [b] long: positions + accepted + 1 (free slots: 0)
     host_ids: torch.Tensor  # [b, γ + 2] long: drafts, accepted, bonus
-    host_conf: torch.Tensor  # [b, 2, γ] fp32: confidences, their logits
+    host_conf: torch.Tensor | None  # [b, 2, γ] fp32: confidences, their logits (None: a plain round)
     event: torch.cuda.Event | None
 
-    def read(self) -> tuple[list[list[int]], torch.Tensor]:
-        """(ids rows [b] of γ + 2, conf [b, 2, γ]); waits for this round only."""
+    def read(self) -> tuple[list[list[int]], torch.Tensor | None]:
+        """(ids rows [b] of γ + 2, conf [b, 2, γ] or None); waits for this round only."""
         if self.event is not None:
             self.event.synchronize()
         return self.host_ids.tolist(), self.host_conf
 
 
 class DraftLookahead:
-    """Greedy DSpark rounds over the static path, one round ahead, at a fixed budget or "auto" (module
-    docstring)."""
+    """Greedy DSpark rounds over the static path, one round ahead, at a fixed budget or "auto" (plain
+    rounds included; module docstring)."""
 
     def __init__(self, runner, drafting, budget: int | str, capacity: CapacityTable | None = None):
         gamma = drafting.static.drafter.block_size
@@ -122,16 +143,17 @@ class DraftLookahead:
 
     def plan(self, stale: list) -> int:
         """The budget of a round whose requests' confidences two rounds back are `stale` (rows [γ] or
-        None): the fixed budget, or `uniform_budget` over them."""
+        None): the fixed budget, or `uniform_budget` over them with n = 0 (a plain round) allowed."""
         if self.budget != "auto":
             return self.budget
-        return uniform_budget(stale, self.gamma, self.capacity)
+        return uniform_budget(stale, self.gamma, self.capacity, min_budget=0)
 
     def step(self, requests: list) -> tuple[int, list[RoundResult]]:
-        """The next round of every request (each holding a static slot, `fits`): its budget n and each
-        request's result; launches the round after it first when that one cannot outgrow a cap. Does not
-        touch the requests: the caller commits (advance n + 1 rows, truncate to anchor + accepted + 1)
-        and appends the confidences (which the next rounds' budgets read)."""
+        """The next round of every request (each holding a static slot, `fits`): its budget n (0: a plain
+        round) and each request's result; launches the round after it first when that one cannot outgrow
+        a cap. Does not touch the requests: the caller commits (advance n + 1 rows, truncate to anchor +
+        accepted + 1) and appends the confidences, or after a plain round the last ones again (which the
+        next rounds' budgets read)."""
         key, n = self._next(requests)
         current = self.pending if self.pending is not None and self.pending.key == key else None
         if current is None:
@@ -143,12 +165,17 @@ class DraftLookahead:
         self.pending = self._launch(None, n_next, current.next_anchors, current.next_positions, current.live) \
             if chain else None
         ids, conf = current.read()
-        results = [RoundResult(ids[slot][:self.gamma], ids[slot][self.gamma], ids[slot][self.gamma + 1],
-                               conf[slot, 0], conf[slot, 1]) for _, slot, _ in key]
+        results = [self._result(ids[slot], conf, slot, n) for _, slot, _ in key]
         if self.pending is not None:  # launched at the positions this round's acceptance gives
             self.pending.key = tuple((rid, slot, start + 1 + result.accepted)
                                      for (rid, slot, start), result in zip(key, results))
         return n, results
+
+    def _result(self, row: list[int], conf: torch.Tensor | None, slot: int, n: int) -> RoundResult:
+        """A request's result from its slot's host row [γ + 2] and the round's confidences [b, 2, γ]."""
+        if not n:  # a plain round: nothing drafted, nothing to accept
+            return RoundResult([], 0, row[self.gamma + 1], None, None)
+        return RoundResult(row[:self.gamma], row[self.gamma], row[self.gamma + 1], conf[slot, 0], conf[slot, 1])
 
     def _next(self, requests: list) -> tuple[Key, int]:
         """The next round's key and budget: the round in flight's when it matches the batch, else the
@@ -171,12 +198,16 @@ class DraftLookahead:
 
     def _launch(self, key: Key | None, n: int, anchors: torch.Tensor, positions: torch.Tensor,
                 live: torch.Tensor) -> InFlightRound:
-        """Propose, verify the first n drafts, observe, accept: device inputs [b], no host value read."""
-        proposal = self.drafting.propose(anchors, positions)
-        # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
-        # replay below may reuse the blocks of propose's outputs (captured after them).
-        drafts = proposal.tokens.clone()  # [b, γ]
-        conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
+        """Propose, verify the first n drafts, observe, accept: device inputs [b], no host value read.
+        n = 0: a plain step, nothing proposed (the same verify, observe and acceptance over the anchor)."""
+        if n:
+            proposal = self.drafting.propose(anchors, positions)
+            # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
+            # replay below may reuse the blocks of propose's outputs (captured after them).
+            drafts = proposal.tokens.clone()  # [b, γ]
+            conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
+        else:  # keeps the host layout [b, γ + 2]; the engine reads no draft of a plain round
+            drafts, conf_dev = anchors.new_zeros(anchors.shape[0], self.gamma), None
         ids = torch.where(live[:, None], torch.cat([anchors[:, None], drafts[:, :n]], dim=1), 0)  # [b, n + 1]
         out = self.runner.step(ids, positions)
         argmax = greedy(out.logits)  # [b, n + 1]; ties to the lowest id, as `verify_greedy`
@@ -188,12 +219,16 @@ class DraftLookahead:
         ids_dev = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1)  # [b, γ + 2]
         event = None
         if ids_dev.device.type == "cuda":
-            host_ids = torch.empty(ids_dev.shape, dtype=ids_dev.dtype, pin_memory=True)
-            host_conf = torch.empty(conf_dev.shape, dtype=conf_dev.dtype, pin_memory=True)
-            host_ids.copy_(ids_dev, non_blocking=True)
-            host_conf.copy_(conf_dev, non_blocking=True)
+            host_ids, host_conf = _to_host(ids_dev), _to_host(conf_dev) if conf_dev is not None else None
             event = torch.cuda.Event()
             event.record()
         else:
             host_ids, host_conf = ids_dev, conf_dev
         return InFlightRound(key, n, live, next_anchors, next_positions, host_ids, host_conf, event)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor `t`, queued on the current stream (valid after its event)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

@@ -91,8 +91,10 @@ class EngineConfig:
         (needs the static path): plain rounds (`dspark.engine.lookahead`) and, with a static DSpark
         drafter and a fixed `draft_tokens` or "auto" with planner "async", drafting rounds
         (`dspark.engine.draft_lookahead`; "auto" there verifies one budget per round for the whole
-        batch, `planner.uniform_budget` over confidences two rounds old), when every request is
-        greedy; other rounds run as usual; on the CPU the same tokens, no overlap.
+        batch, `planner.uniform_budget` over confidences two rounds old, budget 0 included: a plain
+        step that drafts nothing but still feeds the drafter's context, where `capacity` says plain
+        decoding pays more), when every request is greedy; other rounds run as usual; on the CPU the
+        same tokens, no overlap.
         None (default): on exactly when the engine runs the static path; True requires that path,
         and with draft_tokens="auto" planner "async" (Algorithm 1 cannot plan a round ahead).
         One H200, v4-mini, 4K context, plain rounds: 1.07-1.09x the synchronous step (bench/README.md).
@@ -287,13 +289,19 @@ class Engine:
 
     def _draft_ahead(self, requests: list[Request]) -> None:
         """A greedy DSpark round from the round in flight (`DraftLookahead`): the same commit,
-        statistics and trace as `speculative_round` with the static drafter."""
+        statistics and trace as `speculative_round` with the static drafter. A plain round ("auto"'s
+        budget 0) commits like `speculative_round` verifying 0 drafts, but its trace has no drafts or
+        confidences (none were made), and each request keeps its last confidences: appended again, so
+        the rows two rounds back stay the newest drafting round's (`dspark.engine.draft_lookahead`)."""
         n, results = self.draft_ahead.step(requests)
         gamma = self.draft_ahead.gamma
         # [B, γ] as `_draft` returns it: only the trace reads it
-        confidence = torch.stack([r.confidence for r in results]) if self.config.trace else None
+        confidence = torch.stack([r.confidence for r in results]) if self.config.trace and n else None
         for b, (req, res) in enumerate(zip(requests, results)):
-            req.confidences.append(res.confidence)
+            if n:
+                req.confidences.append(res.confidence)
+            elif req.confidences:  # a request with none stays without (survival 1)
+                req.confidences.append(req.confidences[-1])
             start = req.state.advance(n + 1)  # the anchor and n drafts fed at the request's length
             req.state.truncate(start + 1 + res.accepted)
             req.stats.record_round(n, res.accepted, gamma)
