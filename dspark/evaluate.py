@@ -226,7 +226,7 @@ def eval_accept(model, config: EvalConfig, out_dir: str | os.PathLike, model_nam
     tokenizer = getattr(model, "tokenizer", None)
     conditions = {
         **asdict(config), "datasets": list(config.datasets), "model": model_name,
-        "gamma": len(records[0]["draft"]) if records else None,
+        "gamma": max((len(r["draft"]) for r in records), default=None),  # plain rounds draft nothing
         "chat_template": bool(getattr(tokenizer, "chat_template", None)), "capacity": capacity.label,
         "dspark": dspark.__version__, "torch": torch.__version__, "python": platform.python_version(),
         "device": str(getattr(model, "device", "cpu")), "wall_s": wall,

@@ -160,14 +160,17 @@ class TraceArrays:
 def to_arrays(records: Sequence[dict] | TraceArrays) -> TraceArrays:
     """Column view of a list of records (validated); a TraceArrays passes through.
 
-    All records must share one block size γ; ValueError otherwise.
+    Every record that drafted must have the same block size γ; ValueError otherwise. A record that
+    drafted nothing (plain decoding, or a plain round of an engine with a drafter: "auto"'s budget 0 on
+    the round in flight) fits any γ, with a NaN confidence row and nothing verified.
     """
     if isinstance(records, TraceArrays):
         return records
     gammas = set()
     for i, r in enumerate(records):
         validate_record(r, f"record {i}")
-        gammas.add(len(r["draft"]))
+        if r["draft"]:
+            gammas.add(len(r["draft"]))
     if len(gammas) > 1:
         raise ValueError(f"records mix block sizes γ={sorted(gammas)}; analyse each drafter separately")
     gamma = gammas.pop() if gammas else 0

@@ -83,6 +83,9 @@ def test_to_arrays_plain_decoding_and_mixed_gamma(record):
     plain = record(gamma=0, verified=0, accepted=0, confidence=[])
     t = to_arrays([plain])
     assert t.gamma == 0 and t.confidence.shape == (1, 0)
-    with pytest.raises(ValueError, match=r"mix block sizes γ=\[0, 3\]"):
-        to_arrays([plain, record()])
+    # a plain round in a drafter's trace ("auto"'s budget 0) fits its γ, with no confidences
+    mixed = to_arrays([plain, record()])
+    assert mixed.gamma == 3 and np.isnan(mixed.confidence[0]).all() and mixed.verified.tolist() == [0, 3]
+    with pytest.raises(ValueError, match=r"mix block sizes γ=\[3, 5\]"):
+        to_arrays([plain, record(), record(gamma=5, verified=5)])
     assert math.isnan(to_arrays([record(confidence=[])]).confidence[0, 0])
