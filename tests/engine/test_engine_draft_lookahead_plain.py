@@ -6,7 +6,8 @@ A hand-made capacity table makes plain steps pay from 3 requests up and drafting
 run where requests arrive and finish switches both ways. Checked:
 * tokens equal plain greedy `generate` and a synchronous engine (which drafts every round) verifying
   the same budgets; every drafting round's drafts and confidences equal that engine's (the drafter's
-  context after plain rounds is what observing every committed token gives), so do statistics;
+  context after plain rounds is what observing every committed token gives), so do statistics; after
+  every step each request's draft context keys equal that engine's bit for bit;
 * plain rounds call no `propose` and one `observe`; each budget follows the two-back rule; a round
   chained behind one of the other kind switches either way (nothing in flight is dropped for it);
 * no slot or page is left held.
@@ -71,18 +72,26 @@ def _spy_launches(engine) -> list:
     return launches
 
 
+def _engine(model, overlap):
+    return Engine(model, EngineConfig(max_running=4, static_decode=True, overlap=overlap, trace=True,
+                                      max_prompt_tokens=64, max_new_tokens=64, drafter=model.dspark,
+                                      draft_tokens="auto", planner="async", capacity=TABLE))
+
+
+def _arrive(engine, model, step: int) -> None:
+    """Request 0 at step 0, requests 1-3 at step `JOIN`."""
+    first, last = (0, 1) if step == 0 else (1, len(TEXTS)) if step == JOIN else (0, 0)
+    for i in range(first, last):
+        engine.add_request(model.tokenizer.encode(TEXTS[i]), SamplingParams(), NEW[i], request_id=f"r{i}")
+
+
 def _run(model, overlap):
-    engine = Engine(model, EngineConfig(max_running=4, static_decode=True, overlap=overlap, trace=True,
-                                        max_prompt_tokens=64, max_new_tokens=64, drafter=model.dspark,
-                                        draft_tokens="auto", planner="async", capacity=TABLE))
+    engine = _engine(model, overlap)
     launches = _spy_launches(engine) if overlap else None
-    prompts = [model.tokenizer.encode(t) for t in TEXTS]
     tokens, stats, step = {}, {}, 0
-    rids = [engine.add_request(prompts[0], SamplingParams(), NEW[0], request_id="r0")]
-    while engine.has_work():
-        if step == JOIN:
-            rids += [engine.add_request(p, SamplingParams(), n, request_id=f"r{i}")
-                     for i, (p, n) in enumerate(zip(prompts[1:], NEW[1:]), start=1)]
+    rids = [f"r{i}" for i in range(len(TEXTS))]
+    while step == 0 or engine.has_work():
+        _arrive(engine, model, step)
         for event in engine.step():
             tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
             if event.finished:
@@ -123,6 +132,40 @@ def test_plain_rounds_in_flight_switch_both_ways_and_stay_exact(pair, monkeypatc
         rounds.setdefault(record["request_id"], []).append(record)
     after_plain = sum(1 for rs in rounds.values() for a, b in zip(rs, rs[1:]) if not a["draft"] and b["draft"])
     assert after_plain >= 2  # drafting rounds right after plain ones were compared
+
+
+def _context(engine, req) -> list[torch.Tensor]:
+    """Per drafter stage the context keys [W, d] that request `req` (holding a static slot) drafts from
+    at its committed length: positions length − W .. length − 1 of its slot's ring (zero before 0)."""
+    state, slot = engine.static_draft.static.state, req.state.slot
+    anchors = torch.zeros(slot + 1, dtype=torch.long)
+    anchors[slot] = req.state.length
+    rows = state.context_index(anchors)[slot]  # [W]
+    return [torch.where((rows >= 0)[:, None], pool[rows.clamp(min=0)], 0) for pool in state.pools()]
+
+
+def test_drafter_context_after_plain_rounds_is_the_always_drafting_one(pair, monkeypatch):
+    """After every step, every decoding request's draft context (the keys its next block attends to)
+    equals, bit for bit, that of the synchronous engine which drafted in every round and verified the
+    same budgets: plain rounds observed every committed token, and nothing else is visible."""
+    _, trace, _, _, _ = _run(pair, overlap=True)  # the budgets, replayed below
+    _replay_budgets(monkeypatch, trace)
+    ahead, sync = _engine(pair, overlap=True), _engine(pair, overlap=False)
+    step, after_plain = 0, 0
+    while step == 0 or ahead.has_work():
+        for engine in (ahead, sync):
+            _arrive(engine, pair, step)
+            engine.step()
+        plain = {r["request_id"]: not r["draft"] for r in ahead._trace}  # each request's latest round
+        for req in ahead.running:
+            twin = next(r for r in sync.running if r.request_id == req.request_id)
+            if req.stats.rounds == 0:
+                continue  # not decoding yet: no slot
+            assert (req.state.slot, req.state.length) == (twin.state.slot, twin.state.length)
+            assert all(torch.equal(a, s) for a, s in zip(_context(ahead, req), _context(sync, twin)))
+            after_plain += plain[req.request_id]
+        step += 1
+    assert not sync.has_work() and after_plain > 20
 
 
 def test_rounds_chained_behind_the_other_kind(pair):
