@@ -7,6 +7,7 @@
 #   run(command="bash bench/gpu_session10.sh d")
 #   run(command="bash bench/gpu_session10.sh e")
 #   run(command="bash bench/gpu_session10.sh f")   # not run: written after the device time ran out
+#   run(command="bash bench/gpu_session10.sh g")   # not run: written after the device time ran out
 #
 # a: the ninth session's CPU-only ops (`hc_head_norm`: V4's output collapse + final RMSNorm in two
 #    launches; `index_scores_pooled`: V4.1's pool block maxima in the indexer score kernel), both in
@@ -36,6 +37,8 @@
 # f: MTP-1 on the static slots (`EngineConfig(static_decode=True)`, CPU-tested only) under its GPU test
 #    (graphs replayed, the default engine's tokens), then the engine's none / mtp1 cells at 1 / 8 / 64 /
 #    256 requests, 4K (bench/engine_h200.py --static-decode: the mtp1 cells take the static path).
+# g: auto's round in flight with budget 0 (plain steps, the drafter observing; CPU-tested only) under its
+#    GPU tests, then the engine at 64 / 128 / 256 requests, 4K: auto / best fixed where plain is best.
 #
 # Only 8 files come back from a call, so every part ends by packing $OUT into one session10-PART.tgz.
 set -uo pipefail
@@ -120,6 +123,15 @@ part_f() {
   tail -n 30 $W/logs/f_engine.txt | cut -c1-300
 }
 
+part_g() {
+  tests g_tests 150 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py \
+    tests/engine/test_engine_draft_lookahead.py
+  logged g_engine 400 python3 bench/engine_h200.py --static-decode --overlap --requests 64,128,256 --contexts 4096 \
+    --modes none,dspark1,dspark2,dspark3,auto_async --decode-only --steps 8 --confidence 0.8629 --table-from-cells \
+    --budget-s 360 --out "$OUT/engine-h200-zero.json"
+  tail -n 30 $W/logs/g_engine.txt | cut -c1-300
+}
+
 part_c() {
   local grid=(--static-decode --overlap --requests 1,8,16,32,64,128,256 --modes none,mtp1,dspark1,dspark2,dspark3,auto_async
               --decode-only --steps 8 --confidence 0.8629 --table-from-cells)
@@ -131,12 +143,13 @@ part_c() {
   tail -n 30 $W/logs/c_engine_32k.txt | cut -c1-300
 }
 
-case "${1:?part: a, b, c, d, e or f}" in
+case "${1:?part: a to g}" in
   a) part_a ;;
   b) part_b ;;
   d) part_d ;;
   e) part_e ;;
   f) part_f ;;
+  g) part_g ;;
   c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
