@@ -102,21 +102,34 @@ class StaticDraftRunner:
         Returns, in request order: tokens (B lists of γ ids), q (fp32 [γ, V] on the device for a
         sampled request, None for a greedy one), confidences fp32 [B, γ] and raw confidence logits
         (B tensors [γ]), both on the host."""
-        b = bucket(max((req.state.slot for req in requests), default=0) + 1, self.slots)
-        anchors, positions, temps = [0] * b, [0] * b, [0.0] * b
-        for req in requests:
-            slot = req.state.slot
-            anchors[slot], positions[slot], temps[slot] = req.out[-1], req.state.length, req.params.temperature
-        sampled = any(t > 0 for t in temps)
-        anchors, positions, temperature = self.static.plan(anchors, positions, temps if sampled else None)
-        if sampled:
-            proposal = self.static.propose(anchors, positions, temperature, self.generator)
-        else:
-            proposal = self.propose(anchors, positions)
-        index = [req.state.slot for req in requests]
-        rows = torch.tensor(index, dtype=torch.long, device=proposal.tokens.device)  # [B]
-        tokens = proposal.tokens.index_select(0, rows).tolist()  # copies out of the graph's buffers
-        confidence = proposal.confidence.index_select(0, rows).float().cpu()  # [B, γ]
+        proposal, rows, tokens, probs, confidence = draft_requests(self, requests)
         logits = proposal.confidence_logits.index_select(0, rows).float().cpu()  # [B, γ]
-        probs = [None if req.params.greedy else proposal.probs[slot] for req, slot in zip(requests, index)]
         return tokens, probs, confidence, list(logits)
+
+
+def draft_requests(runner, requests: list):
+    """The static propose of a drafting runner (`StaticDraftRunner`, `StaticMtpRunner`: `slots`,
+    `static`, `generator`, `propose`) for requests each holding a static slot, over the bucket of the
+    first b slots that holds them all: greedy rounds from the bucket's graph (`runner.propose`), a
+    round with a sampled request eagerly with per-slot temperatures.
+
+    Returns (proposal, rows [B] long on the device: the requests' slots, tokens: B lists of k ids,
+    probs: q fp32 [k, V] on the device per sampled request, None per greedy one, confidence fp32
+    [B, k] on the host), in request order."""
+    b = bucket(max((req.state.slot for req in requests), default=0) + 1, runner.slots)
+    anchors, positions, temps = [0] * b, [0] * b, [0.0] * b
+    for req in requests:
+        slot = req.state.slot
+        anchors[slot], positions[slot], temps[slot] = req.out[-1], req.state.length, req.params.temperature
+    sampled = any(t > 0 for t in temps)
+    anchors, positions, temperature = runner.static.plan(anchors, positions, temps if sampled else None)
+    if sampled:
+        proposal = runner.static.propose(anchors, positions, temperature, runner.generator)
+    else:
+        proposal = runner.propose(anchors, positions)
+    index = [req.state.slot for req in requests]
+    rows = torch.tensor(index, dtype=torch.long, device=proposal.tokens.device)  # [B]
+    tokens = proposal.tokens.index_select(0, rows).tolist()  # copies out of the graph's buffers
+    confidence = proposal.confidence.index_select(0, rows).float().cpu()  # [B, k]
+    probs = [None if req.params.greedy else proposal.probs[slot] for req, slot in zip(requests, index)]
+    return proposal, rows, tokens, probs, confidence

@@ -29,7 +29,8 @@ from dspark.draft.base import DraftProposal
 from dspark.draft.mtp import MtpDrafter, MtpState
 from dspark.draft.static_graph import capture_call
 from dspark.draft.static_mtp import StaticMtpDrafter
-from dspark.engine.slots import bucket, buckets
+from dspark.engine.slots import buckets
+from dspark.engine.static_draft import draft_requests
 from dspark.models.deepseek_v4.static_state import StaticShape
 
 
@@ -128,20 +129,5 @@ class StaticMtpRunner:
         Returns, in request order: tokens (B lists of k ids), q (fp32 [k, V] on the device for a sampled
         request, None for a greedy one), confidences fp32 [B, k] on the host and B None (no confidence
         head: what the dynamic `_draft` gives for MTP)."""
-        b = bucket(max((req.state.slot for req in requests), default=0) + 1, self.slots)
-        anchors, positions, temps = [0] * b, [0] * b, [0.0] * b
-        for req in requests:
-            slot = req.state.slot
-            anchors[slot], positions[slot], temps[slot] = req.out[-1], req.state.length, req.params.temperature
-        sampled = any(t > 0 for t in temps)
-        anchors, positions, temperature = self.static.plan(anchors, positions, temps if sampled else None)
-        if sampled:
-            proposal = self.static.propose(anchors, positions, temperature, self.generator)
-        else:
-            proposal = self.propose(anchors, positions)
-        index = [req.state.slot for req in requests]
-        rows = torch.tensor(index, dtype=torch.long, device=proposal.tokens.device)  # [B]
-        tokens = proposal.tokens.index_select(0, rows).tolist()  # copies out of the graph's buffers
-        confidence = proposal.confidence.index_select(0, rows).float().cpu()  # [B, k]
-        probs = [None if req.params.greedy else proposal.probs[slot] for req, slot in zip(requests, index)]
+        _, _, tokens, probs, confidence = draft_requests(self, requests)
         return tokens, probs, confidence, [None] * len(requests)
