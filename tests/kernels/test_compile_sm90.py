@@ -14,6 +14,7 @@ gathers compile to 2-byte loads and spill without them). Alignment and divisibil
 tiny inputs, so their shapes keep the shipped launches' multiples of 16 where a launch has them.
 """
 
+import concurrent.futures
 import functools
 import json
 import os
@@ -66,7 +67,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 class Recorder:
     """Stands in for a kernel: records each launch -- every parameter as the JIT specialises it (its
-    [type, hint] or ["constexpr", value]) and the compile options -- then launches the real kernel."""
+    [type, hint] or ["constexpr", value]) and the compile options -- without running it. The ops' host
+    code reads no device value, so the launches after a skipped one are the ones a real run makes
+    (checked once: the same 182 launches with and without running them under the interpreter, which
+    took 255 s of the CPU suite); the kernels' results are their own tests' business."""
 
     def __init__(self, kernel, module: str, name: str, log: list):
         self.kernel, self.module, self.name, self.log = kernel, module, name, log
@@ -77,7 +81,6 @@ class Recorder:
             _, specialization, options = self.bind(*args, **kwargs)
             self.log.append({"module": self.module, "kernel": self.name, "options": options,
                              "params": {name: list(spec) for name, spec in zip(self.names, specialization)}})
-            return self.kernel[grid](*args, **kwargs)
 
         return launch
 
@@ -386,10 +389,20 @@ def test_fused_launches_compile_for_sm90_without_spills(monkeypatch, tmp_path):
     assert {launch["kernel"] for launch in unique} == {n for names in KERNELS.values() for n in names}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(unique), capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    # The compiles are independent: one process per core (CI has two), each compiling every n-th launch.
+    workers = max(1, min(4, os.cpu_count() or 1))
+    shares = [unique[i::workers] for i in range(workers)]
+
+    def compile_share(share):
+        return subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(share), capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=600)
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        runs = list(pool.map(compile_share, shares))
+    results = []
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-3000:]
+        results += json.loads(done.stdout.strip().splitlines()[-1])
     assert len(results) == len(unique)
     spills = [r for r in results if r["stack"] > known_spill(r)]
     assert not spills, f"register spills on sm_90: {spills}"
