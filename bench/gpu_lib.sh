@@ -1,7 +1,19 @@
-# Shared by the GPU session scripts (`source bench/gpu_lib.sh` after setting W, the log folder).
+# Shared by the GPU session scripts (`source bench/gpu_lib.sh` after setting W, the log folder, and OUT).
 
 logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/NAME.txt, record rc
   local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$W/logs/$name.txt" 2>&1
   echo "$name rc=$?" | tee -a "$W/logs/$name.txt"
+}
+
+step() {  # step NAME TIMEOUT ARGS...: bench/graph_decode.py into $OUT/NAME.json, its timing / profile lines shown
+  local name=$1 limit=$2; shift 2
+  logged "$name" "$limit" python3 bench/graph_decode.py "$@" --out "$OUT/$name.json"
+  grep -h "graph_ms\|\"profile\"\|torch_ops" "$W/logs/$name.txt" | cut -c1-900; tail -n 2 "$W/logs/$name.txt" | cut -c1-200
+}
+
+tests() {  # tests NAME TIMEOUT PYTEST-ARGS...: pytest quietly, its summary and failures shown
+  local name=$1 limit=$2; shift 2
+  logged "$name" "$limit" python3 -m pytest -q -p no:cacheprovider -rs "$@"
+  tail -n 3 "$W/logs/$name.txt" | cut -c1-400; grep -h "^E  \|FAILED" "$W/logs/$name.txt" | head -n 12 | cut -c1-300
 }

@@ -46,19 +46,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 W=/tmp/gpu-session && mkdir -p $W/logs
 
-source "$(dirname "$0")/gpu_lib.sh"  # logged NAME TIMEOUT CMD...
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests
 
-step() {  # step NAME TIMEOUT ARGS...: bench/graph_decode.py into $OUT/NAME.json, its graph_ms lines shown
-  local name=$1 limit=$2; shift 2
-  logged "$name" "$limit" python3 bench/graph_decode.py "$@" --out "$OUT/$name.json"
-  grep -h "graph_ms\|\"profile\"\|torch_ops" "$W/logs/$name.txt" | cut -c1-900; tail -n 2 "$W/logs/$name.txt" | cut -c1-200
-}
 
-tests() {  # tests NAME TIMEOUT PYTEST-ARGS...: pytest quietly, its summary and failures shown
-  local name=$1 limit=$2; shift 2
-  logged "$name" "$limit" python3 -m pytest -q -p no:cacheprovider -rs "$@"
-  tail -n 3 "$W/logs/$name.txt" | cut -c1-400; grep -h "^E  \|FAILED" "$W/logs/$name.txt" | head -n 12 | cut -c1-300
-}
 
 part_a() {
   tests a_tests 170 tests/kernels/test_hc_head_norm.py tests/kernels/test_hc_head_norm_model.py \

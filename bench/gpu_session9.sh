@@ -42,13 +42,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 W=/tmp/gpu-session && mkdir -p $W/logs
 
-source "$(dirname "$0")/gpu_lib.sh"  # logged NAME TIMEOUT CMD...
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests
 
-step() {  # step NAME TIMEOUT ARGS...: bench/graph_decode.py into $OUT/NAME.json, its graph_ms lines shown
-  local name=$1 limit=$2; shift 2
-  logged "$name" "$limit" python3 bench/graph_decode.py "$@" --out "$OUT/$name.json"
-  grep -h "graph_ms" "$W/logs/$name.txt" | cut -c1-330; tail -n 2 "$W/logs/$name.txt" | cut -c1-200
-}
 
 part_a() {
   logged a_tests 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_norm_rope.py \

@@ -13,13 +13,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 W=/tmp/gpu-session && mkdir -p $W/logs
 
-source "$(dirname "$0")/gpu_lib.sh"  # logged NAME TIMEOUT CMD...
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests
 
-step() {  # step NAME TIMEOUT ARGS...: bench/graph_decode.py into $OUT/NAME.json, its graph_ms lines shown
-  local name=$1 limit=$2; shift 2
-  logged "$name" "$limit" python3 bench/graph_decode.py "$@" --out "$OUT/$name.json"
-  grep -h "graph_ms" "$W/logs/$name.txt" | cut -c1-330; tail -n 2 "$W/logs/$name.txt" | cut -c1-200
-}
 
 logged si_tests 240 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_step_index.py \
   tests/models/test_deepseek_v4_step_index.py tests/kernels/test_kernels_pdl.py tests/kernels/test_compile_sm90.py \

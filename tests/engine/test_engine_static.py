@@ -84,6 +84,36 @@ def _check_slots(engine):
     assert sorted(held.values()) == list(range(len(held))) == list(range(engine.slots.held))
     assert engine.slots.free + len(held) == engine.slots.slots
 
+def random_traffic(engine, steps: int, seed: int) -> tuple[int, int]:
+    """`steps` engine steps of random arrivals (0-2 per step; refused ones when full are dropped),
+    aborts (a quarter of the steps) and finishes, then steps until no work is left, checking the slots
+    after every change (`_check_slots`). Returns (preemptions, decoding request-steps)."""
+    rng = random.Random(seed)
+    live, preemptions, decoded = set(), 0, 0
+    for step in range(steps):
+        for _ in range(rng.randint(0, 2)):
+            try:
+                live.add(engine.add_request(_prompts(1, seed=step)[0], SamplingParams(temperature=1.0, seed=step),
+                                            rng.randint(1, 12)))
+            except EngineFull:
+                pass  # the waiting queue is full: this arrival is refused, as a server would
+        if live and rng.random() < 0.25:
+            victim = rng.choice(sorted(live))
+            assert engine.abort(victim)
+            live.discard(victim)
+            _check_slots(engine)
+        for event in engine.step():
+            if event.finished:
+                live.discard(event.request_id)
+                preemptions += event.stats.preemptions
+        decoded += sum(isinstance(r.state, SlotState) for r in engine.running)
+        _check_slots(engine)
+    while engine.has_work():
+        engine.step()
+        _check_slots(engine)
+    return preemptions, decoded
+
+
 
 def _drafters(model):
     dsp = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=16)).init_weights(3)
@@ -143,34 +173,12 @@ def test_random_admit_finish_abort_preempt_never_leak_slots(tiny, drafter, budge
     and are 0 .. n − 1 (with DSpark a preempted request re-prefills its draft state and loads it into
     its new slot). The budget lets up to 3 requests decode at once, so leaving requests are
     compacted by moves and steps run on buckets of 1, 2 and 3 slots."""
-    rng = random.Random(3)
     drafter = _drafters(tiny)["dspark3"]["drafter"] if drafter == "dspark" else drafter
     engine = Engine(tiny, EngineConfig(max_running=3, max_waiting=6, prefill_chunk=5, draft_tokens=2, drafter=drafter,
                                        state_budget_bytes=budget_kib * 1024, page_bytes=1024, static_decode=True,
                                        **LIMITS))
     seen = _spy_slots(engine)
-    live, preemptions, decoded = set(), 0, 0
-    for step in range(90):
-        for _ in range(rng.randint(0, 2)):
-            try:
-                live.add(engine.add_request(_prompts(1, seed=step)[0], SamplingParams(temperature=1.0, seed=step),
-                                            rng.randint(1, 12)))
-            except EngineFull:
-                pass
-        if live and rng.random() < 0.25:
-            victim = rng.choice(sorted(live))
-            assert engine.abort(victim)
-            live.discard(victim)
-            _check_slots(engine)
-        for event in engine.step():
-            if event.finished:
-                live.discard(event.request_id)
-                preemptions += event.stats.preemptions
-        decoded += sum(isinstance(r.state, SlotState) for r in engine.running)
-        _check_slots(engine)
-    while engine.has_work():
-        engine.step()
-        _check_slots(engine)
+    preemptions, decoded = random_traffic(engine, steps=90, seed=3)
     assert engine.slots.free == engine.slots.slots and not engine.slots.holder_slots()
     assert preemptions > 0 and decoded > 0
     assert len(seen["moves"]) > 3 and seen["buckets"] == {1, 2, 3}

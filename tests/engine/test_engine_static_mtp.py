@@ -3,21 +3,20 @@
 per-request `dspark.generate` (tiny-v4, fp32, CPU, eager); slots are never leaked."""
 
 import json
-import random
+import sys
 from importlib import resources
+from pathlib import Path
 
 import pytest
-import torch
 
 import dspark
 from dspark.draft import MtpDrafter
 from dspark.engine import Engine, EngineConfig
-from dspark.engine.engine import EngineFull
-from dspark.engine.slots import SlotState
 from dspark.engine.static_mtp_draft import StaticMtpRunner
 from dspark.sampling import SamplingParams
 
-LIMITS = dict(max_prompt_tokens=48, max_new_tokens=24)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the static-path test helpers
+from test_engine_static import LIMITS, _check_slots, _prompts, random_traffic  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,24 +25,12 @@ def tiny():
     return dspark.init_model(config, seed=0)
 
 
-def _prompts(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (int(torch.randint(2, 40, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
 @pytest.fixture
 def no_dynamic_mtp_propose(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("static_decode drafted with the dynamic MtpDrafter.propose")
 
     return lambda: monkeypatch.setattr(MtpDrafter, "propose", forbidden)
-
-
-def _check_slots(engine):
-    held = engine.slots.holder_slots()
-    assert held == {r.request_id: r.state.slot for r in engine.running if isinstance(r.state, SlotState)}
-    assert sorted(held.values()) == list(range(engine.slots.held))
 
 
 @pytest.mark.parametrize("block_size, budget", [(1, 1), (2, "auto")])
@@ -103,32 +90,10 @@ def test_random_admit_finish_abort_preempt_never_leak_mtp_slots(tiny):
     """Random arrivals, aborts, finishes and, with a tight state budget, preemptions (a preempted request
     re-prefills its MTP state and loads it into its new slot): the held slots are exactly the decoding
     requests' after every step, and all are free at the end."""
-    rng = random.Random(5)
     engine = Engine(tiny, EngineConfig(max_running=3, max_waiting=6, prefill_chunk=5, draft_tokens=1,
                                        drafter=MtpDrafter(tiny), state_budget_bytes=100 * 1024, page_bytes=1024,
                                        static_decode=True, **LIMITS))
-    live, preemptions, decoded = set(), 0, 0
-    for step in range(60):
-        for _ in range(rng.randint(0, 2)):
-            try:
-                live.add(engine.add_request(_prompts(1, seed=step)[0], SamplingParams(temperature=1.0, seed=step),
-                                            rng.randint(1, 12)))
-            except EngineFull:
-                pass
-        if live and rng.random() < 0.25:
-            victim = rng.choice(sorted(live))
-            assert engine.abort(victim)
-            live.discard(victim)
-            _check_slots(engine)
-        for event in engine.step():
-            if event.finished:
-                live.discard(event.request_id)
-                preemptions += event.stats.preemptions
-        decoded += sum(isinstance(r.state, SlotState) for r in engine.running)
-        _check_slots(engine)
-    while engine.has_work():
-        engine.step()
-        _check_slots(engine)
+    preemptions, decoded = random_traffic(engine, steps=60, seed=5)
     assert engine.slots.free == engine.slots.slots and not engine.slots.holder_slots()
     allocator = engine.scheduler.allocator
     allocator.check()
