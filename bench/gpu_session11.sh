@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU steps of the eleventh session, 2026-12-01 (each part < 9.5 min on one H200):
+#
+#   run(command="bash bench/gpu_session11.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session11.sh b")
+#   run(command="bash bench/gpu_session11.sh c")
+#
+# a: the tenth session's CPU-only work under its GPU tests: MTP-1 on the static slots (graphs replayed,
+#    the default engine's tokens) and auto's budget-0 rounds (plain steps with the drafter observing);
+#    then the per-op benches that did not fit last time: the 1-8-row GEMV against cuBLAS (sets
+#    `linear.GEMV_MAX_ROWS`), the two-pass greedy argmax against torch.argmax, the DSpark propose graph.
+# b: the engine over the issue's load grid after the tenth session's kernel merges, with MTP-1 on the
+#    static path and auto able to choose plain rounds: 1 / 8 / 16 / 32 / 64 / 128 / 256 requests x none,
+#    mtp1, dspark1-3, auto (round in flight), graphs + overlap, constant drafter confidence 0.8629
+#    (budget 3 -> 3.25 tokens per round), at 4K (with HF eager at batch 1) and 32K.
+# c: the graph steps (v4-mini, v41-mini with the 4-warp V4.1 statistics split) at 1 / 8 requests, the
+#    mHC epilogue / latency-kernel benches, and this session's kernel changes under their GPU tests.
+#
+# Only 8 files come back from a call, so every part ends by packing $OUT into one session11-PART.tgz.
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+W=/tmp/gpu-session && mkdir -p $W/logs
+
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests
+
+part_a() {
+  tests a_mtp 170 tests/engine/test_engine_static_gpu.py -k mtp
+  tests a_zero 170 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py \
+    tests/engine/test_engine_draft_lookahead.py
+  logged a_rows 90 python3 bench/linear_decode.py --no-sweep --rows 1,2,4,8 --out "$OUT/linear-rows-h200.json"
+  tail -n 14 $W/logs/a_rows.txt | cut -c1-300
+  logged a_argmax 35 python3 bench/argmax_rows.py --out "$OUT/argmax-rows-h200.json"
+  tail -n 6 $W/logs/a_argmax.txt | cut -c1-300
+  logged a_draft 60 python3 bench/graph_draft.py --requests 1,8 --out "$OUT/graph-draft-h200-s11.json"
+  grep -h "^{" $W/logs/a_draft.txt | cut -c1-600; tail -n 2 $W/logs/a_draft.txt | cut -c1-200
+}
+
+part_b() {
+  local grid=(--static-decode --overlap --requests 1,8,16,32,64,128,256 --modes none,mtp1,dspark1,dspark2,dspark3,auto_async
+              --decode-only --steps 8 --confidence 0.8629 --table-from-cells)
+  logged b_engine_4k 330 python3 bench/engine_h200.py "${grid[@]}" --contexts 4096 --budget-s 285 --peer \
+    --out "$OUT/engine-h200-s11.json"
+  tail -n 40 $W/logs/b_engine_4k.txt | cut -c1-300
+  logged b_engine_32k 230 python3 bench/engine_h200.py "${grid[@]}" --contexts 32768 --budget-s 195 \
+    --out "$OUT/engine-h200-s11-32k.json"
+  tail -n 30 $W/logs/b_engine_32k.txt | cut -c1-300
+}
+
+part_c() {
+  step graph-decode-h200-s11 50 --requests 1,8
+  step graph-decode-v41-mini-h200-s11 55 --config v41-mini --requests 1,8
+  step graph-verify-h200-s11 45 --requests 1 --tokens 4
+  logged c_epi 100 python3 bench/mhc_epilogue.py --out "$OUT/mhc-epilogue-h200.json"
+  tail -n 15 $W/logs/c_epi.txt | cut -c1-300
+  logged c_lat 90 python3 bench/latency_kernels.py --out "$OUT/latency-kernels-h200.json"
+  tail -n 15 $W/logs/c_lat.txt | cut -c1-300
+}
+
+case "${1:?part: a to c}" in
+  a) part_a ;;
+  b) part_b ;;
+  c) part_c ;;
+  *) echo "unknown part $1" >&2; exit 2 ;;
+esac
+cp $W/logs/*.txt "$OUT/" 2>/dev/null || true
+(cd "$OUT" && tar czf "/tmp/session11-$1.tgz" . && find . -type f -delete && mv "/tmp/session11-$1.tgz" .)
