@@ -291,16 +291,19 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
     # counters between steps reads no device value.
     _sync(model.device)
     t = time.perf_counter()
+    modelled_pipelined = []
     for _ in range(args["steps"]):
         drafts_before = [r.stats.verified_tokens for r in engine.running]
         engine.step()
         if args["confidence"]:
             lens = [r.stats.verified_tokens - v for r, v in zip(engine.running, drafts_before)]
-            modelled.append(model_tau(lens, args["confidence"]))
+            modelled_pipelined.append(model_tau(lens, args["confidence"]))
     _sync(model.device)
     pipelined = (time.perf_counter() - t) / args["steps"]
-    # committed tokens per request per step: the geometric model over every measured step, or TAU
+    # committed tokens per request per step: the geometric model over each timing's own steps (auto
+    # may draft in one and not in the other), or TAU
     tau = sum(modelled) / len(modelled) / requests if args["confidence"] else TAU[mode]
+    tau_pipelined = sum(modelled_pipelined) / len(modelled_pipelined) / requests if args["confidence"] else TAU[mode]
     drafting = engine.static_draft
     row = {"mode": mode, "requests": requests, "context": context, "static_decode": args["static_decode"],
            "static_drafter": drafting is not None,
@@ -308,7 +311,8 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
            "engine_build_s": capture_s, "step_ms": step * 1e3,
            "step_ms_all": [t * 1e3 for t in times], "measured_tokens_per_step_per_request": sum(committed) / len(committed) / requests,
            "mean_drafts_verified_per_request": sum(verified) / len(verified) / requests, "tau_converted": tau, "tok_s_per_user": tau / step, "tok_s_total": tau * requests / step,
-           "step_ms_pipelined": pipelined * 1e3, "tok_s_total_pipelined": tau * requests / pipelined}
+           "step_ms_pipelined": pipelined * 1e3, "tau_converted_pipelined": tau_pipelined,
+           "tok_s_total_pipelined": tau_pipelined * requests / pipelined}
     if mode == "mtp1":
         row["note"] = "MTP-1 converted at its ceiling of 2 tokens/step (every draft accepted)"
     if mode in ("auto", "auto_async") and not args["confidence"]:

@@ -162,13 +162,19 @@ def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:
 # 129K-entry row took ~27 µs (`bench/results/graph-draft-h200-s10-profile.log`: five calls per DSpark
 # propose), a single-row reduction with little of the GPU busy.
 TWO_PASS_MIN = 1 << 15
+# ... and at most this many rows: timed on the H200 over 129K-entry rows (`bench/argmax_rows.py`,
+# `bench/results/argmax-rows-h200.json`), two passes took 12.9 / 13.7 / 14.4 / 28.3 / 77.6 µs at
+# 1 / 4 / 8 / 64 / 256 rows against torch's 37.5 / 38.4 / 38.6 / 43.4 / 54.6 µs: 2.9× at one row, 1.5×
+# at 64, 0.70× at 256, where one reduction per row already fills the GPU.
+TWO_PASS_MAX_ROWS = 64
 _TWO_PASS_CHUNKS = (256, 128, 64)  # chunk counts tried, in order; one must divide V
 
 
 def greedy(logits_or_probs: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dimension; ties go to the lowest index (torch.argmax semantics).
 
-    Long rows (V >= TWO_PASS_MIN, V divisible by one of `_TWO_PASS_CHUNKS`) run in two passes: the
+    Few long rows (V >= TWO_PASS_MIN, V divisible by one of `_TWO_PASS_CHUNKS`, at most
+    TWO_PASS_MAX_ROWS rows) run in two passes: the
     first maximum of each of c chunks, then the first chunk holding the row's maximum. The first
     maximum of that chunk is the row's first maximum, so the result equals torch.argmax (NaN counts
     as the maximum in both passes, as in torch.argmax). Many short reductions keep more of a GPU busy
@@ -178,8 +184,9 @@ def greedy(logits_or_probs: torch.Tensor) -> torch.Tensor:
     """
     x = logits_or_probs
     vocab = x.shape[-1] if x.dim() else 0
+    rows = x.numel() // vocab if vocab else 0
     chunks = next((c for c in _TWO_PASS_CHUNKS if vocab % c == 0), None) if vocab >= TWO_PASS_MIN else None
-    if chunks is None or x.numel() == 0:
+    if chunks is None or not 0 < rows <= TWO_PASS_MAX_ROWS:
         return x.argmax(dim=-1)
     values, inner = x.reshape(*x.shape[:-1], chunks, vocab // chunks).max(dim=-1)  # [..., c] first maxima
     chunk = values.argmax(dim=-1, keepdim=True)  # [..., 1] the first chunk holding the row maximum

@@ -78,11 +78,12 @@ def test_greedy_is_one_hot_argmax_with_ties_to_lowest_index():
     assert greedy(logits).tolist() == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("shape", [(1, 129280), (3, 129280), (2, 2, 65536), (4, 40000), (2, 129281)])
+@pytest.mark.parametrize("shape", [(1, 129280), (3, 129280), (2, 2, 65536), (4, 40000), (2, 129281), (65, 32768)])
 def test_greedy_on_long_rows_is_torch_argmax(shape, monkeypatch):
     """Long rows take the two-pass path (first maximum per chunk, then the first chunk with the row
     maximum); it must pick torch.argmax's index: ties (many, from small integers) to the lowest id,
-    a row of one value, -inf rows and NaN as the maximum. 129281 divides by no chunk count: one pass."""
+    a row of one value, -inf rows and NaN as the maximum. 129281 divides by no chunk count and 65 rows
+    are more than TWO_PASS_MAX_ROWS: one pass."""
     import dspark.sampling as sampling
 
     passes = []
@@ -97,7 +98,8 @@ def test_greedy_on_long_rows_is_torch_argmax(shape, monkeypatch):
         rows[2, shape[-1] - 1] = float("nan")
     assert torch.equal(greedy(x), x.argmax(dim=-1))
     assert torch.equal(greedy(x.bfloat16()), x.bfloat16().argmax(dim=-1))
-    assert bool(passes) == any(shape[-1] % c == 0 for c in sampling._TWO_PASS_CHUNKS)
+    rows = x.numel() // shape[-1]
+    assert bool(passes) == (any(shape[-1] % c == 0 for c in sampling._TWO_PASS_CHUNKS) and rows <= sampling.TWO_PASS_MAX_ROWS)
     y = torch.randn(shape, generator=g)
     assert torch.equal(greedy(y), y.argmax(dim=-1))
 

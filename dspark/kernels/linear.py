@@ -20,8 +20,8 @@ on the H200, where `_gemv_kernel` (program n streams BLOCK_N weight rows in BLOC
 reduces them against x on the CUDA cores, fp32) takes 2.8-4.1 µs. On larger weights, or short rows
 (K = 512), cuBLAS was faster (`bench/results/linear-decode-h200.json`), so `linear` runs the kernel
 only where it won (`gemv_pays`) and torch's matmul everywhere else: the LM head, the wide q
-projections, and (GEMV_MAX_ROWS) every call of more than one row until the multi-row kernel is timed
-(a tensor-core 16-row tile variant measured 0.72-1.02× cuBLAS at 8 rows and was dropped).
+projections, and (GEMV_MAX_ROWS) every call of more than four rows (a tensor-core 16-row tile variant
+measured 0.72-1.02× cuBLAS at 8 rows and was dropped).
 
 A verify step (a few tokens per request) or a decode step of a few requests has 2-8 rows: each
 program then multiplies its weight tile with all M rows (ROWS = M rounded up to a power of two,
@@ -51,9 +51,11 @@ GEMV_MAX_ELEMENTS = 4 << 20
 # The most rows the kernels take (ROWS, a power of two: every weight tile multiplies ROWS rows of x
 # on the CUDA cores; from 16 rows a tensor-core tile is the tool).
 MAX_ROWS = 8
-# The most rows `linear` sends to `_gemv_kernel`: 1 until the H200 has timed the multi-row GEMV against
-# cuBLAS (`bench/linear_decode.py --rows`, which raises it to report the K and size rule at each count).
-GEMV_MAX_ROWS = 1
+# The most rows `linear` sends to `_gemv_kernel`. On the H200 (`bench/linear_decode.py --rows 1,2,4,8`,
+# `bench/results/linear-rows-h200.json`) the weights the K and size rule picks ran 1.05-2.06× cuBLAS at
+# 2 and 4 rows (v4-mini wq_a / wkv / wo_b / weights_proj / compressor wkv, V4-Flash wq_a / wkv), and at
+# 8 rows wo_b fell to 0.66×, the compressor wkv to 0.90×, V4-Flash wq_a to 0.82×.
+GEMV_MAX_ROWS = 4
 # The most rows `compressor_project` sends to `_project_kernel`: every row count the kernel takes. Its
 # reference is six launches (2 matmuls, a gather, an add, 2 ring copies: 17-34 µs on the H200 at one
 # row, the kernel 4.3-7.2 µs), and at <= 8 rows the kernel still streams each weight once.

@@ -97,7 +97,8 @@ def test_linear_multi_row_routing_follows_gemv_max_rows(max_rows, lead, kernel, 
 @pytest.mark.parametrize("lead,n_out,n_in,kernel", [
     ((1,), 33, 2048, True),  # one row, K >= 2048, a small weight: the kernel
     ((1, 1), 2048, 2048, True),
-    ((2,), 33, 2048, False),  # more than GEMV_MAX_ROWS (1) rows
+    ((4,), 33, 2048, True),  # up to GEMV_MAX_ROWS (4) rows
+    ((5,), 33, 2048, False),  # more than GEMV_MAX_ROWS rows
     ((1,), 33, 1024, False),  # K below 2048
     ((1,), 2049, 2048, False),  # more than 4M elements
 ])
