@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session11.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session11.sh b")
+#   run(command="bash bench/gpu_session11.sh d")
 #   run(command="bash bench/gpu_session11.sh c")
 #
 # a: the tenth session's CPU-only work under its GPU tests: MTP-1 on the static slots (graphs replayed,
@@ -13,6 +14,11 @@
 #    static path and auto able to choose plain rounds: 1 / 8 / 16 / 32 / 64 / 128 / 256 requests x none,
 #    mtp1, dspark1-3, auto (round in flight), graphs + overlap, constant drafter confidence 0.8629
 #    (budget 3 -> 3.25 tokens per round), at 4K (with HF eager at batch 1) and 32K.
+# d: the GPU tests of static MTP as the default on CUDA (fp32 target, drafts compared round by round
+#    with the dynamic drafter's); the graph steps after GEMV_MAX_ROWS = 4 (v4-mini at 1 / 8 requests,
+#    its 4-token verify step, v41-mini with the 4-warp V4.1 statistics split), the one-request step's
+#    kernel profile with PDL off, and the per-op benches of the tenth session's kernels (mHC
+#    epilogues, latency-bound kernels).
 # c: the graph steps (v4-mini, v41-mini with the 4-warp V4.1 statistics split) at 1 / 8 requests, the
 #    mHC epilogue / latency-kernel benches, and this session's kernel changes under their GPU tests.
 #
@@ -57,10 +63,23 @@ part_c() {
   tail -n 15 $W/logs/c_lat.txt | cut -c1-300
 }
 
-case "${1:?part: a to c}" in
+part_d() {
+  tests d_mtp 130 tests/engine/test_engine_static_gpu.py -k mtp
+  step graph-decode-h200-s11 50 --requests 1,8
+  step graph-verify-h200-s11 45 --requests 1 --tokens 4
+  step graph-decode-v41-mini-h200-s11 55 --config v41-mini --requests 1,8
+  step graph-profile-h200-s11-no-pdl 50 --requests 1 --no-pdl --profile
+  logged d_epi 90 python3 bench/mhc_epilogue.py --out "$OUT/mhc-epilogue-h200.json"
+  tail -n 6 $W/logs/d_epi.txt | cut -c1-300
+  logged d_lat 80 python3 bench/latency_kernels.py --out "$OUT/latency-kernels-h200.json"
+  tail -n 14 $W/logs/d_lat.txt | cut -c1-300
+}
+
+case "${1:?part: a to d}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
+  d) part_d ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 cp $W/logs/*.txt "$OUT/" 2>/dev/null || true

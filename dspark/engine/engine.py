@@ -449,9 +449,7 @@ def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, Stati
     drafting = None
     if isinstance(drafter, DSparkDrafter):
         drafting = StaticDraftRunner(drafter, config.max_running, tokens, config.draft_seed)
-    elif isinstance(drafter, MtpDrafter) and config.static_decode is True:
-        # Static MTP drafting has not run on a GPU yet: the automatic choice (None) keeps MTP's dynamic
-        # drafting over the static target step until it has; static_decode=True opts in.
+    elif isinstance(drafter, MtpDrafter):
         drafting = StaticMtpRunner(drafter, config.max_running, context, tokens, config.draft_seed)
     capture = drafting.capture_layers if isinstance(drafting, StaticMtpRunner) else \
         drafter.capture_layers if drafter is not None else ()
