@@ -245,19 +245,21 @@ def norm_epilogue_grid(n_tok: int, dim: int, device: torch.device, tiles=None):
 
 
 # The widest token row the decode epilogue holds in registers (`_mhc_norm_epilogue_kernel` ROW):
-# V4-Flash's D = 4096 (4 streams: 16384 values, 64 per thread at 8 warps). V4-Pro's 7168 pads to
+# V4-Flash's D = 4096 (4 streams: 16384 values, 128 per thread at 4 warps). V4-Pro's 7168 pads to
 # 8192, which spilled registers on sm_90 at 16 warps (24 bytes, triton 3.6): it takes the walks.
 ROW_MAX = 4096
 
 
 def row_tiles(n_tok: int, dim: int) -> tuple[int, int] | None:
     """(ROW, num_warps) of the one-walk decode epilogue, or None where it does not apply (more than 4
-    tokens, whose 4 × 256 token blocks walk the row; rows wider than ROW_MAX). ~64 values of x per
-    thread: 4 warps up to D = 2048, 8 at 4096."""
+    tokens, whose 4 × 256 token blocks walk the row; rows wider than ROW_MAX). 4 warps at every width:
+    on the H200 (`bench/mhc_epilogue.py`, `bench/results/mhc-epilogue-h200.json`, 1 and 4 tokens) D = 2048
+    took 4.1-4.2 µs at 4 warps, 6.8-6.9 at 8; D = 4096 4.5 µs at 4 warps (128 values of x per thread,
+    no spill on sm_90), 6.0 at 8, 10.1 at 16."""
     row = triton.next_power_of_2(dim)
     if n_tok > 4 or row > ROW_MAX:
         return None
-    return row, max(4, 4 * row // 2048)
+    return row, 4
 
 
 def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weight, eps: dict, tiles=None,

@@ -125,7 +125,7 @@ def run_every_tile_class():
         mhc_v41.mhc_v41_pre(x, *v41, **eps, norm_eps=1e-6)
         mhc_v41.mhc_v41_post_pre(x[:, 0], x, post, comb, *v41, **eps, norm_eps=1e-6)
         mhc_norm.mhc_post_pre_norm(x[:, 0], x, post, comb, *site, torch.ones(256, device=DEVICE), **eps, norm_eps=1e-6)
-    for n_tok, dim in ((1, 2048), (3, 7168)):  # the norm epilogue at decode: row in registers (v4-mini D), walks (Pro D)
+    for n_tok, dim in ((1, 2048), (1, 4096), (3, 7168)):  # the norm epilogue at decode: row in registers (v4-mini, Flash D), walks (Pro D)
         x = torch.randn(n_tok, 4, dim, generator=g).bfloat16().to(DEVICE)
         site = [t.to(DEVICE) for t in (torch.randn(24, 4 * dim, generator=g) * 0.05, torch.randn(24, generator=g),
                                        torch.rand(3, generator=g) + 0.5)]
