@@ -19,8 +19,10 @@
 #    its 4-token verify step, v41-mini with the 4-warp V4.1 statistics split), the one-request step's
 #    kernel profile with PDL off, and the per-op benches of the tenth session's kernels (mHC
 #    epilogues, latency-bound kernels).
-# c: the graph steps (v4-mini, v41-mini with the 4-warp V4.1 statistics split) at 1 / 8 requests, the
-#    mHC epilogue / latency-kernel benches, and this session's kernel changes under their GPU tests.
+# c: auto's plain rounds after the helper's trim under their GPU tests; the engine again with each
+#    timing converted at its own rounds (tau per loop), GEMV_MAX_ROWS = 4, the 4-warp epilogues and
+#    static MTP by default: v4-mini 4K over the whole load grid (none, MTP-1, DSpark 3, auto), 32K at
+#    64 / 128 / 256 requests; the V4.1 analogue (v41-mini) with graphs over the whole grid at 4K.
 #
 # Only 8 files come back from a call, so every part ends by packing $OUT into one session11-PART.tgz.
 set -uo pipefail
@@ -54,13 +56,17 @@ part_b() {
 }
 
 part_c() {
-  step graph-decode-h200-s11 50 --requests 1,8
-  step graph-decode-v41-mini-h200-s11 55 --config v41-mini --requests 1,8
-  step graph-verify-h200-s11 45 --requests 1 --tokens 4
-  logged c_epi 100 python3 bench/mhc_epilogue.py --out "$OUT/mhc-epilogue-h200.json"
-  tail -n 15 $W/logs/c_epi.txt | cut -c1-300
-  logged c_lat 90 python3 bench/latency_kernels.py --out "$OUT/latency-kernels-h200.json"
-  tail -n 15 $W/logs/c_lat.txt | cut -c1-300
+  tests c_plain 100 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py
+  local grid=(--static-decode --overlap --decode-only --steps 8 --confidence 0.8629 --table-from-cells)
+  logged c_engine_4k 200 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,16,32,64,128,256 \
+    --modes none,mtp1,dspark3,auto_async --contexts 4096 --budget-s 175 --out "$OUT/engine-h200-s11c.json"
+  tail -n 22 $W/logs/c_engine_4k.txt | cut -c1-300
+  logged c_engine_32k 110 python3 bench/engine_h200.py "${grid[@]}" --requests 64,128,256 \
+    --modes none,dspark3,auto_async --contexts 32768 --budget-s 90 --out "$OUT/engine-h200-s11c-32k.json"
+  tail -n 12 $W/logs/c_engine_32k.txt | cut -c1-300
+  logged c_engine_v41 190 python3 bench/engine_h200.py "${grid[@]}" --config v41-mini --requests 1,8,16,32,64,128,256 \
+    --modes none,dspark3,auto_async --contexts 4096 --budget-s 165 --out "$OUT/engine-v41-mini-h200-s11.json"
+  tail -n 22 $W/logs/c_engine_v41.txt | cut -c1-300
 }
 
 part_d() {
