@@ -13,7 +13,8 @@ slots taking γ + 1 rows per observe. Per cell, median ms of `steps` calls (CUDA
   propose, greedy:   (a) dynamic `drafter.propose`  (b) static eager `StaticDrafter.propose`
                      (c) graph `ProposeGraph.replay`
   propose, T = 1:    (d) dynamic with per-request CPU generators (the generate loop's)
-                     (e) static eager with one device generator
+                     (e) static eager with one device generator  (f') graph `SampledProposeGraph.replay`
+                     (`sampled_graph_ms`; `sampled_graph_q_max_abs_diff`: its q against (e)'s)
   observe γ + 1 rows per request (random features): (f) dynamic `drafter.observe` per request
                      (g) static eager `StaticDrafter.observe`  (h) graph `ObserveGraph.replay`
 
@@ -39,7 +40,7 @@ from dspark.configs import load_config  # noqa: E402
 from dspark.draft import DSparkDrafter  # noqa: E402
 from dspark.draft.static_context import StaticDraftShape  # noqa: E402
 from dspark.draft.static_drafter import StaticDrafter  # noqa: E402
-from dspark.draft.static_graph import ObserveGraph, ProposeGraph  # noqa: E402
+from dspark.draft.static_graph import ObserveGraph, ProposeGraph, SampledProposeGraph  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
 from engine_h200 import _commit, _device_name, fabricate_drafter_state  # noqa: E402
 from graph_decode import kernel_profile, op_sites, timed  # noqa: E402
@@ -80,6 +81,12 @@ def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator, prof
         replayed = propose_graph.replay(anchors, positions)
         row["graph_token_mismatches"] = int((replayed.tokens != reference.tokens).sum())
         row["graph_ms"] = timed(propose_graph.replay, device, w, s)
+        # every slot sampled at T = 1 from one registered generator: the engine's sampled rounds
+        sampled_graph = SampledProposeGraph(static.propose, n_req, device, device_gen)
+        q_graph = sampled_graph.replay(anchors, positions, temps).probs
+        q_eager = static.propose(anchors, positions, temps, device_gen).probs
+        row["sampled_graph_q_max_abs_diff"] = (q_graph - q_eager).abs().max().item()
+        row["sampled_graph_ms"] = timed(lambda: sampled_graph.replay(anchors, positions, temps), device, w, s)
     if profile:
         replay = (lambda: propose_graph.replay(anchors, positions)) if propose_graph is not None else (
             lambda: static.propose(anchors, positions))

@@ -10,10 +10,12 @@
 A graph replays the kernels recorded at capture on fixed addresses: the inputs are copied into the
 graph's static buffers (a caller that computes them on the device can write those buffers in place
 and call `replay()` with no arguments), and the outputs land in the same tensors every time (clone
-them to keep them past the next replay). `ProposeGraph` captures greedy drafting only (no q): a
-sampled capture would need the generator's state registered with the graph, which is not done yet.
-Graphs of one drafter may share a memory pool (`pool`). `slots=b` captures a bucket of the first b
-slots (default: all S), whose inputs and outputs are [b, ...].
+them to keep them past the next replay). `ProposeGraph` captures greedy drafting (no q);
+`SampledProposeGraph` captures any static propose with per-slot temperatures and a device generator
+whose state is registered with the graph, so that every replay advances the generator and draws
+fresh noise (a graph replays its kernels with the random offsets of the capture otherwise: the same
+"random" drafts every round). Graphs of one drafter may share a memory pool (`pool`). `slots=b`
+captures a bucket of the first b slots (default: all S), whose inputs and outputs are [b, ...].
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ from dspark.draft.base import DraftProposal
 from dspark.draft.static_drafter import StaticDrafter
 
 
-def capture_call(device, fn, pool):
+def capture_call(device, fn, pool, generator: torch.Generator | None = None):
     """Warm fn up on a side stream (Triton compiles and autotunes outside the capture), then record it.
-    Returns (graph, fn's outputs at capture)."""
+    `generator`: a device generator fn draws from, registered with the graph before the capture so
+    that each replay advances its offset. Returns (graph, fn's outputs at capture)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), torch.no_grad():
         fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    if generator is not None:
+        graph.register_generator_state(generator)
     with torch.cuda.graph(graph, pool=pool), torch.no_grad():
         out = fn()
     return graph, out
@@ -79,6 +84,36 @@ class ProposeGraph:
         replay, return the proposal buffers."""
         _copy_in(self.anchors, anchors, "anchors")
         _copy_in(self.positions, positions, "positions")
+        self.graph.replay()
+        return self.proposal
+
+
+class SampledProposeGraph:
+    """A static drafter's sampled propose of slots 0 .. b − 1 captured, b = `slots`: `propose(anchors,
+    positions, temperature, generator)` (`StaticDrafter.propose`, `StaticMtpDrafter.propose`) with
+    inputs `anchors`, `positions` [b] long and `temperature` [b] fp32 (0 = a greedy row), noise from
+    `generator` (a device generator, registered with the graph: each replay draws new noise from it,
+    as an eager call would); output `proposal` (tokens, probs [b, k, V] q, confidences). Capture any
+    time: propose reads the drafter's state only."""
+
+    def __init__(self, propose, slots: int, device: torch.device, generator: torch.Generator, pool=None):
+        if not isinstance(generator, torch.Generator) or generator.device.type != "cuda":
+            raise ValueError(f"generator must be a CUDA torch.Generator, got {generator!r}")
+        self.anchors = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.graph, self.proposal = capture_call(
+            device, lambda: propose(self.anchors, self.positions, self.temperature, generator), pool, generator)
+
+    def pool(self):
+        return self.graph.pool()
+
+    def replay(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor) -> DraftProposal:
+        """Copy the inputs (device tensors [b]; values as the drafter's `plan` checks them), replay,
+        return the proposal buffers (valid until the next replay)."""
+        _copy_in(self.anchors, anchors, "anchors")
+        _copy_in(self.positions, positions, "positions")
+        _copy_in(self.temperature, temperature, "temperature")
         self.graph.replay()
         return self.proposal
 

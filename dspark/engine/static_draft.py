@@ -19,13 +19,15 @@ hides the rest, and the next step's rows overwrite them (`static_context.py`'s r
 
 Greedy and sampled requests. On CUDA the greedy `propose` of each bucket b and the `observe` of each
 (b, t), t = 1 .. T, are CUDA graphs (`ProposeGraph`, `ObserveGraph`, captured here before any
-request is loaded: their warm-up writes every slot). A round with any sampled request runs the eager
-static `propose` for the whole batch instead, with per-slot temperatures (0 on greedy rows, whose
-tokens are then the same argmax chain the graph gives) and noise from one device generator seeded by
-`seed`: the captured graph draws no noise, and one eager call for the whole batch keeps a mixed
-batch to one backbone pass. Verification uses the q returned with each sampled block, so outputs
-follow the target distribution whatever the noise; a request's drafts (hence its speed and exact
-tokens) depend on the engine's generator and its slot, not on the request's seed.
+request is loaded: their warm-up writes every slot). A round with any sampled request runs the
+sampled static `propose` for the whole batch instead, with per-slot temperatures (0 on greedy rows,
+whose tokens are then the same argmax chain the greedy graph gives) and noise from one device
+generator seeded by `seed`, so one call keeps a mixed batch to one backbone pass. On CUDA that call
+is a graph too (`SampledGraphs`: one `SampledProposeGraph` per bucket, captured at the bucket's first
+sampled round, the generator registered with it so that each replay draws new noise). Verification
+uses the q returned with each sampled block, so outputs follow the target distribution whatever the
+noise; a request's drafts (hence its speed and exact tokens) depend on the engine's generator and
+its slot, not on the request's seed.
 
 This module and `static_runner.py` are the static path's device side; slot numbers and lengths are
 host values kept by `dspark.engine.slots`.
@@ -42,8 +44,31 @@ from dspark.draft.context import DSparkState
 from dspark.draft.drafter import DSparkDrafter
 from dspark.draft.static_context import StaticDraftShape
 from dspark.draft.static_drafter import StaticDrafter
-from dspark.draft.static_graph import ObserveGraph, ProposeGraph
+from dspark.draft.static_graph import ObserveGraph, ProposeGraph, SampledProposeGraph
 from dspark.engine.slots import bucket, buckets
+
+
+class SampledGraphs:
+    """The sampled propose of a static drafter as CUDA graphs, one per bucket, each captured at its
+    first call (its buffers are the probs [b, k, V] fp32 of b slots: only the buckets a sampled round
+    used hold them). The graphs share one memory pool of their own: a replay may overwrite another
+    bucket's outputs, which a round has consumed by then, but never the greedy graphs' buffers (the
+    observe graph replays between a sampled propose and the acceptance that reads its q)."""
+
+    def __init__(self, propose, device: torch.device, generator: torch.Generator):
+        self.propose, self.device, self.generator = propose, device, generator
+        self.graphs: dict[int, SampledProposeGraph] = {}  # b -> graph
+        self._pool = None
+
+    def __call__(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor):
+        """`propose(anchors, positions, temperature, generator)` of slots 0 .. b − 1 (b = len(anchors)),
+        replayed from the bucket's graph (the proposal's buffers: valid until the next sampled call)."""
+        b = anchors.shape[0]
+        graph = self.graphs.get(b)
+        if graph is None:
+            graph = self.graphs[b] = SampledProposeGraph(self.propose, b, self.device, self.generator, self._pool)
+            self._pool = graph.pool()
+        return graph.replay(anchors, positions, temperature)
 
 
 class StaticDraftRunner:
@@ -55,6 +80,8 @@ class StaticDraftRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.observe_graphs: dict[tuple[int, int], ObserveGraph] = {}  # (b, t) -> graph
         self.propose_graphs: dict[int, ProposeGraph] = {}  # b -> graph
+        self.sampled_graphs = SampledGraphs(self.static.propose, device, self.generator) \
+            if device.type == "cuda" else None
         if device.type == "cuda":  # before any request is loaded: the observe warm-ups write every slot
             pool = None
             for b in buckets(slots):
@@ -95,6 +122,12 @@ class StaticDraftRunner:
         graph = self.propose_graphs.get(anchors.shape[0])
         return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
 
+    def propose_sampled(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor):
+        """γ-blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row) and noise
+        from the runner's generator: the bucket's sampled graph on CUDA, the eager static propose
+        elsewhere. No host read."""
+        return sampled_propose(self, anchors, positions, temperature)
+
     def draft(self, requests: list) -> tuple[list[list[int]], list, torch.Tensor, list[torch.Tensor]]:
         """One γ-block per request (each holding a static slot), in one `propose` over the bucket of
         the first b slots that holds them all.
@@ -107,11 +140,19 @@ class StaticDraftRunner:
         return tokens, probs, confidence, list(logits)
 
 
+def sampled_propose(runner, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor):
+    """A drafting runner's sampled propose (`sampled_graphs` on CUDA, else its static drafter's eager
+    propose with the runner's generator)."""
+    if runner.sampled_graphs is not None:
+        return runner.sampled_graphs(anchors, positions, temperature)
+    return runner.static.propose(anchors, positions, temperature, runner.generator)
+
+
 def draft_requests(runner, requests: list):
     """The static propose of a drafting runner (`StaticDraftRunner`, `StaticMtpRunner`: `slots`,
-    `static`, `generator`, `propose`) for requests each holding a static slot, over the bucket of the
-    first b slots that holds them all: greedy rounds from the bucket's graph (`runner.propose`), a
-    round with a sampled request eagerly with per-slot temperatures.
+    `static`, `propose`, `propose_sampled`) for requests each holding a static slot, over the bucket
+    of the first b slots that holds them all: greedy rounds from the bucket's graph (`runner.propose`),
+    a round with a sampled request with per-slot temperatures (`runner.propose_sampled`).
 
     Returns (proposal, rows [B] long on the device: the requests' slots, tokens: B lists of k ids,
     probs: q fp32 [k, V] on the device per sampled request, None per greedy one, confidence fp32
@@ -124,7 +165,7 @@ def draft_requests(runner, requests: list):
     sampled = any(t > 0 for t in temps)
     anchors, positions, temperature = runner.static.plan(anchors, positions, temps if sampled else None)
     if sampled:
-        proposal = runner.static.propose(anchors, positions, temperature, runner.generator)
+        proposal = runner.propose_sampled(anchors, positions, temperature)
     else:
         proposal = runner.propose(anchors, positions)
     index = [req.state.slot for req in requests]

@@ -13,9 +13,10 @@ starts and its tokens); the next anchor position hides the rows past the committ
 
 On CUDA the greedy `propose` of each bucket b and the `observe` of each (b, t), t = 1 .. T, are CUDA
 graphs (`MtpProposeGraph`, `MtpObserveGraph`, captured here before any request is loaded: their
-warm-ups write every slot). A round with any sampled request runs the eager static `propose` for the
-whole batch, with per-slot temperatures and noise from one device generator seeded by `seed`, as the
-DSpark runner does (`static_draft.py` says why outputs stay exact).
+warm-ups write every slot). A round with any sampled request runs the sampled static `propose` for
+the whole batch, with per-slot temperatures and noise from one device generator seeded by `seed`, as the
+DSpark runner does (on CUDA from a graph per bucket captured at its first sampled round; `static_draft.py`
+says why outputs stay exact).
 
 Shape symbols: S slots, b a call's bucket, T rows per verify step at most, t this step's, k block
 size, V vocabulary, n_hc streams, D hidden size, B live requests.
@@ -30,7 +31,7 @@ from dspark.draft.mtp import MtpDrafter, MtpState
 from dspark.draft.static_graph import capture_call
 from dspark.draft.static_mtp import StaticMtpDrafter
 from dspark.engine.slots import buckets
-from dspark.engine.static_draft import draft_requests
+from dspark.engine.static_draft import SampledGraphs, draft_requests, sampled_propose
 from dspark.models.deepseek_v4.static_state import StaticShape
 
 
@@ -83,6 +84,8 @@ class StaticMtpRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.observe_graphs: dict[tuple[int, int], MtpObserveGraph] = {}  # (b, t) -> graph
         self.propose_graphs: dict[int, MtpProposeGraph] = {}  # b -> graph
+        self.sampled_graphs = SampledGraphs(self.static.propose, device, self.generator) \
+            if device.type == "cuda" else None
         if device.type == "cuda":  # before any request is loaded: the warm-ups write every slot
             pool = None
             for b in buckets(slots):
@@ -121,6 +124,11 @@ class StaticMtpRunner:
         on CUDA (its buffers: copy what must outlive the next call), the eager static propose elsewhere."""
         graph = self.propose_graphs.get(anchors.shape[0])
         return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
+
+    def propose_sampled(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor) -> DraftProposal:
+        """k-blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row): the
+        bucket's sampled graph on CUDA, the eager static propose elsewhere."""
+        return sampled_propose(self, anchors, positions, temperature)
 
     def draft(self, requests: list) -> tuple[list[list[int]], list, torch.Tensor, list[None]]:
         """One k-block per request (each holding a static slot), in one `propose` over the bucket of the

@@ -4,12 +4,13 @@ replayed on new inputs equal the eager calls, and greedy drafts equal the dynami
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 import dspark
 from dspark.draft import DSparkConfig, DSparkDrafter
 from dspark.draft.static_context import StaticDraftShape
 from dspark.draft.static_drafter import StaticDrafter
-from dspark.draft.static_graph import ObserveGraph, ProposeGraph
+from dspark.draft.static_graph import ObserveGraph, ProposeGraph, SampledProposeGraph
 from dspark.kernels import KernelConfig
 
 GAMMA, LENGTHS = 5, (0, 5, 13, 30)
@@ -75,3 +76,43 @@ def test_static_draft_graphs_replay_equal_eager_without_sync():
         observe.replay(feats, starts)
         positions = positions + kept
         anchors = torch.randint(0, 256, (n,), generator=g)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_sampled_propose_graph_draws_fresh_noise_from_q():
+    """`SampledProposeGraph` (the drafter's generator registered with the graph): its first q of each
+    slot equals the eager sampled propose's on the same state bit for bit, its greedy row equals the
+    greedy graph's chain, and each replay draws new noise: over 3000 replays the first drafted token of
+    the T = 2 slot follows q (χ²; a graph that replayed its capture's noise would draw one token)."""
+    model = dspark.init_model("tiny-v4", seed=0, device="cuda", dtype=torch.float32,
+                              kernels=KernelConfig.for_device("cuda"))
+    drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
+    static = StaticDrafter(drafter, StaticDraftShape(slots=2, tokens=GAMMA + 1))
+    g = torch.Generator().manual_seed(4)
+    positions = []
+    for slot in range(2):
+        state, dstate = model.new_state(), drafter.new_state()
+        ids = torch.randint(0, 256, (9 + slot,), generator=g).cuda()
+        out = model(ids, [state], [len(ids)], capture_layers=drafter.capture_layers)
+        drafter.observe(dstate, ids, out.hidden, out.features)
+        positions.append(static.load(slot, dstate))
+    a, p, temps = static.plan(torch.randint(0, 256, (2,), generator=g), positions, [2.0, 0.0])
+    graph = SampledProposeGraph(static.propose, 2, static.device, torch.Generator(device="cuda").manual_seed(0))
+    eager = static.propose(a, p, temps, torch.Generator(device="cuda").manual_seed(1))
+    greedy = static.propose(a, p)
+    n = 3000
+    firsts = torch.empty(n, dtype=torch.long, device="cuda")
+    for i in range(n):
+        out = graph.replay(a, p, temps)
+        firsts[i] = out.tokens[0, 0]
+    assert torch.equal(out.probs[:, 0], eager.probs[:, 0])  # q of the first draft: the anchor's, no noise
+    assert torch.equal(out.tokens[1], greedy.tokens[1])  # the greedy row
+    q = out.probs[0, 0].double().cpu()
+    counts = torch.bincount(firsts.cpu(), minlength=q.numel()).double()
+    assert counts.count_nonzero() > 1
+    keep = q * n >= 5  # the rest pooled into one bin (when it has mass)
+    observed, expected = counts[keep], q[keep]
+    if not keep.all():
+        observed, expected = torch.cat((observed, counts[~keep].sum()[None])), torch.cat((expected, q[~keep].sum()[None]))
+    assert chisquare(observed.numpy(), (expected / expected.sum() * n).numpy())[1] > 1e-3

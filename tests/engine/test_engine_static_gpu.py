@@ -3,7 +3,7 @@ and verify width) and give the default engine's greedy tokens (and n-gram drafts
 the Triton kernels); staggered arrivals make the live slots move (compaction) and the steps change
 bucket (1, 2 and 3 of the 3 slots).
 With DSpark the rounds draft on the static drafter: greedy propose and observe replay their own
-graphs (the dynamic `DSparkDrafter.propose` is forbidden), sampled rounds run its eager propose."""
+graphs (the dynamic `DSparkDrafter.propose` is forbidden), sampled rounds replay its sampled propose graphs (the generator registered with them)."""
 
 import json
 from importlib import resources
@@ -88,8 +88,8 @@ def test_static_decode_graphs_equal_the_default_engine(mode, monkeypatch):
 
 @pytest.mark.gpu
 def test_static_decode_sampled_dspark_rounds_run_and_free_their_slots(monkeypatch):
-    """Mixed batches (T = 1 and greedy requests, budget 3) on the eager sampled static propose with the
-    engine's CUDA generator: every request completes, greedy ones with the default engine's tokens,
+    """Mixed batches (T = 1 and greedy requests, budget 3) on the sampled static propose's graphs with
+    the engine's CUDA generator: every request completes, greedy ones with the default engine's tokens,
     sampled drafts are accepted at times, every slot is given back."""
     model, dsp = _model_and_drafter()
     prompts = _prompts()
@@ -98,6 +98,7 @@ def test_static_decode_sampled_dspark_rounds_run_and_free_their_slots(monkeypatc
     _forbid_dynamic_propose(monkeypatch)
     static, trace, engine = _run(model, prompts, params, draft_tokens=3, drafter=dsp, static_decode=True)
     assert engine.static_draft.generator.device.type == "cuda"
+    assert engine.static_draft.sampled_graphs.graphs  # the sampled rounds replayed their buckets' graphs
     assert sorted(static) == sorted(default) and all(static[f"r{i}"] == default[f"r{i}"] for i in (0, 2, 4))
     assert all(len(static[f"r{i}"]) == 16 or static[f"r{i}"][-1] == model.config.eos_token_id for i in (1, 3))
     assert sum(accepted for _, accepted in trace) > 0
@@ -158,7 +159,7 @@ def test_static_mtp_rounds_replay_graphs_with_the_default_engine_tokens(sampled,
     graph of each bucket (the dynamic `MtpDrafter.propose` is forbidden) and give the default engine's
     tokens and, all greedy, its drafts in nearly every round (the random drafter is accepted about once
     in 60 rounds, so acceptance alone would not show wrong drafts); with sampled requests in the batch
-    the eager sampled static propose runs, greedy requests keep their tokens and every slot is given
+    the sampled static propose graphs run, greedy requests keep their tokens and every slot is given
     back."""
     from dspark.draft import MtpDrafter
 
@@ -178,7 +179,9 @@ def test_static_mtp_rounds_replay_graphs_with_the_default_engine_tokens(sampled,
     assert sorted(engine.static_draft.observe_graphs) == keys and sorted(engine.static_draft.propose_graphs) == [1, 2, 3]
     greedy = range(len(prompts)) if not sampled else (0, 2, 4)
     assert all(static[f"r{i}"] == default[f"r{i}"] for i in greedy) and sorted(static) == sorted(default)
-    if not sampled:
+    if sampled:
+        assert engine.static_draft.sampled_graphs.graphs
+    else:
         assert len(trace) == len(default_trace)
         same = sum(s == d for s, d in zip(trace, default_trace))
         assert same >= 0.9 * len(trace), f"static MTP drafts equal the dynamic drafter's in {same} of {len(trace)} rounds"
