@@ -76,16 +76,16 @@ Key = tuple[tuple[str, int, int], ...]  # (request id, slot, anchor position) of
 
 
 @dataclass
-class RoundResult:
-    """One request's round: the γ drafts, how many of the n verified were accepted, the bonus token,
-    the confidences [γ] and their raw logits [γ] (host tensors); a plain round (n = 0): no drafts,
-    accepted 0, confidences None."""
+class RoundResults:
+    """A round's results, one column per field, in request order: the γ drafts of each request, how many
+    of the n verified it accepted, its bonus token, and its confidences [γ] and their raw logits [γ]
+    (host tensors). A plain round (n = 0): no drafts or confidences (None), accepted all 0."""
 
-    drafts: list[int]
-    accepted: int
-    bonus: int
-    confidence: torch.Tensor | None
-    confidence_logits: torch.Tensor | None
+    drafts: list[list[int]] | None  # R lists of γ ids
+    accepted: list[int]  # [R]
+    bonus: list[int]  # [R]
+    confidence: list[torch.Tensor] | None  # R rows [γ]
+    confidence_logits: list[torch.Tensor] | None  # R rows [γ]
 
 
 @dataclass
@@ -97,15 +97,22 @@ class InFlightRound:
     live: torch.Tensor  # [b] bool: slots that hold one of the requests
     next_anchors: torch.Tensor  # [b] long: the bonus token (free slots: 0)
     next_positions: torch.Tensor  # [b] long: positions + accepted + 1 (free slots: 0)
-    host_ids: torch.Tensor  # [b, γ + 2] long: drafts, accepted, bonus
+    host_ids: torch.Tensor  # [b, γ + 2] long: drafts, accepted, bonus (a plain round: [b], the bonus)
     host_conf: torch.Tensor | None  # [b, 2, γ] fp32: confidences, their logits (None: a plain round)
     event: torch.cuda.Event | None
 
-    def read(self) -> tuple[list[list[int]], torch.Tensor | None]:
-        """(ids rows [b] of γ + 2, conf [b, 2, γ] or None); waits for this round only."""
+    def read(self, slots: list[int]) -> RoundResults:
+        """The results of the requests at `slots` [R], in that order; waits for this round only."""
         if self.event is not None:
             self.event.synchronize()
-        return self.host_ids.tolist(), self.host_conf
+        ids = self.host_ids.tolist()
+        if not self.budget:  # a plain round: only the bonus column exists
+            return RoundResults(None, [0] * len(slots), [ids[s] for s in slots], None, None)
+        rows = [ids[s] for s in slots]
+        gamma = len(rows[0]) - 2 if rows else 0
+        conf = self.host_conf
+        return RoundResults([r[:gamma] for r in rows], [r[gamma] for r in rows], [r[gamma + 1] for r in rows],
+                            [conf[s, 0] for s in slots], [conf[s, 1] for s in slots])
 
 
 class DraftLookahead:
@@ -148,7 +155,7 @@ class DraftLookahead:
             return self.budget
         return uniform_budget(stale, self.gamma, self.capacity, min_budget=0)
 
-    def step(self, requests: list) -> tuple[int, list[RoundResult]]:
+    def step(self, requests: list) -> tuple[int, RoundResults]:
         """The next round of every request (each holding a static slot, `fits`): its budget n (0: a plain
         round) and each request's result; launches the round after it first when that one cannot outgrow
         a cap. Does not touch the requests: the caller commits (advance n + 1 rows, truncate to anchor +
@@ -164,18 +171,11 @@ class DraftLookahead:
         chain = all(r.remaining >= grow and r.state.length + grow <= capacity for r in requests)
         self.pending = self._launch(None, n_next, current.next_anchors, current.next_positions, current.live) \
             if chain else None
-        ids, conf = current.read()
-        results = [self._result(ids[slot], conf, slot, n) for _, slot, _ in key]
+        results = current.read([slot for _, slot, _ in key])
         if self.pending is not None:  # launched at the positions this round's acceptance gives
-            self.pending.key = tuple((rid, slot, start + 1 + result.accepted)
-                                     for (rid, slot, start), result in zip(key, results))
+            self.pending.key = tuple((rid, slot, start + 1 + accepted)
+                                     for (rid, slot, start), accepted in zip(key, results.accepted))
         return n, results
-
-    def _result(self, row: list[int], conf: torch.Tensor | None, slot: int, n: int) -> RoundResult:
-        """A request's result from its slot's host row [γ + 2] and the round's confidences [b, 2, γ]."""
-        if not n:  # a plain round: nothing drafted, nothing to accept
-            return RoundResult([], 0, row[self.gamma + 1], None, None)
-        return RoundResult(row[:self.gamma], row[self.gamma], row[self.gamma + 1], conf[slot, 0], conf[slot, 1])
 
     def _next(self, requests: list) -> tuple[Key, int]:
         """The next round's key and budget: the round in flight's when it matches the batch, else the
@@ -198,16 +198,15 @@ class DraftLookahead:
 
     def _launch(self, key: Key | None, n: int, anchors: torch.Tensor, positions: torch.Tensor,
                 live: torch.Tensor) -> InFlightRound:
-        """Propose, verify the first n drafts, observe, accept: device inputs [b], no host value read.
-        n = 0: a plain step, nothing proposed (the same verify, observe and acceptance over the anchor)."""
-        if n:
-            proposal = self.drafting.propose(anchors, positions)
-            # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
-            # replay below may reuse the blocks of propose's outputs (captured after them).
-            drafts = proposal.tokens.clone()  # [b, γ]
-            conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
-        else:  # keeps the host layout [b, γ + 2]; the engine reads no draft of a plain round
-            drafts, conf_dev = anchors.new_zeros(anchors.shape[0], self.gamma), None
+        """Propose, verify the first n drafts, observe, accept: device inputs [b] (free slots: anchor 0 at
+        position 0), no host value read. n = 0: a plain step (`_launch_plain`)."""
+        if not n:
+            return self._launch_plain(key, anchors, positions, live)
+        proposal = self.drafting.propose(anchors, positions)
+        # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
+        # replay below may reuse the blocks of propose's outputs (captured after them).
+        drafts = proposal.tokens.clone()  # [b, γ]
+        conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
         ids = torch.where(live[:, None], torch.cat([anchors[:, None], drafts[:, :n]], dim=1), 0)  # [b, n + 1]
         out = self.runner.step(ids, positions)
         argmax = greedy(out.logits)  # [b, n + 1]; ties to the lowest id, as `verify_greedy`
@@ -217,18 +216,38 @@ class DraftLookahead:
         next_anchors = torch.where(live, bonus, 0)
         next_positions = torch.where(live, positions + accepted + 1, 0)
         ids_dev = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1)  # [b, γ + 2]
-        event = None
-        if ids_dev.device.type == "cuda":
-            host_ids, host_conf = _to_host(ids_dev), _to_host(conf_dev) if conf_dev is not None else None
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host_ids, host_conf = ids_dev, conf_dev
+        host_ids, host_conf, event = _to_host(ids_dev, conf_dev)
         return InFlightRound(key, n, live, next_anchors, next_positions, host_ids, host_conf, event)
 
+    def _launch_plain(self, key: Key | None, anchors: torch.Tensor, positions: torch.Tensor,
+                      live: torch.Tensor) -> InFlightRound:
+        """A plain step: the target's width-1 step over the anchors, the drafter's observe of its rows,
+        the argmax as the bonus. Nothing drafted, so nothing to accept, mask or copy but the bonus: the
+        eager ops besides the two graphs are the argmax, the next inputs and the bonus's host copy, no
+        more than `Lookahead`'s step (a free slot's anchor and position are 0 already, launched from the
+        host or chained, so the ids need no mask)."""
+        out = self.runner.step(anchors[:, None], positions)  # [b, 1] ids
+        bonus = greedy(out.logits[:, 0])  # [b]; ties to the lowest id, as `verify_greedy`
+        self.drafting.observe(out.features, positions)
+        next_anchors = torch.where(live, bonus, 0)
+        next_positions = positions + live  # free slots stay at position 0
+        host_ids, _, event = _to_host(next_anchors, None)
+        return InFlightRound(key, 0, live, next_anchors, next_positions, host_ids, None, event)
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of device tensor `t`, queued on the current stream (valid after its event)."""
+
+def _to_host(ids: torch.Tensor, conf: torch.Tensor | None):
+    """(ids, conf, event): pinned host copies of the device tensors, queued on the current stream and
+    valid once `event` completed; on the CPU the tensors themselves and no event."""
+    if ids.device.type != "cuda":
+        return ids, conf, None
+    host_ids, host_conf = _pinned(ids), _pinned(conf) if conf is not None else None
+    event = torch.cuda.Event()
+    event.record()
+    return host_ids, host_conf, event
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor `t`, queued on the current stream."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
