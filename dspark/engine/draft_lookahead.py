@@ -135,6 +135,7 @@ class DraftLookahead:
         self.runner, self.drafting, self.budget, self.gamma = runner, drafting, budget, gamma
         self.capacity = capacity
         self.pending: InFlightRound | None = None
+        self._planned: tuple[list, int] | None = None  # the last stale rows planned (held) and their budget
 
     def discard(self) -> None:
         """Forget the round in flight (its rows are invisible past every committed length)."""
@@ -153,7 +154,15 @@ class DraftLookahead:
         None): the fixed budget, or `uniform_budget` over them with n = 0 (a plain round) allowed."""
         if self.budget != "auto":
             return self.budget
-        return uniform_budget(stale, self.gamma, self.capacity, min_budget=0)
+        # Plain rounds append each request's last row again, so a batch that went plain plans over the very
+        # same row objects every round: reuse the budget. Rows are never written after a round returns them,
+        # and holding them keeps their ids from being reused, so `is` is equality here.
+        last = self._planned
+        if last is not None and len(last[0]) == len(stale) and all(a is b for a, b in zip(last[0], stale)):
+            return last[1]
+        n = uniform_budget(stale, self.gamma, self.capacity, min_budget=0)
+        self._planned = (list(stale), n)
+        return n
 
     def step(self, requests: list) -> tuple[int, RoundResults]:
         """The next round of every request (each holding a static slot, `fits`): its budget n (0: a plain
