@@ -119,8 +119,21 @@ class StateAllocator:
 
         Returns False, changing nothing, when the pool lacks the pages for the growth.
         """
+        return self._set(owner, self.pages_needed(length, fed))
+
+    def settle(self, owner: Hashable, length: int, keep: tuple[int, ...]) -> bool:
+        """Shrink `owner` to what its state needs at `length` (`pages_needed(length)`), except that of
+        each kind it keeps up to `keep` of the pages it holds (its next call's need: releasing pages
+        only to take them back at once costs host time and frees nothing). False as `resize`."""
+        table = self._tables.get(owner)
+        if table is not None and all(k == len(pages) for k, pages in zip(keep, table)):
+            return True  # the usual decode step: it holds its next call's pages (need grows with length)
+        held = [len(pages) for pages in table] if table is not None else [0] * len(self.rows_per_page)
+        return self._set(owner, tuple(max(n, min(h, k)) for n, h, k in zip(self.pages_needed(length), held, keep)))
+
+    def _set(self, owner: Hashable, need: tuple[int, ...]) -> bool:
+        """Make `owner` hold exactly `need` pages per kind, all or nothing (False: the pool lacks the growth)."""
         table = self._tables.get(owner) or [[] for _ in self.rows_per_page]
-        need = self.pages_needed(length, fed)
         if owner in self._tables and all(n == len(pages) for n, pages in zip(need, table)):
             return True  # the common decode case: no kind crosses a page boundary this step
         grow = sum(max(0, n - len(pages)) for n, pages in zip(need, table))

@@ -3,7 +3,13 @@
 Policy, applied before every engine step:
 
 1. **Settle.** Every running request's pages shrink to what its state holds now (rejected drafts
-   of the last verify, pruned window rows), so freed pages count before anyone grows.
+   of the last verify, pruned window rows), so freed pages count before anyone grows; of each kind
+   it keeps those its next call will need anyway (`StateAllocator.settle`). Releasing them only for
+   step 2 to take them back would cost host time at every step where the widest call crosses a page
+   boundary that the settled state does not (e.g. the plain rounds of an engine that may verify γ
+   drafts), and it decides nothing: victims (step 3) go newest first and release all they hold, so
+   the running set ends as the longest prefix, in admission order, whose next calls fit the pool,
+   whatever each request held in between.
 2. **Grow, oldest first.** Each running request, in admission order, gets the pages its next call
    needs: a prefill call of up to `prefill_chunk` prompt tokens, or a verify call of its anchor
    plus the most drafts it may verify (`verify_width`, capped by the tokens it may still emit).
@@ -75,7 +81,8 @@ class Scheduler:
         had theirs dropped and wait at the front of the queue.
         """
         for req in self.running:  # settle: never grows (the last call reserved at least this)
-            if not self.allocator.resize(req, req.fed_length if not req.in_prefill else req.prefilled):
+            length = req.fed_length if not req.in_prefill else req.prefilled
+            if not self.allocator.settle(req, length, self.allocator.pages_needed(*self.next_call(req))):
                 raise RuntimeError(f"{req.request_id}: settling its pages needed more pages")
         preempted = self._grow()
         admitted = [] if preempted else self._admit()

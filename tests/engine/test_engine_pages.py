@@ -124,3 +124,57 @@ def test_preemption_takes_the_newest_and_requeues_it_in_front():
     assert preempted == [new] and sched.running == [old]
     assert list(sched.waiting) == [new, queued]
     assert new.feed == new.prompt + new.out[:-1] and new.prefilled == 0 and new.stats.preemptions == 1
+
+
+class _SettleAll(Scheduler):
+    """The settle step without the skip: every running request shrinks to its state first."""
+
+    def schedule(self):
+        for req in self.running:
+            assert self.allocator.resize(req, req.fed_length if not req.in_prefill else req.prefilled)
+        preempted = self._grow()
+        return ([] if preempted else self._admit()), preempted
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_keeping_a_reservation_that_fits_the_next_call_preempts_and_admits_the_same(seed):
+    """Settling only the requests whose pages differ from their next call's changes no decision of the
+    policy: the same requests are admitted, preempted and running at every step, under memory pressure."""
+    runs = []
+    for cls in (Scheduler, _SettleAll):
+        rng, alloc = random.Random(seed), StateAllocator(FOOTPRINT, 60, 256)
+        sched, ids, log = cls(alloc, max_running=6, prefill_chunk=8, verify_width=4), iter(range(10**6)), []
+        for _ in range(300):
+            for _ in range(rng.randint(0, 2)):
+                sched.add(_request(rng, next(ids)))
+            admitted, preempted = sched.schedule()
+            alloc.check()
+            log.append(([r.request_id for r in admitted], [r.request_id for r in preempted],
+                        [r.request_id for r in sched.running]))
+            _run_step(sched, rng, finish_early=True)
+        runs.append(log)
+    assert runs[0] == runs[1]
+    assert any(preempted for _, preempted, _ in runs[0])
+
+
+def test_a_decode_step_whose_widest_call_crosses_a_page_keeps_its_pages():
+    """A request whose settled state needs fewer pages than its next (widest) call keeps that call's
+    pages from step to step instead of releasing and taking them back (window rows: 7 settled, 7 + 4
+    reserved, 2 rows per page)."""
+    alloc = StateAllocator(FOOTPRINT, 100, 256)
+    sched = Scheduler(alloc, max_running=2, prefill_chunk=8, verify_width=4)
+    reqs = [Request([2] * 8, None, torch.Generator(), 100, frozenset(), request_id=f"r{i}") for i in range(2)]
+    for r in reqs:
+        sched.add(r)
+    sched.schedule()
+    _run_step(sched, random.Random(0))  # prefill: both decode from now on
+    released, release = [], alloc.pool.release
+    alloc.pool.release = lambda pages: (released.extend(pages), release(pages))[1]
+    for _ in range(20):
+        sched.schedule()
+        for req in reqs:
+            assert alloc.pages_needed(*sched.next_call(req)) == tuple(map(len, alloc._tables[req]))
+        for req in reqs:
+            req.commit([1])  # a plain round: one token, well under the reserved width
+    assert alloc.pages_needed(10, 0)[1] < alloc.pages_needed(14, 4)[1]  # the settled state needs fewer
+    assert released == []
