@@ -10,16 +10,22 @@ run where requests arrive and finish switches both ways. Checked:
   every step each request's draft context keys equal that engine's bit for bit;
 * plain rounds call no `propose` and one `observe`; each budget follows the two-back rule; a round
   chained behind one of the other kind switches either way (nothing in flight is dropped for it);
-* no slot or page is left held.
+* no slot or page is left held;
+* a steady plain round runs no more eager tensor ops than a plain engine's step (besides the target step
+  and the observe: no draft, accept, mask or confidence work, no planning over unchanged rows) and
+  copies only the bonus tokens to the host.
 On the CPU the rounds run eagerly and in order: the logic the GPU runs, not the overlap itself."""
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 import dspark
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from dspark.engine import Engine, EngineConfig
 from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
@@ -224,6 +230,73 @@ def test_plain_rounds_keep_the_last_confidences(pair):
     assert req.stats.rounds == rounds + 3 and req.stats.verified_tokens == verified  # plain rounds
     assert len(req.confidences) == 2 and all(torch.equal(c, last) for c in req.confidences)
     assert all(not r.confidences for r in engine.running if r is not req)
+
+
+class _EagerOps(TorchDispatchMode):
+    """Counts the aten ops run outside `paused` calls (the graphs on CUDA: the target step, the observe)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def pause(self, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def paused(*args):
+            self.paused += 1
+            try:
+                return fn(*args)
+            finally:
+                self.paused -= 1
+        setattr(obj, name, paused)
+
+
+def _steady_ops(engine, graphs, steps=3) -> Counter:
+    """Eager ops of `steps` engine steps of 3 requests that all decode (the first of them drafted alone
+    first, so it holds confidences), outside the `graphs` calls."""
+    engine.add_request(engine.model.tokenizer.encode(TEXTS[0]), SamplingParams(), 40)
+    while not engine.running or engine.running[0].stats.rounds < 3:
+        engine.step()
+    for text in TEXTS[1:3]:
+        engine.add_request(engine.model.tokenizer.encode(text), SamplingParams(), 40)
+    while len(engine.running) < 3 or any(r.stats.rounds < 3 for r in engine.running):
+        engine.step()
+    mode = _EagerOps()
+    for obj, name in graphs:
+        mode.pause(obj, name)
+    with mode:
+        for _ in range(steps):
+            engine.step()
+    return mode.ops
+
+
+def test_a_plain_round_costs_no_more_eager_ops_than_a_plain_step(pair):
+    """In a batch that went plain, a round (from the round in flight) runs the target's width-1 step and
+    the drafter's observe plus at most the eager ops of a plain engine's step in flight: the argmax, the
+    next inputs, the token copy; no draft, acceptance, mask or confidence op and no planning (the stale
+    rows are the same each round). Its host copy is the bonus [b] only."""
+    auto = _engine(pair, overlap=True)
+    plain = Engine(pair, EngineConfig(max_running=4, static_decode=True, overlap=True, trace=True,
+                                      max_prompt_tokens=64, max_new_tokens=64))
+    rounds = []
+    launch = auto.draft_ahead._launch
+
+    def launching(key, n, *args):
+        rounds.append(launch(key, n, *args))
+        return rounds[-1]
+    auto.draft_ahead._launch = launching
+    auto_ops = _steady_ops(auto, [(auto.runner, "step"), (auto.static_draft, "observe")])
+    plain_ops = _steady_ops(plain, [(plain.runner, "step")])
+    steady = rounds[-3:]
+    assert [r.budget for r in steady] == [0, 0, 0] and auto.running[0].confidences  # rows held, planned over
+    assert all(r.host_conf is None and r.host_ids.shape == r.live.shape for r in steady)
+    assert sum(auto_ops.values()) <= sum(plain_ops.values()), (auto_ops, plain_ops)
+    assert not {"cumprod", "cat", "stack", "gather", "eq"} & set(auto_ops), auto_ops
 
 
 @pytest.mark.gpu
