@@ -146,8 +146,14 @@ class DraftLookahead:
         synchronous round caps it at `remaining − 1`) within its static capacity."""
         if not all(r.params.greedy for r in requests):
             return False
-        n, capacity = self._next(requests)[1], self.runner.shape.max_context
-        return all(r.remaining - 1 >= n and r.state.length + n + 1 <= capacity for r in requests)
+        key, n = self._next(requests)
+        return self._room(requests, key, n + 1)
+
+    def _room(self, requests: list, key: Key, rows: int) -> bool:
+        """Whether every request may still emit `rows` tokens and its slot hold `rows` more positions
+        (the least remaining budget and the longest length, `key`'s lengths: one pass each)."""
+        return min((r.remaining for r in requests), default=rows) >= rows and \
+            max((start for _, _, start in key), default=0) + rows <= self.runner.shape.max_context
 
     def plan(self, stale: list) -> int:
         """The budget of a round whose requests' confidences two rounds back are `stale` (rows [γ] or
@@ -176,8 +182,7 @@ class DraftLookahead:
             current = self._launch_from_host(requests, key, n)
         # Round k + 1's rows two back are round k − 1's, the newest read: each request's last confidences.
         n_next = self.plan([r.confidences[-1] if r.confidences else None for r in requests])
-        grow, capacity = n + n_next + 2, self.runner.shape.max_context
-        chain = all(r.remaining >= grow and r.state.length + grow <= capacity for r in requests)
+        chain = self._room(requests, key, n + n_next + 2)
         self.pending = self._launch(None, n_next, current.next_anchors, current.next_positions, current.live) \
             if chain else None
         results = current.read([slot for _, slot, _ in key])
