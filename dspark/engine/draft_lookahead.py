@@ -4,8 +4,8 @@
     ahead = DraftLookahead(runner, drafting, budget=3)   # the engine's `StaticRunner` and `StaticDraftRunner`
     ahead = DraftLookahead(runner, drafting, "auto", capacity)   # a budget per round, from stale confidences
     if ahead.fits(requests):
-        n, rounds = ahead.step(requests)                 # the round's budget (0: a plain round); per request:
-                                                         # drafts, accepted, bonus, confidences
+        n, results = ahead.step(requests)                # the round's budget (0: a plain round) and its
+                                                         # `RoundResults`: drafts, accepted, bonus, confidences
     ahead.discard()                                      # when the batch changes outside a round
 
 A greedy round with a fixed budget n needs the host for nothing but bookkeeping: the drafts, the
@@ -43,11 +43,16 @@ the same context as an engine that never stopped drafting), accepted = 0 and the
 Such a round chains like any other (next anchor = its bonus at start + 1), so switching between plain
 and drafting rounds needs no drop: each launched round carries its own budget, and one launched from
 the host gets the budget of the same rule. No confidences are made while plain: a request keeps its
-last known row, which the engine appends again after each plain round (`Engine._draft_ahead`), so
+last known row, which the engine appends again after each plain round (`Engine._commit_plain`), so
 "the newest drafting round at or before j − 2" is what both a chained and a host-launched round j read;
 a request with none stays None (survival 1). A batch that went plain therefore stays plain until its
 membership changes (a request finishing or joining changes R, and a new request's survival 1 favours
 drafting): nothing probes whether the text got easier. Fixed budgets never run plain rounds.
+
+A plain round costs what a `Lookahead` step costs plus the observe: besides the two graphs it runs the
+argmax, the next inputs and the bonus's copy to pinned memory (no draft, acceptance, mask or confidence
+op), its results are the bonus column, and `plan` reuses its budget while the stale rows are the very
+objects it planned last (a plain batch's rows do not change), so no planning runs per plain round.
 
 When the batch changes (a request finished, was aborted or preempted, one joined, a slot moved), the
 round in flight no longer matches the requests' committed lengths and is dropped: every row it wrote
