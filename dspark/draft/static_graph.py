@@ -137,11 +137,15 @@ class ObserveGraph:
     def pool(self):
         return self.graph.pool()
 
-    def replay(self, features: dict[int, torch.Tensor] | None = None, starts: torch.Tensor | None = None) -> None:
+    def load_inputs(self, features: dict[int, torch.Tensor] | None = None, starts: torch.Tensor | None = None) -> None:
+        """Copy the inputs given into the graph's buffers (queued on the current stream)."""
         if features is not None:
             for i, buffer in self.features.items():
                 if i not in features:
                     raise ValueError(f"features lack target layer {i}")
                 _copy_in(buffer, features[i], f"features[{i}]")
         _copy_in(self.starts, starts, "starts")
+
+    def replay(self, features: dict[int, torch.Tensor] | None = None, starts: torch.Tensor | None = None) -> None:
+        self.load_inputs(features, starts)
         self.graph.replay()

@@ -49,8 +49,9 @@ a request with none stays None (survival 1). A batch that went plain therefore s
 membership changes (a request finishing or joining changes R, and a new request's survival 1 favours
 drafting): nothing probes whether the text got easier. Fixed budgets never run plain rounds.
 
-A plain round costs what a `Lookahead` step costs plus the observe: besides the two graphs it runs the
-argmax, the next inputs and the bonus's copy to pinned memory (no draft, acceptance, mask or confidence
+A plain round costs what a `Lookahead` step costs plus the observe, which on CUDA replays on a side
+stream beside the next round's target step (`StaticDraftRunner.observe_aside`; a drafting round's
+propose waits for it): besides the two graphs it runs the argmax, the next inputs and the bonus's copy to pinned memory (no draft, acceptance, mask or confidence
 op), its results are the bonus column, and `plan` reuses its budget while the stale rows are the very
 objects it planned last (a plain batch's rows do not change), so no planning runs per plain round.
 
@@ -247,7 +248,8 @@ class DraftLookahead:
         host or chained, so the ids need no mask)."""
         out = self.runner.step(anchors[:, None], positions)  # [b, 1] ids
         bonus = greedy(out.logits[:, 0])  # [b]; ties to the lowest id, as `verify_greedy`
-        self.drafting.observe(out.features, positions)
+        # beside the next step on CUDA: nothing of a plain round or the next one reads the drafter
+        self.drafting.observe_aside(out.features, positions)
         next_anchors = torch.where(live, bonus, 0)
         next_positions = positions + live  # free slots stay at position 0
         host_ids, _, event = _to_host(next_anchors, None)

@@ -29,6 +29,13 @@ uses the q returned with each sampled block, so outputs follow the target distri
 noise; a request's drafts (hence its speed and exact tokens) depend on the engine's generator and
 its slot, not on the request's seed.
 
+A plain round of the round in flight (budget 0, `draft_lookahead.py`) observes with `observe_aside`:
+the observe graph replays on a side stream behind the step that made its features, and the current
+stream waits only until its inputs are copied, so the next step's target graph runs beside it (in
+a run of plain rounds nothing waits for the observe). Every other call of the runner (observe,
+propose, load, move) first has the current stream wait for it, so the drafter's rings are only ever
+read or written in order.
+
 This module and `static_runner.py` are the static path's device side; slot numbers and lengths are
 host values kept by `dspark.engine.slots`.
 
@@ -80,6 +87,8 @@ class StaticDraftRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.observe_graphs: dict[tuple[int, int], ObserveGraph] = {}  # (b, t) -> graph
         self.propose_graphs: dict[int, ProposeGraph] = {}  # b -> graph
+        self._side: torch.cuda.Stream | None = None  # `observe_aside`'s stream (created at its first call)
+        self._aside: torch.cuda.Event | None = None  # the end of the last observe_aside not waited for
         self.sampled_graphs = SampledGraphs(self.static.propose, device, self.generator) \
             if device.type == "cuda" else None
         if device.type == "cuda":  # before any request is loaded: the observe warm-ups write every slot
@@ -97,28 +106,62 @@ class StaticDraftRunner:
     def load(self, slot: int, dstate: DSparkState, length: int) -> None:
         """Copy a request's dynamic draft state into `slot`; `length` is its target length (the
         position of its next anchor), which the draft state must have reached too."""
+        self.join()
         drafted = self.static.load(slot, dstate)
         if drafted != length:
             raise RuntimeError(f"slot {slot}: the draft state holds {drafted} positions but the target {length}")
 
     def move(self, src: int, dst: int) -> None:
         """Slot `dst` takes over slot `src`'s draft state (with its target slot; between rounds)."""
+        self.join()
         self.static.state.move(src, dst)
 
     def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor, ids: torch.Tensor | None = None) -> None:
         """Every bucket slot's rows of one verify step: features {layer: [b, t, n_hc, D]}, starts long
         [b] (device tensors, the target step's own); the step's ids [b, t] are not needed (DSpark's
         context keys come from the features alone)."""
+        self.join()
+        self._observe(features, starts)
+
+    def _observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor) -> None:
         graph = self.observe_graphs.get(tuple(features[self.static.drafter.capture_layers[0]].shape[:2]))
         if graph is None:
             self.static.observe(features, starts)
         else:
             graph.replay(features, starts)
 
+    def observe_aside(self, features: dict[int, torch.Tensor], starts: torch.Tensor) -> None:
+        """`observe` replayed on the runner's side stream behind the work queued so far; the current
+        stream waits only for its input copies (module docstring). Where no graph serves the shape
+        (the CPU), the plain `observe`."""
+        graph = self.observe_graphs.get(tuple(features[self.static.drafter.capture_layers[0]].shape[:2]))
+        if graph is None:
+            self.join()
+            return self._observe(features, starts)
+        main = torch.cuda.current_stream(self.static.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.static.device)
+        self._side.wait_stream(main)  # the step that made the features, and every earlier ring write
+        copied, self._aside = torch.cuda.Event(), torch.cuda.Event()
+        with torch.cuda.stream(self._side):
+            graph.load_inputs(features, starts)
+            copied.record()
+            graph.graph.replay()
+            self._aside.record()
+        starts.record_stream(self._side)  # read there: not reused before the copy ran (main waits for it)
+        main.wait_event(copied)  # the next step may overwrite the features only after the copies
+
+    def join(self) -> None:
+        """Have the current stream wait for the last `observe_aside` (a no-op when none is pending)."""
+        if self._aside is not None:
+            torch.cuda.current_stream(self.static.device).wait_event(self._aside)
+            self._aside = None
+
     def propose(self, anchors: torch.Tensor, positions: torch.Tensor):
         """Greedy γ-blocks of slots 0 .. b − 1 from device anchors and positions [b] (values as
         `StaticDrafter.plan` checks them): the bucket's graph on CUDA (its buffers: copy what must
         outlive the next call), the eager static propose elsewhere. No host read."""
+        self.join()
         graph = self.propose_graphs.get(anchors.shape[0])
         return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
 
@@ -126,6 +169,7 @@ class StaticDraftRunner:
         """γ-blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row) and noise
         from the runner's generator: the bucket's sampled graph on CUDA, the eager static propose
         elsewhere. No host read."""
+        self.join()
         return sampled_propose(self, anchors, positions, temperature)
 
     def draft(self, requests: list) -> tuple[list[list[int]], list, torch.Tensor, list[torch.Tensor]]:

@@ -73,7 +73,9 @@ def _spy_launches(engine) -> list:
         launches.append((n, key is None, calls["propose"] - before["propose"], calls["observe"] - before["observe"]))
         return result
 
+    aside = drafting.observe_aside  # a plain round's observe (beside the next step on CUDA)
     drafting.propose, drafting.observe = counted("propose", propose), counted("observe", observe)
+    drafting.observe_aside = counted("observe", aside)
     engine.draft_ahead._launch = launching
     return launches
 
@@ -143,8 +145,9 @@ def test_plain_rounds_in_flight_switch_both_ways_and_stay_exact(pair, monkeypatc
 def _context(engine, req) -> list[torch.Tensor]:
     """Per drafter stage the context keys [W, d] that request `req` (holding a static slot) drafts from
     at its committed length: positions length − W .. length − 1 of its slot's ring (zero before 0)."""
+    engine.static_draft.join()  # CUDA: the rings after the last plain round's observe
     state, slot = engine.static_draft.static.state, req.state.slot
-    anchors = torch.zeros(slot + 1, dtype=torch.long)
+    anchors = torch.zeros(slot + 1, dtype=torch.long, device=engine.static_draft.static.device)
     anchors[slot] = req.state.length
     rows = state.context_index(anchors)[slot]  # [W]
     return [torch.where((rows >= 0)[:, None], pool[rows.clamp(min=0)], 0) for pool in state.pools()]
@@ -154,6 +157,19 @@ def test_drafter_context_after_plain_rounds_is_the_always_drafting_one(pair, mon
     """After every step, every decoding request's draft context (the keys its next block attends to)
     equals, bit for bit, that of the synchronous engine which drafted in every round and verified the
     same budgets: plain rounds observed every committed token, and nothing else is visible."""
+    _check_context(pair, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_drafter_context_after_observes_aside_on_cuda(monkeypatch):
+    """On CUDA a plain round's observe replays on a side stream beside the next round's step: after
+    every step the draft contexts still equal the synchronous engine's bit for bit."""
+    model = dspark.load_model("tiny", device="cuda")
+    ahead = _check_context(model, monkeypatch)
+    assert ahead.static_draft._side is not None  # the plain rounds observed aside
+
+
+def _check_context(pair, monkeypatch):
     _, trace, _, _, _ = _run(pair, overlap=True)  # the budgets, replayed below
     _replay_budgets(monkeypatch, trace)
     ahead, sync = _engine(pair, overlap=True), _engine(pair, overlap=False)
@@ -172,6 +188,7 @@ def test_drafter_context_after_plain_rounds_is_the_always_drafting_one(pair, mon
             after_plain += plain[req.request_id]
         step += 1
     assert not sync.has_work() and after_plain > 20
+    return ahead
 
 
 def test_rounds_chained_behind_the_other_kind(pair):
@@ -290,7 +307,7 @@ def test_a_plain_round_costs_no_more_eager_ops_than_a_plain_step(pair):
         rounds.append(launch(key, n, *args))
         return rounds[-1]
     auto.draft_ahead._launch = launching
-    auto_ops = _steady_ops(auto, [(auto.runner, "step"), (auto.static_draft, "observe")])
+    auto_ops = _steady_ops(auto, [(auto.runner, "step"), (auto.static_draft, "observe_aside")])
     plain_ops = _steady_ops(plain, [(plain.runner, "step")])
     steady = rounds[-3:]
     assert [r.budget for r in steady] == [0, 0, 0] and auto.running[0].confidences  # rows held, planned over
