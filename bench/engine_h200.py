@@ -27,7 +27,9 @@ What it measures (issue 7; seeds' conditions):
   host sync on the current round's confidences before the verify call; with `--overlap` its greedy
   rounds keep a round in flight at one budget per round (`planner.uniform_budget`; budget 0 is a plain
   step that still feeds the drafter), "auto" (Algorithm 1) runs synchronously. `--modes` also takes
-  dspark1 and dspark2 (fixed budgets 1 and 2, not in the default grid).
+  dspark1 and dspark2 (fixed budgets 1 and 2, not in the default grid), and dspark3_t1 /
+  dspark3_t1_eager: budget 3 with every request sampled at T = 1, drafting from the sampled propose
+  graphs / eagerly (those graphs dropped).
 * `--confidence C`: the DSpark drafter's confidence head answers C at every position (a constant
   logit, bench only), and every cell is converted at the matching geometric model instead of `TAU`: a
   round that verifies ℓ drafts commits Σ_{k<=ℓ} C^k tokens, summed over each step's measured ℓ_r.
@@ -82,15 +84,21 @@ from dspark.kernels.registry import NOT_YET_ON_GPU
 from dspark.models.deepseek_v41.state import DecodeStateV41
 from dspark.profile import split_tokens, time_step
 from dspark.request import Request
+from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
 
 HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
 # dspark1 / dspark2 at the geometric model that gives budget 3 its 3.25 (per-draft survival 0.8629)
 TAU = {"none": 1.0, "mtp1": 2.0, "dspark1": 1.863, "dspark2": 2.607, "dspark3": 3.25, "auto": 3.25,
-       "auto_async": 3.25}
-MODES = ("none", "mtp1", "dspark1", "dspark2", "dspark3", "auto", "auto_async")  # the order cells run in
+       "auto_async": 3.25, "dspark3_t1": 3.25, "dspark3_t1_eager": 3.25}
+MODES = ("none", "mtp1", "dspark1", "dspark2", "dspark3", "auto", "auto_async", "dspark3_t1",
+         "dspark3_t1_eager")  # the order cells run in
 DEFAULT_MODES = ("none", "mtp1", "dspark3", "auto", "auto_async")
-BUDGET = {"none": 0, "mtp1": 1, "dspark1": 1, "dspark2": 2, "dspark3": 3, "auto": "auto", "auto_async": "auto"}
+BUDGET = {"none": 0, "mtp1": 1, "dspark1": 1, "dspark2": 2, "dspark3": 3, "auto": "auto", "auto_async": "auto",
+          "dspark3_t1": 3, "dspark3_t1_eager": 3}
+# Sampled cells: every request at temperature 1 (synchronous rounds: the propose's q is read before the
+# verify); "_eager" drops the static drafter's sampled graphs, so its rounds draft eagerly as before them.
+SAMPLED = {"dspark3_t1": True, "dspark3_t1_eager": False}
 FIXED_DSPARK = ("none", "dspark1", "dspark2", "dspark3")  # the cells a table from the cells is built on
 FULL = dict(config="v4-mini", requests=(1, 8, 16, 32, 64, 128, 256), contexts=(4096, 32768),
             prefill=(4096, 8192, 16384, 32768, 65536), prefill_context=131072, warmup=1, steps=3,
@@ -189,13 +197,14 @@ def check_fabrication(model, drafter, context: int) -> dict:
     return {"context": context, "keys_checked": len(a)}
 
 
-def inject(engine: Engine, model, drafter, requests: int, context: int, g: torch.Generator) -> None:
+def inject(engine: Engine, model, drafter, requests: int, context: int, g: torch.Generator,
+           params: SamplingParams = SamplingParams()) -> None:
     """Put `requests` decoding requests with fabricated state straight into the engine's running set."""
     vocab = model.config.vocab_size
     prompt = [0] * context  # shared, never mutated: only its length matters to the bookkeeping
     for i in range(requests):
         req = Request(prompt, fabricate_state(model.new_state(), context, g, vocab, _token_map(model)), torch.Generator().manual_seed(i),
-                      10**6, frozenset(), request_id=f"r{i}", feed=prompt, prefilled=context)
+                      10**6, frozenset(), params, request_id=f"r{i}", feed=prompt, prefilled=context)
         req.dstate = fabricate_drafter_state(drafter, context, g, vocab)
         req.out.append(int(torch.randint(0, vocab, (1,), generator=g, device=g.device)))  # the anchor
         engine.scheduler.running.append(req)
@@ -270,7 +279,10 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
                                         planner="async" if mode == "auto_async" else "sync", **static))
     _sync(model.device)
     capture_s = time.perf_counter() - t
-    inject(engine, model, drafter, requests, context, g)
+    if mode in SAMPLED and not SAMPLED[mode] and engine.static_draft is not None:
+        engine.static_draft.sampled_graphs = None  # the eager sampled propose of the runner
+    inject(engine, model, drafter, requests, context, g,
+           SamplingParams(temperature=1.0) if mode in SAMPLED else SamplingParams())
     times, committed, verified, modelled = [], [], [], []
     for i in range(args["warmup"] + args["steps"]):
         drafts_before = [r.stats.verified_tokens for r in engine.running]
@@ -566,7 +578,7 @@ def main() -> None:
         print(f"no MTP-1 mode: {e}", flush=True)
     if cli.confidence is not None:  # the DSpark stages' last module holds the head (dspark_v4.py)
         drafters["dspark3"].model.mtp[-1].confidence_head = ConstantConfidence(cli.confidence)
-    for mode in ("dspark1", "dspark2", "auto", "auto_async"):
+    for mode in ("dspark1", "dspark2", "auto", "auto_async", *SAMPLED):
         drafters[mode] = drafters["dspark3"]
     results = {
         "conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],

@@ -19,10 +19,12 @@
 #    its 4-token verify step, v41-mini with the 4-warp V4.1 statistics split), the one-request step's
 #    kernel profile with PDL off, and the per-op benches of the tenth session's kernels (mHC
 #    epilogues, latency-bound kernels).
-# c: auto's plain rounds after the helper's trim under their GPU tests; the engine again with each
-#    timing converted at its own rounds (tau per loop), GEMV_MAX_ROWS = 4, the 4-warp epilogues and
-#    static MTP by default: v4-mini 4K over the whole load grid (none, MTP-1, DSpark 3, auto), 32K at
-#    64 / 128 / 256 requests; the V4.1 analogue (v41-mini) with graphs over the whole grid at 4K.
+# c: this session's engine changes under their GPU tests (auto's plain rounds trimmed and observing on
+#    a side stream, sampled drafting from CUDA graphs, static MTP); the DSpark propose graphs (greedy and
+#    sampled); the engine again with each timing converted at its own rounds (tau per loop): v4-mini
+#    4K over the whole load grid (none, MTP-1, DSpark 3, auto), 32K at 64 / 128 / 256 requests, sampled
+#    DSpark 3 (T = 1) from graphs vs eager at 1 / 8 / 64; the V4.1 analogue (v41-mini) with graphs at
+#    1 / 8 / 64 / 256 requests, 4K.
 #
 # Only 8 files come back from a call, so every part ends by packing $OUT into one session11-PART.tgz.
 set -uo pipefail
@@ -56,17 +58,24 @@ part_b() {
 }
 
 part_c() {
-  tests c_plain 100 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py
+  tests c_tests 150 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py \
+    tests/draft/test_static_draft_graph_gpu.py "tests/engine/test_engine_static_gpu.py::test_static_decode_sampled_dspark_rounds_run_and_free_their_slots" \
+    "tests/engine/test_engine_static_gpu.py::test_static_mtp_rounds_replay_graphs_with_the_default_engine_tokens"
+  logged c_draft 50 python3 bench/graph_draft.py --requests 1,8 --out "$OUT/graph-draft-h200-s11c.json"
+  grep -h "^{" $W/logs/c_draft.txt | cut -c1-700; tail -n 2 $W/logs/c_draft.txt | cut -c1-200
   local grid=(--static-decode --overlap --decode-only --steps 8 --confidence 0.8629 --table-from-cells)
-  logged c_engine_4k 200 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,16,32,64,128,256 \
-    --modes none,mtp1,dspark3,auto_async --contexts 4096 --budget-s 175 --out "$OUT/engine-h200-s11c.json"
+  logged c_engine_4k 175 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,16,32,64,128,256 \
+    --modes none,mtp1,dspark3,auto_async --contexts 4096 --budget-s 155 --out "$OUT/engine-h200-s11c.json"
   tail -n 22 $W/logs/c_engine_4k.txt | cut -c1-300
-  logged c_engine_32k 110 python3 bench/engine_h200.py "${grid[@]}" --requests 64,128,256 \
-    --modes none,dspark3,auto_async --contexts 32768 --budget-s 90 --out "$OUT/engine-h200-s11c-32k.json"
+  logged c_engine_32k 75 python3 bench/engine_h200.py "${grid[@]}" --requests 64,128,256 \
+    --modes none,dspark3,auto_async --contexts 32768 --budget-s 60 --out "$OUT/engine-h200-s11c-32k.json"
   tail -n 12 $W/logs/c_engine_32k.txt | cut -c1-300
-  logged c_engine_v41 190 python3 bench/engine_h200.py "${grid[@]}" --config v41-mini --requests 1,8,16,32,64,128,256 \
-    --modes none,dspark3,auto_async --contexts 4096 --budget-s 165 --out "$OUT/engine-v41-mini-h200-s11.json"
-  tail -n 22 $W/logs/c_engine_v41.txt | cut -c1-300
+  logged c_sampled 60 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,64 \
+    --modes dspark3_t1,dspark3_t1_eager --contexts 4096 --budget-s 45 --out "$OUT/engine-h200-s11c-sampled.json"
+  tail -n 8 $W/logs/c_sampled.txt | cut -c1-300
+  logged c_engine_v41 100 python3 bench/engine_h200.py "${grid[@]}" --config v41-mini --requests 1,8,64,256 \
+    --modes none,dspark3,auto_async --contexts 4096 --budget-s 85 --out "$OUT/engine-v41-mini-h200-s11.json"
+  tail -n 16 $W/logs/c_engine_v41.txt | cut -c1-300
 }
 
 part_d() {
