@@ -58,23 +58,23 @@ part_b() {
 }
 
 part_c() {
-  tests c_tests 150 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py \
+  tests c_tests 130 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py \
     tests/draft/test_static_draft_graph_gpu.py "tests/engine/test_engine_static_gpu.py::test_static_decode_sampled_dspark_rounds_run_and_free_their_slots" \
     "tests/engine/test_engine_static_gpu.py::test_static_mtp_rounds_replay_graphs_with_the_default_engine_tokens"
-  logged c_draft 50 python3 bench/graph_draft.py --requests 1,8 --out "$OUT/graph-draft-h200-s11c.json"
+  logged c_draft 45 python3 bench/graph_draft.py --requests 1,8 --out "$OUT/graph-draft-h200-s11c.json"
   grep -h "^{" $W/logs/c_draft.txt | cut -c1-700; tail -n 2 $W/logs/c_draft.txt | cut -c1-200
   local grid=(--static-decode --overlap --decode-only --steps 8 --confidence 0.8629 --table-from-cells)
-  logged c_engine_4k 175 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,16,32,64,128,256 \
-    --modes none,mtp1,dspark3,auto_async --contexts 4096 --budget-s 155 --out "$OUT/engine-h200-s11c.json"
+  logged c_engine_4k 165 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,16,32,64,128,256 \
+    --modes none,mtp1,dspark3,auto_async --contexts 4096 --budget-s 145 --out "$OUT/engine-h200-s11c.json"
   tail -n 22 $W/logs/c_engine_4k.txt | cut -c1-300
-  logged c_engine_32k 75 python3 bench/engine_h200.py "${grid[@]}" --requests 64,128,256 \
-    --modes none,dspark3,auto_async --contexts 32768 --budget-s 60 --out "$OUT/engine-h200-s11c-32k.json"
+  logged c_engine_32k 70 python3 bench/engine_h200.py "${grid[@]}" --requests 64,128,256 \
+    --modes none,dspark3,auto_async --contexts 32768 --budget-s 55 --out "$OUT/engine-h200-s11c-32k.json"
   tail -n 12 $W/logs/c_engine_32k.txt | cut -c1-300
-  logged c_sampled 60 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,64 \
-    --modes dspark3_t1,dspark3_t1_eager --contexts 4096 --budget-s 45 --out "$OUT/engine-h200-s11c-sampled.json"
+  logged c_sampled 55 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,64 \
+    --modes dspark3_t1,dspark3_t1_eager --contexts 4096 --budget-s 40 --out "$OUT/engine-h200-s11c-sampled.json"
   tail -n 8 $W/logs/c_sampled.txt | cut -c1-300
-  logged c_engine_v41 100 python3 bench/engine_h200.py "${grid[@]}" --config v41-mini --requests 1,8,64,256 \
-    --modes none,dspark3,auto_async --contexts 4096 --budget-s 85 --out "$OUT/engine-v41-mini-h200-s11.json"
+  logged c_engine_v41 95 python3 bench/engine_h200.py "${grid[@]}" --config v41-mini --requests 1,8,64,256 \
+    --modes none,dspark3,auto_async --contexts 4096 --budget-s 80 --out "$OUT/engine-v41-mini-h200-s11.json"
   tail -n 16 $W/logs/c_engine_v41.txt | cut -c1-300
 }
 
