@@ -312,31 +312,6 @@ class Engine:
                 self._trace.append(trace_record(req, drafts, confidence, results.confidence_logits[b], b, n,
                                                 accepted, kept, position, len(requests)))
 
-    def _draft_ahead(self, requests: list[Request]) -> None:
-        """A greedy DSpark round from the round in flight (`DraftLookahead`): the same commit,
-        statistics and trace as `speculative_round` with the static drafter. A plain round ("auto"'s
-        budget 0) commits like `speculative_round` verifying 0 drafts, but its trace has no drafts or
-        confidences (none were made), and each request keeps its last confidences: appended again, so
-        the rows two rounds back stay the newest drafting round's (`dspark.engine.draft_lookahead`)."""
-        n, results = self.draft_ahead.step(requests)
-        if not n:
-            self._commit_plain(requests, results.bonus)
-            return
-        gamma = self.draft_ahead.gamma
-        # [B, γ] as `_draft` returns it: only the trace reads it
-        confidence = torch.stack(results.confidence) if self.config.trace else None
-        for b, (req, drafts, accepted, bonus) in enumerate(zip(requests, results.drafts, results.accepted,
-                                                               results.bonus)):
-            req.confidences.append(results.confidence[b])
-            start = req.state.advance(n + 1)  # the anchor and n drafts fed at the request's length
-            req.state.truncate(start + 1 + accepted)
-            req.stats.record_round(n, accepted, gamma)
-            position = len(req.out)
-            kept = req.commit(drafts[:accepted] + [bonus])
-            if self.config.trace:
-                self._trace.append(trace_record(req, drafts, confidence, results.confidence_logits[b], b, n,
-                                                accepted, kept, position, len(requests)))
-
     def _commit_plain(self, requests: list[Request], tokens: list[int]) -> None:
         """Commit a plain round of `DraftLookahead` (budget 0): each request's greedy token, as
         `speculative_round` verifying 0 drafts; the trace has no drafts or confidences (none were made),
