@@ -51,9 +51,10 @@ drafting): nothing probes whether the text got easier. Fixed budgets never run p
 
 A plain round costs what a `Lookahead` step costs plus the observe, which on CUDA replays on a side
 stream beside the next round's target step (`StaticDraftRunner.observe_aside`; a drafting round's
-propose waits for it): besides the two graphs it runs the argmax, the next inputs and the bonus's copy to pinned memory (no draft, acceptance, mask or confidence
-op), its results are the bonus column, and `plan` reuses its budget while the stale rows are the very
-objects it planned last (a plain batch's rows do not change), so no planning runs per plain round.
+propose waits for it): besides the two graphs it runs the argmax, the next inputs and the bonus's copy
+to pinned memory (no draft, acceptance, mask or confidence op), its results are the bonus column, and
+`plan` reuses its budget while the stale rows are the very objects it planned last (a plain batch's
+rows do not change), so no planning runs per plain round.
 
 When the batch changes (a request finished, was aborted or preempted, one joined, a slot moved), the
 round in flight no longer matches the requests' committed lengths and is dropped: every row it wrote

@@ -125,7 +125,8 @@ class StaticMtpRunner:
         graph = self.propose_graphs.get(anchors.shape[0])
         return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
 
-    def propose_sampled(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor) -> DraftProposal:
+    def propose_sampled(self, anchors: torch.Tensor, positions: torch.Tensor,
+                        temperature: torch.Tensor) -> DraftProposal:
         """k-blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row): the
         bucket's sampled graph on CUDA, the eager static propose elsewhere."""
         return sampled_propose(self, anchors, positions, temperature)
