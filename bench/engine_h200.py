@@ -203,8 +203,10 @@ def inject(engine: Engine, model, drafter, requests: int, context: int, g: torch
     vocab = model.config.vocab_size
     prompt = [0] * context  # shared, never mutated: only its length matters to the bookkeeping
     for i in range(requests):
-        req = Request(prompt, fabricate_state(model.new_state(), context, g, vocab, _token_map(model)), torch.Generator().manual_seed(i),
-                      10**6, frozenset(), params, request_id=f"r{i}", feed=prompt, prefilled=context)
+        # the request's generator on the model's device: sampled verification draws its noise there
+        req = Request(prompt, fabricate_state(model.new_state(), context, g, vocab, _token_map(model)),
+                      torch.Generator(device=model.device).manual_seed(i), 10**6, frozenset(), params,
+                      request_id=f"r{i}", feed=prompt, prefilled=context)
         req.dstate = fabricate_drafter_state(drafter, context, g, vocab)
         req.out.append(int(torch.randint(0, vocab, (1,), generator=g, device=g.device)))  # the anchor
         engine.scheduler.running.append(req)
@@ -550,6 +552,13 @@ def main() -> None:
         raise ValueError(f"--confidence must lie in (0, 1), got {cli.confidence}")
     args["confidence"] = cli.confidence
     args["table_from_cells"] = cli.table_from_cells
+    auto_modes = {"auto", "auto_async"} & set(args["modes"])
+    if cli.table_from_cells and auto_modes and not set(FIXED_DSPARK) <= set(args["modes"]):
+        # With fewer points the table interpolates the missing budgets' SPS linearly, which is far
+        # too kind at large loads (H200, 256 requests, none + dspark3 only: auto planned budget 1 at
+        # an interpolated 14 ms per step that took 20 ms, 0.72 of plain decoding)
+        raise ValueError(f"--table-from-cells with {sorted(auto_modes)} needs every fixed cell in --modes: "
+                         f"{','.join(FIXED_DSPARK)}")
     if cli.config:
         args["config"] = cli.config
     if cli.steps is not None:

@@ -5,6 +5,9 @@
 #   run(command="bash bench/gpu_session11.sh b")
 #   run(command="bash bench/gpu_session11.sh d")
 #   run(command="bash bench/gpu_session11.sh c")
+#   run(command="PYTHONPATH=. python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8
+#       --confidence 0.8629 --table-from-cells --requests 256 --modes none,dspark1,dspark2,dspark3,auto_async
+#       --contexts 4096|32768 --out $OUT/engine-h200-s11e-256[-32k].json")   # e: two calls, warm machine
 #
 # a: the tenth session's CPU-only work under its GPU tests: MTP-1 on the static slots (graphs replayed,
 #    the default engine's tokens) and auto's budget-0 rounds (plain steps with the drafter observing);
@@ -24,7 +27,8 @@
 #    sampled); the engine again with each timing converted at its own rounds (tau per loop): v4-mini
 #    4K over the whole load grid (none, MTP-1, DSpark 3, auto), 32K at 64 / 128 / 256 requests, sampled
 #    DSpark 3 (T = 1) from graphs vs eager at 1 / 8 / 64; the V4.1 analogue (v41-mini) with graphs at
-#    1 / 8 / 64 / 256 requests, 4K.
+#    1 / 8 / 64 / 256 requests, 4K. As run, its auto cells planned on tables of the none and DSpark-3
+#    cells only (budgets 1 and 2 interpolated): engine_h200.py now refuses that; part e re-ran 256.
 #
 # Only 8 files come back from a call, so every part ends by packing $OUT into one session11-PART.tgz.
 set -uo pipefail

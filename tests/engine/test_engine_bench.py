@@ -85,20 +85,21 @@ def test_engine_bench_overlap_runs_on_the_static_path(tmp_path):
 
 
 def test_engine_bench_auto_against_fixed_budgets_with_a_constant_confidence(tmp_path):
-    """`--modes dspark1,dspark2,dspark3,auto_async --confidence C --table-from-cells` with `--overlap`:
-    fixed budgets 1..3 are converted at the geometric model Σ_{k<=n} C^k, the async planner keeps its
-    rounds in flight and plans on the fixed cells' SPS, the summary compares it with the best fixed
-    budget in both timings; a confidence outside (0, 1) is refused by value."""
+    """`--modes none,dspark1,dspark2,dspark3,auto_async --confidence C --table-from-cells` with
+    `--overlap`: fixed budgets 1..3 are converted at the geometric model Σ_{k<=n} C^k, the async planner
+    keeps its rounds in flight and plans on the fixed cells' SPS, the summary compares it with the best
+    fixed budget in both timings; a confidence outside (0, 1) is refused by value, and so is a table
+    from cells that lack a fixed budget (it would interpolate the missing ones)."""
     out = tmp_path / "engine-auto.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     script = str(ROOT / "bench" / "engine_h200.py")
     subprocess.run([sys.executable, script, "--smoke", "--static-decode", "--overlap", "--requests", "2", "--modes",
-                    "auto_async,dspark1,dspark2,dspark3", "--contexts", "40", "--decode-only", "--steps", "2",
+                    "auto_async,none,dspark1,dspark2,dspark3", "--contexts", "40", "--decode-only", "--steps", "2",
                     "--confidence", "0.8629", "--table-from-cells", "--out", str(out)],
                    check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
     r = json.loads(out.read_text())
     rows = {d["mode"]: d for d in r["decode"]}
-    assert list(rows) == ["dspark1", "dspark2", "dspark3", "auto_async"]  # fixed cells first
+    assert list(rows) == ["none", "dspark1", "dspark2", "dspark3", "auto_async"]  # fixed cells first
     for n in (1, 2, 3):
         assert rows[f"dspark{n}"]["mean_drafts_verified_per_request"] == n
         assert abs(rows[f"dspark{n}"]["tau_converted"] - sum(0.8629 ** k for k in range(n + 1))) < 1e-9
@@ -108,3 +109,7 @@ def test_engine_bench_auto_against_fixed_budgets_with_a_constant_confidence(tmp_
     bad = subprocess.run([sys.executable, script, "--smoke", "--confidence", "1.5", "--out", str(tmp_path / "b.json")],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--confidence must lie in (0, 1), got 1.5" in bad.stderr
+    sparse = subprocess.run([sys.executable, script, "--smoke", "--modes", "none,dspark3,auto_async", "--table-from-cells",
+                             "--out", str(tmp_path / "s.json")], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert sparse.returncode != 0 and "needs every fixed cell in --modes: none,dspark1,dspark2,dspark3" in sparse.stderr
