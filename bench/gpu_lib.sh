@@ -17,3 +17,8 @@ tests() {  # tests NAME TIMEOUT PYTEST-ARGS...: pytest quietly, its summary and 
   logged "$name" "$limit" python3 -m pytest -q -p no:cacheprovider -rs "$@"
   tail -n 3 "$W/logs/$name.txt" | cut -c1-400; grep -h "^E  \|FAILED" "$W/logs/$name.txt" | head -n 12 | cut -c1-300
 }
+
+pack() {  # pack NAME: the logs into $OUT, then all of $OUT into one NAME.tgz (a call returns at most 8 files)
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null || true
+  (cd "$OUT" && tar czf "/tmp/$1.tgz" . && find . -type f -delete && mv "/tmp/$1.tgz" .)
+}

@@ -46,7 +46,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 W=/tmp/gpu-session && mkdir -p $W/logs
 
-source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
 
 
 
@@ -143,5 +143,4 @@ case "${1:?part: a to g}" in
   c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
-cp $W/logs/*.txt "$OUT/" 2>/dev/null || true
-(cd "$OUT" && tar czf "/tmp/session10-$1.tgz" . && find . -type f -delete && mv "/tmp/session10-$1.tgz" .)
+pack "session10-$1"

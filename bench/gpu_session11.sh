@@ -36,7 +36,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 W=/tmp/gpu-session && mkdir -p $W/logs
 
-source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
 
 part_a() {
   tests a_mtp 170 tests/engine/test_engine_static_gpu.py -k mtp
@@ -101,5 +101,4 @@ case "${1:?part: a to d}" in
   d) part_d ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
-cp $W/logs/*.txt "$OUT/" 2>/dev/null || true
-(cd "$OUT" && tar czf "/tmp/session11-$1.tgz" . && find . -type f -delete && mv "/tmp/session11-$1.tgz" .)
+pack "session11-$1"
