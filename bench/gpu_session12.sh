@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU steps left by the eleventh session (written then, not run; each part < 9.5 min on one H200):
+#
+#   run(command="bash bench/gpu_session12.sh a", kind="nvidia-h200")
+#
+# a: the mixed sampled / greedy DSpark engine test on the sampled propose graphs with an fp32 target
+#    (it failed in bf16); the engine's sampled cells (every request at T = 1, budget 3) drafting from the
+#    sampled graphs against the eager sampled propose at 1 / 8 / 64 requests, 4K; v41-mini's auto /
+#    best fixed budget with a full table at 64 / 128 / 256 requests, 4K (the eleventh session gave it a
+#    two-point table); the v41-mini step's kernel profile at one request (1.9x v4-mini's step).
+#
+# Only 8 files come back from a call, so the part ends by packing $OUT into one session12-PART.tgz.
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+W=/tmp/gpu-session && mkdir -p $W/logs
+
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
+
+part_a() {
+  tests a_sampled 100 -m gpu "tests/engine/test_engine_static_gpu.py::test_static_decode_sampled_dspark_rounds_run_and_free_their_slots"
+  local grid=(--static-decode --overlap --decode-only --steps 8 --confidence 0.8629)
+  logged a_engine_sampled 90 python3 bench/engine_h200.py "${grid[@]}" --requests 1,8,64 \
+    --modes dspark3_t1,dspark3_t1_eager --contexts 4096 --budget-s 75 --out "$OUT/engine-h200-s12-sampled.json"
+  tail -n 10 $W/logs/a_engine_sampled.txt | cut -c1-300
+  logged a_engine_v41 200 python3 bench/engine_h200.py "${grid[@]}" --table-from-cells --config v41-mini \
+    --requests 64,128,256 --modes none,dspark1,dspark2,dspark3,auto_async --contexts 4096 --budget-s 180 \
+    --out "$OUT/engine-v41-mini-h200-s12.json"
+  tail -n 16 $W/logs/a_engine_v41.txt | cut -c1-300
+  step graph-profile-v41-mini-h200-s12-no-pdl 60 --config v41-mini --requests 1 --no-pdl --profile
+}
+
+case "${1:?part: a}" in
+  a) part_a ;;
+  *) echo "unknown part $1" >&2; exit 2 ;;
+esac
+pack "session12-$1"
