@@ -1,4 +1,10 @@
-# Shared by the GPU session scripts (`source bench/gpu_lib.sh` after setting W, the log folder, and OUT).
+# Shared by the GPU session scripts: `source "$(dirname "$0")/gpu_lib.sh"` first. It sets the shell
+# options, checks OUT (the folder whose files come back), exports the Python settings and makes the
+# log folder W (a script may set W before sourcing, else /tmp/gpu-session).
+set -uo pipefail
+: "${OUT:?OUT must name the folder to write results into}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+W=${W:-/tmp/gpu-session} && mkdir -p "$W/logs"
 
 logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/NAME.txt, record rc
   local name=$1 limit=$2; shift 2

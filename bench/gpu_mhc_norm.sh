@@ -10,11 +10,7 @@
 #    D 2048 and 4096, bf16, with the epilogue's tile variants, and whether h is bit-identical to the pair;
 # 3. the v4-mini graph step at 1 and 8 requests with the NOT_YET_ON_GPU kernels (the folds and norm_rope)
 #    and without, on the same machine (kernels per step, ms per step, profile).
-set -uo pipefail
-: "${OUT:?OUT must name the folder to write results into}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-W=/tmp/gpu-mhc-norm && mkdir -p $W/logs
-
+W=/tmp/gpu-mhc-norm  # its log folder
 source "$(dirname "$0")/gpu_lib.sh"  # logged NAME TIMEOUT CMD...
 
 logged tests 120 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc_norm.py \

@@ -41,11 +41,6 @@
 #    GPU tests, then the engine at 64 / 128 / 256 requests, 4K: auto / best fixed where plain is best.
 #
 # Only 8 files come back from a call, so every part ends by packing $OUT into one session10-PART.tgz.
-set -uo pipefail
-: "${OUT:?OUT must name the folder to write results into}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-W=/tmp/gpu-session && mkdir -p $W/logs
-
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
 
 

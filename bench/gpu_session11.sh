@@ -31,11 +31,6 @@
 #    cells only (budgets 1 and 2 interpolated): engine_h200.py now refuses that; part e re-ran 256.
 #
 # Only 8 files come back from a call, so every part ends by packing $OUT into one session11-PART.tgz.
-set -uo pipefail
-: "${OUT:?OUT must name the folder to write results into}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-W=/tmp/gpu-session && mkdir -p $W/logs
-
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
 
 part_a() {

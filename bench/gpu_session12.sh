@@ -10,11 +10,6 @@
 #    two-point table); the v41-mini step's kernel profile at one request (1.9x v4-mini's step).
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session12-PART.tgz.
-set -uo pipefail
-: "${OUT:?OUT must name the folder to write results into}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-W=/tmp/gpu-session && mkdir -p $W/logs
-
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
 
 part_a() {

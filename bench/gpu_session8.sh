@@ -9,11 +9,6 @@
 # a: last session's fixes (cache_round's div_rn and saturating reference, DraftLookahead's copy of the
 #    propose outputs) under their GPU tests; the decode MoE's launch shapes swept on v4-mini's layer as
 #    CUDA-graph replays (the shipped ones were picked on V4-Flash's); the v41-mini step with cache_round.
-set -uo pipefail
-: "${OUT:?OUT must name the folder to write results into}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-W=/tmp/gpu-session && mkdir -p $W/logs
-
 source "$(dirname "$0")/gpu_lib.sh"  # logged NAME TIMEOUT CMD...
 
 part_a() {

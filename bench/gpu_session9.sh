@@ -37,11 +37,6 @@
 #    RMSNorm in two launches) and `index_scores_pooled` (V4.1's pool block maxima in the indexer score
 #    kernel), both NOT_YET_ON_GPU, under their GPU tests; the v4-mini and v41-mini steps with them
 #    (--not-yet) and without.
-set -uo pipefail
-: "${OUT:?OUT must name the folder to write results into}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-W=/tmp/gpu-session && mkdir -p $W/logs
-
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests
 
 

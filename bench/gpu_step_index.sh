@@ -8,11 +8,6 @@
 # sm_90, PDL launches, the static steps' graph tests), then the v4-mini and v41-mini graph steps at 1
 # and 8 requests with it and without, and the v4-mini PDL-off profile with it (op_sites: the index
 # sites should be one index_select; the 97 torch ops of graph-profile-h200-s9-final-no-pdl.json drop by ~50).
-set -uo pipefail
-: "${OUT:?OUT must name the folder to write results into}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-W=/tmp/gpu-session && mkdir -p $W/logs
-
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests
 
 
