@@ -2,12 +2,15 @@
 # GPU steps left by the eleventh session (written then, not run; each part < 9.5 min on one H200):
 #
 #   run(command="bash bench/gpu_session12.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session12.sh b", kind="nvidia-h200")
 #
 # a: the mixed sampled / greedy DSpark engine test on the sampled propose graphs with an fp32 target
 #    (it failed in bf16); the engine's sampled cells (every request at T = 1, budget 3) drafting from the
 #    sampled graphs against the eager sampled propose at 1 / 8 / 64 requests, 4K; v41-mini's auto /
 #    best fixed budget with a full table at 64 / 128 / 256 requests, 4K (the eleventh session gave it a
 #    two-point table); the v41-mini step's kernel profile at one request (1.9x v4-mini's step).
+# b: where a DSpark-3 round at 64 requests (4K) spends its time: the greedy propose graph's kernel
+#    profile, and the target's graph step with 4 tokens (the verify block) and 1 token per request.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session12-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
@@ -25,8 +28,16 @@ part_a() {
   step graph-profile-v41-mini-h200-s12-no-pdl 60 --config v41-mini --requests 1 --no-pdl --profile
 }
 
-case "${1:?part: a}" in
+part_b() {
+  logged b_draft 150 python3 bench/graph_draft.py --requests 64 --profile --no-pdl --out "$OUT/graph-draft-h200-s12-b64.json"
+  grep -h "graph_ms\|propose_profile" $W/logs/b_draft.txt | cut -c1-1500
+  step graph-profile-h200-s12-b64x4 120 --requests 64 --tokens 4 --no-pdl --profile
+  step graph-profile-h200-s12-b64x1 120 --requests 64 --no-pdl --profile
+}
+
+case "${1:?part: a or b}" in
   a) part_a ;;
+  b) part_b ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 pack "session12-$1"
