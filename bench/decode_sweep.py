@@ -40,12 +40,13 @@ def rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def mhc_rows(device, g) -> list[dict]:
+def mhc_rows(device, g, layers=tuple(LAYERS), tokens=TOKENS, variants=MHC_VARIANTS) -> list[dict]:
     rows = []
-    for name, shape in LAYERS.items():
+    for name in layers:
+        shape = LAYERS[name]
         dim, n_mix = shape["hidden"], 2 * HC + HC * HC
         fn = torch.randn(n_mix, HC * dim, generator=g, device=device) * 0.01
-        for n_tok in TOKENS:
+        for n_tok in tokens:
             x = torch.randn(n_tok, HC, dim, generator=g, device=device).bfloat16()
             f = torch.randn(n_tok, dim, generator=g, device=device).bfloat16()
             post = torch.rand(n_tok, HC, generator=g, device=device)
@@ -53,7 +54,7 @@ def mhc_rows(device, g) -> list[dict]:
             for fused in (False, True):
                 extra = (f, post, comb, torch.empty_like(x)) if fused else None
                 base_d, base_sq = (p.sum(0) for p in mhc._launch_stats(x, fn, HC, dim, fused=extra))
-                for tiles in MHC_VARIANTS:
+                for tiles in variants:
                     try:
                         d, sq = (p.sum(0) for p in mhc._launch_stats(x, fn, HC, dim, fused=extra, tiles=tiles))
                         err = max(rel(d, base_d), rel(sq, base_sq))
@@ -101,7 +102,14 @@ def wo_a_rows(device, g) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/decode-sweep.json")
+    p.add_argument("--layers", default=",".join(LAYERS), help=f"comma list of {tuple(LAYERS)}")
+    p.add_argument("--mhc-tokens", default=None,
+                   help="comma list of token counts for the mHC statistics sweep (default 1,8); with it the "
+                        "sweep also tries 32- and 64-token tiles (verify blocks and many requests) and skips wo_a")
     args = p.parse_args(argv)
+    layers = tuple(args.layers.split(","))
+    if not set(layers) <= set(LAYERS):
+        raise ValueError(f"--layers {args.layers!r}: each must be one of {tuple(LAYERS)}")
     if not torch.cuda.is_available():
         print("bench/decode_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -111,7 +119,12 @@ def main(argv=None) -> int:
     g = torch.Generator(device=device).manual_seed(0)
     cond = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
-    rows = mhc_rows(device, g) + wo_a_rows(device, g)
+    if args.mhc_tokens:
+        tokens = tuple(int(n) for n in args.mhc_tokens.split(","))
+        variants = [(t, d, w) for t in (16, 32, 64) for d in (32, 64, 128) for w in (4, 8)]
+        rows = mhc_rows(device, g, layers, tokens, variants)
+    else:
+        rows = mhc_rows(device, g, layers) + wo_a_rows(device, g)
     for case in ("mhc_stats", "wo_a"):  # the fastest variant per shape, beside the default
         groups = {}
         for r in rows:

@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session12.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session12.sh b", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session12.sh c", kind="nvidia-h200")
 #
 # a: the mixed sampled / greedy DSpark engine test on the sampled propose graphs with an fp32 target
 #    (it failed in bf16); the engine's sampled cells (every request at T = 1, budget 3) drafting from the
@@ -11,6 +12,8 @@
 #    two-point table); the v41-mini step's kernel profile at one request (1.9x v4-mini's step).
 # b: where a DSpark-3 round at 64 requests (4K) spends its time: the greedy propose graph's kernel
 #    profile, and the target's graph step with 4 tokens (the verify block) and 1 token per request.
+# c: the mHC statistics pass's launch shapes at 64 / 256 / 320 tokens (part b: 57 us per call at 256
+#    tokens against 10.5 at 64, the largest kernel of the verify step).
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session12-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
@@ -35,9 +38,15 @@ part_b() {
   step graph-profile-h200-s12-b64x1 120 --requests 64 --no-pdl --profile
 }
 
-case "${1:?part: a or b}" in
+part_c() {
+  logged c_sweep 400 python3 bench/decode_sweep.py --mhc-tokens 64,256,320 --out "$OUT/mhc-stats-tokens-h200.json"
+  grep -h "^mhc_stats\|rc=" $W/logs/c_sweep.txt
+}
+
+case "${1:?part: a, b or c}" in
   a) part_a ;;
   b) part_b ;;
+  c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 pack "session12-$1"
