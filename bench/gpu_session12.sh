@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session12.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session12.sh b", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session12.sh c", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session12.sh d", kind="nvidia-h200")
 #
 # a: the mixed sampled / greedy DSpark engine test on the sampled propose graphs with an fp32 target
 #    (it failed in bf16); the engine's sampled cells (every request at T = 1, budget 3) drafting from the
@@ -14,6 +15,7 @@
 #    profile, and the target's graph step with 4 tokens (the verify block) and 1 token per request.
 # c: the mHC statistics pass's launch shapes at 64 / 256 / 320 tokens (part b: 57 us per call at 256
 #    tokens against 10.5 at 64, the largest kernel of the verify step).
+# d: the verify step again with part c's mHC tiles; the V4.1 statistics tiles at 64 / 256 tokens.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session12-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
@@ -43,10 +45,18 @@ part_c() {
   grep -h "^mhc_stats\|rc=" $W/logs/c_sweep.txt
 }
 
-case "${1:?part: a, b or c}" in
+part_d() {
+  step graph-profile-h200-s12-d64x4 120 --requests 64 --tokens 4 --no-pdl --profile
+  logged d_v41 200 python3 bench/mhc_v41_site.py --tokens 64,256 --unsplit-variants --reps 100 \
+    --block-d 64/32/4,64/32/4/32,32/16/4/32,32/32/4/64,32/16/4/64,64/32/4/64,64/16/4/64 --out "$OUT/mhc-v41-tokens-h200.json"
+  grep -h "_us" $W/logs/d_v41.txt | cut -c1-900
+}
+
+case "${1:?part: a, b, c or d}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
+  d) part_d ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 pack "session12-$1"

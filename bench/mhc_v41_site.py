@@ -50,8 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=2048, help="hidden size D (v41-mini: 2048)")
     p.add_argument("--reps", type=int, default=200, help="graph replays per timing (median kept)")
     p.add_argument("--block-d", default="32/32,32/16,64/32/4",
-                   help="comma list of PRE/POST_PRE[/WARPS] statistics tiles (D-block widths, warps) timed on "
-                        "the split path")
+                   help="comma list of PRE/POST_PRE[/WARPS[/BLOCK_T]] statistics tiles (D-block widths, warps, "
+                        "token rows) timed on the split path")
+    p.add_argument("--unsplit-variants", action="store_true",
+                   help="time the --block-d variants on the shipped path (unsplit above its threshold: many tokens)")
     p.add_argument("--sites", type=int, default=24, help="mHC sites per graph (half pre, half post_pre)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU interpreter, D = 64, fp32, 2 sites, N = 1 and 8, one wall-clock step (checks the script)")
@@ -93,11 +95,12 @@ class Variant:
         mhc_v41.SPLIT_STREAMS_MAX_TOKENS = self.threshold  # this process only
         triton_compat.PREFETCH = triton_compat.PREFETCH and self.prefetch
         if self.tiles is not None:
-            shipped, (bd_pre, bd_post, *warps) = mhc_v41._v41_tiles, self.tiles
+            shipped, (bd_pre, bd_post, *rest) = mhc_v41._v41_tiles, self.tiles
 
             def tiles(n_tok, fused):
                 bt, _, shipped_warps = shipped(n_tok, fused)
-                return bt, bd_post if fused else bd_pre, warps[0] if warps else shipped_warps
+                warps = rest[0] if rest else shipped_warps
+                return rest[1] if len(rest) > 1 else bt, bd_post if fused else bd_pre, warps
 
             mhc_v41._v41_tiles = tiles
         return self
@@ -194,7 +197,10 @@ def run(args) -> dict:
         if n > shipped:
             paths["split_forced"] = Variant(n)
         for tiles in variants:
-            paths["split_" + "_".join(map(str, tiles))] = Variant(max(n, shipped), tiles)
+            if args.unsplit_variants:  # the variants on the path N takes (unsplit above the threshold)
+                paths["tiles_" + "_".join(map(str, tiles))] = Variant(shipped, tiles)
+            else:
+                paths["split_" + "_".join(map(str, tiles))] = Variant(max(n, shipped), tiles)
         row = check(n, dim, dtype, g, device, paths)
         result["check"].append(row)
         print(json.dumps(row), flush=True)

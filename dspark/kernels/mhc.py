@@ -552,15 +552,17 @@ SPLIT_STREAMS_MAX_TOKENS = 4
 
 def _stats_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps) of the statistics kernel. tl.dot needs >= 16 token rows; more
-    rows per tile re-read fn (1.5 MB for Flash) from L2 fewer times. The sizes are the largest that
-    compile for sm_90 without register spills (ptxas report, AOT-compiled on a CPU machine)."""
-    if n_tok <= 256:  # bench/decode_sweep.py on one H200 (decode-sweep-h200.json), CUDA-graph replays at 1-8
+    rows per tile re-read fn (0.8 MB at D = 2048, 1.5 MB for Flash) from L2 fewer times."""
+    if n_tok <= 8:  # bench/decode_sweep.py on one H200 (decode-sweep-h200.json), CUDA-graph replays at 1-8
         # tokens: the unfused pass 4.8-5.1 µs with 4 warps vs 6.2-6.6 µs with 8. Narrower D blocks were
         # faster still (3.4 µs) but write 4x the partials, and the epilogue that reduces them then cost
-        # more than they saved in the whole step (graph-profile-h200-s6*.json); the fused pass's 2- and
-        # 4-warp shapes spill registers on sm_90.
+        # more than they saved in the whole step (graph-profile-h200-s6*.json).
         return (16, 64, 8) if fused else (16, 64, 4)
-    return (32, 32, 8) if fused else (128, 32, 8)
+    # `--mhc-tokens 64,256,320` (mhc-stats-tokens-h200.json; v4-mini and V4-Flash widths): at 64 tokens
+    # 16 x 64 tiles at 4 warps (fused 5.6 / 7.5 µs vs 11.9 / 19.6 at 8 warps); from 256 tokens on
+    # (verify blocks, many requests, the drafter's γ rows per request) 64-token tiles read fn a quarter
+    # as often: fused 62.7 -> 9.3 µs (v4-mini) and 124.6 -> 15.5 µs (Flash) at 256 tokens.
+    return (16, 64, 4) if n_tok <= 64 else (64, 32, 4)
 
 
 def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fused=None, tiles=None):

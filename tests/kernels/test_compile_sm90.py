@@ -114,7 +114,7 @@ def run_every_tile_class():
     """Fused ops on inputs that select each tile class: decode and prefill token counts, bf16, FP8."""
     g = torch.Generator().manual_seed(0)
     eps = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=3)
-    for n_tok in (2, 260):  # mHC tiles switch above 256 tokens; D = 256 reaches the widest D-tiles
+    for n_tok in (2, 40, 260):  # the mHC tile classes (<= 8, <= 64, more tokens); D = 256 reaches the widest D-tiles
         x = torch.randn(n_tok, 4, 256, generator=g).bfloat16().to(DEVICE)
         site = [t.to(DEVICE) for t in (torch.randn(24, 1024, generator=g) * 0.05, torch.randn(24, generator=g),
                                        torch.rand(3, generator=g) + 0.5)]
