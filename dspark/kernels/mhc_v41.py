@@ -208,7 +208,8 @@ def _v41_stats_kernel(
             acc = _dot_fp32(xk, w, acc, X_IS_TF32)
         u_mask = td_mask
         if SPLIT_STREAMS:
-            u_mask = td_mask & (k_first == 0)
+            # a tensor compare: Triton 3.9's interpreter rejects a mask made with a scalar bool
+            u_mask = td_mask & (offs_d[None, :] * 0 + k_first == 0)
             if k_first == 0:
                 u = _v41_collapse_tile(x_ptr, x3, f, post_ptr, comb_ptr, xout_ptr, pin_ptr, offs_t, offs_j, offs_d,
                                        t_mask, td_mask, dim, HC, FUSE_POST)
@@ -221,7 +222,7 @@ def _v41_stats_kernel(
     tl.store(sqpart_ptr + part, sq, mask=t_mask)
     uq_mask = t_mask
     if SPLIT_STREAMS:
-        uq_mask = t_mask & (k_first == 0)
+        uq_mask = t_mask & (offs_t * 0 + k_first == 0)
     tl.store(uqpart_ptr + pid_s * n_tok + offs_t, uq, mask=uq_mask)
 
 
@@ -284,10 +285,14 @@ def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     register spills (checked by tests/kernels/test_compile_sm90.py)."""
     # A split program holds one stream's loads: 4 warps ran the one-token site in 10.3 µs against 19.0
     # at 8 (H200, bench/results/mhc-v41-site-h200.json, `split_64_32_4`), 12.4 against 19.5 at 4 tokens.
-    warps = 4 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 8
-    if fused:
-        return (16, 32, warps) if n_tok <= 256 else (32, 16, 8)
-    return (16, 64, warps) if n_tok <= 256 else (64, 32, 8)
+    if n_tok <= 8:
+        warps = 4 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 8
+        return (16, 32, warps) if fused else (16, 64, warps)
+    # More tokens (verify blocks, many requests, the drafter's γ rows each): 32-token tiles at 4 warps
+    # read fn half as often and keep more programs per SM; per site (pre + post_pre mean, D = 2048,
+    # `bench/mhc_v41_site.py --tokens 64,256 --unsplit-variants`, mhc-v41-tokens-h200.json) 26.7 -> 14.7 µs
+    # at 64 tokens and 91.9 -> 20.5 µs at 256 against the 16-token, 8-warp tiles.
+    return (32, 32, 4) if fused else (32, 64, 4)
 
 
 def _launch_stats(src, pin, fn, fused=None, tiles=None):

@@ -420,7 +420,10 @@ SM90_SHARED_BYTES = 232448  # 227 KB: the opt-in shared memory limit of one bloc
 #   constant): 24 B; attn-variants-h200.json timed this shape (it is `all_s4_waves1` at 256+ queries).
 # * `_decode_down_kernel`, dense bf16 one-token tiles 4 x 512 (v4-mini): 8 B; picked by
 #   bench/moe_decode_tiles.py (moe-decode-tiles-mini-h200.json).
+# * `_v41_stats_kernel`, the unfused 32 x 64 tiles at 4 warps (more than 8 tokens): 8 B; timed with it
+#   by bench/mhc_v41_site.py (`tiles_64_32_4_32`, mhc-v41-tokens-h200.json), the fastest shape at 256 tokens.
 KNOWN_SPILLS = (
+    ("_v41_stats_kernel", dict(BLOCK_T=32, BLOCK_D=64, FUSE_POST=False), 8),
     ("_wide_kernel", dict(BLOCK_H=64, n_chunks=1), 24),
     ("_decode_down_kernel", dict(FP8=False, BLOCK_N=4, BLOCK_K=512), 8),
 )
