@@ -1,7 +1,8 @@
 """One decoding round: draft → plan → verify → commit (DSpark paper §2–3; specs/dspark.md §2.2–2.4).
 
-    draft   the drafter proposes a full γ-block per request from its anchor (the last committed token)
-    plan    the planner chooses how many of the γ drafts each request sends to the target (ℓ_r)
+    draft   the drafter proposes a γ-block per request from its anchor (the last committed token); a
+            DSpark drafter under a fixed budget n < γ drafts only the n slots that can be verified
+    plan    the planner chooses how many of the drafts each request sends to the target (ℓ_r)
     verify  one ragged target call over [anchor, x_0 .. x_{ℓ-1}] per request, then exact acceptance
     commit  rewind the target state to anchor + accepted drafts, feed those rows to the drafter,
             append accepted drafts + the correction/bonus token
@@ -26,11 +27,16 @@ from dspark.verify.planner import VerifyPlan, plan_algorithm1, plan_async, plan_
 
 @dataclass(frozen=True)
 class RoundConfig:
-    """How rounds verify: `draft_tokens` 0 (plain), n (fixed budget) or "auto" (planner)."""
+    """How rounds verify: `draft_tokens` 0 (plain), n (fixed budget) or "auto" (planner).
+
+    `n_draft`: passed to the drafter's `propose` as `n_draft=` (the leading block slots it drafts, a
+    `DSparkDrafter` option; the engine sets it to the fixed budget), or None: the call leaves it out
+    and the drafter drafts its whole block."""
 
     draft_tokens: int | str = 0
     planner: str = "sync"
     capacity: CapacityTable | None = None
+    n_draft: int | None = None
 
 
 def _forward(model, requests: list[Request], chunks: list[list[int]], drafter):
@@ -69,11 +75,13 @@ def prefill_step(model, drafter, requests: list[Request], chunk: int) -> None:
             req.commit([_pick(out.logits[off + len(piece) - 1], req)])
 
 
-def _draft(drafter, live: list[Request]):
-    """Full γ-blocks for every request, grouped by temperature (the only parameter q depends on).
+def _draft(drafter, live: list[Request], n_draft: int | None = None):
+    """A block of k drafts for every request, grouped by temperature (the only parameter q depends on):
+    k = γ, or `n_draft` when given (passed on to `propose`, `RoundConfig.n_draft`).
 
-    Returns per-request token lists, draft distributions, confidences [B, γ] and the raw confidence
-    logits (a list of [γ] tensors, None for drafters without a head; kept for the trace only)."""
+    Returns per-request token lists, draft distributions, confidences [B, k] and the raw confidence
+    logits (a list of [k] tensors, None for drafters without a head; kept for the trace only)."""
+    options = {} if n_draft is None else {"n_draft": n_draft}
     tokens, probs, conf, logits = [None] * len(live), [None] * len(live), [None] * len(live), [None] * len(live)
     groups: dict[float, list[int]] = {}
     for b, r in enumerate(live):
@@ -81,7 +89,7 @@ def _draft(drafter, live: list[Request]):
     anchors = [r.out[-1] for r in live]
     for members in groups.values():
         prop = drafter.propose([live[b].dstate for b in members], [anchors[b] for b in members],
-                               live[members[0]].params, [live[b].generator for b in members])
+                               live[members[0]].params, [live[b].generator for b in members], **options)
         z = getattr(prop, "confidence_logits", None)  # duck-typed proposals may predate the field
         # One host copy per group, not per request (each copy waits for the device).
         group_tokens, group_conf = prop.tokens.tolist(), prop.confidence.float().cpu()
@@ -120,7 +128,7 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
         drafts, probs, confidence, logits = [[] for _ in live], [None] * len(live), None, [None] * len(live)
         plan = VerifyPlan((0,) * len(live))
     else:
-        drafts, probs, confidence, logits = (draft or partial(_draft, drafter))(live)  # draft
+        drafts, probs, confidence, logits = (draft or partial(_draft, drafter, n_draft=cfg.n_draft))(live)  # draft
         plan = _plan(live, confidence, cfg, drafter.block_size)                  # plan
         for r, c in zip(live, confidence):
             r.confidences.append(c)

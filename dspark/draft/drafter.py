@@ -7,6 +7,11 @@ One round for a batch of requests (dspark spec §2.2):
               -> stages over all requests' blocks at once (each sees its own window + own block)
               -> base logits -> Markov chain sampled left to right -> confidences
 
+Past the stages every step is per slot and runs left to right, so a caller that verifies only the
+first n ≤ γ drafts (a fixed budget) asks `propose` for `n_draft=n`: the LM head, the chain and the
+confidence head then run n slots, and those n drafts are the first n of the full block's (the same
+rows, fewer of them; on a GPU the head's low-precision GEMM over fewer rows may round differently).
+
 The drafter holds the target only to borrow its frozen embedding and LM head (spec §1.5); the
 trainable network is `self.model` (a `DSparkModel`, keys `mtp.*`). Confidence logits z_k become
 c_k = σ(z_k / T_k) with the STS temperatures of `calibration` (identity when None).
@@ -23,7 +28,7 @@ import torch
 from dspark.draft.base import DraftProposal
 from dspark.draft.config import DSparkConfig
 from dspark.draft.context import DSparkState, gather_context
-from dspark.draft.dspark_v4 import BlockOutput, DSparkModel, target_kernels
+from dspark.draft.dspark_v4 import BlockOutput, DSparkModel, check_n_draft, target_kernels
 from dspark.draft.markov_head import sample_chain
 from dspark.sampling import SamplingParams
 from dspark.verify.sts import StsCalibration
@@ -31,8 +36,9 @@ from dspark.verify.sts import StsCalibration
 
 @dataclass
 class BlockDraft:
-    """What the backbone produced for one `propose` call: `out` (BlockOutput over B blocks) and the
-    absolute positions [B, γ] of the block slots (slot k of an anchor at L sits at L + k)."""
+    """What the backbone produced for one `propose` call: `out` (BlockOutput over B blocks, its first
+    k slots each) and the absolute positions [B, γ] of the block slots (slot k of an anchor at L sits
+    at L + k)."""
 
     out: BlockOutput
     positions: torch.Tensor
@@ -106,35 +112,40 @@ class DSparkDrafter:
 
     @torch.no_grad()
     def propose(self, dstates: list[DSparkState], anchors: list[int], params: SamplingParams,
-                generators: list[torch.Generator]) -> DraftProposal:
-        """Draft γ tokens per request; leaves every state unchanged (block keys are transient)."""
+                generators: list[torch.Generator], n_draft: int | None = None) -> DraftProposal:
+        """Draft the first k = `n_draft` (an int in [1, γ]; default γ) tokens of each request's block:
+        tokens [B, k], probs [B, k, V] (sampled) and confidences [B, k]. Leaves every state unchanged
+        (block keys are transient)."""
         if len(dstates) != len(anchors) or len(generators) != len(anchors):
             raise ValueError(f"propose: {len(dstates)} states, {len(anchors)} anchors and {len(generators)} "
                              "generators must match")
-        draft = self.block_logits(dstates, anchors)
+        draft = self.block_logits(dstates, anchors, check_n_draft(n_draft, self.block_size))
         out = draft.out
         anchor_ids = torch.tensor(anchors, dtype=torch.long, device=out.base.device)
         tokens, probs, prev_embeds = sample_chain(self.model.markov_head, out.base, out.hidden, anchor_ids,
                                                   params, generators)
-        z = self.model.confidence_head(out.hidden_pre, prev_embeds)  # [B, γ] raw logits
-        conf = self.calibration.apply(z) if self.calibration is not None else torch.sigmoid(z)
+        z = self.model.confidence_head(out.hidden_pre, prev_embeds)  # [B, k] raw logits
+        conf = self.calibration.apply_first(z) if self.calibration is not None else torch.sigmoid(z)
         return DraftProposal(tokens, probs, conf, confidence_logits=z)
 
-    def block_logits(self, dstates: list[DSparkState], anchors: list[int]) -> BlockDraft:
-        """Backbone over every request's block: [anchor, noise × (γ−1)] at positions L_b .. L_b+γ−1."""
+    def block_logits(self, dstates: list[DSparkState], anchors: list[int], n_draft: int | None = None) -> BlockDraft:
+        """Backbone over every request's block: [anchor, noise × (γ−1)] at positions L_b .. L_b+γ−1,
+        past it the first k = `n_draft` slots (default γ)."""
         device = self.model.device
         starts = torch.tensor([s.length for s in dstates], device=device)
         pools, index = gather_context(dstates, self.window, self.model.head_dim, self.model.dtype, device)
-        return self.block_from(torch.tensor(anchors, dtype=torch.long, device=device), starts, pools, index)
+        return self.block_from(torch.tensor(anchors, dtype=torch.long, device=device), starts, pools, index,
+                               n_draft)
 
     def block_from(self, anchor_ids: torch.Tensor, starts: torch.Tensor, pools: list[torch.Tensor],
-                   index: torch.Tensor) -> BlockDraft:
+                   index: torch.Tensor, n_draft: int | None = None) -> BlockDraft:
         """The backbone on device inputs; shared by `block_logits` and the static drafter
         (`static_drafter.py`), so it reads no value on the host.
 
         anchor_ids LongTensor [B]; starts LongTensor [B] the anchors' positions L_b; pools per stage
         [P, d] context keys; index LongTensor [B, W] the pool rows of positions L_b − W .. L_b − 1
-        (−1 = absent). All on the drafter's device.
+        (−1 = absent). All on the drafter's device. n_draft k in [1, γ] (default γ): the slots of
+        each block taken past the backbone (`DSparkModel.blocks`).
         """
         gamma, device = self.block_size, self.model.device
         positions = starts[:, None] + torch.arange(gamma, device=device)  # [B, γ]
@@ -144,5 +155,5 @@ class DSparkDrafter:
         ids = ids.flatten()
         embeds = self.target.embed(ids.to(self.target.device)).to(device)  # [B·γ, D], frozen target embedding
         out = self.model.blocks(embeds, ids, positions.flatten(), pools, index.repeat_interleave(gamma, dim=0),
-                                self.target.head.weight)
+                                self.target.head.weight, n_draft)
         return BlockDraft(out, positions)

@@ -46,15 +46,26 @@ STAGE_KINDS = ("v4", "shipped")
 
 @dataclass
 class BlockOutput:
-    """Backbone output for N blocks of γ slots.
+    """Backbone output for N blocks of γ slots, past the backbone only for the first k ≤ γ of each
+    (`DSparkModel.blocks`' `n_draft`; k = γ unless asked for fewer).
 
-    hidden_pre [N, γ, D] pre-norm collapse (confidence input); hidden [N, γ, D] after `norm`
-    (LM-head and RNN-head input); base fp32 [N, γ, V] base logits U_k.
+    hidden_pre [N, k, D] pre-norm collapse (confidence input); hidden [N, k, D] after `norm`
+    (LM-head and RNN-head input); base fp32 [N, k, V] base logits U_k.
     """
 
     hidden_pre: torch.Tensor
     hidden: torch.Tensor
     base: torch.Tensor
+
+
+def check_n_draft(n_draft, gamma: int) -> int:
+    """The leading slots k of a γ-block to draft: `n_draft` (an int in [1, γ]) or γ when None.
+    ValueError names a bad value."""
+    if n_draft is None:
+        return gamma
+    if isinstance(n_draft, bool) or not isinstance(n_draft, int) or not 1 <= n_draft <= gamma:
+        raise ValueError(f"n_draft must be None or an int in [1, γ={gamma}], got {n_draft!r}")
+    return n_draft
 
 
 def target_kernels(target) -> KernelConfig | None:
@@ -177,13 +188,18 @@ class DSparkModel(nn.Module):
     # ---------------------------------------------------------------------------------------
 
     def blocks(self, embeds: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-               pools: list[torch.Tensor], ctx_index: torch.Tensor, head_weight: torch.Tensor) -> BlockOutput:
+               pools: list[torch.Tensor], ctx_index: torch.Tensor, head_weight: torch.Tensor,
+               n_draft: int | None = None) -> BlockOutput:
         """Run the stages over N blocks.
 
         embeds [S, D] target embeddings of the block ids [S] (γ consecutive rows per block);
         positions [S]; pools per stage [P, d]; ctx_index [S, W] pool rows each row sees;
-        head_weight [V, D] the target LM head (frozen: pass it detached when training).
+        head_weight [V, D] the target LM head (frozen: pass it detached when training);
+        n_draft k in [1, γ] (default γ): the leading slots of each block taken past the backbone.
+        The stages attend both ways inside a block, so they run all γ slots whatever k; the norm and
+        the LM head are per row and run only the N·k rows a caller drafts from (`check_n_draft`).
         """
+        k = check_n_draft(n_draft, self.gamma)
         x = embeds.to(self.dtype).unsqueeze(-2).expand(-1, self.n_hc, -1).contiguous()  # [S, n_hc, D]
         last = self.mtp[-1]
         rows = BlockRows(positions, self.gamma)  # the stages' shared RoPE rows and own-block pool rows
@@ -196,13 +212,14 @@ class DSparkModel(nn.Module):
             for stage, pool in zip(self.mtp, pools):
                 x = stage(x, ids, positions, pool, ctx_index, self.gamma, rows)
             pre = last.collapse(x)  # [S, D]
+        n = embeds.shape[0] // self.gamma
+        # The first k rows of each block, contiguous ([N·k, D]; with k = γ a view, no copy).
+        pre = pre.view(n, self.gamma, -1)[:, :k].reshape(n * k, -1)
         hidden = last.norm(pre)
         # The head runs in its own (the target's) dtype, as the target's logits do; casting the small
         # hidden rather than the [V, D] head avoids copying the head every call.
-        base = F.linear(hidden.to(head_weight.dtype), head_weight).float()  # [S, V]
-        n = embeds.shape[0] // self.gamma
-        return BlockOutput(pre.view(n, self.gamma, -1), hidden.view(n, self.gamma, -1),
-                           base.view(n, self.gamma, -1))
+        base = F.linear(hidden.to(head_weight.dtype), head_weight).float()  # [N·k, V]
+        return BlockOutput(pre.view(n, k, -1), hidden.view(n, k, -1), base.view(n, k, -1))
 
     def teacher_forced(self, out: BlockOutput, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Training view (spec §5.4): draft logits and confidence logits from the true previous tokens.

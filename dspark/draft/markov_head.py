@@ -85,20 +85,21 @@ def build_head(head_type: str, vocab_size: int, rank: int, hidden_size: int, dev
 
 def sample_chain(head: MarkovHead, base: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
                  params: SamplingParams, generators: list[torch.Generator]):
-    """Draft the block left to right (spec §2.2 step 3).
+    """Draft the block left to right (spec §2.2 step 3), as many slots k as `base` holds (γ, or the
+    first k < γ when the caller verifies no more).
 
     Parameters
     ----------
-    base : fp32 [B, γ, V], base logits U_k from the backbone
-    hidden : [B, γ, D], the head input h_k (used by the RNN head)
+    base : fp32 [B, k, V], base logits U_k from the backbone
+    hidden : [B, k, D], the head input h_k (used by the RNN head)
     anchors : LongTensor [B], x_{−1}
     params : the request temperature (0 = greedy); top-k / top-p never filter the draft (spec §3.3)
     generators : one per request, row b draws from generators[b] only
 
     Returns
     -------
-    tokens LongTensor [B, γ]; probs fp32 [B, γ, V] (q_k, the exact sampling distribution) or None
-    when greedy; prev_embeddings fp32 [B, γ, r] = W1[x_{k−1}] (the confidence head's input).
+    tokens LongTensor [B, k]; probs fp32 [B, k, V] (q_k, the exact sampling distribution) or None
+    when greedy; prev_embeddings fp32 [B, k, r] = W1[x_{k−1}] (the confidence head's input).
     """
     batch, gamma, _ = base.shape
     state = head.init_state(batch, base.device)

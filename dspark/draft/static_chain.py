@@ -26,11 +26,12 @@ from dspark.sampling import greedy
 
 def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
                         temperature: torch.Tensor | None, generator: torch.Generator | None):
-    """Draft the block left to right on the device.
+    """Draft the block left to right on the device, as many slots k as `base` holds (γ, or the first
+    k < γ a static drafter built for fewer drafts computes).
 
     Parameters
     ----------
-    base : fp32 [S, γ, V] base logits U_k;  hidden : [S, γ, D] the RNN head's input
+    base : fp32 [S, k, V] base logits U_k;  hidden : [S, k, D] the RNN head's input
     anchors : LongTensor [S], x_{−1}
     temperature : fp32 [S] (0 = greedy row, else > 0; values trusted: no host read), or None for an
         all-greedy call that draws no noise and returns no q
@@ -38,8 +39,8 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
 
     Returns
     -------
-    tokens LongTensor [S, γ]; probs fp32 [S, γ, V] (q_k; one-hot on greedy rows) or None when
-    `temperature` is None; prev_embeddings fp32 [S, γ, r] = W1[x_{k−1}].
+    tokens LongTensor [S, k]; probs fp32 [S, k, V] (q_k; one-hot on greedy rows) or None when
+    `temperature` is None; prev_embeddings fp32 [S, k, r] = W1[x_{k−1}].
     """
     n_slots, gamma, _ = base.shape
     if temperature is not None:

@@ -1,6 +1,6 @@
 """A static-shape, CUDA-graph-capturable DSpark `observe` / `propose` over S slots.
 
-    static = StaticDrafter(drafter, StaticDraftShape(slots=8, tokens=drafter.block_size + 1))
+    static = StaticDrafter(drafter, StaticDraftShape(slots=8, tokens=drafter.block_size + 1), n_draft=3)
     next_anchor = static.load(slot, dstate)                  # a request's state after its (dynamic) prefill
     static.observe(features, starts)                         # committed rows [S, T] at starts [S]
     anchors, positions, temps = static.plan(anchors_host, positions_host, temps_host)   # host: validate, copy
@@ -10,7 +10,10 @@
 writes them into the rings of `static_context.py`; `propose` runs the backbone over all S blocks
 (`DSparkDrafter.block_from`, the dynamic path's own code), the device-side chain of
 `static_chain.py` and the confidence head. Shapes and launches never depend on data, so `propose`
-(and `observe`) can be captured once per bucket and replayed (`static_graph.py`). Every call may run
+(and `observe`) can be captured once per bucket and replayed (`static_graph.py`). `n_draft` k ≤ γ
+fixes how many leading slots of each block `propose` drafts (default γ): the backbone runs all γ
+(attention inside a block is bidirectional), the LM head, chain and confidence head only k, so a
+caller that verifies at most k drafts per round does not pay for the rest. Every call may run
 on the first b <= S slots only (inputs [b]; features [b, T, ...]): it reads and writes those slots'
 rows and leaves the rest as they are (the engine keeps its live slots at 0 .. n − 1).
 
@@ -23,7 +26,8 @@ Host syncs: none in `observe` / `propose` when the target's `KernelConfig` is th
 CPU the stages' reference MoE reads expert counts on the host; fine there, where the static path is
 tested against the dynamic one, but not capturable.
 
-Shape symbols: S slots, T rows per observe, γ block size, V vocabulary, n_hc streams, D hidden size.
+Shape symbols: S slots, T rows per observe, γ block size, k ≤ γ slots drafted, V vocabulary, n_hc
+streams, D hidden size.
 """
 
 from __future__ import annotations
@@ -35,19 +39,22 @@ import torch
 from dspark.draft.base import DraftProposal
 from dspark.draft.context import DSparkState
 from dspark.draft.drafter import DSparkDrafter
+from dspark.draft.dspark_v4 import check_n_draft
 from dspark.draft.static_chain import sample_chain_static
 from dspark.draft.static_context import StaticDraftShape, StaticDraftState
 from dspark.sampling import MIN_TEMPERATURE
 
 
 class StaticDrafter:
-    """Static observe / propose of a `DSparkDrafter` over one bucket's state (`StaticDraftState`)."""
+    """Static observe / propose of a `DSparkDrafter` over one bucket's state (`StaticDraftState`),
+    drafting the first `n_draft` k slots of each block (an int in [1, γ]; default γ)."""
 
-    def __init__(self, drafter: DSparkDrafter, shape: StaticDraftShape):
+    def __init__(self, drafter: DSparkDrafter, shape: StaticDraftShape, n_draft: int | None = None):
         if not isinstance(drafter, DSparkDrafter):
             raise ValueError(f"drafter must be a DSparkDrafter, got {type(drafter).__name__}")
         self.drafter = drafter
         self.shape = shape
+        self.n_draft = check_n_draft(n_draft, drafter.block_size)
         model = drafter.model
         self.device = model.device
         self.state = StaticDraftState(drafter.config.num_stages, drafter.window, model.head_dim, shape, model.dtype,
@@ -101,10 +108,10 @@ class StaticDrafter:
     @torch.no_grad()
     def propose(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor | None = None,
                 generator: torch.Generator | None = None) -> DraftProposal:
-        """Draft γ tokens for each of slots 0 .. b − 1: anchors long [b] at positions long [b] (device;
-        values as `plan` checks them); temperature fp32 [b] or None (all greedy, `probs` None);
-        generator on the device when sampling. Returns a `DraftProposal` (tokens [b, γ], probs
-        [b, γ, V] or None, confidence and confidence_logits [b, γ]). Reads the state only."""
+        """Draft k = `n_draft` tokens for each of slots 0 .. b − 1: anchors long [b] at positions long
+        [b] (device; values as `plan` checks them); temperature fp32 [b] or None (all greedy, `probs`
+        None); generator on the device when sampling. Returns a `DraftProposal` (tokens [b, k], probs
+        [b, k, V] or None, confidence and confidence_logits [b, k]). Reads the state only."""
         b = anchors.shape[0] if isinstance(anchors, torch.Tensor) and anchors.dim() == 1 else -1
         self._check_index("anchors", anchors, b)
         self._check_index("positions", positions, b)
@@ -112,22 +119,24 @@ class StaticDrafter:
             raise ValueError(f"temperature must be [b={b}] on {self.device}, got "
                              f"{tuple(temperature.shape)} on {temperature.device}")
         drafter = self.drafter
-        out = drafter.block_from(anchors, positions, self.state.pools(), self.state.context_index(positions)).out
+        out = drafter.block_from(anchors, positions, self.state.pools(), self.state.context_index(positions),
+                                 self.n_draft).out
         tokens, probs, prev_embeds = sample_chain_static(drafter.model.markov_head, out.base, out.hidden, anchors,
                                                          temperature, generator)
-        z = drafter.model.confidence_head(out.hidden_pre, prev_embeds)  # [S, γ] raw logits
+        z = drafter.model.confidence_head(out.hidden_pre, prev_embeds)  # [b, k] raw logits
         temps = self._calibration_temps()
         conf = torch.sigmoid(z / temps) if temps is not None else torch.sigmoid(z)
         return DraftProposal(tokens, probs, conf, confidence_logits=z)
 
     def _calibration_temps(self) -> torch.Tensor | None:
-        """The drafter's STS temperatures as a device tensor, built once per calibration object (a
-        host-to-device copy cannot run inside a capture: set the calibration before capturing)."""
+        """The drafter's STS temperatures of the k drafted slots as a device tensor [k], built once per
+        calibration object (a host-to-device copy cannot run inside a capture: set the calibration
+        before capturing)."""
         calibration = self.drafter.calibration
         if calibration is not self._calibration:
             self._calibration = calibration
             self._conf_temps = None if calibration is None else torch.tensor(
-                calibration.temperatures, dtype=torch.float32, device=self.device)
+                calibration.temperatures[:self.n_draft], dtype=torch.float32, device=self.device)
         return self._conf_temps
 
     def _check_index(self, name: str, t: torch.Tensor, slots: int) -> None:

@@ -67,7 +67,8 @@ def _copy_in(buffer: torch.Tensor, value: torch.Tensor | None, name: str) -> Non
 
 class ProposeGraph:
     """`StaticDrafter.propose` (greedy) of slots 0 .. b − 1 captured: inputs `anchors`, `positions` [b]
-    long; output `proposal` (tokens [b, γ], confidence and confidence_logits [b, γ], probs None)."""
+    long; output `proposal` (tokens [b, k], confidence and confidence_logits [b, k], probs None; k =
+    the drafter's `n_draft`, fixed at capture)."""
 
     def __init__(self, static: StaticDrafter, pool=None, slots: int | None = None):
         _check_cuda(static)

@@ -65,7 +65,8 @@ the synchronous engine's (tests/engine/test_engine_draft_lookahead.py).
 Host syncs: one per round (the event of the round whose results are read). On the CPU everything runs
 eagerly and in order (the logic is the same, the overlap is not).
 
-Shape symbols: b the round's bucket of slots, n the round's budget (drafts verified), γ the block size.
+Shape symbols: b the round's bucket of slots, n the round's budget (drafts verified), γ the block size,
+k the slots the static drafter drafts (its `n_draft`: the fixed budget, or γ for "auto").
 """
 
 from __future__ import annotations
@@ -84,15 +85,15 @@ Key = tuple[tuple[str, int, int], ...]  # (request id, slot, anchor position) of
 
 @dataclass
 class RoundResults:
-    """A round's results, one column per field, in request order: the γ drafts of each request, how many
-    of the n verified it accepted, its bonus token, and its confidences [γ] and their raw logits [γ]
+    """A round's results, one column per field, in request order: the k drafts of each request, how many
+    of the n verified it accepted, its bonus token, and its confidences [k] and their raw logits [k]
     (host tensors). A plain round (n = 0): no drafts or confidences (None), accepted all 0."""
 
-    drafts: list[list[int]] | None  # R lists of γ ids
+    drafts: list[list[int]] | None  # R lists of k ids
     accepted: list[int]  # [R]
     bonus: list[int]  # [R]
-    confidence: list[torch.Tensor] | None  # R rows [γ]
-    confidence_logits: list[torch.Tensor] | None  # R rows [γ]
+    confidence: list[torch.Tensor] | None  # R rows [k]
+    confidence_logits: list[torch.Tensor] | None  # R rows [k]
 
 
 @dataclass
@@ -104,8 +105,8 @@ class InFlightRound:
     live: torch.Tensor  # [b] bool: slots that hold one of the requests
     next_anchors: torch.Tensor  # [b] long: the bonus token (free slots: 0)
     next_positions: torch.Tensor  # [b] long: positions + accepted + 1 (free slots: 0)
-    host_ids: torch.Tensor  # [b, γ + 2] long: drafts, accepted, bonus (a plain round: [b], the bonus)
-    host_conf: torch.Tensor | None  # [b, 2, γ] fp32: confidences, their logits (None: a plain round)
+    host_ids: torch.Tensor  # [b, k + 2] long: drafts, accepted, bonus (a plain round: [b], the bonus)
+    host_conf: torch.Tensor | None  # [b, 2, k] fp32: confidences, their logits (None: a plain round)
     event: torch.cuda.Event | None
 
     def read(self, slots: list[int]) -> RoundResults:
@@ -116,9 +117,9 @@ class InFlightRound:
         if not self.budget:  # a plain round: only the bonus column exists
             return RoundResults(None, [0] * len(slots), [ids[s] for s in slots], None, None)
         rows = [ids[s] for s in slots]
-        gamma = len(rows[0]) - 2 if rows else 0
+        k = len(rows[0]) - 2 if rows else 0
         conf = self.host_conf
-        return RoundResults([r[:gamma] for r in rows], [r[gamma] for r in rows], [r[gamma + 1] for r in rows],
+        return RoundResults([r[:k] for r in rows], [r[k] for r in rows], [r[k + 1] for r in rows],
                             [conf[s, 0] for s in slots], [conf[s, 1] for s in slots])
 
 
@@ -139,6 +140,9 @@ class DraftLookahead:
         if widest + 1 > runner.shape.tokens:
             raise ValueError(f"budget {budget!r} needs {widest + 1} rows per step; the static step takes "
                              f"{runner.shape.tokens}")
+        if widest > drafting.static.n_draft:
+            raise ValueError(f"budget {budget!r} verifies up to {widest} drafts; the static drafter drafts "
+                             f"n_draft={drafting.static.n_draft}")
         self.runner, self.drafting, self.budget, self.gamma = runner, drafting, budget, gamma
         self.capacity = capacity
         self.pending: InFlightRound | None = None
@@ -226,7 +230,7 @@ class DraftLookahead:
         proposal = self.drafting.propose(anchors, positions)
         # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
         # replay below may reuse the blocks of propose's outputs (captured after them).
-        drafts = proposal.tokens.clone()  # [b, γ]
+        drafts = proposal.tokens.clone()  # [b, k]
         conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
         ids = torch.where(live[:, None], torch.cat([anchors[:, None], drafts[:, :n]], dim=1), 0)  # [b, n + 1]
         out = self.runner.step(ids, positions)
@@ -236,7 +240,7 @@ class DraftLookahead:
         bonus = argmax.gather(1, accepted[:, None]).squeeze(1)  # [b]
         next_anchors = torch.where(live, bonus, 0)
         next_positions = torch.where(live, positions + accepted + 1, 0)
-        ids_dev = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1)  # [b, γ + 2]
+        ids_dev = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1)  # [b, k + 2]
         host_ids, host_conf, event = _to_host(ids_dev, conf_dev)
         return InFlightRound(key, n, live, next_anchors, next_positions, host_ids, host_conf, event)
 

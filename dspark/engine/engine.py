@@ -67,6 +67,9 @@ class EngineConfig:
     max_prompt_tokens, max_new_tokens : per-request limits (also capped by the model's positions).
     prefill_chunk : prompt tokens per request per step.
     draft_tokens : 0 (plain), n ≤ γ (fixed verification budget) or "auto" (confidence-scheduled).
+        With a DSpark drafter a fixed n also trims the drafting: past its backbone (which runs all γ
+        slots) the drafter computes only the n slots a round can verify (`draft_width`), so the
+        proposals, confidences and trace records of such an engine hold n drafts, not γ.
     drafter : None | "dspark" | "mtp" | "ngram" | a Drafter object; used when draft_tokens != 0.
     planner : "async" (default: the production scheme, spec §4.3: budget from confidences two rounds
         old, so a round can be launched before the previous one is read) or "sync" (Algorithm 1,
@@ -173,12 +176,14 @@ class Engine:
         if self.drafter is not None and config.draft_tokens != "auto" and config.draft_tokens > self.drafter.block_size:
             raise ValueError(f"draft_tokens={config.draft_tokens} exceeds the drafter's block size "
                              f"γ={self.drafter.block_size}")
-        self.round_config = RoundConfig(config.draft_tokens, config.planner, config.capacity or default_cpu_table())
+        self.n_draft = draft_width(self.drafter, config.draft_tokens)
+        self.round_config = RoundConfig(config.draft_tokens, config.planner, config.capacity or default_cpu_table(),
+                                        self.n_draft)
         self.eos = frozenset(_eos_ids(model.config))
         self.scheduler = _scheduler(model, self.drafter, config)
         self.static = static_by_default(model) if config.static_decode is None else config.static_decode
-        self.slots, self.runner, self.static_draft = (_static_path(model, self.drafter, config) if self.static
-                                                      else (None, None, None))
+        self.slots, self.runner, self.static_draft = (_static_path(model, self.drafter, config, self.n_draft)
+                                                      if self.static else (None, None, None))
         if config.overlap and self.runner is None:
             raise ValueError(f"overlap=True needs the static path, which this engine does not run "
                              f"(static_decode={config.static_decode!r} on {type(model).__name__}, {model.device})")
@@ -414,6 +419,16 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in flight")
 
 
+def draft_width(drafter, draft_tokens: int | str) -> int | None:
+    """The leading block slots a DSpark drafter drafts per round in an engine of `draft_tokens`:
+    min(n, γ) for a fixed budget n (the later slots are never verified, so their LM head, Markov step
+    and confidence are not computed), γ for "auto" (the planner reads every slot's confidence).
+    None for any other drafter (an MTP or n-gram drafter, a wrapper), which drafts its whole block."""
+    if not isinstance(drafter, DSparkDrafter):
+        return None
+    return drafter.block_size if draft_tokens == "auto" else min(draft_tokens, drafter.block_size)
+
+
 def _verify_width(drafter, config: EngineConfig) -> int:
     """Target rows of one verify call at most: the anchor + the largest verification budget."""
     gamma = 0 if drafter is None else drafter.block_size
@@ -449,10 +464,11 @@ def graph_capturable(kernels) -> bool:
     return not host_bound_ops(kernels)
 
 
-def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, StaticRunner,
-                                                                StaticDraftRunner | StaticMtpRunner | None]:
+def _static_path(model, drafter, config: EngineConfig, n_draft: int | None) -> tuple[
+        SlotTable, StaticRunner, StaticDraftRunner | StaticMtpRunner | None]:
     """The slot table, static runner and (for a DSpark or MTP drafter) static drafting of
-    `static_decode`: `max_running` slots, T = the verify width."""
+    `static_decode`: `max_running` slots, T = the verify width; a DSpark drafter drafts `n_draft`
+    slots per block (`draft_width`)."""
     if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
         raise ValueError(f"static_decode supports DeepSeek-V4 and V4.1 targets only, got {type(model).__name__}")
     if not graph_capturable(model.kernels):
@@ -464,7 +480,7 @@ def _static_path(model, drafter, config: EngineConfig) -> tuple[SlotTable, Stati
     context = config.slot_context + tokens
     drafting = None
     if isinstance(drafter, DSparkDrafter):
-        drafting = StaticDraftRunner(drafter, config.max_running, tokens, config.draft_seed)
+        drafting = StaticDraftRunner(drafter, config.max_running, tokens, config.draft_seed, n_draft)
     elif isinstance(drafter, MtpDrafter):
         drafting = StaticMtpRunner(drafter, config.max_running, context, tokens, config.draft_seed)
     capture = drafting.capture_layers if isinstance(drafting, StaticMtpRunner) else \

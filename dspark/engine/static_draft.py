@@ -1,6 +1,6 @@
 """The engine's DSpark drafting on the static slots (`static_decode` with a `DSparkDrafter`).
 
-    drafting = StaticDraftRunner(drafter, slots=64, tokens=4, seed=0)  # before any request is loaded
+    drafting = StaticDraftRunner(drafter, slots=64, tokens=4, seed=0, n_draft=3)  # before any request is loaded
     drafting.load(slot, req.dstate, length)        # at the request's first round, with its target state
     tokens, probs, conf, logits = drafting.draft(requests)   # what `dspark.round._draft` returns
     runner.forward(requests, blocks, drafter, observe=drafting.observe)   # every slot's verify rows
@@ -10,7 +10,8 @@ number, so one `propose` over the bucket of the first b slots (the target step's
 `dspark.engine.slots.bucket` of the highest live slot + 1) serves every live request (free slots of
 the bucket draft from anchor 0 at position 0; their results are dropped and change no other slot). A
 slot's anchor position is its target length (`SlotState.length`), which after every commit equals
-the number of committed rows.
+the number of committed rows. Each block drafts its first `n_draft` k slots (the engine's fixed budget,
+or γ for "auto"): the captured graphs compute k slots past the backbone, and every proposal is [b, k].
 
 `observe` writes all t rows of every slot of a verify step at the step's starts: the anchor, the
 accepted and the rejected drafts and the padding. The next anchor position (start + 1 + accepted)
@@ -40,7 +41,7 @@ This module and `static_runner.py` are the static path's device side; slot numbe
 host values kept by `dspark.engine.slots`.
 
 Shape symbols: S slots, b a call's bucket, T rows per verify step at most, t this step's, γ block
-size, V vocabulary, n_hc streams, D hidden size, B live requests.
+size, k ≤ γ slots drafted, V vocabulary, n_hc streams, D hidden size, B live requests.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ class SampledGraphs:
 
 
 class StaticDraftRunner:
-    """A `StaticDrafter` over `slots` slots taking up to `tokens` rows per observe, with its CUDA graphs."""
+    """A `StaticDrafter` over `slots` slots taking up to `tokens` rows per observe and drafting the
+    first `n_draft` k slots of each block (default γ), with its CUDA graphs."""
 
-    def __init__(self, drafter: DSparkDrafter, slots: int, tokens: int, seed: int):
-        self.static = StaticDrafter(drafter, StaticDraftShape(slots, tokens))
+    def __init__(self, drafter: DSparkDrafter, slots: int, tokens: int, seed: int, n_draft: int | None = None):
+        self.static = StaticDrafter(drafter, StaticDraftShape(slots, tokens), n_draft)
         device = self.static.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.observe_graphs: dict[tuple[int, int], ObserveGraph] = {}  # (b, t) -> graph
@@ -158,7 +160,7 @@ class StaticDraftRunner:
             self._aside = None
 
     def propose(self, anchors: torch.Tensor, positions: torch.Tensor):
-        """Greedy γ-blocks of slots 0 .. b − 1 from device anchors and positions [b] (values as
+        """Greedy k-slot blocks of slots 0 .. b − 1 from device anchors and positions [b] (values as
         `StaticDrafter.plan` checks them): the bucket's graph on CUDA (its buffers: copy what must
         outlive the next call), the eager static propose elsewhere. No host read."""
         self.join()
@@ -166,21 +168,21 @@ class StaticDraftRunner:
         return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
 
     def propose_sampled(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor):
-        """γ-blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row) and noise
+        """k-slot blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row) and noise
         from the runner's generator: the bucket's sampled graph on CUDA, the eager static propose
         elsewhere. No host read."""
         self.join()
         return sampled_propose(self, anchors, positions, temperature)
 
     def draft(self, requests: list) -> tuple[list[list[int]], list, torch.Tensor, list[torch.Tensor]]:
-        """One γ-block per request (each holding a static slot), in one `propose` over the bucket of
-        the first b slots that holds them all.
+        """One k-slot block per request (each holding a static slot), in one `propose` over the bucket
+        of the first b slots that holds them all.
 
-        Returns, in request order: tokens (B lists of γ ids), q (fp32 [γ, V] on the device for a
-        sampled request, None for a greedy one), confidences fp32 [B, γ] and raw confidence logits
-        (B tensors [γ]), both on the host."""
+        Returns, in request order: tokens (B lists of k ids), q (fp32 [k, V] on the device for a
+        sampled request, None for a greedy one), confidences fp32 [B, k] and raw confidence logits
+        (B tensors [k]), both on the host."""
         proposal, rows, tokens, probs, confidence = draft_requests(self, requests)
-        logits = proposal.confidence_logits.index_select(0, rows).float().cpu()  # [B, γ]
+        logits = proposal.confidence_logits.index_select(0, rows).float().cpu()  # [B, k]
         return tokens, probs, confidence, list(logits)
 
 

@@ -90,7 +90,17 @@ class StsCalibration:
         if not torch.is_floating_point(logits) or logits.dim() < 1 or logits.shape[-1] != self.gamma:
             raise ValueError(f"logits must be floating [..., γ={self.gamma}], got {logits.dtype} "
                              f"{tuple(logits.shape)}")
-        temps = torch.tensor(self.temperatures, dtype=logits.dtype, device=logits.device)
+        return self.apply_first(logits)
+
+    def apply_first(self, logits: torch.Tensor) -> torch.Tensor:
+        """σ(z_k / T_k) of the first k positions, for a block drafted only that far (k = 1 .. γ).
+
+        Shape: logits floating [..., k] -> same dtype and shape.
+        """
+        if not torch.is_floating_point(logits) or logits.dim() < 1 or not 1 <= logits.shape[-1] <= self.gamma:
+            raise ValueError(f"logits must be floating [..., k] with 1 <= k <= γ={self.gamma}, got {logits.dtype} "
+                             f"{tuple(logits.shape)}")
+        temps = torch.tensor(self.temperatures[:logits.shape[-1]], dtype=logits.dtype, device=logits.device)
         return torch.sigmoid(logits / temps)
 
     def to_dict(self) -> dict:

@@ -9,6 +9,7 @@ samples from.
 """
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -138,13 +139,13 @@ class _Oracle(DSparkDrafter):
         super().observe(dstate, token_ids, hidden, features)
         self.history.setdefault(id(dstate), []).extend(token_ids.tolist())
 
-    def block_logits(self, dstates, anchors):
-        draft = super().block_logits(dstates, anchors)
+    def block_logits(self, dstates, anchors, n_draft=None):
+        draft = super().block_logits(dstates, anchors, n_draft)
         base = torch.full_like(draft.out.base, -1e4)
         for b, state in enumerate(dstates):
             seen = self.history[id(state)]
             ref = next(r for p, r in self.references if seen[:len(p)] == p)
-            for k, pos in enumerate(draft.positions[b].tolist()):
+            for k, pos in enumerate(draft.positions[b, :base.shape[1]].tolist()):
                 base[b, k, ref[min(pos + 1 + self.shift, len(ref) - 1)]] = 1e4
         return dataclasses.replace(draft, out=dataclasses.replace(draft.out, base=base))
 
@@ -260,3 +261,59 @@ def test_rnn_head_and_confidence_without_markov(tiny):
     with torch.no_grad():
         logits, _ = draft_forward(d, features, dataclasses.replace(blocks, prev=prev))
     torch.testing.assert_close(logits.softmax(-1), prop.probs, atol=1e-5, rtol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------------
+# A block drafted only as far as it is verified (n_draft)
+# -------------------------------------------------------------------------------------------------
+
+
+def _rnn_drafter(tiny):
+    config = DSparkConfig.for_target(tiny.config, dspark_markov_rank=8, dspark_markov_head_type="rnn",
+                                     dspark_confidence_with_markov=False)
+    return DSparkDrafter(tiny, config).init_weights(2)
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_trimmed_propose_is_the_first_slots_of_the_full_block(tiny, drafter, head, temperature):
+    """propose(n_draft=n) drafts the first n slots of the full block: the same tokens (sampled ones too,
+    from generators of the same seeds: the chain draws slot by slot), q, STS-calibrated confidences and
+    raw logits, n columns each; the backbone output it drafts from holds n slots (the LM head ran N·n
+    rows)."""
+    base = drafter if head == "markov" else _rnn_drafter(tiny)
+    d = DSparkDrafter(tiny, base.config, base.model, StsCalibration((0.5, 1.0, 2.0, 4.0, 8.0)))
+    ids = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(8)).tolist()
+    hidden, features = _rows(tiny, ids, d.capture_layers)
+    states = [d.new_state() for _ in range(3)]
+    _observe(d, states[0], ids, hidden, features, 0, 13)
+    _observe(d, states[1], ids, hidden, features, 0, 4)  # states[2] holds nothing yet
+    anchors, params = [7, 9, 200], dspark.SamplingParams(temperature=temperature)
+
+    def generators():
+        return [torch.Generator().manual_seed(s) for s in (0, 1, 2)]
+
+    full = d.propose(states, anchors, params, generators())
+    assert full.tokens.shape == (3, GAMMA)
+    for n in range(1, GAMMA + 1):
+        part = d.propose(states, anchors, params, generators(), n_draft=n)
+        assert part.tokens.shape == part.confidence.shape == part.confidence_logits.shape == (3, n)
+        assert torch.equal(part.tokens, full.tokens[:, :n])
+        torch.testing.assert_close(part.confidence_logits, full.confidence_logits[:, :n], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(part.confidence, full.confidence[:, :n], atol=1e-6, rtol=1e-6)
+        if temperature:
+            torch.testing.assert_close(part.probs, full.probs[:, :n], atol=1e-6, rtol=1e-6)
+        else:
+            assert part.probs is None
+        out = d.block_logits(states, anchors, n).out
+        assert out.base.shape == (3, n, 258) and out.hidden.shape[:2] == out.hidden_pre.shape[:2] == (3, n)
+
+
+@pytest.mark.parametrize("bad", [0, GAMMA + 1, -1, 2.0, True, "3"])
+def test_bad_n_draft_is_refused(tiny, drafter, bad):
+    state = drafter.new_state()
+    message = rf"n_draft must be None or an int in \[1, γ=5\], got {re.escape(repr(bad))}"
+    with pytest.raises(ValueError, match=message):
+        drafter.propose([state], [3], dspark.SamplingParams(), [torch.Generator()], n_draft=bad)
+    with pytest.raises(ValueError, match=message):
+        drafter.block_logits([state], [3], bad)

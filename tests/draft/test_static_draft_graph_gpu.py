@@ -116,3 +116,35 @@ def test_sampled_propose_graph_draws_fresh_noise_from_q():
     if not keep.all():
         observed, expected = torch.cat((observed, counts[~keep].sum()[None])), torch.cat((expected, q[~keep].sum()[None]))
     assert chisquare(observed.numpy(), (expected / expected.sum() * n).numpy())[1] > 1e-3
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_trimmed_propose_graphs_hold_the_first_slots_of_the_full_block():
+    """A static drafter built for n_draft = 2 captures graphs of 2 slots: greedy and sampled replays
+    give [S, 2] proposals, the greedy one the first 2 slots of the full drafter's tokens (fp32 here;
+    in bf16 the LM head's GEMM over fewer rows may round differently, so an argmax tie could flip)."""
+    model = dspark.init_model("tiny-v4", seed=0, device="cuda", dtype=torch.float32,
+                              kernels=KernelConfig.for_device("cuda"))
+    drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
+    shape = StaticDraftShape(slots=len(LENGTHS), tokens=GAMMA + 1)
+    full, trimmed = StaticDrafter(drafter, shape), StaticDrafter(drafter, shape, n_draft=2)
+    g = torch.Generator().manual_seed(5)
+    positions = []
+    for slot, length in enumerate(LENGTHS):
+        dstate = drafter.new_state()
+        if length:
+            ids = torch.randint(0, 256, (length,), generator=g).cuda()
+            out = model(ids, [model.new_state()], [length], capture_layers=drafter.capture_layers)
+            drafter.observe(dstate, ids, out.hidden, out.features)
+        full.load(slot, dstate)
+        positions.append(trimmed.load(slot, dstate))
+    a, p, temps = trimmed.plan(torch.randint(0, 256, (len(LENGTHS),), generator=g), positions, [1.0, 0.0, 0.7, 1.3])
+    greedy = ProposeGraph(trimmed).replay(a, p)
+    sampled = SampledProposeGraph(trimmed.propose, len(LENGTHS), trimmed.device,
+                                  torch.Generator(device="cuda").manual_seed(0)).replay(a, p, temps)
+    torch.cuda.synchronize()
+    assert greedy.tokens.shape == sampled.tokens.shape == (len(LENGTHS), 2)
+    assert sampled.probs.shape[:2] == (len(LENGTHS), 2)
+    assert torch.equal(greedy.tokens, full.propose(a, p).tokens[:, :2])
+    assert torch.equal(sampled.tokens[1], greedy.tokens[1])  # the greedy row of the sampled graph

@@ -222,3 +222,32 @@ def test_static_drafter_rejects_bad_inputs(tiny, drafter):
         StaticDraftShape(slots=1, tokens=0)
     with pytest.raises(ValueError, match="StaticDraftShape.slots=True"):
         StaticDraftShape(slots=True, tokens=1)
+
+
+@pytest.mark.parametrize("n", [1, 2, GAMMA])
+def test_trimmed_static_propose_is_the_first_slots_of_the_full_block(tiny, drafter, n):
+    """A static drafter built for n_draft = n drafts the first n slots of the full static propose:
+    the same tokens (greedy, and sampled with a generator of the same seed: the chain draws slot by
+    slot), q, STS-calibrated confidences and raw logits, n columns each."""
+    r = Requests(tiny, drafter, LENGTHS, seed=6)
+    trimmed = StaticDrafter(drafter, StaticDraftShape(slots=len(LENGTHS), tokens=GAMMA + 1), n_draft=n)
+    assert [trimmed.load(slot, dstate) for slot, dstate in enumerate(r.dstates)] == r.positions.tolist()
+    temps = torch.tensor([1.0, 0.0, 0.7, 1.3])
+    for temperature, seed in ((None, None), (temps, 5)):
+        args = r.static.plan(r.anchors, r.positions, temperature)
+        gen = (lambda: torch.Generator().manual_seed(seed)) if seed is not None else (lambda: None)
+        full, part = r.static.propose(*args, generator=gen()), trimmed.propose(*args, generator=gen())
+        assert part.tokens.shape == part.confidence.shape == part.confidence_logits.shape == (len(LENGTHS), n)
+        assert torch.equal(part.tokens, full.tokens[:, :n])
+        torch.testing.assert_close(part.confidence_logits, full.confidence_logits[:, :n], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(part.confidence, full.confidence[:, :n], atol=1e-6, rtol=1e-6)
+        if temperature is None:
+            assert part.probs is None
+        else:
+            torch.testing.assert_close(part.probs, full.probs[:, :n], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, GAMMA + 1, 2.5, False])
+def test_static_drafter_rejects_a_bad_n_draft(drafter, bad):
+    with pytest.raises(ValueError, match=rf"n_draft must be None or an int in \[1, γ=5\], got {bad!r}"):
+        StaticDrafter(drafter, StaticDraftShape(slots=2, tokens=GAMMA + 1), n_draft=bad)

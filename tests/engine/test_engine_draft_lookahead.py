@@ -17,6 +17,7 @@ import pytest
 import dspark
 from dspark.engine import Engine, EngineConfig
 from dspark.engine.draft_lookahead import DraftLookahead
+from dspark.engine.static_draft import StaticDraftRunner
 from dspark.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the static-engine helpers
@@ -123,6 +124,10 @@ def test_budget_is_validated(pair):
         DraftLookahead(engine.runner, engine.static_draft, 0)
     with pytest.raises(ValueError, match="budget 5 needs 6 rows per step; the static step takes 4"):
         DraftLookahead(engine.runner, engine.static_draft, 5)
+    assert engine.static_draft.static.n_draft == 3  # the engine's drafter drafts what it verifies
+    narrow = StaticDraftRunner(pair.dspark, slots=2, tokens=4, seed=0, n_draft=2)
+    with pytest.raises(ValueError, match="budget 3 verifies up to 3 drafts; the static drafter drafts n_draft=2"):
+        DraftLookahead(engine.runner, narrow, 3)
 
 
 @pytest.mark.gpu

@@ -235,6 +235,41 @@ def test_sampled_static_dspark_rounds_follow_the_target_distribution(tiny, no_dy
         assert chisquare(observed.numpy(), expected.numpy())[1] > 1e-3
 
 
+@pytest.mark.parametrize("path", [dict(), dict(static_decode=True, overlap=False), dict(static_decode=True)])
+def test_a_fixed_budget_drafts_only_the_slots_it_verifies(tiny, path, monkeypatch):
+    """draft_tokens=2 on a γ=5 DSpark drafter, on the dynamic path, the static one and the static one
+    with a round in flight: greedy tokens equal plain decoding's, and every backbone call of the drafter
+    took 2 slots per block past the stages (its LM head ran 2 rows per request, not 5), so every
+    round's drafts and confidences have 2 entries."""
+    dsp = _drafters(tiny)["dspark3"]["drafter"]
+    blocks, widths = dsp.model.blocks, []
+
+    def spy(*args, **kwargs):
+        out = blocks(*args, **kwargs)
+        widths.append((out.base.shape[1], out.hidden.shape[1], out.hidden_pre.shape[1]))
+        return out
+
+    monkeypatch.setattr(dsp.model, "blocks", spy)
+    prompts = _prompts(5, seed=13)
+    greedy = lambda i: SamplingParams()  # noqa: E731
+    plain, _ = _staggered(tiny, prompts, greedy, 16)
+    tokens, trace = _staggered(tiny, prompts, greedy, 16, draft_tokens=2, drafter=dsp, **path)
+    assert tokens == plain
+    assert widths and set(widths) == {(2, 2, 2)}
+    assert trace and all(len(r["draft"]) == len(r["confidence"]) == 2 and r["verified"] <= 2 for r in trace)
+    assert sum(r["verified"] for r in trace) > 0
+    if not path:
+        outs = dspark.generate(tiny, prompts, max_new_tokens=16, draft_tokens=2, drafter=dsp)
+        assert [o.token_ids for o in outs] == [plain[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_static_draft_runner_refuses_a_bad_n_draft(tiny):
+    from dspark.engine.static_draft import StaticDraftRunner
+
+    with pytest.raises(ValueError, match=r"n_draft must be None or an int in \[1, γ=5\], got 6"):
+        StaticDraftRunner(_drafters(tiny)["dspark3"]["drafter"], slots=2, tokens=4, seed=0, n_draft=6)
+
+
 def test_static_draft_runner_refuses_a_draft_state_behind_its_target(tiny):
     """A slot's anchor position is its target length, so a draft state of another length is refused."""
     from dspark.engine.static_draft import StaticDraftRunner

@@ -67,6 +67,16 @@ def test_apply_preserves_order_and_scales_logits():
         cal.apply(torch.zeros(4, 3))
 
 
+def test_apply_first_calibrates_the_leading_positions_of_a_shorter_block():
+    cal = StsCalibration((2.0, 0.5, 4.0))
+    z = torch.tensor([[1.0, -1.0, 0.3], [3.0, 0.5, -2.0]])
+    for k in (1, 2, 3):
+        torch.testing.assert_close(cal.apply_first(z[:, :k]), cal.apply(z)[:, :k])
+    for width in (0, 4):
+        with pytest.raises(ValueError, match=rf"1 <= k <= γ=3, got torch.float32 \(2, {width}\)"):
+            cal.apply_first(torch.zeros(2, width))
+
+
 def test_position_without_data_keeps_identity():
     z = torch.randn(50, 3)
     a = torch.zeros(50, dtype=torch.long)  # nothing ever accepted: positions 1, 2 are never judged
