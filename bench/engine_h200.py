@@ -320,7 +320,7 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
     tau_pipelined = sum(modelled_pipelined) / len(modelled_pipelined) / requests if args["confidence"] else TAU[mode]
     drafting = engine.static_draft
     row = {"mode": mode, "requests": requests, "context": context, "static_decode": args["static_decode"],
-           "static_drafter": drafting is not None,
+           "static_drafter": drafting is not None, "n_draft": engine.n_draft,
            "draft_graphs": drafting is not None and bool(drafting.propose_graphs),
            "engine_build_s": capture_s, "step_ms": step * 1e3,
            "step_ms_all": [t * 1e3 for t in times], "measured_tokens_per_step_per_request": sum(committed) / len(committed) / requests,

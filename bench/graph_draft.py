@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/graph_draft.py                                   # one H200, v4-mini bf16, < 2 min
     PYTHONPATH=. python bench/graph_draft.py --smoke --out /tmp/graph-draft.json   # CPU, tiny-v4, no graph
+    PYTHONPATH=. python bench/graph_draft.py --requests 64 --n-draft 3   # propose drafting 3 of the γ slots
 
 Writes JSON to --out (default $OUT/graph-draft.json). Conditions: v4-mini target (random weights, bf16,
 `KernelConfig.for_device("cuda")`) and a random DSpark drafter built as bench/engine_h200.py builds it
@@ -17,6 +18,9 @@ slots taking γ + 1 rows per observe. Per cell, median ms of `steps` calls (CUDA
                      (`sampled_graph_ms`; `sampled_graph_q_max_abs_diff`: its q against (e)'s)
   observe γ + 1 rows per request (random features): (f) dynamic `drafter.observe` per request
                      (g) static eager `StaticDrafter.observe`  (h) graph `ObserveGraph.replay`
+
+`--n-draft k` drafts only the first k slots past the backbone in every propose (dynamic `n_draft=k`,
+a static drafter built for k: what an engine with `draft_tokens=k` runs); default γ.
 
 Also the number of greedy tokens where (b) and (c) differ from (a), and the largest confidence-logit
 difference. The smoke run (tiny-v4, fp32, torch references, no graph) checks the script on the CPU.
@@ -53,7 +57,8 @@ def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator, prof
     """All timings for n_req requests at the context."""
     target, device, context = drafter.target, drafter.model.device, args["context"]
     vocab, rows, (w, s) = target.config.vocab_size, drafter.block_size + 1, (args["warmup"], args["steps"])
-    static = StaticDrafter(drafter, StaticDraftShape(slots=n_req, tokens=rows))
+    static = StaticDrafter(drafter, StaticDraftShape(slots=n_req, tokens=rows), n_draft=args.get("n_draft"))
+    n_draft = static.n_draft  # γ when not given
     observe_graph = ObserveGraph(static, rows) if graphs else None  # before loading: its warm-up writes
     propose_graph = ProposeGraph(static, pool=observe_graph.pool()) if graphs else None
     dstates = [fabricate_drafter_state(drafter, context, g, vocab) for _ in range(n_req)]
@@ -66,10 +71,10 @@ def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator, prof
     device_gen = torch.Generator(device=device).manual_seed(0)
 
     def dynamic(params):
-        return drafter.propose(dstates, anchors_host.tolist(), params, cpu_gens)
+        return drafter.propose(dstates, anchors_host.tolist(), params, cpu_gens, n_draft=n_draft)
 
     reference, eager = dynamic(greedy), static.propose(anchors, positions)
-    row = {"requests": n_req, "context": context, "gamma": drafter.block_size,
+    row = {"requests": n_req, "context": context, "gamma": drafter.block_size, "n_draft": n_draft,
            "static_token_mismatches": int((eager.tokens != reference.tokens).sum()),
            "static_conf_logit_max_abs_diff": (eager.confidence_logits - reference.confidence_logits).abs().max().item(),
            "dynamic_ms": timed(lambda: dynamic(greedy), device, w, s),
@@ -131,6 +136,8 @@ def main() -> None:
                     help="add the propose and observe replays' kernel-time breakdown and propose's torch-op sites "
                          "(with --no-pdl for per-kernel attribution)")
     ap.add_argument("--no-pdl", action="store_true", help="launch every Triton kernel without PDL")
+    ap.add_argument("--n-draft", type=int, default=None,
+                    help="slots drafted past the backbone per block, 1 .. γ (default γ)")
     cli = ap.parse_args()
     from dspark.kernels import triton_compat
 
@@ -142,6 +149,7 @@ def main() -> None:
         if not requests or min(requests) < 1:
             raise ValueError(f"--requests must list positive counts, got {cli.requests!r}")
         args["requests"] = requests
+    args["n_draft"] = cli.n_draft  # validated by the drafters (ValueError names a bad value)
     device = torch.device("cpu" if cli.smoke else "cuda")
     dtype = torch.float32 if cli.smoke else torch.bfloat16
     model = dspark.init_model(load_config(args["config"]), seed=0, device=device, dtype=dtype,

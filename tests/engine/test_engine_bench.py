@@ -48,6 +48,7 @@ def test_engine_bench_smoke_static_decode_runs_every_decode_cell_on_static_slots
     for d in r["decode"]:
         assert d["static_decode"] is True and d["step_ms"] > 0 and d["engine_build_s"] >= 0
         assert d["static_drafter"] is (d["mode"] != "none") and d["draft_graphs"] is False
+        assert d["n_draft"] == {"dspark3": 3, "auto": 5, "auto_async": 5}.get(d["mode"])  # DSpark drafts what it verifies
         assert d["mean_drafts_verified_per_request"] == {"none": 0, "mtp1": 1, "dspark3": 3}.get(d["mode"], d["mean_drafts_verified_per_request"])
 
 
