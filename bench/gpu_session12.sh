@@ -5,6 +5,8 @@
 #   run(command="bash bench/gpu_session12.sh b", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session12.sh c", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session12.sh d", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session12.sh e", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session12.sh f", kind="nvidia-h200")
 #
 # a: the mixed sampled / greedy DSpark engine test on the sampled propose graphs with an fp32 target
 #    (it failed in bf16); the engine's sampled cells (every request at T = 1, budget 3) drafting from the
@@ -16,6 +18,9 @@
 # c: the mHC statistics pass's launch shapes at 64 / 256 / 320 tokens (part b: 57 us per call at 256
 #    tokens against 10.5 at 64, the largest kernel of the verify step).
 # d: the verify step again with part c's mHC tiles; the V4.1 statistics tiles at 64 / 256 tokens.
+# e: the engine grid at 4K after both mHC tile changes and the trimmed propose (n_draft), every fixed
+#    budget beside auto (a full capacity table); the propose graph at 64 requests drafting 3 of 5 slots.
+# f: GPU tests of the changed kernels and the trimmed drafter; v41-mini's grid at 64 / 128 requests.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session12-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
@@ -52,11 +57,31 @@ part_d() {
   grep -h "_us" $W/logs/d_v41.txt | cut -c1-900
 }
 
-case "${1:?part: a, b, c or d}" in
+part_e() {
+  logged e_engine 420 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
+    --table-from-cells --requests 1,8,64,128,256 --modes none,dspark1,dspark2,dspark3,auto_async --contexts 4096 \
+    --budget-s 380 --out "$OUT/engine-h200-s12e.json"
+  tail -n 30 $W/logs/e_engine.txt | cut -c1-300
+  logged e_draft 100 python3 bench/graph_draft.py --requests 64 --n-draft 3 --out "$OUT/graph-draft-h200-s12e-n3.json"
+  grep -h "graph_ms" $W/logs/e_draft.txt | cut -c1-700
+}
+
+part_f() {
+  tests f_tests 240 -m gpu tests/kernels/test_mhc.py tests/kernels/test_mhc_v41.py tests/kernels/test_mhc_norm.py \
+    tests/draft/test_static_draft_graph_gpu.py tests/engine/test_engine_static_gpu.py
+  logged f_v41 200 python3 bench/engine_h200.py --config v41-mini --static-decode --overlap --decode-only --steps 8 \
+    --confidence 0.8629 --requests 64,128 --modes none,dspark3 --contexts 4096 --budget-s 180 \
+    --out "$OUT/engine-v41-mini-h200-s12f.json"
+  tail -n 12 $W/logs/f_v41.txt | cut -c1-300
+}
+
+case "${1:?part: a to f}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
   d) part_d ;;
+  e) part_e ;;
+  f) part_f ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 pack "session12-$1"
