@@ -107,11 +107,15 @@ class StaticDrafter:
 
     @torch.no_grad()
     def propose(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> DraftProposal:
-        """Draft k = `n_draft` tokens for each of slots 0 .. b − 1: anchors long [b] at positions long
-        [b] (device; values as `plan` checks them); temperature fp32 [b] or None (all greedy, `probs`
-        None); generator on the device when sampling. Returns a `DraftProposal` (tokens [b, k], probs
-        [b, k, V] or None, confidence and confidence_logits [b, k]). Reads the state only."""
+                generator: torch.Generator | None = None, width: int | None = None) -> DraftProposal:
+        """Draft k tokens for each of slots 0 .. b − 1 (k = `width`, an int in [1, n_draft], default
+        `n_draft`): anchors long [b] at positions long [b] (device; values as `plan` checks them);
+        temperature fp32 [b] or None (all greedy, `probs` None); generator on the device when sampling.
+        Returns a `DraftProposal` (tokens [b, k], probs [b, k, V] or None, confidence and
+        confidence_logits [b, k]). Reads the state only."""
+        k = self.n_draft if width is None else width
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n_draft:
+            raise ValueError(f"width must be None or an int in [1, n_draft={self.n_draft}], got {width!r}")
         b = anchors.shape[0] if isinstance(anchors, torch.Tensor) and anchors.dim() == 1 else -1
         self._check_index("anchors", anchors, b)
         self._check_index("positions", positions, b)
@@ -119,13 +123,12 @@ class StaticDrafter:
             raise ValueError(f"temperature must be [b={b}] on {self.device}, got "
                              f"{tuple(temperature.shape)} on {temperature.device}")
         drafter = self.drafter
-        out = drafter.block_from(anchors, positions, self.state.pools(), self.state.context_index(positions),
-                                 self.n_draft).out
+        out = drafter.block_from(anchors, positions, self.state.pools(), self.state.context_index(positions), k).out
         tokens, probs, prev_embeds = sample_chain_static(drafter.model.markov_head, out.base, out.hidden, anchors,
                                                          temperature, generator)
         z = drafter.model.confidence_head(out.hidden_pre, prev_embeds)  # [b, k] raw logits
         temps = self._calibration_temps()
-        conf = torch.sigmoid(z / temps) if temps is not None else torch.sigmoid(z)
+        conf = torch.sigmoid(z / temps[:k]) if temps is not None else torch.sigmoid(z)
         return DraftProposal(tokens, probs, conf, confidence_logits=z)
 
     def _calibration_temps(self) -> torch.Tensor | None:

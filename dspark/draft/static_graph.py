@@ -68,14 +68,15 @@ def _copy_in(buffer: torch.Tensor, value: torch.Tensor | None, name: str) -> Non
 class ProposeGraph:
     """`StaticDrafter.propose` (greedy) of slots 0 .. b − 1 captured: inputs `anchors`, `positions` [b]
     long; output `proposal` (tokens [b, k], confidence and confidence_logits [b, k], probs None; k =
-    the drafter's `n_draft`, fixed at capture)."""
+    `width`, default the drafter's `n_draft`, fixed at capture)."""
 
-    def __init__(self, static: StaticDrafter, pool=None, slots: int | None = None):
+    def __init__(self, static: StaticDrafter, pool=None, slots: int | None = None, width: int | None = None):
         _check_cuda(static)
         s, device = _bucket(static, slots), static.device
         self.anchors = torch.zeros(s, dtype=torch.long, device=device)
         self.positions = torch.zeros(s, dtype=torch.long, device=device)
-        self.graph, self.proposal = capture_call(device, lambda: static.propose(self.anchors, self.positions), pool)
+        self.graph, self.proposal = capture_call(
+            device, lambda: static.propose(self.anchors, self.positions, width=width), pool)
 
     def pool(self):
         return self.graph.pool()

@@ -227,7 +227,7 @@ class DraftLookahead:
         position 0), no host value read. n = 0: a plain step (`_launch_plain`)."""
         if not n:
             return self._launch_plain(key, anchors, positions, live)
-        proposal = self.drafting.propose(anchors, positions)
+        proposal = self.drafting.propose(anchors, positions, self._width(n))
         # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
         # replay below may reuse the blocks of propose's outputs (captured after them).
         drafts = proposal.tokens.clone()  # [b, k]
@@ -243,6 +243,13 @@ class DraftLookahead:
         ids_dev = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1)  # [b, k + 2]
         host_ids, host_conf, event = _to_host(ids_dev, conf_dev)
         return InFlightRound(key, n, live, next_anchors, next_positions, host_ids, host_conf, event)
+
+    def _width(self, n: int) -> int | None:
+        """Slots to draft for a round verifying n: the drafter's k at a fixed budget; under "auto" n + 1
+        (at most k), so that the rounds two on see one slot past this budget (`uniform_budget` reads a
+        shorter row as survival 0 past its end: the budget grows a slot a round) without paying the LM
+        head, Markov step and confidence of every slot of the block each round."""
+        return None if self.budget != "auto" else min(self.drafting.static.n_draft, n + 1)
 
     def _launch_plain(self, key: Key | None, anchors: torch.Tensor, positions: torch.Tensor,
                       live: torch.Tensor) -> InFlightRound:

@@ -480,7 +480,8 @@ def _static_path(model, drafter, config: EngineConfig, n_draft: int | None) -> t
     context = config.slot_context + tokens
     drafting = None
     if isinstance(drafter, DSparkDrafter):
-        drafting = StaticDraftRunner(drafter, config.max_running, tokens, config.draft_seed, n_draft)
+        drafting = StaticDraftRunner(drafter, config.max_running, tokens, config.draft_seed, n_draft,
+                                     narrower=config.draft_tokens == "auto")  # auto's round in flight
     elif isinstance(drafter, MtpDrafter):
         drafting = StaticMtpRunner(drafter, config.max_running, context, tokens, config.draft_seed)
     capture = drafting.capture_layers if isinstance(drafting, StaticMtpRunner) else \

@@ -81,14 +81,17 @@ class SampledGraphs:
 
 class StaticDraftRunner:
     """A `StaticDrafter` over `slots` slots taking up to `tokens` rows per observe and drafting the
-    first `n_draft` k slots of each block (default γ), with its CUDA graphs."""
+    first `n_draft` k slots of each block (default γ), with its CUDA graphs. `narrower`: greedy
+    proposes of every width 2 .. k − 1 get graphs too (`propose(..., width)`: auto's round in flight
+    drafts one slot past the budget it verifies, `draft_lookahead.py`)."""
 
-    def __init__(self, drafter: DSparkDrafter, slots: int, tokens: int, seed: int, n_draft: int | None = None):
+    def __init__(self, drafter: DSparkDrafter, slots: int, tokens: int, seed: int, n_draft: int | None = None,
+                 narrower: bool = False):
         self.static = StaticDrafter(drafter, StaticDraftShape(slots, tokens), n_draft)
         device = self.static.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.observe_graphs: dict[tuple[int, int], ObserveGraph] = {}  # (b, t) -> graph
-        self.propose_graphs: dict[int, ProposeGraph] = {}  # b -> graph
+        self.propose_graphs: dict[tuple[int, int], ProposeGraph] = {}  # (b, width) -> graph
         self._side: torch.cuda.Stream | None = None  # `observe_aside`'s stream (created at its first call)
         self._aside: torch.cuda.Event | None = None  # the end of the last observe_aside not waited for
         self.sampled_graphs = SampledGraphs(self.static.propose, device, self.generator) \
@@ -99,11 +102,18 @@ class StaticDraftRunner:
                 for t in range(1, tokens + 1):
                     graph = self.observe_graphs[b, t] = ObserveGraph(self.static, t, pool=pool, slots=b)
                     pool = graph.pool()
-                self.propose_graphs[b] = ProposeGraph(self.static, pool=pool, slots=b)
+                for width in self.widths(narrower):
+                    self.propose_graphs[b, width] = ProposeGraph(self.static, pool=pool, slots=b, width=width)
 
     @property
     def slots(self) -> int:
         return self.static.shape.slots
+
+    def widths(self, narrower: bool) -> range:
+        """The greedy propose widths with graphs: k alone, or 2 .. k (a round verifying n >= 1 drafts
+        one past it; width 1 would serve no budget)."""
+        k = self.static.n_draft
+        return range(min(2, k) if narrower else k, k + 1)
 
     def load(self, slot: int, dstate: DSparkState, length: int) -> None:
         """Copy a request's dynamic draft state into `slot`; `length` is its target length (the
@@ -159,13 +169,16 @@ class StaticDraftRunner:
             torch.cuda.current_stream(self.static.device).wait_event(self._aside)
             self._aside = None
 
-    def propose(self, anchors: torch.Tensor, positions: torch.Tensor):
-        """Greedy k-slot blocks of slots 0 .. b − 1 from device anchors and positions [b] (values as
-        `StaticDrafter.plan` checks them): the bucket's graph on CUDA (its buffers: copy what must
-        outlive the next call), the eager static propose elsewhere. No host read."""
+    def propose(self, anchors: torch.Tensor, positions: torch.Tensor, width: int | None = None):
+        """Greedy blocks of `width` slots (default k) of slots 0 .. b − 1 from device anchors and positions
+        [b] (values as `StaticDrafter.plan` checks them): the bucket's graph of that width on CUDA (its
+        buffers: copy what must outlive the next call), the eager static propose elsewhere (and for a
+        width without a graph). No host read."""
         self.join()
-        graph = self.propose_graphs.get(anchors.shape[0])
-        return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
+        graph = self.propose_graphs.get((anchors.shape[0], self.static.n_draft if width is None else width))
+        if graph is not None:
+            return graph.replay(anchors, positions)
+        return self.static.propose(anchors, positions, width=width)
 
     def propose_sampled(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor):
         """k-slot blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row) and noise

@@ -276,7 +276,9 @@ def plan_async(confidence: Confidence, stale_confidence: Sequence[Sequence[float
 
 def _stale_survival(stale_confidence: Sequence[Sequence[float] | torch.Tensor | None], gamma: int) -> torch.Tensor:
     """Survival [R, γ] of stale confidence rows, a row None taken as survival 1 (a request with no
-    confidences that old must not be starved)."""
+    confidences that old must not be starved). A row may be shorter than γ (its round drafted only the
+    first w slots: auto's round in flight drafts one past its budget): survival 0 past its end, so a
+    budget planned on it grows by at most one slot a round, and only where the extra slot earns it."""
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
         raise ValueError(f"gamma must be an int >= 0, got {gamma!r}")
     if not len(stale_confidence):
@@ -286,11 +288,13 @@ def _stale_survival(stale_confidence: Sequence[Sequence[float] | torch.Tensor | 
                                         torch.float64))
     rows = [ones if c is None else c if isinstance(c, torch.Tensor) else torch.tensor(c, dtype=torch.float64)
             for c in stale_confidence]
-    bad = next((r for r in rows if r.shape != (gamma,)), None)
+    bad = next((r for r in rows if r.dim() != 1 or not 1 <= r.numel() <= gamma), None)
     if bad is not None:
-        raise ValueError(f"stale_confidence rows must have γ={gamma} entries, got {bad.numel()}")
+        raise ValueError(f"stale_confidence rows must have 1 .. γ={gamma} entries, got shape {tuple(bad.shape)}")
     if len({r.dtype for r in rows}) > 1:
         rows = [r.to(torch.float64) for r in rows]
+    if any(r.numel() < gamma for r in rows):  # confidence 0 past a short row's end: survival 0 there
+        rows = [torch.cat([r, r.new_zeros(gamma - r.numel())]) if r.numel() < gamma else r for r in rows]
     return survival(torch.stack(rows))
 
 

@@ -148,3 +148,37 @@ def test_trimmed_propose_graphs_hold_the_first_slots_of_the_full_block():
     assert sampled.probs.shape[:2] == (len(LENGTHS), 2)
     assert torch.equal(greedy.tokens, full.propose(a, p).tokens[:, :2])
     assert torch.equal(sampled.tokens[1], greedy.tokens[1])  # the greedy row of the sampled graph
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_narrower_propose_graphs_of_one_runner_hold_the_first_slots():
+    """A runner with `narrower` graphs (auto's round in flight drafts n + 1 slots) replays each width
+    w = 2 .. γ − 1 from its own graph: the first w tokens and confidences of the full width's."""
+    from dspark.engine.slots import buckets
+    from dspark.engine.static_draft import StaticDraftRunner
+
+    model = dspark.init_model("tiny-v4", seed=0, device="cuda", dtype=torch.float32,
+                              kernels=KernelConfig.for_device("cuda"))
+    drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
+    runner = StaticDraftRunner(drafter, len(LENGTHS), GAMMA + 1, seed=0, narrower=True)
+    b = len(LENGTHS)
+    assert sorted(runner.propose_graphs) == [(s, w) for s in buckets(b) for w in range(2, GAMMA + 1)]
+    g = torch.Generator().manual_seed(6)
+    positions = []
+    for slot, length in enumerate(LENGTHS):
+        dstate = drafter.new_state()
+        if length:
+            ids = torch.randint(0, 256, (length,), generator=g).cuda()
+            out = model(ids, [model.new_state()], [length], capture_layers=drafter.capture_layers)
+            drafter.observe(dstate, ids, out.hidden, out.features)
+        positions.append(runner.static.load(slot, dstate))
+    a, p, _ = runner.static.plan(torch.randint(0, 256, (b,), generator=g), positions, None)
+    full = runner.propose(a, p)
+    tokens, conf = full.tokens.clone(), full.confidence.clone()
+    for w in range(2, GAMMA):
+        narrow = runner.propose(a, p, w)
+        torch.cuda.synchronize()
+        assert narrow.tokens.shape == (b, w)
+        assert torch.equal(narrow.tokens, tokens[:, :w])
+        torch.testing.assert_close(narrow.confidence, conf[:, :w], rtol=1e-5, atol=1e-6)

@@ -251,3 +251,21 @@ def test_trimmed_static_propose_is_the_first_slots_of_the_full_block(tiny, draft
 def test_static_drafter_rejects_a_bad_n_draft(drafter, bad):
     with pytest.raises(ValueError, match=rf"n_draft must be None or an int in \[1, γ=5\], got {bad!r}"):
         StaticDrafter(drafter, StaticDraftShape(slots=2, tokens=GAMMA + 1), n_draft=bad)
+
+
+def test_a_narrower_width_per_call_is_the_first_slots_of_the_drafters_block(tiny, drafter):
+    """`propose(..., width=w)` of a drafter built for n_draft = 4 equals the first w slots of its
+    full propose; widths outside [1, n_draft] are refused by value."""
+    r = Requests(tiny, drafter, LENGTHS, seed=7)
+    static = StaticDrafter(drafter, StaticDraftShape(slots=len(LENGTHS), tokens=GAMMA + 1), n_draft=4)
+    for slot, dstate in enumerate(r.dstates):
+        static.load(slot, dstate)
+    args = static.plan(r.anchors, r.positions, None)
+    full = static.propose(*args)
+    for w in (1, 2, 3):
+        part = static.propose(*args, width=w)
+        assert part.tokens.shape == (len(LENGTHS), w) and torch.equal(part.tokens, full.tokens[:, :w])
+        torch.testing.assert_close(part.confidence, full.confidence[:, :w], atol=1e-6, rtol=1e-6)
+    for bad in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match=rf"width must be None or an int in \[1, n_draft=4\], got {bad!r}"):
+            static.propose(*args, width=bad)

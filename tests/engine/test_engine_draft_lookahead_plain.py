@@ -134,7 +134,7 @@ def test_plain_rounds_in_flight_switch_both_ways_and_stay_exact(pair, monkeypatc
     _replay_budgets(monkeypatch, ahead_trace)
     sync, sync_trace, sync_stats, sync_engine, _ = _run(pair, overlap=False)
     assert sync_engine.draft_ahead is None
-    assert ahead == sync and ahead_stats == sync_stats and same_rounds(ahead_trace, sync_trace)
+    assert ahead == sync and ahead_stats == sync_stats and same_rounds(ahead_trace, sync_trace, pair.dspark.block_size)
     rounds = {}
     for record in ahead_trace:
         rounds.setdefault(record["request_id"], []).append(record)
@@ -331,4 +331,4 @@ def test_plain_rounds_in_flight_on_cuda_graphs(monkeypatch):
     assert {(p, o) for b, _, p, o in launches if b == 0} == {(0, 1)}
     _replay_budgets(monkeypatch, ahead_trace)
     sync, sync_trace, sync_stats, _, _ = _run(pair, overlap=False)
-    assert ahead == sync and ahead_stats == sync_stats and same_rounds(ahead_trace, sync_trace)
+    assert ahead == sync and ahead_stats == sync_stats and same_rounds(ahead_trace, sync_trace, pair.dspark.block_size)

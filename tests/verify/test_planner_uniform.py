@@ -33,6 +33,18 @@ def test_uniform_budget_by_hand():
     assert uniform_budget([], 3, sps) == 0
 
 
+def test_short_stale_rows_let_the_budget_grow_one_slot_a_round():
+    # A round that drafted w of γ slots leaves rows of w confidences: survival 0 past them. Every
+    # drafted token pays here (SPS flat up to 8 tokens), so the budget is the row's width: it can
+    # reach γ only a slot at a time, as each round drafts one past its budget.
+    sps = _table({2: 10, 8: 10})
+    assert uniform_budget([[1.0, 1.0], [1.0, 1.0]], 3, sps) == 2
+    assert uniform_budget([[1.0, 1.0, 1.0], [1.0, 1.0]], 3, sps) == 3  # request 0's third slot earns it
+    assert uniform_budget([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], 3, sps) == 3
+    # Without the extra slot (a row as wide as the budget), no growth: the same table keeps it at 1.
+    assert uniform_budget([[1.0], [1.0]], 3, sps) == 1
+
+
 def test_uniform_budget_is_the_best_uniform_plan():
     """n maximises Θ = τ · SPS(B) over the plans ℓ_r = n of every request (planner.throughput's own τ)."""
     g = torch.Generator().manual_seed(0)
@@ -57,8 +69,10 @@ def test_uniform_budget_validates():
         uniform_budget([None], 3, sps, min_budget=-1)
     with pytest.raises(ValueError, match="min_budget must be an int in \\[0, max_budget=3\\], got True"):
         uniform_budget([None], 3, sps, min_budget=True)
-    with pytest.raises(ValueError, match="stale_confidence rows must have γ=3 entries, got 2"):
-        uniform_budget([[0.5, 0.5]], 3, sps)
+    with pytest.raises(ValueError, match="stale_confidence rows must have 1 .. γ=3 entries, got shape \\(4,\\)"):
+        uniform_budget([[0.5, 0.5, 0.5, 0.5]], 3, sps)
+    with pytest.raises(ValueError, match="got shape \\(0,\\)"):
+        uniform_budget([[]], 3, sps)
     with pytest.raises(ValueError, match="gamma must be an int >= 0, got '3'"):
         uniform_budget([None], "3", sps)
     with pytest.raises(ValueError, match="confidence values must lie in \\[0, 1\\]"):
