@@ -82,8 +82,8 @@ class SampledGraphs:
 class StaticDraftRunner:
     """A `StaticDrafter` over `slots` slots taking up to `tokens` rows per observe and drafting the
     first `n_draft` k slots of each block (default γ), with its CUDA graphs. `narrower`: greedy
-    proposes of every width 2 .. k − 1 get graphs too (`propose(..., width)`: auto's round in flight
-    drafts one slot past the budget it verifies, `draft_lookahead.py`)."""
+    proposes of every width 1 .. k − 1 get graphs too (`propose(..., width)`: auto's round in flight
+    drafts its budget, or one slot past it on a probe round, `draft_lookahead.py`)."""
 
     def __init__(self, drafter: DSparkDrafter, slots: int, tokens: int, seed: int, n_draft: int | None = None,
                  narrower: bool = False):
@@ -110,10 +110,10 @@ class StaticDraftRunner:
         return self.static.shape.slots
 
     def widths(self, narrower: bool) -> range:
-        """The greedy propose widths with graphs: k alone, or 2 .. k (a round verifying n >= 1 drafts
-        one past it; width 1 would serve no budget)."""
+        """The greedy propose widths with graphs: k alone, or 1 .. k (a round verifying n >= 1 drafts n,
+        or n + 1 on a probe round)."""
         k = self.static.n_draft
-        return range(min(2, k) if narrower else k, k + 1)
+        return range(1 if narrower else k, k + 1)
 
     def load(self, slot: int, dstate: DSparkState, length: int) -> None:
         """Copy a request's dynamic draft state into `slot`; `length` is its target length (the

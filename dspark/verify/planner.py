@@ -277,8 +277,8 @@ def plan_async(confidence: Confidence, stale_confidence: Sequence[Sequence[float
 def _stale_survival(stale_confidence: Sequence[Sequence[float] | torch.Tensor | None], gamma: int) -> torch.Tensor:
     """Survival [R, γ] of stale confidence rows, a row None taken as survival 1 (a request with no
     confidences that old must not be starved). A row may be shorter than γ (its round drafted only the
-    first w slots: auto's round in flight drafts one past its budget): survival 0 past its end, so a
-    budget planned on it grows by at most one slot a round, and only where the extra slot earns it."""
+    first w slots: auto's round in flight drafts its budget, one past it on a probe round): survival 0
+    past its end, so a budget planned on it grows by at most one slot, and only where that slot earns it."""
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
         raise ValueError(f"gamma must be an int >= 0, got {gamma!r}")
     if not len(stale_confidence):

@@ -153,8 +153,9 @@ def test_trimmed_propose_graphs_hold_the_first_slots_of_the_full_block():
 @pytest.mark.gpu
 @torch.no_grad()
 def test_narrower_propose_graphs_of_one_runner_hold_the_first_slots():
-    """A runner with `narrower` graphs (auto's round in flight drafts n + 1 slots) replays each width
-    w = 2 .. γ − 1 from its own graph: the first w tokens and confidences of the full width's."""
+    """A runner with `narrower` graphs (auto's round in flight drafts n, or n + 1 on a probe round)
+    replays each width w = 1 .. γ − 1 from its own graph: the first w tokens and confidences of the
+    full width's."""
     from dspark.engine.slots import buckets
     from dspark.engine.static_draft import StaticDraftRunner
 
@@ -163,7 +164,7 @@ def test_narrower_propose_graphs_of_one_runner_hold_the_first_slots():
     drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
     runner = StaticDraftRunner(drafter, len(LENGTHS), GAMMA + 1, seed=0, narrower=True)
     b = len(LENGTHS)
-    assert sorted(runner.propose_graphs) == [(s, w) for s in buckets(b) for w in range(2, GAMMA + 1)]
+    assert sorted(runner.propose_graphs) == [(s, w) for s in buckets(b) for w in range(1, GAMMA + 1)]
     g = torch.Generator().manual_seed(6)
     positions = []
     for slot, length in enumerate(LENGTHS):
@@ -176,7 +177,7 @@ def test_narrower_propose_graphs_of_one_runner_hold_the_first_slots():
     a, p, _ = runner.static.plan(torch.randint(0, 256, (b,), generator=g), positions, None)
     full = runner.propose(a, p)
     tokens, conf = full.tokens.clone(), full.confidence.clone()
-    for w in range(2, GAMMA):
+    for w in range(1, GAMMA):
         narrow = runner.propose(a, p, w)
         torch.cuda.synchronize()
         assert narrow.tokens.shape == (b, w)

@@ -68,12 +68,13 @@ def same_rounds(ahead_trace: list, sync_trace: list, gamma: int) -> bool:
     """Whether the round-in-flight trace equals the synchronous one that replayed its budgets: record for
     record, except that a plain round (budget 0, nothing drafted: `draft` empty) has no draft or
     confidences where the synchronous round drafted a block and verified none of it, and a drafting
-    round in flight verifying n drafted only the first min(n + 1, γ) slots of the synchronous round's block."""
+    round in flight verifying n drafted only the first n slots of the synchronous round's block, or
+    min(n + 1, γ) on a probe round."""
     def same(a: dict, s: dict) -> bool:
         if not a["draft"]:
             return a == dict(s, draft=[], confidence=[], confidence_logits=None) and a["verified"] == 0
         w = len(a["draft"])  # γ where the round ran synchronously (the first, or after a batch change)
-        if w not in (min(a["verified"] + 1, gamma), gamma):
+        if w not in (a["verified"], min(a["verified"] + 1, gamma), gamma):
             return False
         # the confidence head ran over w instead of γ rows per block: equal up to the matmul's rounding
         near = {key: (a[key], None if s[key] is None else s[key][:w]) for key in ("confidence", "confidence_logits")}
@@ -161,9 +162,32 @@ def test_auto_rounds_in_flight_equal_synchronous_rounds_of_the_same_budgets(pair
     assert engine.draft_ahead is None
     assert ahead == sync and same_rounds(ahead_trace, sync_trace, pair.dspark.block_size) and ahead_stats == sync_stats
     assert len({r["verified"] for r in ahead_trace}) > 2 and len({r["accepted"] for r in ahead_trace}) > 2
-    # rounds in flight drafted one slot past their budget, not the whole block
+    # rounds in flight drafted their budget, probe rounds one slot past it, not the whole block
     gamma = pair.dspark.block_size
     assert any(len(r["draft"]) == r["verified"] + 1 < gamma for r in ahead_trace)
+    assert any(0 < len(r["draft"]) == r["verified"] < gamma for r in ahead_trace)
+
+
+def _lookahead(budget, probe_every=None, gamma=5):
+    """A DraftLookahead over stand-ins of a runner and a static drafter (only their sizes are read)."""
+    from types import SimpleNamespace
+
+    runner = SimpleNamespace(shape=SimpleNamespace(tokens=gamma + 1))
+    drafting = SimpleNamespace(static=SimpleNamespace(drafter=SimpleNamespace(block_size=gamma), n_draft=gamma))
+    extra = {} if probe_every is None else dict(probe_every=probe_every)
+    return DraftLookahead(runner, drafting, budget, TABLE if budget == "auto" else None, **extra)
+
+
+def test_auto_drafts_its_budget_and_one_past_it_every_probe_round():
+    ahead = _lookahead("auto")
+    assert [ahead._width(2) for _ in range(9)] == [3, 2, 2, 2, 3, 2, 2, 2, 3]  # PROBE_EVERY = 4
+    assert [ahead._width(5) for _ in range(4)] == [5] * 4  # never past the drafter's k
+    every = _lookahead("auto", probe_every=1)
+    assert [every._width(n) for n in (1, 2, 4, 5)] == [2, 3, 5, 5]
+    assert _lookahead(3)._width(3) is None  # a fixed budget drafts the drafter's n_draft
+    for bad in (0, -1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match=rf"probe_every must be an int >= 1, got {bad!r}"):
+            _lookahead("auto", probe_every=bad)
 
 
 def test_random_pair_under_staggered_arrivals(monkeypatch):
