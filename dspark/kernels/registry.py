@@ -73,6 +73,7 @@ _OP_MODULES: dict[str, str] = {
     "rope": "rope",
     "norm_rope": "norm_rope",
     "step_index": "step_index",
+    "markov_greedy": "markov_greedy",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
@@ -152,6 +153,7 @@ class KernelConfig:
     rope: Impl = "ref"
     norm_rope: Impl = "ref"
     step_index: Impl = "ref"
+    markov_greedy: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
