@@ -154,7 +154,8 @@ class DSparkModel(nn.Module):
         share_ropes(self.mtp)
         last = self.mtp[-1]
         r = config.dspark_markov_rank
-        last.markov_head = build_head(config.dspark_markov_head_type, target_config.vocab_size, r, d, device)
+        last.markov_head = build_head(config.dspark_markov_head_type, target_config.vocab_size, r, d, device,
+                                      self.kernels)
         last.confidence_head = ConfidenceHead(d, r, config.dspark_confidence_with_markov, device)
 
     @property

@@ -14,6 +14,10 @@ B_k = W2·tanh(o). Parameter names are the V4 checkpoint's: `markov_head.embed` 
 `markov_head.head` (W2 [V, r]); the RNN adds `markov_head.cell` ([3r, 2r + D] with bias). All are
 kept in fp32 (the V4 runtime does the same).
 
+A greedy slot of the vanilla head runs the `markov_greedy` op of the drafter's `KernelConfig`
+(`greedy_next`): on CUDA one fused kernel (bias on the tensor cores at ≈ fp32, + U_k, argmax; the
+[B, V] logits are never written), elsewhere the torch reference, which is the code above op for op.
+
 Shape symbols: B requests (or blocks), γ slots, V vocabulary, r rank, D hidden size.
 """
 
@@ -22,17 +26,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.kernels import KernelConfig, get_op
 from dspark.sampling import SamplingParams, greedy, sample
 
 
 class MarkovHead(nn.Module):
-    """Vanilla Markov head: B_k = W2 · W1[x_{k−1}]."""
+    """Vanilla Markov head: B_k = W2 · W1[x_{k−1}]. `kernels`: the drafter's kernel choice (its
+    `markov_greedy` op serves `greedy_next`); None: the torch reference."""
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int, device=None):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, device=None,
+                 kernels: KernelConfig | None = None):
         super().__init__()
         self.rank = rank
         self.embed = nn.Embedding(vocab_size, rank, dtype=torch.float32, device=device)
         self.head = nn.Linear(rank, vocab_size, bias=False, dtype=torch.float32, device=device)
+        self._markov_greedy = get_op(kernels or KernelConfig(), "markov_greedy")
 
     def init_state(self, batch: int, device) -> torch.Tensor | None:
         """The vanilla head is stateless."""
@@ -42,6 +50,12 @@ class MarkovHead(nn.Module):
         """prev LongTensor [B], hidden [B, D] (unused) -> (bias fp32 [B, V], None)."""
         return self.head(self.embed(prev)), None
 
+    def greedy_next(self, state, prev: torch.Tensor, prev_embed: torch.Tensor, hidden: torch.Tensor,
+                    base: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """One greedy slot: argmax of U_k + B_k. prev [B], prev_embed fp32 [B, r] = W1[prev], hidden
+        [B, D] (unused), base [B, V] -> (tokens LongTensor [B], None)."""
+        return self._markov_greedy(base, prev_embed, self.head.weight), None
+
     def teacher_forced(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """All γ biases at once from the true previous tokens: prev [N, γ] -> fp32 [N, γ, V]."""
         return self.head(self.embed(prev))
@@ -50,8 +64,9 @@ class MarkovHead(nn.Module):
 class RnnHead(MarkovHead):
     """RNN head (paper eq. 6): a gated state carried left to right through the block."""
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int, device=None):
-        super().__init__(vocab_size, rank, hidden_size, device)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, device=None,
+                 kernels: KernelConfig | None = None):
+        super().__init__(vocab_size, rank, hidden_size, device, kernels)
         self.cell = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=True, dtype=torch.float32, device=device)
 
     def init_state(self, batch: int, device) -> torch.Tensor:
@@ -65,6 +80,12 @@ class RnnHead(MarkovHead):
         state = keep * state + (1 - keep) * torch.tanh(cand)
         return self.head(torch.tanh(out)), state
 
+    def greedy_next(self, state: torch.Tensor, prev: torch.Tensor, prev_embed: torch.Tensor, hidden: torch.Tensor,
+                    base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy slot through the gated state (no fused op: the bias depends on the state)."""
+        bias, state = self.step(state, prev, hidden)
+        return greedy(base.float() + bias), state
+
     def teacher_forced(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Unrolled over the block: prev [N, γ], hidden [N, γ, D] -> fp32 [N, γ, V]."""
         state = self.init_state(prev.shape[0], prev.device)
@@ -75,11 +96,12 @@ class RnnHead(MarkovHead):
         return torch.stack(biases, dim=1)
 
 
-def build_head(head_type: str, vocab_size: int, rank: int, hidden_size: int, device=None) -> MarkovHead:
+def build_head(head_type: str, vocab_size: int, rank: int, hidden_size: int, device=None,
+               kernels: KernelConfig | None = None) -> MarkovHead:
     if head_type == "markov":
-        return MarkovHead(vocab_size, rank, hidden_size, device)
+        return MarkovHead(vocab_size, rank, hidden_size, device, kernels)
     if head_type == "rnn":
-        return RnnHead(vocab_size, rank, hidden_size, device)
+        return RnnHead(vocab_size, rank, hidden_size, device, kernels)
     raise ValueError(f"dspark_markov_head_type: {head_type!r} is not one of ('markov', 'rnn')")
 
 
@@ -107,12 +129,11 @@ def sample_chain(head: MarkovHead, base: torch.Tensor, hidden: torch.Tensor, anc
     tokens, probs, embeds = [], [], []
     for k in range(gamma):
         embeds.append(head.embed(prev))  # W1[x_{k−1}]
-        bias, state = head.step(state, prev, hidden[:, k])
-        logits = base[:, k].float() + bias  # [B, V]
         if params.greedy:
-            prev = greedy(logits)
+            prev, state = head.greedy_next(state, prev, embeds[-1], hidden[:, k], base[:, k])
         else:
-            q = torch.softmax(logits / params.temperature, dim=-1)
+            bias, state = head.step(state, prev, hidden[:, k])
+            q = torch.softmax((base[:, k].float() + bias) / params.temperature, dim=-1)  # [B, V]
             prev = sample_per_request(q, generators)
             probs.append(q)
         tokens.append(prev)

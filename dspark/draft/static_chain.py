@@ -52,12 +52,11 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
     tokens, probs, embeds = [], [], []
     for k in range(gamma):
         embeds.append(head.embed(prev))  # W1[x_{k−1}]
-        bias, state = head.step(state, prev, hidden[:, k])
-        logits = base[:, k].float() + bias  # [S, V]
-        if temperature is None:
-            prev = greedy(logits)
+        if temperature is None:  # the head's greedy slot (the vanilla head's: one fused op on CUDA)
+            prev, state = head.greedy_next(state, prev, embeds[-1], hidden[:, k], base[:, k])
         else:
-            prev, q = pick_static(logits, greedy_row, t, generator)
+            bias, state = head.step(state, prev, hidden[:, k])
+            prev, q = pick_static(base[:, k].float() + bias, greedy_row, t, generator)  # logits [S, V]
             probs.append(q)
         tokens.append(prev)
     return (torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
