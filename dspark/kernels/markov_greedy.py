@@ -96,20 +96,18 @@ class Tiles(NamedTuple):
 
 
 # input_precision -> ((S at most, tiles), ...): the first entry whose bound holds; above the last, its
-# tiles (several row blocks of 128). Not yet timed on a GPU: chosen from the sm_90 compile of each
-# candidate (Triton's ptxas, no GPU; registers / spills / shared memory per CTA at V = 129280, r = 256)
-# and the op's balance, to be refitted from `bench/markov_greedy.py --sweep` on the H200:
-# * S <= 64: W2 streaming dominates (132 MB at r = 256 against ≤ 13 GFLOP of TF32 MMAs); the swapped
-#   product puts BLOCK_V = 128 vocabulary rows on the MMA's M side (wgmma needs 64 per warpgroup,
-#   which 1-64 rows could not fill) and the rows on its N side (16, 32 or 64); BLOCK_R = 32 in 3
-#   stages keeps 80-160 registers (no spill) and 56-80 KB of shared memory, so 2-4 CTAs share an SM.
-# * S > 64: compute-bound (three TF32 MMAs per product); 128 x 128 tiles (222 registers, 112 KB) read
-#   W2 once per 128 rows (the row blocks of a chunk are neighbours in the grid: the second read hits L2).
-#   The fp32-FMA path ("ieee") at 128 x 128 needs 250 registers (too close to spilling): 128 x 64 there.
-# 4 warps spilled (tf32x3 at 128-wide tiles) or doubled the registers per thread: 8 warps throughout.
+# tiles. "tf32x3" from the H200 sweep (`bench/markov_greedy.py --sweep`, `markov-greedy-h200.json`; V =
+# 129280, r = 256, µs per call against the reference's cuBLAS FP32 GEMM + add + argmax):
+# * S <= 16: 16 x 64 tiles, E · W2ᵀ, 4 warps, 4 stages: 55.6 / 57.8 µs at 1 / 8 rows (reference 55.5 /
+#   91.1): W2 streams at ~52 % of HBM, the reference's GEMV as fast at one row.
+# * larger S: 64 rows x 128 vocabulary entries, the swapped product (V on the MMA's M side), 4 warps,
+#   3 stages: 105.9 / 192.8 / 359.2 µs at 64 / 128 / 256 rows (reference 164.8 / 306.2 / 594.8). Above
+#   64 rows a chunk's W2 tile is read once per row block, the second and later from L2; 128-row blocks
+#   at 8 warps were slower (197.2 / 369.8). 17-32 rows take the same tiles (not timed).
+# "ieee" (fp32 FMAs, 3-4x slower than "tf32x3" everywhere) keeps the tiles of the first guess (sm_90
+# compile: no spill), 128 x 64 above 64 rows where 128 x 128 needed 250 registers.
 _TILE_TABLE: dict[str, tuple[tuple[int, Tiles], ...]] = {
-    "tf32x3": ((16, Tiles(16, 128, 32, True, 8, 3)), (32, Tiles(32, 128, 32, True, 8, 3)),
-               (64, Tiles(64, 128, 32, True, 8, 3)), (128, Tiles(128, 128, 32, False, 8, 3))),
+    "tf32x3": ((16, Tiles(16, 64, 32, False, 4, 4)), (64, Tiles(64, 128, 32, True, 4, 3))),
     "ieee": ((16, Tiles(16, 128, 32, True, 8, 3)), (32, Tiles(32, 128, 32, True, 8, 3)),
              (64, Tiles(64, 128, 32, True, 8, 3)), (128, Tiles(128, 64, 32, False, 8, 3))),
 }

@@ -186,12 +186,13 @@ def test_bad_options():
 
 
 def test_default_tiles():
-    """BLOCK_S covers S up to 128 (W2 read once per call), BLOCK_R never above r (rounded up, >= 16)."""
+    """BLOCK_S covers S up to 64 (W2 read from HBM once per call; above, the other row blocks read it
+    from L2), BLOCK_R never above r (rounded up, >= 16)."""
     for n_rows in (1, 8, 16, 17, 64, 65, 128, 256):
         for rank in (8, 32, 64, 128, 256):
             for precision in mg.PRECISIONS:
                 tiles = mg.default_tiles(n_rows, rank, precision)
-                assert tiles.block_s >= min(n_rows, 128) and tiles.block_s >= 16
+                assert tiles.block_s >= min(n_rows, 64) and tiles.block_s >= 16
                 assert 16 <= tiles.block_r <= max(16, rank)
 
 
