@@ -4,13 +4,16 @@
 #
 #   run(command="bash bench/gpu_session13.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session13.sh b", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session13.sh c", kind="nvidia-h200")
 #
 # a: the GPU tests of auto's rounds in flight (which now draft their budget, one slot past it every
 #    fourth round), of the narrower propose graphs and of the fused greedy Markov step (now the
 #    drafter's greedy slot on CUDA); the Markov step's timings and a short tile sweep; the engine grid
 #    at 4K (every fixed budget beside auto: a full capacity table).
-# b: the same grid at 32K for 64 / 256 requests; the sampled DSpark-3 cells (every request at T = 1)
+# b: the Markov step's GPU tests and timings again with the tiles part a's sweep chose; the grid at 32K
+#    for 64 / 256 requests; the sampled DSpark-3 cells (every request at T = 1)
 #    from the sampled propose graphs against the eager propose (the twelfth session's did not come back).
+# c: 256 requests at 32K again (part b's 32K grid ran out of its time in that load's auto cell).
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session13-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
@@ -28,6 +31,9 @@ part_a() {
 }
 
 part_b() {
+  tests b_tests 60 -m gpu tests/kernels/test_markov_greedy.py
+  logged b_markov 60 python3 bench/markov_greedy.py --out "$OUT/markov-greedy-h200-b.json"
+  tail -n 6 $W/logs/b_markov.txt | cut -c1-300
   logged b_engine_32k 160 python3 bench/engine_h200.py "${grid[@]}" --requests 64,256 --contexts 32768 \
     --budget-s 140 --out "$OUT/engine-h200-s13b-32k.json"
   tail -n 16 $W/logs/b_engine_32k.txt | cut -c1-300
@@ -36,9 +42,16 @@ part_b() {
   tail -n 12 $W/logs/b_sampled.txt | cut -c1-300
 }
 
-case "${1:?part: a or b}" in
+part_c() {
+  logged c_256_32k 200 python3 bench/engine_h200.py "${grid[@]}" --requests 256 --contexts 32768 \
+    --budget-s 170 --out "$OUT/engine-h200-s13c-256-32k.json"
+  tail -n 40 $W/logs/c_256_32k.txt | cut -c1-250
+}
+
+case "${1:?part: a, b or c}" in
   a) part_a ;;
   b) part_b ;;
+  c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 pack "session13-$1"
