@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.verify.capacity import CapacityTable, default_cpu_table
-from dspark.verify.planner import expected_tokens, plan_fixed, uniform_budget
+from dspark.verify.planner import _stale_survival, expected_tokens, plan_fixed, uniform_budget
 
 
 def _table(points):
@@ -43,6 +43,19 @@ def test_short_stale_rows_let_the_budget_grow_one_slot_a_round():
     assert uniform_budget([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], 3, sps) == 3
     # Without the extra slot (a row as wide as the budget), no growth: the same table keeps it at 1.
     assert uniform_budget([[1.0], [1.0]], 3, sps) == 1
+
+
+def test_stale_rows_of_mixed_widths_keep_their_order():
+    """Short rows are padded with confidence 0 (survival 0 past their end) in place, whatever the mix of
+    widths, None rows (survival 1) and dtypes; equal to padding each row by hand."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.rand(w, generator=g) for w in (2, 5, 1, 2, 3, 5, 1)]
+    rows.insert(3, None)
+    rows.append(torch.rand(4, generator=g, dtype=torch.float64))
+    want = torch.stack([torch.ones(5, dtype=torch.float64) if r is None else
+                        torch.cat([r.double(), torch.zeros(5 - r.numel(), dtype=torch.float64)]) for r in rows])
+    got = _stale_survival(rows, 5)
+    assert got.dtype == torch.float64 and torch.equal(got, torch.cumprod(want, dim=1))
 
 
 def test_uniform_budget_is_the_best_uniform_plan():
