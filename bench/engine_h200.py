@@ -70,6 +70,7 @@ import math
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -99,6 +100,7 @@ BUDGET = {"none": 0, "mtp1": 1, "dspark1": 1, "dspark2": 2, "dspark3": 3, "auto"
 # Sampled cells: every request at temperature 1 (synchronous rounds: the propose's q is read before the
 # verify); "_eager" drops the static drafter's sampled graphs, so its rounds draft eagerly as before them.
 SAMPLED = {"dspark3_t1": True, "dspark3_t1_eager": False}
+PROFILE_STEPS = 3  # --profile: steps per profile (after one untimed step)
 FIXED_DSPARK = ("none", "dspark1", "dspark2", "dspark3")  # the cells a table from the cells is built on
 FULL = dict(config="v4-mini", requests=(1, 8, 16, 32, 64, 128, 256), contexts=(4096, 32768),
             prefill=(4096, 8192, 16384, 32768, 65536), prefill_context=131072, warmup=1, steps=3,
@@ -272,7 +274,8 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
     static = dict(static_decode=False)  # the dynamic path unless --static-decode (on CUDA the default is static)
     if args["static_decode"]:  # the slots hold the fabricated context + every step's tokens (≤ 16 each)
         # Algorithm 1 ("auto") plans on the round's own confidences: its rounds cannot be in flight
-        static = dict(static_decode=True, static_context=context + 16 * (args["warmup"] + args["steps"]),
+        steps = args["warmup"] + args["steps"] + (PROFILE_STEPS + 1) * bool(args.get("profile"))
+        static = dict(static_decode=True, static_context=context + 16 * steps,
                       overlap=args.get("overlap", False) and mode != "auto")
     _sync(model.device)
     t = time.perf_counter()
@@ -337,9 +340,36 @@ def decode_cell(model, drafters, mode, requests, context, table, args, g) -> dic
     if mode in ("auto", "auto_async"):
         row["capacity_label"] = table.label
         row["round_in_flight"] = engine.draft_ahead is not None
+    if args.get("profile"):
+        from graph_decode import kernel_profile  # here: graph_decode imports this module
+
+        row["kernel_profile"] = kernel_profile(engine.step, model.device, PROFILE_STEPS)
+        row["host_profile"] = host_profile(engine.step, PROFILE_STEPS)
     for r in list(engine.running):
         engine.abort(r.request_id)
     return row
+
+
+def host_profile(fn, steps: int, top: int = 25) -> dict:
+    """Where the host's time goes in `steps` calls of fn() (cProfile, after one untimed call): the
+    functions of largest own time and the `dspark/` functions of largest cumulative time, µs per call."""
+    import cProfile
+    import pstats
+
+    fn()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+
+    def rows(key, keep=lambda site: True):
+        entries = sorted(((site, v) for site, v in stats.items() if keep(site)), key=lambda e: -e[1][key])
+        return [{"site": f"{Path(f).name}:{line}({name})", "calls_per_step": v[0] / steps,
+                 "us_per_step": v[key] * 1e6 / steps} for (f, line, name), v in entries[:top]]
+
+    return {"steps": steps, "own": rows(2), "dspark_cumulative": rows(3, lambda site: "/dspark/" in site[0])}
 
 
 def run_decode(model, drafters, args, clock, share_s, results, skipped, g):
@@ -534,6 +564,9 @@ def main() -> None:
     ap.add_argument("--contexts", default=None, help="comma list of decode contexts (default 4096,32768)")
     ap.add_argument("--decode-only", action="store_true", help="skip the HF peer and the prefill phase")
     ap.add_argument("--peer", action="store_true", help="with --decode-only: still run the HF peer (batch 1)")
+    ap.add_argument("--profile", action="store_true",
+                    help=f"per decode cell, {PROFILE_STEPS} more steps under torch.profiler (device kernels) and "
+                         "cProfile (host functions)")
     ap.add_argument("--not-yet", action="store_true",
                     help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
     cli = ap.parse_args()
@@ -569,6 +602,7 @@ def main() -> None:
     if cli.overlap and not cli.static_decode:
         raise ValueError("--overlap needs --static-decode")
     args["overlap"] = cli.overlap
+    args["profile"] = cli.profile
     budget = cli.budget_s or (120.0 if cli.smoke else 450.0)
     device = torch.device("cpu" if cli.smoke else "cuda")
     clock = Clock(budget)

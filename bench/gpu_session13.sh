@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session13.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session13.sh b", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session13.sh c", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session13.sh d", kind="nvidia-h200")
 #
 # a: the GPU tests of auto's rounds in flight (which now draft their budget, one slot past it every
 #    fourth round), of the narrower propose graphs and of the fused greedy Markov step (now the
@@ -14,6 +15,9 @@
 #    for 64 / 256 requests; the sampled DSpark-3 cells (every request at T = 1)
 #    from the sampled propose graphs against the eager propose (the twelfth session's did not come back).
 # c: 256 requests at 32K again (part b's 32K grid ran out of its time in that load's auto cell).
+# d: where a round's time goes at 64 requests (4K), device kernels and host functions: plain, the fixed
+#    budgets, auto (its synchronous steps trail DSpark 3 by 13 %) and DSpark 3 with every request at
+#    T = 1 (4.4x a greedy round in part b).
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session13-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
@@ -48,10 +52,18 @@ part_c() {
   tail -n 40 $W/logs/c_256_32k.txt | cut -c1-250
 }
 
-case "${1:?part: a, b or c}" in
+part_d() {
+  logged d_profile 230 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
+    --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async,dspark3_t1 --requests 64 --contexts 4096 --profile \
+    --budget-s 200 --out "$OUT/engine-h200-s13d-profile.json"
+  tail -n 30 $W/logs/d_profile.txt | cut -c1-250
+}
+
+case "${1:?part: a, b, c or d}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
+  d) part_d ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 pack "session13-$1"
