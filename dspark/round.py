@@ -13,6 +13,7 @@ Host bookkeeping lives in `dspark.request`; this module only sequences the devic
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -20,7 +21,7 @@ import torch
 
 from dspark.request import Request
 from dspark.sampling import greedy, probs_from_logits, sample
-from dspark.verify.acceptance import accept_greedy, verify_chain
+from dspark.verify.acceptance import accept_greedy, verify_chain_batch
 from dspark.verify.capacity import CapacityTable
 from dspark.verify.planner import VerifyPlan, plan_algorithm1, plan_async, plan_fixed
 
@@ -136,15 +137,10 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
     starts = [r.state.length for r in live]
     out, offsets = (forward or partial(_forward, model))(live, blocks, drafter)  # verify
     targets = _greedy_targets(out.logits, live, blocks, offsets)
+    verdicts = _sampled_verdicts(out.logits, live, blocks, offsets, probs, targets)
     for b, (req, block, off) in enumerate(zip(live, blocks, offsets)):
         n = len(block) - 1
-        if b in targets:
-            accepted, nxt = accept_greedy(block[1:], targets[b])
-        else:
-            q = probs[b][:n] if probs[b] is not None else None
-            accepted, nxt = verify_chain(torch.tensor(block[1:], dtype=torch.long, device=out.logits.device), q,
-                                         out.logits[off:off + n + 1], req.params, req.generator)
-            accepted, nxt = int(accepted), int(nxt)
+        accepted, nxt = accept_greedy(block[1:], targets[b]) if b in targets else verdicts[b]
         req.state.truncate(starts[b] + 1 + accepted)                             # commit
         if draft is None:
             _observe(drafter, req, out, slice(off, off + accepted + 1), block[:accepted + 1])
@@ -167,6 +163,36 @@ def _greedy_targets(logits: torch.Tensor, live: list[Request], blocks: list[list
         return {}
     ids = greedy(logits).tolist()  # [N]
     return {b: ids[offsets[b]:offsets[b] + len(blocks[b])] for b in greedy_rows}
+
+
+def _sampled_verdicts(logits: torch.Tensor, live: list[Request], blocks: list[list[int]], offsets: list[int],
+                      probs: list, skip: dict) -> dict[int, tuple[int, int]]:
+    """{b: (accepted, next token)} for every request not in `skip` (the greedy ones): one
+    `verify_chain_batch` per group of requests with the same sampling parameters (the seed aside),
+    verify length and kind of draft distribution, each row drawing from its request's own generator,
+    and one host copy for the round. A verify call per request cost ~0.6 ms of host time and two host
+    syncs (64 sampled requests: 45 ms a round on an H200). With equal lengths no row is padded, so each
+    request reads its generator exactly as a call of its own would (`verify_sample_batch`): the same
+    tokens on any device."""
+    groups: dict[tuple, list[int]] = {}
+    for b, req in enumerate(live):
+        if b not in skip:
+            key = (dataclasses.replace(req.params, seed=None), len(blocks[b]) - 1, probs[b] is None)
+            groups.setdefault(key, []).append(b)
+    order, accepted, nxt = [], [], []
+    for (params, n, no_q), members in groups.items():
+        drafts = torch.tensor([blocks[b][1:] for b in members], dtype=torch.long).reshape(len(members), n)
+        q = None if no_q else torch.stack([probs[b][:n] for b in members])  # [R, n, V]
+        rows = torch.stack([logits[offsets[b]:offsets[b] + n + 1] for b in members])  # [R, n + 1, V]
+        a, x = verify_chain_batch(drafts.to(logits.device), q, rows, [n] * len(members), params,
+                                  [live[b].generator for b in members])
+        order += members
+        accepted.append(a)
+        nxt.append(x)
+    if not order:
+        return {}
+    host = torch.stack([torch.cat(accepted), torch.cat(nxt)]).tolist()  # one copy for every group
+    return {b: (a, x) for b, a, x in zip(order, host[0], host[1])}
 
 
 def trace_record(req: Request, draft: list[int], confidence, logits, b: int, verified: int, accepted: int,

@@ -99,22 +99,28 @@ def test_bad_drafter_names_are_refused(tiny):
         dspark.generate(tiny, [1, 2, 3], draft_tokens=2, drafter=object())
 
 
-def test_greedy_rounds_verify_in_one_batched_host_read(tiny, monkeypatch):
-    """A round's greedy requests are verified from one argmax over every row and one host copy, never
-    through the per-request `verify_chain` (two device reads each); sampled requests still use it."""
+def test_rounds_verify_in_batched_calls(tiny, monkeypatch):
+    """A round's greedy requests are verified from one argmax over every row and one host copy; its
+    sampled requests in one `verify_chain_batch` per group of equal parameters (seed aside) and
+    verify length, each row from its request's generator: the same tokens as each request alone."""
     import dspark.round as round_module
 
     calls = []
-    original = round_module.verify_chain
+    original = round_module.verify_chain_batch
 
-    def counting(*args, **kwargs):
-        calls.append(args[3].greedy)
-        return original(*args, **kwargs)
+    def counting(drafts, q, logits, lengths, params, generator):
+        calls.append((params, drafts.shape[0]))
+        return original(drafts, q, logits, lengths, params, generator)
 
-    monkeypatch.setattr(round_module, "verify_chain", counting)
+    monkeypatch.setattr(round_module, "verify_chain_batch", counting)
     prompts = _repetitive_prompts(4, seed=5)
     greedy = dspark.generate(tiny, prompts, max_new_tokens=8, draft_tokens=3, drafter=NgramDrafter(GAMMA))
     assert calls == [] and all(len(out.token_ids) >= 1 for out in greedy)
-    dspark.generate(tiny, [1, 2, 3, 1, 2, 3], max_new_tokens=4, draft_tokens=3, drafter=NgramDrafter(GAMMA),
-                    temperature=1.0, seed=0)
-    assert calls and not any(calls)
+    options = dict(max_new_tokens=12, draft_tokens=3, drafter=NgramDrafter(GAMMA), temperature=1.0, top_k=40)
+    batch = dspark.generate(tiny, prompts, seed=3, **options)
+    assert calls and all(not p.greedy and p.seed is None for p, _ in calls)
+    assert max(rows for _, rows in calls) > 1  # requests shared a verify call
+    calls.clear()
+    alone = [dspark.generate(tiny, p, seed=3 + i, **options) for i, p in enumerate(prompts)]
+    assert [o.token_ids for o in batch] == [o.token_ids for o in alone]
+    assert calls and all(rows == 1 for _, rows in calls)
