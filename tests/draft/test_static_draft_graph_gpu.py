@@ -118,18 +118,16 @@ def test_sampled_propose_graph_draws_fresh_noise_from_q():
     assert chisquare(observed.numpy(), (expected / expected.sum() * n).numpy())[1] > 1e-3
 
 
-@pytest.mark.gpu
-@torch.no_grad()
-def test_trimmed_propose_graphs_hold_the_first_slots_of_the_full_block():
-    """A static drafter built for n_draft = 2 captures graphs of 2 slots: greedy and sampled replays
-    give [S, 2] proposals, the greedy one the first 2 slots of the full drafter's tokens (fp32 here;
-    in bf16 the LM head's GEMM over fewer rows may round differently, so an argmax tie could flip)."""
+def _fp32_pair():
+    """tiny-v4 in fp32 on CUDA with its fused kernels, and a random DSpark drafter (Markov rank 32)."""
     model = dspark.init_model("tiny-v4", seed=0, device="cuda", dtype=torch.float32,
                               kernels=KernelConfig.for_device("cuda"))
-    drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
-    shape = StaticDraftShape(slots=len(LENGTHS), tokens=GAMMA + 1)
-    full, trimmed = StaticDrafter(drafter, shape), StaticDrafter(drafter, shape, n_draft=2)
-    g = torch.Generator().manual_seed(5)
+    return model, DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
+
+
+def _load_requests(model, drafter, statics, g) -> list[int]:
+    """One request of each length in LENGTHS (random ids, observed by the dynamic drafter) loaded into
+    slot i of every static drafter in `statics`; returns the positions of their next anchors."""
     positions = []
     for slot, length in enumerate(LENGTHS):
         dstate = drafter.new_state()
@@ -137,8 +135,21 @@ def test_trimmed_propose_graphs_hold_the_first_slots_of_the_full_block():
             ids = torch.randint(0, 256, (length,), generator=g).cuda()
             out = model(ids, [model.new_state()], [length], capture_layers=drafter.capture_layers)
             drafter.observe(dstate, ids, out.hidden, out.features)
-        full.load(slot, dstate)
-        positions.append(trimmed.load(slot, dstate))
+        positions.append([static.load(slot, dstate) for static in statics][-1])
+    return positions
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_trimmed_propose_graphs_hold_the_first_slots_of_the_full_block():
+    """A static drafter built for n_draft = 2 captures graphs of 2 slots: greedy and sampled replays
+    give [S, 2] proposals, the greedy one the first 2 slots of the full drafter's tokens (fp32 here;
+    in bf16 the LM head's GEMM over fewer rows may round differently, so an argmax tie could flip)."""
+    model, drafter = _fp32_pair()
+    shape = StaticDraftShape(slots=len(LENGTHS), tokens=GAMMA + 1)
+    full, trimmed = StaticDrafter(drafter, shape), StaticDrafter(drafter, shape, n_draft=2)
+    g = torch.Generator().manual_seed(5)
+    positions = _load_requests(model, drafter, (full, trimmed), g)
     a, p, temps = trimmed.plan(torch.randint(0, 256, (len(LENGTHS),), generator=g), positions, [1.0, 0.0, 0.7, 1.3])
     greedy = ProposeGraph(trimmed).replay(a, p)
     sampled = SampledProposeGraph(trimmed.propose, len(LENGTHS), trimmed.device,
@@ -159,21 +170,12 @@ def test_narrower_propose_graphs_of_one_runner_hold_the_first_slots():
     from dspark.engine.slots import buckets
     from dspark.engine.static_draft import StaticDraftRunner
 
-    model = dspark.init_model("tiny-v4", seed=0, device="cuda", dtype=torch.float32,
-                              kernels=KernelConfig.for_device("cuda"))
-    drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
+    model, drafter = _fp32_pair()
     runner = StaticDraftRunner(drafter, len(LENGTHS), GAMMA + 1, seed=0, narrower=True)
     b = len(LENGTHS)
     assert sorted(runner.propose_graphs) == [(s, w) for s in buckets(b) for w in range(1, GAMMA + 1)]
     g = torch.Generator().manual_seed(6)
-    positions = []
-    for slot, length in enumerate(LENGTHS):
-        dstate = drafter.new_state()
-        if length:
-            ids = torch.randint(0, 256, (length,), generator=g).cuda()
-            out = model(ids, [model.new_state()], [length], capture_layers=drafter.capture_layers)
-            drafter.observe(dstate, ids, out.hidden, out.features)
-        positions.append(runner.static.load(slot, dstate))
+    positions = _load_requests(model, drafter, (runner.static,), g)
     a, p, _ = runner.static.plan(torch.randint(0, 256, (b,), generator=g), positions, None)
     full = runner.propose(a, p)
     tokens, conf = full.tokens.clone(), full.confidence.clone()

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
-                            indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope,
-                            rms_norm, rope, step_index, triton_available)
+                            indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe, moe_decode,
+                            moe_route_decode, norm_rope, rms_norm, rope, step_index, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -61,7 +61,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            rms_norm: ("_rms_norm_kernel",),
            rope: ("_rope_kernel",),
            norm_rope: ("_norm_rope_kernel",),
-           step_index: ("_step_index_kernel",)}
+           step_index: ("_step_index_kernel",),
+           markov_greedy: ("_markov_greedy_kernel",)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -339,6 +340,13 @@ def run_every_tile_class():
          (step_index.ENTRY_OFFSET, 1, 1, 128, 1040, 0, 0, 0), (step_index.VISIBLE, 1, 1, 4, 0, 0, 0, 0)], DEVICE)
     for starts in ([4095], [0, 7, 100, 4000]):
         step_index.step_index(torch.tensor(starts, device=DEVICE), segments, tokens=len(starts))
+    # The Markov head's greedy slot: both tile classes (<= 16 rows, and above), rank 256 (the drafter's)
+    # and 32, a vocabulary that is a multiple of 16 (V4's 129280 is).
+    for rows, rank in ((1, 256), (64, 256), (100, 32)):
+        g = torch.Generator().manual_seed(rows)
+        markov_greedy.markov_greedy(torch.randn(rows, 320, generator=g).to(DEVICE),
+                                    torch.randn(rows, rank, generator=g).to(DEVICE),
+                                    torch.randn(320, rank, generator=g).to(DEVICE))
 
 
 COMPILE = textwrap.dedent("""
