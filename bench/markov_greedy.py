@@ -32,7 +32,6 @@ import datetime
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.latency_kernels import interpreter_setup  # noqa: E402 (imports torch only)
 
 HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
 SMOKE = dict(rows=(1, 5, 17), vocab=300, rank=32)
@@ -70,20 +71,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def interpreter_setup() -> None:
-    """--smoke: TRITON_INTERPRET before the kernel module is imported, and the kernel tests'
-    patches of the interpreter's gaps (tests/kernels/conftest.py)."""
-    import importlib.util
-
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_dspark_patched", False):  # under pytest: the conftest ran already
-        return
-    spec = importlib.util.spec_from_file_location("_kernel_test_setup", REPO / "tests" / "kernels" / "conftest.py")
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-
-
 def conditions(device, args, vocab: int, rank: int) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = {"torch": torch.__version__, "date": now,
@@ -95,11 +82,9 @@ def conditions(device, args, vocab: int, rank: int) -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=REPO).stdout.strip() or "unknown"
-    except OSError:
-        info["commit"] = "unknown"
+    from bench.engine_h200 import _commit  # here: it imports dspark, after --smoke's interpreter_setup
+
+    info["commit"] = _commit() or "unknown"
     info["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda

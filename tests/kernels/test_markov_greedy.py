@@ -9,8 +9,6 @@ On CPU the kernel runs under the Triton interpreter (conftest.py), which ignores
 kernel's logic; the tensor-core accuracy of "tf32x3" is what the GPU tests measure.
 """
 
-import importlib
-
 import pytest
 import torch
 
@@ -21,11 +19,6 @@ from dspark.sampling import greedy
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-if DEVICE == "cpu" and triton_available() and type(mg._markov_greedy_kernel).__name__ != "InterpretedFunction":
-    # Imported before conftest.py set TRITON_INTERPRET (another test package): rebuild the kernels as
-    # interpreted functions (conftest.py reloads the modules it lists for the same reason).
-    importlib.reload(mg)
 
 
 def make_inputs(n_rows, vocab, rank, base_dtype=torch.float32, seed=0, device=DEVICE):
