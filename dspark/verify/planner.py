@@ -297,8 +297,8 @@ def _stale_survival(stale_confidence: Sequence[Sequence[float] | torch.Tensor | 
     if all(sh[0] == gamma for sh in shapes):
         return survival(torch.stack(rows))
     # Confidence 0 past a short row's end (survival 0 there). One stack per row width (a round drafts one
-    # width for its whole batch): a cat per row, or pad_sequence, cost 3-8 µs a row, 0.8-2.5 ms of host
-    # time per round at 256 requests.
+    # width for its whole batch): a cat per row, or pad_sequence, costs a few µs a row, which at hundreds
+    # of requests is milliseconds of host time per round.
     padded = rows[0].new_zeros(len(rows), gamma)
     by_width: dict[int, list[int]] = {}
     for i, sh in enumerate(shapes):
