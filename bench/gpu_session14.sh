@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU steps of the fourteenth session (each part < 9.5 min on one H200):
+#
+#   run(command="bash bench/gpu_session14.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session14.sh b", kind="nvidia-h200")
+#
+# a: the MoE kernel tests on the GPU (the tensor-core FP8 decode GEMV, the packed path's FP8 tiles
+#    scaled after the dot) and the static drafter's GPU tests (their helpers were refactored after
+#    their last GPU run); `bench/moe_fp8.py`: the FP8 decode GEMV on the CUDA cores (shipped) against
+#    the tensor cores (swept), the packed path before / after, V4-Flash and v4-mini layers, 128x128
+#    and 32x32 blocks; the sampled DSpark-3 cells at 64 requests, whose per-request verify calls are
+#    now one batched call per round (not re-timed since).
+# b: the MoE tests again with the tiles part a picked, and `bench/kernels.py`'s FP8 MoE rows
+#    (M = 1, 8, 64, 256) with them: the issue's "% of HBM roofline" figures.
+#
+# Only 8 files come back from a call, so the part ends by packing $OUT into one session14-PART.tgz.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
+
+part_a() {
+  tests a_moe_tests 150 tests/kernels/test_moe.py
+  logged a_moe_fp8 260 python3 bench/moe_fp8.py --out "$OUT/moe-fp8-h200.json"
+  grep -h "decode:\|packed:\|rc=" $W/logs/a_moe_fp8.txt | cut -c1-330
+  tail -n 3 $W/logs/a_moe_fp8.txt | cut -c1-300
+  tests a_draft_tests 90 -m gpu tests/draft/test_static_draft_graph_gpu.py
+  logged a_sampled 100 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
+    --requests 64 --modes dspark3,dspark3_t1 --contexts 4096 --budget-s 80 --out "$OUT/engine-h200-s14a-sampled.json"
+  tail -n 8 $W/logs/a_sampled.txt | cut -c1-300
+}
+
+part_b() {
+  tests b_moe_tests 150 tests/kernels/test_moe.py
+  logged b_kernels 200 python3 bench/kernels.py --configs flash,mini --ops fused_moe_fp8_128,fused_moe_fp8_32,fused_moe \
+    --tokens 1,8,64,256 --model-steps 0 --out "$OUT/kernels-moe-fp8-h200.json"
+  tail -n 30 $W/logs/b_kernels.txt | cut -c1-250
+}
+
+case "${1:?part: a or b}" in
+  a) part_a ;;
+  b) part_b ;;
+  *) echo "unknown part $1" >&2; exit 2 ;;
+esac
+pack "session14-$1"
