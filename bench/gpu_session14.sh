@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session14.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session14.sh b", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session14.sh c", kind="nvidia-h200")
 #
 # a: the MoE kernel tests on the GPU (the tensor-core FP8 decode GEMV, the packed path's FP8 tiles
 #    scaled after the dot) and the static drafter's GPU tests (their helpers were refactored after
@@ -13,6 +14,9 @@
 # b: part a's tensor-core GEMV was 2x slower than the shipped one and its sweep ran out of time, so:
 #    the packed path before / after alone, `bench/kernels.py`'s FP8 MoE rows (M = 1, 8, 64, 256: the
 #    issue's "% of HBM roofline" figures), the MoE tests on FP8, decode and packed paths.
+# c: neither part a's tensor-core GEMV nor part b's scale-after-dot won (both reverted); the FP8 decode
+#    kernels again with wider reduction steps (up to whole rows: more bytes in flight per program), and
+#    the sampled DSpark-3 cell at 64 requests with more time than part a gave it.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session14-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
@@ -37,9 +41,19 @@ part_b() {
   tests b_moe_tests 200 tests/kernels/test_moe.py -k "fp8 or decode or packed or mma"
 }
 
-case "${1:?part: a or b}" in
+part_c() {
+  logged c_tiles 240 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8 --tokens 1,8 --graph \
+    --fp8-steps 256,512,1024,2048 --rows 4,8,16,32 --out "$OUT/moe-decode-tiles-fp8-wide-h200.json"
+  tail -n 6 $W/logs/c_tiles.txt | cut -c1-400
+  logged c_sampled 230 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
+    --requests 64 --modes dspark3,dspark3_t1 --contexts 4096 --budget-s 200 --out "$OUT/engine-h200-s14c-sampled.json"
+  tail -n 8 $W/logs/c_sampled.txt | cut -c1-300
+}
+
+case "${1:?part: a, b or c}" in
   a) part_a ;;
   b) part_b ;;
+  c) part_c ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 pack "session14-$1"

@@ -64,7 +64,8 @@ def timed(fn, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40) * 1e-3
 
 
-def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False) -> dict:
+def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False, fp8_steps: tuple = (),
+                rows: tuple = ()) -> dict:
     from dspark.kernels import moe_decode as md
 
     dim, inter, n_exp = LAYERS[name]
@@ -80,8 +81,8 @@ def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False) -> dic
     y_ref = md.decode_down(h_ref, x, wts, ids, w2, s2, args, default)
     ups, downs = [], []
     # FP8 steps: one 128-wide scale block, or with --wide whole blocks (`moe_decode._gemv_fp8`)
-    block_ks = (WIDE_K[:3] if wide else (128,)) if fp8 else WIDE_K if wide else BLOCK_K
-    up_ns, down_ns = (WIDE_N, WIDE_N) if wide else (UP_N, DOWN_N)
+    block_ks = (fp8_steps or (WIDE_K[:3] if wide else (128,))) if fp8 else WIDE_K if wide else BLOCK_K
+    up_ns, down_ns = (rows, rows) if rows else (WIDE_N, WIDE_N) if wide else (UP_N, DOWN_N)
     timed_ = lambda fn: timed(fn, graph)  # noqa: E731
     for n, k, warps in itertools.product(up_ns, [k for k in block_ks if k <= dim], WARPS):
         t = md.DecodeTiles(up_n=n, up_k=k, up_warps=warps)
@@ -116,7 +117,11 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (L2 flushed), not do_bench")
     ap.add_argument("--kinds", default="bf16,fp8", help="weight kinds: comma list of bf16, fp8")
     ap.add_argument("--tokens", default="1,8", help="comma list of token counts")
+    ap.add_argument("--fp8-steps", default="", help="FP8 reduction steps to sweep (default 128, or 128-512 with --wide)")
+    ap.add_argument("--rows", default="", help="output rows per program to sweep (default by --wide)")
     args = ap.parse_args()
+    fp8_steps = tuple(int(k) for k in args.fp8_steps.split(",") if k)
+    rows_ = tuple(int(n) for n in args.rows.split(",") if n)
     layers = args.layers.split(",")
     if not set(layers) <= set(LAYERS):
         raise SystemExit(f"--layers: unknown {sorted(set(layers) - set(LAYERS))}; known {tuple(LAYERS)}")
@@ -127,13 +132,13 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, fp8, m in itertools.product(layers, kinds, tokens):
-        row = sweep_layer(name, fp8, m, g, args.wide, args.graph)
+        row = sweep_layer(name, fp8, m, g, args.wide, args.graph, fp8_steps, rows_)
         rows.append(row)
         print(f"{name} fp8={fp8} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
               f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
               f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM", flush=True)
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
-                  "wide": args.wide, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
+                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
 

@@ -27,9 +27,8 @@ Fused pipeline (no host sync; CUDA-graph capturable):
 5. finalize: y = shared + Σ_k weight_k · row(token, k), one pass, cast to x.dtype.
 
 Weights are bf16/fp32 tensors or `FP8BlockWeight` (e4m3 + UE8M0 block scales, 128×128 for V4
-§13.3, 32×32 for V4.1 §11): each [BLOCK_N, BLOCK_K] weight tile enters the dot as e4m3 widened to
-x.dtype (exact) and its per-row scale (BLOCK_K divides B, so one per row) multiplies the tile's
-product afterwards; activations stay in x.dtype.
+§13.3, 32×32 for V4.1 §11): the kernels dequantise each [BLOCK_N, BLOCK_K] weight tile in registers
+(BLOCK_K divides B, so a tile needs one scale per row); activations stay in x.dtype.
 """
 
 from __future__ import annotations
@@ -276,25 +275,6 @@ def _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in,
 
 
 @_jit
-def _weight_dot(xa, w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, acc,
-                FP8: tl.constexpr, SB: tl.constexpr, DOT_FP32: tl.constexpr, SCALE_AFTER: tl.constexpr):
-    """acc + xa·W[e, offs_n, offs_k]ᵀ. With SCALE_AFTER an FP8 tile enters the dot unscaled (e4m3 is
-    exact in bf16 and fp32) and its per-row UE8M0 factor, a power of two, scales the [BLOCK_M,
-    BLOCK_N] product instead: BLOCK_M multiplies per output column rather than BLOCK_K per weight,
-    and the same value up to the fp32 rounding of one partial sum."""
-    if FP8 and SCALE_AFTER:
-        n_mask = offs_n < n_out
-        w = tl.load(w_ptr + e * n_out * n_in + offs_n[:, None] * n_in + offs_k[None, :],
-                    mask=n_mask[:, None] & (offs_k[None, :] < n_in), other=0.0)
-        byte = tl.load(s_ptr + (e * tl.cdiv(n_out, SB) + offs_n // SB) * tl.cdiv(n_in, SB) + k0 // SB,
-                       mask=n_mask, other=127)
-        factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
-        part = _dot(xa, w.to(xa.dtype), tl.zeros(acc.shape, dtype=tl.float32), DOT_FP32)
-        return acc + part * factor[None, :]
-    return _dot(xa, _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, FP8, SB, xa.dtype), acc, DOT_FP32)
-
-
-@_jit
 def _dot(a, b_t, acc, DOT_FP32: tl.constexpr):
     """acc + a·b_tᵀ; fp32 operands use 3-pass TF32 (≈ fp32 accuracy on the tensor cores)."""
     if DOT_FP32:
@@ -337,8 +317,7 @@ def _moe_up_kernel(
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, rows_ptr, block_expert_ptr, h_ptr,
     n_rows, dim, inter, n_exp, top_k, limit,
     ROUTED: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[r, n] = silu(min(x·W1ᵀ, L)) · clamp(x·W3ᵀ, −L, L) for one [BLOCK_M, BLOCK_N] tile."""
     pdl_prologue(PDL)
@@ -355,10 +334,10 @@ def _moe_up_kernel(
                      mask=in_mask[:, None] & (offs_k[None, :] < dim), other=0.0)
         if DOT_FP32:
             xa = xa.to(tl.float32)
-        acc_g = _weight_dot(xa, w1_ptr, s1_ptr, e, offs_n, offs_k, k0, inter, dim, acc_g, FP8, SB, DOT_FP32,
-                            SCALE_AFTER)
-        acc_u = _weight_dot(xa, w3_ptr, s3_ptr, e, offs_n, offs_k, k0, inter, dim, acc_u, FP8, SB, DOT_FP32,
-                            SCALE_AFTER)
+        acc_g = _dot(xa, _weight_tile(w1_ptr, s1_ptr, e, offs_n, offs_k, k0, inter, dim, FP8, SB, xa.dtype),
+                     acc_g, DOT_FP32)
+        acc_u = _dot(xa, _weight_tile(w3_ptr, s3_ptr, e, offs_n, offs_k, k0, inter, dim, FP8, SB, xa.dtype),
+                     acc_u, DOT_FP32)
     if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
         acc_g = tl.minimum(acc_g, limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -371,8 +350,7 @@ def _moe_up_kernel(
 def _moe_down_kernel(
     h_ptr, w2_ptr, s2_ptr, block_expert_ptr, out_ptr, n_rows, dim, inter, n_exp,
     ROUTED: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[r, n] = h[r]·W2[e, n]ᵀ in fp32 for one [BLOCK_M, BLOCK_N] tile (n over D)."""
     pdl_prologue(PDL)
@@ -386,7 +364,8 @@ def _moe_down_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ha = tl.load(h_ptr + rows[:, None] * inter + offs_k[None, :],
                      mask=in_mask[:, None] & (offs_k[None, :] < inter), other=0.0)
-        acc = _weight_dot(ha, w2_ptr, s2_ptr, e, offs_n, offs_k, k0, dim, inter, acc, FP8, SB, DOT_FP32, SCALE_AFTER)
+        acc = _dot(ha, _weight_tile(w2_ptr, s2_ptr, e, offs_n, offs_k, k0, dim, inter, FP8, SB, ha.dtype),
+                   acc, DOT_FP32)
     tl.store(out_ptr + rows[:, None] * dim + offs_n[None, :], acc,
              mask=out_mask[:, None] & (offs_n[None, :] < dim))
 
@@ -552,9 +531,8 @@ def _weight_parts(w):
     return w.contiguous(), w, False, 16  # scale pointer unused when not FP8
 
 
-def _launch_up(x, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, limit, tiles, scale_after: bool = True):
-    """h [n_out_rows, I] x.dtype = clamped SwiGLU of the gate/up GEMMs (rows=None: shared expert);
-    `scale_after`: FP8 tiles scaled after the dot (`_weight_dot`), else dequantised before it."""
+def _launch_up(x, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, limit, tiles):
+    """h [n_out_rows, I] x.dtype = clamped SwiGLU of the gate/up GEMMs (rows=None: shared expert)."""
     d1, s1, fp8, sb = _weight_parts(w1)
     d3, s3, _, _ = _weight_parts(w3)
     n_exp, inter, dim = (1, *d1.shape) if d1.dim() == 2 else d1.shape
@@ -567,13 +545,13 @@ def _launch_up(x, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, limit, 
         x, d1, d3, s1, s3, rows if routed else x, block_expert if routed else x, h,
         n_rows, dim, inter, n_exp, top_k, float(limit),
         ROUTED=routed, FP8=fp8, SB=sb, CLAMP=limit > 0, DOT_FP32=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, SCALE_AFTER=scale_after,
-        PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, PDL=pdl, launch_pdl=pdl,
+        num_warps=warps,
     )
     return h
 
 
-def _launch_down(h, w2, block_expert, n_rows, tiles, scale_after: bool = True):
+def _launch_down(h, w2, block_expert, n_rows, tiles):
     """out [rows of h, D] fp32 = h·W2ᵀ per row's expert (block_expert=None: shared expert)."""
     d2, s2, fp8, sb = _weight_parts(w2)
     n_exp, dim, inter = (1, *d2.shape) if d2.dim() == 2 else d2.shape
@@ -585,8 +563,8 @@ def _launch_down(h, w2, block_expert, n_rows, tiles, scale_after: bool = True):
     _moe_down_kernel[grid](
         h, d2, s2, block_expert if routed else h, out, n_rows, dim, inter, n_exp,
         ROUTED=routed, FP8=fp8, SB=sb, DOT_FP32=h.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, SCALE_AFTER=scale_after,
-        PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, PDL=pdl, launch_pdl=pdl,
+        num_warps=warps,
     )
     return out
 
@@ -666,21 +644,18 @@ def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
     return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit)
 
 
-def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit,
-                    fp8_scale_after: bool = True):
-    """The prefill-sized path of `moe_experts` (checked, contiguous inputs; ids int32).
-    `fp8_scale_after=False` dequantises FP8 tiles before the dot (the earlier kernels, for the bench)."""
+def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit):
+    """The prefill-sized path of `moe_experts` (checked, contiguous inputs; ids int32)."""
     n_tok, dim = x.shape
     n_exp, top_k = w1.shape[0], ids.shape[1]
     n_assign = n_tok * top_k
     tiles = _tiles(n_assign / min(n_exp, n_assign))
     rows, block_expert, slot = _pack_assignments(ids, n_exp, tiles[0])
-    h = _launch_up(x, w1, w3, rows, block_expert, n_assign, rows.numel(), top_k, swiglu_limit, tiles, fp8_scale_after)
-    routed = _launch_down(h, w2, block_expert, n_assign, tiles, fp8_scale_after)  # [R, D] fp32
+    h = _launch_up(x, w1, w3, rows, block_expert, n_assign, rows.numel(), top_k, swiglu_limit, tiles)
+    routed = _launch_down(h, w2, block_expert, n_assign, tiles)  # [R, D] fp32
     shared_tiles = _tiles(n_tok)
-    h_shared = _launch_up(x, shared_w1, shared_w3, None, None, n_tok, n_tok, 1, swiglu_limit, shared_tiles,
-                          fp8_scale_after)
-    shared = _launch_down(h_shared, shared_w2, None, n_tok, shared_tiles, fp8_scale_after)  # [N, D] fp32
+    h_shared = _launch_up(x, shared_w1, shared_w3, None, None, n_tok, n_tok, 1, swiglu_limit, shared_tiles)
+    shared = _launch_down(h_shared, shared_w2, None, n_tok, shared_tiles)  # [N, D] fp32
     y = torch.empty_like(x)
     block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))

@@ -32,13 +32,9 @@ _BLOCK_K = 128  # reduction step; FP8 weights cap it at the scale block
 
 @_jit
 def _gemv(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, FP8: tl.constexpr, SB: tl.constexpr,
-          BLOCK_K: tl.constexpr, MMA: tl.constexpr):
+          BLOCK_K: tl.constexpr):
     """fp32 [BLOCK_N]: W[e, offs_n, :] · v for one input row v (n_in long) of any float dtype."""
     if FP8:
-        if MMA:  # tensor cores (`_gemv_fp8_mma`); BLOCK_K > SB: several scale blocks per step
-            if BLOCK_K > SB:
-                return _gemv_fp8_mma(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB, BLOCK_K // SB, SB)
-            return _gemv_fp8_mma(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB, 1, BLOCK_K)
         if BLOCK_K > SB:  # several scale blocks per step (`_common` makes BLOCK_K a multiple of SB)
             return _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB, BLOCK_K // SB, SB)
         return _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB, 1, BLOCK_K)
@@ -81,65 +77,11 @@ def _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB: tl.constexpr, KB:
 
 
 @_jit
-def _fp16_shift(v_ptr, n_in, BLOCK: tl.constexpr):
-    """s such that max|v|·2^s lies in [2^14, 2^15) (clamped to ±126; 0 for an all-zero row): v·2^s
-    then splits into fp16 hi + lo without overflow, the largest entries keeping all their bits
-    (a zero or subnormal maximum gets 126)."""
-    top = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.abs(tl.load(v_ptr + offs, mask=offs < n_in, other=0.0).to(tl.float32)))
-    biased = (tl.max(top, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # exponent field of max|v|
-    return tl.minimum(tl.maximum(141 - biased, -126), 126)
-
-
-@_jit
-def _pow2(s):
-    """2^s as fp32 for an int32 s in [-126, 127], exactly (built from its exponent bits)."""
-    return ((s + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@_jit
-def _gemv_fp8_mma(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB: tl.constexpr, KB: tl.constexpr,
-                  SUB: tl.constexpr):
-    """`_gemv_fp8` on the tensor cores: each [BLOCK_N, SUB] e4m3 tile becomes fp16 (exact, one
-    packed conversion per two weights, far cheaper than widening to fp32 and multiplying on the
-    CUDA cores) and meets a [SUB, 16] fp16 operand whose column 0 is hi = fp16(v·2^s) and column
-    1 lo = fp16(v·2^s − hi), the rest zero (`_fp16_shift` picks s): hi + lo carries about 22 bits
-    of v (all of a bf16 v), each product is exact and summed in fp32, then the sub-block's UE8M0
-    factor and 2^−s, both powers of two, scale the sum. BLOCK_N >= 16 (the dot's minimum)."""
-    s = _fp16_shift(v_ptr, n_in, 1024)
-    up, down = _pow2(s), _pow2(-s)
-    acc = tl.zeros((offs_n.shape[0], 16), dtype=tl.float32)
-    n_mask = offs_n < n_out
-    s_rows = tl.cdiv(n_out, SB)
-    s_cols = tl.cdiv(n_in, SB)
-    col = tl.arange(0, 16)[None, :]
-    offs_s = tl.arange(0, SUB)
-    rows = w_ptr + e * n_out * n_in + offs_n.to(tl.int64)[:, None] * n_in
-    s_row = (e * s_rows + offs_n // SB) * s_cols
-    for k0 in range(0, n_in, KB * SUB):
-        for j in tl.static_range(KB):
-            cols = k0 + j * SUB + offs_s
-            c_mask = cols < n_in
-            v = tl.load(v_ptr + cols, mask=c_mask, other=0.0).to(tl.float32) * up
-            hi = v.to(tl.float16)
-            lo = (v - hi.to(tl.float32)).to(tl.float16)
-            pair = tl.where(col == 0, hi[:, None], tl.where(col == 1, lo[:, None], 0.0)).to(tl.float16)
-            w = tl.load(rows + cols[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
-            part = tl.dot(w.to(tl.float16), pair)  # [BLOCK_N, 16] fp32: hi and lo products apart
-            byte = tl.load(s_ptr + s_row + (k0 + j * SUB) // SB, mask=n_mask & (k0 + j * SUB < n_in), other=127)
-            acc += part * (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, None]
-    return tl.sum(acc, axis=1) * down
-
-
-@_jit
 def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim, limit,
-                FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, BLOCK_K: tl.constexpr,
-                MMA: tl.constexpr):
+                FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, BLOCK_K: tl.constexpr):
     """Clamped SwiGLU of one token for rows offs_n of expert e, fp32 [BLOCK_N]."""
-    gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K, MMA)
-    up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K, MMA)
+    gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
+    up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
     if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -151,8 +93,7 @@ def _decode_up_kernel(
     x_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, h_ptr,
     n_assign, dim, inter, inter_s, h_width, limit,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
-    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, MMA: tl.constexpr,
-    PDL: tl.constexpr,
+    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[a, offs_n] for one work row a (routed assignment or shared expert of a token)."""
     pdl_prologue(PDL)
@@ -162,12 +103,12 @@ def _decode_up_kernel(
         e = tl.load(ids_ptr + a).to(tl.int64)
         x_row = x_ptr + (a // TOP_K).to(tl.int64) * dim
         h = _swiglu_row(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, inter, dim, limit,
-                        FP8, SB, CLAMP, BLOCK_K, MMA)
+                        FP8, SB, CLAMP, BLOCK_K)
         n_out = inter
     else:
         x_row = x_ptr + (a - n_assign).to(tl.int64) * dim
         h = _swiglu_row(x_row, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, 0, offs_n, inter_s, dim, limit,
-                        FP8_S, SB_S, CLAMP, BLOCK_K_S, MMA)
+                        FP8_S, SB_S, CLAMP, BLOCK_K_S)
         n_out = inter_s
     tl.store(h_ptr + a.to(tl.int64) * h_width + offs_n, h, mask=offs_n < n_out)
 
@@ -177,27 +118,25 @@ def _decode_down_kernel(
     h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
     n_assign, dim, inter, inter_s, h_width,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, MMA: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
-                FP8_S, SB_S, BLOCK_K_S, MMA)
+                FP8_S, SB_S, BLOCK_K_S)
     for k in tl.static_range(TOP_K):
         a = t * TOP_K + k
         e = tl.load(ids_ptr + a).to(tl.int64)
         weight = tl.load(wts_ptr + a)
-        acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K, MMA)
+        acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K)
     tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
 class DecodeTiles(NamedTuple):
     """Launch shape of the two kernels: output rows per program (`up_n`, `down_n`), reduction
-    step (`up_k`, `down_k`; FP8 weights cap it at their scale block) and warps per program.
-    `mma`: FP8 weights go through the tensor cores (`_gemv_fp8_mma`; needs `up_n`, `down_n` >= 16);
-    dense weights ignore it."""
+    step (`up_k`, `down_k`; FP8 weights cap it at their scale block) and warps per program."""
 
     up_n: int = _BLOCK_N
     down_n: int = _BLOCK_N
@@ -205,7 +144,6 @@ class DecodeTiles(NamedTuple):
     down_k: int = _BLOCK_K
     up_warps: int = 4
     down_warps: int = 4
-    mma: bool = False
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -231,11 +169,6 @@ _MEASURED = {  # (fp8, one token, D <= 2048) -> tiles
     (True, False, True): DecodeTiles(up_n=32, down_n=16, up_k=128, down_k=128, up_warps=8, down_warps=4),
 }
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
-_MMA_MIN_N = 16  # the tensor-core GEMV's output rows per program: tl.dot's minimum M
-# Reduction steps of the tensor-core GEMV per FP8 scale block that compile for sm_90 without register
-# spills at 16-64 output rows (tests/kernels/test_compile_sm90.py): wider steps over 32-wide blocks
-# unroll 8-16 sub-blocks and spill.
-MMA_STEPS = {128: (128, 256, 512), 32: (32, 64, 128)}
 
 
 def decode_tiles(n_tok: int, fp8: bool, dim: int = 4096) -> DecodeTiles:
@@ -250,8 +183,6 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     default: `decode_tiles` for N and the routed weights' kind."""
     if tiles is None:
         tiles = decode_tiles(x.shape[0], _weight_parts(w1)[2], x.shape[1])
-    if tiles.mma and min(tiles.up_n, tiles.down_n) < _MMA_MIN_N:
-        raise ValueError(f"DecodeTiles(mma=True) needs up_n and down_n >= {_MMA_MIN_N}, got {tiles}")
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
@@ -268,7 +199,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
-    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.mma)
+    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
@@ -289,7 +220,7 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     _decode_down_kernel[grid](
         h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
         BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
-        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.mma),
+        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps),
     )
     return y
 
@@ -299,7 +230,6 @@ def _fp8_step(block_k: int, sb: int) -> int:
     return block_k if block_k > sb and block_k % sb == 0 else min(block_k, sb)
 
 
-def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int,
-            mma: bool) -> dict:
+def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int) -> dict:
     return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=_fp8_step(block_k, sb) if fp8 else block_k,
-                BLOCK_K_S=_fp8_step(block_k, sb_s) if fp8_s else block_k, MMA=bool(mma), num_warps=num_warps)
+                BLOCK_K_S=_fp8_step(block_k, sb_s) if fp8_s else block_k, num_warps=num_warps)
