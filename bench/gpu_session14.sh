@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session14.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session14.sh b", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session14.sh c", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session14.sh d", kind="nvidia-h200")
 #
 # a: the MoE kernel tests on the GPU (the tensor-core FP8 decode GEMV, the packed path's FP8 tiles
 #    scaled after the dot) and the static drafter's GPU tests (their helpers were refactored after
@@ -17,6 +18,9 @@
 # c: neither part a's tensor-core GEMV nor part b's scale-after-dot won (both reverted); the FP8 decode
 #    kernels again with wider reduction steps (up to whole rows: more bytes in flight per program), and
 #    the sampled DSpark-3 cell at 64 requests with more time than part a gave it.
+# d: with part c's shapes shipped (`moe_decode._MEASURED`): the same sweep (old and new shapes per
+#    kernel, the whole op at the new shipped ones), `bench/kernels.py`'s FP8 MoE rows at M = 1, 8, and
+#    the MoE tests on the GPU.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session14-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
@@ -50,10 +54,21 @@ part_c() {
   tail -n 8 $W/logs/c_sampled.txt | cut -c1-300
 }
 
-case "${1:?part: a, b or c}" in
+part_d() {
+  logged d_tiles 240 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8 --tokens 1,8 --graph \
+    --fp8-steps 256,512,1024,2048 --rows 4,8,16,32 --out "$OUT/moe-decode-tiles-fp8-shipped-h200.json"
+  tail -n 6 $W/logs/d_tiles.txt | cut -c1-400
+  logged d_kernels 100 python3 bench/kernels.py --configs flash,mini --ops fused_moe_fp8_128,fused_moe_fp8_32 \
+    --tokens 1,8 --model-steps 0 --out "$OUT/kernels-moe-fp8-d-h200.json"
+  tail -n 10 $W/logs/d_kernels.txt | cut -c1-250
+  tests d_moe_tests 150 tests/kernels/test_moe.py -k "fp8 or decode or packed"
+}
+
+case "${1:?part: a, b, c or d}" in
   a) part_a ;;
   b) part_b ;;
   c) part_c ;;
+  d) part_d ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
 pack "session14-$1"

@@ -156,17 +156,20 @@ class DecodeTiles(NamedTuple):
 # SMs waiting on a few long rows); at 8 tokens the uniform 16-row, 128-wide shape. FP8 (128×128) at one
 # token: steps over 2-4 scale blocks (`_gemv_fp8`; `--kinds fp8 --tokens 1 --wide --graph`,
 # moe-decode-tiles-fp8-h200.json): V4-Flash 114.8 -> 80.6 µs (35 -> 50 % of HBM), v4-mini 39.1 ->
-# 19.2 µs. FP8 at 8 tokens keeps shapes measured with one scale block per step. The uniform shape
-# before these tables is `DecodeTiles()`.
+# 19.2 µs. FP8 steps of up to whole rows (`--kinds fp8 --graph --fp8-steps 256,512,1024,2048 --rows
+# 4,8,16,32`, moe-decode-tiles-fp8-wide-h200.json; more weight bytes in flight per program): at one
+# token V4-Flash up 46.8 -> 43.8 µs, down 33.8 -> 29.9 µs; v4-mini 19.8 µs for the op -> 10.9 for
+# the kernel pair; at 8 tokens 16-32 scale blocks per step (V4-Flash op 340 µs -> pair 327 µs, v4-mini
+# 58 -> 51). The uniform shape before these tables is `DecodeTiles()`.
 _MEASURED = {  # (fp8, one token, D <= 2048) -> tiles
     (False, True, False): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
     (False, False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
-    (True, True, False): DecodeTiles(up_n=16, down_n=4, up_k=256, down_k=512, up_warps=4, down_warps=4),
-    (True, False, False): DecodeTiles(up_n=32, down_n=32, up_k=128, down_k=128, up_warps=4, down_warps=4),
+    (True, True, False): DecodeTiles(up_n=8, down_n=16, up_k=2048, down_k=1024, up_warps=4, down_warps=8),
+    (True, False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
     (False, True, True): DecodeTiles(up_n=4, down_n=4, up_k=1024, down_k=512, up_warps=8, down_warps=4),
     (False, False, True): DecodeTiles(up_n=16, down_n=16, up_k=128, down_k=128, up_warps=4, down_warps=4),
-    (True, True, True): DecodeTiles(up_n=4, down_n=4, up_k=512, down_k=512, up_warps=4, down_warps=4),
-    (True, False, True): DecodeTiles(up_n=32, down_n=16, up_k=128, down_k=128, up_warps=8, down_warps=4),
+    (True, True, True): DecodeTiles(up_n=8, down_n=4, up_k=2048, down_k=256, up_warps=8, down_warps=8),
+    (True, False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
 }
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 
@@ -225,9 +228,15 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     return y
 
 
+_MAX_SUB_BLOCKS = 32  # scale blocks per FP8 step: 64 of V4.1's 32-wide blocks spill on sm_90 at 8 warps
+
+
 def _fp8_step(block_k: int, sb: int) -> int:
-    """An FP8 reduction step: within one scale block, or whole scale blocks (`_gemv_fp8`)."""
-    return block_k if block_k > sb and block_k % sb == 0 else min(block_k, sb)
+    """An FP8 reduction step: within one scale block, or whole scale blocks (`_gemv_fp8`), at most
+    _MAX_SUB_BLOCKS of them (the tables' whole-row steps were measured on 128-wide blocks)."""
+    if block_k > sb and block_k % sb == 0:
+        return min(block_k, _MAX_SUB_BLOCKS * sb)
+    return min(block_k, sb)
 
 
 def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int) -> dict:

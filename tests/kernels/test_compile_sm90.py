@@ -174,12 +174,12 @@ def run_every_tile_class():
                 moe._packed_experts(x, w, ids.int(), *weights, 10.0)
         # fused_moe routed these through the split-K decode router; the prefill router kernel too
         moe.route_prefill(*router, top_k=2, routed_scaling_factor=1.5, hash_routing=False)
-    # The decode MoE's one-token shapes (narrow and V4-Flash tables), dense and FP8 128×128 (several
-    # scale blocks per step where the step is wider than 128).
+    # The decode MoE's shapes (one and several tokens; narrow and V4-Flash tables), dense and FP8 128×128
+    # and 32×32 (several scale blocks per step where the step is wider than the block: up to 64 of 32).
     x1 = torch.randn(1, 64, generator=g).bfloat16().to(DEVICE)
     ids1, wts1 = torch.tensor([[0, 1]], device=DEVICE, dtype=torch.int32), torch.rand(1, 2, device=DEVICE)
-    for tiles in {t for (_, one, _), t in moe_decode._MEASURED.items() if one}:
-        for block in (None, 128):
+    for tiles in set(moe_decode._MEASURED.values()):  # every table's shape; 32 x 32 blocks take them too
+        for block in (None, 128, 32):
             dense = [torch.randn(*s, generator=g) / 8 for s in ((2, 32, 64), (2, 64, 32), (2, 32, 64),
                                                                (32, 64), (64, 32), (32, 64))]
             weights = [w.bfloat16().to(DEVICE) if block is None else FP8BlockWeight(

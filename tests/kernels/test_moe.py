@@ -318,12 +318,14 @@ def test_packed_experts_either_packing_matches_ref(packing, monkeypatch, poisone
 
 
 @needs_triton
-@pytest.mark.parametrize("tiles", [(8, 32, 64, 256, 2, 8), (32, 8, 256, 32, 8, 4), (16, 16, 16, 16, 4, 4)])
+@pytest.mark.parametrize("tiles", [(8, 32, 64, 256, 2, 8), (32, 8, 256, 32, 8, 4), (16, 16, 16, 16, 4, 4),
+                                   (8, 16, 2048, 1024, 4, 8)])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     """Every launch shape of the decode path (what `bench/moe_decode_tiles.py` sweeps) computes the
     same experts: rows past D / I masked; FP8 steps inside one scale block (16 of 32) or over several
-    (64, 256: scaled per block after its sum), partial scale blocks at the ends of D = 96, I = 80."""
+    (64, 256: scaled per block after its sum; 2048: capped at 32 blocks), partial scale blocks at the
+    ends of D = 96, I = 80."""
     from dspark.kernels import moe_decode
 
     n_tok, dim, n_exp, top_k, inter, inter_s = 2, 96, 8, 3, 80, 48
