@@ -28,3 +28,10 @@ pack() {  # pack NAME: the logs into $OUT, then all of $OUT into one NAME.tgz (a
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null || true
   (cd "$OUT" && tar czf "/tmp/$1.tgz" . && find . -type f -delete && mv "/tmp/$1.tgz" .)
 }
+
+dispatch() {  # dispatch SESSION PART: run the script's function part_PART, then pack $OUT as SESSION-PART.tgz
+  local session=$1 part=${2:?which part to run}
+  declare -F "part_$part" > /dev/null || { echo "unknown part $part" >&2; exit 2; }
+  "part_$part"
+  pack "$session-$part"
+}

@@ -23,7 +23,7 @@
 #    the MoE tests on the GPU.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session14-PART.tgz.
-source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 part_a() {
   tests a_moe_tests 150 tests/kernels/test_moe.py
@@ -64,11 +64,4 @@ part_d() {
   tests d_moe_tests 150 tests/kernels/test_moe.py -k "fp8 or decode or packed"
 }
 
-case "${1:?part: a, b, c or d}" in
-  a) part_a ;;
-  b) part_b ;;
-  c) part_c ;;
-  d) part_d ;;
-  *) echo "unknown part $1" >&2; exit 2 ;;
-esac
-pack "session14-$1"
+dispatch session14 "${1:-}"

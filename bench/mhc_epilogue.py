@@ -33,6 +33,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench.latency_kernels import interpreter_setup  # noqa: E402 (imports torch only)
 
 
 def parse_args(argv=None):
@@ -44,13 +47,6 @@ def parse_args(argv=None):
     ap.add_argument("--warps", default="4,8,16", help="num_warps of the 'row' variant timed besides the shipped one")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no timing")
     return ap.parse_args(argv)
-
-
-def interpreter_setup() -> None:
-    """CPU smoke: the interpreter, with the test suite's two interpreter fixes (tests/kernels/conftest.py)."""
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
-    sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
-    import conftest  # noqa: F401 (patches the interpreter on import)
 
 
 def variants(dim: int, warps: list[int]) -> dict:
