@@ -65,7 +65,7 @@ def timed(fn, graph: bool = False) -> float:
 
 
 def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False, fp8_steps: tuple = (),
-                rows: tuple = ()) -> dict:
+                rows: tuple = (), stages: tuple = (1,)) -> dict:
     from dspark.kernels import moe_decode as md
 
     dim, inter, n_exp = LAYERS[name]
@@ -84,18 +84,18 @@ def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False, fp8_st
     block_ks = (fp8_steps or (WIDE_K[:3] if wide else (128,))) if fp8 else WIDE_K if wide else BLOCK_K
     up_ns, down_ns = (rows, rows) if rows else (WIDE_N, WIDE_N) if wide else (UP_N, DOWN_N)
     timed_ = lambda fn: timed(fn, graph)  # noqa: E731
-    for n, k, warps in itertools.product(up_ns, [k for k in block_ks if k <= dim], WARPS):
-        t = md.DecodeTiles(up_n=n, up_k=k, up_warps=warps)
+    for n, k, warps, st in itertools.product(up_ns, [k for k in block_ks if k <= dim], WARPS, stages):
+        t = md.DecodeTiles(up_n=n, up_k=k, up_warps=warps, stages=st)
         h, _ = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t)
         err = ((h - h_ref).norm() / h_ref.norm()).item()
         s = timed_(lambda: md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t))
-        ups.append({"up_n": n, "block_k": k, "num_warps": warps, "us": s * 1e6, "pct_hbm": 100 * up_bytes / s / HBM, "rel_err": err})
-    for n, k, warps in itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS):
-        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps)
+        ups.append({"up_n": n, "block_k": k, "num_warps": warps, "stages": st, "us": s * 1e6, "pct_hbm": 100 * up_bytes / s / HBM, "rel_err": err})
+    for n, k, warps, st in itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS, stages):
+        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps, stages=st)
         y = md.decode_down(h_ref, x, wts, ids, w2, s2, args, t)
         err = ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
         s = timed_(lambda: md.decode_down(h_ref, x, wts, ids, w2, s2, args, t))
-        downs.append({"down_n": n, "block_k": k, "num_warps": warps, "us": s * 1e6, "pct_hbm": 100 * down_bytes / s / HBM, "rel_err": err})
+        downs.append({"down_n": n, "block_k": k, "num_warps": warps, "stages": st, "us": s * 1e6, "pct_hbm": 100 * down_bytes / s / HBM, "rel_err": err})
     best_up, best_down = min(ups, key=lambda r: r["us"]), min(downs, key=lambda r: r["us"])
     full_default = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, default))
     shipped = md.decode_tiles(m, fp8, dim)
@@ -119,9 +119,11 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8", help="comma list of token counts")
     ap.add_argument("--fp8-steps", default="", help="FP8 reduction steps to sweep (default 128, or 128-512 with --wide)")
     ap.add_argument("--rows", default="", help="output rows per program to sweep (default by --wide)")
+    ap.add_argument("--stages", default="1", help="software-pipeline depths to sweep (DecodeTiles.stages)")
     args = ap.parse_args()
     fp8_steps = tuple(int(k) for k in args.fp8_steps.split(",") if k)
     rows_ = tuple(int(n) for n in args.rows.split(",") if n)
+    stages = tuple(int(n) for n in args.stages.split(",") if n)
     layers = args.layers.split(",")
     if not set(layers) <= set(LAYERS):
         raise SystemExit(f"--layers: unknown {sorted(set(layers) - set(LAYERS))}; known {tuple(LAYERS)}")
@@ -132,13 +134,13 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, fp8, m in itertools.product(layers, kinds, tokens):
-        row = sweep_layer(name, fp8, m, g, args.wide, args.graph, fp8_steps, rows_)
+        row = sweep_layer(name, fp8, m, g, args.wide, args.graph, fp8_steps, rows_, stages)
         rows.append(row)
         print(f"{name} fp8={fp8} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
               f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
               f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM", flush=True)
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
-                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
+                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
 

@@ -34,54 +34,64 @@ _BLOCK_K = 128  # reduction step; FP8 weights cap it at the scale block
 def _gemv(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, FP8: tl.constexpr, SB: tl.constexpr,
           BLOCK_K: tl.constexpr):
     """fp32 [BLOCK_N]: W[e, offs_n, :] · v for one input row v (n_in long) of any float dtype."""
-    if FP8:
-        if BLOCK_K > SB:  # several scale blocks per step (`_common` makes BLOCK_K a multiple of SB)
-            return _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB, BLOCK_K // SB, SB)
-        return _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB, 1, BLOCK_K)
     acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(v_ptr + offs_k, mask=offs_k < n_in, other=0.0).to(tl.float32)
-        w = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, FP8, SB, tl.float32)
-        acc += tl.sum(w * v[None, :], axis=1)
+        acc += _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8, SB, BLOCK_K)
     return acc
 
 
 @_jit
-def _gemv_fp8(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, SB: tl.constexpr, KB: tl.constexpr,
-              SUB: tl.constexpr):
-    """`_gemv` of an FP8 weight, KB sub-blocks of SUB columns per step (SUB <= SB, each within one
-    scale column): each sub-block's dot product is summed in fp32 and then scaled by its UE8M0
-    factor, a power of two, so the result equals scaling every weight first (one multiply per
-    sub-block instead of per weight: the dequantising multiply was the CUDA cores' bottleneck)."""
-    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+def _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8: tl.constexpr, SB: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N]: one reduction step of `_gemv`, columns k0 .. k0 + BLOCK_K."""
+    if FP8:
+        if BLOCK_K > SB:  # several scale blocks per step (`_common` makes BLOCK_K a multiple of SB)
+            return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, BLOCK_K // SB, SB)
+        return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, 1, BLOCK_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    v = tl.load(v_ptr + offs_k, mask=offs_k < n_in, other=0.0).to(tl.float32)
+    w = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, FP8, SB, tl.float32)
+    return tl.sum(w * v[None, :], axis=1)
+
+
+@_jit
+def _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB: tl.constexpr, KB: tl.constexpr,
+                   SUB: tl.constexpr):
+    """`_gemv_step` of an FP8 weight, KB sub-blocks of SUB columns (SUB <= SB, each within one scale
+    column): each sub-block's dot product is summed in fp32 and then scaled by its UE8M0 factor, a
+    power of two, so the result equals scaling every weight first (one multiply per sub-block
+    instead of per weight: the dequantising multiply was the CUDA cores' bottleneck)."""
     n_mask = offs_n < n_out
-    s_rows = tl.cdiv(n_out, SB)
-    s_cols = tl.cdiv(n_in, SB)
-    offs_j = tl.arange(0, KB)
-    offs_s = tl.arange(0, SUB)
     rows = w_ptr + e * n_out * n_in + offs_n.to(tl.int64)[:, None, None] * n_in
-    s_row = (e * s_rows + offs_n // SB)[:, None] * s_cols
-    for k0 in range(0, n_in, KB * SUB):
-        first = k0 + offs_j * SUB  # [KB] first column of each sub-block
-        cols = first[:, None] + offs_s[None, :]  # [KB, SUB]
-        c_mask = cols < n_in
-        v = tl.load(v_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
-        w = tl.load(rows + cols[None, :, :], mask=n_mask[:, None, None] & c_mask[None, :, :], other=0.0)
-        part = tl.sum(w.to(tl.float32) * v[None, :, :], axis=2)  # [BLOCK_N, KB]
-        byte = tl.load(s_ptr + s_row + (first // SB)[None, :], mask=n_mask[:, None] & (first < n_in)[None, :],
-                       other=127)
-        factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
-        acc += tl.sum(part * factor, axis=1)
-    return acc
+    s_row = (e * tl.cdiv(n_out, SB) + offs_n // SB)[:, None] * tl.cdiv(n_in, SB)
+    first = k0 + tl.arange(0, KB) * SUB  # [KB] first column of each sub-block
+    cols = first[:, None] + tl.arange(0, SUB)[None, :]  # [KB, SUB]
+    c_mask = cols < n_in
+    v = tl.load(v_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
+    w = tl.load(rows + cols[None, :, :], mask=n_mask[:, None, None] & c_mask[None, :, :], other=0.0)
+    part = tl.sum(w.to(tl.float32) * v[None, :, :], axis=2)  # [BLOCK_N, KB]
+    byte = tl.load(s_ptr + s_row + (first // SB)[None, :], mask=n_mask[:, None] & (first < n_in)[None, :],
+                   other=127)
+    factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
+    return tl.sum(part * factor, axis=1)
 
 
 @_jit
 def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim, limit,
-                FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Clamped SwiGLU of one token for rows offs_n of expert e, fp32 [BLOCK_N]."""
-    gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
-    up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
+                FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, BLOCK_K: tl.constexpr,
+                STAGES: tl.constexpr):
+    """Clamped SwiGLU of one token for rows offs_n of expert e, fp32 [BLOCK_N]. STAGES > 1: gate and
+    up in one loop (both weights' tiles loaded per step), software-pipelined over STAGES steps; the
+    same sums in the same order, so the same bits."""
+    if STAGES > 1:
+        gate = tl.zeros(offs_n.shape, dtype=tl.float32)
+        up = tl.zeros(offs_n.shape, dtype=tl.float32)
+        for k0 in tl.range(0, dim, BLOCK_K, num_stages=STAGES):
+            gate += _gemv_step(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K)
+            up += _gemv_step(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K)
+    else:
+        gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
+        up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
     if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -93,7 +103,8 @@ def _decode_up_kernel(
     x_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, h_ptr,
     n_assign, dim, inter, inter_s, h_width, limit,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
-    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, PDL: tl.constexpr,
+    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[a, offs_n] for one work row a (routed assignment or shared expert of a token)."""
     pdl_prologue(PDL)
@@ -103,12 +114,12 @@ def _decode_up_kernel(
         e = tl.load(ids_ptr + a).to(tl.int64)
         x_row = x_ptr + (a // TOP_K).to(tl.int64) * dim
         h = _swiglu_row(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, inter, dim, limit,
-                        FP8, SB, CLAMP, BLOCK_K)
+                        FP8, SB, CLAMP, BLOCK_K, STAGES)
         n_out = inter
     else:
         x_row = x_ptr + (a - n_assign).to(tl.int64) * dim
         h = _swiglu_row(x_row, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, 0, offs_n, inter_s, dim, limit,
-                        FP8_S, SB_S, CLAMP, BLOCK_K_S)
+                        FP8_S, SB_S, CLAMP, BLOCK_K_S, STAGES)
         n_out = inter_s
     tl.store(h_ptr + a.to(tl.int64) * h_width + offs_n, h, mask=offs_n < n_out)
 
@@ -118,25 +129,40 @@ def _decode_down_kernel(
     h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
     n_assign, dim, inter, inter_s, h_width,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end."""
+    """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
+    STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
+    the next expert's tiles load while this one's are summed (each step's partial is weighted, not
+    each expert's sum: the same value up to fp32 rounding)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
                 FP8_S, SB_S, BLOCK_K_S)
-    for k in tl.static_range(TOP_K):
-        a = t * TOP_K + k
-        e = tl.load(ids_ptr + a).to(tl.int64)
-        weight = tl.load(wts_ptr + a)
-        acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K)
+    if STAGES > 1:
+        n_steps = tl.cdiv(inter, BLOCK_K)
+        for i in tl.range(0, TOP_K * n_steps, num_stages=STAGES):
+            k = i // n_steps
+            a = t * TOP_K + k
+            e = tl.load(ids_ptr + a).to(tl.int64)
+            weight = tl.load(wts_ptr + a)
+            acc += weight * _gemv_step(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter,
+                                       (i - k * n_steps) * BLOCK_K, FP8, SB, BLOCK_K)
+    else:
+        for k in tl.static_range(TOP_K):
+            a = t * TOP_K + k
+            e = tl.load(ids_ptr + a).to(tl.int64)
+            weight = tl.load(wts_ptr + a)
+            acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K)
     tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
 class DecodeTiles(NamedTuple):
     """Launch shape of the two kernels: output rows per program (`up_n`, `down_n`), reduction
-    step (`up_k`, `down_k`; FP8 weights cap it at their scale block) and warps per program."""
+    step (`up_k`, `down_k`; FP8 weights cap it at their scale block), warps per program and the
+    software pipeline's depth (`stages`; 1, the measured tables' value, keeps the expert loops apart)."""
 
     up_n: int = _BLOCK_N
     down_n: int = _BLOCK_N
@@ -144,6 +170,7 @@ class DecodeTiles(NamedTuple):
     down_k: int = _BLOCK_K
     up_warps: int = 4
     down_warps: int = 4
+    stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -186,6 +213,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     default: `decode_tiles` for N and the routed weights' kind."""
     if tiles is None:
         tiles = decode_tiles(x.shape[0], _weight_parts(w1)[2], x.shape[1])
+    if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
+        raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
@@ -202,7 +231,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
-    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps)
+    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
@@ -223,7 +252,7 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     _decode_down_kernel[grid](
         h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
         BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
-        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps),
+        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages),
     )
     return y
 
@@ -239,6 +268,7 @@ def _fp8_step(block_k: int, sb: int) -> int:
     return min(block_k, sb)
 
 
-def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int) -> dict:
+def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int,
+            stages: int) -> dict:
     return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=_fp8_step(block_k, sb) if fp8 else block_k,
-                BLOCK_K_S=_fp8_step(block_k, sb_s) if fp8_s else block_k, num_warps=num_warps)
+                BLOCK_K_S=_fp8_step(block_k, sb_s) if fp8_s else block_k, STAGES=stages, num_warps=num_warps)

@@ -319,13 +319,14 @@ def test_packed_experts_either_packing_matches_ref(packing, monkeypatch, poisone
 
 @needs_triton
 @pytest.mark.parametrize("tiles", [(8, 32, 64, 256, 2, 8), (32, 8, 256, 32, 8, 4), (16, 16, 16, 16, 4, 4),
-                                   (8, 16, 2048, 1024, 4, 8)])
+                                   (8, 16, 2048, 1024, 4, 8), (8, 16, 32, 32, 4, 4, 2), (4, 32, 64, 16, 4, 4, 3)])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     """Every launch shape of the decode path (what `bench/moe_decode_tiles.py` sweeps) computes the
     same experts: rows past D / I masked; FP8 steps inside one scale block (16 of 32) or over several
     (64, 256: scaled per block after its sum; 2048: capped at 32 blocks), partial scale blocks at the
-    ends of D = 96, I = 80."""
+    ends of D = 96, I = 80; the software-pipelined loops (stages 2, 3: gate and up in one loop, the
+    routed experts' steps in one flat loop)."""
     from dspark.kernels import moe_decode
 
     n_tok, dim, n_exp, top_k, inter, inter_s = 2, 96, 8, 3, 80, 48
@@ -337,6 +338,17 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     with poisoned():
         y = moe_decode.decode_experts(*args, 10.0, tiles=moe_decode.DecodeTiles(*tiles))
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
+
+
+@needs_triton
+def test_decode_tiles_reject_bad_stages():
+    from dspark.kernels import moe_decode
+
+    x = router_inputs(1, 64, 8, 2, torch.float32, seed=0)[0]
+    weights, ids = _routing(1, 8, 2, seed=0)
+    experts = expert_weights(8, 64, 32, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="stages must be an int >= 1, got 0"):
+        moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=moe_decode.DecodeTiles(stages=0))
 
 
 @needs_triton
