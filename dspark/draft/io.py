@@ -3,10 +3,13 @@
 Two homes for the same weights (keys `mtp.{i}.*`, dspark spec §7.1):
 
 * a **drafter directory** (what `dspark train-draft` writes):
-      config.json        {"format": "dspark-drafter/1", dspark_* keys, "target": {...}}
+      config.json        {"format": "dspark-drafter/1", dspark_* keys, "stage_kind": "v4" | "shipped",
+                          "target": {...}}
       model.safetensors  the `mtp.*` tensors, unquantised
       sts.json           optional STS calibration (`dspark.verify.sts.StsCalibration`)
   `target` records the target's shape-defining fields; loading refuses a target that differs.
+  `stage_kind` (`dspark_v4.STAGE_KINDS`; "v4" when absent, as directories written before it) says
+  which stage modules the weights belong to: "shipped" for a V4.1 target are V4.1 blocks.
 * the **target checkpoint** itself, as released (V4-Flash-DSpark): `dspark_*` keys in the target's
   `config.json` and the stages stored as `mtp.0..2`, where a plain V4 checkpoint keeps its MTP
   block. `dspark.load_model` then attaches the drafter as `model.dspark`
@@ -25,7 +28,7 @@ from safetensors.torch import save_file
 
 from dspark.draft.config import PREFIX, DSparkConfig
 from dspark.draft.drafter import DSparkDrafter
-from dspark.draft.dspark_v4 import DSparkModel, target_kernels
+from dspark.draft.dspark_v4 import STAGE_KINDS, DSparkModel, target_kernels
 from dspark.loader import INDEX_FILE, SINGLE_FILE, SafetensorsReader, load_tensors, plan_sources
 from dspark.models.deepseek_v4.checkpoint import encode_tensor, holds_dspark_stages
 from dspark.models.deepseek_v41 import checkpoint as v41_checkpoint
@@ -50,7 +53,8 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
     """Write `drafter` as a drafter directory at `path` (created if needed)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = {"format": FORMAT, **drafter.config.to_dict(), "target": target_reference(drafter.target.config)}
+    config = {"format": FORMAT, **drafter.config.to_dict(), "stage_kind": drafter.model.stage_kind,
+              "target": target_reference(drafter.target.config)}
     tensors = {name: t.detach().cpu().contiguous() for name, t in drafter.model.state_dict().items()}
     save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -62,9 +66,10 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
     """Load a drafter directory for `target` (the model it was trained on, or one of equal shape).
 
     The drafter lives on the target's device, in `dtype` (default: the target's; training continues
-    in float32); `sts.json`, when present, sets its calibration. Raises FileNotFoundError for a
-    missing directory, ValueError for another format, a target that differs in a recorded field
-    (named), or weights that do not match the config.
+    in float32), with stages of the recorded `stage_kind` (V4.1 stages take the target's cache QAT);
+    `sts.json`, when present, sets its calibration. Raises FileNotFoundError for a missing
+    directory, ValueError for another format, an unknown stage kind, a target that differs in a
+    recorded field (named), or weights that do not match the config.
     """
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
@@ -77,8 +82,12 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
              for k in TARGET_FIELDS if k in recorded and recorded[k] != actual[k]]
     if wrong:
         raise ValueError(f"{path}: drafter does not fit this target ({'; '.join(wrong)})")
+    stage_kind = config.get("stage_kind", "v4")
+    if stage_kind not in STAGE_KINDS:
+        raise ValueError(f"{path / CONFIG_FILE}: stage_kind {stage_kind!r} is not one of {STAGE_KINDS}")
     dspark_config = DSparkConfig.from_dict(config)
     model = DSparkModel(dspark_config, target.config, dtype=dtype or target.dtype, device=target.device,
+                        stage_kind=stage_kind, cache_qat=getattr(target, "cache_qat", True),
                         kernels=target_kernels(target)).eval()
     drafter = DSparkDrafter(target, dspark_config, model)
     _load_weights(drafter, path, lambda key: key)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from dspark.draft.config import HEAD_TYPES, DSparkConfig
+from dspark.draft.dspark_v4 import STAGE_KINDS, uses_v41_stages
 from dspark.draft.io import STS_FILE, load_drafter
 from dspark.tokenizer import prompt_codec
 from dspark.train.calibrate import calibrate_sts
@@ -64,6 +65,9 @@ def add_subcommands(sub, load_model: Callable[[str, str], object], default_model
     t.add_argument("--noise-token-id", type=int, default=None)
     t.add_argument("--n-routed-experts", type=int, default=None)
     t.add_argument("--n-activated-experts", type=int, default=None)
+    t.add_argument("--stage-kind", choices=STAGE_KINDS, default="v4",
+                   help="v4: V4 blocks (any DeepSeek target); shipped: the target family's released stage "
+                        "modules (V4.1 blocks for a V4.1 target, configured by its own dspark_* fields)")
     t.add_argument("--device", default=device)
     t.set_defaults(run=lambda args: _train(args, load_model))
 
@@ -91,13 +95,23 @@ def add_subcommands(sub, load_model: Callable[[str, str], object], default_model
     c.set_defaults(run=lambda args: _calibrate(args, load_model))
 
 
-def _dspark_config(args, target) -> DSparkConfig:
-    overrides = {name: value for name, value in (
-        ("dspark_block_size", args.block_size), ("dspark_target_layer_ids", args.target_layers),
-        ("dspark_markov_rank", args.markov_rank), ("dspark_markov_head_type", args.head_type),
-        ("dspark_noise_token_id", args.noise_token_id), ("dspark_n_routed_experts", args.n_routed_experts),
-        ("dspark_n_activated_experts", args.n_activated_experts)) if value is not None}
-    return DSparkConfig.for_target(target.config, **overrides)
+def _dspark_config(args, target) -> DSparkConfig | None:
+    """The new drafter's config from the flags; None (the target's own `dspark_*` fields) for the V4.1
+    release's stages, which the flags may not reshape."""
+    given = [(flag, name, value) for flag, name, value in (
+        ("--block-size", "dspark_block_size", args.block_size),
+        ("--target-layers", "dspark_target_layer_ids", args.target_layers),
+        ("--markov-rank", "dspark_markov_rank", args.markov_rank),
+        ("--head-type", "dspark_markov_head_type", args.head_type),
+        ("--noise-token-id", "dspark_noise_token_id", args.noise_token_id),
+        ("--n-routed-experts", "dspark_n_routed_experts", args.n_routed_experts),
+        ("--n-activated-experts", "dspark_n_activated_experts", args.n_activated_experts)) if value is not None]
+    if uses_v41_stages(target.config, args.stage_kind):
+        if given:
+            raise ValueError(f"--stage-kind shipped trains the V4.1 release's stages as the target's dspark_* "
+                             f"fields configure them; drop {', '.join(flag for flag, _, _ in given)}")
+        return None
+    return DSparkConfig.for_target(target.config, **{name: value for _, name, value in given})
 
 
 def read_prompts(path: str, model) -> list[list[int]]:
@@ -129,7 +143,8 @@ def _train(args, load_model) -> int:
                          micro_batch=args.micro_batch, cache_target=args.cache_target)
     drafter = load_drafter(args.init_from, target, dtype=torch.float32) if args.init_from else None
     result = train_draft(target, data, config, drafter=drafter,
-                         dspark_config=None if drafter else _dspark_config(args, target), out_dir=args.out)
+                         dspark_config=None if drafter else _dspark_config(args, target), out_dir=args.out,
+                         stage_kind=args.stage_kind)
     last = result.history[-1]
     print(f"[{len(result.history)} steps, loss {last['loss']:.4f}, analytic tau {last['tau']:.2f}; "
           f"drafter written to {args.out}]", file=sys.stderr)

@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from dspark.draft.config import DSparkConfig
 from dspark.draft.drafter import DSparkDrafter
-from dspark.draft.dspark_v4 import DSparkModel, target_kernels
-from dspark.draft.io import save_drafter
+from dspark.draft.dspark_v4 import DSparkModel, target_kernels, uses_v41_stages
+from dspark.draft.io import save_drafter, v41_dspark_config
 from dspark.train.anchors import AnchorBlocks, build_blocks, concat_blocks, context_index, sample_anchors
 from dspark.train.data import TrainingSequence
 from dspark.train.losses import LossWeights, dspark_loss, probabilistic_tau
@@ -105,11 +105,19 @@ def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def new_training_drafter(target, config: DSparkConfig | None = None, seed: int = 0) -> DSparkDrafter:
-    """A randomly initialised drafter for `target` with fp32 weights on the target's device."""
-    config = config or DSparkConfig.for_target(target.config)
-    model = DSparkModel(config, target.config, dtype=torch.float32, device=target.device,
-                        kernels=target_kernels(target))
+def new_training_drafter(target, config: DSparkConfig | None = None, seed: int = 0,
+                         stage_kind: str = "v4") -> DSparkDrafter:
+    """A randomly initialised drafter for `target` with fp32 weights on the target's device.
+
+    `stage_kind` ("v4" or "shipped", `dspark_v4.STAGE_KINDS`): "shipped" on a DeepSeek-V4.1 target
+    trains the release's own stage modules (V4.1 blocks), configured by default by the target's
+    `dspark_*` fields as its checkpoint ships them (`io.v41_dspark_config`), so that `add_to_checkpoint`
+    can store the result where the release keeps its stages."""
+    if config is None:
+        config = v41_dspark_config(target.config) if uses_v41_stages(target.config, stage_kind) \
+            else DSparkConfig.for_target(target.config)
+    model = DSparkModel(config, target.config, dtype=torch.float32, device=target.device, stage_kind=stage_kind,
+                        cache_qat=getattr(target, "cache_qat", True), kernels=target_kernels(target))
     return DSparkDrafter(target, config, model).init_weights(seed)
 
 
@@ -194,15 +202,15 @@ def _order(n: int, steps: int, batch: int, generator: torch.Generator) -> list[l
 
 def train_draft(target, sequences: list[TrainingSequence], config: TrainConfig = TrainConfig(),
                 drafter: DSparkDrafter | None = None, dspark_config: DSparkConfig | None = None,
-                out_dir: str | Path | None = None) -> TrainResult:
+                out_dir: str | Path | None = None, stage_kind: str = "v4") -> TrainResult:
     """Train a DSpark drafter for the frozen `target` (module docstring).
 
     `drafter` continues an existing drafter (its weights are trained in place); otherwise a new one is
-    built from `dspark_config` (default `DSparkConfig.for_target`) and seeded with `config.seed`.
+    built from `dspark_config` and `stage_kind` (`new_training_drafter`) and seeded with `config.seed`.
     With `out_dir`, the final drafter directory and `history.jsonl` are written there.
     """
     data = _prepare(sequences, config.max_length)
-    drafter = drafter or new_training_drafter(target, dspark_config, config.seed)
+    drafter = drafter or new_training_drafter(target, dspark_config, config.seed, stage_kind)
     model = drafter.model.train().requires_grad_(True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
