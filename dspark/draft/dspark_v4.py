@@ -135,6 +135,7 @@ class DSparkModel(nn.Module):
         super().__init__()
         config.check_target(target_config)
         self.config = config
+        self.target_config = target_config  # what the stages were sized from (`io.save_drafter` records it)
         self.stage_kind = stage_kind
         self.dtype = dtype or torch.float32
         self.gamma = config.dspark_block_size

@@ -9,7 +9,9 @@ Two homes for the same weights (keys `mtp.{i}.*`, dspark spec §7.1):
       sts.json           optional STS calibration (`dspark.verify.sts.StsCalibration`)
   `target` records the target's shape-defining fields; loading refuses a target that differs.
   `stage_kind` (`dspark_v4.STAGE_KINDS`; "v4" when absent, as directories written before it) says
-  which stage modules the weights belong to: "shipped" for a V4.1 target are V4.1 blocks.
+  which stage modules the weights belong to: "shipped" for a V4.1 target are V4.1 blocks. For a
+  transformers target, whose stage sizes are a load option (`draft_stage`), `stage` records them,
+  and loading builds the stages at the recorded sizes whatever the target was loaded with.
 * the **target checkpoint** itself, as released (V4-Flash-DSpark): `dspark_*` keys in the target's
   `config.json` and the stages stored as `mtp.0..2`, where a plain V4 checkpoint keeps its MTP
   block. `dspark.load_model` then attaches the drafter as `model.dspark`
@@ -20,6 +22,7 @@ Two homes for the same weights (keys `mtp.{i}.*`, dspark spec §7.1):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -49,12 +52,21 @@ def target_reference(target_config) -> dict:
     return {name: getattr(target_config, name, None) for name in TARGET_FIELDS}
 
 
+def _stage_shape(target_config):
+    """The DSpark stage sizes a target config carries (`hf_causal.DraftStageShape`), or None (DeepSeek
+    targets: their stages take the target's own shapes)."""
+    return getattr(target_config, "stage", None) if hasattr(target_config, "draft_stage_config") else None
+
+
 def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
     """Write `drafter` as a drafter directory at `path` (created if needed)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = {"format": FORMAT, **drafter.config.to_dict(), "stage_kind": drafter.model.stage_kind,
               "target": target_reference(drafter.target.config)}
+    shape = _stage_shape(drafter.model.target_config)
+    if shape is not None:
+        config["stage"] = dataclasses.asdict(shape)
     tensors = {name: t.detach().cpu().contiguous() for name, t in drafter.model.state_dict().items()}
     save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -86,7 +98,8 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
     if stage_kind not in STAGE_KINDS:
         raise ValueError(f"{path / CONFIG_FILE}: stage_kind {stage_kind!r} is not one of {STAGE_KINDS}")
     dspark_config = DSparkConfig.from_dict(config)
-    model = DSparkModel(dspark_config, target.config, dtype=dtype or target.dtype, device=target.device,
+    model = DSparkModel(dspark_config, _stage_target(target.config, config.get("stage"), path),
+                        dtype=dtype or target.dtype, device=target.device,
                         stage_kind=stage_kind, cache_qat=getattr(target, "cache_qat", True),
                         kernels=target_kernels(target)).eval()
     drafter = DSparkDrafter(target, dspark_config, model)
@@ -94,6 +107,16 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
     if (path / STS_FILE).is_file():
         drafter.set_calibration(StsCalibration.load(path / STS_FILE, gamma=drafter.block_size))
     return drafter
+
+
+def _stage_target(target_config, stage: dict | None, path: Path):
+    """`target_config` with the recorded stage sizes (a transformers target's `DraftStageShape`)."""
+    if stage is None or _stage_shape(target_config) is None:
+        return target_config
+    if not isinstance(stage, dict):
+        raise ValueError(f"{path / CONFIG_FILE}: stage must be a dict of DraftStageShape fields, got {stage!r}")
+    shape = type(target_config.stage)(**stage).resolved(target_config.hidden_size)
+    return dataclasses.replace(target_config, stage=shape)
 
 
 def _load_weights(drafter: DSparkDrafter, path: Path, rename, block=V4_DENSE_BLOCK) -> None:

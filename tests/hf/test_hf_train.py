@@ -9,7 +9,7 @@ import torch
 
 import dspark
 from dspark.cli import main as cli_main
-from dspark.draft import DSparkConfig
+from dspark.draft import DSparkConfig, save_drafter
 from dspark.models.hf_causal import HFCausalLM
 from dspark.train.data import read_jsonl, self_distill
 from dspark.train.trainer import TrainConfig, new_training_drafter, train_draft
@@ -75,3 +75,26 @@ def test_stage_sizes_are_configurable(make_tiny_hf):
     assert stage.attn.n_heads == 2 and len(stage.ffn.experts) == 2
     with pytest.raises(ValueError, match="draft_stage.o_groups: 3 must divide num_attention_heads=2"):
         dspark.load_model(make_tiny_hf("llama"), draft_stage={"num_attention_heads": 2, "o_groups": 3})
+
+
+def test_drafter_directory_records_the_stage_sizes(make_tiny_hf, tmp_path):
+    """A drafter trained at non-default stage sizes loads for a target loaded without them (the
+    directory records its `stage`), with the same weights and exact output."""
+    shape = {"num_attention_heads": 2, "n_routed_experts": 2, "moe_intermediate_size": 16}
+    hf = make_tiny_hf("llama")
+    target = dspark.load_model(hf, draft_stage=shape)
+    drafter = new_training_drafter(target, DSparkConfig.for_target(target.config, dspark_markov_rank=8), seed=1)
+    save_drafter(drafter, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["stage"]["n_routed_experts"] == 2
+    plain_target = dspark.load_model(hf)  # default stage sizes: 4 experts
+    back = dspark.load_drafter(tmp_path, plain_target, dtype=torch.float32)
+    assert back.model.mtp[0].attn.n_heads == 2 and len(back.model.mtp[0].ffn.experts) == 2
+    mine, theirs = drafter.model.state_dict(), back.model.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    save_drafter(back, tmp_path / "again")  # re-saved at the recorded sizes, not the target's
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["stage"] == \
+        json.loads((tmp_path / "config.json").read_text())["stage"]
+    prompts = _prompts(2, seed=5)
+    plain = [o.token_ids for o in dspark.generate(plain_target, prompts, max_new_tokens=8)]
+    assert [o.token_ids for o in dspark.generate(plain_target, prompts, max_new_tokens=8, draft_tokens=3,
+                                                 drafter=back)] == plain
