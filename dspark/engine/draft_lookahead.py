@@ -45,9 +45,12 @@ and drafting rounds needs no drop: each launched round carries its own budget, a
 the host gets the budget of the same rule. No confidences are made while plain: a request keeps its
 last known row, which the engine appends again after each plain round (`Engine._commit_plain`), so
 "the newest drafting round at or before j − 2" is what both a chained and a host-launched round j read;
-a request with none stays None (survival 1). A batch that went plain therefore stays plain until its
-membership changes (a request finishing or joining changes R, and a new request's survival 1 favours
-drafting): nothing probes whether the text got easier. Fixed budgets never run plain rounds.
+a request with none stays None (survival 1). A batch that went plain would therefore stay plain until its
+membership changes, so after `plain_probe_every` (16) plain rounds in a row the next round drafts at
+budget 1, one slot past it (the plain probe): its confidences are the fresh rows the rounds two on plan
+over, and the batch drafts again where the text got easier, or returns to plain rounds for another 16.
+The count is of rounds run (`step`), so a chained and a host-launched round get the same budget. Fixed
+budgets never run plain rounds.
 
 A plain round costs what a `Lookahead` step costs plus the observe, which on CUDA replays on a side
 stream beside the next round's target step (`StaticDraftRunner.observe_aside`; a drafting round's
@@ -83,6 +86,9 @@ from dspark.verify.planner import uniform_budget
 Key = tuple[tuple[str, int, int], ...]  # (request id, slot, anchor position) of each request, in order
 # "auto": one drafting round in this many drafts a slot past its budget (the probe that lets it grow).
 PROBE_EVERY = 4
+# "auto": after this many plain rounds in a row, one round drafts at budget 1 (a slot past it as well), so
+# that a batch that went plain sees fresh confidences and drafts again once the text got easier.
+PLAIN_PROBE_EVERY = 16
 
 
 @dataclass
@@ -130,7 +136,7 @@ class DraftLookahead:
     rounds included; module docstring)."""
 
     def __init__(self, runner, drafting, budget: int | str, capacity: CapacityTable | None = None,
-                 probe_every: int = PROBE_EVERY):
+                 probe_every: int = PROBE_EVERY, plain_probe_every: int | None = PLAIN_PROBE_EVERY):
         gamma = drafting.static.drafter.block_size
         if budget == "auto":
             if not isinstance(capacity, CapacityTable):
@@ -148,8 +154,14 @@ class DraftLookahead:
                              f"n_draft={drafting.static.n_draft}")
         if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
             raise ValueError(f"probe_every must be an int >= 1, got {probe_every!r}")
+        if plain_probe_every is not None and (isinstance(plain_probe_every, bool) or not isinstance(plain_probe_every, int)
+                                              or plain_probe_every < 1):
+            raise ValueError(f"plain_probe_every must be None or an int >= 1, got {plain_probe_every!r}")
         self.runner, self.drafting, self.budget, self.gamma = runner, drafting, budget, gamma
         self.probe_every, self._drafting_rounds = probe_every, 0  # "auto": which rounds draft past their budget
+        self.plain_probe_every = plain_probe_every  # "auto": plain rounds in a row before a drafting probe
+        self._plain_run = 0  # plain rounds in a row among those run (`step`), up to the newest
+        self._after_plain = False  # the last round launched was plain: the next drafting one probes a slot further
         self.capacity = capacity
         self.pending: InFlightRound | None = None
         self._planned: tuple[list, int] | None = None  # the last stale rows planned (held) and their budget
@@ -174,7 +186,9 @@ class DraftLookahead:
 
     def plan(self, stale: list) -> int:
         """The budget of a round whose requests' confidences two rounds back are `stale` (rows [γ] or
-        None): the fixed budget, or `uniform_budget` over them with n = 0 (a plain round) allowed."""
+        None): the fixed budget, or `uniform_budget` over them with n = 0 (a plain round) allowed; 1
+        instead of 0 after `plain_probe_every` plain rounds in a row (the plain probe: plain rounds
+        refresh no confidence, so without it a batch that went plain would stay plain)."""
         if self.budget != "auto":
             return self.budget
         # Plain rounds append each request's last row again, so a batch that went plain plans over the very
@@ -182,10 +196,12 @@ class DraftLookahead:
         # and holding them keeps their ids from being reused, so `is` is equality here.
         last = self._planned
         if last is not None and len(last[0]) == len(stale) and all(a is b for a, b in zip(last[0], stale)):
-            return last[1]
-        n = uniform_budget(stale, self.gamma, self.capacity, min_budget=0)
-        self._planned = (list(stale), n)
-        return n
+            n = last[1]
+        else:
+            n = uniform_budget(stale, self.gamma, self.capacity, min_budget=0)
+            self._planned = (list(stale), n)
+        probe = n == 0 and self.plain_probe_every is not None and self._plain_run >= self.plain_probe_every
+        return 1 if probe else n
 
     def step(self, requests: list) -> tuple[int, RoundResults]:
         """The next round of every request (each holding a static slot, `fits`): its budget n (0: a plain
@@ -197,6 +213,7 @@ class DraftLookahead:
         current = self.pending if self.pending is not None and self.pending.key == key else None
         if current is None:
             current = self._launch_from_host(requests, key, n)
+        self._plain_run = self._plain_run + 1 if n == 0 else 0  # round k runs: the plain probe counts it
         # Round k + 1's rows two back are round k − 1's, the newest read: each request's last confidences.
         n_next = self.plan([r.confidences[-1] if r.confidences else None for r in requests])
         chain = self._room(requests, key, n + n_next + 2)
@@ -254,13 +271,15 @@ class DraftLookahead:
         """Slots to draft for a round verifying n: the drafter's k at a fixed budget. Under "auto" n, and
         n + 1 (at most k) on every `probe_every`-th drafting round (the first included), so that the
         round two on sees one slot past this budget (`uniform_budget` reads a shorter row as survival 0
-        past its end: the budget can grow a slot per probe, and shrink at any round) without paying the
+        past its end: the budget can grow a slot per probe, and shrink at any round), and so does the first
+        drafting round after a plain one (the plain probe's, or a batch change's) without paying the
         LM head, Markov step and confidence of slots no round verifies: on one H200 an extra slot every
         round cost auto 2.4-5.4 % against the fixed budget it chose (`bench/README.md`, thirteenth session)."""
         if self.budget != "auto":
             return None
-        probe = self._drafting_rounds % self.probe_every == 0
+        probe = self._drafting_rounds % self.probe_every == 0 or self._after_plain
         self._drafting_rounds += 1
+        self._after_plain = False
         return min(self.drafting.static.n_draft, n + 1 if probe else n)
 
     def _launch_plain(self, key: Key | None, anchors: torch.Tensor, positions: torch.Tensor,
@@ -270,6 +289,7 @@ class DraftLookahead:
         eager ops besides the two graphs are the argmax, the next inputs and the bonus's host copy, no
         more than `Lookahead`'s step (a free slot's anchor and position are 0 already, launched from the
         host or chained, so the ids need no mask)."""
+        self._after_plain = True
         out = self.runner.step(anchors[:, None], positions)  # [b, 1] ids
         bonus = greedy(out.logits[:, 0])  # [b]; ties to the lowest id, as `verify_greedy`
         # beside the next step on CUDA: nothing of a plain round or the next one reads the drafter

@@ -21,7 +21,7 @@ import torch
 import dspark
 import dspark.round
 from dspark.engine import Engine, EngineConfig
-from dspark.engine.draft_lookahead import DraftLookahead
+from dspark.engine.draft_lookahead import PLAIN_PROBE_EVERY, DraftLookahead
 from dspark.sampling import SamplingParams
 from dspark.verify.capacity import default_cpu_table
 from dspark.verify.planner import VerifyPlan, uniform_budget
@@ -86,17 +86,25 @@ def same_rounds(ahead_trace: list, sync_trace: list, gamma: int) -> bool:
     return len(ahead_trace) == len(sync_trace) and all(same(a, s) for a, s in zip(ahead_trace, sync_trace))
 
 
-def _rule(calls: list, trace: list, lag: int, gamma: int, table=TABLE) -> list[int]:
+def _rule(calls: list, trace: list, lag: int, gamma: int, table=TABLE,
+          plain_probe_every: int | None = PLAIN_PROBE_EVERY) -> list[int]:
     """The budget of every recorded round (0 allowed: a plain round) from the confidences of each
     request's round j − lag as the trace recorded them, or of its newest drafting round before that
-    when round j − lag drafted nothing (a plain round keeps the last confidences); None before any."""
+    when round j − lag drafted nothing (a plain round keeps the last confidences); None before any.
+    After `plain_probe_every` plain rounds in a row a 0 becomes 1 (the plain probe)."""
     conf = {(r["request_id"], r["round"]): r["confidence"] for r in trace if r["confidence"]}
 
     def stale(rid: str, j: int):
         return next((conf[rid, i] for i in range(j - lag, -1, -1) if (rid, i) in conf), None)
 
-    return [uniform_budget([stale(rid, j) for rid, j in rounds], gamma, table, min_budget=0)
-            for _, rounds in calls]
+    budgets, run = [], 0
+    for _, rounds in calls:
+        n = uniform_budget([stale(rid, j) for rid, j in rounds], gamma, table, min_budget=0)
+        if n == 0 and plain_probe_every is not None and run >= plain_probe_every:
+            n = 1
+        run = run + 1 if n == 0 else 0
+        budgets.append(n)
+    return budgets
 
 
 def _run(model, new, **config):
@@ -168,14 +176,41 @@ def test_auto_rounds_in_flight_equal_synchronous_rounds_of_the_same_budgets(pair
     assert any(0 < len(r["draft"]) == r["verified"] < gamma for r in ahead_trace)
 
 
-def _lookahead(budget, probe_every=None, gamma=5):
+def _lookahead(budget, probe_every=None, gamma=5, **extra):
     """A DraftLookahead over stand-ins of a runner and a static drafter (only their sizes are read)."""
     from types import SimpleNamespace
 
     runner = SimpleNamespace(shape=SimpleNamespace(tokens=gamma + 1))
     drafting = SimpleNamespace(static=SimpleNamespace(drafter=SimpleNamespace(block_size=gamma), n_draft=gamma))
-    extra = {} if probe_every is None else dict(probe_every=probe_every)
+    if probe_every is not None:
+        extra["probe_every"] = probe_every
     return DraftLookahead(runner, drafting, budget, TABLE if budget == "auto" else None, **extra)
+
+
+def test_plain_probe_drafts_one_after_a_run_of_plain_rounds():
+    """After `plain_probe_every` plain rounds in a row a plain decision becomes budget 1, drafted a slot
+    past it; drafting decisions and fixed budgets are untouched; None turns the probe off."""
+    from dspark.verify.capacity import CapacityTable
+
+    plain_table = CapacityTable((1, 4, 5), (1.0, 1.0, 1e-3), "plain pays from 3 requests")
+    ahead = _lookahead("auto", plain_probe_every=3)
+    ahead.capacity = plain_table
+    rows = [torch.full((5,), 0.5)] * 4
+    decisions = []
+    for _ in range(9):  # what `step` does per round: plan it, count it if it ran plain
+        n = ahead.plan(rows)
+        decisions.append(n)
+        ahead._plain_run = ahead._plain_run + 1 if n == 0 else 0
+    assert decisions == [0, 0, 0, 1, 0, 0, 0, 1, 0]
+    ahead._plain_run, ahead._after_plain = 3, True
+    assert ahead.plan(rows[:1]) == 3  # a drafting decision stands as it is
+    assert ahead._width(1) == 2  # the first drafting round after a plain one drafts a slot further
+    off = _lookahead("auto", plain_probe_every=None)
+    off.capacity, off._plain_run = plain_table, 100
+    assert off.plan(rows) == 0 and _lookahead(3, plain_probe_every=1).plan(rows) == 3
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match=rf"plain_probe_every must be None or an int >= 1, got {bad!r}"):
+            _lookahead("auto", plain_probe_every=bad)
 
 
 def test_auto_drafts_its_budget_and_one_past_it_every_probe_round():
