@@ -78,11 +78,12 @@ def _profile(args) -> int:
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    config = ProfileConfig(args.batch_tokens, args.context, args.width, args.warmup, args.repeats, args.prefill_chunk)
+    config = ProfileConfig(args.batch_tokens, args.context, args.width, args.warmup, args.repeats, args.prefill_chunk,
+                           plain=not args.no_plain)
     model = _load(args.model, args.device)
     table = profile_capacity(model, config, model_name=args.model,
-                             progress=lambda b, s: print(f"B={b:>6}  {s * 1e3:9.3f} ms  {1 / s:9.1f} steps/s",
-                                                         file=sys.stderr))
+                             progress=lambda b, s, what: print(f"{what}={b:>6}  {s * 1e3:9.3f} ms  {1 / s:9.1f} steps/s",
+                                                               file=sys.stderr))
     table.save(args.out)
     print(f"wrote {args.out} ({table.label})", file=sys.stderr)
     return 0
@@ -101,6 +102,8 @@ def _add_profile(sub) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
+    p.add_argument("--no-plain", action="store_true",
+                   help="skip the plain steps (one token per request), the curve budget 0 is priced by")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     p.add_argument("--out", required=True, help="capacity table JSON to write")

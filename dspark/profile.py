@@ -9,6 +9,12 @@ rewound to `context` after every probe (`DecodeState.truncate`), so every probe 
 context. Each probe is timed `repeats` times after `warmup` untimed runs, with the device
 synchronised around each run; the table keeps the median.
 
+Plain steps (`plain`, on by default): at every probe size R up to the number of states, one forward of
+R requests feeding one token each, what a plain decoding round of R requests costs (the round in
+flight's budget 0). A width-`width` probe at B = R spreads R tokens over R / width requests and so
+underprices it; the table keeps these as its plain curve (`CapacityTable.plain`), which the planner
+reads for budget 0.
+
 The table is labelled with the device and torch version and carries the model config, context,
 width and date in `conditions`, so a table is never read as a measurement of something else.
 """
@@ -36,6 +42,8 @@ class ProfileConfig:
     width : tokens each request verifies (1 + drafts), >= 1.
     warmup, repeats : untimed and timed runs per probe (repeats >= 1).
     prefill_chunk : tokens per prefill call while building the context.
+    plain : also time plain steps (one token for each of R requests) at the probe sizes R up to
+        ceil(max(batch_tokens) / width), the table's plain curve.
     """
 
     batch_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -44,6 +52,7 @@ class ProfileConfig:
     warmup: int = 2
     repeats: int = 5
     prefill_chunk: int = 4096
+    plain: bool = True
 
     def __post_init__(self):
         bt = tuple(self.batch_tokens)
@@ -55,6 +64,8 @@ class ProfileConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.plain, bool):
+            raise ValueError(f"plain must be a bool, got {self.plain!r}")
 
 
 def split_tokens(batch_tokens: int, width: int) -> list[int]:
@@ -109,20 +120,17 @@ def profile_capacity(model, config: ProfileConfig = ProfileConfig(), model_name:
                      progress=None) -> CapacityTable:
     """Measure SPS at every `config.batch_tokens` probe; returns the labelled table.
 
-    `progress(batch_tokens, seconds)` (optional) is called after each probe.
+    `progress(size, seconds, what)` (optional) is called after each probe: what "B" for a width
+    probe of B batch tokens, "plain R" for a plain step of R requests.
     """
     device = torch.device(model.device)
     requests = math.ceil(config.batch_tokens[-1] / config.width)
     states = build_states(model, requests, config.context, config.prefill_chunk)
     g = torch.Generator().manual_seed(1)
-    samples = {}
-    for b in config.batch_tokens:
-        lens = split_tokens(b, config.width)
-        for _ in range(config.warmup):
-            time_step(model, states[:len(lens)], lens, g)
-        samples[b] = [time_step(model, states[:len(lens)], lens, g) for _ in range(config.repeats)]
-        if progress is not None:
-            progress(b, min(samples[b]))
+    samples = {b: _probe(model, states, split_tokens(b, config.width), config, g, progress, b)
+               for b in config.batch_tokens}
+    plain = {r: _probe(model, states, [1] * r, config, g, progress, r, "plain R")
+             for r in config.batch_tokens if r <= requests} if config.plain else None
     name = device_name(device)
     conditions = {
         "device": name, "torch": torch.__version__, "model": model_name, "dtype": str(model.dtype),
@@ -130,6 +138,19 @@ def profile_capacity(model, config: ProfileConfig = ProfileConfig(), model_name:
         "context": config.context, "width": config.width, "warmup": config.warmup, "repeats": config.repeats,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": "median of timed target forwards over ceil(B/width) requests with `context` tokens of state",
+        "plain_method": "median of timed target forwards of one token for each of R requests" if plain else None,
     }
     label = f"{name}, torch {torch.__version__}, {model_name or type(model).__name__}, ctx {config.context}"
-    return CapacityTable.from_step_times(samples, label, f"width {config.width}, {conditions['date']}", conditions)
+    return CapacityTable.from_step_times(samples, label, f"width {config.width}, {conditions['date']}", conditions,
+                                         plain)
+
+
+def _probe(model, states: list, lens: list[int], config: ProfileConfig, generator, progress, size: int,
+           what: str = "B") -> list[float]:
+    """`config.repeats` timed forwards feeding lens[b] tokens to states[b] (after `warmup` untimed ones)."""
+    for _ in range(config.warmup):
+        time_step(model, states[:len(lens)], lens, generator)
+    seconds = [time_step(model, states[:len(lens)], lens, generator) for _ in range(config.repeats)]
+    if progress is not None:
+        progress(size, min(seconds), what)
+    return seconds

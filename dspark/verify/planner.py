@@ -205,9 +205,9 @@ def uniform_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | N
     non-anticipating for the same reason: nothing it reads was computed from a draft of the round it
     sizes, so the round verifies a budget fixed beforehand, exactly like `plan_fixed`.
 
-    n = 0 (`min_budget=0`) is plain decoding: τ(0) = R tokens at SPS(R), the table's entry at B = R,
-    which must then price a plain step of R requests (no propose; `CapacityTable` says which tables
-    do). Where that beats every drafting budget, e.g. a large batch whose step is compute-bound, the
+    n = 0 (`min_budget=0`) is plain decoding: τ(0) = R tokens at `capacity.plain(R)`, a plain step
+    of R requests (no propose): the table's plain curve where it has one (`dspark profile` measures
+    it), else its entry at B = R (`CapacityTable` says which tables price that right). Where that beats every drafting budget, e.g. a large batch whose step is compute-bound, the
     round skips drafting; ties go to it, as to any smaller budget. The default floor of 1 keeps a
     caller that always drafts (and cannot run a plain step) on budgets 1..N.
 
@@ -235,7 +235,10 @@ def uniform_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | N
     # [N + 1] Σ_r Σ_{k<n} a_{r,k} for n = 0..N: column sums, prefix-summed
     drafted = np.concatenate([[0.0], a[:, :top].sum(dim=0).cumsum(dim=0).numpy()])
     n = np.arange(min_budget, top + 1)  # [N − M + 1]
-    theta = (rows + drafted[n]) * capacity.many(rows * (1 + n))
+    sps = capacity.many(rows * (1 + n))
+    if min_budget == 0:  # a plain round: the table's plain curve where it has one (`CapacityTable.plain`)
+        sps[0] = capacity.plain(rows)
+    theta = (rows + drafted[n]) * sps
     return int(n[np.argmax(theta)])  # first maximum: the smallest budget among ties
 
 

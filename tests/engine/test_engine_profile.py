@@ -17,6 +17,8 @@ def test_profile_writes_a_labelled_table_that_generate_reads(tmp_path, capsys):
                  "--context", "24", "--width", "3", "--warmup", "0", "--repeats", "2", "--out", str(out)]) == 0
     table = CapacityTable.load(out)
     assert table.batch_tokens == (1, 3, 8) and all(s > 0 for s in table.steps_per_second)
+    # plain steps of R requests, one token each, up to the ceil(8 / 3) = 3 states the probes built
+    assert table.plain_requests == (1, 3) and all(s > 0 for s in table.plain_steps_per_second)
     assert torch.__version__ in table.label and "cpu" in table.label and "ctx 24" in table.label
     c = json.loads(out.read_text())["conditions"]
     assert c["model"] == "random-tiny" and c["context"] == 24 and c["width"] == 3 and c["date"][:2] == "20"
@@ -26,6 +28,9 @@ def test_profile_writes_a_labelled_table_that_generate_reads(tmp_path, capsys):
                  "--draft-tokens", "auto", "--drafter", "ngram", "--capacity", str(out)]) == 0
     with pytest.raises(SystemExit):
         main(["generate", "ab", "--model", "random-tiny", "--device", "cpu", "--capacity", str(tmp_path / "none.json")])
+    assert main(["profile", "--model", "random-tiny", "--device", "cpu", "--batch-tokens", "1,2", "--context", "8",
+                 "--warmup", "0", "--repeats", "1", "--no-plain", "--out", str(out)]) == 0
+    assert CapacityTable.load(out).plain_requests == ()
 
 
 def test_probes_rewind_every_state_to_the_context():
@@ -42,7 +47,7 @@ def test_probes_rewind_every_state_to_the_context():
 
 
 @pytest.mark.parametrize("bad", [dict(batch_tokens=(4, 2)), dict(batch_tokens=()), dict(context=0),
-                                 dict(width=0), dict(repeats=0)])
+                                 dict(width=0), dict(repeats=0), dict(plain=1)])
 def test_profile_config_is_validated(bad):
     with pytest.raises(ValueError):
         ProfileConfig(**bad)

@@ -101,3 +101,30 @@ def test_shipped_tables_load_by_name_and_name_their_gpu():
 def test_unknown_table_names_the_shipped_ones(tmp_path):
     with pytest.raises(FileNotFoundError, match="h200-v4-mini-ctx4k"):
         CapacityTable.load(str(tmp_path / "nope.json"))
+
+
+def test_plain_curve_is_validated_kept_and_falls_back_to_the_entry_at_b(tmp_path):
+    """The second curve (plain steps of R requests): looked up like the first, through JSON, the
+    envelope and `from_step_times`; without it `plain(R)` is SPS(B = R)."""
+    table = CapacityTable((1, 8, 64), (100.0, 90.0, 40.0), "t", plain_requests=(1, 8), plain_steps_per_second=(99.0, 60.0))
+    assert table.plain(1) == pytest.approx(99.0) and table.plain(8) == pytest.approx(60.0)
+    assert table.plain(4) == pytest.approx(1 / (1 / 99 + 3 / 7 * (1 / 60 - 1 / 99)))  # step time interpolated
+    assert table.plain(16) == pytest.approx(60.0 * 8 / 16)  # beyond the last probe: time ∝ R
+    assert table(8) == pytest.approx(90.0)  # the width curve is untouched
+    bare = CapacityTable((1, 8), (100.0, 90.0), "t")
+    assert bare.plain(8) == bare(8) and bare.to_dict().keys() == {"format", "label", "notes", "conditions",
+                                                                  "batch_tokens", "steps_per_second"}
+    table.save(tmp_path / "t.json")
+    assert CapacityTable.load(tmp_path / "t.json") == table
+    env = CapacityTable((1, 2, 4), (5.0, 6.0, 4.0), "t", plain_requests=(1, 2), plain_steps_per_second=(3.0, 4.0))
+    assert env.non_increasing().plain_steps_per_second == (4.0, 4.0)
+    timed = CapacityTable.from_step_times({1: [0.1]}, "t", plain_samples={1: [0.5, 0.2, 0.3], 4: [0.4]})
+    assert timed.plain_requests == (1, 4) and timed.plain_steps_per_second == pytest.approx((1 / 0.3, 1 / 0.4))
+    with pytest.raises(ValueError, match="plain_requests must be strictly increasing; 2 follows 4"):
+        CapacityTable((1,), (1.0,), "t", plain_requests=(4, 2), plain_steps_per_second=(1.0, 1.0))
+    with pytest.raises(ValueError, match=r"plain_requests \(1\) and plain_steps_per_second \(0\)"):
+        CapacityTable((1,), (1.0,), "t", plain_requests=(4,))
+    with pytest.raises(ValueError, match="plain_steps_per_second must be finite and > 0; got -1.0 at plain_requests=2"):
+        CapacityTable((1,), (1.0,), "t", plain_requests=(2,), plain_steps_per_second=(-1.0,))
+    with pytest.raises(ValueError, match="requests must be >= 1, got 0"):
+        table.plain(0)

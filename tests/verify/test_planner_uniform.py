@@ -107,6 +107,19 @@ def test_uniform_budget_may_choose_plain_decoding():
     assert uniform_budget([], 3, plain_pays, min_budget=0) == 0
 
 
+def test_plain_decoding_is_priced_by_the_plain_curve():
+    """With a plain curve (`dspark profile`'s plain steps) budget 0 reads SPS_plain(R), not SPS(B = R):
+    the same width curve picks plain decoding or not depending on what a plain step of R costs."""
+    stale = [[0.5] * 3] * 2  # τ(0..3) = 2, 3, 3.5, 3.75 at B = 2, 4, 6, 8
+    width = {2: 10, 4: 6, 6: 5, 8: 4}  # Θ(1..3) = 18, 17.5, 15
+    cheap = CapacityTable.from_step_times({b: [1 / s] for b, s in width.items()}, "t", plain_samples={2: [1 / 10]})
+    dear = CapacityTable.from_step_times({b: [1 / s] for b, s in width.items()}, "t", plain_samples={2: [1 / 8]})
+    assert uniform_budget(stale, 3, _table(width), min_budget=0) == 0  # SPS(2) = 10: Θ(0) = 20
+    assert uniform_budget(stale, 3, cheap, min_budget=0) == 0  # plain step as fast as B = 2
+    assert uniform_budget(stale, 3, dear, min_budget=0) == 1  # a plain step of 2 requests at 8/s: Θ(0) = 16
+    assert uniform_budget(stale, 3, dear) == 1 and uniform_budget(stale, 3, dear, min_budget=2) == 2
+
+
 def _h200_cells(requests: int, tok_s: dict[int, float]) -> CapacityTable:
     """A table as `bench/engine_h200.py --table-from-cells` builds it: the pipelined step of the fixed
     cells (budget 0 = plain decoding at B = R), here from their tok/s at constant confidence 0.8629."""
