@@ -116,6 +116,7 @@ class InFlightRound:
     host_ids: torch.Tensor  # [b, k + 2] long: drafts, accepted, bonus (a plain round: [b], the bonus)
     host_conf: torch.Tensor | None  # [b, 2, k] fp32: confidences, their logits (None: a plain round)
     event: torch.cuda.Event | None
+    has_logits: bool = True  # the drafter has a confidence head (MTP has none: its rows read None)
 
     def read(self, slots: list[int]) -> RoundResults:
         """The results of the requests at `slots` [R], in that order; waits for this round only."""
@@ -128,19 +129,26 @@ class InFlightRound:
         k = len(rows[0]) - 2 if rows else 0
         conf = self.host_conf
         return RoundResults([r[:k] for r in rows], [r[k] for r in rows], [r[k + 1] for r in rows],
-                            [conf[s, 0] for s in slots], [conf[s, 1] for s in slots])
+                            [conf[s, 0] for s in slots],
+                            [conf[s, 1] for s in slots] if self.has_logits else [None] * len(slots))
 
 
 class DraftLookahead:
     """Greedy DSpark rounds over the static path, one round ahead, at a fixed budget or "auto" (plain
-    rounds included; module docstring)."""
+    rounds included; module docstring). `drafting` is the engine's `StaticDraftRunner`, or, at a fixed
+    budget, its `StaticMtpRunner` (MTP: no confidence head, its observe pairs rows with the step's ids)."""
 
     def __init__(self, runner, drafting, budget: int | str, capacity: CapacityTable | None = None,
                  probe_every: int = PROBE_EVERY, plain_probe_every: int | None = PLAIN_PROBE_EVERY):
         gamma = drafting.static.drafter.block_size
+        # A DSpark runner drafts its first n_draft slots; an MTP runner (`StaticMtpRunner`) its whole block.
+        self.n_draft = getattr(drafting.static, "n_draft", gamma)
         if budget == "auto":
             if not isinstance(capacity, CapacityTable):
                 raise ValueError(f"budget 'auto' needs a CapacityTable to plan with, got capacity={capacity!r}")
+            if not hasattr(drafting, "observe_aside"):
+                raise ValueError("budget 'auto' in flight needs the static DSpark drafter (plain rounds observe "
+                                 f"aside, budgets from its confidences); got {type(drafting).__name__}")
             widest = gamma
         elif isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= gamma:
             raise ValueError(f"budget must be an int in [1, γ={gamma}] or 'auto', got {budget!r}")
@@ -149,9 +157,9 @@ class DraftLookahead:
         if widest + 1 > runner.shape.tokens:
             raise ValueError(f"budget {budget!r} needs {widest + 1} rows per step; the static step takes "
                              f"{runner.shape.tokens}")
-        if widest > drafting.static.n_draft:
+        if widest > self.n_draft:
             raise ValueError(f"budget {budget!r} verifies up to {widest} drafts; the static drafter drafts "
-                             f"n_draft={drafting.static.n_draft}")
+                             f"n_draft={self.n_draft}")
         if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
             raise ValueError(f"probe_every must be an int >= 1, got {probe_every!r}")
         if plain_probe_every is not None and (isinstance(plain_probe_every, bool) or not isinstance(plain_probe_every, int)
@@ -250,22 +258,27 @@ class DraftLookahead:
         position 0), no host value read. n = 0: a plain step (`_launch_plain`)."""
         if not n:
             return self._launch_plain(key, anchors, positions, live)
-        proposal = self.drafting.propose(anchors, positions, self._width(n))
+        width = self._width(n)
+        proposal = self.drafting.propose(anchors, positions) if width is None else \
+            self.drafting.propose(anchors, positions, width)
         # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
         # replay below may reuse the blocks of propose's outputs (captured after them).
         drafts = proposal.tokens.clone()  # [b, k]
-        conf_dev = torch.stack([proposal.confidence.float(), proposal.confidence_logits.float()], dim=1)
+        logits = proposal.confidence_logits  # None without a confidence head (MTP): the row holds c again
+        conf_dev = torch.stack([proposal.confidence.float(),
+                                (proposal.confidence if logits is None else logits).float()], dim=1)
         ids = torch.where(live[:, None], torch.cat([anchors[:, None], drafts[:, :n]], dim=1), 0)  # [b, n + 1]
         out = self.runner.step(ids, positions)
         argmax = greedy(out.logits)  # [b, n + 1]; ties to the lowest id, as `verify_greedy`
-        self.drafting.observe(out.features, positions)  # every row; the next anchor position hides the rest
+        # every row (MTP pairs them with the step's ids); the next anchor position hides the rest
+        self.drafting.observe(out.features, positions, ids)
         accepted = (drafts[:, :n] == argmax[:, :n]).long().cumprod(dim=1).sum(dim=1)  # [b]
         bonus = argmax.gather(1, accepted[:, None]).squeeze(1)  # [b]
         next_anchors = torch.where(live, bonus, 0)
         next_positions = torch.where(live, positions + accepted + 1, 0)
         ids_dev = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1)  # [b, k + 2]
         host_ids, host_conf, event = _to_host(ids_dev, conf_dev)
-        return InFlightRound(key, n, live, next_anchors, next_positions, host_ids, host_conf, event)
+        return InFlightRound(key, n, live, next_anchors, next_positions, host_ids, host_conf, event, logits is not None)
 
     def _width(self, n: int) -> int | None:
         """Slots to draft for a round verifying n: the drafter's k at a fixed budget. Under "auto" n, and
@@ -280,7 +293,7 @@ class DraftLookahead:
         probe = self._drafting_rounds % self.probe_every == 0 or self._after_plain
         self._drafting_rounds += 1
         self._after_plain = False
-        return min(self.drafting.static.n_draft, n + 1 if probe else n)
+        return min(self.n_draft, n + 1 if probe else n)
 
     def _launch_plain(self, key: Key | None, anchors: torch.Tensor, positions: torch.Tensor,
                       live: torch.Tensor) -> InFlightRound:

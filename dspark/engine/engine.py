@@ -191,9 +191,12 @@ class Engine:
         self.lookahead = Lookahead(self.runner) if overlap and self.drafter is None else None
         # Algorithm 1 ("sync") sizes a verify from that round's own confidences: no round can be in flight.
         in_flight = config.draft_tokens != "auto" or config.planner == "async"
+        # MTP rounds go in flight at a fixed budget only ("auto" would need plain rounds, which observe aside).
+        ahead_drafter = isinstance(self.static_draft, StaticDraftRunner) or (
+            isinstance(self.static_draft, StaticMtpRunner) and config.draft_tokens != "auto")
         self.draft_ahead = (DraftLookahead(self.runner, self.static_draft, config.draft_tokens,
                                            self.round_config.capacity)
-                            if overlap and isinstance(self.static_draft, StaticDraftRunner) and in_flight else None)
+                            if overlap and ahead_drafter and in_flight else None)
         self._ids = itertools.count()
         self._trace: list[dict] = []
 

@@ -181,7 +181,8 @@ def _lookahead(budget, probe_every=None, gamma=5, **extra):
     from types import SimpleNamespace
 
     runner = SimpleNamespace(shape=SimpleNamespace(tokens=gamma + 1))
-    drafting = SimpleNamespace(static=SimpleNamespace(drafter=SimpleNamespace(block_size=gamma), n_draft=gamma))
+    drafting = SimpleNamespace(static=SimpleNamespace(drafter=SimpleNamespace(block_size=gamma), n_draft=gamma),
+                               observe_aside=None)
     if probe_every is not None:
         extra["probe_every"] = probe_every
     return DraftLookahead(runner, drafting, budget, TABLE if budget == "auto" else None, **extra)
@@ -211,6 +212,17 @@ def test_plain_probe_drafts_one_after_a_run_of_plain_rounds():
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match=rf"plain_probe_every must be None or an int >= 1, got {bad!r}"):
             _lookahead("auto", plain_probe_every=bad)
+
+
+def test_auto_in_flight_needs_the_dspark_drafter():
+    """An MTP runner (no `observe_aside`, no confidence head) takes fixed budgets only."""
+    from types import SimpleNamespace
+
+    runner = SimpleNamespace(shape=SimpleNamespace(tokens=3))
+    mtp = SimpleNamespace(static=SimpleNamespace(drafter=SimpleNamespace(block_size=2)))
+    with pytest.raises(ValueError, match="budget 'auto' in flight needs the static DSpark drafter"):
+        DraftLookahead(runner, mtp, "auto", TABLE)
+    assert DraftLookahead(runner, mtp, 2).n_draft == 2
 
 
 def test_auto_drafts_its_budget_and_one_past_it_every_probe_round():

@@ -45,7 +45,8 @@ def test_static_mtp_rounds_give_the_tokens_of_generate(tiny, block_size, budget,
     no_dynamic_mtp_propose()
     engine = Engine(tiny, EngineConfig(max_running=3, prefill_chunk=7, static_decode=True, draft_tokens=budget,
                                        drafter=MtpDrafter(tiny, block_size=block_size), trace=True, **LIMITS))
-    assert isinstance(engine.static_draft, StaticMtpRunner) and engine.draft_ahead is None
+    # a fixed budget runs its greedy rounds in flight (DraftLookahead); "auto" stays synchronous for MTP
+    assert isinstance(engine.static_draft, StaticMtpRunner) and (engine.draft_ahead is None) == (budget == "auto")
     moves, move = [], engine.runner.move
     engine.runner.move = lambda src, dst: (moves.append((src, dst)), move(src, dst))
     tokens, pending = {}, list(enumerate(prompts))
@@ -99,3 +100,42 @@ def test_random_admit_finish_abort_preempt_never_leak_mtp_slots(tiny):
     allocator.check()
     assert not allocator.owners() and allocator.pool.free == allocator.pool.num_pages
     assert preemptions > 0 and decoded > 0
+
+
+def test_mtp_rounds_in_flight_equal_the_synchronous_static_engine(tiny, monkeypatch):
+    """MTP-1 at budget 1 with `overlap`: greedy rounds chained on the device (`DraftLookahead` over the
+    `StaticMtpRunner`) give the synchronous static engine's tokens, statistics and trace records (no
+    confidence logits, as MTP has no head); most rounds come from the round in flight; no slot leaks."""
+    from dspark.engine.draft_lookahead import DraftLookahead
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_engine_lookahead import count_launches
+
+    prompts, new = _prompts(5, seed=23), 18
+
+    def run(overlap):
+        engine = Engine(tiny, EngineConfig(max_running=3, static_decode=True, overlap=overlap, draft_tokens=1,
+                                           drafter=MtpDrafter(tiny), trace=True, **LIMITS))
+        assert isinstance(engine.draft_ahead, DraftLookahead) == overlap
+        tokens, stats, pending = {}, {}, list(enumerate(prompts))
+        while pending or engine.has_work():
+            if pending:
+                i, p = pending.pop(0)
+                engine.add_request(p, SamplingParams(), new, request_id=f"r{i}")
+            for event in engine.step():
+                tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
+                if event.finished:
+                    stats[event.request_id] = (event.stats.rounds, event.stats.accept_hist)
+            _check_slots(engine)
+        assert engine.slots.free == engine.slots.slots
+        return tokens, stats, engine.take_trace()
+
+    counts = count_launches(monkeypatch, DraftLookahead)
+    ahead = run(True)
+    assert 0 < counts["host"] < counts["all"] - counts["host"]  # most rounds were chained
+    sync = run(False)
+    assert ahead[0] == sync[0] and ahead[1] == sync[1]
+    assert [{k: v for k, v in r.items() if k != "confidence"} for r in ahead[2]] == \
+        [{k: v for k, v in r.items() if k != "confidence"} for r in sync[2]]
+    assert all(r["confidence_logits"] is None and r["confidence"] == pytest.approx(s["confidence"])
+               for r, s in zip(ahead[2], sync[2]))
