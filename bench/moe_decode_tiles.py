@@ -14,7 +14,10 @@ uniform shape's (same fp32 reduction order per row only when block_k matches, so
 error, reported). `--wide` adds 4-row programs and reduction steps up to the whole row (1024, 2048: a
 v4-mini row is 2048 long, so one step loads it at once); `--graph` times each call as a CUDA-graph replay
 with L2 flushed (`bench.attn_batched.graph_timer`: what it costs inside the captured decode step, without
-the eager launch overhead that do_bench includes).
+the eager launch overhead that do_bench includes). `--fp8-steps` and `--rows` replace the FP8 reduction
+steps and the rows per program swept (e.g. `--fp8-steps 256,512,1024,2048 --rows 4,8,16,32`, the
+fourteenth session's whole-row steps), `--stages 1,2,3` adds the software-pipelined loops
+(`DecodeTiles.stages`) to every candidate.
 """
 
 from __future__ import annotations
