@@ -22,6 +22,8 @@
 #    kernel, the whole op at the new shipped ones), `bench/kernels.py`'s FP8 MoE rows at M = 1, 8, and
 #    the MoE tests on the GPU.
 #
+# Parts a and b call bench/moe_fp8.py, which the revert removed: re-run them at 3507663 / 9088fad.
+#
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session14-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
