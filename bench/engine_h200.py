@@ -56,8 +56,9 @@ slots whose context holds the cell's steps, one CUDA graph per verify width capt
 engine is built (not in the step time; `engine_build_s` in the row), the fabricated states loaded into the slots at
 the first (warm-up) step. The DSpark cells (dspark3, auto, auto_async) then also draft on the static drafter over the
 same slots (`dspark.engine.static_draft`: greedy propose and observe as CUDA graphs; `static_drafter` and
-`draft_graphs` in the row), and so does MTP-1 (`dspark.engine.static_mtp_draft`; its rounds stay
-synchronous under `--overlap`). Prefill and the peer are unchanged by the flag.
+`draft_graphs` in the row), and so does MTP-1 (`dspark.engine.static_mtp_draft`; since the fourteenth
+session its rounds run in flight under `--overlap` too, at its fixed budget). Prefill and the peer are
+unchanged by the flag.
 """
 
 from __future__ import annotations
