@@ -16,9 +16,9 @@
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 part_a() {
-  tests a_tests 200 tests/kernels/test_moe.py -k "fp8 or decode or packed or stages" tests/engine/test_engine_static_mtp.py \
-    tests/engine/test_engine_static_gpu.py tests/engine/test_engine_draft_lookahead_plain.py \
-    tests/engine/test_engine_draft_lookahead_auto.py
+  tests a_moe_tests 120 tests/kernels/test_moe.py -k "fp8 or decode or packed or stages"
+  tests a_engine_tests 150 tests/engine/test_engine_static_mtp.py tests/engine/test_engine_static_gpu.py \
+    tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py
   logged a_stages 170 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8,bf16 --tokens 1 --graph \
     --fp8-steps 512,1024,2048 --rows 4,8,16 --stages 1,2,3 --out "$OUT/moe-decode-tiles-stages-h200.json"
   tail -n 6 $W/logs/a_stages.txt | cut -c1-400
