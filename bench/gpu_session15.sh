@@ -19,10 +19,10 @@ part_a() {
   tests a_moe_tests 120 tests/kernels/test_moe.py -k "fp8 or decode or packed or stages"
   tests a_engine_tests 150 tests/engine/test_engine_static_mtp.py tests/engine/test_engine_static_gpu.py \
     tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py
-  logged a_stages 170 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8,bf16 --tokens 1 --graph \
+  logged a_stages 150 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8,bf16 --tokens 1 --graph \
     --fp8-steps 512,1024,2048 --rows 4,8,16 --stages 1,2,3 --out "$OUT/moe-decode-tiles-stages-h200.json"
   tail -n 6 $W/logs/a_stages.txt | cut -c1-400
-  logged a_packed 170 python3 bench/moe_packed_tiles.py --out "$OUT/moe-packed-tiles-h200.json"
+  logged a_packed 150 python3 bench/moe_packed_tiles.py --out "$OUT/moe-packed-tiles-h200.json"
   tail -n 12 $W/logs/a_packed.txt | cut -c1-400
 }
 
