@@ -65,20 +65,22 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None, d
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**_ERRORS, 200: {"content": _STREAM}})
     async def completions(body: CompletionRequest, request: Request):
-        job = serving.prepare_completion(body)
-        run = Run(serving, job, await serving.submit(job))
+        runs = await _runs(serving.prepare_completion(body))
         if body.stream:
-            return EngineStream(completion_events(run), run)
-        return completion_response(run, await collect(run, request))
+            return EngineStream(completion_events(runs), runs)
+        return completion_response(runs, await collect(runs, request))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={**_ERRORS, 200: {"content": _STREAM}})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        job = serving.prepare_chat(body)
-        run = Run(serving, job, await serving.submit(job))
+        runs = await _runs(serving.prepare_chat(body))
         if body.stream:
-            return EngineStream(chat_events(run), run)
-        return chat_response(run, await collect(run, request))
+            return EngineStream(chat_events(runs), runs)
+        return chat_response(runs, await collect(runs, request))
+
+    async def _runs(jobs) -> list[Run]:
+        """One `Run` per choice, all submitted (or none: `submit_all`)."""
+        return [Run(serving, job, handle) for job, handle in zip(jobs, await serving.submit_all(jobs))]
 
     def card() -> ModelCard:
         return ModelCard(id=model_name, created=started, max_model_len=serving.context)

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible subset that `dspark-serve` speaks.
 
 Requests are strict: an unknown field is a 400 naming it, wrong JSON types are never coerced
-("5" is not an int), and OpenAI fields this server does not implement (`logprobs`, `tools`, `n > 1`,
+("5" is not an int), and OpenAI fields this server does not implement (`logprobs`, `tools`, `best_of`,
 penalties, ...) are accepted only at their neutral value, so a client never silently gets something
 other than what it asked for. Extensions beyond OpenAI: `top_k`, `stop_token_ids`,
 `return_token_ids` (vLLM's names) and the `metrics` field of every response.
@@ -15,6 +15,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_serializer)
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # `n`: completions per request, each an engine request of its own
 _UINT64 = 2**64
 # The sampler computes in float32: a positive temperature or top_p below float32's smallest normal
 # number underflows to 0 there (NaN probabilities, an empty nucleus), so such values are refused.
@@ -88,7 +89,7 @@ Content = Annotated[str, BeforeValidator(_content), WithJsonSchema(
 
 # OpenAI fields this server does not implement, with the values that mean "not used".
 _NEUTRAL: dict[str, tuple] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "logprobs": (None, False), "top_logprobs": (None, 0),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
@@ -135,8 +136,9 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     return_token_ids: bool = Field(False, strict=True, description="extension: token ids in each choice")
+    n: int = Field(1, strict=True, ge=1, le=MAX_CHOICES,
+                   description="choices to generate; with a seed, choice i samples with seed + i")
 
-    n: Any = None
     best_of: Any = None
     logprobs: Any = None
     top_logprobs: Any = None
@@ -144,7 +146,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: Any = None
     logit_bias: Any = None
 
-    _check_neutral = field_validator("n", "best_of", "logprobs", "top_logprobs", "presence_penalty",
+    _check_neutral = field_validator("best_of", "logprobs", "top_logprobs", "presence_penalty",
                                      "frequency_penalty", "logit_bias")(_neutral_only)
 
     @field_validator("temperature", "top_p")

@@ -1,14 +1,16 @@
 """From a validated request to engine tokens and back: limits, submission, text, finish, metrics.
 
-`Serving.prepare_*` turns a request into a `Job` (prompt ids, sampling parameters, limits checked
-with OpenAI-style 400s); `Serving.submit` queues it (429 when the engine queue is full, 503 while
-shutting down); a `Run` then turns the request's engine updates into text pieces, cutting at stop
-strings, and records the request's metrics exactly once however it ends.
+`Serving.prepare_*` turns a request into its `Job`s (prompt ids, sampling parameters, limits checked
+with OpenAI-style 400s; one job per choice: `n` of them, choice i seeded with seed + i when a seed is
+given); `Serving.submit_all` queues them (429 when the engine queue is full, 503 while shutting down;
+all or none); a `Run` per job then turns its engine updates into text pieces, cutting at stop
+strings, and records the engine request's metrics exactly once however it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +44,23 @@ class Job:
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.perf_counter)
+    response_id: str = ""  # the id clients see (the request's; a choice's engine request id adds "-i")
+    index: int = 0  # the choice this job answers
+
+    def __post_init__(self):
+        self.response_id = self.response_id or self.request_id
+
+
+def choices(job: Job, n: int) -> list[Job]:
+    """The n jobs of a request asking for n choices: engine request ids `{id}-{i}`, choice i seeded
+    with (seed + i) mod 2^64 when the request has a seed (distinct, reproducible samples), unseeded
+    otherwise; n = 1 is the job itself."""
+    if n == 1:
+        return [job]
+    seed = job.params.seed
+    return [dataclasses.replace(job, request_id=f"{job.request_id}-{i}", response_id=job.request_id, index=i,
+                                params=dataclasses.replace(job.params, seed=None if seed is None else (seed + i) % 2**64))
+            for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -63,22 +82,22 @@ class Serving:
 
     # -- requests -> jobs ------------------------------------------------------------------------
 
-    def prepare_completion(self, body: CompletionRequest) -> Job:
+    def prepare_completion(self, body: CompletionRequest) -> list[Job]:
         self.check_model(body.model)
         ids = self.codec.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         bad = next((t for t in ids if not 0 <= t < self.vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} outside the vocabulary [0, {self.vocab})", param="prompt")
-        return self._job("cmpl", body, ids, body.max_tokens, "prompt")
+        return choices(self._job("cmpl", body, ids, body.max_tokens, "prompt"), body.n)
 
-    def prepare_chat(self, body: ChatCompletionRequest) -> Job:
+    def prepare_chat(self, body: ChatCompletionRequest) -> list[Job]:
         self.check_model(body.model)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             text = render_chat(self.tokenizer, messages)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
-        return self._job("chatcmpl", body, self.codec.encode(text), body.max_new_tokens(), "messages")
+        return choices(self._job("chatcmpl", body, self.codec.encode(text), body.max_new_tokens(), "messages"), body.n)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -126,6 +145,18 @@ class Serving:
             raise APIError(400, str(e)) from None
         self.metrics.requests.inc()
         return handle
+
+    async def submit_all(self, jobs: list[Job]) -> list[RequestHandle]:
+        """`submit` every job of a request, or none: when one is refused, those queued are aborted."""
+        handles = []
+        try:
+            for job in jobs:
+                handles.append(await self.submit(job))
+        except APIError:
+            for handle in handles:
+                self.engine.abort(handle.request_id)
+            raise
+        return handles
 
     async def abort_on_disconnect(self, request, handle: RequestHandle) -> None:
         """For non-streaming requests, which no send would reveal as abandoned: poll the socket."""
@@ -191,12 +222,6 @@ class Run:
         self.serving.metrics.request_done(self.finish_reason or "abort", len(self.job.prompt_ids),
                                           self.stats, self.e2e_s)
 
-    def usage(self) -> dict:
-        """OpenAI usage. completion_tokens counts every token generated for the request, also any
-        that arrived in the same step after a stop string cut the text."""
-        n, p = len(self.token_ids), len(self.job.prompt_ids)
-        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
-
     def request_metrics(self) -> RequestMetrics:
         s = self.stats or GenerationStats()
         accepted = s.verified_tokens - s.rejected_tokens
@@ -206,3 +231,38 @@ class Run:
             acceptance_histogram=list(s.accept_hist), per_position_accepted=list(s.position_accepts))
         return RequestMetrics(speculative_decoding=spec, time_to_first_token_s=self.first_token_s,
                               e2e_latency_s=self.e2e_s)
+
+
+def usage(runs: list[Run]) -> dict:
+    """OpenAI usage of a request's runs (its choices): the prompt once, every choice's tokens
+    (completion_tokens counts every token generated, also any that arrived in the same step after a
+    stop string cut the text)."""
+    p = len(runs[0].job.prompt_ids)
+    n = sum(len(run.token_ids) for run in runs)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def request_metrics(runs: list[Run]) -> RequestMetrics:
+    """The `metrics` of a request: its run's, or over its choices' runs: counts summed, τ over all their
+    verify steps, the first token's time of the first choice to get one, the latest end."""
+    if len(runs) == 1:
+        return runs[0].request_metrics()
+    parts = [run.request_metrics() for run in runs]
+    spec = [m.speculative_decoding for m in parts]
+    steps = sum(s.num_spec_steps for s in spec)
+    drafted = sum(s.num_draft_tokens for s in spec)
+    accepted = sum(s.num_accepted_draft_tokens for s in spec)
+    merged = SpeculativeMetrics(
+        num_spec_steps=steps, num_draft_tokens=drafted, num_accepted_draft_tokens=accepted,
+        mean_acceptance_length=sum(s.mean_acceptance_length * s.num_spec_steps for s in spec) / steps if steps else 0.0,
+        draft_acceptance_rate=accepted / drafted if drafted else 0.0,
+        acceptance_histogram=_sum_lists([s.acceptance_histogram for s in spec]),
+        per_position_accepted=_sum_lists([s.per_position_accepted for s in spec]))
+    firsts = [m.time_to_first_token_s for m in parts if m.time_to_first_token_s is not None]
+    return RequestMetrics(speculative_decoding=merged, time_to_first_token_s=min(firsts) if firsts else None,
+                          e2e_latency_s=max(m.e2e_latency_s for m in parts))
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    width = max(map(len, lists), default=0)
+    return [sum(x[i] for x in lists if i < len(x)) for i in range(width)]

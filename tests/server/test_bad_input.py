@@ -56,7 +56,10 @@ BAD_JSON = [
     # unknown and unsupported fields
     (C, {"prompt": "x", "foo": 1}, 400, "foo"),
     (C, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
-    (C, {"prompt": "x", "n": 2}, 400, "n"),
+    (C, {"prompt": "x", "n": 0}, 400, "n"),
+    (C, {"prompt": "x", "n": 17}, 400, "n"),  # over MAX_CHOICES
+    (C, {"prompt": "x", "n": "2"}, 400, "n"),
+    (C, {"prompt": "x", "n": True}, 400, "n"),
     (C, {"prompt": "x", "echo": True}, 400, "echo"),
     (C, {"prompt": "x", "best_of": 3}, 400, "best_of"),
     (C, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),

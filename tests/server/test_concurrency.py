@@ -130,6 +130,17 @@ def test_full_queue_answers_429_then_recovers(small_server):
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_n_choices_are_queued_all_or_none(small_server):
+    """A request for 3 choices where the engine holds 2 (one running, one waiting) gets 429, and the
+    choices it had queued are aborted: the engine is left empty and serves again."""
+    with small_server.client() as c:
+        refused = c.post("/v1/completions", json={"prompt": LONG, "max_tokens": 400, "temperature": 0, "n": 3})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        assert small_server.wait_idle(timeout=10), "the choices queued before the refusal are still in the engine"
+        both = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
+        assert both.status_code == 200 and [ch["index"] for ch in both.json()["choices"]] == [0, 1]
+
+
 def test_shutdown_drains_then_aborts_and_refuses_new_requests(small_server):
     """During shutdown new requests get 503 and /health turns 503; a stream still running after the
     drain deadline ends with finish_reason "abort" and a clean [DONE]."""

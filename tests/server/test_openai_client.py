@@ -99,12 +99,40 @@ def test_seeded_sampling_repeats_and_top_k_is_accepted(oai, server):
     assert len(first.model_extra["token_ids"]) >= 1
 
 
+def test_n_choices_whole_and_streamed(oai, server):
+    """`n` choices: whole responses list them by index, usage counts the prompt once and every
+    choice's tokens; with a seed choice i is what a single request with seed + i gives (distinct and
+    reproducible); streams interleave the choices' chunks, each ending with its own finish_reason."""
+    kwargs = dict(model=server.model_name, prompt="Once upon", max_tokens=10, temperature=0.9, seed=77,
+                  extra_body={"return_token_ids": True})
+    out = oai.completions.create(n=3, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    ids = [c.model_extra["token_ids"] for c in out.choices]
+    singles = [oai.completions.create(**{**kwargs, "seed": 77 + i}).choices[0].model_extra["token_ids"] for i in range(3)]
+    assert ids == singles and len({tuple(x) for x in ids}) > 1
+    assert out.usage.prompt_tokens == len("Once upon") and out.usage.completion_tokens == sum(map(len, ids))
+    spec = out.model_extra["metrics"]["speculative_decoding"]
+    assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"]
+    greedy = oai.completions.create(model=server.model_name, prompt=REPEATING, max_tokens=8, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text == _offline(server, REPEATING, 8).text
+    chunks = list(oai.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)}
+    assert texts == {0: out.choices[0].text, 1: out.choices[1].text}
+    finishing = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishing) == [0, 1] and chunks[-1].usage.completion_tokens == sum(map(len, ids[:2]))
+    chat = list(oai.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=6, n=2, stream=True))
+    assert sorted(c.choices[0].index for c in chat if c.choices[0].delta.role == "assistant") == [0, 1]
+    assert sorted(c.choices[0].index for c in chat if c.choices[0].finish_reason) == [0, 1]
+    assert server.wait_idle(), "every choice's engine request must end"
+
+
 def test_client_errors_surface_as_openai_exceptions(oai, server):
     with pytest.raises(openai.NotFoundError) as err:
         oai.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     assert err.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(model=server.model_name, prompt="x", max_tokens=2, n=2)
+        oai.completions.create(model=server.model_name, prompt="x", max_tokens=2, n=0)
     assert err.value.body["param"] == "n"
     with pytest.raises(openai.AuthenticationError):
         with openai.OpenAI(base_url=oai.base_url, api_key="wrong", max_retries=0) as bad:
