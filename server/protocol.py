@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible subset that `dspark-serve` speaks.
 
 Requests are strict: an unknown field is a 400 naming it, wrong JSON types are never coerced
-("5" is not an int), and OpenAI fields this server does not implement (`logprobs`, `tools`, `best_of`,
+("5" is not an int), and OpenAI fields this server does not implement (`logprobs`, `tools`, `best_of`, `suffix`,
 penalties, ...) are accepted only at their neutral value, so a client never silently gets something
 other than what it asked for. Extensions beyond OpenAI: `top_k`, `stop_token_ids`,
 `return_token_ids` (vLLM's names) and the `metrics` field of every response.
@@ -89,7 +89,7 @@ Content = Annotated[str, BeforeValidator(_content), WithJsonSchema(
 
 # OpenAI fields this server does not implement, with the values that mean "not used".
 _NEUTRAL: dict[str, tuple] = {
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "suffix": (None, ""),
     "logprobs": (None, False), "top_logprobs": (None, 0),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
@@ -171,10 +171,10 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = Field(16, strict=True, ge=1)  # OpenAI's default for completions
-    echo: Any = None
+    echo: bool = Field(False, strict=True, description="the prompt's text before each choice's")
     suffix: Any = None
 
-    _check_neutral_completion = field_validator("echo", "suffix")(_neutral_only)
+    _check_neutral_completion = field_validator("suffix")(_neutral_only)
 
 
 class ChatMessage(BaseModel):

@@ -74,7 +74,7 @@ async def _text(run: Run) -> str:
 
 def completion_response(runs: list[Run], texts: list[str]) -> CompletionResponse:
     job = runs[0].job
-    choices = [CompletionChoice(index=run.job.index, text=text, finish_reason=run.finish_reason,
+    choices = [CompletionChoice(index=run.job.index, text=job.echo + text, finish_reason=run.finish_reason,
                                 token_ids=run.token_ids if job.return_token_ids else None,
                                 prompt_token_ids=job.prompt_ids if job.return_token_ids else None)
                for run, text in zip(runs, texts)]
@@ -144,7 +144,8 @@ def completion_events(runs: list[Run]) -> AsyncIterator[str]:
         return CompletionResponse(id=job.response_id, created=job.created, model=name, choices=choices, **extra)
 
     def chunks(run: Run, piece: Piece, first: bool) -> list:
-        choice = CompletionChoice(index=run.job.index, text=piece.text, finish_reason=piece.finish_reason,
+        choice = CompletionChoice(index=run.job.index, text=(job.echo if first else "") + piece.text,
+                                  finish_reason=piece.finish_reason,
                                   token_ids=piece.token_ids if job.return_token_ids else None,
                                   prompt_token_ids=job.prompt_ids if job.return_token_ids and first else None)
         return [chunk([choice], metrics=run.request_metrics() if piece.finish_reason else None)]

@@ -46,6 +46,7 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     response_id: str = ""  # the id clients see (the request's; a choice's engine request id adds "-i")
     index: int = 0  # the choice this job answers
+    echo: str = ""  # text before the choice's own (completions' `echo`: the prompt)
 
     def __post_init__(self):
         self.response_id = self.response_id or self.request_id
@@ -88,7 +89,10 @@ class Serving:
         bad = next((t for t in ids if not 0 <= t < self.vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} outside the vocabulary [0, {self.vocab})", param="prompt")
-        return choices(self._job("cmpl", body, ids, body.max_tokens, "prompt"), body.n)
+        job = self._job("cmpl", body, ids, body.max_tokens, "prompt")
+        if body.echo:  # the prompt as sent, or the text of its token ids
+            job.echo = body.prompt if isinstance(body.prompt, str) else self.codec.decode(ids)
+        return choices(job, body.n)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> list[Job]:
         self.check_model(body.model)

@@ -60,7 +60,9 @@ BAD_JSON = [
     (C, {"prompt": "x", "n": 17}, 400, "n"),  # over MAX_CHOICES
     (C, {"prompt": "x", "n": "2"}, 400, "n"),
     (C, {"prompt": "x", "n": True}, 400, "n"),
-    (C, {"prompt": "x", "echo": True}, 400, "echo"),
+    (C, {"prompt": "x", "echo": 1}, 400, "echo"),
+    (C, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    (CHAT, {"messages": MSG, "echo": True}, 400, "echo"),  # completions only
     (C, {"prompt": "x", "best_of": 3}, 400, "best_of"),
     (C, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     (C, {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),

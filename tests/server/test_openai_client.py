@@ -127,6 +127,17 @@ def test_n_choices_whole_and_streamed(oai, server):
     assert server.wait_idle(), "every choice's engine request must end"
 
 
+def test_echo_puts_the_prompt_before_each_choice(oai, server):
+    out = oai.completions.create(model=server.model_name, prompt="Hello", max_tokens=6, temperature=0, echo=True, n=2)
+    ref = _offline(server, "Hello", 6)
+    assert [c.text for c in out.choices] == ["Hello" + ref.text] * 2
+    chunks = list(oai.completions.create(model=server.model_name, prompt="Hello", max_tokens=6, temperature=0,
+                                         echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello" + ref.text
+    ids = oai.completions.create(model=server.model_name, prompt=list(b"Hi"), max_tokens=2, temperature=0, echo=True)
+    assert ids.choices[0].text.startswith("Hi")
+
+
 def test_client_errors_surface_as_openai_exceptions(oai, server):
     with pytest.raises(openai.NotFoundError) as err:
         oai.completions.create(model="no-such-model", prompt="x", max_tokens=2)
