@@ -14,7 +14,7 @@ slots taking γ + 1 rows per observe. Per cell, median ms of `steps` calls (CUDA
   propose, greedy:   (a) dynamic `drafter.propose`  (b) static eager `StaticDrafter.propose`
                      (c) graph `ProposeGraph.replay`
   propose, T = 1:    (d) dynamic with per-request CPU generators (the generate loop's)
-                     (e) static eager with one device generator  (f') graph `SampledProposeGraph.replay`
+                     (e) static eager, counter-based noise       (f') graph `SampledProposeGraph.replay`
                      (`sampled_graph_ms`; `sampled_graph_q_max_abs_diff`: its q against (e)'s)
   observe γ + 1 rows per request (random features): (f) dynamic `drafter.observe` per request
                      (g) static eager `StaticDrafter.observe`  (h) graph `ObserveGraph.replay`
@@ -63,12 +63,11 @@ def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator, prof
     propose_graph = ProposeGraph(static, pool=observe_graph.pool()) if graphs else None
     dstates = [fabricate_drafter_state(drafter, context, g, vocab) for _ in range(n_req)]
     for slot, dstate in enumerate(dstates):
-        static.load(slot, dstate)
+        static.load(slot, dstate, slot)  # noise key: the slot
     anchors_host = torch.randint(0, vocab, (n_req,), generator=torch.Generator().manual_seed(n_req))
     anchors, positions, temps = static.plan(anchors_host, [context] * n_req, [1.0] * n_req)
     greedy, sampled = dspark.SamplingParams(), dspark.SamplingParams(temperature=1.0)
     cpu_gens = [torch.Generator().manual_seed(i) for i in range(n_req)]
-    device_gen = torch.Generator(device=device).manual_seed(0)
 
     def dynamic(params):
         return drafter.propose(dstates, anchors_host.tolist(), params, cpu_gens, n_draft=n_draft)
@@ -80,16 +79,15 @@ def cell(drafter, n_req: int, args: dict, graphs: bool, g: torch.Generator, prof
            "dynamic_ms": timed(lambda: dynamic(greedy), device, w, s),
            "static_eager_ms": timed(lambda: static.propose(anchors, positions), device, w, s),
            "dynamic_sampled_ms": timed(lambda: dynamic(sampled), device, w, s),
-           "static_sampled_eager_ms": timed(lambda: static.propose(anchors, positions, temps, device_gen),
-                                            device, w, s)}
+           "static_sampled_eager_ms": timed(lambda: static.propose(anchors, positions, temps), device, w, s)}
     if propose_graph is not None:
         replayed = propose_graph.replay(anchors, positions)
         row["graph_token_mismatches"] = int((replayed.tokens != reference.tokens).sum())
         row["graph_ms"] = timed(propose_graph.replay, device, w, s)
-        # every slot sampled at T = 1 from one registered generator: the engine's sampled rounds
-        sampled_graph = SampledProposeGraph(static.propose, n_req, device, device_gen)
+        # every slot sampled at T = 1: the engine's sampled rounds (replay and eager draw the same noise)
+        sampled_graph = SampledProposeGraph(static.propose, n_req, device)
         q_graph = sampled_graph.replay(anchors, positions, temps).probs
-        q_eager = static.propose(anchors, positions, temps, device_gen).probs
+        q_eager = static.propose(anchors, positions, temps).probs
         row["sampled_graph_q_max_abs_diff"] = (q_graph - q_eager).abs().max().item()
         row["sampled_graph_ms"] = timed(lambda: sampled_graph.replay(anchors, positions, temps), device, w, s)
     if profile:

@@ -1,17 +1,20 @@
-"""The Markov chain of a DSpark block drafted on the device, with per-slot temperatures and one
-generator: what the static drafter samples with (the dynamic path's is `markov_head.sample_chain`).
+"""The Markov chain of a DSpark block drafted on the device, with per-slot temperatures and
+counter-based noise: what the static drafter samples with (the dynamic path's is
+`markov_head.sample_chain`).
 
 Same chain as `sample_chain` (dspark spec §2.2 step 3): L_k = U_k + B(x_{k−1}), x_{−1} = the anchor,
 
     greedy rows (temperature 0)   x_k = argmax L_k,            q_k = one-hot(x_k)
     sampled rows (temperature t)  q_k = softmax(L_k / t) fp32, x_k = argmax q_k / E_k,  E_k ~ Exp(1)
 
-The exponential race draws an exact sample of q_k without a cumulative sum or a host read. The
-noise of all slots comes from one `torch.Generator` on the drafter's device (the dynamic path draws
-each request's from its own generator on the host), so a request's draws depend on its slot and on
-the step, not on its seed: verification stays exact because q_k is returned and is the distribution
-x_k was drawn from. Which rows are greedy is data (`temperature == 0`), so one call serves a bucket
-of mixed requests with the same launches.
+The exponential race draws an exact sample of q_k without a cumulative sum or a host read. Its noise
+is counter-based (`slot_noise`): E_k[v] is a hash of (the slot's request key, the drafted token's
+position, v), so a request's draws depend on its own key (its seed) and the positions it drafts,
+never on its slot, its batch or the step, and no generator state has to be carried through a CUDA
+graph. Verification stays exact because q_k is returned and is the distribution x_k was drawn from;
+a position drafted again after a rejection reuses its noise, which is harmless: the first rejection
+ends a round, so no draw past it ever reached a verdict. Which rows are greedy is data
+(`temperature == 0`), so one call serves a bucket of mixed requests with the same launches.
 
 Shape symbols: S slots (blocks), γ slots per block, V vocabulary, D hidden size, r Markov rank.
 """
@@ -25,7 +28,8 @@ from dspark.sampling import greedy
 
 
 def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
-                        temperature: torch.Tensor | None, generator: torch.Generator | None):
+                        temperature: torch.Tensor | None, keys: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None):
     """Draft the block left to right on the device, as many slots k as `base` holds (γ, or the first
     k < γ a static drafter built for fewer drafts computes).
 
@@ -35,7 +39,8 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
     anchors : LongTensor [S], x_{−1}
     temperature : fp32 [S] (0 = greedy row, else > 0; values trusted: no host read), or None for an
         all-greedy call that draws no noise and returns no q
-    generator : torch.Generator on base's device; required when `temperature` is given
+    keys, positions : LongTensor [S] on base's device, required when `temperature` is given: each
+        slot's noise key (`noise_key`) and its anchor's position (slot k drafts position + 1 + k)
 
     Returns
     -------
@@ -44,8 +49,8 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
     """
     n_slots, gamma, _ = base.shape
     if temperature is not None:
-        if generator is None:
-            raise ValueError("generator: required when temperature is given (sampled rows draw noise)")
+        if keys is None or positions is None:
+            raise ValueError("keys and positions: required when temperature is given (sampled rows draw noise)")
         greedy_row, t = row_temperatures(temperature)
     state = head.init_state(n_slots, base.device)
     prev = anchors
@@ -56,7 +61,8 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
             prev, state = head.greedy_next(state, prev, embeds[-1], hidden[:, k], base[:, k])
         else:
             bias, state = head.step(state, prev, hidden[:, k])
-            prev, q = pick_static(base[:, k].float() + bias, greedy_row, t, generator)  # logits [S, V]
+            noise = slot_noise(keys, positions + 1 + k, base.shape[-1])
+            prev, q = pick_static(base[:, k].float() + bias, greedy_row, t, noise)  # logits [S, V]
             probs.append(q)
         tokens.append(prev)
     return (torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
@@ -71,14 +77,45 @@ def row_temperatures(temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def pick_static(logits: torch.Tensor, greedy_row: torch.Tensor, t: torch.Tensor,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits fp32 [S, V]: argmax on greedy rows (greedy_row bool [S, 1]), an
     exponential-race sample of q = softmax(logits / t) elsewhere (t fp32 [S, 1], any finite value on
-    greedy rows; noise from `generator`). Returns (tokens long [S], q fp32 [S, V]: one-hot on greedy
-    rows). No host read."""
+    greedy rows; noise fp32 [S, V] of Exp(1) draws, `slot_noise`). Returns (tokens long [S], q fp32
+    [S, V]: one-hot on greedy rows). No host read."""
     best = greedy(logits)
     q = torch.softmax(logits / t, dim=-1)  # [S, V]
-    noise = torch.empty_like(q).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
     tokens = torch.where(greedy_row[:, 0], best, greedy(q / noise))
     one_hot = torch.zeros_like(q).scatter_(-1, best[:, None], 1.0)
     return tokens, torch.where(greedy_row, one_hot, q)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def noise_key(seed: int) -> int:
+    """A request's noise key: its seed (an int in [0, 2^64)) folded to 32 bits, so that it fits an
+    int64 tensor and the hash's 32-bit lanes."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return (seed ^ (seed >> 32)) & _MASK32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding 32-bit values (a bijection of them);
+    products wrap in int64 and are masked back, which keeps their low 32 bits exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def slot_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise fp32 [S, V] for the exponential race: entry (s, v) is −log u with u a uniform on
+    (0, 1) at 24-bit resolution from a hash of (keys[s], positions[s], v) (keys, positions LongTensor
+    [S], 32-bit values): the same inputs give the same noise on any device and in any batch."""
+    salt = _fmix32(_fmix32(keys & _MASK32) ^ (positions & _MASK32))  # [S]
+    ids = _fmix32(torch.arange(vocab, device=keys.device) + 0x9E3779B9)  # [V]
+    h = _fmix32(ids[None, :] ^ salt[:, None])  # [S, V]
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)

@@ -1,10 +1,10 @@
 """A static-shape, CUDA-graph-capturable DSpark `observe` / `propose` over S slots.
 
     static = StaticDrafter(drafter, StaticDraftShape(slots=8, tokens=drafter.block_size + 1), n_draft=3)
-    next_anchor = static.load(slot, dstate)                  # a request's state after its (dynamic) prefill
+    next_anchor = static.load(slot, dstate, key)             # a request's state after its (dynamic) prefill
     static.observe(features, starts)                         # committed rows [S, T] at starts [S]
     anchors, positions, temps = static.plan(anchors_host, positions_host, temps_host)   # host: validate, copy
-    proposal = static.propose(anchors, positions, temps, generator)                     # no host read
+    proposal = static.propose(anchors, positions, temps)                                # no host read
 
 `observe` computes the context keys of every row it is given (main_x, then each stage's keys) and
 writes them into the rings of `static_context.py`; `propose` runs the backbone over all S blocks
@@ -59,11 +59,21 @@ class StaticDrafter:
         self.device = model.device
         self.state = StaticDraftState(drafter.config.num_stages, drafter.window, model.head_dim, shape, model.dtype,
                                       self.device)
+        # per slot: the noise key of its request (`static_chain.noise_key`), which sampled drafts hash
+        self.noise_keys = torch.zeros(shape.slots, dtype=torch.long, device=self.device)
         self._calibration, self._conf_temps = None, None
 
-    def load(self, slot: int, dstate: DSparkState) -> int:
-        """Copy a request's dynamic draft state into `slot`; returns the position of its next anchor."""
-        return self.state.load(slot, dstate)
+    def load(self, slot: int, dstate: DSparkState, key: int = 0) -> int:
+        """Copy a request's dynamic draft state and its noise key (`static_chain.noise_key`; greedy
+        requests never read it) into `slot`; returns the position of its next anchor."""
+        length = self.state.load(slot, dstate)
+        self.noise_keys[slot] = key
+        return length
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s request: its rows and its noise key."""
+        self.state.move(src, dst)
+        self.noise_keys[dst] = self.noise_keys[src].clone()
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -107,12 +117,12 @@ class StaticDrafter:
 
     @torch.no_grad()
     def propose(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor | None = None,
-                generator: torch.Generator | None = None, width: int | None = None) -> DraftProposal:
+                width: int | None = None) -> DraftProposal:
         """Draft k tokens for each of slots 0 .. b − 1 (k = `width`, an int in [1, n_draft], default
         `n_draft`): anchors long [b] at positions long [b] (device; values as `plan` checks them);
-        temperature fp32 [b] or None (all greedy, `probs` None); generator on the device when sampling.
-        Returns a `DraftProposal` (tokens [b, k], probs [b, k, V] or None, confidence and
-        confidence_logits [b, k]). Reads the state only."""
+        temperature fp32 [b] or None (all greedy, `probs` None; sampled rows hash their slot's noise
+        key, `static_chain.slot_noise`). Returns a `DraftProposal` (tokens [b, k], probs [b, k, V] or
+        None, confidence and confidence_logits [b, k]). Reads the state only."""
         k = self.n_draft if width is None else width
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n_draft:
             raise ValueError(f"width must be None or an int in [1, n_draft={self.n_draft}], got {width!r}")
@@ -125,7 +135,7 @@ class StaticDrafter:
         drafter = self.drafter
         out = drafter.block_from(anchors, positions, self.state.pools(), self.state.context_index(positions), k).out
         tokens, probs, prev_embeds = sample_chain_static(drafter.model.markov_head, out.base, out.hidden, anchors,
-                                                         temperature, generator)
+                                                         temperature, self.noise_keys[:b], positions)
         z = drafter.model.confidence_head(out.hidden_pre, prev_embeds)  # [b, k] raw logits
         temps = self._calibration_temps()
         conf = torch.sigmoid(z / temps[:k]) if temps is not None else torch.sigmoid(z)

@@ -3,7 +3,7 @@
     static = StaticDrafter(drafter, StaticDraftShape(slots=8, tokens=drafter.block_size + 1))
     observe = ObserveGraph(static, tokens=6)        # capture BEFORE loading requests (its warm-up writes)
     propose = ProposeGraph(static, pool=observe.pool())   # reads the state only: capture any time
-    static.load(slot, dstate)
+    static.load(slot, dstate, key)
     observe.replay(features, starts)                # writes the rings
     proposal = propose.replay(anchors, positions)   # DraftProposal of the graph's own output buffers
 
@@ -11,10 +11,10 @@ A graph replays the kernels recorded at capture on fixed addresses: the inputs a
 graph's static buffers (a caller that computes them on the device can write those buffers in place
 and call `replay()` with no arguments), and the outputs land in the same tensors every time (clone
 them to keep them past the next replay). `ProposeGraph` captures greedy drafting (no q);
-`SampledProposeGraph` captures any static propose with per-slot temperatures and a device generator
-whose state is registered with the graph, so that every replay advances the generator and draws
-fresh noise (a graph replays its kernels with the random offsets of the capture otherwise: the same
-"random" drafts every round). Graphs of one drafter may share a memory pool (`pool`). `slots=b`
+`SampledProposeGraph` captures any static propose with per-slot temperatures, whose noise is a hash
+of the inputs (`static_chain.slot_noise`: each slot's request key and the drafted positions), so a
+replay needs no generator state and draws what an eager call would. Graphs of one drafter may share
+a memory pool (`pool`). `slots=b`
 captures a bucket of the first b slots (default: all S), whose inputs and outputs are [b, ...].
 """
 
@@ -26,18 +26,15 @@ from dspark.draft.base import DraftProposal
 from dspark.draft.static_drafter import StaticDrafter
 
 
-def capture_call(device, fn, pool, generator: torch.Generator | None = None):
+def capture_call(device, fn, pool):
     """Warm fn up on a side stream (Triton compiles and autotunes outside the capture), then record it.
-    `generator`: a device generator fn draws from, registered with the graph before the capture so
-    that each replay advances its offset. Returns (graph, fn's outputs at capture)."""
+    Returns (graph, fn's outputs at capture)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), torch.no_grad():
         fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    if generator is not None:
-        graph.register_generator_state(generator)
     with torch.cuda.graph(graph, pool=pool), torch.no_grad():
         out = fn()
     return graph, out
@@ -92,20 +89,18 @@ class ProposeGraph:
 
 class SampledProposeGraph:
     """A static drafter's sampled propose of slots 0 .. b − 1 captured, b = `slots`: `propose(anchors,
-    positions, temperature, generator)` (`StaticDrafter.propose`, `StaticMtpDrafter.propose`) with
-    inputs `anchors`, `positions` [b] long and `temperature` [b] fp32 (0 = a greedy row), noise from
-    `generator` (a device generator, registered with the graph: each replay draws new noise from it,
-    as an eager call would); output `proposal` (tokens, probs [b, k, V] q, confidences). Capture any
-    time: propose reads the drafter's state only."""
+    positions, temperature)` (`StaticDrafter.propose`, `StaticMtpDrafter.propose`) with inputs
+    `anchors`, `positions` [b] long and `temperature` [b] fp32 (0 = a greedy row); its noise is a hash
+    of each slot's noise key and positions (`static_chain.slot_noise`), so a replay draws what an eager
+    call at the same inputs would; output `proposal` (tokens, probs [b, k, V] q, confidences).
+    Capture any time: propose reads the drafter's state only."""
 
-    def __init__(self, propose, slots: int, device: torch.device, generator: torch.Generator, pool=None):
-        if not isinstance(generator, torch.Generator) or generator.device.type != "cuda":
-            raise ValueError(f"generator must be a CUDA torch.Generator, got {generator!r}")
+    def __init__(self, propose, slots: int, device: torch.device, pool=None):
         self.anchors = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
         self.graph, self.proposal = capture_call(
-            device, lambda: propose(self.anchors, self.positions, self.temperature, generator), pool, generator)
+            device, lambda: propose(self.anchors, self.positions, self.temperature), pool)
 
     def pool(self):
         return self.graph.pool()

@@ -4,7 +4,7 @@
     next_anchor = static.load(slot, dstate)          # a request's `MtpState` after its (dynamic) prefill
     static.observe(hidden, starts, ids)              # a verify step's rows of every slot
     anchors, positions, temps = static.plan(anchors_host, positions_host, temps_host)   # host: validate, copy
-    proposal = static.propose(anchors, positions, temps, generator)                     # no host read
+    proposal = static.propose(anchors, positions, temps)                                # no host read
 
 The MTP block (deepseek_v4 spec §12) is one sliding-window layer; pair (X_p, tok_{p+1}) of the
 target's final streams at position p and the token after it sits at MTP position p (`mtp.py`). Per
@@ -30,9 +30,9 @@ static attention reads keys from the ring); that is harmless: the next `observe`
 writes the same pair there, and a query never sees positions past its own. Free slots of a bucket
 (anchor position 0) read and write only their own rows (MTP position clamped at 0).
 
-Sampling: per-slot temperatures, the exponential race of `static_chain.pick_static` with one device
-generator (greedy rows: argmax, no q; sampled rows: q = softmax(logits / t), as the dynamic
-`MtpDrafter.propose`, which ignores top-p / top-k too). Without a confidence head every draft
+Sampling: per-slot temperatures, the exponential race of `static_chain.pick_static` with
+counter-based noise keyed by each slot's request (greedy rows: argmax, no q; sampled rows:
+q = softmax(logits / t), as the dynamic `MtpDrafter.propose`, which ignores top-p / top-k too). Without a confidence head every draft
 reports the drafter's constant `confidence`; `confidence_logits` is None.
 
 Host syncs: none in `observe` / `propose` when the target's `KernelConfig` is the Triton one (the
@@ -48,7 +48,7 @@ import torch
 
 from dspark.draft.base import DraftProposal
 from dspark.draft.mtp import MtpDrafter, MtpState
-from dspark.draft.static_chain import pick_static, row_temperatures
+from dspark.draft.static_chain import pick_static, row_temperatures, slot_noise
 from dspark.draft.static_drafter import plan_propose
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -95,23 +95,28 @@ class StaticMtpDrafter:
         width = (target.config.hc_mult, target.config.hidden_size)
         self.streams = PositionRing(torch.zeros(shape.slots, shape.tokens + 1, *width, dtype=target.dtype,
                                                 device=self.device))
+        # per slot: the noise key of its request (`static_chain.noise_key`), which sampled drafts hash
+        self.noise_keys = torch.zeros(shape.slots, dtype=torch.long, device=self.device)
 
     # ---------------------------------------------------------------------------------------
     # Host side
     # ---------------------------------------------------------------------------------------
 
-    def load(self, slot: int, dstate: MtpState) -> int:
-        """Copy a request's dynamic MTP state into `slot`; returns the position of its next anchor (its
-        MTP length + 1, which is the target's length). Host-side, never captured."""
+    def load(self, slot: int, dstate: MtpState, key: int = 0) -> int:
+        """Copy a request's dynamic MTP state and its noise key (`static_chain.noise_key`) into `slot`;
+        returns the position of its next anchor (its MTP length + 1, which is the target's length).
+        Host-side, never captured."""
         if not isinstance(dstate, MtpState) or dstate.pending is None:
             raise ValueError("dstate must be an MtpState that observed at least one row (its pending streams)")
         length = self.state.load(slot, dstate.state)  # checks the slot and the capacity
         self.streams.load(slot, length, dstate.pending[None])  # X_{L−1}, L − 1 = the MTP length
+        self.noise_keys[slot] = key
         return length + 1
 
     def move(self, src: int, dst: int) -> None:
-        """Slot `dst` takes over slot `src`'s request: copy src's window and streams rows."""
+        """Slot `dst` takes over slot `src`'s request: copy src's window and streams rows and its key."""
         move_slot(self.state.slot_tensors() + [self.streams.data], self.shape.slots, src, dst)
+        self.noise_keys[dst] = self.noise_keys[src].clone()
 
     def plan(self, anchors, positions, temperature=None):
         """Validate host values and copy them to the device (`static_drafter.plan_propose`): anchors
@@ -152,19 +157,18 @@ class StaticMtpDrafter:
                           out_rows=index.ring_rows(window).reshape(-1))
 
     @torch.no_grad()
-    def propose(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> DraftProposal:
+    def propose(self, anchors: torch.Tensor, positions: torch.Tensor,
+                temperature: torch.Tensor | None = None) -> DraftProposal:
         """Draft k tokens for each of slots 0 .. b − 1: anchors long [b] at target positions long [b]
         (device; values as `plan` checks them); temperature fp32 [b] (0 = greedy row) or None (all
-        greedy, `probs` None); generator on the device when sampling. Returns a `DraftProposal` (tokens
-        [b, k], probs [b, k, V] or None, confidence [b, k], confidence_logits None)."""
+        greedy, `probs` None; sampled rows hash their slot's noise key, `static_chain.slot_noise`).
+        Returns a `DraftProposal` (tokens [b, k], probs [b, k, V] or None, confidence [b, k],
+        confidence_logits None)."""
         b = anchors.shape[0] if anchors.dim() == 1 else -1
         if not 1 <= b <= self.shape.slots or tuple(positions.shape) != (b,):
             raise ValueError(f"anchors {tuple(anchors.shape)} and positions {tuple(positions.shape)} must be "
                              f"[b<={self.shape.slots}]")
         if temperature is not None:
-            if generator is None:
-                raise ValueError("generator: required when temperature is given (sampled rows draw noise)")
             greedy_row, t = row_temperatures(temperature)
         streams = self.streams.flat().index_select(0, self.streams.rows(positions - 1))  # [b, n_hc, D] X_{L−1}
         start = (positions - 1).clamp_min(0)  # [b] MTP position of the first link
@@ -174,7 +178,8 @@ class StaticMtpDrafter:
             if temperature is None:
                 prev = greedy(logits)
             else:
-                prev, q = pick_static(logits, greedy_row, t, generator)
+                noise = slot_noise(self.noise_keys[:b], positions + 1 + j, logits.shape[-1])  # token j's position
+                prev, q = pick_static(logits, greedy_row, t, noise)
                 probs.append(q)
             tokens.append(prev)
         token_block = torch.stack(tokens, dim=1)  # [b, k]

@@ -36,6 +36,7 @@ from functools import partial
 import torch
 
 from dspark.draft import DSparkDrafter, MtpDrafter, resolve_drafter
+from dspark.draft.static_chain import noise_key
 from dspark.engine.draft_lookahead import DraftLookahead
 from dspark.engine.footprint import request_footprint
 from dspark.engine.lookahead import Lookahead
@@ -88,8 +89,6 @@ class EngineConfig:
         runs eagerly and gains nothing.
     static_context : positions one static slot holds (prompt + new tokens of any request); None:
         max_prompt_tokens + max_new_tokens. The slots' memory grows with max_running × this.
-    draft_seed : seed of the device generator that sampled DSpark drafts are drawn with under
-        `static_decode` (one for all slots; verification keeps outputs exact whatever it draws).
     overlap : keep one greedy decode step or round in flight while the host commits the previous one
         (needs the static path): plain rounds (`dspark.engine.lookahead`) and, with a static DSpark
         drafter and a fixed `draft_tokens` or "auto" with planner "async", drafting rounds
@@ -117,7 +116,6 @@ class EngineConfig:
     page_bytes: int | None = None
     static_decode: bool | None = None
     static_context: int | None = None
-    draft_seed: int = 0
     overlap: bool | None = None
 
     def __post_init__(self):
@@ -148,8 +146,6 @@ class EngineConfig:
             raise ValueError(f"overlap=True with draft_tokens='auto' needs planner='async', got planner="
                              f"{self.planner!r}: Algorithm 1 sizes each verify from that round's confidences, "
                              f"so no round can be in flight (overlap=None runs such rounds synchronously)")
-        if isinstance(self.draft_seed, bool) or not isinstance(self.draft_seed, int) or self.draft_seed < 0:
-            raise ValueError(f"draft_seed must be a non-negative int, got {self.draft_seed!r}")
 
     @property
     def slot_context(self) -> int:
@@ -351,7 +347,7 @@ class Engine:
                 slot = self.slots.assign(req.request_id)
                 req.state = SlotState(slot, self.runner.load(slot, req.state))
                 if self.static_draft is not None:
-                    self.static_draft.load(slot, req.dstate, req.state.length)
+                    self.static_draft.load(slot, req.dstate, req.state.length, _noise_key(req))
                     req.dstate = None
         held = self.slots.holder_slots()
         if set(held) != {r.request_id for r in requests}:
@@ -483,10 +479,10 @@ def _static_path(model, drafter, config: EngineConfig, n_draft: int | None) -> t
     context = config.slot_context + tokens
     drafting = None
     if isinstance(drafter, DSparkDrafter):
-        drafting = StaticDraftRunner(drafter, config.max_running, tokens, config.draft_seed, n_draft,
+        drafting = StaticDraftRunner(drafter, config.max_running, tokens, n_draft,
                                      narrower=config.draft_tokens == "auto")  # auto's round in flight
     elif isinstance(drafter, MtpDrafter):
-        drafting = StaticMtpRunner(drafter, config.max_running, context, tokens, config.draft_seed)
+        drafting = StaticMtpRunner(drafter, config.max_running, context, tokens)
     capture = drafting.capture_layers if isinstance(drafting, StaticMtpRunner) else \
         drafter.capture_layers if drafter is not None else ()
     runner = StaticRunner(model, config.max_running, context, tokens, capture)
@@ -516,6 +512,13 @@ def _charge(requests: list[Request], what: str, seconds: float) -> None:
     """Add a step's wall time to every request that took part in it."""
     for r in requests:
         setattr(r.stats, what, getattr(r.stats, what) + seconds)
+
+
+def _noise_key(req: Request) -> int:
+    """The key a request's sampled static drafts hash (`static_chain.slot_noise`): from its seed, or,
+    unseeded, from the seed its generator was given, so that its drafts depend on the request alone."""
+    seed = req.params.seed if req.params.seed is not None else req.generator.initial_seed()
+    return noise_key(seed)
 
 
 def _eos_ids(config) -> list[int]:

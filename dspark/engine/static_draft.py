@@ -1,7 +1,7 @@
 """The engine's DSpark drafting on the static slots (`static_decode` with a `DSparkDrafter`).
 
-    drafting = StaticDraftRunner(drafter, slots=64, tokens=4, seed=0, n_draft=3)  # before any request is loaded
-    drafting.load(slot, req.dstate, length)        # at the request's first round, with its target state
+    drafting = StaticDraftRunner(drafter, slots=64, tokens=4, n_draft=3)  # before any request is loaded
+    drafting.load(slot, req.dstate, length, key)   # at the request's first round, with its target state
     tokens, probs, conf, logits = drafting.draft(requests)   # what `dspark.round._draft` returns
     runner.forward(requests, blocks, drafter, observe=drafting.observe)   # every slot's verify rows
 
@@ -22,13 +22,13 @@ Greedy and sampled requests. On CUDA the greedy `propose` of each bucket b and t
 (b, t), t = 1 .. T, are CUDA graphs (`ProposeGraph`, `ObserveGraph`, captured here before any
 request is loaded: their warm-up writes every slot). A round with any sampled request runs the
 sampled static `propose` for the whole batch instead, with per-slot temperatures (0 on greedy rows,
-whose tokens are then the same argmax chain the greedy graph gives) and noise from one device
-generator seeded by `seed`, so one call keeps a mixed batch to one backbone pass. On CUDA that call
-is a graph too (`SampledGraphs`: one `SampledProposeGraph` per bucket, captured at the bucket's first
-sampled round, the generator registered with it so that each replay draws new noise). Verification
-uses the q returned with each sampled block, so outputs follow the target distribution whatever the
-noise; a request's drafts (hence its speed and exact tokens) depend on the engine's generator and
-its slot, not on the request's seed.
+whose tokens are then the same argmax chain the greedy graph gives) and counter-based noise keyed by
+each slot's request (`static_chain.slot_noise`; the key, from the request's seed, is loaded with its
+slot and moves with it), so one call keeps a mixed batch to one backbone pass. On CUDA that call is
+a graph too (`SampledGraphs`: one `SampledProposeGraph` per bucket, captured at the bucket's first
+sampled round). Verification uses the q returned with each sampled block and the request's own
+generator, so outputs follow the target distribution, and a seeded request's drafts and tokens
+depend on its seed alone, not on its slot or batch.
 
 A plain round of the round in flight (budget 0, `draft_lookahead.py`) observes with `observe_aside`:
 the observe graph replays on a side stream behind the step that made its features, and the current
@@ -63,18 +63,18 @@ class SampledGraphs:
     bucket's outputs, which a round has consumed by then, but never the greedy graphs' buffers (the
     observe graph replays between a sampled propose and the acceptance that reads its q)."""
 
-    def __init__(self, propose, device: torch.device, generator: torch.Generator):
-        self.propose, self.device, self.generator = propose, device, generator
+    def __init__(self, propose, device: torch.device):
+        self.propose, self.device = propose, device
         self.graphs: dict[int, SampledProposeGraph] = {}  # b -> graph
         self._pool = None
 
     def __call__(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor):
-        """`propose(anchors, positions, temperature, generator)` of slots 0 .. b − 1 (b = len(anchors)),
+        """`propose(anchors, positions, temperature)` of slots 0 .. b − 1 (b = len(anchors)),
         replayed from the bucket's graph (the proposal's buffers: valid until the next sampled call)."""
         b = anchors.shape[0]
         graph = self.graphs.get(b)
         if graph is None:
-            graph = self.graphs[b] = SampledProposeGraph(self.propose, b, self.device, self.generator, self._pool)
+            graph = self.graphs[b] = SampledProposeGraph(self.propose, b, self.device, self._pool)
             self._pool = graph.pool()
         return graph.replay(anchors, positions, temperature)
 
@@ -85,17 +85,15 @@ class StaticDraftRunner:
     proposes of every width 1 .. k − 1 get graphs too (`propose(..., width)`: auto's round in flight
     drafts its budget, or one slot past it on a probe round, `draft_lookahead.py`)."""
 
-    def __init__(self, drafter: DSparkDrafter, slots: int, tokens: int, seed: int, n_draft: int | None = None,
+    def __init__(self, drafter: DSparkDrafter, slots: int, tokens: int, n_draft: int | None = None,
                  narrower: bool = False):
         self.static = StaticDrafter(drafter, StaticDraftShape(slots, tokens), n_draft)
         device = self.static.device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.observe_graphs: dict[tuple[int, int], ObserveGraph] = {}  # (b, t) -> graph
         self.propose_graphs: dict[tuple[int, int], ProposeGraph] = {}  # (b, width) -> graph
         self._side: torch.cuda.Stream | None = None  # `observe_aside`'s stream (created at its first call)
         self._aside: torch.cuda.Event | None = None  # the end of the last observe_aside not waited for
-        self.sampled_graphs = SampledGraphs(self.static.propose, device, self.generator) \
-            if device.type == "cuda" else None
+        self.sampled_graphs = SampledGraphs(self.static.propose, device) if device.type == "cuda" else None
         if device.type == "cuda":  # before any request is loaded: the observe warm-ups write every slot
             pool = None
             for b in buckets(slots):
@@ -115,18 +113,18 @@ class StaticDraftRunner:
         k = self.static.n_draft
         return range(1 if narrower else k, k + 1)
 
-    def load(self, slot: int, dstate: DSparkState, length: int) -> None:
-        """Copy a request's dynamic draft state into `slot`; `length` is its target length (the
-        position of its next anchor), which the draft state must have reached too."""
+    def load(self, slot: int, dstate: DSparkState, length: int, key: int = 0) -> None:
+        """Copy a request's dynamic draft state and noise key into `slot`; `length` is its target
+        length (the position of its next anchor), which the draft state must have reached too."""
         self.join()
-        drafted = self.static.load(slot, dstate)
+        drafted = self.static.load(slot, dstate, key)
         if drafted != length:
             raise RuntimeError(f"slot {slot}: the draft state holds {drafted} positions but the target {length}")
 
     def move(self, src: int, dst: int) -> None:
         """Slot `dst` takes over slot `src`'s draft state (with its target slot; between rounds)."""
         self.join()
-        self.static.state.move(src, dst)
+        self.static.move(src, dst)
 
     def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor, ids: torch.Tensor | None = None) -> None:
         """Every bucket slot's rows of one verify step: features {layer: [b, t, n_hc, D]}, starts long
@@ -181,8 +179,8 @@ class StaticDraftRunner:
         return self.static.propose(anchors, positions, width=width)
 
     def propose_sampled(self, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor):
-        """k-slot blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row) and noise
-        from the runner's generator: the bucket's sampled graph on CUDA, the eager static propose
+        """k-slot blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row) and the
+        slots' counter-based noise: the bucket's sampled graph on CUDA, the eager static propose
         elsewhere. No host read."""
         self.join()
         return sampled_propose(self, anchors, positions, temperature)
@@ -201,10 +199,10 @@ class StaticDraftRunner:
 
 def sampled_propose(runner, anchors: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor):
     """A drafting runner's sampled propose (`sampled_graphs` on CUDA, else its static drafter's eager
-    propose with the runner's generator)."""
+    propose)."""
     if runner.sampled_graphs is not None:
         return runner.sampled_graphs(anchors, positions, temperature)
-    return runner.static.propose(anchors, positions, temperature, runner.generator)
+    return runner.static.propose(anchors, positions, temperature)
 
 
 def draft_requests(runner, requests: list):

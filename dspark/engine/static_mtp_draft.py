@@ -1,7 +1,7 @@
 """The engine's MTP drafting on the static slots (`static_decode` with an `MtpDrafter`).
 
-    drafting = StaticMtpRunner(drafter, slots=64, max_context=8192, tokens=2, seed=0)   # before any request is loaded
-    drafting.load(slot, req.dstate, length)        # at the request's first round, with its target state
+    drafting = StaticMtpRunner(drafter, slots=64, max_context=8192, tokens=2)   # before any request is loaded
+    drafting.load(slot, req.dstate, length, key)   # at the request's first round, with its target state
     tokens, probs, conf, logits = drafting.draft(requests)   # what `dspark.round._draft` returns
     runner.forward(requests, blocks, drafter, observe=drafting.observe)   # every slot's verify rows
 
@@ -14,9 +14,9 @@ starts and its tokens); the next anchor position hides the rows past the committ
 On CUDA the greedy `propose` of each bucket b and the `observe` of each (b, t), t = 1 .. T, are CUDA
 graphs (`MtpProposeGraph`, `MtpObserveGraph`, captured here before any request is loaded: their
 warm-ups write every slot). A round with any sampled request runs the sampled static `propose` for
-the whole batch, with per-slot temperatures and noise from one device generator seeded by `seed`, as the
-DSpark runner does (on CUDA from a graph per bucket captured at its first sampled round; `static_draft.py`
-says why outputs stay exact).
+the whole batch, with per-slot temperatures and each slot's counter-based noise, as the DSpark
+runner does (on CUDA from a graph per bucket captured at its first sampled round; `static_draft.py`
+says why outputs stay exact and depend on a request's seed alone).
 
 Shape symbols: S slots, b a call's bucket, T rows per verify step at most, t this step's, k block
 size, V vocabulary, n_hc streams, D hidden size, B live requests.
@@ -76,16 +76,14 @@ class StaticMtpRunner:
     """A `StaticMtpDrafter` over `slots` slots of `max_context` target positions taking up to `tokens`
     rows per observe, with its CUDA graphs."""
 
-    def __init__(self, drafter: MtpDrafter, slots: int, max_context: int, tokens: int, seed: int):
+    def __init__(self, drafter: MtpDrafter, slots: int, max_context: int, tokens: int):
         self.static = StaticMtpDrafter(drafter, StaticShape(slots, max_context, tokens))
         device = self.static.device
         # The target step hands its final streams over as the features of this layer id.
         self.capture_layers = (drafter.target.config.num_hidden_layers,)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.observe_graphs: dict[tuple[int, int], MtpObserveGraph] = {}  # (b, t) -> graph
         self.propose_graphs: dict[int, MtpProposeGraph] = {}  # b -> graph
-        self.sampled_graphs = SampledGraphs(self.static.propose, device, self.generator) \
-            if device.type == "cuda" else None
+        self.sampled_graphs = SampledGraphs(self.static.propose, device) if device.type == "cuda" else None
         if device.type == "cuda":  # before any request is loaded: the warm-ups write every slot
             pool = None
             for b in buckets(slots):
@@ -98,10 +96,10 @@ class StaticMtpRunner:
     def slots(self) -> int:
         return self.static.shape.slots
 
-    def load(self, slot: int, dstate: MtpState, length: int) -> None:
-        """Copy a request's dynamic MTP state into `slot`; `length` is its target length (the position of
-        its next anchor), which the MTP state must have reached too."""
-        drafted = self.static.load(slot, dstate)
+    def load(self, slot: int, dstate: MtpState, length: int, key: int = 0) -> None:
+        """Copy a request's dynamic MTP state and noise key into `slot`; `length` is its target length
+        (the position of its next anchor), which the MTP state must have reached too."""
+        drafted = self.static.load(slot, dstate, key)
         if drafted != length:
             raise RuntimeError(f"slot {slot}: the MTP state pairs {drafted} positions but the target holds {length}")
 

@@ -81,10 +81,10 @@ def test_static_draft_graphs_replay_equal_eager_without_sync():
 @pytest.mark.gpu
 @torch.no_grad()
 def test_sampled_propose_graph_draws_fresh_noise_from_q():
-    """`SampledProposeGraph` (the drafter's generator registered with the graph): its first q of each
-    slot equals the eager sampled propose's on the same state bit for bit, its greedy row equals the
-    greedy graph's chain, and each replay draws new noise: over 3000 replays the first drafted token of
-    the T = 2 slot follows q (χ²; a graph that replayed its capture's noise would draw one token)."""
+    """`SampledProposeGraph` (noise hashed from each slot's key, `static_chain.slot_noise`): a replay
+    draws what the eager sampled propose draws on the same state and keys, its greedy row is the greedy
+    chain, and the replay reads the keys live: over 3000 replays with a new key each, the first drafted
+    token of the T = 2 slot follows q (χ²; a graph that replayed its capture's noise would draw one token)."""
     model = dspark.init_model("tiny-v4", seed=0, device="cuda", dtype=torch.float32,
                               kernels=KernelConfig.for_device("cuda"))
     drafter = DSparkDrafter(model, DSparkConfig.for_target(model.config, dspark_markov_rank=32)).init_weights(3)
@@ -98,15 +98,17 @@ def test_sampled_propose_graph_draws_fresh_noise_from_q():
         drafter.observe(dstate, ids, out.hidden, out.features)
         positions.append(static.load(slot, dstate))
     a, p, temps = static.plan(torch.randint(0, 256, (2,), generator=g), positions, [2.0, 0.0])
-    graph = SampledProposeGraph(static.propose, 2, static.device, torch.Generator(device="cuda").manual_seed(0))
-    eager = static.propose(a, p, temps, torch.Generator(device="cuda").manual_seed(1))
+    graph = SampledProposeGraph(static.propose, 2, static.device)
     greedy = static.propose(a, p)
     n = 3000
     firsts = torch.empty(n, dtype=torch.long, device="cuda")
     for i in range(n):
+        static.noise_keys[0] = i  # another request's key: other noise, read by the replay from the buffer
         out = graph.replay(a, p, temps)
         firsts[i] = out.tokens[0, 0]
-    assert torch.equal(out.probs[:, 0], eager.probs[:, 0])  # q of the first draft: the anchor's, no noise
+    eager = static.propose(a, p, temps)  # the last key: the last replay's draw
+    assert torch.equal(out.tokens, eager.tokens)
+    assert torch.equal(out.probs[:, 0], eager.probs[:, 0])  # q of the first draft: the anchor's
     assert torch.equal(out.tokens[1], greedy.tokens[1])  # the greedy row
     q = out.probs[0, 0].double().cpu()
     counts = torch.bincount(firsts.cpu(), minlength=q.numel()).double()
@@ -152,8 +154,7 @@ def test_trimmed_propose_graphs_hold_the_first_slots_of_the_full_block():
     positions = _load_requests(model, drafter, (full, trimmed), g)
     a, p, temps = trimmed.plan(torch.randint(0, 256, (len(LENGTHS),), generator=g), positions, [1.0, 0.0, 0.7, 1.3])
     greedy = ProposeGraph(trimmed).replay(a, p)
-    sampled = SampledProposeGraph(trimmed.propose, len(LENGTHS), trimmed.device,
-                                  torch.Generator(device="cuda").manual_seed(0)).replay(a, p, temps)
+    sampled = SampledProposeGraph(trimmed.propose, len(LENGTHS), trimmed.device).replay(a, p, temps)
     torch.cuda.synchronize()
     assert greedy.tokens.shape == sampled.tokens.shape == (len(LENGTHS), 2)
     assert sampled.probs.shape[:2] == (len(LENGTHS), 2)
@@ -171,7 +172,7 @@ def test_narrower_propose_graphs_of_one_runner_hold_the_first_slots():
     from dspark.engine.static_draft import StaticDraftRunner
 
     model, drafter = _fp32_pair()
-    runner = StaticDraftRunner(drafter, len(LENGTHS), GAMMA + 1, seed=0, narrower=True)
+    runner = StaticDraftRunner(drafter, len(LENGTHS), GAMMA + 1, narrower=True)
     b = len(LENGTHS)
     assert sorted(runner.propose_graphs) == [(s, w) for s in buckets(b) for w in range(1, GAMMA + 1)]
     g = torch.Generator().manual_seed(6)

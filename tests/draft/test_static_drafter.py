@@ -116,9 +116,8 @@ def test_static_sampled_q_is_the_dynamic_distribution_of_the_drawn_tokens(tiny, 
     the drawn tokens, tokens lie in q's support, greedy rows are the dynamic greedy chain, one-hot."""
     r = Requests(tiny, drafter, LENGTHS, seed=2)
     temps = torch.tensor([1.0, 0.0, 0.7, 1.3])
-    gen = torch.Generator().manual_seed(0)
     for round_ in range(5):
-        static = r.static.propose(*r.static.plan(r.anchors, r.positions, temps), generator=gen)
+        static = r.static.propose(*r.static.plan(r.anchors, r.positions, temps))
         q, z = teacher_forced(drafter, r.dstates, r.anchors, static.tokens, torch.where(temps > 0, temps, 1.0))
         sampled = [0, 2, 3]
         torch.testing.assert_close(static.probs[sampled], q[sampled], **TOL)
@@ -155,8 +154,8 @@ def test_unused_slot_changes_no_other_slot(tiny, drafter, row_independent_moe):
 
 
 def test_static_chain_samples_q_exactly():
-    """χ² on a 6-token vocabulary: x_0 ~ q_0, and x_1 given x_0 ~ q_1 of those rows; rows with
-    temperature 0 follow the greedy chain with one-hot q."""
+    """χ² on a 6-token vocabulary, one noise key per row (`slot_noise`): x_0 ~ q_0, and x_1 given x_0
+    ~ q_1 of those rows; rows with temperature 0 follow the greedy chain with one-hot q."""
     head = MarkovHead(vocab_size=6, rank=3, hidden_size=4)
     with torch.no_grad():
         head.embed.weight.copy_(torch.arange(18.0).view(6, 3) / 10)
@@ -167,9 +166,12 @@ def test_static_chain_samples_q_exactly():
     temps = torch.full((n,), 0.8)
     temps[:5] = 0.0
     with torch.no_grad():
-        tokens, probs, embeds = sample_chain_static(head, base, torch.zeros(n, 3, 4), anchors, temps,
-                                                    torch.Generator().manual_seed(1))
-        greedy, none, _ = sample_chain_static(head, base[:5], torch.zeros(5, 3, 4), anchors[:5], None, None)
+        keys, positions = torch.arange(n), torch.full((n,), 7)
+        tokens, probs, embeds = sample_chain_static(head, base, torch.zeros(n, 3, 4), anchors, temps, keys, positions)
+        greedy, none, _ = sample_chain_static(head, base[:5], torch.zeros(5, 3, 4), anchors[:5], None)
+        again, _, _ = sample_chain_static(head, base, torch.zeros(n, 3, 4), anchors, temps, keys, positions)
+        moved, _, _ = sample_chain_static(head, base, torch.zeros(n, 3, 4), anchors, temps, keys, positions + 1)
+    assert torch.equal(again, tokens) and not torch.equal(moved, tokens)  # a hash of (key, position), nothing else
     assert none is None and torch.equal(tokens[:5], greedy)
     assert torch.equal(probs[:5], torch.nn.functional.one_hot(greedy, 6).float())
     with torch.no_grad():
@@ -185,6 +187,24 @@ def test_static_chain_samples_q_exactly():
     assert chisquare(counts1.numpy(), (q1.double() / q1.double().sum() * len(rows)).numpy())[1] > 1e-3
     prev = torch.cat((anchors[:, None], tokens[:, :-1]), dim=1)
     torch.testing.assert_close(embeds, head.embed.weight[prev].detach())
+
+
+def test_slot_noise_is_exponential_keyed_and_batch_free():
+    """`slot_noise`: Exp(1) draws (mean and quantiles of 2^20 of them), a pure function of (key, position,
+    vocabulary id) -- a row's noise does not depend on the other rows -- and seeds fold to 32-bit keys."""
+    from dspark.draft.static_chain import noise_key, slot_noise
+
+    keys, positions = torch.arange(64), torch.arange(64) * 3 + 11
+    noise = slot_noise(keys, positions, 1 << 14)
+    assert noise.shape == (64, 1 << 14) and noise.dtype == torch.float32 and bool((noise > 0).all())
+    assert abs(noise.mean().item() - 1) < 0.01
+    p = torch.tensor([0.5, 0.9, 0.99])
+    torch.testing.assert_close(torch.quantile(noise.flatten()[:1 << 20], p), -torch.log1p(-p), atol=0.02, rtol=0)
+    assert torch.equal(slot_noise(keys[5:9], positions[5:9], 1 << 14), noise[5:9])  # rows are independent
+    assert not torch.equal(slot_noise(keys + 64, positions, 1 << 14), noise)
+    assert noise_key(2**64 - 1) == 0 and noise_key(5) == 5 and noise_key((7 << 32) | 7) == 0
+    with pytest.raises(ValueError, match="seed must be an int in"):
+        noise_key(-1)
 
 
 def test_static_drafter_rejects_bad_inputs(tiny, drafter):
@@ -204,8 +224,9 @@ def test_static_drafter_rejects_bad_inputs(tiny, drafter):
     anchors, positions, _ = static.plan([0, 0], [0, 0])
     with pytest.raises(ValueError, match=r"positions must be a long \[b<=2\].*torch.int32"):
         static.propose(anchors, positions.int())
-    with pytest.raises(ValueError, match="generator: required"):
-        static.propose(anchors, positions, torch.ones(2))
+    with pytest.raises(ValueError, match="keys and positions: required"):
+        sample_chain_static(drafter.model.markov_head, torch.zeros(1, 1, 258), torch.zeros(1, 1, 64),
+                            anchors[:1], torch.ones(1))
     layer = drafter.capture_layers[0]
     feats = {i: torch.zeros(2, GAMMA + 2, 4, 64) for i in drafter.capture_layers}
     with pytest.raises(ValueError, match=rf"features\[{layer}\] must be \[b<=2, T<=6.*\(2, 7, 4, 64\)"):
@@ -227,16 +248,15 @@ def test_static_drafter_rejects_bad_inputs(tiny, drafter):
 @pytest.mark.parametrize("n", [1, 2, GAMMA])
 def test_trimmed_static_propose_is_the_first_slots_of_the_full_block(tiny, drafter, n):
     """A static drafter built for n_draft = n drafts the first n slots of the full static propose:
-    the same tokens (greedy, and sampled with a generator of the same seed: the chain draws slot by
-    slot), q, STS-calibrated confidences and raw logits, n columns each."""
+    the same tokens (greedy, and sampled: each slot's noise is a hash of its key and position), q,
+    STS-calibrated confidences and raw logits, n columns each."""
     r = Requests(tiny, drafter, LENGTHS, seed=6)
     trimmed = StaticDrafter(drafter, StaticDraftShape(slots=len(LENGTHS), tokens=GAMMA + 1), n_draft=n)
     assert [trimmed.load(slot, dstate) for slot, dstate in enumerate(r.dstates)] == r.positions.tolist()
     temps = torch.tensor([1.0, 0.0, 0.7, 1.3])
-    for temperature, seed in ((None, None), (temps, 5)):
+    for temperature in (None, temps):
         args = r.static.plan(r.anchors, r.positions, temperature)
-        gen = (lambda: torch.Generator().manual_seed(seed)) if seed is not None else (lambda: None)
-        full, part = r.static.propose(*args, generator=gen()), trimmed.propose(*args, generator=gen())
+        full, part = r.static.propose(*args), trimmed.propose(*args)
         assert part.tokens.shape == part.confidence.shape == part.confidence_logits.shape == (len(LENGTHS), n)
         assert torch.equal(part.tokens, full.tokens[:, :n])
         torch.testing.assert_close(part.confidence_logits, full.confidence_logits[:, :n], atol=1e-6, rtol=1e-6)

@@ -46,12 +46,12 @@ def _step_inputs(requests, width):
     return hidden, starts, ids
 
 
-def _propose(static, requests, temps=None, generator=None):
+def _propose(static, requests, temps=None):
     b = max(r.slot for r in requests) + 1
     anchors, positions, t = [0] * b, [0] * b, [0.0] * b
     for r, temp in zip(requests, temps or [0.0] * len(requests)):
         anchors[r.slot], positions[r.slot], t[r.slot] = int(r.ids[r.length]), r.length, temp
-    return static.propose(*static.plan(anchors, positions, t if temps else None), generator)
+    return static.propose(*static.plan(anchors, positions, t if temps else None))
 
 
 @pytest.mark.parametrize("block_size", [1, 2])
@@ -75,7 +75,7 @@ def test_static_rounds_draft_what_the_dynamic_drafter_drafts(tiny, block_size):
             assert proposal.tokens[r.slot].tolist() == dynamic.tokens[0].tolist()
             assert torch.equal(proposal.confidence[r.slot], dynamic.confidence[0])
         # q of the first link at T = 1 (later links follow a sampled token): the block's logits themselves
-        sampled = _propose(static, requests, [1.0, 1.0], torch.Generator().manual_seed(0))
+        sampled = _propose(static, requests, [1.0, 1.0])
         for r in requests:
             dynamic = drafter.propose([r.dstate], [int(r.ids[r.length])], SamplingParams(temperature=1.0),
                                       [torch.Generator().manual_seed(0)])
@@ -96,14 +96,14 @@ def test_static_rounds_draft_what_the_dynamic_drafter_drafts(tiny, block_size):
 def test_sampled_rows_report_the_dynamic_distribution(tiny):
     """A mixed bucket (slot 0 greedy, slot 1 at T = 0.7): the greedy row's draft is the dynamic argmax
     with a one-hot q; the sampled row's q is the dynamic drafter's q (softmax of the block's logits at
-    T) and its token is drawn from it; one device generator drives the noise."""
+    T) and its token is drawn from it, with the noise of the slot's key (a request's drafts depend on
+    its key and positions, not on its slot)."""
     drafter = MtpDrafter(tiny)
     static = StaticMtpDrafter(drafter, StaticShape(2, CONTEXT, 2))
     requests = [Request(tiny, drafter, 0, 9, seed=3), Request(tiny, drafter, 1, 5, seed=4)]
     for r in requests:
-        static.load(r.slot, r.dstate)
-    generator = torch.Generator().manual_seed(0)
-    proposal = _propose(static, requests, [0.0, 0.7], generator)
+        static.load(r.slot, r.dstate, 40 + r.slot)
+    proposal = _propose(static, requests, [0.0, 0.7])
     greedy_row, sampled = requests
     dynamic = drafter.propose([greedy_row.dstate], [int(greedy_row.ids[9])], SamplingParams(), [torch.Generator()])
     assert proposal.tokens[0].tolist() == dynamic.tokens[0].tolist()
@@ -112,6 +112,10 @@ def test_sampled_rows_report_the_dynamic_distribution(tiny):
                               [torch.Generator().manual_seed(0)])
     torch.testing.assert_close(proposal.probs[1], dynamic.probs[0], atol=1e-5, rtol=1e-4)
     assert float(proposal.probs[1, 0, int(proposal.tokens[1, 0])]) > 0
+    static.move(1, 0)  # the sampled request alone in slot 0, its key with it: the same draft
+    sampled.slot = 0
+    alone = _propose(static, [sampled], [0.7])
+    assert torch.equal(alone.tokens[0], proposal.tokens[1])
 
 
 def test_bad_inputs_are_named(tiny):

@@ -125,7 +125,7 @@ def test_budget_is_validated(pair):
     with pytest.raises(ValueError, match="budget 5 needs 6 rows per step; the static step takes 4"):
         DraftLookahead(engine.runner, engine.static_draft, 5)
     assert engine.static_draft.static.n_draft == 3  # the engine's drafter drafts what it verifies
-    narrow = StaticDraftRunner(pair.dspark, slots=2, tokens=4, seed=0, n_draft=2)
+    narrow = StaticDraftRunner(pair.dspark, slots=2, tokens=4, n_draft=2)
     with pytest.raises(ValueError, match="budget 3 verifies up to 3 drafts; the static drafter drafts n_draft=2"):
         DraftLookahead(engine.runner, narrow, 3)
 

@@ -199,7 +199,7 @@ def _second_token_distribution(model, prompt: list[int], temperature: float) -> 
 
 
 def test_sampled_static_dspark_rounds_follow_the_target_distribution(tiny, no_dynamic_dspark_propose):
-    """Mixed batches of sampled (T = 1 and T = 0.6, one device generator) and greedy requests on one
+    """Mixed batches of sampled (T = 1 and T = 0.6, each request's drafts keyed by its seed) and greedy requests on one
     prompt: the second token (committed by the first verify round: an accepted draft or the
     correction) follows the target's exact marginal (χ² per temperature); greedy requests give the
     target's greedy tokens; the round accepts drafts often (so the drafts' q matters); slots free."""
@@ -207,8 +207,7 @@ def test_sampled_static_dspark_rounds_follow_the_target_distribution(tiny, no_dy
     prompt, per_temperature = [5, 17, 99, 3], 640
     temperatures = [1.0, 0.6, 0.0, 1.0, 0.6]  # request i samples at temperatures[i % 5]
     engine = Engine(tiny, EngineConfig(max_running=64, max_waiting=2048, prefill_chunk=8, max_prompt_tokens=8,
-                                       max_new_tokens=4, draft_tokens=3, drafter=dsp, static_decode=True, trace=True,
-                                       draft_seed=7))
+                                       max_new_tokens=4, draft_tokens=3, drafter=dsp, static_decode=True, trace=True))
     n = per_temperature * 5 // 2
     for i in range(n):
         engine.add_request(prompt, SamplingParams(temperature=temperatures[i % 5], seed=i), 3, request_id=f"r{i}")
@@ -233,6 +232,36 @@ def test_sampled_static_dspark_rounds_follow_the_target_distribution(tiny, no_dy
         observed = torch.cat((counts[big], counts[~big].sum()[None]))
         expected = torch.cat((expected[big], expected[~big].sum()[None]))
         assert chisquare(observed.numpy(), expected.numpy())[1] > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["dspark3", "mtp"])
+def test_a_seeded_sampled_request_gives_the_same_tokens_in_any_batch(tiny, kind):
+    """On the static slots a seeded sampled request's drafts hash its seed and positions
+    (`static_chain.slot_noise`) and its verification draws from its own generator, so its tokens are
+    the same alone, in a batch of other sampled and greedy requests, and in another slot."""
+    from dspark.draft import MtpDrafter
+
+    drafter = _drafters(tiny)["dspark3"]["drafter"] if kind == "dspark3" else MtpDrafter(tiny)
+    prompts = [[5, 6, 7, 8], [40, 41], [9, 9, 9], [100, 3, 77, 12, 6]]
+
+    def run(batch):  # batch: [(prompt index, params)]; returns each request's tokens and trace records
+        engine = Engine(tiny, EngineConfig(max_running=4, static_decode=True, draft_tokens=3 if kind == "dspark3" else 1,
+                                           drafter=drafter, trace=True, **LIMITS))
+        rids = [engine.add_request(prompts[i], params, 16, stop_token_ids=()) for i, params in batch]
+        tokens = {rid: [] for rid in rids}
+        while engine.has_work():
+            for event in engine.step():
+                tokens[event.request_id] += event.new_token_ids
+        trace = engine.take_trace()
+        return [tokens[rid] for rid in rids], [[r for r in trace if r["request_id"] == rid] for rid in rids]
+
+    mine = SamplingParams(temperature=0.9, seed=1234)
+    (alone,), (rounds,) = run([(0, mine)])
+    assert len(alone) == 16 and sum(r["accepted"] for r in rounds) > 0  # drafted, verified, accepted
+    others = [(1, SamplingParams(temperature=1.0, seed=5)), (2, SamplingParams()), (3, SamplingParams(temperature=0.7))]
+    full, _ = run([*others, (0, mine)])
+    pair, _ = run([(0, mine), *others[:1]])
+    assert full[-1] == alone and pair[0] == alone  # the last slot of a full batch; slot 0 beside one other
 
 
 @pytest.mark.parametrize("path", [dict(), dict(static_decode=True, overlap=False), dict(static_decode=True)])
@@ -267,14 +296,14 @@ def test_static_draft_runner_refuses_a_bad_n_draft(tiny):
     from dspark.engine.static_draft import StaticDraftRunner
 
     with pytest.raises(ValueError, match=r"n_draft must be None or an int in \[1, γ=5\], got 6"):
-        StaticDraftRunner(_drafters(tiny)["dspark3"]["drafter"], slots=2, tokens=4, seed=0, n_draft=6)
+        StaticDraftRunner(_drafters(tiny)["dspark3"]["drafter"], slots=2, tokens=4, n_draft=6)
 
 
 def test_static_draft_runner_refuses_a_draft_state_behind_its_target(tiny):
     """A slot's anchor position is its target length, so a draft state of another length is refused."""
     from dspark.engine.static_draft import StaticDraftRunner
 
-    drafting = StaticDraftRunner(_drafters(tiny)["dspark3"]["drafter"], slots=2, tokens=4, seed=0)
+    drafting = StaticDraftRunner(_drafters(tiny)["dspark3"]["drafter"], slots=2, tokens=4)
     with pytest.raises(RuntimeError, match="slot 1: the draft state holds 0 positions but the target 5"):
         drafting.load(1, drafting.static.drafter.new_state(), 5)
 
@@ -297,8 +326,6 @@ def test_static_decode_is_validated(tiny):
         EngineConfig(static_decode=False, static_context=64)
     with pytest.raises(ValueError, match="static_context must be None or an int >= 2, got 1"):
         EngineConfig(static_decode=True, static_context=1)
-    with pytest.raises(ValueError, match="draft_seed must be a non-negative int, got -1"):
-        EngineConfig(draft_seed=-1)
     engine = Engine(tiny, EngineConfig(max_running=2, static_decode=True, static_context=40, **LIMITS))
     with pytest.raises(ValueError, match="exceed static_context=40"):
         engine.add_request([1] * 30, SamplingParams(), 11)

@@ -3,7 +3,7 @@ and verify width) and give the default engine's greedy tokens (and n-gram drafts
 the Triton kernels); staggered arrivals make the live slots move (compaction) and the steps change
 bucket (1, 2 and 3 of the 3 slots).
 With DSpark the rounds draft on the static drafter: greedy propose and observe replay their own
-graphs (the dynamic `DSparkDrafter.propose` is forbidden), sampled rounds replay its sampled propose graphs (the generator registered with them)."""
+graphs (the dynamic `DSparkDrafter.propose` is forbidden), sampled rounds replay its sampled propose graphs (noise keyed by each request's seed)."""
 
 import json
 from importlib import resources
@@ -88,8 +88,8 @@ def test_static_decode_graphs_equal_the_default_engine(mode, monkeypatch):
 
 @pytest.mark.gpu
 def test_static_decode_sampled_dspark_rounds_run_and_free_their_slots(monkeypatch):
-    """Mixed batches (T = 1 and greedy requests, budget 3) on the sampled static propose's graphs with
-    the engine's CUDA generator: every request completes, greedy ones with the default engine's tokens,
+    """Mixed batches (T = 1 and greedy requests, budget 3) on the sampled static propose's graphs (noise
+    keyed by each request's seed): every request completes, greedy ones with the default engine's tokens,
     sampled drafts are accepted at times, every slot is given back. fp32 target: the sampled requests
     finish at other steps than in the default engine, so the greedy ones run in other buckets, whose
     bf16 rounding flipped a near-tied greedy token of the random model on the H200."""
@@ -99,7 +99,7 @@ def test_static_decode_sampled_dspark_rounds_run_and_free_their_slots(monkeypatc
     default, _, _ = _run(model, prompts, params, draft_tokens=3, drafter=dsp, static_decode=False)
     _forbid_dynamic_propose(monkeypatch)
     static, trace, engine = _run(model, prompts, params, draft_tokens=3, drafter=dsp, static_decode=True)
-    assert engine.static_draft.generator.device.type == "cuda"
+    assert engine.static_draft.static.noise_keys.device.type == "cuda"
     assert engine.static_draft.sampled_graphs.graphs  # the sampled rounds replayed their buckets' graphs
     assert sorted(static) == sorted(default) and all(static[f"r{i}"] == default[f"r{i}"] for i in (0, 2, 4))
     assert all(len(static[f"r{i}"]) == 16 or static[f"r{i}"][-1] == model.config.eos_token_id for i in (1, 3))
