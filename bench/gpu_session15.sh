@@ -7,7 +7,8 @@
 #
 # a: the GPU tests of what the fourteenth session wrote after its device time ran out (the decode MoE's
 #    step functions and pipelined loops, auto's plain probe, MTP rounds in flight, the V4.1 stages, the
-#    capacity plain curve); the decode MoE sweep with the software-pipelined loops (`--stages`) beside
+#    capacity plain curve, the static drafters' hashed sampling noise and its `slot_noise` kernel, which
+#    stays in NOT_YET_ON_GPU until this passes); the decode MoE sweep with the software-pipelined loops (`--stages`) beside
 #    the shipped shapes (which also re-times the shipped path after its refactor into step functions);
 #    the packed MoE tile sweep (FP8 128x128 / 32x32, bf16).
 # b: the engine at 1 / 64 requests, 4K: none, MTP-1 (now in flight), DSpark 3, auto (plain probe).
@@ -16,7 +17,7 @@
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 part_a() {
-  tests a_moe_tests 120 tests/kernels/test_moe.py -k "fp8 or decode or packed or stages"
+  tests a_moe_tests 120 tests/kernels/test_moe.py tests/kernels/test_slot_noise.py -k "fp8 or decode or packed or stages or noise"
   tests a_engine_tests 150 tests/engine/test_engine_static_mtp.py tests/engine/test_engine_static_gpu.py \
     tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py
   logged a_stages 150 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8,bf16 --tokens 1 --graph \

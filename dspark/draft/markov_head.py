@@ -32,7 +32,8 @@ from dspark.sampling import SamplingParams, greedy, sample
 
 class MarkovHead(nn.Module):
     """Vanilla Markov head: B_k = W2 · W1[x_{k−1}]. `kernels`: the drafter's kernel choice (its
-    `markov_greedy` op serves `greedy_next`); None: the torch reference."""
+    `markov_greedy` op serves `greedy_next`, its `slot_noise` op the static chain's sampled slots,
+    `static_chain.sample_chain_static`); None: the torch references."""
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int, device=None,
                  kernels: KernelConfig | None = None):
@@ -41,6 +42,7 @@ class MarkovHead(nn.Module):
         self.embed = nn.Embedding(vocab_size, rank, dtype=torch.float32, device=device)
         self.head = nn.Linear(rank, vocab_size, bias=False, dtype=torch.float32, device=device)
         self._markov_greedy = get_op(kernels or KernelConfig(), "markov_greedy")
+        self.slot_noise = get_op(kernels or KernelConfig(), "slot_noise")
 
     def init_state(self, batch: int, device) -> torch.Tensor | None:
         """The vanilla head is stateless."""

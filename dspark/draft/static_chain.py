@@ -8,7 +8,7 @@ Same chain as `sample_chain` (dspark spec §2.2 step 3): L_k = U_k + B(x_{k−1}
     sampled rows (temperature t)  q_k = softmax(L_k / t) fp32, x_k = argmax q_k / E_k,  E_k ~ Exp(1)
 
 The exponential race draws an exact sample of q_k without a cumulative sum or a host read. Its noise
-is counter-based (`slot_noise`): E_k[v] is a hash of (the slot's request key, the drafted token's
+is counter-based (the `slot_noise` op, `dspark.kernels.slot_noise`, which the head holds): E_k[v] is a hash of (the slot's request key, the drafted token's
 position, v), so a request's draws depend on its own key (its seed) and the positions it drafts,
 never on its slot, its batch or the step, and no generator state has to be carried through a CUDA
 graph. Verification stays exact because q_k is returned and is the distribution x_k was drawn from;
@@ -61,7 +61,7 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
             prev, state = head.greedy_next(state, prev, embeds[-1], hidden[:, k], base[:, k])
         else:
             bias, state = head.step(state, prev, hidden[:, k])
-            noise = slot_noise(keys, positions + 1 + k, base.shape[-1])
+            noise = head.slot_noise(keys, positions + 1 + k, base.shape[-1])
             prev, q = pick_static(base[:, k].float() + bias, greedy_row, t, noise)  # logits [S, V]
             probs.append(q)
         tokens.append(prev)
@@ -80,7 +80,7 @@ def pick_static(logits: torch.Tensor, greedy_row: torch.Tensor, t: torch.Tensor,
                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits fp32 [S, V]: argmax on greedy rows (greedy_row bool [S, 1]), an
     exponential-race sample of q = softmax(logits / t) elsewhere (t fp32 [S, 1], any finite value on
-    greedy rows; noise fp32 [S, V] of Exp(1) draws, `slot_noise`). Returns (tokens long [S], q fp32
+    greedy rows; noise fp32 [S, V] of Exp(1) draws, the `slot_noise` op). Returns (tokens long [S], q fp32
     [S, V]: one-hot on greedy rows). No host read."""
     best = greedy(logits)
     q = torch.softmax(logits / t, dim=-1)  # [S, V]
@@ -98,24 +98,3 @@ def noise_key(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     return (seed ^ (seed >> 32)) & _MASK32
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors holding 32-bit values (a bijection of them);
-    products wrap in int64 and are masked back, which keeps their low 32 bits exact."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
-
-
-def slot_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise fp32 [S, V] for the exponential race: entry (s, v) is −log u with u a uniform on
-    (0, 1) at 24-bit resolution from a hash of (keys[s], positions[s], v) (keys, positions LongTensor
-    [S], 32-bit values): the same inputs give the same noise on any device and in any batch."""
-    salt = _fmix32(_fmix32(keys & _MASK32) ^ (positions & _MASK32))  # [S]
-    ids = _fmix32(torch.arange(vocab, device=keys.device) + 0x9E3779B9)  # [V]
-    h = _fmix32(ids[None, :] ^ salt[:, None])  # [S, V]
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)

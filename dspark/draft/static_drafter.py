@@ -121,7 +121,7 @@ class StaticDrafter:
         """Draft k tokens for each of slots 0 .. b − 1 (k = `width`, an int in [1, n_draft], default
         `n_draft`): anchors long [b] at positions long [b] (device; values as `plan` checks them);
         temperature fp32 [b] or None (all greedy, `probs` None; sampled rows hash their slot's noise
-        key, `static_chain.slot_noise`). Returns a `DraftProposal` (tokens [b, k], probs [b, k, V] or
+        key, `dspark.kernels.slot_noise`). Returns a `DraftProposal` (tokens [b, k], probs [b, k, V] or
         None, confidence and confidence_logits [b, k]). Reads the state only."""
         k = self.n_draft if width is None else width
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n_draft:

@@ -12,7 +12,7 @@ graph's static buffers (a caller that computes them on the device can write thos
 and call `replay()` with no arguments), and the outputs land in the same tensors every time (clone
 them to keep them past the next replay). `ProposeGraph` captures greedy drafting (no q);
 `SampledProposeGraph` captures any static propose with per-slot temperatures, whose noise is a hash
-of the inputs (`static_chain.slot_noise`: each slot's request key and the drafted positions), so a
+of the inputs (`dspark.kernels.slot_noise`: each slot's request key and the drafted positions), so a
 replay needs no generator state and draws what an eager call would. Graphs of one drafter may share
 a memory pool (`pool`). `slots=b`
 captures a bucket of the first b slots (default: all S), whose inputs and outputs are [b, ...].
@@ -91,7 +91,7 @@ class SampledProposeGraph:
     """A static drafter's sampled propose of slots 0 .. b − 1 captured, b = `slots`: `propose(anchors,
     positions, temperature)` (`StaticDrafter.propose`, `StaticMtpDrafter.propose`) with inputs
     `anchors`, `positions` [b] long and `temperature` [b] fp32 (0 = a greedy row); its noise is a hash
-    of each slot's noise key and positions (`static_chain.slot_noise`), so a replay draws what an eager
+    of each slot's noise key and positions (`dspark.kernels.slot_noise`), so a replay draws what an eager
     call at the same inputs would; output `proposal` (tokens, probs [b, k, V] q, confidences).
     Capture any time: propose reads the drafter's state only."""
 

@@ -31,7 +31,7 @@ writes the same pair there, and a query never sees positions past its own. Free 
 (anchor position 0) read and write only their own rows (MTP position clamped at 0).
 
 Sampling: per-slot temperatures, the exponential race of `static_chain.pick_static` with
-counter-based noise keyed by each slot's request (greedy rows: argmax, no q; sampled rows:
+counter-based noise keyed by each slot's request (the target's `slot_noise` op; greedy rows: argmax, no q; sampled rows:
 q = softmax(logits / t), as the dynamic `MtpDrafter.propose`, which ignores top-p / top-k too). Without a confidence head every draft
 reports the drafter's constant `confidence`; `confidence_logits` is None.
 
@@ -48,8 +48,9 @@ import torch
 
 from dspark.draft.base import DraftProposal
 from dspark.draft.mtp import MtpDrafter, MtpState
-from dspark.draft.static_chain import pick_static, row_temperatures, slot_noise
+from dspark.draft.static_chain import pick_static, row_temperatures
 from dspark.draft.static_drafter import plan_propose
+from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_plan import StepPlan
 from dspark.models.deepseek_v4.static_state import PositionRing, StaticShape, StaticState, move_slot
@@ -97,6 +98,8 @@ class StaticMtpDrafter:
                                                 device=self.device))
         # per slot: the noise key of its request (`static_chain.noise_key`), which sampled drafts hash
         self.noise_keys = torch.zeros(shape.slots, dtype=torch.long, device=self.device)
+        kernels = getattr(target, "kernels", None)
+        self._slot_noise = get_op(kernels if isinstance(kernels, KernelConfig) else KernelConfig(), "slot_noise")
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -161,7 +164,7 @@ class StaticMtpDrafter:
                 temperature: torch.Tensor | None = None) -> DraftProposal:
         """Draft k tokens for each of slots 0 .. b − 1: anchors long [b] at target positions long [b]
         (device; values as `plan` checks them); temperature fp32 [b] (0 = greedy row) or None (all
-        greedy, `probs` None; sampled rows hash their slot's noise key, `static_chain.slot_noise`).
+        greedy, `probs` None; sampled rows hash their slot's noise key, `dspark.kernels.slot_noise`).
         Returns a `DraftProposal` (tokens [b, k], probs [b, k, V] or None, confidence [b, k],
         confidence_logits None)."""
         b = anchors.shape[0] if anchors.dim() == 1 else -1
@@ -178,7 +181,7 @@ class StaticMtpDrafter:
             if temperature is None:
                 prev = greedy(logits)
             else:
-                noise = slot_noise(self.noise_keys[:b], positions + 1 + j, logits.shape[-1])  # token j's position
+                noise = self._slot_noise(self.noise_keys[:b], positions + 1 + j, logits.shape[-1])  # token j's position
                 prev, q = pick_static(logits, greedy_row, t, noise)
                 probs.append(q)
             tokens.append(prev)

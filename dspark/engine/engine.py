@@ -515,7 +515,7 @@ def _charge(requests: list[Request], what: str, seconds: float) -> None:
 
 
 def _noise_key(req: Request) -> int:
-    """The key a request's sampled static drafts hash (`static_chain.slot_noise`): from its seed, or,
+    """The key a request's sampled static drafts hash (`dspark.kernels.slot_noise`): from its seed, or,
     unseeded, from the seed its generator was given, so that its drafts depend on the request alone."""
     seed = req.params.seed if req.params.seed is not None else req.generator.initial_seed()
     return noise_key(seed)

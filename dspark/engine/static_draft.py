@@ -23,7 +23,7 @@ Greedy and sampled requests. On CUDA the greedy `propose` of each bucket b and t
 request is loaded: their warm-up writes every slot). A round with any sampled request runs the
 sampled static `propose` for the whole batch instead, with per-slot temperatures (0 on greedy rows,
 whose tokens are then the same argmax chain the greedy graph gives) and counter-based noise keyed by
-each slot's request (`static_chain.slot_noise`; the key, from the request's seed, is loaded with its
+each slot's request (`dspark.kernels.slot_noise`; the key, from the request's seed, is loaded with its
 slot and moves with it), so one call keeps a mixed batch to one backbone pass. On CUDA that call is
 a graph too (`SampledGraphs`: one `SampledProposeGraph` per bucket, captured at the bucket's first
 sampled round). Verification uses the q returned with each sampled block and the request's own

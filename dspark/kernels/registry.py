@@ -74,6 +74,7 @@ _OP_MODULES: dict[str, str] = {
     "norm_rope": "norm_rope",
     "step_index": "step_index",
     "markov_greedy": "markov_greedy",
+    "slot_noise": "slot_noise",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
@@ -81,7 +82,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ()
+NOT_YET_ON_GPU: tuple[str, ...] = ("slot_noise",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,6 +155,7 @@ class KernelConfig:
     norm_rope: Impl = "ref"
     step_index: Impl = "ref"
     markov_greedy: Impl = "ref"
+    slot_noise: Impl = "ref"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

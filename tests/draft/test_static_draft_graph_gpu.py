@@ -81,7 +81,7 @@ def test_static_draft_graphs_replay_equal_eager_without_sync():
 @pytest.mark.gpu
 @torch.no_grad()
 def test_sampled_propose_graph_draws_fresh_noise_from_q():
-    """`SampledProposeGraph` (noise hashed from each slot's key, `static_chain.slot_noise`): a replay
+    """`SampledProposeGraph` (noise hashed from each slot's key, `dspark.kernels.slot_noise`): a replay
     draws what the eager sampled propose draws on the same state and keys, its greedy row is the greedy
     chain, and the replay reads the keys live: over 3000 replays with a new key each, the first drafted
     token of the T = 2 slot follows q (χ²; a graph that replayed its capture's noise would draw one token)."""

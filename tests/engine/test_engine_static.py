@@ -237,7 +237,7 @@ def test_sampled_static_dspark_rounds_follow_the_target_distribution(tiny, no_dy
 @pytest.mark.parametrize("kind", ["dspark3", "mtp"])
 def test_a_seeded_sampled_request_gives_the_same_tokens_in_any_batch(tiny, kind):
     """On the static slots a seeded sampled request's drafts hash its seed and positions
-    (`static_chain.slot_noise`) and its verification draws from its own generator, so its tokens are
+    (`dspark.kernels.slot_noise`) and its verification draws from its own generator, so its tokens are
     the same alone, in a batch of other sampled and greedy requests, and in another slot."""
     from dspark.draft import MtpDrafter
 

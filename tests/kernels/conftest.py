@@ -80,7 +80,7 @@ if HAVE_TRITON and INTERPRET:
                   "dspark.kernels.attention_wide", "dspark.kernels.attention", "dspark.kernels.indexer", "dspark.kernels.indexer_pool",
                   "dspark.kernels.compressor", "dspark.kernels.grouped_wo_a", "dspark.kernels.linear", "dspark.kernels.cache_round",
                   "dspark.kernels.rms_norm", "dspark.kernels.rope", "dspark.kernels.norm_rope", "dspark.kernels.attention_flashinfer",
-                  "dspark.kernels.step_index", "dspark.kernels.markov_greedy"):
+                  "dspark.kernels.step_index", "dspark.kernels.markov_greedy", "dspark.kernels.slot_noise"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 

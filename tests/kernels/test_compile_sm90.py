@@ -27,7 +27,7 @@ import torch
 
 from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
                             indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe, moe_decode,
-                            moe_route_decode, norm_rope, rms_norm, rope, step_index, triton_available)
+                            moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -62,7 +62,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            rope: ("_rope_kernel",),
            norm_rope: ("_norm_rope_kernel",),
            step_index: ("_step_index_kernel",),
-           markov_greedy: ("_markov_greedy_kernel",)}
+           markov_greedy: ("_markov_greedy_kernel",),
+           slot_noise: ("_slot_noise_kernel",)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -346,6 +347,9 @@ def run_every_tile_class():
         step_index.step_index(torch.tensor(starts, device=DEVICE), segments, tokens=len(starts))
     # The Markov head's greedy slot: both tile classes (<= 16 rows, and above), rank 256 (the drafter's)
     # and 32, a vocabulary that is a multiple of 16 (V4's 129280 is).
+    # The static drafters' sampled noise over a vocabulary off its 1024-wide chunks.
+    slot_noise.slot_noise(torch.randint(0, 2**32, (3,), generator=g).to(DEVICE),
+                          torch.randint(0, 2**31, (3,), generator=g).to(DEVICE), 2000)
     for rows, rank in ((1, 256), (64, 256), (100, 32)):
         g = torch.Generator().manual_seed(rows)
         markov_greedy.markov_greedy(torch.randn(rows, 320, generator=g).to(DEVICE),
