@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-HBM = 4.4e12
+from bench.moe_decode_tiles import HBM, nbytes  # noqa: E402
+
 DIM, INTER, EXPERTS, TOP_K = 4096, 2048, 256, 6
 UP_N, UP_K, DOWN_N, DOWN_K, WARPS = (32, 64, 128), (32, 64, 128), (64, 128), (64, 128), (4, 8)
 
@@ -43,11 +44,6 @@ def weights(kind: str, g, device):
         w = torch.randn(*shape, generator=g, device=device) * shape[-1] ** -0.5
         out.append(w.bfloat16() if kind == "bf16" else FP8BlockWeight.quantize(w, int(kind.split("-")[1])))
     return out
-
-
-def nbytes(w, experts: int) -> int:
-    parts = [w.data, w.scale] if hasattr(w, "scale") else [w]
-    return sum(t[0].numel() * t.element_size() * experts for t in parts)
 
 
 def rel(a, b) -> float:

@@ -49,6 +49,7 @@ import torch
 from dspark.draft.base import DraftProposal
 from dspark.draft.mtp import MtpDrafter, MtpState
 from dspark.draft.static_chain import pick_static, row_temperatures
+from dspark.draft.dspark_v4 import target_kernels
 from dspark.draft.static_drafter import plan_propose
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
@@ -96,17 +97,16 @@ class StaticMtpDrafter:
         width = (target.config.hc_mult, target.config.hidden_size)
         self.streams = PositionRing(torch.zeros(shape.slots, shape.tokens + 1, *width, dtype=target.dtype,
                                                 device=self.device))
-        # per slot: the noise key of its request (`static_chain.noise_key`), which sampled drafts hash
+        # per slot: the noise key of its request (`dspark.kernels.slot_noise.noise_key`), which sampled drafts hash
         self.noise_keys = torch.zeros(shape.slots, dtype=torch.long, device=self.device)
-        kernels = getattr(target, "kernels", None)
-        self._slot_noise = get_op(kernels if isinstance(kernels, KernelConfig) else KernelConfig(), "slot_noise")
+        self._slot_noise = get_op(target_kernels(target) or KernelConfig(), "slot_noise")
 
     # ---------------------------------------------------------------------------------------
     # Host side
     # ---------------------------------------------------------------------------------------
 
     def load(self, slot: int, dstate: MtpState, key: int = 0) -> int:
-        """Copy a request's dynamic MTP state and its noise key (`static_chain.noise_key`) into `slot`;
+        """Copy a request's dynamic MTP state and its noise key (`dspark.kernels.slot_noise.noise_key`) into `slot`;
         returns the position of its next anchor (its MTP length + 1, which is the target's length).
         Host-side, never captured."""
         if not isinstance(dstate, MtpState) or dstate.pending is None:
@@ -119,7 +119,7 @@ class StaticMtpDrafter:
     def move(self, src: int, dst: int) -> None:
         """Slot `dst` takes over slot `src`'s request: copy src's window and streams rows and its key."""
         move_slot(self.state.slot_tensors() + [self.streams.data], self.shape.slots, src, dst)
-        self.noise_keys[dst] = self.noise_keys[src].clone()
+        self.noise_keys[dst] = self.noise_keys[src]
 
     def plan(self, anchors, positions, temperature=None):
         """Validate host values and copy them to the device (`static_drafter.plan_propose`): anchors

@@ -258,9 +258,7 @@ class DraftLookahead:
         position 0), no host value read. n = 0: a plain step (`_launch_plain`)."""
         if not n:
             return self._launch_plain(key, anchors, positions, live)
-        width = self._width(n)
-        proposal = self.drafting.propose(anchors, positions) if width is None else \
-            self.drafting.propose(anchors, positions, width)
+        proposal = self.drafting.propose(anchors, positions, self._width(n))
         # Copied out at once: propose's graph shares its memory pool with observe's graphs, whose
         # replay below may reuse the blocks of propose's outputs (captured after them).
         drafts = proposal.tokens.clone()  # [b, k]

@@ -117,9 +117,13 @@ class StaticMtpRunner:
         else:
             graph.replay(hidden, starts, ids)
 
-    def propose(self, anchors: torch.Tensor, positions: torch.Tensor) -> DraftProposal:
+    def propose(self, anchors: torch.Tensor, positions: torch.Tensor, width: int | None = None) -> DraftProposal:
         """Greedy k-blocks of slots 0 .. b − 1 from device anchors and positions [b]: the bucket's graph
-        on CUDA (its buffers: copy what must outlive the next call), the eager static propose elsewhere."""
+        on CUDA (its buffers: copy what must outlive the next call), the eager static propose elsewhere.
+        `width`: as `StaticDraftRunner.propose`'s, but an MTP block is drafted whole (None or k)."""
+        k = self.static.drafter.block_size
+        if width not in (None, k):
+            raise ValueError(f"width: an MTP runner drafts its whole block of {k}, got {width!r}")
         graph = self.propose_graphs.get(anchors.shape[0])
         return graph.replay(anchors, positions) if graph is not None else self.static.propose(anchors, positions)
 
