@@ -40,7 +40,7 @@ def sample_chain_static(head: MarkovHead, base: torch.Tensor, hidden: torch.Tens
     temperature : fp32 [S] (0 = greedy row, else > 0; values trusted: no host read), or None for an
         all-greedy call that draws no noise and returns no q
     keys, positions : LongTensor [S] on base's device, required when `temperature` is given: each
-        slot's noise key (`dspark.kernels.slot_noise.noise_key`) and its anchor's position (slot k drafts position + 1 + k)
+        slot's noise key (`noise_key`) and its anchor's position (slot k drafts position + 1 + k)
 
     Returns
     -------
@@ -88,3 +88,15 @@ def pick_static(logits: torch.Tensor, greedy_row: torch.Tensor, t: torch.Tensor,
     one_hot = torch.zeros_like(q).scatter_(-1, best[:, None], 1.0)
     return tokens, torch.where(greedy_row, one_hot, q)
 
+
+# The engine imports this without Triton: it lives here, not beside the hash (`dspark.kernels.slot_noise`),
+# whose module imports Triton.
+_MASK32 = 0xFFFFFFFF
+
+
+def noise_key(seed: int) -> int:
+    """A request's noise key: its seed (an int in [0, 2^64)) folded to 32 bits, so that it fits an
+    int64 tensor and the hash's 32-bit lanes."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return (seed ^ (seed >> 32)) & _MASK32

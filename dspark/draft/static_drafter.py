@@ -59,7 +59,7 @@ class StaticDrafter:
         self.device = model.device
         self.state = StaticDraftState(drafter.config.num_stages, drafter.window, model.head_dim, shape, model.dtype,
                                       self.device)
-        # per slot: the noise key of its request (`dspark.kernels.slot_noise.noise_key`), which sampled drafts hash
+        # per slot: the noise key of its request (`static_chain.noise_key`), which sampled drafts hash
         self.noise_keys = torch.zeros(shape.slots, dtype=torch.long, device=self.device)
         self._calibration, self._conf_temps = None, None
 

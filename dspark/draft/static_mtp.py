@@ -97,7 +97,7 @@ class StaticMtpDrafter:
         width = (target.config.hc_mult, target.config.hidden_size)
         self.streams = PositionRing(torch.zeros(shape.slots, shape.tokens + 1, *width, dtype=target.dtype,
                                                 device=self.device))
-        # per slot: the noise key of its request (`dspark.kernels.slot_noise.noise_key`), which sampled drafts hash
+        # per slot: the noise key of its request (`static_chain.noise_key`), which sampled drafts hash
         self.noise_keys = torch.zeros(shape.slots, dtype=torch.long, device=self.device)
         self._slot_noise = get_op(target_kernels(target) or KernelConfig(), "slot_noise")
 
@@ -106,7 +106,7 @@ class StaticMtpDrafter:
     # ---------------------------------------------------------------------------------------
 
     def load(self, slot: int, dstate: MtpState, key: int = 0) -> int:
-        """Copy a request's dynamic MTP state and its noise key (`dspark.kernels.slot_noise.noise_key`) into `slot`;
+        """Copy a request's dynamic MTP state and its noise key (`static_chain.noise_key`) into `slot`;
         returns the position of its next anchor (its MTP length + 1, which is the target's length).
         Host-side, never captured."""
         if not isinstance(dstate, MtpState) or dstate.pending is None:

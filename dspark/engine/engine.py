@@ -36,6 +36,7 @@ from functools import partial
 import torch
 
 from dspark.draft import DSparkDrafter, MtpDrafter, resolve_drafter
+from dspark.draft.static_chain import noise_key
 from dspark.engine.draft_lookahead import DraftLookahead
 from dspark.engine.footprint import request_footprint
 from dspark.engine.lookahead import Lookahead
@@ -46,7 +47,6 @@ from dspark.engine.static_draft import StaticDraftRunner
 from dspark.engine.static_mtp_draft import StaticMtpRunner
 from dspark.engine.static_runner import StaticRunner
 from dspark.kernels.registry import OPTIONAL_BACKENDS
-from dspark.kernels.slot_noise import noise_key
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from dspark.request import GenerationStats, Request

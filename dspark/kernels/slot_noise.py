@@ -7,7 +7,7 @@ Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
   32-bit finaliser and φ = 0x9E3779B9: a uniform on (0, 1) at 24-bit resolution that depends on
   (key, position, token id) only (`dspark.draft.static_chain` says why the drafters want that).
 
-Shapes: keys, positions LongTensor [S] (32-bit values: `noise_key`, positions < 2³¹)
+Shapes: keys, positions LongTensor [S] (32-bit values: `static_chain.noise_key`, positions < 2³¹)
 -> noise fp32 [S, V]. Shape symbols: S slots, V vocabulary.
 
 Why fused: the reference builds the hash out of ~18 elementwise torch ops over [S, V] int64 tensors
@@ -29,14 +29,6 @@ _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 _C1, _C2 = 0x85EBCA6B, 0xC2B2AE35
 _BLOCK_V = 1024
-
-
-def noise_key(seed: int) -> int:
-    """A request's noise key: its seed (an int in [0, 2^64)) folded to 32 bits, so that it fits an
-    int64 tensor and the hash's 32-bit lanes."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    return (seed ^ (seed >> 32)) & _MASK32
 
 
 def _fmix32_ref(x: torch.Tensor) -> torch.Tensor:

@@ -192,7 +192,8 @@ def test_static_chain_samples_q_exactly():
 def test_slot_noise_is_exponential_keyed_and_batch_free():
     """`slot_noise_ref`: Exp(1) draws (mean and quantiles of 2^20 of them), a pure function of (key, position,
     vocabulary id) -- a row's noise does not depend on the other rows -- and seeds fold to 32-bit keys."""
-    from dspark.kernels.slot_noise import noise_key, slot_noise_ref as slot_noise
+    from dspark.draft.static_chain import noise_key
+    from dspark.kernels.slot_noise import slot_noise_ref as slot_noise
 
     keys, positions = torch.arange(64), torch.arange(64) * 3 + 11
     noise = slot_noise(keys, positions, 1 << 14)
