@@ -14,6 +14,8 @@ effective bandwidth and rate against the floors:
     python bench/kernels.py                      # everything, JSON to bench/results/kernels.json
     python bench/kernels.py --configs mini --ops mhc_pre,fused_moe --tokens 1,4096
     python bench/kernels.py --dry-run            # list the cases (works without a GPU)
+    python bench/kernels.py --configs flash --ops fused_moe_fp8_128,fused_moe_fp8_32,fused_moe --tokens 1,8,16,64 \
+        --model-steps 0 --graph                  # fused ops timed as CUDA-graph replays
     python bench/kernels.py --configs flash --ops indexer_csa,indexer_v41 --tokens 1,8,64,256
     python bench/kernels.py --configs flash --ops mhc_v41_pre,mhc_v41_post_pre,indexer_pool --model-steps 0
     python bench/kernels.py --ops grouped_wo_a --model-steps 0 --out bench/results/kernels_wo_a.json
@@ -92,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse; copies may lack .git)")
     p.add_argument("--model-steps", type=int, default=8, help="timed decode steps of the whole-model case (0: skip)")
     p.add_argument("--dry-run", action="store_true", help="print the cases and exit (no GPU needed)")
+    p.add_argument("--graph", action="store_true",
+                   help="time the fused op by CUDA-graph replays, L2 flushed (bench.attn_batched.graph_timer): "
+                        "what it costs in a captured step, without the eager launch overhead")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.ops = [o for o in args.ops.split(",") if o]
@@ -594,6 +599,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(cond, indent=1), flush=True)
     rows, layers, start = [], {}, time.time()
     timer, ref_timer = cuda_timer(args), slow_timer(args)
+    if args.graph:
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from bench.attn_batched import graph_timer as timer
     for shape, op, m in cases:
         if shape.name not in layers:
             layers.clear()  # one layer's weights on the GPU at a time

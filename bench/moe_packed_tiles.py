@@ -4,16 +4,18 @@ for FP8 and bf16 expert weights, on one GPU.
     PYTHONPATH=. python bench/moe_packed_tiles.py --out $OUT/moe-packed-tiles-h200.json   # one H200, ~4 min
     PYTHONPATH=. python bench/moe_packed_tiles.py --smoke --out /tmp/t.json              # one shape per kernel
 
-The packed path at M = 64 reads the V4-Flash layer's FP8 experts at 53 % of HBM (128×128 blocks) and
-44 % (32×32; `bench/README.md`, fourteenth session), with the tiles `moe._tiles` picked for bf16
-(FP8 caps BLOCK_K at the scale block). For the V4-Flash layer (D 4096, I 2048, top-6 of 256 + the
-shared expert) at M tokens, the routing packed once (`moe._pack_assignments`), each of the two
-grouped GEMMs is timed alone (`moe._launch_up`, `moe._launch_down`, routed experts) over BLOCK_N ×
-BLOCK_K × warps at the shipped BLOCK_M, against the shipped shape; bytes are the touched experts'
-weights (+ scales) and the rows read and written; % HBM against 4.4 TB/s. Timing: CUDA-graph replays
-with L2 flushed (`bench.attn_batched.graph_timer`). Each candidate's output is compared with the
-shipped shape's over the packed rows that hold an assignment (relative error; the K order differs
-with BLOCK_K). FP8 caps BLOCK_K at the scale block, so with 32×32 blocks every BLOCK_K runs as 32.
+The packed path at M = 64 read the V4-Flash layer's FP8 experts at 53 % of HBM (128×128 blocks) and
+44 % (32×32; `bench/README.md`, fourteenth session) with tiles picked for bf16. For the V4-Flash
+layer (D 4096, I 2048, top-6 of 256 + the shared expert) at M tokens, the routing packed once
+(`moe._pack_assignments`), each of the two grouped GEMMs is timed alone (`moe._launch_up`,
+`moe._launch_down`, routed experts) over BLOCK_N × BLOCK_K × warps at the shipped BLOCK_M, against
+the shipped shape (`moe._tiles`); bytes are the touched experts' weights (+ scales) and the rows read
+and written; % HBM against 4.4 TB/s. Timing: CUDA-graph replays with L2 flushed
+(`bench.attn_batched.graph_timer`). Each candidate's output is compared with the shipped shape's over
+the packed rows that hold an assignment (relative error). An FP8 K step either lies in one scale
+block or covers whole ones (32×32 blocks in a 64- or 128-wide step take one factor per 32 columns).
+The fifteenth session's run (`moe-packed-tiles-h200.json`) picked the shipped decode shapes; before
+it a 32×32 block capped every FP8 step at 32.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ Fused pipeline (no host sync; CUDA-graph capturable):
 
 Weights are bf16/fp32 tensors or `FP8BlockWeight` (e4m3 + UE8M0 block scales, 128×128 for V4
 §13.3, 32×32 for V4.1 §11): the kernels dequantise each [BLOCK_N, BLOCK_K] weight tile in registers
-(BLOCK_K divides B, so a tile needs one scale per row); activations stay in x.dtype.
+(one scale per row when BLOCK_K divides B, else one per B columns of the row); activations stay in
+x.dtype.
 """
 
 from __future__ import annotations
@@ -260,17 +261,30 @@ def _moe_route_kernel(
 @_jit
 def _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in,
                  FP8: tl.constexpr, SB: tl.constexpr, dtype: tl.constexpr):
-    """Tile W[e, offs_n, offs_k] as `dtype`; FP8 tiles are scaled by one UE8M0 factor per row
-    (BLOCK_K divides SB, so the whole K-range of the tile lies in scale column k0 // SB)."""
+    """Tile W[e, offs_n, offs_k] as `dtype`; FP8 tiles are scaled by their UE8M0 factors: one per row
+    when BLOCK_K divides SB (the tile lies in scale column k0 // SB), else BLOCK_K / SB per row (SB
+    divides BLOCK_K: V4.1's 32-wide blocks in a 128-wide step), each broadcast over its SB columns."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    BLOCK_K: tl.constexpr = offs_k.shape[0]
     n_mask = offs_n < n_out
     mask = n_mask[:, None] & (offs_k[None, :] < n_in)
     w = tl.load(w_ptr + e * n_out * n_in + offs_n[:, None] * n_in + offs_k[None, :], mask=mask, other=0.0)
     if FP8:
         s_rows = tl.cdiv(n_out, SB)
         s_cols = tl.cdiv(n_in, SB)
-        byte = tl.load(s_ptr + (e * s_rows + offs_n // SB) * s_cols + k0 // SB, mask=n_mask, other=127)
-        factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
-        w = w.to(tl.float32) * factor[:, None]
+        s_row = (e * s_rows + offs_n // SB) * s_cols
+        if BLOCK_K > SB:
+            KB: tl.constexpr = BLOCK_K // SB
+            first = k0 // SB + tl.arange(0, KB)  # [KB] scale columns of the step
+            byte = tl.load(s_ptr + s_row[:, None] + first[None, :],
+                           mask=n_mask[:, None] & (first < s_cols)[None, :], other=127)
+            factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
+            w = tl.reshape(w.to(tl.float32), (BLOCK_N, KB, SB)) * factor[:, :, None]
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        else:
+            byte = tl.load(s_ptr + s_row + k0 // SB, mask=n_mask, other=127)
+            factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
+            w = w.to(tl.float32) * factor[:, None]
     return w.to(dtype)
 
 
@@ -516,12 +530,20 @@ def _tiles(rows_per_expert: float):
     """(BLOCK_M, up (BLOCK_N, BLOCK_K, warps), down (BLOCK_N, BLOCK_K, warps)) for the grouped GEMMs.
 
     Decode packs few rows per expert: the M-tile is the tensor cores' minimum (16) and the grid
-    spreads over the weight rows; prefill uses 64-row tiles. Each size is the largest that compiles
-    for sm_90 without register spills (ptxas report of an AOT compile; the gate/up kernel holds two
-    accumulators, hence its narrower tiles). FP8 weights cap BLOCK_K at the scale block."""
+    spreads over the weight rows; prefill uses 64-row tiles. The decode shapes are the fastest of
+    `bench/moe_packed_tiles.py`'s sweep on the H200 (V4-Flash layer, 16 / 64 / 256 tokens): a
+    128-wide K step streams the weight at 87-88 % of HBM for FP8 128x128 where the 64-wide one
+    reached 53-55 %, and 99 % for bf16 (94-96 %). The prefill shapes are the largest that compile
+    for sm_90 without register spills (the gate/up kernel holds two accumulators). A K step wider
+    than an FP8 scale block takes several scales per row (`_weight_tile`)."""
     if rows_per_expert <= 32:
-        return 16, (32, 64, 4), (64, 128, 4)
+        return 16, (64, 128, 4), (64, 128, 4)
     return 64, (128, 32, 8), (128, 64, 8)
+
+
+def _block_k(block_k: int, fp8: bool, sb: int) -> int:
+    """The K step a launch takes: FP8 steps must lie in one scale block or cover whole ones."""
+    return block_k if not fp8 or sb % block_k == 0 or block_k % sb == 0 else min(block_k, sb)
 
 
 def _weight_parts(w):
@@ -545,7 +567,7 @@ def _launch_up(x, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, limit, 
         x, d1, d3, s1, s3, rows if routed else x, block_expert if routed else x, h,
         n_rows, dim, inter, n_exp, top_k, float(limit),
         ROUTED=routed, FP8=fp8, SB=sb, CLAMP=limit > 0, DOT_FP32=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, PDL=pdl, launch_pdl=pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(block_k, fp8, sb), PDL=pdl, launch_pdl=pdl,
         num_warps=warps,
     )
     return h
@@ -563,7 +585,7 @@ def _launch_down(h, w2, block_expert, n_rows, tiles):
     _moe_down_kernel[grid](
         h, d2, s2, block_expert if routed else h, out, n_rows, dim, inter, n_exp,
         ROUTED=routed, FP8=fp8, SB=sb, DOT_FP32=h.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, sb) if fp8 else block_k, PDL=pdl, launch_pdl=pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(block_k, fp8, sb), PDL=pdl, launch_pdl=pdl,
         num_warps=warps,
     )
     return out
@@ -644,12 +666,13 @@ def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
     return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit)
 
 
-def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit):
-    """The prefill-sized path of `moe_experts` (checked, contiguous inputs; ids int32)."""
+def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, tiles=None):
+    """The prefill-sized path of `moe_experts` (checked, contiguous inputs; ids int32). `tiles`
+    (`_tiles`' form) overrides the routed experts' launch shapes (tests, benches)."""
     n_tok, dim = x.shape
     n_exp, top_k = w1.shape[0], ids.shape[1]
     n_assign = n_tok * top_k
-    tiles = _tiles(n_assign / min(n_exp, n_assign))
+    tiles = _tiles(n_assign / min(n_exp, n_assign)) if tiles is None else tiles
     rows, block_expert, slot = _pack_assignments(ids, n_exp, tiles[0])
     h = _launch_up(x, w1, w3, rows, block_expert, n_assign, rows.numel(), top_k, swiglu_limit, tiles)
     routed = _launch_down(h, w2, block_expert, n_assign, tiles)  # [R, D] fp32

@@ -318,6 +318,33 @@ def test_packed_experts_either_packing_matches_ref(packing, monkeypatch, poisone
 
 
 @needs_triton
+@pytest.mark.parametrize("up,down", [((16, 32, 4), (16, 32, 4)), ((16, 128, 4), (32, 64, 4)),
+                                     ((32, 64, 4), (16, 128, 4))])
+@pytest.mark.parametrize("fp8_block", [None, 32, 128])
+def test_packed_experts_any_k_step(up, down, fp8_block, poisoned):
+    """The packed GEMMs at K steps inside one FP8 scale block and over several (32-wide blocks in a
+    64- or 128-wide step: one factor per 32 columns of each row, `_weight_tile`), with D = 96 and
+    I = 80 off every step and block (partial last scale block, masked columns)."""
+    n_tok, dim, n_exp, top_k, inter, inter_s = 6, 96, 8, 3, 80, 48
+    x = router_inputs(n_tok, dim, n_exp, top_k, torch.float32, seed=9)[0]
+    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, torch.float32, seed=10, fp8_block=fp8_block)
+    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, torch.float32, seed=11, fp8_block=fp8_block)
+    weights, ids = _routing(n_tok, n_exp, top_k, seed=12)
+    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
+    tiles = (16, up, down)
+    with poisoned():
+        y = moe._packed_experts(*args, 10.0, tiles=tiles)
+    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
+
+
+def test_packed_k_step_covers_whole_scale_blocks():
+    """An FP8 K step lies in one scale block or covers whole ones; other widths fall back to the block."""
+    assert [moe._block_k(k, True, 32) for k in (16, 32, 64, 128)] == [16, 32, 64, 128]
+    assert [moe._block_k(k, True, 128) for k in (32, 64, 128)] == [32, 64, 128]
+    assert moe._block_k(64, True, 48) == 48 and moe._block_k(64, False, 48) == 64
+
+
+@needs_triton
 @pytest.mark.parametrize("tiles", [(8, 32, 64, 256, 2, 8), (32, 8, 256, 32, 8, 4), (16, 16, 16, 16, 4, 4),
                                    (8, 16, 2048, 1024, 4, 8), (8, 16, 32, 32, 4, 4, 2), (4, 32, 64, 16, 4, 4, 3)])
 @pytest.mark.parametrize("fp8_block", [None, 32])

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU steps of the fifteenth session (each part < 9.5 min on one H200):
+#
+#   run(command="bash bench/gpu_session16.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session16.sh b", kind="nvidia-h200")
+#
+# (`bench/gpu_session15.sh a` ran first this session: its packed-tile sweep picked the new decode
+# tiles of `moe._tiles`; its stages sweep hit a shape past the shared memory, now recorded and skipped;
+# its engine tests ran out of their 150 s.)
+# a: the MoE on the new packed decode tiles (128-wide K steps; FP8 steps over several 32-wide scale
+#    blocks): its GPU tests, the whole op as CUDA-graph replays (`bench/kernels.py --graph`: the issue's
+#    % of HBM for FP8 128x128 / 32x32 and bf16 at M = 1, 8, 16, 64), the packed sweep again for 32x32
+#    blocks (now uncapped K steps), and the decode MoE's pipelined loops at one token.
+# b: the engine's GPU tests (rounds in flight, plain probe, static MTP in flight, sampled static rounds
+#    with the `slot_noise` kernel now on by default), then the engine at 1 / 64 requests, 4K.
+#
+# Only 8 files come back from a call, so the part ends by packing $OUT into one session16-PART.tgz.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
+
+part_a() {
+  tests a_moe_tests 120 tests/kernels/test_moe.py tests/kernels/test_slot_noise.py -k "packed or fused_moe or paths or k_step or noise"
+  logged a_kernels 200 python3 bench/kernels.py --graph --configs flash --ops fused_moe_fp8_128,fused_moe_fp8_32,fused_moe \
+    --tokens 1,8,16,64 --model-steps 0 --out "$OUT/kernels-moe-graph-h200.json"
+  tail -n 16 $W/logs/a_kernels.txt | cut -c1-200
+  logged a_packed 130 python3 bench/moe_packed_tiles.py --kinds fp8-32,fp8-128 --tokens 16,64 --out "$OUT/moe-packed-tiles-s16-h200.json"
+  tail -n 5 $W/logs/a_packed.txt | cut -c1-400
+  logged a_stages 100 python3 bench/moe_decode_tiles.py --layers v4-flash --kinds fp8 --tokens 1 --graph \
+    --fp8-steps 1024,2048 --rows 8,16 --stages 1,2,3 --out "$OUT/moe-decode-tiles-stages-h200.json"
+  tail -n 3 $W/logs/a_stages.txt | cut -c1-600
+}
+
+part_b() {
+  tests b_engine_tests 300 -m gpu tests/engine/test_engine_static_mtp.py tests/engine/test_engine_static_gpu.py \
+    tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py \
+    tests/engine/test_engine_draft_lookahead.py
+  logged b_engine 250 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
+    --table-from-cells --modes none,mtp1,dspark3,auto_async --requests 1,64 --contexts 4096 --budget-s 220 \
+    --out "$OUT/engine-h200-s16b.json"
+  tail -n 24 $W/logs/b_engine.txt | cut -c1-300
+}
+
+dispatch session16 "${1:-}"
