@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session16.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session16.sh b", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session16.sh c", kind="nvidia-h200")
 #
 # (`bench/gpu_session15.sh a` ran first this session: its packed-tile sweep picked the new decode
 # tiles of `moe._tiles`; its stages sweep hit a shape past the shared memory, now recorded and skipped;
@@ -13,6 +14,8 @@
 #    blocks (now uncapped K steps), and the decode MoE's pipelined loops at one token.
 # b: the engine's GPU tests (rounds in flight, plain probe, static MTP in flight, sampled static rounds
 #    with the `slot_noise` kernel now on by default), then the engine at 1 / 64 requests, 4K.
+# c: the decode MoE's down launch split per expert term (`DecodeTiles.split_down`): its GPU tests, and
+#    the one-token sweep with the whole op at the shipped shapes split and unsplit (A/B in one run).
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session16-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
@@ -30,13 +33,20 @@ part_a() {
 }
 
 part_b() {
-  tests b_engine_tests 300 -m gpu tests/engine/test_engine_static_mtp.py tests/engine/test_engine_static_gpu.py \
+  [ "${SKIP_TESTS:-}" ] || tests b_engine_tests 300 -m gpu tests/engine/test_engine_static_mtp.py tests/engine/test_engine_static_gpu.py \
     tests/engine/test_engine_draft_lookahead_plain.py tests/engine/test_engine_draft_lookahead_auto.py \
     tests/engine/test_engine_draft_lookahead.py
-  logged b_engine 250 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
-    --table-from-cells --modes none,mtp1,dspark3,auto_async --requests 1,64 --contexts 4096 --budget-s 220 \
+  logged b_engine 470 python3 bench/engine_h200.py --static-decode --overlap --decode-only --peer --steps 8 --confidence 0.8629 \
+    --table-from-cells --modes none,mtp1,dspark1,dspark2,dspark3,auto_async --requests 1,64 --contexts 4096 --budget-s 400 \
     --out "$OUT/engine-h200-s16b.json"
   tail -n 24 $W/logs/b_engine.txt | cut -c1-300
+}
+
+part_c() {
+  tests c_moe_tests 120 tests/kernels/test_moe.py -k "decode"
+  logged c_split 330 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8,bf16 --tokens 1 --graph \
+    --rows 4,8,16 --fp8-steps 512,1024,2048 --split-down --out "$OUT/moe-decode-tiles-split-h200.json"
+  grep -h "shipped" $W/logs/c_split.txt | cut -c1-900
 }
 
 dispatch session16 "${1:-}"
