@@ -16,6 +16,8 @@
 #    with the `slot_noise` kernel now on by default), then the engine at 1 / 64 requests, 4K.
 # c: the decode MoE's down launch split per expert term (`DecodeTiles.split_down`): its GPU tests, and
 #    the one-token sweep with the whole op at the shipped shapes split and unsplit (A/B in one run).
+#    Ran at 9107bc5; the split lost (moe-decode-tiles-split-h200.json) and was reverted, so part c
+#    needs that commit to run again.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session16-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch

@@ -17,9 +17,7 @@ with L2 flushed (`bench.attn_batched.graph_timer`: what it costs inside the capt
 the eager launch overhead that do_bench includes). `--fp8-steps` and `--rows` replace the FP8 reduction
 steps and the rows per program swept (e.g. `--fp8-steps 256,512,1024,2048 --rows 4,8,16,32`, the
 fourteenth session's whole-row steps), `--stages 1,2,3` adds the software-pipelined loops
-(`DecodeTiles.stages`) to every candidate, `--split-down` the down launch split per expert term
-(`DecodeTiles.split_down`: K + 1 times the programs, fp32 partials, a launch that adds them) to every down
-candidate and the whole op at the shipped shape with its down launch split (`shipped_split_down`).
+(`DecodeTiles.stages`) to every candidate.
 """
 
 from __future__ import annotations
@@ -70,7 +68,7 @@ def timed(fn, graph: bool = False) -> float:
 
 
 def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False, fp8_steps: tuple = (),
-                rows: tuple = (), stages: tuple = (1,), splits: tuple = (False,)) -> dict:
+                rows: tuple = (), stages: tuple = (1,)) -> dict:
     from triton.runtime.errors import OutOfResources
 
     from dspark.kernels import moe_decode as md
@@ -102,12 +100,9 @@ def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False, fp8_st
         err = ((h - h_ref).norm() / h_ref.norm()).item()
         s = timed_(lambda: md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t))
         ups.append({**shape, "us": s * 1e6, "pct_hbm": 100 * up_bytes / s / HBM, "rel_err": err})
-    for n, k, warps, st, split in itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS, stages,
-                                                    splits):
-        if split and st > 1:
-            continue  # the split launch has no pipelined loop
-        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps, stages=st, split_down=split)
-        shape = {"down_n": n, "block_k": k, "num_warps": warps, "stages": st, "split_down": split}
+    for n, k, warps, st in itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS, stages):
+        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps, stages=st)
+        shape = {"down_n": n, "block_k": k, "num_warps": warps, "stages": st}
         try:
             y = md.decode_down(h_ref, x, wts, ids, w2, s2, args, t)
         except OutOfResources as e:
@@ -122,13 +117,7 @@ def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False, fp8_st
     shipped = md.decode_tiles(m, fp8, dim)
     full_shipped = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped))
     total = up_bytes + down_bytes
-    extra = {}
-    if True in splits:  # the shipped shape with its down launch split per expert term, A/B in this run
-        split = shipped._replace(split_down=True)
-        full_split = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, split))
-        extra["shipped_split_down"] = {"tiles": split._asdict(), "us": full_split * 1e6,
-                                       "pct_hbm": 100 * total / full_split / HBM}
-    return {**extra, "layer": name, "fp8": fp8, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
+    return {"layer": name, "fp8": fp8, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
             "default": {"tiles": default._asdict(), "us": full_default * 1e6, "pct_hbm": 100 * total / full_default / HBM},
             "shipped": {"tiles": shipped._asdict(), "us": full_shipped * 1e6, "pct_hbm": 100 * total / full_shipped / HBM},
             "best_up": best_up, "best_down": best_down,
@@ -147,9 +136,6 @@ def main() -> None:
     ap.add_argument("--fp8-steps", default="", help="FP8 reduction steps to sweep (default 128, or 128-512 with --wide)")
     ap.add_argument("--rows", default="", help="output rows per program to sweep (default by --wide)")
     ap.add_argument("--stages", default="1", help="software-pipeline depths to sweep (DecodeTiles.stages)")
-    ap.add_argument("--split-down", action="store_true",
-                    help="also the down launch split per expert term (DecodeTiles.split_down), and the whole op "
-                         "at the shipped shape split")
     args = ap.parse_args()
     fp8_steps = tuple(int(k) for k in args.fp8_steps.split(",") if k)
     rows_ = tuple(int(n) for n in args.rows.split(",") if n)
@@ -164,16 +150,13 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, fp8, m in itertools.product(layers, kinds, tokens):
-        row = sweep_layer(name, fp8, m, g, args.wide, args.graph, fp8_steps, rows_, stages,
-                          (False, True) if args.split_down else (False,))
+        row = sweep_layer(name, fp8, m, g, args.wide, args.graph, fp8_steps, rows_, stages)
         rows.append(row)
         print(f"{name} fp8={fp8} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
               f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
-              f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM"
-              + (f"; shipped, down split {row['shipped_split_down']['us']:.1f} us "
-                 f"({row['shipped_split_down']['pct_hbm']:.0f} % HBM)" if "shipped_split_down" in row else ""), flush=True)
+              f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM", flush=True)
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
-                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "split_down": args.split_down, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
+                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
 

@@ -130,30 +130,15 @@ def _decode_down_kernel(
     n_assign, dim, inter, inter_s, h_width,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
     STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
     the next expert's tiles load while this one's are summed (each step's partial is weighted, not
-    each expert's sum: the same value up to fp32 rounding). SPLIT: program axis 2 picks one term j
-    (routed slot j < K, or the shared expert at j = K) and y is fp32 partials [K + 1, N, D] that
-    `_decode_sum_kernel` adds in the unsplit order: K + 1 times the programs, each streaming one
-    expert's rows (at one token the unsplit programs walk 7 experts' rows one after another)."""
+    each expert's sum: the same value up to fp32 rounding)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SPLIT:
-        j = tl.program_id(2)
-        if j == TOP_K:
-            part = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
-                         FP8_S, SB_S, BLOCK_K_S)
-        else:
-            a = t * TOP_K + j
-            e = tl.load(ids_ptr + a).to(tl.int64)
-            part = tl.load(wts_ptr + a) * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter,
-                                                FP8, SB, BLOCK_K)
-        tl.store(y_ptr + (j * tl.num_programs(0) + t) * dim + offs_n, part, mask=offs_n < dim)
-        return
     acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
                 FP8_S, SB_S, BLOCK_K_S)
     if STAGES > 1:
@@ -174,24 +159,10 @@ def _decode_down_kernel(
     tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
-@_jit
-def _decode_sum_kernel(part_ptr, y_ptr, n_elems, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y = part[K] + Σ_k part[k] (fp32, shared expert first as the unsplit kernel sums), cast to y's dtype."""
-    pdl_prologue(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elems
-    acc = tl.load(part_ptr + TOP_K * n_elems + offs, mask=mask, other=0.0)
-    for k in tl.static_range(TOP_K):
-        acc += tl.load(part_ptr + k * n_elems + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 class DecodeTiles(NamedTuple):
     """Launch shape of the two kernels: output rows per program (`up_n`, `down_n`), reduction
-    step (`up_k`, `down_k`; FP8 weights cap it at their scale block), warps per program, the
-    software pipeline's depth (`stages`; 1, the measured tables' value, keeps the expert loops apart)
-    and `split_down`: the down GEMVs as one program per (rows, token, expert term) writing fp32
-    partials, then a launch that adds each token's K + 1 terms (more, shorter weight streams)."""
+    step (`up_k`, `down_k`; FP8 weights cap it at their scale block), warps per program and the
+    software pipeline's depth (`stages`; 1, the measured tables' value, keeps the expert loops apart)."""
 
     up_n: int = _BLOCK_N
     down_n: int = _BLOCK_N
@@ -200,7 +171,6 @@ class DecodeTiles(NamedTuple):
     up_warps: int = 4
     down_warps: int = 4
     stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
-    split_down: bool = False  # one down program per (rows, token, expert term), then a launch adds them
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -272,28 +242,18 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
 
 
 def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):
-    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args` its sizes); with
-    `tiles.split_down` the K + 1 terms of each token go to fp32 partials and a third launch adds them."""
+    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args` its sizes)."""
     n_assign, dim, inter, inter_s, h_width = args
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
-    top_k = ids.shape[1]
     y = torch.empty_like(x)
-    terms = top_k + 1 if tiles.split_down else 1
-    target = torch.empty((terms, *x.shape), dtype=torch.float32, device=x.device) if tiles.split_down else y
-    grid = (x.shape[0], triton.cdiv(dim, tiles.down_n), terms)
+    grid = (x.shape[0], triton.cdiv(dim, tiles.down_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_down_kernel[grid](
-        h, ids, weights, d2, s2, ds2, ss2, target, n_assign, dim, inter, inter_s, h_width,
-        BLOCK_N=tiles.down_n, SPLIT=tiles.split_down, PDL=pdl, launch_pdl=pdl,
-        **_common(top_k, fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages),
+        h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
+        BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
+        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages),
     )
-    if tiles.split_down:
-        block = 1024
-        programs = triton.cdiv(y.numel(), block)
-        pdl = pdl_launch(x.device, programs)
-        _decode_sum_kernel[(programs,)](target, y, y.numel(), TOP_K=top_k, BLOCK=block, PDL=pdl, launch_pdl=pdl,
-                                        num_warps=4)
     return y
 
 
