@@ -317,6 +317,17 @@ def test_packed_experts_either_packing_matches_ref(packing, monkeypatch, poisone
     assert rel_err(y, moe.moe_experts_ref(x, weights, ids, *experts, swiglu_limit=10.0)) < TOL[torch.float32]
 
 
+def _off_tile_experts(n_tok, fp8_block, seed):
+    """`moe_experts` arguments in fp32 with D = 96, I = 80 (routed) and 48 (shared), 8 experts, top-3:
+    sizes off every tile, step and scale block."""
+    dim, n_exp, top_k, inter, inter_s = 96, 8, 3, 80, 48
+    x = router_inputs(n_tok, dim, n_exp, top_k, torch.float32, seed=seed)[0]
+    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, torch.float32, seed=seed + 1, fp8_block=fp8_block)
+    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, torch.float32, seed=seed + 2, fp8_block=fp8_block)
+    weights, ids = _routing(n_tok, n_exp, top_k, seed=seed + 3)
+    return x, weights, ids, w1, w2, w3, s1, s2, s3
+
+
 @needs_triton
 @pytest.mark.parametrize("up,down", [((16, 32, 4), (16, 32, 4)), ((16, 128, 4), (32, 64, 4)),
                                      ((32, 64, 4), (16, 128, 4))])
@@ -325,15 +336,9 @@ def test_packed_experts_any_k_step(up, down, fp8_block, poisoned):
     """The packed GEMMs at K steps inside one FP8 scale block and over several (32-wide blocks in a
     64- or 128-wide step: one factor per 32 columns of each row, `_weight_tile`), with D = 96 and
     I = 80 off every step and block (partial last scale block, masked columns)."""
-    n_tok, dim, n_exp, top_k, inter, inter_s = 6, 96, 8, 3, 80, 48
-    x = router_inputs(n_tok, dim, n_exp, top_k, torch.float32, seed=9)[0]
-    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, torch.float32, seed=10, fp8_block=fp8_block)
-    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, torch.float32, seed=11, fp8_block=fp8_block)
-    weights, ids = _routing(n_tok, n_exp, top_k, seed=12)
-    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
-    tiles = (16, up, down)
+    args = _off_tile_experts(6, fp8_block, seed=9)
     with poisoned():
-        y = moe._packed_experts(*args, 10.0, tiles=tiles)
+        y = moe._packed_experts(*args, 10.0, tiles=(16, up, down))
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
 
 
@@ -356,12 +361,7 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     routed experts' steps in one flat loop)."""
     from dspark.kernels import moe_decode
 
-    n_tok, dim, n_exp, top_k, inter, inter_s = 2, 96, 8, 3, 80, 48
-    x = router_inputs(n_tok, dim, n_exp, top_k, torch.float32, seed=5)[0]
-    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, torch.float32, seed=6, fp8_block=fp8_block)
-    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, torch.float32, seed=7, fp8_block=fp8_block)
-    weights, ids = _routing(n_tok, n_exp, top_k, seed=8)
-    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
+    args = _off_tile_experts(2, fp8_block, seed=5)
     with poisoned():
         y = moe_decode.decode_experts(*args, 10.0, tiles=moe_decode.DecodeTiles(*tiles))
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
