@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session16.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session16.sh b", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session16.sh c", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session16.sh d", kind="nvidia-h200")
 #
 # (`bench/gpu_session15.sh a` ran first this session: its packed-tile sweep picked the new decode
 # tiles of `moe._tiles`; its stages sweep hit a shape past the shared memory, now recorded and skipped;
@@ -18,6 +19,8 @@
 #    the one-token sweep with the whole op at the shipped shapes split and unsplit (A/B in one run).
 #    Ran at 9107bc5; the split lost (moe-decode-tiles-split-h200.json) and was reverted, so part c
 #    needs that commit to run again.
+# d: the decode MoE's launch shapes for V4.1's 32x32 FP8 blocks (they ran the 128x128 tables' shapes):
+#    the sweep at 1 and 8 tokens, both layers, with the whole op at each kernel's best shape.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session16-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
@@ -49,6 +52,15 @@ part_c() {
   logged c_split 330 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8,bf16 --tokens 1 --graph \
     --rows 4,8,16 --fp8-steps 512,1024,2048 --split-down --out "$OUT/moe-decode-tiles-split-h200.json"
   grep -h "shipped" $W/logs/c_split.txt | cut -c1-900
+}
+
+part_d() {
+  tests d_moe_tests 100 tests/kernels/test_moe.py -k "decode"
+  logged d_fp8_32_one 150 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8-32 --tokens 1 --graph \
+    --rows 4,8,16 --fp8-steps 256,512,1024 --out "$OUT/moe-decode-tiles-fp8-32-m1-h200.json"
+  logged d_fp8_32_eight 150 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8-32 --tokens 8 --graph \
+    --rows 16,32 --fp8-steps 256,512,1024 --out "$OUT/moe-decode-tiles-fp8-32-m8-h200.json"
+  grep -h "shipped" $W/logs/d_fp8_32_*.txt | cut -c1-1200
 }
 
 dispatch session16 "${1:-}"

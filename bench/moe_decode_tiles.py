@@ -4,10 +4,11 @@
     python bench/moe_decode_tiles.py --layers v4-mini --wide --graph --out $OUT/moe-decode-tiles-mini.json
 
 For the V4-Flash layer (D 4096, I 2048, top-6 of 256 experts plus the shared expert) and v4-mini
-(D 2048, I 512, top-6 of 64), bf16 and FP8 (128×128 blocks) weights, each kernel is timed alone over
+(D 2048, I 512, top-6 of 64), bf16 and FP8 (128×128 blocks; `--kinds fp8-32`: V4.1's 32×32) weights, each kernel is timed alone over
 every `DecodeTiles` candidate (output rows per program × reduction step × warps), then the whole
 `decode_experts` with the uniform `DecodeTiles()` (`default`) and with the shipped per-size choice
-`decode_tiles(M, fp8)` (`shipped`, picked from this script's first run). Bytes are the weights the picked
+`decode_tiles(M, fp8, D, block)` (`shipped`, picked from this script's runs), and with the best shape
+of each kernel (`best`: the pair timed as one op in the same run, what a table entry from this run ships). Bytes are the weights the picked
 experts must read (plus scales) and the activations; % HBM against 4.4 TB/s. Timing:
 `triton.testing.do_bench` (L2 flushed), median. Every candidate's output is checked against the
 uniform shape's (same fp32 reduction order per row only when block_k matches, so the check is a relative
@@ -39,12 +40,15 @@ UP_N, DOWN_N, BLOCK_K, WARPS = (8, 16, 32), (8, 16, 32), (128, 256, 512), (4, 8)
 WIDE_N, WIDE_K = (4, 8, 16, 32), (128, 256, 512, 1024, 2048)
 
 
-def weights(dim, inter, n_exp, fp8, g):
+KINDS = {"bf16": None, "fp8": 128, "fp8-32": 32}  # weight kind -> FP8 scale block (None: bf16)
+
+
+def weights(dim, inter, n_exp, block, g):
     from dspark.kernels.fp8 import FP8BlockWeight
 
     shapes = ((n_exp, inter, dim), (n_exp, dim, inter), (n_exp, inter, dim), (inter, dim), (dim, inter), (inter, dim))
     out = [torch.randn(*s, generator=g, device="cuda") * s[-1] ** -0.5 for s in shapes]
-    return [FP8BlockWeight.quantize(w, 128) if fp8 else w.bfloat16() for w in out]
+    return [FP8BlockWeight.quantize(w, block) if block else w.bfloat16() for w in out]
 
 
 def nbytes(w, rows: int) -> int:
@@ -67,14 +71,17 @@ def timed(fn, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40) * 1e-3
 
 
-def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False, fp8_steps: tuple = (),
+def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_steps: tuple = (),
                 rows: tuple = (), stages: tuple = (1,)) -> dict:
+    """One layer, weight kind (`block`: FP8 scale block, None for bf16) and token count: every candidate
+    of each kernel, then the whole op at the default, shipped and best-per-kernel shapes."""
     from triton.runtime.errors import OutOfResources
 
     from dspark.kernels import moe_decode as md
 
     dim, inter, n_exp = LAYERS[name]
-    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, fp8, g)
+    fp8 = block is not None
+    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, block, g)
     x = torch.randn(m, dim, generator=g, device="cuda").bfloat16()
     ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(m)]).int()
     wts = torch.rand(m, TOP_K, generator=g, device="cuda") + 0.1
@@ -114,12 +121,18 @@ def sweep_layer(name, fp8, m, g, wide: bool = False, graph: bool = False, fp8_st
     best_up = min((r for r in ups if "us" in r), key=lambda r: r["us"])
     best_down = min((r for r in downs if "us" in r), key=lambda r: r["us"])
     full_default = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, default))
-    shipped = md.decode_tiles(m, fp8, dim)
+    shipped = md.decode_tiles(m, fp8, dim, block)
     full_shipped = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped))
     total = up_bytes + down_bytes
-    return {"layer": name, "fp8": fp8, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
+    # The whole op at the best shape of each kernel (one stage count: the up kernel's), timed in this run.
+    best = md.DecodeTiles(up_n=best_up["up_n"], up_k=best_up["block_k"], up_warps=best_up["num_warps"],
+                          down_n=best_down["down_n"], down_k=best_down["block_k"], down_warps=best_down["num_warps"],
+                          stages=best_up["stages"])
+    full_best = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, best))
+    return {"layer": name, "fp8": fp8, "fp8_block": block, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
             "default": {"tiles": default._asdict(), "us": full_default * 1e6, "pct_hbm": 100 * total / full_default / HBM},
             "shipped": {"tiles": shipped._asdict(), "us": full_shipped * 1e6, "pct_hbm": 100 * total / full_shipped / HBM},
+            "best": {"tiles": best._asdict(), "us": full_best * 1e6, "pct_hbm": 100 * total / full_best / HBM},
             "best_up": best_up, "best_down": best_down,
             "best_pair_pct_hbm": 100 * total / ((best_up["us"] + best_down["us"]) * 1e-6) / HBM,
             "up": ups, "down": downs}
@@ -131,7 +144,7 @@ def main() -> None:
     ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma list of {tuple(LAYERS)}")
     ap.add_argument("--wide", action="store_true", help="also 4-row programs and whole-row reduction steps")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (L2 flushed), not do_bench")
-    ap.add_argument("--kinds", default="bf16,fp8", help="weight kinds: comma list of bf16, fp8")
+    ap.add_argument("--kinds", default="bf16,fp8", help="weight kinds: comma list of bf16, fp8 (128x128), fp8-32")
     ap.add_argument("--tokens", default="1,8", help="comma list of token counts")
     ap.add_argument("--fp8-steps", default="", help="FP8 reduction steps to sweep (default 128, or 128-512 with --wide)")
     ap.add_argument("--rows", default="", help="output rows per program to sweep (default by --wide)")
@@ -143,18 +156,19 @@ def main() -> None:
     layers = args.layers.split(",")
     if not set(layers) <= set(LAYERS):
         raise SystemExit(f"--layers: unknown {sorted(set(layers) - set(LAYERS))}; known {tuple(LAYERS)}")
-    if not set(args.kinds.split(",")) <= {"bf16", "fp8"}:
-        raise SystemExit(f"--kinds: {args.kinds!r}, expected a comma list of bf16, fp8")
-    kinds = [k == "fp8" for k in args.kinds.split(",")]
+    if not set(args.kinds.split(",")) <= set(KINDS):
+        raise SystemExit(f"--kinds: {args.kinds!r}, expected a comma list of {', '.join(KINDS)}")
+    kinds = [KINDS[k] for k in args.kinds.split(",")]
     tokens = [int(m) for m in args.tokens.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, fp8, m in itertools.product(layers, kinds, tokens):
-        row = sweep_layer(name, fp8, m, g, args.wide, args.graph, fp8_steps, rows_, stages)
+    for name, block, m in itertools.product(layers, kinds, tokens):
+        row = sweep_layer(name, block, m, g, args.wide, args.graph, fp8_steps, rows_, stages)
         rows.append(row)
-        print(f"{name} fp8={fp8} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
+        print(f"{name} fp8_block={block} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
               f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
-              f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM", flush=True)
+              f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM; whole op at the best shapes {row['best']['us']:.1f} us "
+              f"({row['best']['pct_hbm']:.0f} % HBM) {tuple(row['best']['tiles'].values())}", flush=True)
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
                   "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -198,12 +198,19 @@ _MEASURED = {  # (fp8, one token, D <= 2048) -> tiles
     (True, True, True): DecodeTiles(up_n=8, down_n=4, up_k=2048, down_k=256, up_warps=8, down_warps=8),
     (True, False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
 }
+# V4.1's 32×32 FP8 blocks, (one token, D <= 2048) -> tiles, from `bench/moe_decode_tiles.py --kinds fp8-32`.
+_MEASURED_FP8_32: dict[tuple[bool, bool], DecodeTiles] = {}
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 
 
-def decode_tiles(n_tok: int, fp8: bool, dim: int = 4096) -> DecodeTiles:
-    """The measured launch shape for `n_tok` tokens with dense or FP8 expert weights of width `dim`."""
-    return _MEASURED[(bool(fp8), n_tok <= 1, dim <= _NARROW_DIM)]
+def decode_tiles(n_tok: int, fp8: bool, dim: int = 4096, block: int | None = None) -> DecodeTiles:
+    """The measured launch shape for `n_tok` tokens with dense or FP8 expert weights of width `dim`
+    (FP8 `block`: the scale block; 32×32 blocks take their own measured shapes where there are some,
+    else the 128×128 ones)."""
+    key = (bool(fp8), n_tok <= 1, dim <= _NARROW_DIM)
+    if fp8 and block == 32 and key[1:] in _MEASURED_FP8_32:
+        return _MEASURED_FP8_32[key[1:]]
+    return _MEASURED[key]
 
 
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
@@ -212,7 +219,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
     default: `decode_tiles` for N and the routed weights' kind."""
     if tiles is None:
-        tiles = decode_tiles(x.shape[0], _weight_parts(w1)[2], x.shape[1])
+        _, _, fp8, block = _weight_parts(w1)
+        tiles = decode_tiles(x.shape[0], fp8, x.shape[1], block if fp8 else None)
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
