@@ -198,8 +198,16 @@ _MEASURED = {  # (fp8, one token, D <= 2048) -> tiles
     (True, True, True): DecodeTiles(up_n=8, down_n=4, up_k=2048, down_k=256, up_warps=8, down_warps=8),
     (True, False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
 }
-# V4.1's 32×32 FP8 blocks, (one token, D <= 2048) -> tiles, from `bench/moe_decode_tiles.py --kinds fp8-32`.
-_MEASURED_FP8_32: dict[tuple[bool, bool], DecodeTiles] = {}
+# V4.1's 32×32 FP8 blocks, (one token, D <= 2048) -> tiles: each kernel's best shape of `bench/moe_decode_tiles.py
+# --kinds fp8-32 --graph` (moe-decode-tiles-fp8-32-m{1,8}-h200.json), the whole op timed at it in the same run
+# against the 128×128 tables' shapes they ran before: V4-Flash 81.5 -> 76.1 µs at one token, 432.5 -> 424.7 at
+# 8; v4-mini 24.8 -> 20.1 and 71.7 -> 64.7.
+_MEASURED_FP8_32: dict[tuple[bool, bool], DecodeTiles] = {
+    (True, False): DecodeTiles(up_n=16, down_n=8, up_k=1024, down_k=1024, up_warps=4, down_warps=4),
+    (False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=256, up_warps=4, down_warps=4),
+    (True, True): DecodeTiles(up_n=4, down_n=4, up_k=512, down_k=512, up_warps=8, down_warps=4),
+    (False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=256, up_warps=4, down_warps=4),
+}
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 
 

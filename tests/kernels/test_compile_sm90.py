@@ -180,7 +180,8 @@ def run_every_tile_class():
     x1 = torch.randn(1, 64, generator=g).bfloat16().to(DEVICE)
     ids1, wts1 = torch.tensor([[0, 1]], device=DEVICE, dtype=torch.int32), torch.rand(1, 2, device=DEVICE)
     one_token = {t for (_, one, _), t in moe_decode._MEASURED.items() if one}
-    for tiles in set(moe_decode._MEASURED.values()):  # every table's shape; 32 x 32 blocks take them too
+    # every table's shape (the 32 x 32 table's included) at every weight kind
+    for tiles in set(moe_decode._MEASURED.values()) | set(moe_decode._MEASURED_FP8_32.values()):
         for block in (None, 128, 32):
             dense = [torch.randn(*s, generator=g) / 8 for s in ((2, 32, 64), (2, 64, 32), (2, 32, 64),
                                                                (32, 64), (64, 32), (32, 64))]
@@ -188,7 +189,7 @@ def run_every_tile_class():
                 *(t.to(DEVICE) for t in (q.data, q.scale)), block) for w in dense
                 for q in [FP8BlockWeight.quantize(w, block or 16)]]
             moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles)
-            if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (not yet timed)
+            if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (off: slower)
                 for stages in (2, 3):
                     moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(stages=stages))
     # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.

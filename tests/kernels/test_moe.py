@@ -423,4 +423,5 @@ def test_decode_experts_default_tiles_follow_size_and_weights(fp8_block, monkeyp
     assert asked == [(1, fp8_block is not None, fp8_block)]
     assert pick(1, False) != pick(8, False) != moe_decode.DecodeTiles()
     assert pick(1, False, 2048) != pick(1, False, 4096)  # narrow layers have their own measured shapes
+    assert pick(1, True, 4096, 32) != pick(1, True, 4096, 128) == pick(1, True, 4096, 16)  # 32×32 blocks too
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
