@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session16.sh b", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session16.sh c", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session16.sh d", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session16.sh e", kind="nvidia-h200")
 #
 # (`bench/gpu_session15.sh a` ran first this session: its packed-tile sweep picked the new decode
 # tiles of `moe._tiles`; its stages sweep hit a shape past the shared memory, now recorded and skipped;
@@ -21,6 +22,9 @@
 #    needs that commit to run again.
 # d: the decode MoE's launch shapes for V4.1's 32x32 FP8 blocks (they ran the 128x128 tables' shapes):
 #    the sweep at 1 and 8 tokens, both layers, with the whole op at each kernel's best shape.
+# e: with part d's shapes shipped (`moe_decode._MEASURED_FP8_32`): the fused MoE as one op at 1 and 8
+#    tokens (router included, graph replays) for FP8 32x32 and 128x128; the v4-mini one-request graph
+#    step and its kernel profile with PDL off (the per-kernel breakdown after the eleventh session's).
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session16-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
@@ -61,6 +65,14 @@ part_d() {
   logged d_fp8_32_eight 150 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds fp8-32 --tokens 8 --graph \
     --rows 16,32 --fp8-steps 256,512,1024 --out "$OUT/moe-decode-tiles-fp8-32-m8-h200.json"
   grep -h "shipped" $W/logs/d_fp8_32_*.txt | cut -c1-1200
+}
+
+part_e() {
+  logged e_kernels 120 python3 bench/kernels.py --graph --configs flash --ops fused_moe_fp8_32,fused_moe_fp8_128 \
+    --tokens 1,8 --model-steps 0 --out "$OUT/kernels-moe-graph-e-h200.json"
+  tail -n 6 $W/logs/e_kernels.txt | cut -c1-200
+  step graph-decode-h200-s16 100 --requests 1
+  step graph-profile-h200-s16-no-pdl 100 --requests 1 --no-pdl --profile
 }
 
 dispatch session16 "${1:-}"
