@@ -6,6 +6,7 @@
 #   run(command="bash bench/gpu_session16.sh c", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session16.sh d", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session16.sh e", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session16.sh f", kind="nvidia-h200")
 #
 # (`bench/gpu_session15.sh a` ran first this session: its packed-tile sweep picked the new decode
 # tiles of `moe._tiles`; its stages sweep hit a shape past the shared memory, now recorded and skipped;
@@ -25,6 +26,8 @@
 # e: with part d's shapes shipped (`moe_decode._MEASURED_FP8_32`): the fused MoE as one op at 1 and 8
 #    tokens (router included, graph replays) for FP8 32x32 and 128x128; the v4-mini one-request graph
 #    step and its kernel profile with PDL off (the per-kernel breakdown after the eleventh session's).
+# f: `bench/wide_spills.py` (written in the fifth session, never run): the registers / spills the JIT
+#    built for `attention_wide`'s launches next to the compile test's ahead-of-time build of the same.
 #
 # Only 8 files come back from a call, so the part ends by packing $OUT into one session16-PART.tgz.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
@@ -73,6 +76,11 @@ part_e() {
   tail -n 6 $W/logs/e_kernels.txt | cut -c1-200
   step graph-decode-h200-s16 100 --requests 1
   step graph-profile-h200-s16-no-pdl 100 --requests 1 --no-pdl --profile
+}
+
+part_f() {
+  logged f_spills 140 python3 bench/wide_spills.py --out "$OUT/wide-spills-h200.json"
+  tail -n 12 $W/logs/f_spills.txt | cut -c1-300
 }
 
 dispatch session16 "${1:-}"
