@@ -46,7 +46,8 @@ class Keep(aot.Recorder):
         record = super().__getitem__(grid)
 
         def launch(*args, **kwargs):
-            kernel = record(*args, **kwargs)
+            record(*args, **kwargs)  # the recorder only logs the launch (it no longer runs it)
+            kernel = self.kernel[grid](*args, **kwargs)  # JITFunction.run returns the compiled kernel
             self.compiled.append(kernel)
             return kernel
 
