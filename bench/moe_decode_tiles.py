@@ -7,7 +7,7 @@ For the V4-Flash layer (D 4096, I 2048, top-6 of 256 experts plus the shared exp
 (D 2048, I 512, top-6 of 64), bf16 and FP8 (128×128 blocks; `--kinds fp8-32`: V4.1's 32×32) weights, each kernel is timed alone over
 every `DecodeTiles` candidate (output rows per program × reduction step × warps), then the whole
 `decode_experts` with the uniform `DecodeTiles()` (`default`) and with the shipped per-size choice
-`decode_tiles(M, fp8, D, block)` (`shipped`, picked from this script's runs), and with the best shape
+`decode_tiles(M, block, D)` (`shipped`, picked from this script's runs), and with the best shape
 of each kernel (`best`: the pair timed as one op in the same run, what a table entry from this run ships). Bytes are the weights the picked
 experts must read (plus scales) and the activations; % HBM against 4.4 TB/s. Timing:
 `triton.testing.do_bench` (L2 flushed), median. Every candidate's output is checked against the
@@ -121,7 +121,7 @@ def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_
     best_up = min((r for r in ups if "us" in r), key=lambda r: r["us"])
     best_down = min((r for r in downs if "us" in r), key=lambda r: r["us"])
     full_default = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, default))
-    shipped = md.decode_tiles(m, fp8, dim, block)
+    shipped = md.decode_tiles(m, block, dim)
     full_shipped = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped))
     total = up_bytes + down_bytes
     # The whole op at the best shape of each kernel (one stage count: the up kernel's), timed in this run.

@@ -541,9 +541,14 @@ def _tiles(rows_per_expert: float):
     return 64, (128, 32, 8), (128, 64, 8)
 
 
-def _block_k(block_k: int, fp8: bool, sb: int) -> int:
-    """The K step a launch takes: FP8 steps must lie in one scale block or cover whole ones."""
-    return block_k if not fp8 or sb % block_k == 0 or block_k % sb == 0 else min(block_k, sb)
+def _block_k(block_k: int, fp8: bool, sb: int, max_blocks: int | None = None) -> int:
+    """The K step a launch takes: an FP8 step lies in one scale block of width sb or covers whole ones
+    (at most `max_blocks` of them); dense weights take any step."""
+    if not fp8:
+        return block_k
+    if block_k > sb and block_k % sb == 0:
+        return block_k if max_blocks is None else min(block_k, max_blocks * sb)
+    return min(block_k, sb)
 
 
 def _weight_parts(w):

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from dspark.kernels.moe import _jit, _weight_parts, _weight_tile, tl, triton
+from dspark.kernels.moe import _block_k, _jit, _weight_parts, _weight_tile, tl, triton
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _BLOCK_N = 16  # output rows per program: small, so that one token still spreads over the SMs
@@ -188,37 +188,32 @@ class DecodeTiles(NamedTuple):
 # token V4-Flash up 46.8 -> 43.8 µs, down 33.8 -> 29.9 µs; v4-mini 19.8 µs for the op -> 10.9 for
 # the kernel pair; at 8 tokens 16-32 scale blocks per step (V4-Flash op 340 µs -> pair 327 µs, v4-mini
 # 58 -> 51). The uniform shape before these tables is `DecodeTiles()`.
-_MEASURED = {  # (fp8, one token, D <= 2048) -> tiles
-    (False, True, False): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
-    (False, False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
-    (True, True, False): DecodeTiles(up_n=8, down_n=16, up_k=2048, down_k=1024, up_warps=4, down_warps=8),
-    (True, False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
-    (False, True, True): DecodeTiles(up_n=4, down_n=4, up_k=1024, down_k=512, up_warps=8, down_warps=4),
-    (False, False, True): DecodeTiles(up_n=16, down_n=16, up_k=128, down_k=128, up_warps=4, down_warps=4),
-    (True, True, True): DecodeTiles(up_n=8, down_n=4, up_k=2048, down_k=256, up_warps=8, down_warps=8),
-    (True, False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
-}
-# V4.1's 32×32 FP8 blocks, (one token, D <= 2048) -> tiles: each kernel's best shape of `bench/moe_decode_tiles.py
-# --kinds fp8-32 --graph` (moe-decode-tiles-fp8-32-m{1,8}-h200.json), the whole op timed at it in the same run
-# against the 128×128 tables' shapes they ran before: V4-Flash 81.5 -> 76.1 µs at one token, 432.5 -> 424.7 at
-# 8; v4-mini 24.8 -> 20.1 and 71.7 -> 64.7.
-_MEASURED_FP8_32: dict[tuple[bool, bool], DecodeTiles] = {
-    (True, False): DecodeTiles(up_n=16, down_n=8, up_k=1024, down_k=1024, up_warps=4, down_warps=4),
-    (False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=256, up_warps=4, down_warps=4),
-    (True, True): DecodeTiles(up_n=4, down_n=4, up_k=512, down_k=512, up_warps=8, down_warps=4),
-    (False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=256, up_warps=4, down_warps=4),
+_MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 2048) -> tiles
+    (None, True, False): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
+    (None, False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
+    (128, True, False): DecodeTiles(up_n=8, down_n=16, up_k=2048, down_k=1024, up_warps=4, down_warps=8),
+    (128, False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
+    (None, True, True): DecodeTiles(up_n=4, down_n=4, up_k=1024, down_k=512, up_warps=8, down_warps=4),
+    (None, False, True): DecodeTiles(up_n=16, down_n=16, up_k=128, down_k=128, up_warps=4, down_warps=4),
+    (128, True, True): DecodeTiles(up_n=8, down_n=4, up_k=2048, down_k=256, up_warps=8, down_warps=8),
+    (128, False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
+    # V4.1's 32×32 FP8 blocks: each kernel's best shape of `bench/moe_decode_tiles.py --kinds fp8-32 --graph`
+    # (moe-decode-tiles-fp8-32-m{1,8}-h200.json), the whole op timed at it in the same run against the 128×128
+    # shapes they ran before: V4-Flash 81.5 -> 76.1 µs at one token, 432.5 -> 424.7 at 8; v4-mini 24.8 -> 20.1
+    # and 71.7 -> 64.7.
+    (32, True, False): DecodeTiles(up_n=16, down_n=8, up_k=1024, down_k=1024, up_warps=4, down_warps=4),
+    (32, False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=256, up_warps=4, down_warps=4),
+    (32, True, True): DecodeTiles(up_n=4, down_n=4, up_k=512, down_k=512, up_warps=8, down_warps=4),
+    (32, False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=256, up_warps=4, down_warps=4),
 }
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 
 
-def decode_tiles(n_tok: int, fp8: bool, dim: int = 4096, block: int | None = None) -> DecodeTiles:
-    """The measured launch shape for `n_tok` tokens with dense or FP8 expert weights of width `dim`
-    (FP8 `block`: the scale block; 32×32 blocks take their own measured shapes where there are some,
-    else the 128×128 ones)."""
-    key = (bool(fp8), n_tok <= 1, dim <= _NARROW_DIM)
-    if fp8 and block == 32 and key[1:] in _MEASURED_FP8_32:
-        return _MEASURED_FP8_32[key[1:]]
-    return _MEASURED[key]
+def decode_tiles(n_tok: int, block: int | None, dim: int = 4096) -> DecodeTiles:
+    """The measured launch shape for `n_tok` tokens with expert weights of width `dim`: dense (`block`
+    None) or FP8 with scale blocks of `block` (32: V4.1's own shapes; any other block the 128×128 ones)."""
+    kind = None if block is None else 32 if block == 32 else 128
+    return _MEASURED[(kind, n_tok <= 1, dim <= _NARROW_DIM)]
 
 
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
@@ -228,7 +223,7 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     default: `decode_tiles` for N and the routed weights' kind."""
     if tiles is None:
         _, _, fp8, block = _weight_parts(w1)
-        tiles = decode_tiles(x.shape[0], fp8, x.shape[1], block if fp8 else None)
+        tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1])
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
@@ -276,15 +271,8 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
 _MAX_SUB_BLOCKS = 32  # scale blocks per FP8 step: 64 of V4.1's 32-wide blocks spill on sm_90 at 8 warps
 
 
-def _fp8_step(block_k: int, sb: int) -> int:
-    """An FP8 reduction step: within one scale block, or whole scale blocks (`_gemv_fp8`), at most
-    _MAX_SUB_BLOCKS of them (the tables' whole-row steps were measured on 128-wide blocks)."""
-    if block_k > sb and block_k % sb == 0:
-        return min(block_k, _MAX_SUB_BLOCKS * sb)
-    return min(block_k, sb)
-
-
 def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int,
             stages: int) -> dict:
-    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=_fp8_step(block_k, sb) if fp8 else block_k,
-                BLOCK_K_S=_fp8_step(block_k, sb_s) if fp8_s else block_k, STAGES=stages, num_warps=num_warps)
+    # FP8 steps: within one scale block, or whole ones (`_gemv_fp8_step`), at most _MAX_SUB_BLOCKS of them
+    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=_block_k(block_k, fp8, sb, _MAX_SUB_BLOCKS),
+                BLOCK_K_S=_block_k(block_k, fp8_s, sb_s, _MAX_SUB_BLOCKS), STAGES=stages, num_warps=num_warps)

@@ -412,16 +412,15 @@ def test_decode_experts_default_tiles_follow_size_and_weights(fp8_block, monkeyp
 
     asked = []
     pick = moe_decode.decode_tiles
-    monkeypatch.setattr(moe_decode, "decode_tiles",
-                        lambda n, fp8, dim, block: asked.append((n, fp8, block)) or pick(n, fp8, dim, block))
+    monkeypatch.setattr(moe_decode, "decode_tiles", lambda n, block, dim: asked.append((n, block)) or pick(n, block, dim))
     x = router_inputs(1, 96, 8, 3, torch.float32, seed=5)[0]
     w1, w2, w3, _, _, _ = expert_weights(8, 96, 80, torch.float32, seed=6, fp8_block=fp8_block)
     _, _, _, s1, s2, s3 = expert_weights(1, 96, 48, torch.float32, seed=7, fp8_block=fp8_block)
     weights, ids = _routing(1, 8, 3, seed=8)
     args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
     y = moe_decode.decode_experts(*args, 10.0)
-    assert asked == [(1, fp8_block is not None, fp8_block)]
-    assert pick(1, False) != pick(8, False) != moe_decode.DecodeTiles()
-    assert pick(1, False, 2048) != pick(1, False, 4096)  # narrow layers have their own measured shapes
-    assert pick(1, True, 4096, 32) != pick(1, True, 4096, 128) == pick(1, True, 4096, 16)  # 32×32 blocks too
+    assert asked == [(1, fp8_block)]
+    assert pick(1, None) != pick(8, None) != moe_decode.DecodeTiles()
+    assert pick(1, None, 2048) != pick(1, None, 4096)  # narrow layers have their own measured shapes
+    assert pick(1, 32, 4096) != pick(1, 128, 4096) == pick(1, 16, 4096)  # 32×32 blocks too
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
