@@ -6,6 +6,8 @@
     if ahead.fits(requests):
         n, results = ahead.step(requests)                # the round's budget (0: a plain round) and its
                                                          # `RoundResults`: drafts, accepted, bonus, confidences
+    ahead.prepare(requests)                              # after the commit: plan the next round while
+                                                         # the device runs the one in flight ("auto")
     ahead.discard()                                      # when the batch changes outside a round
 
 A greedy round with a fixed budget n needs the host for nothing but bookkeeping: the drafts, the
@@ -210,6 +212,15 @@ class DraftLookahead:
             self._planned = (list(stale), n)
         probe = n == 0 and self.plain_probe_every is not None and self._plain_run >= self.plain_probe_every
         return 1 if probe else n
+
+    def prepare(self, requests: list) -> None:
+        """Plan now the budget of the round after the one in flight, once the caller has committed the
+        round `step` returned (its confidences are the rows that budget reads two back): the device
+        is still running the round in flight, so the plan costs the host nothing on the critical path
+        even when every step is waited for, and `step` finds it in `plan`'s cache (the same row
+        objects). A batch that changes in between plans over its own rows in `step` (a cache miss)."""
+        if self.budget == "auto" and self.pending is not None:
+            self.plan([r.confidences[-1] if r.confidences else None for r in requests])
 
     def step(self, requests: list) -> tuple[int, RoundResults]:
         """The next round of every request (each holding a static slot, `fits`): its budget n (0: a plain

@@ -300,7 +300,12 @@ class Engine:
         n, results = self.draft_ahead.step(requests)
         if not n:
             self._commit_plain(requests, results.bonus)
-            return
+        else:
+            self._commit_drafted(requests, n, results)
+        self.draft_ahead.prepare(requests)
+
+    def _commit_drafted(self, requests: list[Request], n: int, results) -> None:
+        """Commit a drafting round of `DraftLookahead` (budget n) as `speculative_round` would."""
         gamma = self.draft_ahead.gamma
         # [B, γ] as `_draft` returns it: only the trace reads it
         confidence = torch.stack(results.confidence) if self.config.trace else None

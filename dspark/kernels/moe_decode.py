@@ -32,22 +32,22 @@ _BLOCK_K = 128  # reduction step; FP8 weights cap it at the scale block
 
 @_jit
 def _gemv(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, FP8: tl.constexpr, SB: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+          BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     """fp32 [BLOCK_N]: W[e, offs_n, :] · v for one input row v (n_in long) of any float dtype."""
     acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
-        acc += _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8, SB, BLOCK_K)
+        acc += _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8, SB, BLOCK_K, BITS)
     return acc
 
 
 @_jit
 def _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8: tl.constexpr, SB: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     """fp32 [BLOCK_N]: one reduction step of `_gemv`, columns k0 .. k0 + BLOCK_K."""
     if FP8:
         if BLOCK_K > SB:  # several scale blocks per step (`_common` makes BLOCK_K a multiple of SB)
-            return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, BLOCK_K // SB, SB)
-        return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, 1, BLOCK_K)
+            return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, BLOCK_K // SB, SB, BITS)
+        return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, 1, BLOCK_K, BITS)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     v = tl.load(v_ptr + offs_k, mask=offs_k < n_in, other=0.0).to(tl.float32)
     w = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, FP8, SB, tl.float32)
@@ -56,11 +56,15 @@ def _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8: tl.constexp
 
 @_jit
 def _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB: tl.constexpr, KB: tl.constexpr,
-                   SUB: tl.constexpr):
+                   SUB: tl.constexpr, BITS: tl.constexpr):
     """`_gemv_step` of an FP8 weight, KB sub-blocks of SUB columns (SUB <= SB, each within one scale
     column): each sub-block's dot product is summed in fp32 and then scaled by its UE8M0 factor, a
     power of two, so the result equals scaling every weight first (one multiply per sub-block
-    instead of per weight: the dequantising multiply was the CUDA cores' bottleneck)."""
+    instead of per weight: the dequantising multiply was the CUDA cores' bottleneck).
+
+    BITS: each e4m3 weight becomes an fp32 by placing its bits (`_e4m3_bits`) instead of the
+    conversion instructions (e4m3x2 -> f16x2, then f16 -> f32: two conversions per weight, on the
+    SM's narrow conversion path, for a GEMV that does one FMA per weight)."""
     n_mask = offs_n < n_out
     rows = w_ptr + e * n_out * n_in + offs_n.to(tl.int64)[:, None, None] * n_in
     s_row = (e * tl.cdiv(n_out, SB) + offs_n // SB)[:, None] * tl.cdiv(n_in, SB)
@@ -69,7 +73,10 @@ def _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB: tl.const
     c_mask = cols < n_in
     v = tl.load(v_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
     w = tl.load(rows + cols[None, :, :], mask=n_mask[:, None, None] & c_mask[None, :, :], other=0.0)
-    part = tl.sum(w.to(tl.float32) * v[None, :, :], axis=2)  # [BLOCK_N, KB]
+    if BITS:  # (w·2^-120)·v summed, times 2^120 (exact); products under 2^-6 round as fp32 subnormals
+        part = tl.sum(_e4m3_bits(w, BITS == 2) * v[None, :, :], axis=2) * 1.329227995784916e+36
+    else:
+        part = tl.sum(w.to(tl.float32) * v[None, :, :], axis=2)  # [BLOCK_N, KB]
     byte = tl.load(s_ptr + s_row + (first // SB)[None, :], mask=n_mask[:, None] & (first < n_in)[None, :],
                    other=127)
     factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
@@ -77,9 +84,40 @@ def _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB: tl.const
 
 
 @_jit
+def _e4m3_bits(w, ASM: tl.constexpr):
+    """fp32 w · 2^-120 of e4m3 w, exact, from integer operations alone: the sign to bit 31, the four
+    exponent and three mantissa bits to bits 26..20, i.e. the same exponent field under fp32's bias
+    127 instead of e4m3's 7. Subnormal e4m3 (exponent field 0) land on fp32 subnormals of the same
+    scale (the kernels do not flush them: no .ftz). e4m3's NaN pattern (which `FP8BlockWeight.quantize`
+    never writes) would read as a finite number. ASM (CUDA): four weights per 32-bit word, three
+    integer instructions each (the byte to the top, an arithmetic shift by 4 that drags the sign over
+    the exponent's top, one mask); else the same bits in Triton's integer ops (the interpreter's path)."""
+    b = w.to(tl.uint8, bitcast=True)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t;
+            shl.b32 t, $4, 24;
+            shr.s32 t, t, 4;
+            and.b32 $0, t, 0x87F00000;
+            shl.b32 t, $4, 16;
+            shr.s32 t, t, 4;
+            and.b32 $1, t, 0x87F00000;
+            shl.b32 t, $4, 8;
+            shr.s32 t, t, 4;
+            and.b32 $2, t, 0x87F00000;
+            shr.s32 t, $4, 4;
+            and.b32 $3, t, 0x87F00000;
+            }""",
+            "=r,=r,=r,=r,r", [b], dtype=tl.float32, is_pure=True, pack=4)
+    b = b.to(tl.uint32)
+    return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+
+
+@_jit
 def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim, limit,
                 FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, BLOCK_K: tl.constexpr,
-                STAGES: tl.constexpr):
+                STAGES: tl.constexpr, BITS: tl.constexpr):
     """Clamped SwiGLU of one token for rows offs_n of expert e, fp32 [BLOCK_N]. STAGES > 1: gate and
     up in one loop (both weights' tiles loaded per step), software-pipelined over STAGES steps; the
     same sums in the same order, so the same bits."""
@@ -87,11 +125,11 @@ def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim
         gate = tl.zeros(offs_n.shape, dtype=tl.float32)
         up = tl.zeros(offs_n.shape, dtype=tl.float32)
         for k0 in tl.range(0, dim, BLOCK_K, num_stages=STAGES):
-            gate += _gemv_step(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K)
-            up += _gemv_step(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K)
+            gate += _gemv_step(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K, BITS)
+            up += _gemv_step(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K, BITS)
     else:
-        gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
-        up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
+        gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K, BITS)
+        up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K, BITS)
     if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -104,7 +142,7 @@ def _decode_up_kernel(
     n_assign, dim, inter, inter_s, h_width, limit,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
-    STAGES: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[a, offs_n] for one work row a (routed assignment or shared expert of a token)."""
     pdl_prologue(PDL)
@@ -114,12 +152,12 @@ def _decode_up_kernel(
         e = tl.load(ids_ptr + a).to(tl.int64)
         x_row = x_ptr + (a // TOP_K).to(tl.int64) * dim
         h = _swiglu_row(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, inter, dim, limit,
-                        FP8, SB, CLAMP, BLOCK_K, STAGES)
+                        FP8, SB, CLAMP, BLOCK_K, STAGES, BITS)
         n_out = inter
     else:
         x_row = x_ptr + (a - n_assign).to(tl.int64) * dim
         h = _swiglu_row(x_row, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, 0, offs_n, inter_s, dim, limit,
-                        FP8_S, SB_S, CLAMP, BLOCK_K_S, STAGES)
+                        FP8_S, SB_S, CLAMP, BLOCK_K_S, STAGES, BITS)
         n_out = inter_s
     tl.store(h_ptr + a.to(tl.int64) * h_width + offs_n, h, mask=offs_n < n_out)
 
@@ -130,7 +168,7 @@ def _decode_down_kernel(
     n_assign, dim, inter, inter_s, h_width,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    BITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
     STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
@@ -140,7 +178,7 @@ def _decode_down_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
-                FP8_S, SB_S, BLOCK_K_S)
+                FP8_S, SB_S, BLOCK_K_S, BITS)
     if STAGES > 1:
         n_steps = tl.cdiv(inter, BLOCK_K)
         for i in tl.range(0, TOP_K * n_steps, num_stages=STAGES):
@@ -149,20 +187,23 @@ def _decode_down_kernel(
             e = tl.load(ids_ptr + a).to(tl.int64)
             weight = tl.load(wts_ptr + a)
             acc += weight * _gemv_step(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter,
-                                       (i - k * n_steps) * BLOCK_K, FP8, SB, BLOCK_K)
+                                       (i - k * n_steps) * BLOCK_K, FP8, SB, BLOCK_K, BITS)
     else:
         for k in tl.static_range(TOP_K):
             a = t * TOP_K + k
             e = tl.load(ids_ptr + a).to(tl.int64)
             weight = tl.load(wts_ptr + a)
-            acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K)
+            acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K,
+                                  BITS)
     tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
 class DecodeTiles(NamedTuple):
     """Launch shape of the two kernels: output rows per program (`up_n`, `down_n`), reduction
     step (`up_k`, `down_k`; FP8 weights cap it at their scale block), warps per program and the
-    software pipeline's depth (`stages`; 1, the measured tables' value, keeps the expert loops apart)."""
+    software pipeline's depth (`stages`; 1, the measured tables' value, keeps the expert loops apart),
+    and how FP8 weights become fp32 (`bits`: by placing their bits, `_e4m3_bits`; else the
+    conversion instructions)."""
 
     up_n: int = _BLOCK_N
     down_n: int = _BLOCK_N
@@ -171,6 +212,7 @@ class DecodeTiles(NamedTuple):
     up_warps: int = 4
     down_warps: int = 4
     stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
+    bits: bool = False
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -242,7 +284,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
-    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages)
+    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles, x.device)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
@@ -263,7 +305,7 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     _decode_down_kernel[grid](
         h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
         BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
-        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages),
+        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles, x.device),
     )
     return y
 
@@ -272,7 +314,9 @@ _MAX_SUB_BLOCKS = 32  # scale blocks per FP8 step: 64 of V4.1's 32-wide blocks s
 
 
 def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int,
-            stages: int) -> dict:
-    # FP8 steps: within one scale block, or whole ones (`_gemv_fp8_step`), at most _MAX_SUB_BLOCKS of them
+            tiles: DecodeTiles, device: torch.device) -> dict:
+    # FP8 steps: within one scale block, or whole ones (`_gemv_fp8_step`), at most _MAX_SUB_BLOCKS of them.
+    # BITS: 0 the conversion instructions, 1 `_e4m3_bits` in Triton's integer ops, 2 its PTX (CUDA only).
     return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=_block_k(block_k, fp8, sb, _MAX_SUB_BLOCKS),
-                BLOCK_K_S=_block_k(block_k, fp8_s, sb_s, _MAX_SUB_BLOCKS), STAGES=stages, num_warps=num_warps)
+                BLOCK_K_S=_block_k(block_k, fp8_s, sb_s, _MAX_SUB_BLOCKS), STAGES=tiles.stages,
+                BITS=(2 if device.type == "cuda" else 1) if tiles.bits else 0, num_warps=num_warps)

@@ -142,6 +142,36 @@ def test_each_budget_is_the_rule_over_confidences_two_rounds_old(pair, monkeypat
     assert rule(1) != rule(2) and rule(0) != rule(2)  # the test tells fresher confidences apart
 
 
+def test_the_next_budget_is_planned_after_the_commit(pair, monkeypatch):
+    """The engine plans the round after the one in flight once it has committed a round
+    (`DraftLookahead.prepare`, while the device runs): a step whose batch and round in flight stayed
+    the same launches that round without running the planner (`uniform_budget`), with the budgets of
+    the rule (test above)."""
+    import dspark.engine.draft_lookahead as lookahead
+
+    where, inside = [], [False]
+    rule, step = lookahead.uniform_budget, DraftLookahead.step
+    monkeypatch.setattr(lookahead, "uniform_budget", lambda *a, **k: where.append(inside[0]) or rule(*a, **k))
+    steady = []  # planner calls inside each step that found its batch and its round in flight unchanged
+
+    def stepping(self, requests):
+        same = self.pending is not None and self.pending.key == tuple(
+            (r.request_id, r.state.slot, r.state.length) for r in requests)
+        inside[0], before = True, len(where)
+        try:
+            return step(self, requests)
+        finally:
+            inside[0] = False
+            if same:
+                steady.append(len(where) - before)
+
+    monkeypatch.setattr(DraftLookahead, "step", stepping)
+    tokens, _, _, _ = _run(pair, 40, overlap=True)
+    assert tokens == [o.token_ids for o in dspark.generate(pair, TEXTS, max_new_tokens=40)]
+    assert len(steady) > 10 and set(steady) == {0}
+    assert where.count(False) >= len(steady)  # planned after the commits instead
+
+
 def test_host_launched_and_chained_rounds_read_their_own_two_back_rows(pair):
     """A round launched from the host (k) reads the older of the two confidence rows read so far (round
     k − 2), the round chained behind it (k + 1) the newer one (round k − 1): set them apart by hand."""

@@ -8,7 +8,7 @@ and FP8 weights with 128×128 and 32×32 blocks whose scales differ block by blo
 import pytest
 import torch
 
-from dspark.kernels import moe, triton_available
+from dspark.kernels import moe, moe_decode, triton_available
 from dspark.kernels.fp8 import FP8BlockWeight
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -276,7 +276,6 @@ def _routing(n_tok, n_exp, top_k, seed):
 @pytest.mark.parametrize("n_tok,dim,n_exp,top_k,inter,inter_s,fp8_block", EXPERT_CASES)
 def test_moe_experts_paths_match_ref(n_tok, dim, n_exp, top_k, inter, inter_s, fp8_block, dtype, path, poisoned):
     """Both paths of `moe_experts` against `moe_experts_ref`, on the same routing."""
-    from dspark.kernels import moe_decode
 
     x = router_inputs(n_tok, dim, n_exp, top_k, dtype, seed=dim)[0]
     w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, dtype, seed=inter, fp8_block=fp8_block)
@@ -359,7 +358,6 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     (64, 256: scaled per block after its sum; 2048: capped at 32 blocks), partial scale blocks at the
     ends of D = 96, I = 80; the software-pipelined loops (stages 2, 3: gate and up in one loop, the
     routed experts' steps in one flat loop)."""
-    from dspark.kernels import moe_decode
 
     args = _off_tile_experts(2, fp8_block, seed=5)
     with poisoned():
@@ -368,8 +366,48 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
 
 
 @needs_triton
+@pytest.mark.parametrize("asm", [False, True])
+def test_e4m3_bits_is_every_e4m3_value(asm):
+    """`moe_decode._e4m3_bits` places each of the 254 non-NaN e4m3 patterns (zeros, the subnormals,
+    both signs) on w · 2^-120 exactly; the PTX variant on CUDA, the integer ops everywhere."""
+    from dspark.kernels.triton_compat import tl, triton
+
+    if asm and DEVICE != "cuda":
+        pytest.skip("the PTX variant runs on CUDA only")
+
+    @triton.jit
+    def place(w_ptr, out_ptr, ASM: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(out_ptr + offs, moe_decode._e4m3_bits(tl.load(w_ptr + offs), ASM))
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[[0x7F, 0xFF]] = 0  # e4m3's two NaN patterns: not weights
+    w = codes.view(torch.float8_e4m3fn).to(DEVICE)
+    out = torch.full((256,), float("nan"), device=DEVICE)
+    place[(1,)](w, out, ASM=asm)
+    assert torch.equal(out.cpu().double() * 2.0 ** 120, w.cpu().double())
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8_block", [32, 128])
+def test_decode_experts_bit_placed_fp8(fp8_block, poisoned):
+    """`DecodeTiles(bits=True)`: FP8 weights read through `_e4m3_bits` (no conversion instructions)
+    give the reference experts, with every tenth weight shrunk to an e4m3 subnormal or zero, at
+    steps inside one scale block and over several."""
+    x, weights, ids, *experts = _off_tile_experts(2, fp8_block, seed=11)
+    for w in experts:
+        codes = w.data.view(torch.uint8).view(-1)
+        codes[::10] &= 0x87  # exponent field 0: a subnormal (or a zero) of either sign
+    assert any((w.data.view(torch.uint8) & 0x7F).eq(0).any() for w in experts)
+    args = (x, weights, ids, *experts)
+    for tiles in (moe_decode.DecodeTiles(8, 16, 16, 16, bits=True), moe_decode.DecodeTiles(4, 8, 64, 256, bits=True)):
+        with poisoned():
+            y = moe_decode.decode_experts(*args, 10.0, tiles=tiles)
+        assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
+
+
+@needs_triton
 def test_decode_tiles_reject_bad_stages():
-    from dspark.kernels import moe_decode
 
     x = router_inputs(1, 64, 8, 2, torch.float32, seed=0)[0]
     weights, ids = _routing(1, 8, 2, seed=0)
@@ -408,7 +446,6 @@ def test_moe_experts_rejects_bad_routing():
 def test_decode_experts_default_tiles_follow_size_and_weights(fp8_block, monkeypatch):
     """Without explicit tiles the decode path takes the measured shape for its token count and
     weight kind (`decode_tiles`), and that shape computes the same experts."""
-    from dspark.kernels import moe_decode
 
     asked = []
     pick = moe_decode.decode_tiles

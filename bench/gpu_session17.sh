@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU steps of the sixteenth session (each part < 9.5 min on one H200):
+#
+#   run(command="bash bench/gpu_session17.sh a", kind="nvidia-h200")
+#
+# a: FP8 weights read by bit placement in the decode MoE (`DecodeTiles.bits`, `moe_decode._e4m3_bits`):
+#    its GPU tests, both kernels under Nsight Compute with and without it (one token, V4-Flash, FP8
+#    128x128: pipe utilisation, stalls, DRAM throughput), the V4-Flash decode sweep with it at 1 and 8
+#    tokens (FP8 128x128 and 32x32; `shipped` is the table's shape without it, timed in the same run);
+#    then the engine at 1 / 64 requests with the auto planner planning the next round while the
+#    device runs (`DraftLookahead.prepare`).
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
+
+ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1; }
+
+part_a() {
+  tests a_bits_tests 150 tests/kernels/test_moe.py -k "e4m3_bits or bit_placed or decode_experts_any_tiles"
+  local ncu; ncu=$(ncu_bin)
+  for block in 128 32; do
+    logged "a_ncu_$block" 150 "$ncu" --clock-control none --profile-from-start off --csv --page details \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats \
+      --section Occupancy --section MemoryWorkloadAnalysis \
+      --metrics "regex:sm__inst_executed_pipe_.*sum.pct_of_peak_sustained_active" \
+      python3 bench/moe_decode_ncu.py --block "$block"
+    grep -h "Duration\|DRAM Throughput\|Memory Throughput\|Issue Slots Busy\|No Eligible\|pipe_\|relative difference" \
+      "$W/logs/a_ncu_$block.txt" | cut -c1-220 | head -n 60
+  done
+  logged a_bits_sweep 260 python3 bench/moe_decode_tiles.py --layers v4-flash --kinds fp8,fp8-32 --tokens 1,8 --graph \
+    --rows 8,16,32 --fp8-steps 512,1024,2048 --bits 1 --out "$OUT/moe-decode-tiles-bits-h200.json"
+  grep -h "shipped" $W/logs/a_bits_sweep.txt | cut -c1-900
+  logged a_engine 200 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
+    --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async --requests 1,64 --contexts 4096 --budget-s 180 \
+    --out "$OUT/engine-h200-s17a.json"
+  tail -n 14 $W/logs/a_engine.txt | cut -c1-300
+}
+
+dispatch session17 "${1:-}"

@@ -1,0 +1,59 @@
+"""The decode MoE's two kernels under Nsight Compute: where a one-token FP8 launch spends its time.
+
+    ncu --clock-control none --profile-from-start off --csv --page details \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section InstructionStats --section Occupancy \
+        --metrics regex:sm__inst_executed_pipe_.*sum.pct_of_peak_sustained_active \
+        python3 bench/moe_decode_ncu.py [--layer v4-flash] [--block 128] [--tokens 1] > ncu.csv
+
+A V4-Flash-like layer (D 4096, I 2048, top-6 of 256 plus the shared expert; `moe_decode_tiles.LAYERS`)
+with FP8 weights: `decode_experts` at the shipped shape (`decode_tiles`) with the conversion
+instructions, then with bit placement (`DecodeTiles(bits=True)`), each compiled and run once before
+the profiled range, then once inside it (`cudaProfilerStart` / `Stop`): four kernel launches per run,
+named in the CSV by kernel and in launch order (up, down; conversion first). Without ncu it only runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moe_decode_tiles import LAYERS, TOP_K, weights  # noqa: E402
+
+from dspark.kernels import moe_decode as md  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layer", default="v4-flash", choices=tuple(LAYERS))
+    ap.add_argument("--block", type=int, default=128, help="FP8 scale block (128 or 32)")
+    ap.add_argument("--tokens", type=int, default=1)
+    args = ap.parse_args()
+    dim, inter, n_exp = LAYERS[args.layer]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, args.block, g)
+    x = torch.randn(args.tokens, dim, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(args.tokens)]).int()
+    wts = torch.rand(args.tokens, TOP_K, generator=g, device="cuda") + 0.1
+    shipped = md.decode_tiles(args.tokens, args.block, dim)
+    variants = (shipped, shipped._replace(bits=True))
+    outs = [md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, t) for t in variants]  # compile
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for t in variants:
+        md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, t)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    err = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
+    print(f"# {args.layer} fp8 block {args.block}, {args.tokens} token(s), tiles {tuple(shipped)}; "
+          f"bit placement vs conversion: relative difference {err:.2e}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
