@@ -2,6 +2,7 @@
 # GPU steps of the sixteenth session (each part < 9.5 min on one H200):
 #
 #   run(command="bash bench/gpu_session17.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session17.sh b", kind="nvidia-h200")
 #
 # a: FP8 weights read by bit placement in the decode MoE (`DecodeTiles.bits`, `moe_decode._e4m3_bits`):
 #    its GPU tests, both kernels under Nsight Compute with and without it (one token, V4-Flash, FP8
@@ -9,6 +10,7 @@
 #    tokens (FP8 128x128 and 32x32; `shipped` is the table's shape without it, timed in the same run);
 #    then the engine at 1 / 64 requests with the auto planner planning the next round while the
 #    device runs (`DraftLookahead.prepare`).
+# b: the same engine comparison at the other loads (8, 32, 128, 256 requests and 1 again, 4K).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1; }
@@ -32,6 +34,13 @@ part_a() {
     --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async --requests 1,64 --contexts 4096 --budget-s 180 \
     --out "$OUT/engine-h200-s17a.json"
   tail -n 14 $W/logs/a_engine.txt | cut -c1-300
+}
+
+part_b() {
+  logged b_engine 540 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
+    --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async --requests 1,8,32,128,256 --contexts 4096 \
+    --budget-s 500 --out "$OUT/engine-h200-s17b.json"
+  tail -n 14 $W/logs/b_engine.txt | cut -c1-300
 }
 
 dispatch session17 "${1:-}"
