@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session17.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session17.sh b", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session17.sh c", kind="nvidia-h200")
 #
 # a: FP8 weights read by bit placement in the decode MoE (`DecodeTiles.bits`, `moe_decode._e4m3_bits`):
 #    its GPU tests, both kernels under Nsight Compute with and without it (one token, V4-Flash, FP8
@@ -11,6 +12,12 @@
 #    then the engine at 1 / 64 requests with the auto planner planning the next round while the
 #    device runs (`DraftLookahead.prepare`).
 # b: the same engine comparison at the other loads (8, 32, 128, 256 requests and 1 again, 4K).
+# Part a's bit placement lost (whole op 67.8 -> 71.4 us at one token, 321.5 -> 411.5 at 8) and was
+# removed (its code: commit 44af5c8); its Nsight Compute rows showed both kernels far from every
+# pipe's peak, the down kernel at 25 % occupancy (registers) and 38 % issue slots: latency, not math.
+# c: the decode MoE's column sums deferred to the end of each row (`DecodeTiles.up_defer` /
+#    `down_defer`, `moe_decode._gemv_acc`: no cross-thread reduction and barrier per K step): its GPU
+#    tests, the V4-Flash FP8 sweep with it at 1 and 8 tokens (`shipped`: the table's shapes without it).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1; }
@@ -41,6 +48,16 @@ part_b() {
     --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async --requests 1,8,32,128,256 --contexts 4096 \
     --budget-s 500 --out "$OUT/engine-h200-s17b.json"
   tail -n 14 $W/logs/b_engine.txt | cut -c1-300
+}
+
+part_c() {
+  tests c_defer_tests 150 tests/kernels/test_moe.py -k "decode"
+  logged c_defer_sweep 330 python3 bench/moe_decode_tiles.py --layers v4-flash --kinds fp8,fp8-32 --tokens 1,8 --graph \
+    --rows 8,16,32 --fp8-steps 256,512,1024 --defer 1 --out "$OUT/moe-decode-tiles-defer-h200.json"
+  grep -h "shipped" $W/logs/c_defer_sweep.txt | cut -c1-900
+  logged c_defer_bf16 120 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds bf16 --tokens 1 --graph \
+    --rows 4,8,16 --defer 0,1 --out "$OUT/moe-decode-tiles-defer-bf16-h200.json"
+  grep -h "shipped" $W/logs/c_defer_bf16.txt | cut -c1-900
 }
 
 dispatch session17 "${1:-}"

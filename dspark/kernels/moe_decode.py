@@ -32,22 +32,22 @@ _BLOCK_K = 128  # reduction step; FP8 weights cap it at the scale block
 
 @_jit
 def _gemv(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, FP8: tl.constexpr, SB: tl.constexpr,
-          BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+          BLOCK_K: tl.constexpr):
     """fp32 [BLOCK_N]: W[e, offs_n, :] · v for one input row v (n_in long) of any float dtype."""
     acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
-        acc += _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8, SB, BLOCK_K, BITS)
+        acc += _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8, SB, BLOCK_K)
     return acc
 
 
 @_jit
 def _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8: tl.constexpr, SB: tl.constexpr,
-               BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+               BLOCK_K: tl.constexpr):
     """fp32 [BLOCK_N]: one reduction step of `_gemv`, columns k0 .. k0 + BLOCK_K."""
     if FP8:
         if BLOCK_K > SB:  # several scale blocks per step (`_common` makes BLOCK_K a multiple of SB)
-            return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, BLOCK_K // SB, SB, BITS)
-        return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, 1, BLOCK_K, BITS)
+            return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, BLOCK_K // SB, SB)
+        return _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB, 1, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     v = tl.load(v_ptr + offs_k, mask=offs_k < n_in, other=0.0).to(tl.float32)
     w = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, FP8, SB, tl.float32)
@@ -56,15 +56,11 @@ def _gemv_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, FP8: tl.constexp
 
 @_jit
 def _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB: tl.constexpr, KB: tl.constexpr,
-                   SUB: tl.constexpr, BITS: tl.constexpr):
+                   SUB: tl.constexpr):
     """`_gemv_step` of an FP8 weight, KB sub-blocks of SUB columns (SUB <= SB, each within one scale
     column): each sub-block's dot product is summed in fp32 and then scaled by its UE8M0 factor, a
     power of two, so the result equals scaling every weight first (one multiply per sub-block
-    instead of per weight: the dequantising multiply was the CUDA cores' bottleneck).
-
-    BITS: each e4m3 weight becomes an fp32 by placing its bits (`_e4m3_bits`) instead of the
-    conversion instructions (e4m3x2 -> f16x2, then f16 -> f32: two conversions per weight, on the
-    SM's narrow conversion path, for a GEMV that does one FMA per weight)."""
+    instead of per weight: the dequantising multiply was the CUDA cores' bottleneck)."""
     n_mask = offs_n < n_out
     rows = w_ptr + e * n_out * n_in + offs_n.to(tl.int64)[:, None, None] * n_in
     s_row = (e * tl.cdiv(n_out, SB) + offs_n // SB)[:, None] * tl.cdiv(n_in, SB)
@@ -73,10 +69,7 @@ def _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB: tl.const
     c_mask = cols < n_in
     v = tl.load(v_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
     w = tl.load(rows + cols[None, :, :], mask=n_mask[:, None, None] & c_mask[None, :, :], other=0.0)
-    if BITS:  # (w·2^-120)·v summed, times 2^120 (exact); products under 2^-6 round as fp32 subnormals
-        part = tl.sum(_e4m3_bits(w, BITS == 2) * v[None, :, :], axis=2) * 1.329227995784916e+36
-    else:
-        part = tl.sum(w.to(tl.float32) * v[None, :, :], axis=2)  # [BLOCK_N, KB]
+    part = tl.sum(w.to(tl.float32) * v[None, :, :], axis=2)  # [BLOCK_N, KB]
     byte = tl.load(s_ptr + s_row + (first // SB)[None, :], mask=n_mask[:, None] & (first < n_in)[None, :],
                    other=127)
     factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
@@ -84,52 +77,71 @@ def _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB: tl.const
 
 
 @_jit
-def _e4m3_bits(w, ASM: tl.constexpr):
-    """fp32 w · 2^-120 of e4m3 w, exact, from integer operations alone: the sign to bit 31, the four
-    exponent and three mantissa bits to bits 26..20, i.e. the same exponent field under fp32's bias
-    127 instead of e4m3's 7. Subnormal e4m3 (exponent field 0) land on fp32 subnormals of the same
-    scale (the kernels do not flush them: no .ftz). e4m3's NaN pattern (which `FP8BlockWeight.quantize`
-    never writes) would read as a finite number. ASM (CUDA): four weights per 32-bit word, three
-    integer instructions each (the byte to the top, an arithmetic shift by 4 that drags the sign over
-    the exponent's top, one mask); else the same bits in Triton's integer ops (the interpreter's path)."""
-    b = w.to(tl.uint8, bitcast=True)
-    if ASM:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t;
-            shl.b32 t, $4, 24;
-            shr.s32 t, t, 4;
-            and.b32 $0, t, 0x87F00000;
-            shl.b32 t, $4, 16;
-            shr.s32 t, t, 4;
-            and.b32 $1, t, 0x87F00000;
-            shl.b32 t, $4, 8;
-            shr.s32 t, t, 4;
-            and.b32 $2, t, 0x87F00000;
-            shr.s32 t, $4, 4;
-            and.b32 $3, t, 0x87F00000;
-            }""",
-            "=r,=r,=r,=r,r", [b], dtype=tl.float32, is_pure=True, pack=4)
-    b = b.to(tl.uint32)
-    return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+def _gemv_acc(acc, v_ptr, w_ptr, s_ptr, e, n0, n_out, n_in, mult, FP8: tl.constexpr, SB: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, KB, SUB] fp32 plus W[e, n0 + i, k] · (mult · v[k]) at k's place, over the whole row:
+    every K step only loads and multiplies-adds, and the caller sums the columns once (`_acc_sum`),
+    where `_gemv` reduces across the program's threads at every step (warp shuffles, a barrier, before
+    the next step's loads may issue). FP8 weights times their UE8M0 factors: when the program's rows
+    share one scale row (BLOCK_N <= SB), one factor per sub-block, folded into v; else per row and
+    sub-block. Dense weights: KB = 1, SUB = BLOCK_K."""
+    BLOCK_N: tl.constexpr = acc.shape[0]
+    KB: tl.constexpr = acc.shape[1]
+    SUB: tl.constexpr = acc.shape[2]
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    rows = w_ptr + e * n_out * n_in + offs_n.to(tl.int64)[:, None, None] * n_in
+    for k0 in range(0, n_in, BLOCK_K):
+        first = k0 + tl.arange(0, KB) * SUB  # [KB] first column of each sub-block
+        cols = first[:, None] + tl.arange(0, SUB)[None, :]  # [KB, SUB]
+        c_mask = cols < n_in
+        v = tl.load(v_ptr + cols, mask=c_mask, other=0.0).to(tl.float32) * mult
+        w = tl.load(rows + cols[None, :, :], mask=n_mask[:, None, None] & c_mask[None, :, :], other=0.0)
+        if FP8:
+            s_cols = tl.cdiv(n_in, SB)
+            if BLOCK_N <= SB:  # n0 is a multiple of BLOCK_N, so all rows lie in scale row n0 // SB
+                byte = tl.load(s_ptr + (e * tl.cdiv(n_out, SB) + n0 // SB) * s_cols + first // SB,
+                               mask=first < n_in, other=127)
+                factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
+                acc += w.to(tl.float32) * (v * factor[:, None])[None, :, :]
+            else:
+                s_row = (e * tl.cdiv(n_out, SB) + offs_n // SB) * s_cols
+                byte = tl.load(s_ptr + s_row[:, None] + (first // SB)[None, :],
+                               mask=n_mask[:, None] & (first < n_in)[None, :], other=127)
+                factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                acc += w.to(tl.float32) * factor[:, :, None] * v[None, :, :]
+        else:
+            acc += w.to(tl.float32) * v[None, :, :]
+    return acc
+
+
+@_jit
+def _acc_sum(acc):
+    """fp32 [BLOCK_N]: `_gemv_acc`'s accumulator summed over its columns."""
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @_jit
 def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim, limit,
                 FP8: tl.constexpr, SB: tl.constexpr, CLAMP: tl.constexpr, BLOCK_K: tl.constexpr,
-                STAGES: tl.constexpr, BITS: tl.constexpr):
+                STAGES: tl.constexpr, DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr):
     """Clamped SwiGLU of one token for rows offs_n of expert e, fp32 [BLOCK_N]. STAGES > 1: gate and
     up in one loop (both weights' tiles loaded per step), software-pipelined over STAGES steps; the
     same sums in the same order, so the same bits."""
-    if STAGES > 1:
+    if DEFER:
+        zero = tl.zeros((offs_n.shape[0], KB, SUB), dtype=tl.float32)
+        n0 = tl.program_id(1) * offs_n.shape[0]
+        gate = _acc_sum(_gemv_acc(zero, x_row_ptr, w1_ptr, s1_ptr, e, n0, n_out, dim, 1.0, FP8, SB, BLOCK_K))
+        up = _acc_sum(_gemv_acc(zero, x_row_ptr, w3_ptr, s3_ptr, e, n0, n_out, dim, 1.0, FP8, SB, BLOCK_K))
+    elif STAGES > 1:
         gate = tl.zeros(offs_n.shape, dtype=tl.float32)
         up = tl.zeros(offs_n.shape, dtype=tl.float32)
         for k0 in tl.range(0, dim, BLOCK_K, num_stages=STAGES):
-            gate += _gemv_step(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K, BITS)
-            up += _gemv_step(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K, BITS)
+            gate += _gemv_step(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K)
+            up += _gemv_step(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, k0, FP8, SB, BLOCK_K)
     else:
-        gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K, BITS)
-        up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K, BITS)
+        gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
+        up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
     if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -142,7 +154,8 @@ def _decode_up_kernel(
     n_assign, dim, inter, inter_s, h_width, limit,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
-    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr,
+    SUB_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[a, offs_n] for one work row a (routed assignment or shared expert of a token)."""
     pdl_prologue(PDL)
@@ -152,33 +165,21 @@ def _decode_up_kernel(
         e = tl.load(ids_ptr + a).to(tl.int64)
         x_row = x_ptr + (a // TOP_K).to(tl.int64) * dim
         h = _swiglu_row(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, inter, dim, limit,
-                        FP8, SB, CLAMP, BLOCK_K, STAGES, BITS)
+                        FP8, SB, CLAMP, BLOCK_K, STAGES, DEFER, KB, SUB)
         n_out = inter
     else:
         x_row = x_ptr + (a - n_assign).to(tl.int64) * dim
         h = _swiglu_row(x_row, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, 0, offs_n, inter_s, dim, limit,
-                        FP8_S, SB_S, CLAMP, BLOCK_K_S, STAGES, BITS)
+                        FP8_S, SB_S, CLAMP, BLOCK_K_S, STAGES, DEFER, KB_S, SUB_S)
         n_out = inter_s
     tl.store(h_ptr + a.to(tl.int64) * h_width + offs_n, h, mask=offs_n < n_out)
 
 
 @_jit
-def _decode_down_kernel(
-    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
-    n_assign, dim, inter, inter_s, h_width,
-    TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
-    BITS: tl.constexpr, PDL: tl.constexpr,
-):
-    """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
-    STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
-    the next expert's tiles load while this one's are summed (each step's partial is weighted, not
-    each expert's sum: the same value up to fp32 rounding)."""
-    pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
-                FP8_S, SB_S, BLOCK_K_S, BITS)
+def _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width, TOP_K: tl.constexpr,
+                 FP8: tl.constexpr, SB: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """fp32 [BLOCK_N]: Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ) for rows offs_n, reduced at every step."""
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     if STAGES > 1:
         n_steps = tl.cdiv(inter, BLOCK_K)
         for i in tl.range(0, TOP_K * n_steps, num_stages=STAGES):
@@ -187,23 +188,56 @@ def _decode_down_kernel(
             e = tl.load(ids_ptr + a).to(tl.int64)
             weight = tl.load(wts_ptr + a)
             acc += weight * _gemv_step(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter,
-                                       (i - k * n_steps) * BLOCK_K, FP8, SB, BLOCK_K, BITS)
+                                       (i - k * n_steps) * BLOCK_K, FP8, SB, BLOCK_K)
     else:
         for k in tl.static_range(TOP_K):
             a = t * TOP_K + k
             e = tl.load(ids_ptr + a).to(tl.int64)
             weight = tl.load(wts_ptr + a)
-            acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K,
-                                  BITS)
+            acc += weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K)
+    return acc
+
+
+@_jit
+def _decode_down_kernel(
+    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
+    n_assign, dim, inter, inter_s, h_width,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
+    DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
+    STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
+    the next expert's tiles load while this one's are summed (each step's partial is weighted, not
+    each expert's sum: the same value up to fp32 rounding). DEFER: `_gemv_acc`'s accumulators, the
+    routing weights folded into h, two column sums in all (the shared expert's, the routed ones')."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if DEFER:
+        n0 = tl.program_id(1) * BLOCK_N
+        acc = _acc_sum(_gemv_acc(tl.zeros((BLOCK_N, KB_S, SUB_S), dtype=tl.float32), h_ptr + (n_assign + t) * h_width,
+                                 sw2_ptr, ss2_ptr, 0, n0, dim, inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
+        routed = tl.zeros((BLOCK_N, KB, SUB), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            a = t * TOP_K + k
+            e = tl.load(ids_ptr + a).to(tl.int64)
+            routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter, tl.load(wts_ptr + a),
+                               FP8, SB, BLOCK_K)
+        acc += _acc_sum(routed)
+    else:
+        acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
+                    FP8_S, SB_S, BLOCK_K_S)
+        acc += _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
+                            TOP_K, FP8, SB, BLOCK_K, STAGES)
     tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
 class DecodeTiles(NamedTuple):
     """Launch shape of the two kernels: output rows per program (`up_n`, `down_n`), reduction
     step (`up_k`, `down_k`; FP8 weights cap it at their scale block), warps per program and the
-    software pipeline's depth (`stages`; 1, the measured tables' value, keeps the expert loops apart),
-    and how FP8 weights become fp32 (`bits`: by placing their bits, `_e4m3_bits`; else the
-    conversion instructions)."""
+    software pipeline's depth (`stages`; 1, the measured tables' value, keeps the expert loops apart)."""
 
     up_n: int = _BLOCK_N
     down_n: int = _BLOCK_N
@@ -212,7 +246,8 @@ class DecodeTiles(NamedTuple):
     up_warps: int = 4
     down_warps: int = 4
     stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
-    bits: bool = False
+    up_defer: bool = False  # True: the kernel's column sums deferred to the end of each row (`_gemv_acc`;
+    down_defer: bool = False  # `stages` unused there)
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -284,7 +319,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
-    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles, x.device)
+    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
@@ -305,7 +340,7 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     _decode_down_kernel[grid](
         h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
         BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
-        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles, x.device),
+        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return y
 
@@ -314,9 +349,15 @@ _MAX_SUB_BLOCKS = 32  # scale blocks per FP8 step: 64 of V4.1's 32-wide blocks s
 
 
 def _common(top_k: int, fp8: bool, sb: int, fp8_s: bool, sb_s: int, block_k: int, num_warps: int,
-            tiles: DecodeTiles, device: torch.device) -> dict:
-    # FP8 steps: within one scale block, or whole ones (`_gemv_fp8_step`), at most _MAX_SUB_BLOCKS of them.
-    # BITS: 0 the conversion instructions, 1 `_e4m3_bits` in Triton's integer ops, 2 its PTX (CUDA only).
-    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=_block_k(block_k, fp8, sb, _MAX_SUB_BLOCKS),
-                BLOCK_K_S=_block_k(block_k, fp8_s, sb_s, _MAX_SUB_BLOCKS), STAGES=tiles.stages,
-                BITS=(2 if device.type == "cuda" else 1) if tiles.bits else 0, num_warps=num_warps)
+            stages: int, defer: bool) -> dict:
+    # FP8 steps: within one scale block, or whole ones (`_gemv_fp8_step`), at most _MAX_SUB_BLOCKS of them
+    step, step_s = _block_k(block_k, fp8, sb, _MAX_SUB_BLOCKS), _block_k(block_k, fp8_s, sb_s, _MAX_SUB_BLOCKS)
+    kb, kb_s = _sub_blocks(step, fp8, sb), _sub_blocks(step_s, fp8_s, sb_s)
+    return dict(TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_K=step, BLOCK_K_S=step_s,
+                STAGES=stages, DEFER=bool(defer), KB=kb, SUB=step // kb, KB_S=kb_s, SUB_S=step_s // kb_s,
+                num_warps=num_warps)
+
+
+def _sub_blocks(step: int, fp8: bool, sb: int) -> int:
+    """Sub-blocks of a K step of `_gemv_acc`: the scale blocks it covers (FP8 steps wider than one), else 1."""
+    return step // sb if fp8 and step > sb else 1

@@ -188,8 +188,6 @@ def run_every_tile_class():
                 *(t.to(DEVICE) for t in (q.data, q.scale)), block) for w in dense
                 for q in [FP8BlockWeight.quantize(w, block or 16)]]
             moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles)
-            if block:  # FP8 weights read by bit placement (`DecodeTiles.bits`)
-                moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(bits=True))
             if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (off: slower)
                 for stages in (2, 3):
                     moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(stages=stages))

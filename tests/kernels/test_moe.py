@@ -350,60 +350,22 @@ def test_packed_k_step_covers_whole_scale_blocks():
 
 @needs_triton
 @pytest.mark.parametrize("tiles", [(8, 32, 64, 256, 2, 8), (32, 8, 256, 32, 8, 4), (16, 16, 16, 16, 4, 4),
-                                   (8, 16, 2048, 1024, 4, 8), (8, 16, 32, 32, 4, 4, 2), (4, 32, 64, 16, 4, 4, 3)])
+                                   (8, 16, 2048, 1024, 4, 8), (8, 16, 32, 32, 4, 4, 2), (4, 32, 64, 16, 4, 4, 3),
+                                   (8, 16, 64, 256, 4, 4, 1, True, True), (64, 64, 16, 32, 4, 4, 1, True, True)])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     """Every launch shape of the decode path (what `bench/moe_decode_tiles.py` sweeps) computes the
     same experts: rows past D / I masked; FP8 steps inside one scale block (16 of 32) or over several
     (64, 256: scaled per block after its sum; 2048: capped at 32 blocks), partial scale blocks at the
     ends of D = 96, I = 80; the software-pipelined loops (stages 2, 3: gate and up in one loop, the
-    routed experts' steps in one flat loop)."""
+    routed experts' steps in one flat loop); the column sums deferred to the end of each row (`up_defer`, `down_defer`:
+    scale factors folded into the activations where a program's rows share a scale row, 8 of 32, and
+    per row where they do not, 64)."""
 
     args = _off_tile_experts(2, fp8_block, seed=5)
     with poisoned():
         y = moe_decode.decode_experts(*args, 10.0, tiles=moe_decode.DecodeTiles(*tiles))
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
-
-
-@needs_triton
-@pytest.mark.parametrize("asm", [False, True])
-def test_e4m3_bits_is_every_e4m3_value(asm):
-    """`moe_decode._e4m3_bits` places each of the 254 non-NaN e4m3 patterns (zeros, the subnormals,
-    both signs) on w · 2^-120 exactly; the PTX variant on CUDA, the integer ops everywhere."""
-    from dspark.kernels.triton_compat import tl, triton
-
-    if asm and DEVICE != "cuda":
-        pytest.skip("the PTX variant runs on CUDA only")
-
-    @triton.jit
-    def place(w_ptr, out_ptr, ASM: tl.constexpr):
-        offs = tl.arange(0, 256)
-        tl.store(out_ptr + offs, moe_decode._e4m3_bits(tl.load(w_ptr + offs), ASM))
-
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes[[0x7F, 0xFF]] = 0  # e4m3's two NaN patterns: not weights
-    w = codes.view(torch.float8_e4m3fn).to(DEVICE)
-    out = torch.full((256,), float("nan"), device=DEVICE)
-    place[(1,)](w, out, ASM=asm)
-    assert torch.equal(out.cpu().double() * 2.0 ** 120, w.cpu().double())
-
-
-@needs_triton
-@pytest.mark.parametrize("fp8_block", [32, 128])
-def test_decode_experts_bit_placed_fp8(fp8_block, poisoned):
-    """`DecodeTiles(bits=True)`: FP8 weights read through `_e4m3_bits` (no conversion instructions)
-    give the reference experts, with every tenth weight shrunk to an e4m3 subnormal or zero, at
-    steps inside one scale block and over several."""
-    x, weights, ids, *experts = _off_tile_experts(2, fp8_block, seed=11)
-    for w in experts:
-        codes = w.data.view(torch.uint8).view(-1)
-        codes[::10] &= 0x87  # exponent field 0: a subnormal (or a zero) of either sign
-    assert any((w.data.view(torch.uint8) & 0x7F).eq(0).any() for w in experts)
-    args = (x, weights, ids, *experts)
-    for tiles in (moe_decode.DecodeTiles(8, 16, 16, 16, bits=True), moe_decode.DecodeTiles(4, 8, 64, 256, bits=True)):
-        with poisoned():
-            y = moe_decode.decode_experts(*args, 10.0, tiles=tiles)
-        assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
 
 
 @needs_triton
