@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session17.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session17.sh b", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session17.sh c", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session17.sh d", kind="nvidia-h200")
 #
 # a: FP8 weights read by bit placement in the decode MoE (`DecodeTiles.bits`, `moe_decode._e4m3_bits`):
 #    its GPU tests, both kernels under Nsight Compute with and without it (one token, V4-Flash, FP8
@@ -18,6 +19,11 @@
 # c: the decode MoE's column sums deferred to the end of each row (`DecodeTiles.up_defer` /
 #    `down_defer`, `moe_decode._gemv_acc`: no cross-thread reduction and barrier per K step): its GPU
 #    tests, the V4-Flash FP8 sweep with it at 1 and 8 tokens (`shipped`: the table's shapes without it).
+#    It won only for bf16 V4-Flash at one token (shipped there); the FP8 sweep ran out of its time at
+#    32x32 blocks and 8 tokens.
+# d: with that shape shipped: the decode MoE and auto-in-flight GPU tests, the fused MoE as one op
+#    (router included, graph replays) at 1 and 8 tokens for bf16 and both FP8 kinds, and
+#    `bench/wide_spills.py` (fixed last session, never run to the end).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1; }
@@ -58,6 +64,15 @@ part_c() {
   logged c_defer_bf16 150 python3 bench/moe_decode_tiles.py --layers v4-flash,v4-mini --kinds bf16 --tokens 1 --graph \
     --rows 4,8 --defer 0,1 --out "$OUT/moe-decode-tiles-defer-bf16-h200.json"
   grep -h "shipped" $W/logs/c_defer_bf16.txt | cut -c1-900
+}
+
+part_d() {
+  tests d_tests 150 tests/kernels/test_moe.py tests/engine/test_engine_draft_lookahead_auto.py -k "decode or cuda_graphs"
+  logged d_kernels 150 python3 bench/kernels.py --graph --configs flash --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 \
+    --tokens 1,8 --model-steps 0 --out "$OUT/kernels-moe-graph-s17-h200.json"
+  tail -n 8 $W/logs/d_kernels.txt | cut -c1-200
+  logged d_spills 140 python3 bench/wide_spills.py --out "$OUT/wide-spills-h200.json"
+  tail -n 12 $W/logs/d_spills.txt | cut -c1-300
 }
 
 dispatch session17 "${1:-}"

@@ -264,9 +264,14 @@ class DecodeTiles(NamedTuple):
 # 4,8,16,32`, moe-decode-tiles-fp8-wide-h200.json; more weight bytes in flight per program): at one
 # token V4-Flash up 46.8 -> 43.8 µs, down 33.8 -> 29.9 µs; v4-mini 19.8 µs for the op -> 10.9 for
 # the kernel pair; at 8 tokens 16-32 scale blocks per step (V4-Flash op 340 µs -> pair 327 µs, v4-mini
-# 58 -> 51). The uniform shape before these tables is `DecodeTiles()`.
+# 58 -> 51). Column sums deferred to the end of each row (`_gemv_acc`; `--defer 0,1`,
+# moe-decode-tiles-defer-bf16-h200.json): V4-Flash bf16 at one token 103.5 -> 96.5 µs for the op (77 ->
+# 83 % of HBM), down kernel 41.3 -> 38.1 µs at its best shape; no gain for v4-mini (23.6 vs 24.6) or FP8
+# weights (moe-decode-tiles-defer-h200.json: one token 67.6 vs 74.3, 8 tokens 324.0 vs 404.9), which
+# keep the per-step sums. The uniform shape before these tables is `DecodeTiles()`.
 _MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 2048) -> tiles
-    (None, True, False): DecodeTiles(up_n=8, down_n=8, up_k=256, down_k=512, up_warps=4, down_warps=4),
+    (None, True, False): DecodeTiles(up_n=8, down_n=4, up_k=512, down_k=512, up_warps=4, down_warps=4,
+                                     up_defer=True, down_defer=True),
     (None, False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
     (128, True, False): DecodeTiles(up_n=8, down_n=16, up_k=2048, down_k=1024, up_warps=4, down_warps=8),
     (128, False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
