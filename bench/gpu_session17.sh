@@ -6,7 +6,8 @@
 #   run(command="bash bench/gpu_session17.sh c", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session17.sh d", kind="nvidia-h200")
 #
-# a: FP8 weights read by bit placement in the decode MoE (`DecodeTiles.bits`, `moe_decode._e4m3_bits`):
+# a (ran at 44af5c8, which part a needs to run again): FP8 weights read by bit placement in the decode
+#    MoE (`DecodeTiles.bits`, `moe_decode._e4m3_bits`):
 #    its GPU tests, both kernels under Nsight Compute with and without it (one token, V4-Flash, FP8
 #    128x128: pipe utilisation, stalls, DRAM throughput), the V4-Flash decode sweep with it at 1 and 8
 #    tokens (FP8 128x128 and 32x32; `shipped` is the table's shape without it, timed in the same run);
