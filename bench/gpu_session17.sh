@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session17.sh b", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session17.sh c", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session17.sh d", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session17.sh e", kind="nvidia-h200", timeout_s=250)
 #
 # a (ran at 44af5c8, which part a needs to run again): FP8 weights read by bit placement in the decode
 #    MoE (`DecodeTiles.bits`, `moe_decode._e4m3_bits`):
@@ -25,6 +26,7 @@
 # d: with that shape shipped: the decode MoE and auto-in-flight GPU tests, the fused MoE as one op
 #    (router included, graph replays) at 1 and 8 tokens for bf16 and both FP8 kinds, and
 #    `bench/wide_spills.py` (fixed last session, never run to the end).
+# e: part b's comparison at 32K (1, 64, 256 requests), in the device time left.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1; }
@@ -74,6 +76,13 @@ part_d() {
   tail -n 8 $W/logs/d_kernels.txt | cut -c1-200
   logged d_spills 140 python3 bench/wide_spills.py --out "$OUT/wide-spills-h200.json"
   tail -n 12 $W/logs/d_spills.txt | cut -c1-300
+}
+
+part_e() {
+  logged e_engine_32k 220 python3 bench/engine_h200.py --static-decode --overlap --decode-only --steps 8 --confidence 0.8629 \
+    --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async --requests 1,64,256 --contexts 32768 \
+    --budget-s 190 --out "$OUT/engine-h200-s17e-32k.json"
+  tail -n 30 $W/logs/e_engine_32k.txt | cut -c1-300
 }
 
 dispatch session17 "${1:-}"
