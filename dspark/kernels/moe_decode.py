@@ -83,8 +83,8 @@ def _gemv_acc(acc, v_ptr, w_ptr, s_ptr, e, n0, n_out, n_in, mult, FP8: tl.conste
     every K step only loads and multiplies-adds, and the caller sums the columns once (`_acc_sum`),
     where `_gemv` reduces across the program's threads at every step (warp shuffles, a barrier, before
     the next step's loads may issue). FP8 weights times their UE8M0 factors: when the program's rows
-    share one scale row (BLOCK_N <= SB), one factor per sub-block, folded into v; else per row and
-    sub-block. Dense weights: KB = 1, SUB = BLOCK_K."""
+    share one scale row (BLOCK_N divides SB), one factor per sub-block, folded into v; else per row
+    and sub-block. Dense weights: KB = 1, SUB = BLOCK_K."""
     BLOCK_N: tl.constexpr = acc.shape[0]
     KB: tl.constexpr = acc.shape[1]
     SUB: tl.constexpr = acc.shape[2]
@@ -99,7 +99,7 @@ def _gemv_acc(acc, v_ptr, w_ptr, s_ptr, e, n0, n_out, n_in, mult, FP8: tl.conste
         w = tl.load(rows + cols[None, :, :], mask=n_mask[:, None, None] & c_mask[None, :, :], other=0.0)
         if FP8:
             s_cols = tl.cdiv(n_in, SB)
-            if BLOCK_N <= SB:  # n0 is a multiple of BLOCK_N, so all rows lie in scale row n0 // SB
+            if tl.constexpr(SB) % BLOCK_N == 0:  # n0 is a multiple of BLOCK_N: all rows in scale row n0 // SB
                 byte = tl.load(s_ptr + (e * tl.cdiv(n_out, SB) + n0 // SB) * s_cols + first // SB,
                                mask=first < n_in, other=127)
                 factor = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
@@ -267,7 +267,7 @@ class DecodeTiles(NamedTuple):
 # 58 -> 51). Column sums deferred to the end of each row (`_gemv_acc`; `--defer 0,1`,
 # moe-decode-tiles-defer-bf16-h200.json): V4-Flash bf16 at one token 103.5 -> 96.5 µs for the op (77 ->
 # 83 % of HBM), down kernel 41.3 -> 38.1 µs at its best shape; no gain for v4-mini (23.6 vs 24.6) or FP8
-# weights (moe-decode-tiles-defer-h200.json: one token 67.6 vs 74.3, 8 tokens 324.0 vs 404.9), which
+# weights (moe-decode-tiles-defer-fp8-h200.log: one token 67.6 vs 74.3, 8 tokens 324.0 vs 404.9), which
 # keep the per-step sums. The uniform shape before these tables is `DecodeTiles()`.
 _MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 2048) -> tiles
     (None, True, False): DecodeTiles(up_n=8, down_n=4, up_k=512, down_k=512, up_warps=4, down_warps=4,
