@@ -78,20 +78,20 @@ def _gemv_fp8_step(v_ptr, w_ptr, s_ptr, e, offs_n, n_out, n_in, k0, SB: tl.const
 
 @_jit
 def _gemv_acc(acc, v_ptr, w_ptr, s_ptr, e, n0, n_out, n_in, mult, FP8: tl.constexpr, SB: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+              BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1):
     """acc [BLOCK_N, KB, SUB] fp32 plus W[e, n0 + i, k] · (mult · v[k]) at k's place, over the whole row:
     every K step only loads and multiplies-adds, and the caller sums the columns once (`_acc_sum`),
     where `_gemv` reduces across the program's threads at every step (warp shuffles, a barrier, before
     the next step's loads may issue). FP8 weights times their UE8M0 factors: when the program's rows
     share one scale row (BLOCK_N divides SB), one factor per sub-block, folded into v; else per row
-    and sub-block. Dense weights: KB = 1, SUB = BLOCK_K."""
+    and sub-block. Dense weights: KB = 1, SUB = BLOCK_K. STAGES > 1: the K loop software-pipelined."""
     BLOCK_N: tl.constexpr = acc.shape[0]
     KB: tl.constexpr = acc.shape[1]
     SUB: tl.constexpr = acc.shape[2]
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     rows = w_ptr + e * n_out * n_in + offs_n.to(tl.int64)[:, None, None] * n_in
-    for k0 in range(0, n_in, BLOCK_K):
+    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
         first = k0 + tl.arange(0, KB) * SUB  # [KB] first column of each sub-block
         cols = first[:, None] + tl.arange(0, SUB)[None, :]  # [KB, SUB]
         c_mask = cols < n_in
@@ -131,8 +131,8 @@ def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim
     if DEFER:
         zero = tl.zeros((offs_n.shape[0], KB, SUB), dtype=tl.float32)
         n0 = tl.program_id(1) * offs_n.shape[0]
-        gate = _acc_sum(_gemv_acc(zero, x_row_ptr, w1_ptr, s1_ptr, e, n0, n_out, dim, 1.0, FP8, SB, BLOCK_K))
-        up = _acc_sum(_gemv_acc(zero, x_row_ptr, w3_ptr, s3_ptr, e, n0, n_out, dim, 1.0, FP8, SB, BLOCK_K))
+        gate = _acc_sum(_gemv_acc(zero, x_row_ptr, w1_ptr, s1_ptr, e, n0, n_out, dim, 1.0, FP8, SB, BLOCK_K, STAGES))
+        up = _acc_sum(_gemv_acc(zero, x_row_ptr, w3_ptr, s3_ptr, e, n0, n_out, dim, 1.0, FP8, SB, BLOCK_K, STAGES))
     elif STAGES > 1:
         gate = tl.zeros(offs_n.shape, dtype=tl.float32)
         up = tl.zeros(offs_n.shape, dtype=tl.float32)
@@ -224,7 +224,7 @@ def _decode_down_kernel(
             a = t * TOP_K + k
             e = tl.load(ids_ptr + a).to(tl.int64)
             routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter, tl.load(wts_ptr + a),
-                               FP8, SB, BLOCK_K)
+                               FP8, SB, BLOCK_K, STAGES)
         acc += _acc_sum(routed)
     else:
         acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
@@ -246,8 +246,8 @@ class DecodeTiles(NamedTuple):
     up_warps: int = 4
     down_warps: int = 4
     stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
-    up_defer: bool = False  # True: the kernel's column sums deferred to the end of each row (`_gemv_acc`;
-    down_defer: bool = False  # `stages` unused there)
+    up_defer: bool = False  # True: the kernel's column sums deferred to the end of each row (`_gemv_acc`,
+    down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers

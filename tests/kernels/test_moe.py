@@ -351,7 +351,7 @@ def test_packed_k_step_covers_whole_scale_blocks():
 @needs_triton
 @pytest.mark.parametrize("tiles", [(8, 32, 64, 256, 2, 8), (32, 8, 256, 32, 8, 4), (16, 16, 16, 16, 4, 4),
                                    (8, 16, 2048, 1024, 4, 8), (8, 16, 32, 32, 4, 4, 2), (4, 32, 64, 16, 4, 4, 3),
-                                   (8, 16, 64, 256, 4, 4, 1, True, True), (64, 64, 16, 32, 4, 4, 1, True, True)])
+                                   (8, 16, 64, 256, 4, 4, 1, True, True), (64, 64, 16, 32, 4, 4, 2, True, True)])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     """Every launch shape of the decode path (what `bench/moe_decode_tiles.py` sweeps) computes the
@@ -360,7 +360,7 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
     ends of D = 96, I = 80; the software-pipelined loops (stages 2, 3: gate and up in one loop, the
     routed experts' steps in one flat loop); the column sums deferred to the end of each row (`up_defer`, `down_defer`:
     scale factors folded into the activations where a program's rows share a scale row, 8 of 32, and
-    per row where they do not, 64)."""
+    per row where they do not, 64; with its K loops pipelined, stages 2)."""
 
     args = _off_tile_experts(2, fp8_block, seed=5)
     with poisoned():
