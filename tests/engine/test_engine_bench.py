@@ -26,6 +26,9 @@ def test_engine_bench_smoke_writes_every_section(tmp_path):
     assert {p["new_tokens"] for p in r["prefill"]} | {s.get("new_tokens") for s in r["skipped"]} >= {16, 32}
     assert r["roofline"]["roofline_s"] > 0 and "peer" in r and "summary" in r
     assert set(r["capacity"]) == {"40", "100"}
+    if r["peer"].get("available"):  # the ratio a roofline step would reach against the same peer
+        s, roof = r["summary"], r["roofline"]["roofline_s"]
+        assert abs(s["ratio_vs_hf_at_roofline"] * roof * r["peer"]["tok_s_decode"] - 1) < 1e-9
 
 
 def test_engine_bench_smoke_static_decode_runs_every_decode_cell_on_static_slots(tmp_path):
