@@ -74,6 +74,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _profile(args) -> int:
+    from dspark.draft import resolve_drafter
     from dspark.profile import ProfileConfig, profile_capacity  # only this subcommand needs it
 
     if args.device == "cpu":
@@ -81,9 +82,11 @@ def _profile(args) -> int:
     config = ProfileConfig(args.batch_tokens, args.context, args.width, args.warmup, args.repeats, args.prefill_chunk,
                            plain=not args.no_plain)
     model = _load(args.model, args.device)
+    drafter = resolve_drafter(model, args.drafter) if args.drafter else None
     table = profile_capacity(model, config, model_name=args.model,
                              progress=lambda b, s, what: print(f"{what}={b:>6}  {s * 1e3:9.3f} ms  {1 / s:9.1f} steps/s",
-                                                               file=sys.stderr))
+                                                               file=sys.stderr),
+                             drafter=drafter, drafter_name=args.drafter or "")
     table.save(args.out)
     print(f"wrote {args.out} ({table.label})", file=sys.stderr)
     return 0
@@ -106,6 +109,9 @@ def _add_profile(sub) -> None:
                    help="skip the plain steps (one token per request), the curve budget 0 is priced by")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    p.add_argument("--drafter", default=None, choices=("dspark", "mtp"),
+                   help="also time this drafter's propose in every width probe: the table prices drafting "
+                        "rounds against plain ones (what --draft-tokens auto needs to skip drafting)")
     p.add_argument("--out", required=True, help="capacity table JSON to write")
     p.set_defaults(run=_profile)
 
@@ -150,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--drafter", default=None, help="dspark, mtp or ngram (default: the model's best)")
     g.add_argument("--planner", default="async", help="async (default) or sync (with --draft-tokens auto)")
     g.add_argument("--capacity", default=None,
-                   help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: CPU table)")
+                   help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: the drafter's table for this device type, e.g. dspark-tiny's for CPUs, "
+                        "else a synthetic CPU table)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1: the small models here lose time to thread hand-offs)")

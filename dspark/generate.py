@@ -37,7 +37,8 @@ def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 0.0, 
         None picks the model's DSpark stages, else its MTP block, else n-gram lookup.
     planner : "async" (default; budget from confidences two rounds old, the production scheme) or
         "sync" (paper Algorithm 1), used with draft_tokens="auto" over `capacity` (default: the
-        shipped CPU table).
+        drafter's own table for the model's device type where it ships one, as dspark-tiny does for
+        CPUs, else a synthetic CPU table; `dspark.engine.engine.default_capacity`).
 
     Returns
     -------

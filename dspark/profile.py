@@ -15,6 +15,13 @@ flight's budget 0). A width-`width` probe at B = R spreads R tokens over R / wid
 underprices it; the table keeps these as its plain curve (`CapacityTable.plain`), which the planner
 reads for budget 0.
 
+Drafting (`drafter`, optional): a drafting round also runs the drafter, so with a drafter every width
+probe adds the median time of one `propose` of a γ-block for its ceil(B / width) requests (greedy, each
+drafter state holding the same `context` as the target's), and the plain curve stays drafter-free:
+the table then prices a drafting round against a plain one, and the planners' budget 0 ("auto"'s plain
+rounds) is chosen exactly where drafting does not pay. The drafter's `observe` of the committed rows
+is not timed (about 1 ms of a 40 ms dspark-tiny round on a CPU core).
+
 The table is labelled with the device and torch version and carries the model config, context,
 width and date in `conditions`, so a table is never read as a measurement of something else.
 """
@@ -27,9 +34,11 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import median
 
 import torch
 
+from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
 
 
@@ -85,18 +94,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_states(model, requests: int, context: int, chunk: int, seed: int = 0) -> list:
-    """`requests` fresh target states, each fed `context` random tokens (chunked, batched)."""
+def build_states(model, requests: int, context: int, chunk: int, seed: int = 0, drafter=None) -> list:
+    """`requests` fresh target states, each fed `context` random tokens (chunked, batched); with a
+    drafter, returns (target states, drafter states), the drafter having observed every fed row."""
     g = torch.Generator().manual_seed(seed)
     states = [model.new_state() for _ in range(requests)]
+    dstates = [drafter.new_state() for _ in range(requests)] if drafter is not None else None
     vocab = model.config.vocab_size
+    capture = drafter.capture_layers if drafter is not None else ()
     for start in range(0, context, chunk):
         n = min(chunk, context - start)
-        for lo in range(0, requests, max(1, chunk // n)):  # about `chunk` tokens per call
-            group = states[lo:lo + max(1, chunk // n)]
+        step = max(1, chunk // n)  # about `chunk` tokens per call
+        for lo in range(0, requests, step):
+            group = states[lo:lo + step]
             ids = torch.randint(0, vocab, (n * len(group),), generator=g).to(model.device)
-            model(ids, group, [n] * len(group))
-    return states
+            out = model(ids, group, [n] * len(group), capture_layers=capture)
+            for j, dstate in enumerate(dstates[lo:lo + step] if dstates is not None else ()):
+                rows = slice(j * n, (j + 1) * n)
+                drafter.observe(dstate, ids[rows], out.hidden[rows], {i: f[rows] for i, f in out.features.items()})
+    return (states, dstates) if drafter is not None else states
+
+
+def time_propose(drafter, dstates: list, vocab: int, generator: torch.Generator, device: torch.device) -> float:
+    """Seconds of one greedy `propose` of a γ-block for every state of `dstates` (states unchanged),
+    from random anchors in [0, vocab)."""
+    anchors = torch.randint(0, vocab, (len(dstates),), generator=generator).tolist()
+    _sync(device)
+    t = time.perf_counter()
+    drafter.propose(dstates, anchors, SamplingParams(), [torch.Generator(device=device) for _ in dstates])
+    _sync(device)
+    return time.perf_counter() - t
 
 
 def time_step(model, states: list, lens: Sequence[int], generator: torch.Generator, rewind: bool = True) -> float:
@@ -117,18 +144,26 @@ def time_step(model, states: list, lens: Sequence[int], generator: torch.Generat
 
 @torch.inference_mode()
 def profile_capacity(model, config: ProfileConfig = ProfileConfig(), model_name: str = "",
-                     progress=None) -> CapacityTable:
-    """Measure SPS at every `config.batch_tokens` probe; returns the labelled table.
+                     progress=None, drafter=None, drafter_name: str = "") -> CapacityTable:
+    """Measure SPS at every `config.batch_tokens` probe; returns the labelled table. With `drafter`
+    (a `Drafter`), each width probe's time includes one propose for its requests (module docstring).
 
     `progress(size, seconds, what)` (optional) is called after each probe: what "B" for a width
-    probe of B batch tokens, "plain R" for a plain step of R requests.
+    probe of B batch tokens, "plain R" for a plain step of R requests, "propose R" for a drafter's
+    propose for R requests.
     """
     device = torch.device(model.device)
     requests = math.ceil(config.batch_tokens[-1] / config.width)
-    states = build_states(model, requests, config.context, config.prefill_chunk)
+    built = build_states(model, requests, config.context, config.prefill_chunk, drafter=drafter)
+    states, dstates = built if drafter is not None else (built, None)
     g = torch.Generator().manual_seed(1)
     samples = {b: _probe(model, states, split_tokens(b, config.width), config, g, progress, b)
                for b in config.batch_tokens}
+    if drafter is not None:
+        vocab = model.config.vocab_size
+        drafting = {r: median(_probe_propose(drafter, dstates[:r], vocab, config, g, device, progress))
+                    for r in sorted({len(split_tokens(b, config.width)) for b in config.batch_tokens})}
+        samples = {b: [t + drafting[len(split_tokens(b, config.width))] for t in ts] for b, ts in samples.items()}
     plain = {r: _probe(model, states, [1] * r, config, g, progress, r, "plain R")
              for r in config.batch_tokens if r <= requests} if config.plain else None
     name = device_name(device)
@@ -139,8 +174,13 @@ def profile_capacity(model, config: ProfileConfig = ProfileConfig(), model_name:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": "median of timed target forwards over ceil(B/width) requests with `context` tokens of state",
         "plain_method": "median of timed target forwards of one token for each of R requests" if plain else None,
+        "draft_method": (f"{drafter_name or type(drafter).__name__}: the median of timed greedy propose calls of a "
+                         f"γ={drafter.block_size} block for ceil(B/width) requests, added to every width probe; "
+                         f"observe not timed") if drafter is not None else None,
     }
     label = f"{name}, torch {torch.__version__}, {model_name or type(model).__name__}, ctx {config.context}"
+    if drafter is not None:
+        label += f", drafting rounds ({drafter_name or type(drafter).__name__})"
     return CapacityTable.from_step_times(samples, label, f"width {config.width}, {conditions['date']}", conditions,
                                          plain)
 
@@ -153,4 +193,15 @@ def _probe(model, states: list, lens: list[int], config: ProfileConfig, generato
     seconds = [time_step(model, states[:len(lens)], lens, generator) for _ in range(config.repeats)]
     if progress is not None:
         progress(size, min(seconds), what)
+    return seconds
+
+
+def _probe_propose(drafter, dstates: list, vocab: int, config: ProfileConfig, generator, device,
+                   progress) -> list[float]:
+    """`config.repeats` timed proposes for `dstates` (after `warmup` untimed ones)."""
+    for _ in range(config.warmup):
+        time_propose(drafter, dstates, vocab, generator, device)
+    seconds = [time_propose(drafter, dstates, vocab, generator, device) for _ in range(config.repeats)]
+    if progress is not None:
+        progress(len(dstates), min(seconds), "propose R")
     return seconds

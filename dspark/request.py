@@ -80,7 +80,8 @@ class Request:
     `feed` is what prefill feeds: the prompt, or after a preemption the prompt plus every committed
     token but the anchor; `prefilled` counts the tokens of `feed` already fed (chunked prefill).
     `confidences` keeps the last two
-    rounds' draft confidences for the asynchronous planner. `domain` is a free-form tag (e.g. the
+    rounds' draft confidences for the asynchronous planner; `plain_run` counts the plain rounds in a row
+    "auto" ran for it and `plain_probes` the plain probes in a row that ended them (`dspark.round`). `domain` is a free-form tag (e.g. the
     evaluation set) copied into every round trace record so analyses can group by it.
     """
 
@@ -98,6 +99,8 @@ class Request:
     finish_reason: str | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     confidences: deque = field(default_factory=lambda: deque(maxlen=2))
+    plain_run: int = 0
+    plain_probes: int = 0
     feed: list[int] | None = None
 
     def __post_init__(self):
@@ -120,6 +123,7 @@ class Request:
         self.feed = self.prompt + self.out[:-1]
         self.prefilled = 0
         self.confidences.clear()  # the asynchronous planner treats the rebuilt request as new
+        self.plain_run = self.plain_probes = 0
         self.stats.preemptions += 1
 
     @property

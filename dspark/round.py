@@ -2,7 +2,9 @@
 
     draft   the drafter proposes a γ-block per request from its anchor (the last committed token); a
             DSpark drafter under a fixed budget n < γ drafts only the n slots that can be verified
-    plan    the planner chooses how many of the drafts each request sends to the target (ℓ_r)
+    plan    the planner chooses how many of the drafts each request sends to the target (ℓ_r); with
+            "auto" and the asynchronous planner the round's total budget K is fixed before drafting,
+            from confidences two rounds old, and K = 0 makes it a plain round that drafts nothing
     verify  one ragged target call over [anchor, x_0 .. x_{ℓ-1}] per request, then exact acceptance
     commit  rewind the target state to anchor + accepted drafts, feed those rows to the drafter,
             append accepted drafts + the correction/bonus token
@@ -23,7 +25,15 @@ from dspark.request import Request
 from dspark.sampling import greedy, probs_from_logits, sample
 from dspark.verify.acceptance import accept_greedy, verify_chain_batch
 from dspark.verify.capacity import CapacityTable
-from dspark.verify.planner import VerifyPlan, plan_algorithm1, plan_async, plan_fixed
+from dspark.verify.planner import VerifyPlan, async_budget, plan_algorithm1, plan_fixed, select_top_k
+
+# "auto" (asynchronous planner): after PLAIN_PROBE_FIRST plain rounds in a row a request's next round
+# drafts (budget >= 1, the plain probe), so a batch that went plain sees fresh confidences and drafts again
+# once the text got easier; each further probe in a row that finds plain decoding better doubles the wait,
+# up to PLAIN_PROBE_MAX (a probe costs a drafting round that the stale rows said would not pay). The
+# static engine's round in flight probes every `draft_lookahead.PLAIN_PROBE_EVERY` rounds.
+PLAIN_PROBE_FIRST = 4
+PLAIN_PROBE_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -103,14 +113,62 @@ def _draft(drafter, live: list[Request], n_draft: int | None = None):
     return tokens, probs, torch.stack(conf), logits
 
 
-def _plan(live: list[Request], confidence: torch.Tensor, cfg: RoundConfig, gamma: int) -> VerifyPlan:
-    """ℓ_r per request; never more drafts than the request can still commit."""
-    caps = [min(gamma, r.remaining - 1) for r in live]
+def _caps(live: list[Request], gamma: int) -> list[int]:
+    """Never more drafts than a request can still commit (its bonus token included)."""
+    return [min(gamma, r.remaining - 1) for r in live]
+
+
+def _prior(drafter, req: Request) -> torch.Tensor | None:
+    """fp32 [γ] conditional acceptance of the drafter's calibration for `req`'s kind, or None."""
+    calibration_for = getattr(drafter, "calibration_for", None)  # drafters without a confidence head lack it
+    calibration = calibration_for(req.params.greedy) if calibration_for is not None else None
+    if calibration is None or not calibration.acceptance:
+        return None
+    return torch.tensor(calibration.acceptance, dtype=torch.float32)
+
+
+def _budget_before_drafting(live: list[Request], cfg: RoundConfig, drafter) -> tuple[int | None, bool]:
+    """"auto" with the asynchronous planner: the round's total budget K, fixed before anything is drafted
+    (`async_budget` over each request's confidences two rounds old, K = 0 pricing a plain round at
+    `capacity.plain(R)`); None for the other modes, which size the round after drafting.
+
+    A request without rows that old (its first two rounds) is planned with its calibration's prior
+    (`StsCalibration.acceptance`, the calibration rounds' conditional acceptance, for its kind:
+    greedy or sampled), else as survival 1; a prior is fixed before anything is drafted, so the
+    round stays non-anticipating. Without it every request would start with two full-width drafting
+    rounds, which at temperature 1 on dspark-tiny cost more than short generations gain.
+
+    K = 0 means the round drafts nothing. A plain round makes no confidences, so the stale rows would
+    stay those of the last drafting round and the batch would stay plain: once a request has run
+    `probe_wait(r)` plain rounds in a row, the round drafts (K >= 1: the plain probe) and its
+    confidences are fresh. Returns (K, whether the round is a plain probe); (None, False) when the
+    mode sizes the round after drafting."""
+    if drafter is None or cfg.draft_tokens != "auto" or cfg.planner != "async":
+        return None, False
+    stale = [r.confidences[0] if len(r.confidences) == 2 else _prior(drafter, r) for r in live]
+    gamma = drafter.block_size
+    caps = _caps(live, gamma)
+    budget = async_budget(stale, gamma, cfg.capacity, caps)
+    if budget == 0 and any(r.plain_run >= probe_wait(r) for r in live):
+        return async_budget(stale, gamma, cfg.capacity, caps, min_budget=1), True
+    return budget, False
+
+
+def probe_wait(req: Request) -> int:
+    """Plain rounds in a row before `req`'s next plain probe: PLAIN_PROBE_FIRST, doubled for each probe
+    in a row since its last drafting round that was not a probe, at most PLAIN_PROBE_MAX."""
+    return min(PLAIN_PROBE_FIRST << min(req.plain_probes, 16), PLAIN_PROBE_MAX)
+
+
+def _plan(live: list[Request], confidence: torch.Tensor, cfg: RoundConfig, gamma: int,
+          budget: int | None) -> VerifyPlan:
+    """ℓ_r per request: the fixed budget, the `budget` best current candidates (asynchronous "auto",
+    `budget` from `_budget_before_drafting`), or Algorithm 1 over the current confidences."""
+    caps = _caps(live, gamma)
     if cfg.draft_tokens != "auto":
         return plan_fixed(cfg.draft_tokens, gamma, len(live), caps)
-    if cfg.planner == "async":
-        stale = [r.confidences[0] if len(r.confidences) == 2 else None for r in live]
-        return plan_async(confidence, stale, cfg.capacity, caps)
+    if budget is not None:
+        return select_top_k(confidence, budget, caps)
     return plan_algorithm1(confidence, cfg.capacity, caps)
 
 
@@ -125,14 +183,22 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
     engine's static drafter observes every row of the verify step inside `forward`: the next anchor
     position hides the rejected ones)."""
     anchors = [r.out[-1] for r in live]
-    if drafter is None:
+    budget, probing = _budget_before_drafting(live, cfg, drafter)
+    if drafter is None or budget == 0:
         drafts, probs, confidence, logits = [[] for _ in live], [None] * len(live), None, [None] * len(live)
         plan = VerifyPlan((0,) * len(live))
+        if drafter is not None:  # auto's plain round: each request keeps its newest drafting round's row
+            for r in live:
+                if r.confidences:
+                    r.confidences.append(r.confidences[-1])
+                r.plain_run += 1
     else:
         drafts, probs, confidence, logits = (draft or partial(_draft, drafter, n_draft=cfg.n_draft))(live)  # draft
-        plan = _plan(live, confidence, cfg, drafter.block_size)                  # plan
+        plan = _plan(live, confidence, cfg, drafter.block_size, budget)                  # plan
         for r, c in zip(live, confidence):
             r.confidences.append(c)
+            r.plain_probes = r.plain_probes + 1 if probing and r.plain_run >= probe_wait(r) else 0
+            r.plain_run = 0
     blocks = [[a] + d[:n] for a, d, n in zip(anchors, drafts, plan.draft_lens)]
     starts = [r.state.length for r in live]
     out, offsets = (forward or partial(_forward, model))(live, blocks, drafter)  # verify

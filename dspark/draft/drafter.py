@@ -14,7 +14,8 @@ rows, fewer of them; on a GPU the head's low-precision GEMM over fewer rows may 
 
 The drafter holds the target only to borrow its frozen embedding and LM head (spec §1.5); the
 trainable network is `self.model` (a `DSparkModel`, keys `mtp.*`). Confidence logits z_k become
-c_k = σ(z_k / T_k) with the STS temperatures of `calibration` (identity when None).
+c_k = σ(z_k / T_k + b_k) with the STS calibration of the request's kind, greedy or sampled
+(`calibration_for`; identity when None).
 
 Shape symbols: B requests, γ block size, V vocabulary, D hidden size, n committed rows.
 """
@@ -31,6 +32,7 @@ from dspark.draft.context import DSparkState, gather_context
 from dspark.draft.dspark_v4 import BlockOutput, DSparkModel, check_n_draft, target_kernels
 from dspark.draft.markov_head import sample_chain
 from dspark.sampling import SamplingParams
+from dspark.verify.capacity import CapacityTable
 from dspark.verify.sts import StsCalibration
 
 
@@ -54,11 +56,17 @@ class DSparkDrafter:
     model : an existing `DSparkModel` to wrap (loaded or being trained); default a new one, in the
         target's dtype and device, with torch's default initialisation (call `init_weights` or load
         weights before drafting).
-    calibration : StsCalibration with γ temperatures, or None for c_k = σ(z_k).
+    calibration : StsCalibration with γ temperatures, or None for c_k = σ(z_k): for sampled requests,
+        and for greedy ones unless `greedy_calibration` is given.
+    greedy_calibration : StsCalibration fitted on greedy rounds, for greedy requests (acceptance under
+        greedy verification differs from sampled acceptance, `dspark.verify.sts`), or None.
+
+    `capacity_tables` maps a device type ("cpu", "cuda") to the capacity table shipped with the drafter
+    for it (`dspark.draft.io`), the engine's default planner table there; empty unless loaded.
     """
 
     def __init__(self, target, config: DSparkConfig | None = None, model: DSparkModel | None = None,
-                 calibration: StsCalibration | None = None):
+                 calibration: StsCalibration | None = None, greedy_calibration: StsCalibration | None = None):
         if config is None:
             config = model.config if model is not None else DSparkConfig.for_target(target.config)
         if model is None:
@@ -72,13 +80,24 @@ class DSparkDrafter:
         self.block_size = config.dspark_block_size
         self.capture_layers = tuple(config.dspark_target_layer_ids)
         self.window = model.window
-        self.calibration = None
+        self.calibration = self.greedy_calibration = None
+        self.capacity_tables: dict[str, CapacityTable] = {}
         self.set_calibration(calibration)
+        self.set_calibration(greedy_calibration, greedy=True)
 
-    def set_calibration(self, calibration: StsCalibration | None) -> None:
+    def set_calibration(self, calibration: StsCalibration | None, greedy: bool = False) -> None:
+        """Set the calibration of sampled requests (`greedy` False; also greedy ones', unless a greedy
+        calibration is set) or of greedy requests (`greedy` True)."""
         if calibration is not None and calibration.gamma != self.block_size:
             raise ValueError(f"calibration: fitted for γ={calibration.gamma}, drafter has γ={self.block_size}")
-        self.calibration = calibration
+        if greedy:
+            self.greedy_calibration = calibration
+        else:
+            self.calibration = calibration
+
+    def calibration_for(self, greedy: bool) -> StsCalibration | None:
+        """The calibration of greedy (True) or sampled (False) requests; None: c_k = σ(z_k)."""
+        return self.greedy_calibration or self.calibration if greedy else self.calibration
 
     def init_weights(self, seed: int = 0) -> DSparkDrafter:
         self.model.init_weights(seed)
@@ -125,7 +144,8 @@ class DSparkDrafter:
         tokens, probs, prev_embeds = sample_chain(self.model.markov_head, out.base, out.hidden, anchor_ids,
                                                   params, generators)
         z = self.model.confidence_head(out.hidden_pre, prev_embeds)  # [B, k] raw logits
-        conf = self.calibration.apply_first(z) if self.calibration is not None else torch.sigmoid(z)
+        calibration = self.calibration_for(params.greedy)
+        conf = calibration.apply_first(z) if calibration is not None else torch.sigmoid(z)
         return DraftProposal(tokens, probs, conf, confidence_logits=z)
 
     def block_logits(self, dstates: list[DSparkState], anchors: list[int], n_draft: int | None = None) -> BlockDraft:

@@ -6,7 +6,11 @@ Two homes for the same weights (keys `mtp.{i}.*`, dspark spec §7.1):
       config.json        {"format": "dspark-drafter/1", dspark_* keys, "stage_kind": "v4" | "shipped",
                           "target": {...}}
       model.safetensors  the `mtp.*` tensors, unquantised
-      sts.json           optional STS calibration (`dspark.verify.sts.StsCalibration`)
+      sts.json           optional STS calibration (`dspark.verify.sts.StsCalibration`) of sampled requests
+      sts-greedy.json    optional STS calibration of greedy requests (default: sts.json's)
+      capacity-<device type>.json   optional capacity tables (`dspark.verify.capacity`) of this drafter
+                         with its target on that kind of device ("cpu", "cuda"), drafting rounds
+                         priced (`dspark profile --drafter`): the engine's default there
   `target` records the target's shape-defining fields; loading refuses a target that differs.
   `stage_kind` (`dspark_v4.STAGE_KINDS`; "v4" when absent, as directories written before it) says
   which stage modules the weights belong to: "shipped" for a V4.1 target are V4.1 blocks. For a
@@ -37,11 +41,14 @@ from dspark.models.deepseek_v4.checkpoint import encode_tensor, holds_dspark_sta
 from dspark.models.deepseek_v41 import checkpoint as v41_checkpoint
 from dspark.models.deepseek_v41.config import DeepseekV41Config
 from dspark.quant import FP4_BLOCK, V4_DENSE_BLOCK, V41_DENSE_BLOCK
+from dspark.verify.capacity import CapacityTable
 from dspark.verify.sts import StsCalibration
 
 FORMAT = "dspark-drafter/1"
 CONFIG_FILE = "config.json"
 STS_FILE = "sts.json"
+GREEDY_STS_FILE = "sts-greedy.json"
+CAPACITY_PREFIX = "capacity-"
 # Target fields a drafter's weights depend on (shapes, features, vocabulary); recorded and checked.
 TARGET_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "hc_mult", "head_dim",
                  "num_attention_heads", "q_lora_rank", "o_groups", "o_lora_rank", "moe_intermediate_size")
@@ -72,6 +79,10 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     if drafter.calibration is not None:
         drafter.calibration.save(path / STS_FILE)
+    if drafter.greedy_calibration is not None:
+        drafter.greedy_calibration.save(path / GREEDY_STS_FILE)
+    for device_type, table in drafter.capacity_tables.items():
+        table.save(path / f"{CAPACITY_PREFIX}{device_type}.json")
 
 
 def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> DSparkDrafter:
@@ -79,7 +90,8 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
 
     The drafter lives on the target's device, in `dtype` (default: the target's; training continues
     in float32), with stages of the recorded `stage_kind` (V4.1 stages take the target's cache QAT);
-    `sts.json`, when present, sets its calibration. Raises FileNotFoundError for a missing
+    `sts.json` and `sts-greedy.json`, when present, set its calibrations (sampled requests', greedy
+    requests'). Raises FileNotFoundError for a missing
     directory, ValueError for another format, an unknown stage kind, a target that differs in a
     recorded field (named), or weights that do not match the config.
     """
@@ -104,8 +116,11 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
                         kernels=target_kernels(target)).eval()
     drafter = DSparkDrafter(target, dspark_config, model)
     _load_weights(drafter, path, lambda key: key)
-    if (path / STS_FILE).is_file():
-        drafter.set_calibration(StsCalibration.load(path / STS_FILE, gamma=drafter.block_size))
+    for name, greedy in ((STS_FILE, False), (GREEDY_STS_FILE, True)):
+        if (path / name).is_file():
+            drafter.set_calibration(StsCalibration.load(path / name, gamma=drafter.block_size), greedy=greedy)
+    drafter.capacity_tables = {f.name[len(CAPACITY_PREFIX):-len(".json")]: CapacityTable.load(f)
+                               for f in sorted(path.glob(f"{CAPACITY_PREFIX}*.json"))}
     return drafter
 
 

@@ -61,7 +61,7 @@ class StaticDrafter:
                                       self.device)
         # per slot: the noise key of its request (`static_chain.noise_key`), which sampled drafts hash
         self.noise_keys = torch.zeros(shape.slots, dtype=torch.long, device=self.device)
-        self._calibration, self._conf_temps = None, None
+        self._calibrations, self._conf_params = None, None
 
     def load(self, slot: int, dstate: DSparkState, key: int = 0) -> int:
         """Copy a request's dynamic draft state and its noise key (`static_chain.noise_key`; greedy
@@ -137,20 +137,35 @@ class StaticDrafter:
         tokens, probs, prev_embeds = sample_chain_static(drafter.model.markov_head, out.base, out.hidden, anchors,
                                                          temperature, self.noise_keys[:b], positions)
         z = drafter.model.confidence_head(out.hidden_pre, prev_embeds)  # [b, k] raw logits
-        temps = self._calibration_temps()
-        conf = torch.sigmoid(z / temps[:k]) if temps is not None else torch.sigmoid(z)
-        return DraftProposal(tokens, probs, conf, confidence_logits=z)
+        return DraftProposal(tokens, probs, self._confidence(z, temperature), confidence_logits=z)
 
-    def _calibration_temps(self) -> torch.Tensor | None:
-        """The drafter's STS temperatures of the k drafted slots as a device tensor [k], built once per
-        calibration object (a host-to-device copy cannot run inside a capture: set the calibration
-        before capturing)."""
-        calibration = self.drafter.calibration
-        if calibration is not self._calibration:
-            self._calibration = calibration
-            self._conf_temps = None if calibration is None else torch.tensor(
-                calibration.temperatures[:self.n_draft], dtype=torch.float32, device=self.device)
-        return self._conf_temps
+    def _confidence(self, z: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+        """c = σ(z / T + b) [b, k] of raw logits z [b, k], each row with its kind's calibration (greedy
+        rows: temperature 0 or None, `DSparkDrafter.calibration_for`), chosen on the device; the same
+        ops as `StsCalibration.apply_first`, so the same bits as the dynamic drafter's."""
+        params = self._calibration_params()
+        if params is None:
+            return torch.sigmoid(z)
+        k = z.shape[1]
+        temps, bias = params[:, 0, :k], params[:, 1, :k]  # [2, k] each: row 0 sampled, row 1 greedy
+        if temperature is None:
+            return torch.sigmoid(z / temps[1] + bias[1])
+        greedy_row = (temperature == 0)[:, None]  # [b, 1]
+        return torch.sigmoid(z / torch.where(greedy_row, temps[1], temps[0]) + torch.where(greedy_row, bias[1], bias[0]))
+
+    def _calibration_params(self) -> torch.Tensor | None:
+        """fp32 [2 (sampled, greedy), 2 (T, b), n_draft] of the drafter's calibrations on the device,
+        None when it has neither; built once per pair of calibration objects (a host-to-device copy
+        cannot run inside a capture: set the calibrations before capturing)."""
+        pair = (self.drafter.calibration_for(False), self.drafter.calibration_for(True))
+        if self._calibrations is None or any(a is not b for a, b in zip(pair, self._calibrations)):
+            self._calibrations = pair
+            k = self.n_draft
+            rows = [[[1.0] * k, [0.0] * k] if c is None else
+                    [list(c.temperatures[:k]), list(c.offsets[:k])] for c in pair]
+            self._conf_params = None if pair == (None, None) else torch.tensor(rows, dtype=torch.float32,
+                                                                                device=self.device)
+        return self._conf_params
 
     def _check_index(self, name: str, t: torch.Tensor, slots: int) -> None:
         """t must be a long [b] tensor on the device, b = `slots` in [1, S]."""

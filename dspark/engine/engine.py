@@ -75,7 +75,9 @@ class EngineConfig:
     planner : "async" (default: the production scheme, spec §4.3: budget from confidences two rounds
         old, so a round can be launched before the previous one is read) or "sync" (Algorithm 1,
         which reads each round's own confidences on the host first).
-    capacity : SPS(B) table the planner reads; default: the shipped CPU table.
+    capacity : SPS(B) table the planner reads; default: the drafter's own table for the model's device
+        type where it ships one (`DSparkDrafter.capacity_tables`; dspark-tiny: one measured on a CPU
+        core), else the synthetic CPU table (`default_cpu_table`).
     trace : keep one record per request per round (see `take_trace`).
     state_budget_bytes : device memory for per-request decode state (target and drafter), in bytes;
         None sizes it for `max_running` requests at their longest, so nothing is ever preempted.
@@ -173,8 +175,8 @@ class Engine:
             raise ValueError(f"draft_tokens={config.draft_tokens} exceeds the drafter's block size "
                              f"γ={self.drafter.block_size}")
         self.n_draft = draft_width(self.drafter, config.draft_tokens)
-        self.round_config = RoundConfig(config.draft_tokens, config.planner, config.capacity or default_cpu_table(),
-                                        self.n_draft)
+        self.round_config = RoundConfig(config.draft_tokens, config.planner,
+                                        config.capacity or default_capacity(self.drafter, model.device), self.n_draft)
         self.eos = frozenset(_eos_ids(model.config))
         self.scheduler = _scheduler(model, self.drafter, config)
         self.static = static_by_default(model) if config.static_decode is None else config.static_decode
@@ -421,6 +423,13 @@ class Engine:
                              f"static_context={self.config.slot_context}")
         if request_id is not None and any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
             raise ValueError(f"request_id {request_id!r} is already in flight")
+
+
+def default_capacity(drafter, device) -> CapacityTable:
+    """The planner's table when none is given: the drafter's own for this device type, else the
+    synthetic CPU table."""
+    tables = getattr(drafter, "capacity_tables", None) or {}
+    return tables.get(torch.device(device).type) or default_cpu_table()
 
 
 def draft_width(drafter, draft_tokens: int | str) -> int | None:

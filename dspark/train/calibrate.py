@@ -103,4 +103,4 @@ def calibrate_sts(model, drafter, prompts: list[list[int]], max_new_tokens: int 
     """Fit per-position temperatures for `drafter` on held-out `prompts` at the serving sampling
     settings. Returns the calibration; `drafter.set_calibration(cal)` (and `save_drafter`) deploy it."""
     logits, accepted = record_rounds(model, drafter, prompts, max_new_tokens, temperature, top_p, seed)
-    return fit_sts(logits, accepted, objective=objective, dataset=dataset)
+    return fit_sts(logits, accepted, objective=objective, dataset=dataset, sampling_temperature=temperature)

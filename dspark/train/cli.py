@@ -3,10 +3,12 @@
     dspark target-cache --model CKPT --prompts prompts.jsonl --out train.jsonl [--max-new-tokens N]
     dspark train-draft --model CKPT --data train.jsonl --out drafter/ [--steps N ...]
     dspark calibrate-draft --model CKPT --drafter drafter/ --prompts heldout.jsonl [--temperature T]
+                           [--objective nll|ece|affine]
 
 `target-cache` records the target's own (greedy or sampled) continuations of training prompts;
 `train-draft` writes a drafter directory (`dspark.draft.io`), loadable with
-`dspark.load_drafter(path, target)`; `calibrate-draft` writes `sts.json` into it. `dspark.cli`
+`dspark.load_drafter(path, target)`; `calibrate-draft` writes `sts.json` into it (`sts-greedy.json`
+at temperature 0). `dspark.cli`
 registers them through `add_subcommands`, passing its model loader (checkpoint or `random-tiny`).
 """
 
@@ -20,9 +22,10 @@ import torch
 
 from dspark.draft.config import HEAD_TYPES, DSparkConfig
 from dspark.draft.dspark_v4 import STAGE_KINDS, uses_v41_stages
-from dspark.draft.io import STS_FILE, load_drafter
+from dspark.draft.io import GREEDY_STS_FILE, STS_FILE, load_drafter
 from dspark.tokenizer import prompt_codec
 from dspark.train.calibrate import calibrate_sts
+from dspark.verify.sts import OBJECTIVES
 from dspark.train.data import parse_record, read_jsonl, self_distill, write_jsonl
 from dspark.train.losses import LossWeights
 from dspark.train.trainer import TrainConfig, train_draft
@@ -87,9 +90,13 @@ def add_subcommands(sub, load_model: Callable[[str, str], object], default_model
     c.add_argument("--drafter", required=True, help="drafter directory; sts.json is written into it")
     c.add_argument("--prompts", required=True, help="JSONL of held-out prompts (prompt | text | input_ids)")
     c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument("--temperature", type=float, default=1.0, help="the serving temperature")
+    c.add_argument("--temperature", type=float, default=1.0,
+                   help="the serving temperature; 0 fits greedy requests' calibration (sts-greedy.json), "
+                        "any other value sampled requests' (sts.json)")
     c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--objective", choices=("nll", "ece"), default="nll")
+    c.add_argument("--objective", choices=OBJECTIVES, default="nll",
+                   help="nll or ece: the paper's STS (a temperature per position); affine: a temperature and "
+                        "a bias per position (dspark.verify.sts)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--device", default=device)
     c.set_defaults(run=lambda args: _calibrate(args, load_model))
@@ -167,7 +174,10 @@ def _calibrate(args, load_model) -> int:
     drafter = load_drafter(args.drafter, target)
     cal = calibrate_sts(target, drafter, read_prompts(args.prompts, target), args.max_new_tokens,
                         args.temperature, args.top_p, args.seed, args.objective, dataset=args.prompts)
-    cal.save(f"{args.drafter}/{STS_FILE}")
-    print(f"[{cal.num_samples} rounds; temperatures {', '.join(f'{t:.3f}' for t in cal.temperatures)}; "
-          f"ECE {sum(cal.ece_before) / cal.gamma:.4f} -> {sum(cal.ece_after) / cal.gamma:.4f}]", file=sys.stderr)
+    name = GREEDY_STS_FILE if args.temperature == 0 else STS_FILE
+    cal.save(f"{args.drafter}/{name}")
+    biases = f"; biases {', '.join(f'{b:.3f}' for b in cal.biases)}" if cal.biases else ""
+    print(f"[{name}: {cal.num_samples} rounds; temperatures {', '.join(f'{t:.3f}' for t in cal.temperatures)}"
+          f"{biases}; ECE {sum(cal.ece_before) / cal.gamma:.4f} -> {sum(cal.ece_after) / cal.gamma:.4f}]",
+          file=sys.stderr)
     return 0

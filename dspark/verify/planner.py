@@ -37,7 +37,8 @@ tests/verify/test_planner.py). The planners below are non-anticipating:
 * `plan_async`: the total budget K is an unconstrained argmax, but over confidences at least two
   steps old (which predate every current draft); the current confidences only rank candidates, and
   (r, k) is admitted iff fewer than K candidates rank strictly above it, again a set that never
-  contains (r, k + 1). This is the production scheme (paper §5.2, spec §4.3).
+  contains (r, k + 1). This is the production scheme (paper §5.2, spec §4.3). The engine's dynamic
+  round computes K before drafting (`async_budget`) and drafts nothing when K = 0.
 * `uniform_budget`: one budget n for every request, an unconstrained argmax over the same stale
   confidences; nothing current is read, so it is `plan_fixed` with an n chosen beforehand (the
   engine's round in flight, which cannot read the current confidences at all). With `min_budget=0`
@@ -168,18 +169,24 @@ def plan_algorithm1(confidence: Confidence, capacity: CapacityTable,
 
 
 def async_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | None], gamma: int,
-                 capacity: CapacityTable, max_lens: Sequence[int] | None = None) -> int:
+                 capacity: CapacityTable, max_lens: Sequence[int] | None = None, min_budget: int = 0) -> int:
     """Total extra verify tokens K for the current step, from confidences >= 2 steps old (spec §4.3).
 
     Row r holds request r's confidences from two steps earlier, or None when there are none for it
     (new request, reassigned slot); such rows are taken as survival 1 at every position, so new
     requests are not starved. With S_b the sum of the b largest stale survivals (> 0),
-    K = argmax_b (R + S_b) · SPS(R + b) over b = 0..N, the smallest b on ties. The search is
-    unconstrained (no early stop): that is allowed only because none of its inputs can depend on a
-    token drafted in the current step.
+    K = argmax_b (R + S_b) · SPS(R + b) over b = M..N (M = `min_budget`, 0 or 1), the smallest b on
+    ties. b = 0 is priced as a plain step of R requests, `capacity.plain(R)` (SPS(R) for a table
+    without a plain curve): K is fixed before the round drafts (`dspark.round`), and K = 0 drafts
+    nothing, so a table whose main curve includes the drafting (`dspark profile --drafter`) weighs
+    drafting against plain decoding. The search is unconstrained (no early stop): that is allowed only
+    because none of its inputs can depend on a token drafted in the current step.
 
-    Shapes: stale_confidence R rows of [γ] (or None); returns an int in [0, R·γ].
+    Shapes: stale_confidence R rows of [γ] (or None); returns an int in [M, R·γ] (0 when there is no
+    candidate).
     """
+    if min_budget not in (0, 1) or isinstance(min_budget, bool):
+        raise ValueError(f"min_budget must be 0 or 1, got {min_budget!r}")
     a = _stale_survival(stale_confidence, gamma)
     rows = a.shape[0]
     if rows == 0:
@@ -187,6 +194,9 @@ def async_budget(stale_confidence: Sequence[Sequence[float] | torch.Tensor | Non
     _, values = _ranked_candidates(a, _max_lens(max_lens, rows, gamma))
     tau = rows + np.concatenate([[0.0], np.cumsum(values)])
     theta = tau * capacity.many(rows + np.arange(len(tau)))
+    theta[0] = rows * capacity.plain(rows)
+    if min_budget and len(theta) > 1:
+        theta[0] = -np.inf
     return int(np.argmax(theta))  # first maximum: the smallest budget among ties
 
 

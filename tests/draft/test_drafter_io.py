@@ -56,17 +56,40 @@ def test_parameter_names_are_the_shipped_checkpoint_keys(drafter):
 
 def test_drafter_directory_round_trip(tiny, drafter, tmp_path):
     drafter.set_calibration(StsCalibration((0.9, 1.1, 1.3, 1.5, 1.7)))
+    greedy_cal = StsCalibration((1.0,) * 5, "affine", biases=(0.5, 0.4, 0.3, 0.2, 0.1), sampling_temperature=0.0)
+    drafter.set_calibration(greedy_cal, greedy=True)
     try:
         save_drafter(drafter, tmp_path / "d")
     finally:
         drafter.set_calibration(None)
-    assert {p.name for p in (tmp_path / "d").iterdir()} == {"config.json", "model.safetensors", "sts.json"}
+        drafter.set_calibration(None, greedy=True)
+    assert {p.name for p in (tmp_path / "d").iterdir()} == {"config.json", "model.safetensors", "sts.json",
+                                                            "sts-greedy.json"}
     stored = json.loads((tmp_path / "d" / "config.json").read_text())
     assert stored["dspark_markov_rank"] == 16 and stored["target"]["vocab_size"] == 258
     loaded = dspark.load_drafter(tmp_path / "d", tiny)
     assert loaded.config == drafter.config and _same_weights(loaded, drafter)
     assert loaded.calibration.temperatures == (0.9, 1.1, 1.3, 1.5, 1.7)
+    assert loaded.greedy_calibration == greedy_cal and loaded.calibration_for(True) is loaded.greedy_calibration
     assert torch.equal(_greedy_tokens(loaded, tiny, [5, 6, 7, 8]), _greedy_tokens(drafter, tiny, [5, 6, 7, 8]))
+
+
+def test_capacity_tables_travel_with_the_drafter_and_are_the_engines_default_there(tiny, drafter, tmp_path):
+    from dspark.engine.engine import default_capacity
+    from dspark.verify.capacity import CapacityTable
+
+    table = CapacityTable((1, 4), (40.0, 30.0), "cpu test table", plain_requests=(1,), plain_steps_per_second=(60.0,))
+    drafter.capacity_tables = {"cpu": table}
+    try:
+        save_drafter(drafter, tmp_path / "d")
+    finally:
+        drafter.capacity_tables = {}
+    assert (tmp_path / "d" / "capacity-cpu.json").is_file()
+    loaded = dspark.load_drafter(tmp_path / "d", tiny)
+    assert loaded.capacity_tables == {"cpu": table}
+    assert default_capacity(loaded, "cpu") == table
+    assert default_capacity(loaded, torch.device("cuda", 0)).label.startswith("cpu-default")  # none for CUDA
+    assert default_capacity(None, "cpu").label.startswith("cpu-default")
 
 
 def test_loading_for_another_target_names_the_field(drafter, tmp_path):

@@ -238,6 +238,15 @@ def test_proposal_shapes_confidences_and_sts(tiny, drafter):
     torch.testing.assert_close(again.confidence, torch.sigmoid(prop.confidence_logits / torch.tensor(temps)))
     with pytest.raises(ValueError, match="γ=3"):
         calibrated.set_calibration(StsCalibration((1.0, 1.0, 1.0)))
+    # a greedy calibration serves greedy requests only; sampled ones keep `calibration`
+    biases = (1.0, -1.0, 0.5, 0.0, 2.0)
+    calibrated.set_calibration(StsCalibration((1.0,) * GAMMA, "affine", biases=biases), greedy=True)
+    greedy = calibrated.propose([state], [3], dspark.SamplingParams(), [torch.Generator()])
+    torch.testing.assert_close(greedy.confidence, torch.sigmoid(greedy.confidence_logits + torch.tensor(biases)))
+    sampled = calibrated.propose([state], [3], dspark.SamplingParams(temperature=0.8), [torch.Generator().manual_seed(0)])
+    torch.testing.assert_close(sampled.confidence, again.confidence)
+    with pytest.raises(ValueError, match="γ=3"):
+        calibrated.set_calibration(StsCalibration((1.0, 1.0, 1.0)), greedy=True)
 
 
 def test_rnn_head_and_confidence_without_markov(tiny):

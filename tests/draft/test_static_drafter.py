@@ -111,6 +111,27 @@ def test_static_greedy_propose_equals_dynamic_over_rounds_with_rollback(tiny, dr
     assert min(s.length for s in r.dstates) > 2 * drafter.window  # every ring wrapped
 
 
+def test_static_confidence_takes_each_rows_calibration_greedy_or_sampled(tiny, drafter):
+    """With a greedy calibration (temperatures and biases) beside the sampled one, a mixed bucket's
+    greedy rows are calibrated by the greedy one and sampled rows by the sampled one, as the dynamic
+    drafter calibrates each kind of request (`calibration_for`); an all-greedy bucket (temperature None)
+    reads the greedy one."""
+    greedy_cal = StsCalibration((2.0, 0.7, 1.5, 3.0, 0.9), "affine", biases=(0.4, -0.3, 1.1, 0.0, -2.0))
+    both = DSparkDrafter(tiny, drafter.config, drafter.model, drafter.calibration, greedy_cal)
+    r = Requests(tiny, both, LENGTHS, seed=9)
+    temps = torch.tensor([1.0, 0.0, 0.7, 0.0])
+    mixed = r.static.propose(*r.static.plan(r.anchors, r.positions, temps))
+    z = mixed.confidence_logits
+    for row, t in enumerate(temps.tolist()):
+        cal = both.calibration_for(t == 0)
+        torch.testing.assert_close(mixed.confidence[row], cal.apply(z[row]), **TOL)
+    assert not torch.allclose(greedy_cal.apply(z[0]), drafter.calibration.apply(z[0]))  # the two differ
+    greedy = r.static.propose(*r.static.plan(r.anchors, r.positions))
+    torch.testing.assert_close(greedy.confidence, greedy_cal.apply(greedy.confidence_logits), **TOL)
+    dynamic = both.propose(r.dstates, r.anchors.tolist(), dspark.SamplingParams(), [torch.Generator()] * len(LENGTHS))
+    torch.testing.assert_close(greedy.confidence, dynamic.confidence, **TOL)
+
+
 def test_static_sampled_q_is_the_dynamic_distribution_of_the_drawn_tokens(tiny, drafter):
     """Mixed temperatures (slot 1 greedy): q equals the dynamic drafter's distribution teacher-forced on
     the drawn tokens, tokens lie in q's support, greedy rows are the dynamic greedy chain, one-hot."""

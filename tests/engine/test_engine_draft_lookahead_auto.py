@@ -23,7 +23,7 @@ import dspark.round
 from dspark.engine import Engine, EngineConfig
 from dspark.engine.draft_lookahead import PLAIN_PROBE_EVERY, DraftLookahead
 from dspark.sampling import SamplingParams
-from dspark.verify.capacity import default_cpu_table
+from dspark.verify.capacity import CapacityTable
 from dspark.verify.planner import VerifyPlan, uniform_budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the static-engine helpers
@@ -32,8 +32,10 @@ from test_engine_static import _drafters, _prompts, _staggered  # noqa: E402
 
 TEXTS = ["def read_config(path):\n    ", "ROMEO.\nBut soft, what light through yonder",
          "class Cache:\n    def __init__(self, size):\n", "KING.\nNow, my good lords,"]
-# 20 ms + 0.5 ms per batch token: with the trained pair's confidences the budget moves between 2 and 5.
-TABLE = default_cpu_table()
+# 20 ms + 2 ms per batch token: with the trained pair's greedy confidences (sts-greedy.json) the budget
+# moves between budgets (the synthetic CPU table's 0.5 ms per token keeps it at 5).
+TABLE = CapacityTable(tuple(2**i for i in range(11)), tuple(1.0 / (0.020 + 0.002 * 2**i) for i in range(11)),
+                      "test: 20 ms + 2 ms per batch token")
 AUTO = dict(draft_tokens="auto", planner="async", capacity=TABLE)
 
 
@@ -60,7 +62,9 @@ def _spy_budgets(monkeypatch) -> list:
 def _replay_budgets(monkeypatch, trace: list) -> None:
     """Make the synchronous round verify what `trace` says each request verified in that round."""
     verified = {(r["request_id"], r["round"]): r["verified"] for r in trace}
-    monkeypatch.setattr(dspark.round, "_plan", lambda live, confidence, cfg, gamma: VerifyPlan(
+    # the synchronous round drafts every round (no budget fixed before drafting, no plain round of its own)
+    monkeypatch.setattr(dspark.round, "_budget_before_drafting", lambda live, cfg, drafter: (None, False))
+    monkeypatch.setattr(dspark.round, "_plan", lambda live, confidence, cfg, gamma, budget: VerifyPlan(
         tuple(verified[r.request_id, r.stats.rounds] for r in live)))
 
 
@@ -166,8 +170,8 @@ def test_the_next_budget_is_planned_after_the_commit(pair, monkeypatch):
                 steady.append(len(where) - before)
 
     monkeypatch.setattr(DraftLookahead, "step", stepping)
-    tokens, _, _, _ = _run(pair, 40, overlap=True)
-    assert tokens == [o.token_ids for o in dspark.generate(pair, TEXTS, max_new_tokens=40)]
+    tokens, _, _, _ = _run(pair, 60, overlap=True)
+    assert tokens == [o.token_ids for o in dspark.generate(pair, TEXTS, max_new_tokens=60)]
     assert len(steady) > 10 and set(steady) == {0}
     assert where.count(False) >= len(steady)  # planned after the commits instead
 
@@ -182,7 +186,7 @@ def test_host_launched_and_chained_rounds_read_their_own_two_back_rows(pair):
     while len(engine.running) < 2 or not all(len(r.confidences) == 2 for r in engine.running):
         engine.step()
     gamma = pair.dspark.block_size
-    old, new = torch.full((gamma,), 0.05), torch.ones(gamma)
+    old, new = torch.full((gamma,), 0.3), torch.ones(gamma)
     low, high = (uniform_budget([c, c], gamma, TABLE, min_budget=0) for c in (old, new))
     assert (low, high) == (1, gamma)
     for req in engine.running:

@@ -51,3 +51,25 @@ def test_probes_rewind_every_state_to_the_context():
 def test_profile_config_is_validated(bad):
     with pytest.raises(ValueError):
         ProfileConfig(**bad)
+
+
+def test_a_drafter_prices_its_propose_into_every_width_probe(monkeypatch):
+    """With a drafter, each width probe adds the median propose time of its ceil(B / width) requests
+    (timed here as 1 s per request, so the target's own milliseconds hardly matter), the plain curve
+    stays drafter-free, and the drafter's states hold the probes' context."""
+    from dspark import profile
+
+    model = dspark.load_model("tiny")
+    seen = []
+
+    def fake_propose(drafter, dstates, vocab, generator, device):
+        seen.append([s.length for s in dstates])
+        return float(len(dstates))
+
+    monkeypatch.setattr(profile, "time_propose", fake_propose)
+    config = ProfileConfig(batch_tokens=(2, 6, 12), context=16, width=6, warmup=0, repeats=1)
+    table = profile.profile_capacity(model, config, "tiny", drafter=model.dspark, drafter_name="dspark")
+    assert [round(1 / s) for s in table.steps_per_second] == [1, 1, 2]  # 1 s + ms, 1 s + ms, 2 s + ms
+    assert all(s > 2 for s in table.plain_steps_per_second)
+    assert sorted(map(len, seen)) == [1, 2] and all(length == 16 for lengths in seen for length in lengths)
+    assert "drafting rounds (dspark)" in table.label and "propose" in table.conditions["draft_method"]

@@ -249,3 +249,18 @@ def test_data_dependent_but_non_anticipating_lengths_are_exact():
     for name, schedule in biased_schedules.items():
         tv = 0.5 * (_emitted_law(p0, p_next, q1, q2, schedule) - target).abs().sum()
         assert tv > 0.02, name
+
+
+def test_async_budget_prices_budget_zero_as_a_plain_step_and_min_budget_excludes_it():
+    """K = 0 drafts nothing, so it is priced on the plain curve: with drafting rounds at 30 steps/s and
+    plain steps at 50, a stale survival of 0.5 does not pay (1.5 × 30 < 50) and 0.9 does (1.9 × 30)."""
+    table = CapacityTable((1, 4), (30.0, 30.0), "drafting rounds", plain_requests=(1, 4),
+                          plain_steps_per_second=(50.0, 50.0))
+    assert async_budget([[0.5, 0.0]], 2, table) == 0
+    assert async_budget([[0.9, 0.0]], 2, table) == 1
+    assert async_budget([[0.5, 0.0]], 2, table, min_budget=1) == 1
+    no_plain_curve = CapacityTable((1, 4), (30.0, 30.0), "no plain curve")  # K = 0 at SPS(R), as before
+    assert async_budget([[0.5, 0.0]], 2, no_plain_curve) == 1
+    assert async_budget([[0.0, 0.0]], 2, table, min_budget=1) == 0  # no candidate at all
+    with pytest.raises(ValueError, match="min_budget"):
+        async_budget([[0.5, 0.0]], 2, table, min_budget=2)

@@ -48,6 +48,48 @@ def test_nll_fit_recovers_the_miscalibration_and_lowers_nll_and_ece():
     assert cal.ece_after == pytest.approx(prefix_ece(z, a, cal.temperatures))
 
 
+def _biased(n=40_000, seed=0):
+    """Rounds whose head is biased: true c_k = σ(t_k) with t_k ~ N(-0.5, 1.5²), the head reports
+    z_k = s_k · t_k + 1.5 (mean z > 0 while most drafts are rejected: no temperature fixes that)."""
+    g = torch.Generator().manual_seed(seed)
+    t = -0.5 + 1.5 * torch.randn(n, len(SCALES), generator=g, dtype=torch.float64)
+    accepted = torch.rand(n, len(SCALES), generator=g, dtype=torch.float64) < torch.sigmoid(t)
+    return (t * torch.tensor(SCALES, dtype=torch.float64) + 1.5).float(), accepted.long().cumprod(1).sum(1)
+
+
+def test_affine_fit_recovers_temperature_and_bias_where_a_temperature_alone_cannot():
+    z, a = _biased()
+    cal = fit_sts(z, a, objective="affine", sampling_temperature=1.0)
+    for k, (t, b) in enumerate(zip(cal.temperatures, cal.biases)):
+        # z = s·t + 1.5  =>  t = z / s − 1.5 / s: T = s, b = −1.5 / s
+        assert t == pytest.approx(SCALES[k], rel=0.1) and b == pytest.approx(-1.5 / SCALES[k], rel=0.1, abs=0.1)
+    nll_only = fit_sts(z, a, objective="nll")
+    assert confidence_nll(z, a, cal.temperatures, cal.biases) < confidence_nll(z, a, nll_only.temperatures) - 0.05
+    assert max(cal.ece_after) < 0.02 < min(prefix_ece(z, a, nll_only.temperatures))
+    # the first position's mean confidence matches its acceptance rate; temperature alone stays above 1/2
+    rate = (a > 0).double().mean()
+    assert float(cal.apply(z)[:, 0].double().mean()) == pytest.approx(float(rate), abs=0.01)
+    assert float(nll_only.apply(z)[:, 0].double().mean()) > 0.5 > float(rate) + 0.05
+    assert cal.sampling_temperature == 1.0 and cal.objective == "affine"
+
+
+def test_acceptance_is_the_conditional_rate_whose_product_is_the_mean_survival():
+    z, a = _biased(n=5000, seed=3)
+    cal = fit_sts(z, a)
+    survival = torch.tensor(cal.acceptance, dtype=torch.float64).cumprod(0)
+    for k in range(len(SCALES)):
+        assert float(survival[k]) == pytest.approx(float((a > k).double().mean()), abs=1e-12)
+
+
+def test_affine_apply_and_round_trip(tmp_path):
+    cal = StsCalibration((2.0, 0.5), "affine", biases=(-1.0, 0.25), sampling_temperature=0.0, acceptance=(0.6, 0.7))
+    z = torch.tensor([[1.0, -1.0], [3.0, 0.5]])
+    torch.testing.assert_close(cal.apply(z), torch.sigmoid(z / torch.tensor([2.0, 0.5]) + torch.tensor([-1.0, 0.25])))
+    cal.save(tmp_path / "sts.json")
+    assert StsCalibration.load(tmp_path / "sts.json") == cal
+    assert StsCalibration((1.0, 1.0)).offsets == (0.0, 0.0)
+
+
 def test_ece_objective_lowers_prefix_ece():
     z, a = _synthetic(seed=1)
     cal = fit_sts(z, a, objective="ece")
@@ -104,6 +146,10 @@ def test_json_round_trip_and_gamma_check(tmp_path):
     ({"temperatures": (1.0, float("nan"))}, "temperatures"),
     ({"temperatures": (1.0,), "objective": "mse"}, "objective"),
     ({"temperatures": (1.0,), "ece_before": (0.1, 0.2)}, "ece_before"),
+    ({"temperatures": (1.0,), "biases": (float("inf"),)}, "biases"),
+    ({"temperatures": (1.0,), "biases": (0.0, 1.0)}, "biases"),
+    ({"temperatures": (1.0,), "sampling_temperature": -1.0}, "sampling_temperature"),
+    ({"temperatures": (1.0,), "acceptance": (1.5,)}, "acceptance"),
 ])
 def test_invalid_calibrations_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

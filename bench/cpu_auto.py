@@ -1,0 +1,114 @@
+"""dspark-tiny on this machine's CPU: "auto" against every fixed budget, batch 1, greedy and sampled.
+
+    python bench/cpu_auto.py --out bench/results/cpu_auto.json [--prompts 4] [--repeats 2]
+        [--prompts-file tiny-data/v2/prompts.heldout.jsonl]
+
+For each temperature and each budget (0 = plain, 1..γ, "auto"), `dspark.generate` decodes the first
+`--prompts` HumanEval prompts of the shipped subset (or of a JSONL file of {"prompt": ...} records,
+e.g. the held-out corpus cuts of `bench/tiny_drafter.py prompts`, every other one so both domains
+come in) one at a time (batch 1), `--max-new-tokens` each;
+a cell's tokens/s is all its generated tokens over all its wall time. Cells are interleaved (repeat
+r runs every cell once before repeat r + 1) so drift on a noisy machine hits every cell alike, and one
+untimed warm-up generate precedes the timing. τ is committed tokens per round. The summary gives auto's
+ratio to the best fixed budget (issue 7's target: >= 0.95 at every load) per temperature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import dspark
+from dspark.evaluate import encode_prompt, load_prompts
+from dspark.verify.capacity import CapacityTable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _commit() -> str:
+    """HEAD's short hash, with "+dirty" when the working tree differs from it (what actually ran)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+    try:
+        return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if git("status", "--porcelain") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _budget(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def run_cell(model, prompts, budget, temperature: float, seed: int, max_new_tokens: int, capacity=None) -> dict:
+    tokens = rounds = 0
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        out = dspark.generate(model, p, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+                              draft_tokens=budget, capacity=capacity)
+        tokens += len(out.token_ids)
+        rounds += out.stats.rounds
+    return {"seconds": time.perf_counter() - start, "tokens": tokens, "rounds": rounds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--budgets", default="0,1,2,3,4,5,auto")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts-file", default=None, help="JSONL of {\"prompt\": text} (default: shipped humaneval)")
+    ap.add_argument("--capacity", default=None, help="capacity table JSON for auto (default: the engine's)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = dspark.load_model("tiny")
+    if args.prompts_file:
+        rows = [json.loads(line)["prompt"] for line in open(args.prompts_file) if line.strip()]
+        texts, source = rows[::max(1, len(rows) // args.prompts)][:args.prompts], args.prompts_file
+    else:
+        texts, source = load_prompts("humaneval")[:args.prompts], "humaneval (shipped subset)"
+    prompts = [encode_prompt(model, t) for t in texts]
+    capacity = CapacityTable.load(args.capacity) if args.capacity else None
+    budgets = [_budget(b) for b in args.budgets.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    dspark.generate(model, prompts[0], max_new_tokens=16, draft_tokens=1)  # warm-up
+    cells = {(t, b): {"seconds": 0.0, "tokens": 0, "rounds": 0} for t in temps for b in budgets}
+    for r in range(args.repeats):
+        for (t, b), acc in cells.items():
+            got = run_cell(model, prompts, b, t, args.seed + 1000 * r, args.max_new_tokens, capacity)
+            for k in acc:
+                acc[k] += got[k]
+    rows, summary = [], {}
+    for (t, b), acc in cells.items():
+        rows.append({"temperature": t, "draft_tokens": b, **acc, "tok_s": acc["tokens"] / acc["seconds"],
+                     "tau": acc["tokens"] / acc["rounds"]})
+    for t in temps:
+        fixed = {r["draft_tokens"]: r["tok_s"] for r in rows if r["temperature"] == t and r["draft_tokens"] != "auto"}
+        best = max(fixed, key=fixed.get)
+        auto = next((r["tok_s"] for r in rows if r["temperature"] == t and r["draft_tokens"] == "auto"), None)
+        summary[str(t)] = {"best_fixed": best, "best_fixed_tok_s": fixed[best],
+                           "auto_tok_s": auto, "auto_over_best": auto / fixed[best] if auto else None}
+    result = {"bench": "cpu_auto", "conditions": {
+        "device": f"cpu ({platform.processor() or platform.machine()})", "threads": args.threads,
+        "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": "tiny", "drafter": "dspark", "prompts": f"{source}: {len(prompts)} prompts", "batch": 1,
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "capacity": capacity.label if capacity else "engine default"}, "cells": rows, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for row in rows:
+        print(f"T={row['temperature']:g} n={row['draft_tokens']!s:>4}: {row['tok_s']:7.1f} tok/s  tau {row['tau']:.2f}")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""draft_tokens="auto" with the asynchronous planner on the dynamic path: the round's budget is fixed
+before drafting (`dspark.round._budget_before_drafting`), a budget of 0 drafts nothing (a plain round),
+plain probes come after 4, 8, 16, ... plain rounds in a row, and a calibration's acceptance is the
+prior of a request without stale confidences. The output is plain greedy decoding's, token for token."""
+
+import json
+from importlib import resources
+
+import pytest
+import torch
+
+import dspark
+from dspark.draft.base import DraftProposal
+from dspark.engine import Engine, EngineConfig
+from dspark.sampling import SamplingParams
+from dspark.verify.capacity import CapacityTable
+from dspark.verify.sts import StsCalibration
+
+GAMMA = 3
+# A drafting round of B = 1 + n tokens runs at 30, 20, 15 steps/s for n = 1, 2, 3; a plain step at 50:
+# a draft that survives one time in ten never pays, a request without confidences (survival 1) pays
+# at n = 1 (2 tokens × 30 = 60 > 50; n = 2, 3 tie at 60, and ties go to the smaller budget).
+TABLE = CapacityTable((1, 2, 3, 4), (30.0, 30.0, 20.0, 15.0), "hand-made: drafting costs", "",
+                      plain_requests=(1, 8), plain_steps_per_second=(50.0, 50.0))
+
+
+class LowConfidenceDrafter:
+    """Drafts token 0 γ times with confidence 0.1 everywhere; counts its proposes. With `acceptance`
+    it also has a calibration whose prior is that acceptance (for either kind of request)."""
+
+    block_size = GAMMA
+    capture_layers = ()
+
+    def __init__(self, acceptance=None):
+        self.proposes = 0
+        self.prior = None if acceptance is None else StsCalibration((1.0,) * GAMMA, acceptance=acceptance)
+
+    def new_state(self):
+        return None
+
+    def observe(self, dstate, token_ids, hidden, features):
+        pass
+
+    def propose(self, dstates, anchors, params, generators):
+        self.proposes += 1
+        shape = (len(anchors), GAMMA)
+        return DraftProposal(torch.zeros(shape, dtype=torch.long), None, torch.full(shape, 0.1))
+
+    def calibration_for(self, greedy):
+        return self.prior
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dspark.init_model(json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text()))
+
+
+def _run(model, drafter, max_new=48):
+    engine = Engine(model, EngineConfig(max_running=1, draft_tokens="auto", drafter=drafter, capacity=TABLE,
+                                        trace=True))
+    engine.add_request(list(range(3, 19)), SamplingParams(), max_new, request_id="r")
+    tokens = []
+    while engine.has_work():
+        for event in engine.step():
+            tokens += event.new_token_ids
+    return tokens, "".join(str(rec["verified"]) for rec in engine.take_trace())
+
+
+def test_auto_skips_drafting_where_plain_pays_and_probes_with_backoff(model):
+    drafter = LowConfidenceDrafter()
+    tokens, verified = _run(model, drafter)
+    # two rounds without stale confidences (survival 1: n = 1 pays), then plain; probes after 4, 8, 16
+    assert verified.startswith("11" + "0000" + "1" + "0" * 8 + "1" + "0" * 16 + "1"), verified
+    assert drafter.proposes == verified.count("1") + verified.count("2") + verified.count("3")
+    plain = dspark.generate(model, list(range(3, 19)), max_new_tokens=48)
+    assert tokens == plain.token_ids
+
+
+def test_a_calibration_prior_plans_the_first_rounds(model):
+    """Acceptance 0.05 as the prior: plain from the first round, the first probe after 4 plain rounds."""
+    drafter = LowConfidenceDrafter(acceptance=(0.05, 0.05, 0.05))
+    tokens, verified = _run(model, drafter, max_new=24)
+    assert verified.startswith("0000" + "1" + "0" * 8 + "1"), verified
+    assert tokens == dspark.generate(model, list(range(3, 19)), max_new_tokens=24).token_ids
+
+
+def test_the_synchronous_planner_still_drafts_every_round(model):
+    drafter = LowConfidenceDrafter()
+    engine = Engine(model, EngineConfig(max_running=1, draft_tokens="auto", planner="sync", drafter=drafter,
+                                        capacity=TABLE))
+    engine.add_request(list(range(3, 19)), SamplingParams(), 12)
+    rounds = 0
+    while engine.has_work():
+        engine.step()
+        rounds += 1
+    assert drafter.proposes == rounds - 1  # every round but the prefill drafts (Algorithm 1 reads them)
