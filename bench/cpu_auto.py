@@ -32,11 +32,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _commit() -> str:
-    """HEAD's short hash, with "+dirty" when the working tree differs from it (what actually ran)."""
+    """HEAD's short hash, with "+dirty" when a tracked file differs from it (what actually ran; untracked
+    files such as fresh results do not count)."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
     try:
-        return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if git("status", "--porcelain") else "")
+        return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
