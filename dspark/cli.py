@@ -37,6 +37,8 @@ def _generate(args) -> int:
 
     capacity = CapacityTable.load(args.capacity) if args.capacity else None
     model = _load(args.model, args.device)
+    if args.draft_tokens is None:  # speculative by default where the model ships its own DSpark drafter
+        args.draft_tokens = "auto" if getattr(model, "dspark", None) is not None else 0
     out = dspark.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           seed=args.seed, draft_tokens=args.draft_tokens, drafter=args.drafter,
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--draft-tokens", type=_draft_tokens, default=0)
+    g.add_argument("--draft-tokens", type=_draft_tokens, default=None,
+                   help="0 (plain), n (verify n drafts a round) or auto (the planner; default when the model "
+                        "ships a DSpark drafter, as dspark-tiny does, else 0; 0 with --ep/--tp)")
     g.add_argument("--drafter", default=None, help="dspark, mtp or ngram (default: the model's best)")
     g.add_argument("--planner", default="async", help="async (default) or sync (with --draft-tokens auto)")
     g.add_argument("--capacity", default=None,

@@ -118,3 +118,20 @@ def test_cli_generates(capsys):
     captured = capsys.readouterr()
     assert captured.out.startswith("Hello")
     assert "4 tokens" in captured.err
+
+
+def test_cli_drafts_by_default_with_the_models_own_drafter_and_equals_plain(capsys):
+    """dspark-tiny ships a DSpark drafter: the default is "auto" (greedy here, so the text is plain
+    decoding's); --draft-tokens 0 decodes plainly; a model without one decodes plainly by default."""
+    from dspark.cli import main
+
+    outs = {}
+    for extra in ([], ["--draft-tokens", "0"]):
+        assert main(["generate", "def fibonacci(n):", "--max-new-tokens", "48"] + extra) == 0
+        outs[tuple(extra)] = capsys.readouterr()
+    (auto_out, auto_err), (plain_out, plain_err) = outs[()], outs[("--draft-tokens", "0")]
+    assert auto_out == plain_out
+    rounds = [int(err.split(" rounds")[0].rsplit(" ", 1)[-1]) for err in (auto_err, plain_err)]
+    assert rounds[1] == 47 and rounds[0] < 30  # the greedy tiny pair accepts most drafts
+    assert main(["generate", "ab", "--model", "random-tiny", "--max-new-tokens", "6"]) == 0
+    assert "5 rounds, tau 1.00" in capsys.readouterr().err

@@ -60,7 +60,7 @@ def generate_distributed(args) -> int:
         prompts, _ = encode_prompts(model, list(args.prompt))
         mine = [i for i in range(len(prompts)) if i % config.dp_size == config.dp_rank]
         engine_config = EngineConfig(max_running=max(1, len(mine)), max_new_tokens=args.max_new_tokens,
-                                     draft_tokens=args.draft_tokens, drafter=args.drafter)
+                                     draft_tokens=args.draft_tokens or 0, drafter=args.drafter)  # None: plain
         engine = (LockstepEngine(model, engine_config, comm, moe_layers) if config.layout == "dep"
                   else Engine(model, engine_config))
         # Replicated layouts must sample identically on every rank: a fixed default seed.
