@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=_DEFAULTS.max_new_tokens, help="max new tokens per request")
     p.add_argument("--prefill-chunk", type=int, default=_DEFAULTS.prefill_chunk)
     p.add_argument("--capacity", default=None,
-                   help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: CPU table)")
+                   help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: the drafter's table for this device type, e.g. dspark-tiny's for CPUs, "
+                        "else a synthetic CPU table)")
     p.add_argument("--static-decode", choices=("auto", "on", "off"), default="auto",
                    help="decoding rounds on static slots with CUDA graphs; auto: on for a DeepSeek-V4/V4.1 "
                         "model on CUDA that can replay them (EngineConfig.static_decode=None)")
