@@ -136,7 +136,7 @@ def _add_eval_accept(sub) -> None:
     e.add_argument("--concurrency", type=int, default=1, help="requests decoded together")
     e.add_argument("--seed", type=int, default=DEFAULT_SEED)
     e.add_argument("--planner", default="sync", help="sync or async (with --budget auto)")
-    e.add_argument("--capacity", default=None, help="capacity table JSON or shipped name (e.g. h200-v4-mini-ctx4k) for --budget auto (default: CPU table)")
+    e.add_argument("--capacity", default=None, help="capacity table JSON or shipped name (e.g. h200-v4-mini-ctx4k) for --budget auto (default: the drafter's table for this device type, else a synthetic CPU table)")
     e.add_argument("--out", required=True, help="output folder for traces.jsonl and summary.json")
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     e.set_defaults(run=_eval_accept)

@@ -30,9 +30,10 @@ from dspark.analysis.acceptance import category_means, domain_table, summary_row
 from dspark.analysis.traces import number_steps, write_traces
 from dspark.draft import DRAFTER_NAMES, resolve_drafter
 from dspark.engine import Engine, EngineConfig
+from dspark.engine.engine import default_capacity
 from dspark.sampling import SamplingParams
 from dspark.tokenizer import prompt_codec
-from dspark.verify.capacity import CapacityTable, default_cpu_table
+from dspark.verify.capacity import CapacityTable
 
 FORMAT = "dspark-eval-accept/1"
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
@@ -218,7 +219,9 @@ def eval_accept(model, config: EvalConfig, out_dir: str | os.PathLike, model_nam
             ids = encode_prompt(model, text)
             target = prompts if 0 < len(ids) <= limit else skipped
             target.append((dataset, f"{dataset}/{i}", ids))
-    capacity = capacity or default_cpu_table()
+    if capacity is None:  # what the engine would pick: the drafter's table for this device, else the synthetic one
+        drafter = resolve_drafter(model, config.drafter) if config.budget != 0 else None
+        capacity = default_capacity(drafter, getattr(model, "device", "cpu"))
     t0 = time.perf_counter()
     records, requests = run_traces(model, prompts, config, capacity, progress)
     wall = time.perf_counter() - t0
