@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session18.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session18.sh b", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session18.sh c", kind="nvidia-h200")
 #
 # a: the decode MoE's deferred column sums with their K loops pipelined (`DecodeTiles(stages=2|3,
 #    up_defer=True, down_defer=True)`: with no cross-thread sum per step, Triton streams the weight
@@ -13,6 +14,10 @@
 #    part c of gpu_session17.sh did not reach.
 # b: `python bench/slot_buckets_h200.py` (written in the fifth session, never run): one 64-slot static
 #    engine at 64 ... 1 live requests.
+# c: dspark-tiny on the GPU (written in the seventeenth session): `dspark profile --drafter dspark` on CUDA
+#    (a table that prices drafting rounds; candidate for the drafter's capacity-cuda.json), then
+#    `bench/tiny_auto.py --device cuda` with that table and with the synthetic default: auto against
+#    budgets 0..5 at batch 1 and 4 (the graph path's round in flight, greedy; sampled rounds synchronous).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 part_a() {
@@ -28,6 +33,16 @@ part_a() {
 part_b() {
   logged b_buckets 400 python3 bench/slot_buckets_h200.py --out "$OUT/slot-buckets-h200.json"
   tail -n 20 $W/logs/b_buckets.txt | cut -c1-300
+}
+
+part_c() {
+  logged c_profile 150 python3 -m dspark.cli profile --model tiny --drafter dspark --device cuda --width 6 \
+    --context 192 --batch-tokens 1,2,3,4,5,6,12,18,24,36,48 --repeats 15 --warmup 3 --out "$OUT/capacity-cuda-tiny.json"
+  logged c_auto 200 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny.json" \
+    --out "$OUT/tiny-auto-h200.json"
+  logged c_auto_b4 150 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny.json" \
+    --prompts 8 --batch 4 --budgets 0,1,3,5,auto --out "$OUT/tiny-auto-h200-batch4.json"
+  tail -n 12 $W/logs/c_auto.txt $W/logs/c_auto_b4.txt | cut -c1-200
 }
 
 dispatch session18 "${1:-}"

@@ -1,6 +1,6 @@
-"""dspark-tiny on this machine's CPU: "auto" against every fixed budget, batch 1, greedy and sampled.
+"""dspark-tiny: "auto" against every fixed budget, greedy and sampled (one CPU core by default, `--device`).
 
-    python bench/cpu_auto.py --out bench/results/cpu_auto.json [--prompts 4] [--repeats 2]
+    python bench/tiny_auto.py --out bench/results/tiny_auto.json [--prompts 4] [--repeats 2]
         [--prompts-file tiny-data/v2/prompts.heldout.jsonl]
 
 For each temperature and each budget (0 = plain, 1..γ, "auto"), `dspark.generate` decodes the first
@@ -67,13 +67,14 @@ def main() -> None:
     ap.add_argument("--budgets", default="0,1,2,3,4,5,auto")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the engine's graph path there")
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (one generate call)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts-file", default=None, help="JSONL of {\"prompt\": text} (default: shipped humaneval)")
     ap.add_argument("--capacity", default=None, help="capacity table JSON for auto (default: the engine's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = dspark.load_model("tiny")
+    model = dspark.load_model("tiny", device=args.device)
     if args.prompts_file:
         rows = [json.loads(line)["prompt"] for line in open(args.prompts_file) if line.strip()]
         texts, source = rows[::max(1, len(rows) // args.prompts)][:args.prompts], args.prompts_file
@@ -100,8 +101,9 @@ def main() -> None:
         auto = next((r["tok_s"] for r in rows if r["temperature"] == t and r["draft_tokens"] == "auto"), None)
         summary[str(t)] = {"best_fixed": best, "best_fixed_tok_s": fixed[best],
                            "auto_tok_s": auto, "auto_over_best": auto / fixed[best] if auto else None}
-    result = {"bench": "cpu_auto", "conditions": {
-        "device": f"cpu ({platform.processor() or platform.machine()})", "threads": args.threads,
+    result = {"bench": "tiny_auto", "conditions": {
+        "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                   else f"cpu ({platform.processor() or platform.machine()})"), "threads": args.threads,
         "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": "tiny", "drafter": "dspark", "prompts": f"{source}: {len(prompts)} prompts", "batch": args.batch,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
