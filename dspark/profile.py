@@ -20,7 +20,7 @@ probe adds the median time of one `propose` of a γ-block for its ceil(B / width
 drafter state holding the same `context` as the target's), and the plain curve stays drafter-free:
 the table then prices a drafting round against a plain one, and the planners' budget 0 ("auto"'s plain
 rounds) is chosen exactly where drafting does not pay. The drafter's `observe` of the committed rows
-is not timed (about 1 ms of a 40 ms dspark-tiny round on a CPU core).
+is not timed (a small part of a round next to the propose).
 
 The table is labelled with the device and torch version and carries the model config, context,
 width and date in `conditions`, so a table is never read as a measurement of something else.

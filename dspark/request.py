@@ -118,6 +118,12 @@ class Request:
         """Tokens the target state holds once prefill is done: prompt + output − the anchor."""
         return len(self.prompt) + max(len(self.out) - 1, 0)
 
+    def keep_confidences(self) -> None:
+        """After a plain round of "auto" (no drafts, no confidences): repeat the newest drafting round's
+        row, so the row two rounds back stays the newest one the planner can read (none: stays none)."""
+        if self.confidences:
+            self.confidences.append(self.confidences[-1])
+
     def preempt(self) -> None:
         """Drop the device state; the next prefill rebuilds it from prompt + output − the anchor,
         after which decoding resumes from the same anchor (nothing is sampled again)."""

@@ -77,9 +77,9 @@ def _catch_up(drafter, req: Request) -> None:
     """One `observe` of every row `req` committed since the drafter last saw it, in order.
 
     Auto's plain rounds commit one row per request and draft nothing, so nothing needs the drafter's
-    context until the next drafting round: one observe of n rows costs about what one of a single row
-    does (dspark-tiny on a CPU core: 0.9 ms for 16 rows, 0.65 ms for one), so deferring them saves most of
-    a plain round's observe. The drafter sees the same rows and positions either way; its context rows
+    context until the next drafting round, and one observe of n rows costs little more than one of a
+    single row (its fixed per-call work dominates at these sizes), so deferring them saves most of a
+    plain round's observe. The drafter sees the same rows and positions either way; its context rows
     may differ in the last bits (a matmul over more rows)."""
     pieces, req.unobserved = req.unobserved, []
     if len(pieces) == 1:
@@ -213,8 +213,7 @@ def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, tra
         plan = VerifyPlan((0,) * len(live))
         if drafter is not None:  # auto's plain round: each request keeps its newest drafting round's row
             for r in live:
-                if r.confidences:
-                    r.confidences.append(r.confidences[-1])
+                r.keep_confidences()
                 r.plain_run += 1
     else:
         for r in live:

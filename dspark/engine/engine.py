@@ -329,8 +329,7 @@ class Engine:
         and each request keeps its last confidences, appended again (none: it stays without)."""
         gamma = self.draft_ahead.gamma
         for b, (req, token) in enumerate(zip(requests, tokens)):
-            if req.confidences:
-                req.confidences.append(req.confidences[-1])
+            req.keep_confidences()
             req.state.advance(1)  # the anchor fed at the request's length; nothing to truncate
             req.stats.record_round(0, 0, gamma)
             position = len(req.out)
