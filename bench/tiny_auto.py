@@ -3,13 +3,15 @@
     python bench/tiny_auto.py --out bench/results/tiny_auto.json [--prompts 4] [--repeats 2]
         [--prompts-file tiny-data/v2/prompts.heldout.jsonl]
 
-For each temperature and each budget (0 = plain, 1..γ, "auto"), `dspark.generate` decodes the first
+For each temperature and each budget (0 = plain, 1..γ, "auto"), one `Engine` per budget (built and
+warmed up once, before any timing, and reused: on CUDA its graph capture is not timed) decodes the first
 `--prompts` HumanEval prompts of the shipped subset (or of a JSONL file of {"prompt": ...} records,
 e.g. the held-out corpus cuts of `bench/tiny_drafter.py prompts`, every other one so both domains
-come in) `--batch` at a time (default 1), `--max-new-tokens` each;
-a cell's tokens/s is all its generated tokens over all its wall time (τ: per request and round). Cells are interleaved (repeat
-r runs every cell once before repeat r + 1) so drift on a noisy machine hits every cell alike, and one
-untimed warm-up generate precedes the timing. τ is committed tokens per round. The summary gives auto's
+come in) `--batch` at a time (default 1; prompt i of a batch sampled with seed + i as `generate`
+does), `--max-new-tokens` each;
+a cell's tokens/s is all its generated tokens over all its wall time. Cells are interleaved (repeat
+r runs every cell once before repeat r + 1) so drift on a noisy machine hits every cell alike. τ is
+committed tokens per request per round. The summary gives auto's
 ratio to the best fixed budget (issue 7's target: >= 0.95 at every load) per temperature.
 """
 
@@ -25,7 +27,9 @@ from pathlib import Path
 import torch
 
 import dspark
+from dspark.engine import Engine, EngineConfig
 from dspark.evaluate import encode_prompt, load_prompts
+from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,15 +50,34 @@ def _budget(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def run_cell(model, prompts, budget, temperature: float, seed: int, max_new_tokens: int, capacity=None,
-             batch: int = 1) -> dict:
+def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capacity=None) -> Engine:
+    """One engine per budget, built once and reused by every repeat and temperature (as a server runs:
+    on CUDA its graphs are captured here, not in the timed cells), warmed up by one short request."""
+    engine = Engine(model, EngineConfig(max_running=batch, max_waiting=batch,
+                                        max_prompt_tokens=max(map(len, prompts)), max_new_tokens=max_new_tokens,
+                                        draft_tokens=budget, capacity=capacity))
+    serve(engine, prompts[:1], 0.0, 0, 16)
+    return engine
+
+
+def serve(engine, prompts, temperature: float, seed: int, max_new_tokens: int) -> tuple[int, int]:
+    """Decode `prompts` together to completion; returns (tokens generated, rounds summed over requests)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(temperature, seed=seed + i), max_new_tokens)
+    tokens = rounds = 0
+    while engine.has_work():
+        for event in engine.step():
+            tokens += len(event.new_token_ids)
+            rounds += event.stats.rounds if event.finished else 0
+    return tokens, rounds
+
+
+def run_cell(engine, prompts, temperature: float, seed: int, max_new_tokens: int, batch: int = 1) -> dict:
     tokens = rounds = 0
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs = dspark.generate(model, prompts[i:i + batch], max_new_tokens=max_new_tokens, temperature=temperature,
-                               seed=seed + i, draft_tokens=budget, capacity=capacity)
-        tokens += sum(len(o.token_ids) for o in outs)
-        rounds += sum(o.stats.rounds for o in outs)
+        t, r = serve(engine, prompts[i:i + batch], temperature, seed + i, max_new_tokens)
+        tokens, rounds = tokens + t, rounds + r
     return {"seconds": time.perf_counter() - start, "tokens": tokens, "rounds": rounds}
 
 
@@ -84,11 +107,11 @@ def main() -> None:
     capacity = CapacityTable.load(args.capacity) if args.capacity else None
     budgets = [_budget(b) for b in args.budgets.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
-    dspark.generate(model, prompts[0], max_new_tokens=16, draft_tokens=1)  # warm-up
+    engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity) for b in budgets}
     cells = {(t, b): {"seconds": 0.0, "tokens": 0, "rounds": 0} for t in temps for b in budgets}
     for r in range(args.repeats):
         for (t, b), acc in cells.items():
-            got = run_cell(model, prompts, b, t, args.seed + 1000 * r, args.max_new_tokens, capacity, args.batch)
+            got = run_cell(engines[b], prompts, t, args.seed + 1000 * r, args.max_new_tokens, args.batch)
             for k in acc:
                 acc[k] += got[k]
     rows, summary = [], {}

@@ -85,10 +85,26 @@ def _profile(args) -> int:
                            plain=not args.no_plain)
     model = _load(args.model, args.device)
     drafter = resolve_drafter(model, args.drafter) if args.drafter else None
+    if args.engine:
+        return _profile_rounds(args, model, drafter)
     table = profile_capacity(model, config, model_name=args.model,
                              progress=lambda b, s, what: print(f"{what}={b:>6}  {s * 1e3:9.3f} ms  {1 / s:9.1f} steps/s",
                                                                file=sys.stderr),
                              drafter=drafter, drafter_name=args.drafter or "")
+    table.save(args.out)
+    print(f"wrote {args.out} ({table.label})", file=sys.stderr)
+    return 0
+
+
+def _profile_rounds(args, model, drafter) -> int:
+    from dspark.engine.round_profile import RoundProfileConfig, profile_rounds
+
+    if drafter is None:
+        raise SystemExit("dspark profile --engine needs --drafter: it times the engine's drafting rounds")
+    config = RoundProfileConfig(args.requests, args.budgets, args.context, args.warmup, args.steps)
+    table = profile_rounds(model, drafter, config, model_name=args.model, drafter_name=args.drafter,
+                           progress=lambda r, n, s: print(f"R={r:>4} n={n}  {s * 1e3:9.3f} ms per round",
+                                                          file=sys.stderr))
     table.save(args.out)
     print(f"wrote {args.out} ({table.label})", file=sys.stderr)
     return 0
@@ -114,6 +130,13 @@ def _add_profile(sub) -> None:
     p.add_argument("--drafter", default=None, choices=("dspark", "mtp"),
                    help="also time this drafter's propose in every width probe: the table prices drafting "
                         "rounds against plain ones (what --draft-tokens auto needs to skip drafting)")
+    p.add_argument("--engine", action="store_true",
+                   help="time the engine's own rounds instead of bare forwards: an engine at each fixed budget "
+                        "(--budgets, 0 = plain) serving each load (--requests) of --context-token prompts, "
+                        "graphs and the round in flight included where the engine runs them (needs --drafter)")
+    p.add_argument("--requests", type=_int_list, default=(1, 2, 4, 8), help="--engine: loads R")
+    p.add_argument("--budgets", type=_int_list, default=None, help="--engine: fixed budgets (default 0..γ)")
+    p.add_argument("--steps", type=int, default=24, help="--engine: timed decoding steps per load and budget")
     p.add_argument("--out", required=True, help="capacity table JSON to write")
     p.set_defaults(run=_profile)
 

@@ -1,0 +1,82 @@
+"""`dspark profile --engine`: a capacity table priced by the engine's own rounds."""
+
+import pytest
+import torch
+
+import dspark
+from dspark.cli import main
+from dspark.engine import round_profile
+from dspark.engine.round_profile import RoundProfileConfig, profile_rounds, round_seconds
+from dspark.verify.capacity import CapacityTable
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return dspark.load_model("tiny")
+
+
+def test_each_load_and_budget_prices_its_own_tokens(tiny, monkeypatch):
+    """B = R(1 + n) per drafting budget (equal B pooled), the plain curve from n = 0, each pair timed by
+    an engine at that budget; the engine's steps are what is timed (here 1 ms per request per token)."""
+    seen = []
+
+    def fake(model, drafter, requests, budget, config):
+        seen.append((requests, budget))
+        return [1e-3 * requests * (1 + budget)] * config.steps
+
+    monkeypatch.setattr(round_profile, "round_seconds", fake)
+    config = RoundProfileConfig(requests=(1, 2), budgets=(0, 1, 3), context=8, warmup=0, steps=3)
+    table = profile_rounds(tiny, tiny.dspark, config, "tiny", "dspark")
+    assert seen == [(1, 0), (1, 1), (1, 3), (2, 0), (2, 1), (2, 3)]
+    assert table.batch_tokens == (2, 4, 8)  # (1, 1); (1, 3) and (2, 1) pooled; (2, 3)
+    assert [round(1 / s * 1e3) for s in table.steps_per_second] == [2, 4, 8]
+    assert table.plain_requests == (1, 2) and [round(1 / s * 1e3) for s in table.plain_steps_per_second] == [1, 2]
+    assert "engine rounds" in table.label and table.conditions["budgets"] == [0, 1, 3]
+
+
+def test_a_real_engine_is_timed_at_every_step(tiny):
+    torch.manual_seed(0)
+    config = RoundProfileConfig(requests=(2,), context=16, warmup=1, steps=4)
+    for budget in (0, 2):
+        seconds = round_seconds(tiny, tiny.dspark, 2, budget, config)
+        assert len(seconds) == 4 and all(0 < s < 10 for s in seconds)
+
+
+def test_steps_whose_batch_changed_are_dropped(tiny, monkeypatch):
+    """A request that ends (EOS) changes the batch: its step is not a round of R requests. With every
+    token an EOS the requests end at once and too few steps are left: a clear error, not a table."""
+    class EosEverywhere(round_profile.Engine):
+        def __init__(self, model, config):
+            super().__init__(model, config)
+            self.eos = frozenset(range(model.config.vocab_size))
+
+    monkeypatch.setattr(round_profile, "Engine", EosEverywhere)
+    with pytest.raises(RuntimeError, match="steps kept"):
+        round_seconds(tiny, tiny.dspark, 2, 1, RoundProfileConfig(requests=(2,), context=8, warmup=0, steps=4))
+
+
+@pytest.mark.parametrize("bad", [dict(requests=()), dict(requests=(2, 1)), dict(budgets=(0, 0)),
+                                 dict(budgets=(-1, 1)), dict(steps=2), dict(context=0), dict(warmup=True)])
+def test_config_is_validated(bad):
+    with pytest.raises(ValueError):
+        RoundProfileConfig(**bad)
+
+
+def test_budgets_must_fit_the_drafter_and_draft(tiny):
+    with pytest.raises(ValueError, match="block size"):
+        profile_rounds(tiny, tiny.dspark, RoundProfileConfig(budgets=(0, tiny.dspark.block_size + 1)))
+    with pytest.raises(ValueError, match="no drafting budget"):
+        profile_rounds(tiny, tiny.dspark, RoundProfileConfig(budgets=(0,)))
+
+
+def test_cli_writes_a_table_that_generate_reads(tmp_path, capsys):
+    out = tmp_path / "rounds.json"
+    assert main(["profile", "--model", "tiny", "--device", "cpu", "--engine", "--drafter", "dspark",
+                 "--requests", "1", "--budgets", "0,2", "--context", "8", "--warmup", "0", "--steps", "3",
+                 "--out", str(out)]) == 0
+    table = CapacityTable.load(out)
+    assert table.batch_tokens == (3,) and table.plain_requests == (1,)
+    assert main(["generate", "ab", "--model", "tiny", "--device", "cpu", "--max-new-tokens", "4",
+                 "--draft-tokens", "auto", "--capacity", str(out)]) == 0
+    with pytest.raises(SystemExit, match="--drafter"):
+        main(["profile", "--model", "tiny", "--device", "cpu", "--engine", "--context", "8", "--out", str(out)])
