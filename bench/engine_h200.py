@@ -69,7 +69,6 @@ import datetime
 import json
 import math
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -88,6 +87,7 @@ from dspark.profile import split_tokens, time_step
 from dspark.request import Request
 from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
+from provenance import git_commit
 
 HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
 # dspark1 / dspark2 at the geometric model that gives budget 3 its 3.25 (per-draft survival 0.8629)
@@ -531,13 +531,6 @@ def _device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 # -------------------------------------------------------------------------------------------------
 
 
@@ -626,7 +619,7 @@ def main() -> None:
         drafters[mode] = drafters["dspark3"]
     results = {
         "conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
-                       "dtype": str(dtype), "weights": "random", "commit": _commit(), "smoke": cli.smoke,
+                       "dtype": str(dtype), "weights": "random", "commit": git_commit(), "smoke": cli.smoke,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "budget_s": budget, "kernels": str(model.kernels),
                        "graphs": cli.static_decode and device.type == "cuda", "static_decode": cli.static_decode,

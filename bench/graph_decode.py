@@ -54,8 +54,9 @@ from dspark.models.deepseek_v4.static_state import StaticShape  # noqa: E402
 from dspark.models.deepseek_v4.static_step import StaticDecoder  # noqa: E402
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM  # noqa: E402
 from dspark.models.deepseek_v41.static_step import StaticDecoderV41  # noqa: E402
-from engine_h200 import (HBM_BYTES_PER_S, _commit, _device_name, _token_map, active_bytes,  # noqa: E402
+from engine_h200 import (HBM_BYTES_PER_S, _device_name, _token_map, active_bytes,  # noqa: E402
                          fabricate_state)
+from provenance import git_commit  # noqa: E402
 
 FULL = dict(config="v4-mini", requests=(1, 8, 64), context=4096, warmup=3, steps=20)
 SMOKE = dict(config="tiny-v4", requests=(1, 2), context=40, warmup=1, steps=3)
@@ -262,7 +263,7 @@ def main() -> None:
     roofline = active_bytes(model, args["context"])
     results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                               "dtype": str(dtype), "weights": "random", "kernels": str(model.kernels),
-                              "commit": _commit(), "smoke": cli.smoke, "pdl": not cli.no_pdl, "prefetch": not cli.no_prefetch, **options,
+                              "commit": git_commit(), "smoke": cli.smoke, "pdl": not cli.no_pdl, "prefetch": not cli.no_prefetch, **options,
                               "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": args["tokens"],
                               "static_capacity": args["context"] + HEADROOM, "grid": args,
                               "decode_state": "fabricated at the context (random values, prefill shapes)",

@@ -46,8 +46,9 @@ from dspark.draft.static_context import StaticDraftShape  # noqa: E402
 from dspark.draft.static_drafter import StaticDrafter  # noqa: E402
 from dspark.draft.static_graph import ObserveGraph, ProposeGraph, SampledProposeGraph  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
-from engine_h200 import _commit, _device_name, fabricate_drafter_state  # noqa: E402
+from engine_h200 import _device_name, fabricate_drafter_state  # noqa: E402
 from graph_decode import kernel_profile, op_sites, timed  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 FULL = dict(config="v4-mini", requests=(1, 8, 64), context=4096, warmup=3, steps=20)
 SMOKE = dict(config="tiny-v4", requests=(1, 2), context=40, warmup=1, steps=3)
@@ -156,7 +157,7 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(0)
     results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "config": args["config"],
                               "dtype": str(dtype), "weights": "random (target and drafter)",
-                              "kernels": str(model.kernels), "commit": _commit(), "smoke": cli.smoke,
+                              "kernels": str(model.kernels), "commit": git_commit(), "smoke": cli.smoke,
                               "gamma": drafter.block_size, "window": drafter.window,
                               "stages": drafter.config.num_stages, "grid": args, "pdl": not cli.no_pdl,
                               "draft_state": "fabricated at the context (random keys of the last W positions)",

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ from dspark.evaluate import load_prompts
 from dspark.train.calibrate import calibrate_sts
 from dspark.train.data import self_distill
 from dspark.train.trainer import TrainConfig, train_draft
+from provenance import git_commit
 
 EVAL_SETS = {"math": "gsm8k", "code": "humaneval", "chat": "mt-bench"}
 TRAIN_SETS = {"math": "gsm8k", "code": "mbpp", "chat": "arena-hard-v2"}
@@ -181,7 +181,7 @@ def main() -> None:
     conditions = {"model": args.model, "device": args.device, "model_dtype": str(model.dtype),
                   "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                   "cpu": _cpu_name(), "threads": args.threads, "batch": 1, "python": platform.python_version(),
-                  "torch": torch.__version__, "transformers": transformers.__version__, "commit": _commit(),
+                  "torch": torch.__version__, "transformers": transformers.__version__, "commit": git_commit(),
                   "command": " ".join(["python"] + sys.argv),
                   **{k: v for k, v in vars(args).items() if k not in ("model", "out")}}
     print(json.dumps(conditions), flush=True)
@@ -401,13 +401,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

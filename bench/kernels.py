@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from provenance import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from any directory
@@ -125,14 +126,6 @@ def plan(args: argparse.Namespace) -> list[tuple[LayerShape, str, int]]:
     # The indexer ops are decode / verify ops (a prefill scores in row chunks): M <= 256 only.
     return [(shape, op, m) for shape in layer_shapes(args) for op in args.ops for m in args.tokens
             if not (op == "fused_moe_packed" and m * shape.top_k > 64) and not (op in DECODE_ONLY and m > 256)]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=REPO, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def conditions(commit: str) -> dict:

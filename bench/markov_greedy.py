@@ -82,9 +82,9 @@ def conditions(device, args, vocab: int, rank: int) -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
-    from bench.engine_h200 import _commit  # here: it imports dspark, after --smoke's interpreter_setup
+    from provenance import git_commit
 
-    info["commit"] = _commit() or "unknown"
+    info["commit"] = git_commit()
     info["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda

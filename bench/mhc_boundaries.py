@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/mhc_boundaries.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from bench.kernels import conditions, git_commit
+    from bench.kernels import conditions
+    from provenance import git_commit
 
     cond, start = conditions(git_commit()), time.time()
     rows = [row for family in args.families for row in family_rows(family, args)]

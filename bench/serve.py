@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+from provenance import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the", "model", "drafts", "tokens", "and", "verifies", "them", "in", "one", "pass", "while", "clients",
@@ -56,14 +57,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def start_server(args, port: int) -> subprocess.Popen:
@@ -175,7 +168,7 @@ def main(argv=None) -> int:
     lo, hi = map(int, args.prompt_words.split(","))
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(args.requests)]
     conditions = {
-        "bench": "serve", "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "bench": "serve", "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "python": platform.python_version(), "torch": importlib.metadata.version("torch"), "model": args.model, "requests": args.requests,
         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "prompt_words": [lo, hi],

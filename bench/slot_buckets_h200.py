@@ -32,7 +32,8 @@ import dspark  # noqa: E402
 from dspark.configs import load_config  # noqa: E402
 from dspark.draft import DSparkDrafter  # noqa: E402
 from dspark.engine import Engine, EngineConfig  # noqa: E402
-from engine_h200 import _commit, _device_name, _sync, inject  # noqa: E402
+from engine_h200 import _device_name, _sync, inject  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 FULL = dict(config="v4-mini", slots=64, live=(64, 33, 32, 16, 8, 2, 1), context=4096, warmup=2, steps=5)
 SMOKE = dict(config="tiny-v4", slots=4, live=(4, 3, 2, 1), context=40, warmup=1, steps=2)
@@ -104,7 +105,7 @@ def main() -> None:
     model = dspark.init_model(load_config(args["config"]), seed=0, device=device,
                               dtype=torch.float32 if cli.smoke else torch.bfloat16)
     drafter = DSparkDrafter(model).init_weights(1)
-    results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "commit": _commit(),
+    results = {"conditions": {"device": _device_name(device), "torch": torch.__version__, "commit": git_commit(),
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "weights": "random", "kernels": str(model.kernels), "smoke": cli.smoke, **args},
                "modes": {}}

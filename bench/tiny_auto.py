@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -31,19 +30,9 @@ from dspark.engine import Engine, EngineConfig
 from dspark.evaluate import encode_prompt, load_prompts
 from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
+from provenance import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _commit() -> str:
-    """HEAD's short hash, with "+dirty" when a tracked file differs from it (what actually ran; untracked
-    files such as fresh results do not count)."""
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-    try:
-        return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _budget(text: str) -> int | str:
@@ -127,7 +116,7 @@ def main() -> None:
     result = {"bench": "tiny_auto", "conditions": {
         "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else f"cpu ({platform.processor() or platform.machine()})"), "threads": args.threads,
-        "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torch": torch.__version__, "commit": git_commit(dirty=True), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": "tiny", "drafter": "dspark", "prompts": f"{source}: {len(prompts)} prompts", "batch": args.batch,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "capacity": capacity.label if capacity else "engine default"}, "cells": rows, "summary": summary}

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from importlib import resources
@@ -40,6 +39,7 @@ if str(REPO) not in sys.path:  # run as a script from any directory
     sys.path.insert(0, str(REPO))
 
 import dspark  # noqa: E402  (after the path fix)
+from provenance import git_commit  # noqa: E402
 
 EXACT, BOUNDED = "exact", "bounded_replay"
 
@@ -61,14 +61,6 @@ def parse_args(argv=None):
     args.prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
     args.seeds = [int(x) for x in args.seeds.split(",") if x]
     return args
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def conditions(args) -> dict:
