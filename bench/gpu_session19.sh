@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU steps of the nineteenth session (one H200; each part < 9.5 min):
+# GPU steps of the nineteenth session (one H200; part a < 8 min):
 #
 #   run(command="bash bench/gpu_session19.sh a", kind="nvidia-h200")
 #
@@ -8,18 +8,18 @@
 #    `dspark profile` of part c of gpu_session18.sh timed 15-18 ms per forward where a graph round is a
 #    few ms), then `bench/tiny_auto.py --device cuda` (one engine per budget, built and warmed before any
 #    timing: the eighteenth session's run timed each `generate`'s graph capture) with that table at
-#    batch 1 and 4, and at batch 1 with the eager table for comparison.
+#    batch 1 and 4 (tiny's loads), and at batch 1 with the eager table for comparison.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 part_a() {
-  logged a_rounds 200 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
-    --requests 1,2,4,8 --context 192 --warmup 4 --steps 24 --out "$OUT/capacity-cuda-tiny-rounds.json"
+  logged a_rounds 150 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
+    --requests 1,2,4 --context 192 --warmup 4 --steps 16 --out "$OUT/capacity-cuda-tiny-rounds.json"
   tail -n 30 $W/logs/a_rounds.txt | cut -c1-200
-  logged a_auto 150 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
-    --repeats 3 --out "$OUT/tiny-auto-h200.json"
-  logged a_auto_b4 150 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
-    --prompts 8 --batch 4 --repeats 3 --budgets 0,1,3,5,auto --out "$OUT/tiny-auto-h200-batch4.json"
-  logged a_auto_eager 100 python3 bench/tiny_auto.py --device cuda --repeats 3 \
+  logged a_auto 120 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
+    --repeats 2 --out "$OUT/tiny-auto-h200.json"
+  logged a_auto_b4 120 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
+    --prompts 8 --batch 4 --repeats 2 --budgets 0,1,3,5,auto --out "$OUT/tiny-auto-h200-batch4.json"
+  logged a_auto_eager 90 python3 bench/tiny_auto.py --device cuda --repeats 2 --budgets 0,1,3,5,auto \
     --capacity bench/results/capacity-cuda-tiny-eager-h200.json --out "$OUT/tiny-auto-h200-eager-table.json"
   tail -n 40 $W/logs/a_auto.txt | cut -c1-200; tail -n 22 $W/logs/a_auto_b4.txt $W/logs/a_auto_eager.txt | cut -c1-200
 }
