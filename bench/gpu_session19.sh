@@ -2,6 +2,7 @@
 # GPU steps of the nineteenth session (one H200; part a < 8 min):
 #
 #   run(command="bash bench/gpu_session19.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session19.sh b", kind="nvidia-h200")   # or b alone: a's first two steps
 #
 # a: dspark-tiny's capacity priced by the engine's own rounds on CUDA (`dspark profile --engine`: an
 #    engine per load R and fixed budget n, graphs and the round in flight included; the eager
@@ -22,6 +23,15 @@ part_a() {
   logged a_auto_eager 90 python3 bench/tiny_auto.py --device cuda --repeats 2 --budgets 0,1,3,5,auto \
     --capacity bench/results/capacity-cuda-tiny-eager-h200.json --out "$OUT/tiny-auto-h200-eager-table.json"
   tail -n 40 $W/logs/a_auto.txt | cut -c1-200; tail -n 22 $W/logs/a_auto_b4.txt $W/logs/a_auto_eager.txt | cut -c1-200
+}
+
+part_b() {  # part a's first two steps only, for a short lease
+  logged b_rounds 120 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
+    --requests 1,2,4 --context 192 --warmup 3 --steps 12 --out "$OUT/capacity-cuda-tiny-rounds.json"
+  tail -n 20 $W/logs/b_rounds.txt | cut -c1-200
+  logged b_auto 120 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
+    --repeats 2 --out "$OUT/tiny-auto-h200.json"
+  tail -n 30 $W/logs/b_auto.txt | cut -c1-200
 }
 
 dispatch session19 "${1:-}"
