@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session19.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session19.sh b", kind="nvidia-h200")   # or b alone: a's first two steps
+#   run(command="bash bench/gpu_session19.sh c", kind="nvidia-h200")   # or c alone: a's first step
 #
 # a: dspark-tiny's capacity priced by the engine's own rounds on CUDA (`dspark profile --engine`: an
 #    engine per load R and fixed budget n, graphs and the round in flight included; the eager
@@ -32,6 +33,12 @@ part_b() {  # part a's first two steps only, for a short lease
   logged b_auto 120 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
     --repeats 2 --out "$OUT/tiny-auto-h200.json"
   tail -n 30 $W/logs/b_auto.txt | cut -c1-200
+}
+
+part_c() {  # the engine-round table alone
+  logged c_rounds 140 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
+    --requests 1,2,4 --context 192 --warmup 3 --steps 12 --out "$OUT/capacity-cuda-tiny-rounds.json"
+  tail -n 20 $W/logs/c_rounds.txt | cut -c1-200
 }
 
 dispatch session19 "${1:-}"
