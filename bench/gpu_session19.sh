@@ -14,6 +14,7 @@
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
 part_a() {
+  tests a_tests 120 tests/engine/test_round_profile.py
   logged a_rounds 150 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
     --requests 1,2,4 --context 192 --warmup 4 --steps 16 --out "$OUT/capacity-cuda-tiny-rounds.json"
   tail -n 30 $W/logs/a_rounds.txt | cut -c1-200
@@ -27,6 +28,7 @@ part_a() {
 }
 
 part_b() {  # part a's first two steps only, for a short lease
+  tests b_tests 120 tests/engine/test_round_profile.py
   logged b_rounds 120 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
     --requests 1,2,4 --context 192 --warmup 3 --steps 12 --out "$OUT/capacity-cuda-tiny-rounds.json"
   tail -n 20 $W/logs/b_rounds.txt | cut -c1-200

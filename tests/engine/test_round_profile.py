@@ -80,3 +80,22 @@ def test_cli_writes_a_table_that_generate_reads(tmp_path, capsys):
                  "--draft-tokens", "auto", "--capacity", str(out)]) == 0
     with pytest.raises(SystemExit, match="--drafter"):
         main(["profile", "--model", "tiny", "--device", "cpu", "--engine", "--context", "8", "--out", str(out)])
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_rounds_timed_are_the_graph_rounds_in_flight(monkeypatch):
+    """On CUDA every engine the profile builds runs the static path (graphs) and, drafting, keeps its
+    round in flight: the table prices what "auto" there chooses between."""
+    model = dspark.load_model("tiny", device="cuda")
+    built = []
+
+    class Watched(round_profile.Engine):
+        def __init__(self, model, config):
+            super().__init__(model, config)
+            built.append((config.draft_tokens, self.static, self.draft_ahead is not None, self.lookahead is not None))
+
+    monkeypatch.setattr(round_profile, "Engine", Watched)
+    table = profile_rounds(model, model.dspark, RoundProfileConfig(requests=(1, 2), budgets=(0, 2), context=32,
+                                                                   warmup=2, steps=6))
+    assert built == [(0, True, False, True), (2, True, True, False)] * 2
+    assert table.batch_tokens == (3, 6) and table.plain_requests == (1, 2)
