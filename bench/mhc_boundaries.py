@@ -70,7 +70,7 @@ def closed_boundaries(family: str):
         from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
         owner, name = DeepseekV41ForCausalLM, "_materialised_inputs"
-        patched = lambda self, capture, replay: frozenset(range(len(self.layers)))  # noqa: E731
+        patched = lambda self, replay: frozenset(range(len(self.layers)))  # noqa: E731
     original = getattr(owner, name)
     setattr(owner, name, patched)
     try:

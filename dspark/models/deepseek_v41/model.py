@@ -10,7 +10,8 @@
 
 A block's closing mHC post and the next block's attention site run as one op where the streams
 between them need not exist on their own (`_materialised_inputs`): 2 mHC ops per layer + 1, plus
-one per materialised boundary (Engram layers, capture points, the replay split).
+one per materialised boundary (Engram layers, the replay split; a DSpark capture point reads the
+streams the fused boundary op writes).
 
 One ragged call serves chunked prefill, decode and verify (docs/design.md). CSA2 state shared
 across layers (compressed entries, index keys) lives per request in `DecodeStateV41.sources`,
@@ -230,7 +231,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = initial_pre(n, self.config.hc_mult, self.device)
         slots = [SharedSlots() for _ in states]
         features, rows, step = {}, None, batch  # rows: None = all rows of the call, else the replayed ones
-        materialised = self._materialised_inputs(capture, replay)
+        materialised = self._materialised_inputs(replay)
         site = None  # layer i's attention site when the boundary into it was one fused op
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
@@ -270,20 +271,23 @@ class DeepseekV41ForCausalLM(nn.Module):
                            rewindable=replay is None or not replay.skipped[b])
         return DeepseekV41Output(logits, x, features, valid)
 
-    def _materialised_inputs(self, capture: frozenset[int], replay) -> frozenset[int]:
+    def _materialised_inputs(self, replay) -> frozenset[int]:
         """Layers whose input streams the loop builds with a standalone post before the layer's
         attention site; at every other boundary the post is fused with the next site (spec §4, the
         deferral of `hc_ffn.post` into the next layer's entry, not across):
 
         * an Engram layer: Engram adds to the streams before the site may read them;
-        * a DSpark capture point (`capture`): the spec keeps the drafter's features materialised
-          by a plain post;
         * the bounded-replay split (CED boundary, when this call replays): the split publishes the
           attention input of every row, then keeps only the replayed rows.
+
+        A DSpark capture point needs its input streams materialised (spec §4), and the fused boundary
+        op writes them (`enter` returns them beside the site), so capture keeps the fusion: the
+        target runs the same ops, and costs the same, whether a drafter observes it or not (a plain
+        post there cost dspark-tiny's one-token CPU forward 4 %).
         """
         engram = {i for i, layer in enumerate(self.layers) if layer.engram is not None}
         split = {self.config.replay_split_layer} if replay is not None else set()
-        return frozenset(engram | set(capture) | split)
+        return frozenset(engram | split)
 
     def _check_capture(self, capture_layers) -> frozenset[int]:
         return check_capture(capture_layers, len(self.layers))

@@ -76,9 +76,9 @@ class StaticDecoderV41(StaticDecoderBase):
         self._check_inputs(input_ids, starts)
         model, (n_slots, n_tok) = self.model, input_ids.shape
         capture = check_capture(capture_layers, len(model.layers))
-        # Layers whose input streams a standalone post builds (Engram layers, capture points): as in
-        # `DeepseekV41ForCausalLM.forward` without bounded replay.
-        materialised = model._materialised_inputs(capture, None)
+        # Layers whose input streams a standalone post builds (Engram layers; a capture point reads the
+        # fused boundary's output): as in `DeepseekV41ForCausalLM.forward` without bounded replay.
+        materialised = model._materialised_inputs(None)
         index = StepIndex(starts, n_tok, self.index_tables)
         positions = index.positions  # [S, T]
         ids = input_ids.reshape(-1)  # [N]
