@@ -13,34 +13,35 @@
 #    batch 1 and 4 (tiny's loads), and at batch 1 with the eager table for comparison.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 
+rounds_table() {  # rounds_table PART STEPS: the GPU tests, then dspark-tiny's engine-round table on CUDA
+  tests "$1_tests" 120 tests/engine/test_round_profile.py
+  logged "$1_rounds" 150 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
+    --requests 1,2,4 --context 192 --warmup 3 --steps "$2" --out "$OUT/capacity-cuda-tiny-rounds.json"
+  tail -n 20 "$W/logs/$1_rounds.txt" | cut -c1-200
+}
+
+tiny_auto() {  # tiny_auto NAME TIMEOUT ARGS...: bench/tiny_auto.py on CUDA into $OUT/NAME.json
+  local name=$1 limit=$2; shift 2
+  logged "$name" "$limit" python3 bench/tiny_auto.py --device cuda --repeats 2 "$@" --out "$OUT/$name.json"
+  tail -n 24 "$W/logs/$name.txt" | cut -c1-200
+}
+
 part_a() {
-  tests a_tests 120 tests/engine/test_round_profile.py
-  logged a_rounds 150 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
-    --requests 1,2,4 --context 192 --warmup 4 --steps 16 --out "$OUT/capacity-cuda-tiny-rounds.json"
-  tail -n 30 $W/logs/a_rounds.txt | cut -c1-200
-  logged a_auto 120 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
-    --repeats 2 --out "$OUT/tiny-auto-h200.json"
-  logged a_auto_b4 120 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
-    --prompts 8 --batch 4 --repeats 2 --budgets 0,1,3,5,auto --out "$OUT/tiny-auto-h200-batch4.json"
-  logged a_auto_eager 90 python3 bench/tiny_auto.py --device cuda --repeats 2 --budgets 0,1,3,5,auto \
-    --capacity bench/results/capacity-cuda-tiny-eager-h200.json --out "$OUT/tiny-auto-h200-eager-table.json"
-  tail -n 40 $W/logs/a_auto.txt | cut -c1-200; tail -n 22 $W/logs/a_auto_b4.txt $W/logs/a_auto_eager.txt | cut -c1-200
+  rounds_table a 16
+  tiny_auto tiny-auto-h200 120 --capacity "$OUT/capacity-cuda-tiny-rounds.json"
+  tiny_auto tiny-auto-h200-batch4 120 --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
+    --prompts 8 --batch 4 --budgets 0,1,3,5,auto
+  tiny_auto tiny-auto-h200-eager-table 90 --capacity bench/results/capacity-cuda-tiny-eager-h200.json \
+    --budgets 0,1,3,5,auto
 }
 
 part_b() {  # part a's first two steps only, for a short lease
-  tests b_tests 120 tests/engine/test_round_profile.py
-  logged b_rounds 120 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
-    --requests 1,2,4 --context 192 --warmup 3 --steps 12 --out "$OUT/capacity-cuda-tiny-rounds.json"
-  tail -n 20 $W/logs/b_rounds.txt | cut -c1-200
-  logged b_auto 120 python3 bench/tiny_auto.py --device cuda --capacity "$OUT/capacity-cuda-tiny-rounds.json" \
-    --repeats 2 --out "$OUT/tiny-auto-h200.json"
-  tail -n 30 $W/logs/b_auto.txt | cut -c1-200
+  rounds_table b 12
+  tiny_auto tiny-auto-h200 120 --capacity "$OUT/capacity-cuda-tiny-rounds.json"
 }
 
 part_c() {  # the engine-round table alone
-  logged c_rounds 140 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
-    --requests 1,2,4 --context 192 --warmup 3 --steps 12 --out "$OUT/capacity-cuda-tiny-rounds.json"
-  tail -n 20 $W/logs/c_rounds.txt | cut -c1-200
+  rounds_table c 12
 }
 
 dispatch session19 "${1:-}"
