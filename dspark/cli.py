@@ -79,14 +79,19 @@ def _profile(args) -> int:
     from dspark.draft import resolve_drafter
     from dspark.profile import ProfileConfig, profile_capacity  # only this subcommand needs it
 
+    from dspark.engine.round_profile import RoundProfileConfig
+
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    config = ProfileConfig(args.batch_tokens, args.context, args.width, args.warmup, args.repeats, args.prefill_chunk,
-                           plain=not args.no_plain)
+    if args.engine and not args.drafter:
+        raise SystemExit("dspark profile --engine needs --drafter: it times the engine's drafting rounds")
+    config = (RoundProfileConfig(args.requests, args.budgets, args.context, args.warmup, args.steps) if args.engine
+              else ProfileConfig(args.batch_tokens, args.context, args.width, args.warmup, args.repeats,
+                                 args.prefill_chunk, plain=not args.no_plain))
     model = _load(args.model, args.device)
     drafter = resolve_drafter(model, args.drafter) if args.drafter else None
     if args.engine:
-        return _profile_rounds(args, model, drafter)
+        return _profile_rounds(args, model, drafter, config)
     table = profile_capacity(model, config, model_name=args.model,
                              progress=lambda b, s, what: print(f"{what}={b:>6}  {s * 1e3:9.3f} ms  {1 / s:9.1f} steps/s",
                                                                file=sys.stderr),
@@ -96,12 +101,9 @@ def _profile(args) -> int:
     return 0
 
 
-def _profile_rounds(args, model, drafter) -> int:
-    from dspark.engine.round_profile import RoundProfileConfig, profile_rounds
+def _profile_rounds(args, model, drafter, config) -> int:
+    from dspark.engine.round_profile import profile_rounds
 
-    if drafter is None:
-        raise SystemExit("dspark profile --engine needs --drafter: it times the engine's drafting rounds")
-    config = RoundProfileConfig(args.requests, args.budgets, args.context, args.warmup, args.steps)
     table = profile_rounds(model, drafter, config, model_name=args.model, drafter_name=args.drafter,
                            progress=lambda r, n, s: print(f"R={r:>4} n={n}  {s * 1e3:9.3f} ms per round",
                                                           file=sys.stderr))

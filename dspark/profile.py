@@ -64,17 +64,27 @@ class ProfileConfig:
     plain: bool = True
 
     def __post_init__(self):
-        bt = tuple(self.batch_tokens)
-        if not bt or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in bt) \
-                or any(b2 <= b1 for b1, b2 in zip(bt, bt[1:])):
-            raise ValueError(f"batch_tokens must be strictly increasing ints >= 1, got {list(bt)}")
-        object.__setattr__(self, "batch_tokens", bt)
-        for name, low in (("context", 1), ("width", 1), ("warmup", 0), ("repeats", 1), ("prefill_chunk", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        object.__setattr__(self, "batch_tokens", increasing_ints("batch_tokens", self.batch_tokens, 1))
+        check_ints(self, context=1, width=1, warmup=0, repeats=1, prefill_chunk=1)
         if not isinstance(self.plain, bool):
             raise ValueError(f"plain must be a bool, got {self.plain!r}")
+
+
+def increasing_ints(name: str, values, low: int) -> tuple[int, ...]:
+    """`values` as a non-empty, strictly increasing tuple of ints >= `low`; ValueError naming `name`."""
+    values = tuple(values)
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values) \
+            or any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be strictly increasing ints >= {low}, got {list(values)}")
+    return values
+
+
+def check_ints(config, **lows: int) -> None:
+    """ValueError unless each field `name` of `config` is an int >= lows[name]."""
+    for name, low in lows.items():
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def split_tokens(batch_tokens: int, width: int) -> list[int]:

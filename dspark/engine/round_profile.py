@@ -30,7 +30,7 @@ from statistics import median
 import torch
 
 from dspark.engine.engine import Engine, EngineConfig
-from dspark.profile import device_name
+from dspark.profile import check_ints, device_name, increasing_ints
 from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
 
@@ -54,19 +54,10 @@ class RoundProfileConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name, low in (("requests", 1), ("budgets", 0)):
-            values = getattr(self, name)
-            if values is None and name == "budgets":
-                continue
-            values = tuple(values)
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values) \
-                    or any(b <= a for a, b in zip(values, values[1:])):
-                raise ValueError(f"{name} must be strictly increasing ints >= {low}, got {list(values)}")
-            object.__setattr__(self, name, values)
-        for name, low in (("context", 1), ("warmup", 0), ("steps", 3), ("seed", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        object.__setattr__(self, "requests", increasing_ints("requests", self.requests, 1))
+        if self.budgets is not None:
+            object.__setattr__(self, "budgets", increasing_ints("budgets", self.budgets, 0))
+        check_ints(self, context=1, warmup=0, steps=3, seed=0)
 
 
 def round_seconds(model, drafter, requests: int, budget: int, config: RoundProfileConfig) -> list[float]:
@@ -93,8 +84,8 @@ def round_seconds(model, drafter, requests: int, budget: int, config: RoundProfi
         if live == requests and not any(e.finished for e in events):
             seconds.append(now - last)
         last = now
-    while engine.has_work():  # free the slots and state before the next engine is built
-        engine.abort(engine.running[0].request_id if engine.running else engine.waiting[0].request_id)
+    for req in [*engine.running, *engine.waiting]:  # free the slots and state before the next engine is built
+        engine.abort(req.request_id)
     if 2 * len(seconds) < config.steps:
         raise RuntimeError(f"R={requests} n={budget}: only {len(seconds)} of {config.steps} steps kept "
                            f"(requests finished early); raise the context or lower steps")
