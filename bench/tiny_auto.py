@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -28,11 +27,10 @@ import torch
 import dspark
 from dspark.engine import Engine, EngineConfig
 from dspark.evaluate import encode_prompt, load_prompts
+from dspark.profile import device_name
 from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
 from provenance import git_commit
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _budget(text: str) -> int | str:
@@ -45,7 +43,7 @@ def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capaci
     engine = Engine(model, EngineConfig(max_running=batch, max_waiting=batch,
                                         max_prompt_tokens=max(map(len, prompts)), max_new_tokens=max_new_tokens,
                                         draft_tokens=budget, capacity=capacity))
-    serve(engine, prompts[:1], 0.0, 0, 16)
+    serve(engine, prompts[:1], 0.0, 0, min(16, max_new_tokens))
     return engine
 
 
@@ -114,8 +112,7 @@ def main() -> None:
         summary[str(t)] = {"best_fixed": best, "best_fixed_tok_s": fixed[best],
                            "auto_tok_s": auto, "auto_over_best": auto / fixed[best] if auto else None}
     result = {"bench": "tiny_auto", "conditions": {
-        "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
-                   else f"cpu ({platform.processor() or platform.machine()})"), "threads": args.threads,
+        "device": device_name(model.device), "threads": args.threads,
         "torch": torch.__version__, "commit": git_commit(dirty=True), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": "tiny", "drafter": "dspark", "prompts": f"{source}: {len(prompts)} prompts", "batch": args.batch,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
