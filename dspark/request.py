@@ -81,7 +81,8 @@ class Request:
     token but the anchor; `prefilled` counts the tokens of `feed` already fed (chunked prefill).
     `confidences` keeps the last two
     rounds' draft confidences for the asynchronous planner; `plain_run` counts the plain rounds in a row
-    "auto" ran for it and `plain_probes` the plain probes in a row that ended them, and `unobserved` holds
+    "auto" ran for it and `plain_probes` the plain probes in a row that ended them, `plain_plan` the
+    stale rows of the last round that planned it plain (shared by that round's requests), and `unobserved` holds
     the committed rows of its plain rounds that the drafter has not observed yet (`dspark.round`). `domain` is a free-form tag (e.g. the
     evaluation set) copied into every round trace record so analyses can group by it.
     """
@@ -102,6 +103,7 @@ class Request:
     confidences: deque = field(default_factory=lambda: deque(maxlen=2))
     plain_run: int = 0
     plain_probes: int = 0
+    plain_plan: tuple | None = None
     unobserved: list = field(default_factory=list)
     feed: list[int] | None = None
 
@@ -132,6 +134,7 @@ class Request:
         self.prefilled = 0
         self.confidences.clear()  # the asynchronous planner treats the rebuilt request as new
         self.plain_run = self.plain_probes = 0
+        self.plain_plan = None
         self.unobserved = []
         self.stats.preemptions += 1
 

@@ -124,3 +124,43 @@ def test_plain_rounds_defer_the_drafters_observe_until_it_drafts(model):
     for seen, anchor in drafter.at_propose:  # before drafting, the drafter has seen everything up to the anchor
         assert sequence[seen] == anchor
     assert drafter.calls < 1 + len(verified) - verified.count("0") + verified.count("0") // 8
+
+
+def test_a_plain_run_plans_again_only_when_its_stale_rows_change(model, monkeypatch):
+    """After two plain rounds a request's stale row is the same object round after round, so the plan
+    (K = 0) is reused instead of recomputed (`dspark.round._planned_plain`); the rounds are the same."""
+    calls = []
+    async_budget = dspark.round.async_budget
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("min_budget", 0))
+        return async_budget(*args, **kwargs)
+
+    monkeypatch.setattr(dspark.round, "async_budget", counting)
+    tokens, verified = _run(model, LowConfidenceDrafter())
+    reused = len(calls)
+    calls.clear()
+    monkeypatch.setattr(dspark.round, "_planned_plain", lambda live, stale: False)
+    assert _run(model, LowConfidenceDrafter()) == (tokens, verified)
+    assert len(calls) == len(verified) + verified.count("01")  # a probe plans twice: plain, then min_budget=1
+    drafting = len(verified) - verified.count("0")
+    # per drafting round: its own plan, the next two plain rounds' (their stale rows are new), a probe's
+    assert reused <= 4 * drafting, (reused, verified)
+    assert reused < len(verified) / 2
+
+
+def test_a_plain_plan_is_reused_only_for_the_same_requests_and_rows():
+    from dspark.request import Request
+    from dspark.round import _planned_plain
+
+    rows = [torch.rand(GAMMA), torch.rand(GAMMA)]
+    a, b, c = (Request([1], None, torch.Generator(), 8, frozenset()) for _ in range(3))
+    a.plain_plan = b.plain_plan = tuple(rows)
+    assert _planned_plain([a, b], rows)
+    assert not _planned_plain([a, b], [rows[0], rows[1].clone()])  # a new stale row: plan again
+    assert not _planned_plain([a], rows[:1])  # b left: R changed
+    assert not _planned_plain([a, c], rows)  # c joined in b's place
+    c.plain_plan = tuple(rows)  # equal, but not the plan a and b share
+    assert not _planned_plain([a, c], rows)
+    a.preempt()
+    assert a.plain_plan is None
