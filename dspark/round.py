@@ -142,10 +142,11 @@ def _caps(live: list[Request], gamma: int) -> list[int]:
     return [min(gamma, r.remaining - 1) for r in live]
 
 
-def _prior(drafter, req: Request) -> torch.Tensor | None:
-    """fp32 [γ] conditional acceptance of the drafter's calibration for `req`'s kind, or None."""
+def acceptance_prior(drafter, greedy: bool) -> torch.Tensor | None:
+    """fp32 [γ] conditional acceptance of the drafter's calibration for greedy (True) or sampled
+    requests, or None: the row the asynchronous planners read for a request with no stale confidences."""
     calibration_for = getattr(drafter, "calibration_for", None)  # drafters without a confidence head lack it
-    calibration = calibration_for(req.params.greedy) if calibration_for is not None else None
+    calibration = calibration_for(greedy) if calibration_for is not None else None
     if calibration is None or not calibration.acceptance:
         return None
     return torch.tensor(calibration.acceptance, dtype=torch.float32)
@@ -169,7 +170,7 @@ def _budget_before_drafting(live: list[Request], cfg: RoundConfig, drafter) -> t
     mode sizes the round after drafting."""
     if drafter is None or cfg.draft_tokens != "auto" or cfg.planner != "async":
         return None, False
-    stale = [r.confidences[0] if len(r.confidences) == 2 else _prior(drafter, r) for r in live]
+    stale = [r.confidences[0] if len(r.confidences) == 2 else acceptance_prior(drafter, r.params.greedy) for r in live]
     gamma = drafter.block_size
     caps = _caps(live, gamma)
     budget = 0 if _planned_plain(live, stale) else async_budget(stale, gamma, cfg.capacity, caps)

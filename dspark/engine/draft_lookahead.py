@@ -47,7 +47,10 @@ and drafting rounds needs no drop: each launched round carries its own budget, a
 the host gets the budget of the same rule. No confidences are made while plain: a request keeps its
 last known row, which the engine appends again after each plain round (`Engine._commit_plain`), so
 "the newest drafting round at or before j − 2" is what both a chained and a host-launched round j read;
-a request with none stays None (survival 1). A batch that went plain would therefore stay plain until its
+a request with none reads its drafter's calibration prior (`round.acceptance_prior`: the calibration
+rounds' greedy conditional acceptance, one row object for the engine's life, so the plan cache below
+holds), as the dynamic path plans a request's first rounds; a drafter without one reads None
+(survival 1). A batch that went plain would therefore stay plain until its
 membership changes, so after `plain_probe_every` (16) plain rounds in a row the next round drafts at
 budget 1, one slot past it (the plain probe): its confidences are the fresh rows the rounds two on plan
 over, and the batch drafts again where the text got easier, or returns to plain rounds for another 16.
@@ -81,6 +84,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.slots import bucket
+from dspark.round import acceptance_prior
 from dspark.sampling import greedy
 from dspark.verify.capacity import CapacityTable
 from dspark.verify.planner import uniform_budget
@@ -173,6 +177,8 @@ class DraftLookahead:
         self._plain_run = 0  # plain rounds in a row among those run (`step`), up to the newest
         self._after_plain = False  # the last round launched was plain: the next drafting one probes a slot further
         self.capacity = capacity
+        # "auto": the stale row of a request with none of its own (rounds in flight are greedy)
+        self.prior = acceptance_prior(drafting.static.drafter, greedy=True) if budget == "auto" else None
         self.pending: InFlightRound | None = None
         self._planned: tuple[list, int] | None = None  # the last stale rows planned (held) and their budget
 
@@ -220,7 +226,7 @@ class DraftLookahead:
         even when every step is waited for, and `step` finds it in `plan`'s cache (the same row
         objects). A batch that changes in between plans over its own rows in `step` (a cache miss)."""
         if self.budget == "auto" and self.pending is not None:
-            self.plan([r.confidences[-1] if r.confidences else None for r in requests])
+            self.plan([r.confidences[-1] if r.confidences else self.prior for r in requests])
 
     def step(self, requests: list) -> tuple[int, RoundResults]:
         """The next round of every request (each holding a static slot, `fits`): its budget n (0: a plain
@@ -234,7 +240,7 @@ class DraftLookahead:
             current = self._launch_from_host(requests, key, n)
         self._plain_run = self._plain_run + 1 if n == 0 else 0  # round k runs: the plain probe counts it
         # Round k + 1's rows two back are round k − 1's, the newest read: each request's last confidences.
-        n_next = self.plan([r.confidences[-1] if r.confidences else None for r in requests])
+        n_next = self.plan([r.confidences[-1] if r.confidences else self.prior for r in requests])
         chain = self._room(requests, key, n + n_next + 2)
         self.pending = self._launch(None, n_next, current.next_anchors, current.next_positions, current.live) \
             if chain else None
@@ -250,7 +256,7 @@ class DraftLookahead:
         key: Key = tuple((r.request_id, r.state.slot, r.state.length) for r in requests)
         if self.pending is not None and self.pending.key == key:
             return key, self.pending.budget
-        return key, self.plan([r.confidences[0] if len(r.confidences) == 2 else None for r in requests])
+        return key, self.plan([r.confidences[0] if len(r.confidences) == 2 else self.prior for r in requests])
 
     def _launch_from_host(self, requests: list, key: Key, n: int) -> InFlightRound:
         """Round k from host values: each request's last token at its length (the planners' checks)."""

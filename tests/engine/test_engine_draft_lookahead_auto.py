@@ -91,15 +91,15 @@ def same_rounds(ahead_trace: list, sync_trace: list, gamma: int) -> bool:
 
 
 def _rule(calls: list, trace: list, lag: int, gamma: int, table=TABLE,
-          plain_probe_every: int | None = PLAIN_PROBE_EVERY) -> list[int]:
+          plain_probe_every: int | None = PLAIN_PROBE_EVERY, prior=None) -> list[int]:
     """The budget of every recorded round (0 allowed: a plain round) from the confidences of each
     request's round j − lag as the trace recorded them, or of its newest drafting round before that
-    when round j − lag drafted nothing (a plain round keeps the last confidences); None before any.
+    when round j − lag drafted nothing (a plain round keeps the last confidences); `prior` before any.
     After `plain_probe_every` plain rounds in a row a 0 becomes 1 (the plain probe)."""
     conf = {(r["request_id"], r["round"]): r["confidence"] for r in trace if r["confidence"]}
 
     def stale(rid: str, j: int):
-        return next((conf[rid, i] for i in range(j - lag, -1, -1) if (rid, i) in conf), None)
+        return next((conf[rid, i] for i in range(j - lag, -1, -1) if (rid, i) in conf), prior)
 
     budgets, run = [], 0
     for _, rounds in calls:
@@ -144,6 +144,25 @@ def test_each_budget_is_the_rule_over_confidences_two_rounds_old(pair, monkeypat
     assert len(calls) > 10
     assert [n for n, _ in calls] == rule(2)
     assert rule(1) != rule(2) and rule(0) != rule(2)  # the test tells fresher confidences apart
+
+
+def test_a_request_without_stale_rows_is_planned_with_the_calibration_prior(pair, monkeypatch):
+    """A request's first rounds in flight read its drafter's greedy calibration acceptance, as on the
+    dynamic path: a prior that says drafts rarely survive makes them plain rounds, where survival 1
+    (no prior) drafted; output stays plain greedy decoding's."""
+    import dataclasses
+
+    gamma = pair.dspark.block_size
+    calls = _spy_budgets(monkeypatch)
+    low = dataclasses.replace(pair.dspark.greedy_calibration, acceptance=(0.02,) * gamma)
+    monkeypatch.setattr(pair.dspark, "greedy_calibration", low)
+    tokens, trace, _, engine = _run(pair, 24, overlap=True)
+    prior = engine.draft_ahead.prior
+    assert prior.tolist() == pytest.approx(low.acceptance)
+    assert tokens == [o.token_ids for o in dspark.generate(pair, TEXTS, max_new_tokens=24)]
+    budgets = [n for n, _ in calls]
+    assert budgets == _rule(calls, trace, 2, gamma, prior=prior) != _rule(calls, trace, 2, gamma)
+    assert budgets[0] == 0 and _rule(calls[:1], trace, 2, gamma)[0] > 0
 
 
 def test_the_next_budget_is_planned_after_the_commit(pair, monkeypatch):
