@@ -79,11 +79,11 @@ class Request:
     decoding). `out[-1]` is the anchor of the next round: committed, not yet fed to the target.
     `feed` is what prefill feeds: the prompt, or after a preemption the prompt plus every committed
     token but the anchor; `prefilled` counts the tokens of `feed` already fed (chunked prefill).
-    `confidences` keeps the last two
-    rounds' draft confidences for the asynchronous planner; `plain_run` counts the plain rounds in a row
-    "auto" ran for it and `plain_probes` the plain probes in a row that ended them, `plain_plan` the
-    stale rows of the last round that planned it plain (shared by that round's requests), and `unobserved` holds
-    the committed rows of its plain rounds that the drafter has not observed yet (`dspark.round`). `domain` is a free-form tag (e.g. the
+    `confidences` keeps the last two rounds' draft confidences for the asynchronous planner;
+    `plain_run` counts the plain rounds in a row "auto" ran for it and `plain_probes` the plain probes
+    in a row that ended them, `plain_plan` holds the stale rows of the last round that planned it plain
+    (one tuple shared by that round's requests), and `unobserved` the committed rows of its plain rounds
+    that the drafter has not observed yet (`dspark.round`). `domain` is a free-form tag (e.g. the
     evaluation set) copied into every round trace record so analyses can group by it.
     """
 
