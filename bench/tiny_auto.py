@@ -37,13 +37,15 @@ def _budget(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capacity=None) -> Engine:
+def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capacity=None,
+                 trace: bool = False) -> Engine:
     """One engine per budget, built once and reused by every repeat and temperature (as a server runs:
     on CUDA its graphs are captured here, not in the timed cells), warmed up by one short request."""
     engine = Engine(model, EngineConfig(max_running=batch, max_waiting=batch,
                                         max_prompt_tokens=max(map(len, prompts)), max_new_tokens=max_new_tokens,
-                                        draft_tokens=budget, capacity=capacity))
+                                        draft_tokens=budget, capacity=capacity, trace=trace))
     serve(engine, prompts[:1], 0.0, 0, min(16, max_new_tokens))
+    engine.take_trace()
     return engine
 
 
