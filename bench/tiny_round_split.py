@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--capacity", default=None, help="capacity table JSON for auto (default: the engine's)")
+    ap.add_argument("--observe", choices=("engine", "aside"), default="engine",
+                    help="aside: an experiment; the synchronous static path's drafter observe replays on the "
+                         "side stream (`StaticDraftRunner.observe_aside`, as plain rounds in flight do)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = dspark.load_model("tiny", device=args.device)
@@ -65,6 +68,11 @@ def main() -> None:
     capacity = CapacityTable.load(args.capacity) if args.capacity else None
     engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, trace=True)
                for b in (0, "auto")}
+    if args.observe == "aside":
+        for engine in engines.values():
+            runner = engine.static_draft
+            if runner is not None:  # every reader of the draft state joins the side stream first
+                runner.observe = lambda features, starts, ids=None, runner=runner: runner.observe_aside(features, starts)
     cells = {b: {"prefill": [], "plain": [], "drafting": []} for b in engines}
     for r in range(args.repeats):
         for b, engine in engines.items():
@@ -81,7 +89,7 @@ def main() -> None:
         "commit": git_commit(dirty=True), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": "tiny",
         "drafter": "dspark", "prompts": f"humaneval (shipped subset): {len(prompts)} prompts", "batch": args.batch,
         "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "capacity": capacity.label if capacity else "engine default"}, "rows": rows}
+        "capacity": capacity.label if capacity else "engine default", "observe": args.observe}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for row in rows:
