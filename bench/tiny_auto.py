@@ -4,7 +4,8 @@
         [--prompts-file tiny-data/v2/prompts.heldout.jsonl]
 
 For each temperature and each budget (0 = plain, 1..γ, "auto"), one `Engine` per budget (built and
-warmed up once, before any timing, and reused: on CUDA its graph capture is not timed) decodes the first
+warmed up once, a whole batch per temperature at full length, before any timing, and reused: on CUDA
+its graph captures and Triton's compiles are not timed) decodes the first
 `--prompts` HumanEval prompts of the shipped subset (or of a JSONL file of {"prompt": ...} records,
 e.g. the held-out corpus cuts of `bench/tiny_drafter.py prompts`, every other one so both domains
 come in) `--batch` at a time (default 1; prompt i of a batch sampled with seed + i as `generate`
@@ -38,13 +39,17 @@ def _budget(text: str) -> int | str:
 
 
 def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capacity=None,
-                 trace: bool = False) -> Engine:
-    """One engine per budget, built once and reused by every repeat and temperature (as a server runs:
-    on CUDA its graphs are captured here, not in the timed cells), warmed up by one short request."""
+                 trace: bool = False, temperatures=(0.0,)) -> Engine:
+    """One engine per budget, built once and reused by every repeat and temperature (as a server runs),
+    warmed up by one whole batch per temperature at full length: on CUDA the sampled propose graphs are
+    captured at a bucket's first sampled round, and Triton compiles a kernel again for each integer
+    argument that turns divisible by 16 or equal to 1 as lengths grow; neither belongs in a timed cell
+    (the nineteenth session's GPU run, warmed by 16 greedy tokens of one request, timed both)."""
     engine = Engine(model, EngineConfig(max_running=batch, max_waiting=batch,
                                         max_prompt_tokens=max(map(len, prompts)), max_new_tokens=max_new_tokens,
                                         draft_tokens=budget, capacity=capacity, trace=trace))
-    serve(engine, prompts[:1], 0.0, 0, min(16, max_new_tokens))
+    for t in temperatures:
+        serve(engine, prompts[:batch], t, 0, max_new_tokens)
     engine.take_trace()
     return engine
 
@@ -96,7 +101,8 @@ def main() -> None:
     capacity = CapacityTable.load(args.capacity) if args.capacity else None
     budgets = [_budget(b) for b in args.budgets.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
-    engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity) for b in budgets}
+    engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, temperatures=temps)
+               for b in budgets}
     cells = {(t, b): {"seconds": 0.0, "tokens": 0, "rounds": 0} for t in temps for b in budgets}
     for r in range(args.repeats):
         for (t, b), acc in cells.items():

@@ -66,8 +66,8 @@ def main() -> None:
     model = dspark.load_model("tiny", device=args.device)
     prompts = [encode_prompt(model, t) for t in load_prompts("humaneval")[:args.prompts]]
     capacity = CapacityTable.load(args.capacity) if args.capacity else None
-    engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, trace=True)
-               for b in (0, "auto")}
+    engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, trace=True,
+                               temperatures=(args.temperature,)) for b in (0, "auto")}
     if args.observe == "aside":
         for engine in engines.values():
             runner = engine.static_draft
