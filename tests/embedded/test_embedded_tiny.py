@@ -34,6 +34,20 @@ def test_embedded_pair_loads_with_tokenizer_and_drafter(tiny):
     assert isinstance(text, str) and text
 
 
+def test_the_drafter_ships_a_table_per_device_type_labelled_with_its_device(tiny):
+    """"auto" reads the table of the model's device type by default (`engine.default_capacity`): a CPU
+    core's, and the engine rounds of one H200 (`dspark profile --engine`) on CUDA."""
+    from dspark.engine.engine import default_capacity
+
+    tables = tiny.dspark.capacity_tables
+    assert sorted(tables) == ["cpu", "cuda"]
+    assert tables["cuda"].label.startswith("NVIDIA H200") and "engine rounds" in tables["cuda"].label
+    assert tables["cpu"].label.startswith("cpu")
+    assert default_capacity(tiny.dspark, "cuda") is tables["cuda"] and default_capacity(tiny.dspark, "cpu") is tables["cpu"]
+    # graph rounds: a plain round of one request under a millisecond, every drafting round dearer
+    assert 1.0 / tables["cuda"].plain(1) < 1e-3 < 1.0 / tables["cuda"](2)
+
+
 @pytest.mark.parametrize("domain", sorted(PROMPTS))
 def test_speculative_equals_plain_and_tau_stays_above_floor(tiny, domain):
     plain = dspark.generate(tiny, PROMPTS[domain], max_new_tokens=48)
