@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session20.sh a", kind="nvidia-h200")
 #   run(command="bash bench/gpu_session20.sh b", kind="nvidia-h200")   # ≈ 4 min; run instead of a
+#   run(command="bash bench/gpu_session20.sh c", kind="nvidia-h200")   # ≈ 2.5 min: b, fewer cells
 #
 # a: where dspark-tiny's sampled "auto" loses to plain decoding on the GPU (gpu_session19.sh a: T = 1
 #    auto / plain 0.88 at batch 1, 0.75 at batch 4): `bench/tiny_round_split.py` times every engine step
@@ -41,6 +42,13 @@ part_b() {
   tiny_auto tiny-auto-h200-warm-batch4 120 --prompts 8 --batch 4 --budgets 0,1,3,5,auto
   split tiny-split-b4-t1 90 --batch 4 --prompts 8
   split tiny-split-b4-t1-aside 90 --batch 4 --prompts 8 --observe aside
+}
+
+part_c() {  # part b in fewer cells, for a short lease
+  tiny_auto tiny-auto-h200-warm 90 --budgets 0,3,5,auto
+  tiny_auto tiny-auto-h200-warm-batch4 60 --prompts 8 --batch 4 --budgets 0,5,auto --temperatures 1
+  split tiny-split-b4-t1 60 --batch 4 --prompts 8
+  split tiny-split-b4-t1-aside 60 --batch 4 --prompts 8 --observe aside
 }
 
 dispatch session20 "${1:-}"
