@@ -4,8 +4,8 @@
         [--prompts-file tiny-data/v2/prompts.heldout.jsonl]
 
 For each temperature and each budget (0 = plain, 1..γ, "auto"), one `Engine` per budget (built and
-warmed up once, a whole batch per temperature at full length, before any timing, and reused: on CUDA
-its graph captures and Triton's compiles are not timed) decodes the first
+warmed up once per temperature, a whole batch at full length and every prompt's prefill, before any
+timing, and reused: on CUDA its graph captures and Triton's compiles are not timed) decodes the first
 `--prompts` HumanEval prompts of the shipped subset (or of a JSONL file of {"prompt": ...} records,
 e.g. the held-out corpus cuts of `bench/tiny_drafter.py prompts`, every other one so both domains
 come in) `--batch` at a time (default 1; prompt i of a batch sampled with seed + i as `generate`
@@ -41,15 +41,18 @@ def _budget(text: str) -> int | str:
 def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capacity=None,
                  trace: bool = False, temperatures=(0.0,)) -> Engine:
     """One engine per budget, built once and reused by every repeat and temperature (as a server runs),
-    warmed up by one whole batch per temperature at full length: on CUDA the sampled propose graphs are
-    captured at a bucket's first sampled round, and Triton compiles a kernel again for each integer
-    argument that turns divisible by 16 or equal to 1 as lengths grow; neither belongs in a timed cell
-    (the nineteenth session's GPU run, warmed by 16 greedy tokens of one request, timed both)."""
+    warmed up per temperature by one whole batch at full length and by every prompt's prefill: on CUDA
+    the sampled propose graphs are captured at a bucket's first sampled round, and Triton compiles a
+    kernel again for each integer argument that turns divisible by 16 or equal to 1 as lengths grow (the
+    eager prefill at every prompt length, decoding as positions grow); neither belongs in a timed cell
+    (the twentieth session's GPU runs timed both: its first cells ran at a third of their speed)."""
     engine = Engine(model, EngineConfig(max_running=batch, max_waiting=batch,
                                         max_prompt_tokens=max(map(len, prompts)), max_new_tokens=max_new_tokens,
                                         draft_tokens=budget, capacity=capacity, trace=trace))
     for t in temperatures:
         serve(engine, prompts[:batch], t, 0, max_new_tokens)
+        for i in range(batch, len(prompts), batch):
+            serve(engine, prompts[i:i + batch], t, 0, 2)
     engine.take_trace()
     return engine
 
