@@ -7,8 +7,9 @@ One engine per budget (0 and "auto", built and warmed as `bench/tiny_auto.py` bu
 first `--prompts` HumanEval prompts of the shipped subset, `--batch` at a time; every `Engine.step()` is
 timed and sorted by what it ran, from the round trace: a step with a prompt chunk ("prefill"), a decoding
 round that verified no draft ("plain") or one that did ("drafting"). Per kind: steps, total and median
-ms. Both engines keep a trace (a record per request per round), which the plain script does not. An auto engine's plain round runs the target alone plus what keeps the drafter current; set against
-the plain engine's round it prices that upkeep, and the drafting rounds' share prices the probes.
+ms. Both engines keep a trace (a record per request per round), which `bench/tiny_auto.py`'s do not.
+An auto engine's plain round runs the target plus what keeps the drafter current: set against the
+plain engine's round it prices that upkeep; its drafting rounds' count and cost price its drafting.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main() -> None:
         for engine in engines.values():
             runner = engine.static_draft
             if runner is not None:  # every reader of the draft state joins the side stream first
-                runner.observe = lambda features, starts, ids=None, runner=runner: runner.observe_aside(features, starts)
+                runner.observe = lambda features, starts, ids=None, r=runner: r.observe_aside(features, starts)
     cells = {b: {"prefill": [], "plain": [], "drafting": []} for b in engines}
     for r in range(args.repeats):
         for b, engine in engines.items():

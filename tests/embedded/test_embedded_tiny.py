@@ -3,7 +3,6 @@ the trained drafter keeps its acceptance (a floor set from the measured value, s
 drafter, the verifier or the loop shows up here)."""
 
 import pytest
-import torch
 
 import dspark
 
@@ -43,7 +42,8 @@ def test_the_drafter_ships_a_table_per_device_type_labelled_with_its_device(tiny
     assert sorted(tables) == ["cpu", "cuda"]
     assert tables["cuda"].label.startswith("NVIDIA H200") and "engine rounds" in tables["cuda"].label
     assert tables["cpu"].label.startswith("cpu")
-    assert default_capacity(tiny.dspark, "cuda") is tables["cuda"] and default_capacity(tiny.dspark, "cpu") is tables["cpu"]
+    assert default_capacity(tiny.dspark, "cuda") is tables["cuda"]
+    assert default_capacity(tiny.dspark, "cpu") is tables["cpu"]
     # graph rounds: a plain round of one request under a millisecond, every drafting round dearer
     assert 1.0 / tables["cuda"].plain(1) < 1e-3 < 1.0 / tables["cuda"](2)
 
