@@ -76,10 +76,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _profile(args) -> int:
-    from dspark.draft import resolve_drafter
-    from dspark.profile import ProfileConfig, profile_capacity  # only this subcommand needs it
-
-    from dspark.engine.round_profile import RoundProfileConfig
+    from dspark.draft import resolve_drafter  # only this subcommand needs these
+    from dspark.engine.round_profile import RoundProfileConfig, profile_rounds
+    from dspark.profile import ProfileConfig, profile_capacity
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -91,22 +90,14 @@ def _profile(args) -> int:
     model = _load(args.model, args.device)
     drafter = resolve_drafter(model, args.drafter) if args.drafter else None
     if args.engine:
-        return _profile_rounds(args, model, drafter, config)
-    table = profile_capacity(model, config, model_name=args.model,
-                             progress=lambda b, s, what: print(f"{what}={b:>6}  {s * 1e3:9.3f} ms  {1 / s:9.1f} steps/s",
-                                                               file=sys.stderr),
-                             drafter=drafter, drafter_name=args.drafter or "")
-    table.save(args.out)
-    print(f"wrote {args.out} ({table.label})", file=sys.stderr)
-    return 0
-
-
-def _profile_rounds(args, model, drafter, config) -> int:
-    from dspark.engine.round_profile import profile_rounds
-
-    table = profile_rounds(model, drafter, config, model_name=args.model, drafter_name=args.drafter,
-                           progress=lambda r, n, s: print(f"R={r:>4} n={n}  {s * 1e3:9.3f} ms per round",
-                                                          file=sys.stderr))
+        table = profile_rounds(model, drafter, config, model_name=args.model, drafter_name=args.drafter,
+                               progress=lambda r, n, s: print(f"R={r:>4} n={n}  {s * 1e3:9.3f} ms per round",
+                                                              file=sys.stderr))
+    else:
+        table = profile_capacity(model, config, model_name=args.model,
+                                 progress=lambda b, s, what: print(
+                                     f"{what}={b:>6}  {s * 1e3:9.3f} ms  {1 / s:9.1f} steps/s", file=sys.stderr),
+                                 drafter=drafter, drafter_name=args.drafter or "")
     table.save(args.out)
     print(f"wrote {args.out} ({table.label})", file=sys.stderr)
     return 0

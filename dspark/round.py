@@ -25,7 +25,7 @@ from dspark.request import Request
 from dspark.sampling import greedy, probs_from_logits, sample
 from dspark.verify.acceptance import accept_greedy, verify_chain_batch
 from dspark.verify.capacity import CapacityTable
-from dspark.verify.planner import VerifyPlan, async_budget, plan_algorithm1, plan_fixed, select_top_k
+from dspark.verify.planner import VerifyPlan, async_budget, plan_algorithm1, plan_fixed, same_rows, select_top_k
 
 # "auto" (asynchronous planner): after PLAIN_PROBE_FIRST plain rounds in a row a request's next round
 # drafts (budget >= 1, the plain probe), so a batch that went plain sees fresh confidences and drafts again
@@ -192,8 +192,7 @@ def _planned_plain(live: list[Request], stale: list) -> bool:
     shared tuple per planning round makes "the same requests" cheap to check: every request carries
     it, and as many as it holds are live."""
     plan = live[0].plain_plan
-    return (plan is not None and len(plan) == len(live) and all(r.plain_plan is plan for r in live)
-            and all(s is p for s, p in zip(stale, plan)))
+    return plan is not None and all(r.plain_plan is plan for r in live) and same_rows(plan, stale)
 
 
 def probe_wait(req: Request) -> int:

@@ -87,7 +87,7 @@ from dspark.engine.slots import bucket
 from dspark.round import acceptance_prior
 from dspark.sampling import greedy
 from dspark.verify.capacity import CapacityTable
-from dspark.verify.planner import uniform_budget
+from dspark.verify.planner import same_rows, uniform_budget
 
 Key = tuple[tuple[str, int, int], ...]  # (request id, slot, anchor position) of each request, in order
 # "auto": one drafting round in this many drafts a slot past its budget (the probe that lets it grow).
@@ -207,11 +207,8 @@ class DraftLookahead:
         refresh no confidence, so without it a batch that went plain would stay plain)."""
         if self.budget != "auto":
             return self.budget
-        # Plain rounds append each request's last row again, so a batch that went plain plans over the very
-        # same row objects every round: reuse the budget. Rows are never written after a round returns them,
-        # and holding them keeps their ids from being reused, so `is` is equality here.
-        last = self._planned
-        if last is not None and len(last[0]) == len(stale) and all(a is b for a, b in zip(last[0], stale)):
+        last = self._planned  # a batch that went plain plans over the same rows every round: reuse the budget
+        if last is not None and same_rows(last[0], stale):
             n = last[1]
         else:
             n = uniform_budget(stale, self.gamma, self.capacity, min_budget=0)

@@ -287,6 +287,15 @@ def plan_async(confidence: Confidence, stale_confidence: Sequence[Sequence[float
     return select_top_k(a, budget, max_lens)
 
 
+def same_rows(planned: Sequence, stale: Sequence) -> bool:
+    """Whether `stale` holds the very row objects (or None) a budget was planned over, in order: then the
+    planners' result stands without recomputing. A plain round appends each request's last row again, so
+    a batch that went plain plans over the same objects round after round; rows are never written after
+    a round returns them, and a caller that holds them keeps their ids from being reused, so `is` is
+    equality here."""
+    return len(planned) == len(stale) and all(a is b for a, b in zip(planned, stale))
+
+
 def _stale_survival(stale_confidence: Sequence[Sequence[float] | torch.Tensor | None], gamma: int) -> torch.Tensor:
     """Survival [R, γ] of stale confidence rows, a row None taken as survival 1 (a request with no
     confidences that old must not be starved). A row may be shorter than γ (its round drafted only the
