@@ -188,7 +188,8 @@ def _planned_plain(live: list[Request], stale: list) -> bool:
     Then K = 0 again without running `async_budget`: its inputs are the same objects, and the only
     one that moves, the caps (`remaining` shrinks), can only remove candidates, which lowers every
     drafting budget's Θ and leaves plain's. The saving is host time between two target calls, where
-    the host's caches are cold (on a CPU core, ~0.5 ms of dspark-tiny's ~17 ms plain round). One
+    the host's caches are cold (dspark-tiny on a CPU core at T = 1: auto / plain 0.935 before, 0.984
+    after, `bench/results/cpu-auto-tiny-humaneval-plan-reuse.json`). One
     shared tuple per planning round makes "the same requests" cheap to check: every request carries
     it, and as many as it holds are live."""
     plan = live[0].plain_plan
