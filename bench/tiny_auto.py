@@ -39,7 +39,7 @@ def _budget(text: str) -> int | str:
 
 
 def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capacity=None,
-                 trace: bool = False, temperatures=(0.0,)) -> Engine:
+                 trace: bool = False, temperatures=(0.0,), capacity_sampled=None) -> Engine:
     """One engine per budget, built once and reused by every repeat and temperature (as a server runs),
     warmed up per temperature by one whole batch at full length and by every prompt's prefill: on CUDA
     the sampled propose graphs are captured at a bucket's first sampled round, and Triton compiles a
@@ -48,7 +48,8 @@ def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capaci
     (the twentieth session's GPU runs timed both: its first cells ran at a third of their speed)."""
     engine = Engine(model, EngineConfig(max_running=batch, max_waiting=batch,
                                         max_prompt_tokens=max(map(len, prompts)), max_new_tokens=max_new_tokens,
-                                        draft_tokens=budget, capacity=capacity, trace=trace))
+                                        draft_tokens=budget, capacity=capacity,
+                                        capacity_sampled=capacity_sampled, trace=trace))
     for t in temperatures:
         serve(engine, prompts[:batch], t, 0, max_new_tokens)
         for i in range(batch, len(prompts), batch):
@@ -92,6 +93,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts-file", default=None, help="JSONL of {\"prompt\": text} (default: shipped humaneval)")
     ap.add_argument("--capacity", default=None, help="capacity table JSON for auto (default: the engine's)")
+    ap.add_argument("--capacity-sampled", default=None,
+                    help="capacity table JSON for auto's rounds with a sampled request (default: --capacity "
+                         "when given, else the engine's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = dspark.load_model("tiny", device=args.device)
@@ -102,10 +106,11 @@ def main() -> None:
         texts, source = load_prompts("humaneval")[:args.prompts], "humaneval (shipped subset)"
     prompts = [encode_prompt(model, t) for t in texts]
     capacity = CapacityTable.load(args.capacity) if args.capacity else None
+    sampled = CapacityTable.load(args.capacity_sampled) if args.capacity_sampled else None
     budgets = [_budget(b) for b in args.budgets.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
-    engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, temperatures=temps)
-               for b in budgets}
+    engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, temperatures=temps,
+                                 capacity_sampled=sampled) for b in budgets}
     cells = {(t, b): {"seconds": 0.0, "tokens": 0, "rounds": 0} for t in temps for b in budgets}
     for r in range(args.repeats):
         for (t, b), acc in cells.items():
@@ -127,7 +132,8 @@ def main() -> None:
         "torch": torch.__version__, "commit": git_commit(dirty=True), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": "tiny", "drafter": "dspark", "prompts": f"{source}: {len(prompts)} prompts", "batch": args.batch,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "capacity": capacity.label if capacity else "engine default"}, "cells": rows, "summary": summary}
+        "capacity": capacity.label if capacity else "engine default",
+        "capacity_sampled": sampled.label if sampled else "engine default"}, "cells": rows, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for row in rows:

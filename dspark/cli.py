@@ -84,7 +84,11 @@ def _profile(args) -> int:
         torch.set_num_threads(args.threads)
     if args.engine and not args.drafter:
         raise SystemExit("dspark profile --engine needs --drafter: it times the engine's drafting rounds")
-    config = (RoundProfileConfig(args.requests, args.budgets, args.context, args.warmup, args.steps) if args.engine
+    if args.temperature and not args.engine:
+        raise SystemExit(f"dspark profile --temperature {args.temperature:g} needs --engine: bare forwards "
+                         f"do not sample")
+    config = (RoundProfileConfig(args.requests, args.budgets, args.context, args.warmup, args.steps,
+                                 temperature=args.temperature) if args.engine
               else ProfileConfig(args.batch_tokens, args.context, args.width, args.warmup, args.repeats,
                                  args.prefill_chunk, plain=not args.no_plain))
     model = _load(args.model, args.device)
@@ -130,6 +134,9 @@ def _add_profile(sub) -> None:
     p.add_argument("--requests", type=_int_list, default=(1, 2, 4, 8), help="--engine: loads R")
     p.add_argument("--budgets", type=_int_list, default=None, help="--engine: fixed budgets (default 0..γ)")
     p.add_argument("--steps", type=int, default=24, help="--engine: timed decoding steps per load and budget")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="--engine: time requests sampled at this temperature (0: greedy): the table of sampled "
+                        "rounds, shipped beside a drafter as capacity-<device>-sampled.json")
     p.add_argument("--out", required=True, help="capacity table JSON to write")
     p.set_defaults(run=_profile)
 

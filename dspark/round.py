@@ -44,12 +44,21 @@ class RoundConfig:
 
     `n_draft`: passed to the drafter's `propose` as `n_draft=` (the leading block slots it drafts, a
     `DSparkDrafter` option; the engine sets it to the fixed budget), or None: the call leaves it out
-    and the drafter drafts its whole block."""
+    and the drafter drafts its whole block. `capacity_sampled`: the table "auto" plans a round with a
+    sampled request by (None: `capacity`; `EngineConfig.capacity_sampled` says why they differ)."""
 
     draft_tokens: int | str = 0
     planner: str = "sync"
     capacity: CapacityTable | None = None
     n_draft: int | None = None
+    capacity_sampled: CapacityTable | None = None
+
+    def table(self, live: list[Request]) -> CapacityTable | None:
+        """The capacity table of a round over `live`: `capacity_sampled` when one is set and a request
+        samples (the round then runs as a sampled one), else `capacity`."""
+        if self.capacity_sampled is not None and not all(r.params.greedy for r in live):
+            return self.capacity_sampled
+        return self.capacity
 
 
 def _forward(model, requests: list[Request], chunks: list[list[int]], drafter):
@@ -173,12 +182,13 @@ def _budget_before_drafting(live: list[Request], cfg: RoundConfig, drafter) -> t
     stale = [r.confidences[0] if len(r.confidences) == 2 else acceptance_prior(drafter, r.params.greedy) for r in live]
     gamma = drafter.block_size
     caps = _caps(live, gamma)
-    budget = 0 if _planned_plain(live, stale) else async_budget(stale, gamma, cfg.capacity, caps)
+    capacity = cfg.table(live)
+    budget = 0 if _planned_plain(live, stale) else async_budget(stale, gamma, capacity, caps)
     plan = tuple(stale) if budget == 0 else None
     for r in live:
         r.plain_plan = plan
     if budget == 0 and any(r.plain_run >= probe_wait(r) for r in live):
-        return async_budget(stale, gamma, cfg.capacity, caps, min_budget=1), True
+        return async_budget(stale, gamma, capacity, caps, min_budget=1), True
     return budget, False
 
 
@@ -211,7 +221,7 @@ def _plan(live: list[Request], confidence: torch.Tensor, cfg: RoundConfig, gamma
         return plan_fixed(cfg.draft_tokens, gamma, len(live), caps)
     if budget is not None:
         return select_top_k(confidence, budget, caps)
-    return plan_algorithm1(confidence, cfg.capacity, caps)
+    return plan_algorithm1(confidence, cfg.table(live), caps)
 
 
 def speculative_round(model, drafter, live: list[Request], cfg: RoundConfig, trace: list | None = None,

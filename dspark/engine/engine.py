@@ -78,6 +78,12 @@ class EngineConfig:
     capacity : SPS(B) table the planner reads; default: the drafter's own table for the model's device
         type where it ships one (`DSparkDrafter.capacity_tables`; dspark-tiny: one measured on a CPU
         core), else the synthetic CPU table (`default_cpu_table`).
+    capacity_sampled : the table for rounds with a sampled request (temperature > 0); default:
+        `capacity` when given, else the drafter's table of sampled rounds for the device type
+        (`capacity_tables["cuda-sampled"]`, from `dspark profile --engine --temperature 1`), else the
+        same default as `capacity`. On the static path a sampled round runs synchronously (no round
+        in flight, the sampled propose and acceptance), so its drafting rounds cost more than greedy
+        ones relative to a plain round, and a greedy table would have "auto" draft where it does not pay.
     trace : keep one record per request per round (see `take_trace`).
     state_budget_bytes : device memory for per-request decode state (target and drafter), in bytes;
         None sizes it for `max_running` requests at their longest, so nothing is ever preempted.
@@ -113,6 +119,7 @@ class EngineConfig:
     drafter: object = None
     planner: str = "async"
     capacity: CapacityTable | None = None
+    capacity_sampled: CapacityTable | None = None
     trace: bool = False
     state_budget_bytes: int | None = None
     page_bytes: int | None = None
@@ -128,6 +135,10 @@ class EngineConfig:
         if self.planner not in PLANNERS:
             raise ValueError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
         check_draft_tokens(self.draft_tokens)
+        for name in ("capacity", "capacity_sampled"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, CapacityTable):
+                raise ValueError(f"{name} must be None or a CapacityTable, got {type(value).__name__}")
         for name in ("state_budget_bytes", "page_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -175,8 +186,10 @@ class Engine:
             raise ValueError(f"draft_tokens={config.draft_tokens} exceeds the drafter's block size "
                              f"γ={self.drafter.block_size}")
         self.n_draft = draft_width(self.drafter, config.draft_tokens)
-        self.round_config = RoundConfig(config.draft_tokens, config.planner,
-                                        config.capacity or default_capacity(self.drafter, model.device), self.n_draft)
+        self.round_config = RoundConfig(
+            config.draft_tokens, config.planner, config.capacity or default_capacity(self.drafter, model.device),
+            self.n_draft, config.capacity_sampled or config.capacity
+            or default_capacity(self.drafter, model.device, sampled=True))
         self.eos = frozenset(_eos_ids(model.config))
         self.scheduler = _scheduler(model, self.drafter, config)
         self.static = static_by_default(model) if config.static_decode is None else config.static_decode
@@ -424,11 +437,12 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in flight")
 
 
-def default_capacity(drafter, device) -> CapacityTable:
-    """The planner's table when none is given: the drafter's own for this device type, else the
-    synthetic CPU table."""
+def default_capacity(drafter, device, sampled: bool = False) -> CapacityTable:
+    """The planner's table when none is given: the drafter's own for this device type (for `sampled`
+    rounds its "<type>-sampled" table where it ships one), else the synthetic CPU table."""
     tables = getattr(drafter, "capacity_tables", None) or {}
-    return tables.get(torch.device(device).type) or default_cpu_table()
+    kind = torch.device(device).type
+    return (sampled and tables.get(f"{kind}-sampled")) or tables.get(kind) or default_cpu_table()
 
 
 def draft_width(drafter, draft_tokens: int | str) -> int | None:

@@ -18,6 +18,10 @@ The table: SPS at B = R(1 + n) from the drafting budgets (two (R, n) pairs with 
 their samples), and the plain curve SPS(R) from budget 0, which is what `planner.uniform_budget` and
 `async_budget` read for "auto"'s plain rounds (a little low there: an "auto" plain round still
 feeds the drafter's context).
+
+`temperature` > 0 times sampled requests instead (seeded, one seed per request): the table of sampled
+rounds (`EngineConfig.capacity_sampled`, shipped as a drafter's `capacity-<device>-sampled.json`). On
+the static path they are a different round: synchronous, with the sampled propose and acceptance.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class RoundProfileConfig:
     budgets : fixed budgets n (strictly increasing, >= 0; 0 = plain decoding); None: 0 .. γ.
     context : prompt tokens of every request (>= 1).
     warmup, steps : untimed and timed decoding steps per (R, n) (steps >= 3).
-    seed : of the random prompts.
+    seed : of the random prompts (and of the sampled requests' generators).
+    temperature : of every request; 0 (default) times greedy rounds, > 0 sampled ones.
     """
 
     requests: tuple[int, ...] = (1, 2, 4, 8)
@@ -52,26 +57,28 @@ class RoundProfileConfig:
     warmup: int = 4
     steps: int = 24
     seed: int = 0
+    temperature: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "requests", increasing_ints("requests", self.requests, 1))
         if self.budgets is not None:
             object.__setattr__(self, "budgets", increasing_ints("budgets", self.budgets, 0))
         check_ints(self, context=1, warmup=0, steps=3, seed=0)
+        SamplingParams(self.temperature)  # ValueError naming a bad temperature
 
 
 def round_seconds(model, drafter, requests: int, budget: int, config: RoundProfileConfig) -> list[float]:
-    """Seconds of each timed decoding step of an engine at `budget` serving `requests` greedy requests
-    (steps whose batch changed dropped). Raises RuntimeError when fewer than half the steps are left."""
+    """Seconds of each timed decoding step of an engine at `budget` serving `requests` requests at
+    `config.temperature` (steps whose batch changed dropped). Raises RuntimeError when fewer than half the steps are left."""
     per_step = budget + 1
     max_new = (config.warmup + config.steps + 2) * per_step
     engine = Engine(model, EngineConfig(max_running=requests, max_waiting=requests, max_prompt_tokens=config.context,
                                         max_new_tokens=max_new, draft_tokens=budget,
                                         drafter=drafter if budget else None))
     g = torch.Generator().manual_seed(config.seed)
-    for _ in range(requests):
+    for i in range(requests):
         prompt = torch.randint(0, model.config.vocab_size, (config.context,), generator=g).tolist()
-        engine.add_request(prompt, SamplingParams(), max_new)
+        engine.add_request(prompt, SamplingParams(config.temperature, seed=config.seed + i), max_new)
     while any(r.in_prefill for r in engine.running) or engine.waiting:
         engine.step()
     for _ in range(config.warmup):
@@ -110,13 +117,16 @@ def profile_rounds(model, drafter, config: RoundProfileConfig = RoundProfileConf
             if progress is not None:
                 progress(r, n, median(seconds))
     name = device_name(torch.device(model.device))
+    kind = "greedy" if config.temperature == 0 else "sampled"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     conditions = {
         "device": name, "torch": torch.__version__, "model": model_name, "drafter": drafter_name,
         "dtype": str(model.dtype), "context": config.context, "requests": list(config.requests),
         "budgets": list(budgets), "warmup": config.warmup, "steps": config.steps, "date": date,
-        "method": "median wall time between consecutive Engine.step() returns of an engine at a fixed budget "
-                  "n serving R greedy requests (B = R(1 + n)); the plain curve from n = 0",
+        "temperature": config.temperature,
+        "method": f"median wall time between consecutive Engine.step() returns of an engine at a fixed budget "
+                  f"n serving R {kind} requests (B = R(1 + n)); the plain curve from n = 0",
     }
-    label = f"{name}, torch {torch.__version__}, {model_name or type(model).__name__}, ctx {config.context}, engine rounds"
+    label = (f"{name}, torch {torch.__version__}, {model_name or type(model).__name__}, ctx {config.context}, "
+             f"engine rounds" + ("" if kind == "greedy" else f", T={config.temperature:g}"))
     return CapacityTable.from_step_times(samples, label, f"engine rounds, {date}", conditions, plain or None)

@@ -76,7 +76,8 @@ class StaticRunner:
         row. Advances every request's `SlotState` by its block (roll back with `truncate`).
         `observe(features {layer: [b, t, n_hc, D]}, starts [b], ids [b, t])`, when given, gets every
         bucket slot's rows of the step before the gather (the static drafter's `observe`; device
-        tensors, no host read).
+        tensors, no host read), and the features are not gathered (returned as {}: the drafter has
+        them all, and a gather per captured layer adds launches that a small model's round feels).
         """
         missing = set(drafter.capture_layers if drafter is not None else ()) - set(self.capture)
         if missing:
@@ -115,8 +116,8 @@ class StaticRunner:
         def gather(t: torch.Tensor) -> torch.Tensor:  # [b, t, ...] -> [N, ...] rows of the requests
             return t.flatten(0, 1).index_select(0, index)
 
-        return DeepseekV4Output(gather(out.logits), gather(out.hidden),
-                                {i: gather(f) for i, f in out.features.items()}), offsets
+        features = {} if observe is not None else {i: gather(f) for i, f in out.features.items()}
+        return DeepseekV4Output(gather(out.logits), gather(out.hidden), features), offsets
 
     def launch(self, ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """One step on device inputs (ids [b, t], starts [b], values the caller derived on the device,

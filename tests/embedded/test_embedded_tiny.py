@@ -35,15 +35,26 @@ def test_embedded_pair_loads_with_tokenizer_and_drafter(tiny):
 
 def test_the_drafter_ships_a_table_per_device_type_labelled_with_its_device(tiny):
     """"auto" reads the table of the model's device type by default (`engine.default_capacity`): a CPU
-    core's, and the engine rounds of one H200 (`dspark profile --engine`) on CUDA."""
+    core's, and the engine rounds of one H200 (`dspark profile --engine`) on CUDA, greedy and sampled
+    (`--temperature 1`: a sampled round on the static path is synchronous, and drafting costs more)."""
     from dspark.engine.engine import default_capacity
 
     tables = tiny.dspark.capacity_tables
-    assert sorted(tables) == ["cpu", "cuda"]
+    assert sorted(tables) == ["cpu", "cuda", "cuda-sampled"]
     assert tables["cuda"].label.startswith("NVIDIA H200") and "engine rounds" in tables["cuda"].label
     assert tables["cpu"].label.startswith("cpu")
     assert default_capacity(tiny.dspark, "cuda") is tables["cuda"]
     assert default_capacity(tiny.dspark, "cpu") is tables["cpu"]
+    assert default_capacity(tiny.dspark, "cuda", sampled=True) is tables["cuda-sampled"]
+    assert default_capacity(tiny.dspark, "cpu", sampled=True) is tables["cpu"]  # no sampled CPU table
+    sampled = tables["cuda-sampled"]
+    assert sampled.label.startswith("NVIDIA H200") and sampled.label.endswith("T=1")
+    assert sampled.conditions["temperature"] == 1.0
+    # with two or four requests, a sampled drafting round costs more plain rounds than a greedy one
+    greedy = tables["cuda"]
+    for r in (2, 4):
+        for n in range(1, tiny.dspark.block_size + 1):
+            assert sampled.plain(r) / sampled(r * (1 + n)) > greedy.plain(r) / greedy(r * (1 + n)), (r, n)
     # graph rounds: a plain round of one request under a millisecond, every drafting round dearer
     assert 1.0 / tables["cuda"].plain(1) < 1e-3 < 1.0 / tables["cuda"](2)
 

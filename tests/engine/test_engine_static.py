@@ -395,8 +395,8 @@ def test_slot_table_keeps_held_slots_compact():
 
 def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
     """Blocks of 3 and 1 tokens in slots 2 and 0 (slot 1 free) of a T = 4 runner: a 3-token step whose
-    gathered rows (logits, streams, features) equal the dynamic ragged call's, in request order;
-    bad calls are named."""
+    gathered rows (logits, streams, features) equal the dynamic ragged call's, in request order (the
+    features gathered only without an observer, which takes every slot's rows); bad calls are named."""
     from types import SimpleNamespace
 
     from dspark.engine.static_runner import StaticRunner
@@ -418,10 +418,16 @@ def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
     (features, starts, ids), = seen  # every slot's rows of the step, for the static drafter
     assert starts.tolist() == [17, 0, 9] and tuple(features[2].shape[:2]) == (3, 3)
     assert ids.tolist() == [[8, 0, 0], [0, 0, 0], [5, 6, 7]]  # the step's tokens (padding: 0)
-    torch.testing.assert_close(features[2][[2, 2, 2, 0], [0, 1, 2, 0]], out.features[2])
-    pairs = ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden), (out.features[2], dynamic.features[2]))
+    assert out.features == {}  # the observer took every slot's rows: no ragged gather
+    pairs = ((out.logits, dynamic.logits), (out.hidden, dynamic.hidden),
+             (features[2][[2, 2, 2, 0], [0, 1, 2, 0]], dynamic.features[2]))
     for got, want in pairs:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    for req, block in zip(requests, blocks):  # roll back and step again without an observer: gathered
+        req.state.truncate(req.state.length - len(block))
+    again, _ = runner.forward(requests, blocks)
+    torch.testing.assert_close(again.features[2], dynamic.features[2], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(again.logits, out.logits, atol=0, rtol=0)
     with pytest.raises(ValueError, match="at most 4"):
         runner.forward(requests, [[1] * 5, [1]])
     with pytest.raises(ValueError, match="slot 2 fed twice"):

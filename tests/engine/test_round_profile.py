@@ -55,8 +55,27 @@ def test_steps_whose_batch_changed_are_dropped(tiny, monkeypatch):
         round_seconds(tiny, tiny.dspark, 2, 1, RoundProfileConfig(requests=(2,), context=8, warmup=0, steps=4))
 
 
+def test_a_sampled_profile_times_sampled_requests(tiny, monkeypatch):
+    """temperature > 0: every request the timed engines serve samples at it, each with its own seed,
+    and the table says so (label, conditions, method): the table of sampled rounds."""
+    params = []
+
+    class Watched(round_profile.Engine):
+        def add_request(self, prompt, sampling, max_new, **kwargs):
+            params.append(sampling)
+            return super().add_request(prompt, sampling, max_new, **kwargs)
+
+    monkeypatch.setattr(round_profile, "Engine", Watched)
+    config = RoundProfileConfig(requests=(2,), budgets=(0, 1), context=8, warmup=0, steps=3, temperature=1.0, seed=5)
+    table = profile_rounds(tiny, tiny.dspark, config, "tiny", "dspark")
+    assert [(p.temperature, p.seed) for p in params] == [(1.0, 5), (1.0, 6)] * 2
+    assert table.label.endswith("T=1") and table.conditions["temperature"] == 1.0
+    assert "sampled requests" in table.conditions["method"]
+
+
 @pytest.mark.parametrize("bad", [dict(requests=()), dict(requests=(2, 1)), dict(budgets=(0, 0)),
-                                 dict(budgets=(-1, 1)), dict(steps=2), dict(context=0), dict(warmup=True)])
+                                 dict(budgets=(-1, 1)), dict(steps=2), dict(context=0), dict(warmup=True),
+                                 dict(temperature=-1.0), dict(temperature=float("nan"))])
 def test_config_is_validated(bad):
     with pytest.raises(ValueError):
         RoundProfileConfig(**bad)
@@ -80,6 +99,8 @@ def test_cli_writes_a_table_that_generate_reads(tmp_path, capsys):
                  "--draft-tokens", "auto", "--capacity", str(out)]) == 0
     with pytest.raises(SystemExit, match="--drafter"):
         main(["profile", "--model", "tiny", "--device", "cpu", "--engine", "--context", "8", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--temperature 1 needs --engine"):
+        main(["profile", "--model", "tiny", "--device", "cpu", "--temperature", "1", "--out", str(out)])
 
 
 @pytest.mark.gpu

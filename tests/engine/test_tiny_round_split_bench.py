@@ -17,3 +17,15 @@ def test_steps_are_split_by_what_they_ran():
     fixed = build_engine(model, 3, 2, prompts, 12, trace=True)  # every round drafts but the last (cap 0)
     kinds = timed_steps(fixed, prompts, 0.0, 0, 12)
     assert len(kinds["drafting"]) >= 3 and len(kinds["plain"]) <= 1
+
+
+def test_a_profiled_serve_names_its_ops_per_step():
+    from tiny_round_split import profiled_ops
+
+    model = dspark.load_model("tiny")
+    prompts = [encode_prompt(model, t) for t in load_prompts("humaneval")[:1]]
+    engine = build_engine(model, "auto", 1, prompts, 6, trace=True)
+    prof = profiled_ops(engine, prompts, 1.0, 6, top=5)
+    assert prof["steps"] >= 2 and prof["host_us_per_step"] > 0 and len(prof["by_host"]) == 5
+    assert prof["by_host"][0]["self_host_us"] >= prof["by_host"][-1]["self_host_us"] > 0
+    assert not engine.has_work() and not engine.take_trace()

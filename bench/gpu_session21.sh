@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU steps of the twenty-first session (one H200; part a ≈ 7 min):
+#
+#   run(command="bash bench/gpu_session21.sh a", kind="nvidia-h200")
+#
+# a: dspark-tiny's table of sampled rounds (`dspark profile --engine --temperature 1`: on the static path a
+#    round with a sampled request is synchronous, and gpu_session20.sh c found its drafting rounds at 2.3x a
+#    plain one where the greedy table says 1.6x), then sampled "auto" planned by it (`--capacity-sampled`)
+#    against plain decoding at batch 1 and 4, the batch-4 split by kind with a profile of each engine's
+#    ops (what an auto plain round adds), greedy "auto" again (the static runner no longer gathers the
+#    features its observer took), and the GPU tests of the static engine's DSpark rounds.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
+TABLE=bench/results/capacity-cuda-tiny-rounds-h200.json
+SAMPLED=$OUT/capacity-cuda-tiny-rounds-sampled.json
+
+tiny_auto() {  # tiny_auto NAME TIMEOUT ARGS...: bench/tiny_auto.py on CUDA (both tables) into $OUT/NAME.json
+  local name=$1 limit=$2; shift 2
+  logged "$name" "$limit" python3 bench/tiny_auto.py --device cuda --repeats 2 --capacity "$TABLE" \
+    --capacity-sampled "$SAMPLED" "$@" --out "$OUT/$name.json"
+  tail -n 14 "$W/logs/$name.txt" | cut -c1-200
+}
+
+part_a() {
+  logged a_sampled_rounds 170 python3 -m dspark.cli profile --engine --model tiny --drafter dspark --device cuda \
+    --requests 1,2,4 --context 192 --warmup 3 --steps 24 --temperature 1 --out "$SAMPLED"
+  tail -n 20 "$W/logs/a_sampled_rounds.txt" | cut -c1-200
+  [ -f "$SAMPLED" ] || return 1
+  tiny_auto tiny-auto-h200-sampled 100 --budgets 0,1,3,auto --temperatures 1
+  tiny_auto tiny-auto-h200-sampled-batch4 90 --prompts 8 --batch 4 --budgets 0,1,auto --temperatures 1
+  logged tiny-split-b4-t1-sampled 90 python3 bench/tiny_round_split.py --device cuda --capacity "$SAMPLED" \
+    --batch 4 --prompts 8 --profile --out "$OUT/tiny-split-b4-t1-sampled.json"
+  tail -n 9 "$W/logs/tiny-split-b4-t1-sampled.txt" | cut -c1-200
+  tiny_auto tiny-auto-h200-greedy 80 --budgets 0,5,auto --temperatures 0
+  tests a_tests 150 -m gpu tests/engine/test_round_profile.py tests/engine/test_engine_static_gpu.py \
+    -k "not mtp and not overlap"
+}
+
+dispatch session21 "${1:-}"
