@@ -2,6 +2,9 @@
 # GPU steps of the twenty-first session (one H200; part a ≈ 7 min):
 #
 #   run(command="bash bench/gpu_session21.sh a", kind="nvidia-h200")
+#   run(command="bash bench/gpu_session21.sh b", kind="nvidia-h200")   # ≈ 6 min
+#   run(command="bash bench/gpu_session21.sh c", kind="nvidia-h200")   # ≈ 6 min (ran on an H100)
+#   run(command="bash bench/gpu_session21.sh d", kind="nvidia-h100-x1")   # ≈ 6 min
 #
 # a: dspark-tiny's table of sampled rounds (`dspark profile --engine --temperature 1`: on the static path a
 #    round with a sampled request is synchronous, and gpu_session20.sh c found its drafting rounds at 2.3x a
@@ -9,6 +12,16 @@
 #    against plain decoding at batch 1 and 4, the batch-4 split by kind with a profile of each engine's
 #    ops (what an auto plain round adds), greedy "auto" again (the static runner no longer gathers the
 #    features its observer took), and the GPU tests of the static engine's DSpark rounds.
+# b: after one-row observes are deferred (`StaticDraftRunner`: a plain round copies its rows into the
+#    (b, T) observe's inputs, one observe per T plain rounds; the side-stream observe is gone): part a's
+#    sampled and greedy runs with the shipped sampled table, greedy at batch 4 (plain rounds in flight),
+#    the split with its profile, then the GPU tests of the static drafter and the plain rounds in flight.
+# c: after a synchronous "auto" round drafts min(K + 1, γ) slots for its total budget K (`round._draft_width`;
+#    it drafted γ): part b's runs with more repeats (greedy at batch 4 on 16 prompts: part b's cells were
+#    0.5 s, a third of it prefill), and part b's GPU tests. The narrowing was reverted after this run
+#    (a sampled graph per bucket and width, captured lazily: in the timed cells).
+# d: part c's runs on the tree without the narrowing (deferred observes only), on the same kind of GPU
+#    as part c (an H100): the same-card comparison.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
 TABLE=bench/results/capacity-cuda-tiny-rounds-h200.json
 SAMPLED=$OUT/capacity-cuda-tiny-rounds-sampled.json
@@ -34,5 +47,31 @@ part_a() {
   tests a_tests 150 -m gpu tests/engine/test_round_profile.py tests/engine/test_engine_static_gpu.py \
     -k "not mtp and not overlap"
 }
+
+part_b() {
+  SAMPLED=bench/results/capacity-cuda-tiny-rounds-sampled-h200.json
+  tiny_auto tiny-auto-h200-deferred 100 --budgets 0,1,3,auto --temperatures 1
+  tiny_auto tiny-auto-h200-deferred-batch4 90 --prompts 8 --batch 4 --budgets 0,1,auto --temperatures 1
+  logged tiny-split-b4-t1-deferred 90 python3 bench/tiny_round_split.py --device cuda --capacity "$SAMPLED" \
+    --batch 4 --prompts 8 --profile --out "$OUT/tiny-split-b4-t1-deferred.json"
+  tail -n 9 "$W/logs/tiny-split-b4-t1-deferred.txt" | cut -c1-200
+  tiny_auto tiny-auto-h200-deferred-greedy 80 --budgets 0,5,auto --temperatures 0
+  tiny_auto tiny-auto-h200-deferred-greedy-batch4 80 --prompts 8 --batch 4 --budgets 0,5,auto --temperatures 0
+  tests b_tests 200 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/draft/test_static_draft_graph_gpu.py \
+    tests/engine/test_engine_static_gpu.py -k "not mtp and not overlap"
+}
+
+longer() {  # longer PREFIX: part b's tiny_auto runs with more repeats, then the GPU tests
+  SAMPLED=bench/results/capacity-cuda-tiny-rounds-sampled-h200.json
+  tiny_auto "$1" 110 --budgets 0,1,3,auto --temperatures 1 --repeats 3
+  tiny_auto "$1-batch4" 100 --prompts 8 --batch 4 --budgets 0,1,auto --temperatures 1 --repeats 3
+  tiny_auto "$1-greedy" 80 --budgets 0,5,auto --temperatures 0 --repeats 3
+  tiny_auto "$1-greedy-batch4" 90 --prompts 16 --batch 4 --budgets 0,5,auto --temperatures 0 --repeats 3
+  tests "$1_tests" 200 -m gpu tests/engine/test_engine_draft_lookahead_plain.py tests/draft/test_static_draft_graph_gpu.py \
+    tests/engine/test_engine_static_gpu.py -k "not mtp and not overlap"
+}
+
+part_c() { longer tiny-auto-h200-narrow; }
+part_d() { longer tiny-auto-s21d; }
 
 dispatch session21 "${1:-}"

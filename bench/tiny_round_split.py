@@ -84,9 +84,6 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--capacity", default=None, help="capacity table JSON for auto (default: the engine's)")
-    ap.add_argument("--observe", choices=("engine", "aside"), default="engine",
-                    help="aside: an experiment; the synchronous static path's drafter observe replays on the "
-                         "side stream (`StaticDraftRunner.observe_aside`, as plain rounds in flight do)")
     ap.add_argument("--profile", action="store_true",
                     help="also serve the first batch once per engine under torch.profiler (ops by host / device time)")
     args = ap.parse_args()
@@ -96,11 +93,6 @@ def main() -> None:
     capacity = CapacityTable.load(args.capacity) if args.capacity else None
     engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, trace=True,
                                temperatures=(args.temperature,)) for b in (0, "auto")}
-    if args.observe == "aside":
-        for engine in engines.values():
-            runner = engine.static_draft
-            if runner is not None:  # every reader of the draft state joins the side stream first
-                runner.observe = lambda features, starts, ids=None, r=runner: r.observe_aside(features, starts)
     cells = {b: {"prefill": [], "plain": [], "drafting": []} for b in engines}
     for r in range(args.repeats):
         for b, engine in engines.items():
@@ -119,7 +111,7 @@ def main() -> None:
         "commit": git_commit(dirty=True), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": "tiny",
         "drafter": "dspark", "prompts": f"humaneval (shipped subset): {len(prompts)} prompts", "batch": args.batch,
         "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "capacity": capacity.label if capacity else "engine default", "observe": args.observe}, "rows": rows,
+        "capacity": capacity.label if capacity else "engine default"}, "rows": rows,
         **({"profiles": profiles} if profiles else {})}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

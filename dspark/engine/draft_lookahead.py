@@ -57,10 +57,10 @@ over, and the batch drafts again where the text got easier, or returns to plain 
 The count is of rounds run (`step`), so a chained and a host-launched round get the same budget. Fixed
 budgets never run plain rounds.
 
-A plain round costs what a `Lookahead` step costs plus the observe, which on CUDA replays on a side
-stream beside the next round's target step (`StaticDraftRunner.observe_aside`; a drafting round's
-propose waits for it): besides the two graphs it runs the argmax, the next inputs and the bonus's copy
-to pinned memory (no draft, acceptance, mask or confidence op), its results are the bonus column, and
+A plain round costs what a `Lookahead` step costs plus the deferred observe (`StaticDraftRunner`
+copies its rows into the inputs of one observe per T plain rounds): besides the target graph it runs
+the row copies, the argmax, the next inputs and the bonus's copy to pinned memory (no draft,
+acceptance, mask or confidence op), its results are the bonus column, and
 `plan` reuses its budget while the stale rows are the very objects it planned last (a plain batch's
 rows do not change), so no planning runs per plain round.
 
@@ -152,9 +152,9 @@ class DraftLookahead:
         if budget == "auto":
             if not isinstance(capacity, CapacityTable):
                 raise ValueError(f"budget 'auto' needs a CapacityTable to plan with, got capacity={capacity!r}")
-            if not hasattr(drafting, "observe_aside"):
-                raise ValueError("budget 'auto' in flight needs the static DSpark drafter (plain rounds observe "
-                                 f"aside, budgets from its confidences); got {type(drafting).__name__}")
+            if not hasattr(drafting, "flush"):
+                raise ValueError("budget 'auto' in flight needs the static DSpark drafter (plain rounds defer "
+                                 f"their observe, budgets from its confidences); got {type(drafting).__name__}")
             widest = gamma
         elif isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= gamma:
             raise ValueError(f"budget must be an int in [1, γ={gamma}] or 'auto', got {budget!r}")
@@ -184,7 +184,16 @@ class DraftLookahead:
 
     def discard(self) -> None:
         """Forget the round in flight (its rows are invisible past every committed length)."""
+        if self.pending is not None:
+            self._drop()
+
+    def _drop(self) -> None:
+        """Forget the round in flight and end the drafter's run of deferred rows: a dropped plain round's
+        row is in it, and the next round feeds that position again (`static_draft.py`)."""
         self.pending = None
+        flush = getattr(self.drafting, "flush", None)  # an MTP runner defers nothing
+        if flush is not None:
+            flush()
 
     def fits(self, requests: list) -> bool:
         """Whether every request is greedy and verifies the full budget of its next round (the
@@ -234,6 +243,8 @@ class DraftLookahead:
         key, n = self._next(requests)
         current = self.pending if self.pending is not None and self.pending.key == key else None
         if current is None:
+            if self.pending is not None:
+                self._drop()
             current = self._launch_from_host(requests, key, n)
         self._plain_run = self._plain_run + 1 if n == 0 else 0  # round k runs: the plain probe counts it
         # Round k + 1's rows two back are round k − 1's, the newest read: each request's last confidences.
@@ -317,8 +328,7 @@ class DraftLookahead:
         self._after_plain = True
         out = self.runner.step(anchors[:, None], positions)  # [b, 1] ids
         bonus = greedy(out.logits[:, 0])  # [b]; ties to the lowest id, as `verify_greedy`
-        # beside the next step on CUDA: nothing of a plain round or the next one reads the drafter
-        self.drafting.observe_aside(out.features, positions)
+        self.drafting.observe(out.features, positions)  # one row per slot: deferred (`static_draft.py`)
         next_anchors = torch.where(live, bonus, 0)
         next_positions = positions + live  # free slots stay at position 0
         host_ids, _, event = _to_host(next_anchors, None)

@@ -30,12 +30,19 @@ sampled round). Verification uses the q returned with each sampled block and the
 generator, so outputs follow the target distribution, and a seeded request's drafts and tokens
 depend on its seed alone, not on its slot or batch.
 
-A plain round of the round in flight (budget 0, `draft_lookahead.py`) observes with `observe_aside`:
-the observe graph replays on a side stream behind the step that made its features, and the current
-stream waits only until its inputs are copied, so the next step's target graph runs beside it (in
-a run of plain rounds nothing waits for the observe). Every other call of the runner (observe,
-propose, load, move) first has the current stream wait for it, so the drafter's rings are only ever
-read or written in order.
+Single-row observes are deferred. A verify step of one row per slot (a plain round of "auto",
+synchronous or in flight, or a batch at its budget caps) commits the row it feeds, each slot's anchor,
+so `observe` only copies that row of each captured layer into the inputs of the (b, T) observe, as row
+j of a run of such steps (positions: the run's first starts + j), and replays that one observe when T
+rows wait or before anything else touches the rings (`flush`: a wider observe, propose, load, move, a
+bucket change, a dropped round in flight). A flush also writes the older rows j .. T − 1 of the
+inputs, at positions past every committed length, which the rollback rule hides as it hides a rejected
+draft. A plain round so costs a copy per captured layer instead of an observe (dspark-tiny on one
+H200: ~35 kernels and ~0.1 ms of device time per round, `bench/README.md`, twenty-first session).
+Positions stay consecutive within a run: a one-row step advances each live request by exactly its
+anchor, and whatever else moves a slot's position flushes first; free slots of the bucket get rows at
+0 .. T − 1, as any T-row step gives them. Every plain row is computed in the same (b, T) call,
+however the run ends, so the synchronous engine and the round in flight keep bit-equal contexts.
 
 This module and `static_runner.py` are the static path's device side; slot numbers and lengths are
 host values kept by `dspark.engine.slots`.
@@ -91,8 +98,8 @@ class StaticDraftRunner:
         device = self.static.device
         self.observe_graphs: dict[tuple[int, int], ObserveGraph] = {}  # (b, t) -> graph
         self.propose_graphs: dict[tuple[int, int], ProposeGraph] = {}  # (b, width) -> graph
-        self._side: torch.cuda.Stream | None = None  # `observe_aside`'s stream (created at its first call)
-        self._aside: torch.cuda.Event | None = None  # the end of the last observe_aside not waited for
+        self._pending: tuple[int, int] | None = None  # deferred one-row observes: (bucket b, rows j) waiting
+        self._buffers: dict[int, tuple[dict[int, torch.Tensor], torch.Tensor]] = {}  # b -> eager buffers (no graph)
         self.sampled_graphs = SampledGraphs(self.static.propose, device) if device.type == "cuda" else None
         if device.type == "cuda":  # before any request is loaded: the observe warm-ups write every slot
             pool = None
@@ -113,25 +120,75 @@ class StaticDraftRunner:
         k = self.static.n_draft
         return range(1 if narrower else k, k + 1)
 
+    @property
+    def tokens(self) -> int:
+        """T, rows per slot of one observe at most."""
+        return self.static.shape.tokens
+
     def load(self, slot: int, dstate: DSparkState, length: int, key: int = 0) -> None:
         """Copy a request's dynamic draft state and noise key into `slot`; `length` is its target
         length (the position of its next anchor), which the draft state must have reached too."""
-        self.join()
+        self.flush()
         drafted = self.static.load(slot, dstate, key)
         if drafted != length:
             raise RuntimeError(f"slot {slot}: the draft state holds {drafted} positions but the target {length}")
 
     def move(self, src: int, dst: int) -> None:
         """Slot `dst` takes over slot `src`'s draft state (with its target slot; between rounds)."""
-        self.join()
+        self.flush()
         self.static.move(src, dst)
 
     def observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor, ids: torch.Tensor | None = None) -> None:
         """Every bucket slot's rows of one verify step: features {layer: [b, t, n_hc, D]}, starts long
         [b] (device tensors, the target step's own); the step's ids [b, t] are not needed (DSpark's
-        context keys come from the features alone)."""
-        self.join()
+        context keys come from the features alone). A one-row step (t = 1) is deferred (module
+        docstring): its rows reach the drafter's state at the next `flush`."""
+        b, t = features[self.static.drafter.capture_layers[0]].shape[:2]
+        if t == 1:
+            return self._defer(features, starts, b)
+        self.flush()
         self._observe(features, starts)
+
+    def _defer(self, features: dict[int, torch.Tensor], starts: torch.Tensor, b: int) -> None:
+        """Copy a one-row step's rows into row j of the (b, T) observe's inputs; replay it at T rows."""
+        if self._pending is not None and self._pending[0] != b:
+            self.flush()
+        j = 0 if self._pending is None else self._pending[1]
+        inputs, first = self._inputs(b)
+        if j == 0:
+            first.copy_(starts)
+        for i, buffer in inputs.items():
+            buffer[:, j].copy_(features[i][:, 0])
+        self._pending = (b, j + 1)
+        if j + 1 == self.tokens:
+            self.flush()
+
+    def _inputs(self, b: int) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The (b, T) observe's inputs ({layer: [b, T, n_hc, D]}, starts [b]): its graph's buffers on
+        CUDA, buffers of their own (made at the bucket's first deferred row) elsewhere."""
+        graph = self.observe_graphs.get((b, self.tokens))
+        if graph is not None:
+            return graph.features, graph.starts
+        if b not in self._buffers:
+            target = self.static.drafter.target
+            shape = (b, self.tokens, target.config.hc_mult, target.config.hidden_size)
+            self._buffers[b] = ({i: torch.zeros(shape, dtype=target.dtype, device=self.static.device)
+                                 for i in self.static.drafter.capture_layers},
+                                torch.zeros(b, dtype=torch.long, device=self.static.device))
+        return self._buffers[b]
+
+    def flush(self) -> None:
+        """Observe the deferred rows (a no-op when none wait): one (b, T) observe from the run's first
+        starts; its rows past the run lie past every committed length (module docstring)."""
+        if self._pending is None:
+            return
+        b, _ = self._pending
+        self._pending = None
+        graph = self.observe_graphs.get((b, self.tokens))
+        if graph is not None:
+            graph.graph.replay()  # its inputs are the buffers the deferred rows were copied into
+        else:
+            self.static.observe(*self._inputs(b))
 
     def _observe(self, features: dict[int, torch.Tensor], starts: torch.Tensor) -> None:
         graph = self.observe_graphs.get(tuple(features[self.static.drafter.capture_layers[0]].shape[:2]))
@@ -140,39 +197,12 @@ class StaticDraftRunner:
         else:
             graph.replay(features, starts)
 
-    def observe_aside(self, features: dict[int, torch.Tensor], starts: torch.Tensor) -> None:
-        """`observe` replayed on the runner's side stream behind the work queued so far; the current
-        stream waits only for its input copies (module docstring). Where no graph serves the shape
-        (the CPU), the plain `observe`."""
-        graph = self.observe_graphs.get(tuple(features[self.static.drafter.capture_layers[0]].shape[:2]))
-        if graph is None:
-            self.join()
-            return self._observe(features, starts)
-        main = torch.cuda.current_stream(self.static.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.static.device)
-        self._side.wait_stream(main)  # the step that made the features, and every earlier ring write
-        copied, self._aside = torch.cuda.Event(), torch.cuda.Event()
-        with torch.cuda.stream(self._side):
-            graph.load_inputs(features, starts)
-            copied.record()
-            graph.graph.replay()
-            self._aside.record()
-        starts.record_stream(self._side)  # read there: not reused before the copy ran (main waits for it)
-        main.wait_event(copied)  # the next step may overwrite the features only after the copies
-
-    def join(self) -> None:
-        """Have the current stream wait for the last `observe_aside` (a no-op when none is pending)."""
-        if self._aside is not None:
-            torch.cuda.current_stream(self.static.device).wait_event(self._aside)
-            self._aside = None
-
     def propose(self, anchors: torch.Tensor, positions: torch.Tensor, width: int | None = None):
         """Greedy blocks of `width` slots (default k) of slots 0 .. b − 1 from device anchors and positions
         [b] (values as `StaticDrafter.plan` checks them): the bucket's graph of that width on CUDA (its
         buffers: copy what must outlive the next call), the eager static propose elsewhere (and for a
         width without a graph). No host read."""
-        self.join()
+        self.flush()
         graph = self.propose_graphs.get((anchors.shape[0], self.static.n_draft if width is None else width))
         if graph is not None:
             return graph.replay(anchors, positions)
@@ -182,7 +212,7 @@ class StaticDraftRunner:
         """k-slot blocks of slots 0 .. b − 1 with per-slot temperatures fp32 [b] (0 = greedy row) and the
         slots' counter-based noise: the bucket's sampled graph on CUDA, the eager static propose
         elsewhere. No host read."""
-        self.join()
+        self.flush()
         return sampled_propose(self, anchors, positions, temperature)
 
     def draft(self, requests: list) -> tuple[list[list[int]], list, torch.Tensor, list[torch.Tensor]]:

@@ -44,6 +44,8 @@ def pair():
     return dspark.load_model("tiny")
 
 
+
+
 def _spy_budgets(monkeypatch) -> list:
     """Every round `DraftLookahead` runs: (its budget, [(request id, the request's round index)])."""
     calls = []
@@ -235,7 +237,7 @@ def _lookahead(budget, probe_every=None, gamma=5, **extra):
 
     runner = SimpleNamespace(shape=SimpleNamespace(tokens=gamma + 1))
     drafting = SimpleNamespace(static=SimpleNamespace(drafter=SimpleNamespace(block_size=gamma), n_draft=gamma),
-                               observe_aside=None)
+                               flush=None)
     if probe_every is not None:
         extra["probe_every"] = probe_every
     return DraftLookahead(runner, drafting, budget, TABLE if budget == "auto" else None, **extra)
@@ -268,7 +270,7 @@ def test_plain_probe_drafts_one_after_a_run_of_plain_rounds():
 
 
 def test_auto_in_flight_needs_the_dspark_drafter():
-    """An MTP runner (no `observe_aside`, no confidence head) takes fixed budgets only."""
+    """An MTP runner (no deferred observe, no confidence head) takes fixed budgets only."""
     from types import SimpleNamespace
 
     runner = SimpleNamespace(shape=SimpleNamespace(tokens=3))

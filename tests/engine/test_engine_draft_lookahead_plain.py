@@ -73,9 +73,7 @@ def _spy_launches(engine) -> list:
         launches.append((n, key is None, calls["propose"] - before["propose"], calls["observe"] - before["observe"]))
         return result
 
-    aside = drafting.observe_aside  # a plain round's observe (beside the next step on CUDA)
     drafting.propose, drafting.observe = counted("propose", propose), counted("observe", observe)
-    drafting.observe_aside = counted("observe", aside)
     engine.draft_ahead._launch = launching
     return launches
 
@@ -170,7 +168,7 @@ def test_a_long_plain_run_probes_and_stays_exact(pair, monkeypatch):
 def _context(engine, req) -> list[torch.Tensor]:
     """Per drafter stage the context keys [W, d] that request `req` (holding a static slot) drafts from
     at its committed length: positions length − W .. length − 1 of its slot's ring (zero before 0)."""
-    engine.static_draft.join()  # CUDA: the rings after the last plain round's observe
+    engine.static_draft.flush()  # the rings after the last plain rounds' deferred rows
     state, slot = engine.static_draft.static.state, req.state.slot
     anchors = torch.zeros(slot + 1, dtype=torch.long, device=engine.static_draft.static.device)
     anchors[slot] = req.state.length
@@ -186,12 +184,11 @@ def test_drafter_context_after_plain_rounds_is_the_always_drafting_one(pair, mon
 
 
 @pytest.mark.gpu
-def test_drafter_context_after_observes_aside_on_cuda(monkeypatch):
-    """On CUDA a plain round's observe replays on a side stream beside the next round's step: after
-    every step the draft contexts still equal the synchronous engine's bit for bit."""
+def test_drafter_context_after_deferred_observes_on_cuda(monkeypatch):
+    """On CUDA plain rounds copy their rows into the (b, T) observe graph's inputs, in flight or not:
+    after every step the draft contexts still equal the synchronous engine's bit for bit."""
     model = dspark.load_model("tiny", device="cuda")
-    ahead = _check_context(model, monkeypatch)
-    assert ahead.static_draft._side is not None  # the plain rounds observed aside
+    _check_context(model, monkeypatch)
 
 
 def _check_context(pair, monkeypatch):
@@ -332,7 +329,7 @@ def test_a_plain_round_costs_no_more_eager_ops_than_a_plain_step(pair):
         rounds.append(launch(key, n, *args))
         return rounds[-1]
     auto.draft_ahead._launch = launching
-    auto_ops = _steady_ops(auto, [(auto.runner, "step"), (auto.static_draft, "observe_aside")])
+    auto_ops = _steady_ops(auto, [(auto.runner, "step"), (auto.static_draft, "observe")])
     plain_ops = _steady_ops(plain, [(plain.runner, "step")])
     steady = rounds[-3:]
     assert [r.budget for r in steady] == [0, 0, 0] and auto.running[0].confidences  # rows held, planned over
@@ -343,7 +340,8 @@ def test_a_plain_round_costs_no_more_eager_ops_than_a_plain_step(pair):
 
 @pytest.mark.gpu
 def test_plain_rounds_in_flight_on_cuda_graphs(monkeypatch):
-    """On CUDA a plain round replays the width-1 step graph and the (bucket, 1) observe graph, chained
+    """On CUDA a plain round replays the width-1 step graph (its rows reach the drafter in one (bucket, T)
+    observe graph per T plain rounds or at the next drafting round), chained
     behind the round before it like a drafting round: plain greedy tokens, switches both ways, the same
     drafting rounds as the synchronous engine."""
     pair = dspark.load_model("tiny", device="cuda")

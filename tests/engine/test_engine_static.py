@@ -436,3 +436,42 @@ def test_runner_steps_the_longest_block_and_returns_ragged_rows(tiny):
         runner.forward([SimpleNamespace(request_id="x", state=states[0])], [[1]])
     with pytest.raises(ValueError, match=r"layers \[3\]"):
         runner.forward(requests, [[1], [1]], SimpleNamespace(capture_layers=(3,)))
+
+
+def test_one_row_observes_are_deferred_to_one_observe_of_t_rows(tiny, monkeypatch):
+    """A one-row step's rows are copied, not observed: the static drafter observes once per T such steps
+    (or at a flush) over all T rows, and the context it then drafts from equals observing every row as it
+    came (within fp32 rounding: the rows are computed in one call of T rows)."""
+    from dspark.engine.static_draft import StaticDraftRunner
+
+    drafter, tokens = _drafters(tiny)["dspark3"]["drafter"], 4
+    deferred, direct = (StaticDraftRunner(drafter, slots=2, tokens=tokens) for _ in range(2))
+    calls = []
+    observe = deferred.static.observe
+    monkeypatch.setattr(deferred.static, "observe",
+                        lambda f, s: (calls.append(f[drafter.capture_layers[0]].shape[1]), observe(f, s))[1])
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 1, tiny.config.hc_mult, tiny.config.hidden_size)
+    first = torch.tensor([5, 9])
+    for j in range(tokens + 2):
+        features = {i: torch.randn(shape, generator=g) for i in drafter.capture_layers}
+        deferred.observe(features, first + j)
+        direct.static.observe(features, first + j)
+    assert calls == [tokens] and deferred._pending == (2, 2)  # T rows observed at once; two wait
+    deferred.flush()
+    assert calls == [tokens, tokens] and deferred._pending is None
+    anchors = first + tokens + 2  # each slot's next anchor: every row written is below it
+    for a, b in zip(_draft_context(deferred, anchors), _draft_context(direct, anchors)):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    deferred.observe(features, anchors)  # a new run; a wider step flushes it first
+    deferred.observe({i: f.expand(2, 3, *shape[2:]) for i, f in features.items()}, anchors + 1)
+    assert calls == [tokens, tokens, tokens, 3]
+
+
+def _draft_context(runner, anchors: torch.Tensor) -> list[torch.Tensor]:
+    """Per drafter stage the context keys [S, W, d] slots 0 .. S − 1 draft from at `anchors`."""
+    state = runner.static.state
+    rows = state.context_index(anchors)  # [S, W]
+    return [torch.where((rows >= 0)[..., None], pool[rows.clamp(min=0)], 0) for pool in state.pools()]
+
