@@ -37,8 +37,10 @@ j of a run of such steps (positions: the run's first starts + j), and replays th
 rows wait or before anything else touches the rings (`flush`: a wider observe, propose, load, move, a
 bucket change, a dropped round in flight). A flush also writes the older rows j .. T − 1 of the
 inputs, at positions past every committed length, which the rollback rule hides as it hides a rejected
-draft. A plain round so costs a copy per captured layer instead of an observe (dspark-tiny on one
-H200: ~35 kernels and ~0.1 ms of device time per round, `bench/README.md`, twenty-first session).
+draft. A plain round so costs a copy per captured layer instead of an observe graph (dspark-tiny on
+one H200, sampled, four requests: the auto engine's device time per step over a plain engine's went
+from +107 to +59 µs, its plain rounds from 1.17x to 1.11x a plain engine's; `bench/README.md`,
+twenty-first session).
 Positions stay consecutive within a run: a one-row step advances each live request by exactly its
 anchor, and whatever else moves a slot's position flushes first; free slots of the bucket get rows at
 0 .. T − 1, as any T-row step gives them. Every plain row is computed in the same (b, T) call,
