@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import os
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,6 +50,7 @@ from dspark.engine.static_runner import StaticRunner
 from dspark.kernels.registry import OPTIONAL_BACKENDS
 from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from dspark.profile import device_name
 from dspark.request import GenerationStats, Request
 from dspark.round import RoundConfig, prefill_step, speculative_round, trace_record
 from dspark.sampling import SamplingParams
@@ -77,7 +79,8 @@ class EngineConfig:
         which reads each round's own confidences on the host first).
     capacity : SPS(B) table the planner reads; default: the drafter's own table for the model's device
         type where it ships one (`DSparkDrafter.capacity_tables`; dspark-tiny: one measured on a CPU
-        core), else the synthetic CPU table (`default_cpu_table`).
+        core), else the synthetic CPU table (`default_cpu_table`). With "auto", a default CUDA table
+        measured on another GPU than this one draws a warning naming both (`foreign_table`).
     capacity_sampled : the table for rounds with a sampled request (temperature > 0); default:
         `capacity` when given, else the drafter's table of sampled rounds for the device type
         (`capacity_tables["cuda-sampled"]`, from `dspark profile --engine --temperature 1`), else the
@@ -186,10 +189,8 @@ class Engine:
             raise ValueError(f"draft_tokens={config.draft_tokens} exceeds the drafter's block size "
                              f"γ={self.drafter.block_size}")
         self.n_draft = draft_width(self.drafter, config.draft_tokens)
-        self.round_config = RoundConfig(
-            config.draft_tokens, config.planner, config.capacity or default_capacity(self.drafter, model.device),
-            self.n_draft, config.capacity_sampled or config.capacity
-            or default_capacity(self.drafter, model.device, sampled=True))
+        capacity, sampled = _planner_tables(self.drafter, model, config)
+        self.round_config = RoundConfig(config.draft_tokens, config.planner, capacity, self.n_draft, sampled)
         self.eos = frozenset(_eos_ids(model.config))
         self.scheduler = _scheduler(model, self.drafter, config)
         self.static = static_by_default(model) if config.static_decode is None else config.static_decode
@@ -443,6 +444,32 @@ def default_capacity(drafter, device, sampled: bool = False) -> CapacityTable:
     tables = getattr(drafter, "capacity_tables", None) or {}
     kind = torch.device(device).type
     return (sampled and tables.get(f"{kind}-sampled")) or tables.get(kind) or default_cpu_table()
+
+
+def _planner_tables(drafter, model, config: EngineConfig) -> tuple[CapacityTable, CapacityTable]:
+    """(capacity, capacity_sampled) of an engine: the tables given, else the defaults, each default
+    "auto" will plan by checked against this GPU (`foreign_table`: a warning naming both cards)."""
+    given_sampled = config.capacity_sampled or config.capacity
+    capacity = config.capacity or default_capacity(drafter, model.device)
+    sampled = given_sampled or default_capacity(drafter, model.device, sampled=True)
+    if config.draft_tokens == "auto":
+        defaults = ([] if config.capacity else [capacity]) + ([] if given_sampled else [sampled])
+        for message in dict.fromkeys(filter(None, (foreign_table(t, model.device) for t in defaults))):
+            warnings.warn(message, stacklevel=3)
+    return capacity, sampled
+
+
+def foreign_table(table: CapacityTable, device: torch.device) -> str | None:
+    """Why `table` misprices `device`, or None: a table measured on another GPU (its conditions name
+    the card). Step times differ enough between cards for "auto" to draft where it does not pay
+    (dspark-tiny sampled on an H100 with the H200 tables: 0.67–0.89 of plain decoding, 0.90–0.99 on
+    the H200; `bench/README.md`, twenty-first session)."""
+    measured = table.conditions.get("device")
+    if device.type != "cuda" or not measured or measured == device_name(device):
+        return None
+    return (f"capacity table {table.label!r} was measured on {measured}, not this {device_name(device)}: "
+            f"'auto' may draft where it does not pay; run `dspark profile --engine` here and pass "
+            f"capacity= (and capacity_sampled= from `--temperature 1`)")
 
 
 def draft_width(drafter, draft_tokens: int | str) -> int | None:

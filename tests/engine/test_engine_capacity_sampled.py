@@ -78,3 +78,36 @@ def test_the_engine_defaults_to_the_drafters_sampled_table(model):
 def test_a_table_that_is_not_one_is_refused(name):
     with pytest.raises(ValueError, match=f"{name} must be None or a CapacityTable, got str"):
         EngineConfig(**{name: "h200.json"})
+
+
+def test_a_table_from_another_gpu_is_named(monkeypatch):
+    """A CUDA table measured on another card prices this one wrong: `foreign_table` names both cards; a
+    CPU device, or the card itself, gives nothing."""
+    from dspark.engine import engine as engine_module
+
+    h200 = CapacityTable((2, 4), (50.0, 40.0), "NVIDIA H200, engine rounds", "", conditions={"device": "NVIDIA H200"})
+    monkeypatch.setattr(engine_module, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert "measured on NVIDIA H200, not this NVIDIA H100 80GB HBM3" in engine_module.foreign_table(
+        h200, torch.device("cuda"))
+    assert engine_module.foreign_table(h200, torch.device("cpu")) is None
+    monkeypatch.setattr(engine_module, "device_name", lambda device: "NVIDIA H200")
+    assert engine_module.foreign_table(h200, torch.device("cuda")) is None
+
+
+def test_an_auto_engine_warns_of_a_foreign_default_table_only(model, monkeypatch):
+    """The engine checks the default tables "auto" will plan by (one warning per distinct message), not
+    a table it was given, nor any table an engine at a fixed budget never reads."""
+    import warnings
+
+    from dspark.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "foreign_table", lambda table, device: f"foreign: {table.label}")
+    drafter = LowConfidenceDrafter()
+    drafter.capacity_tables = {"cpu": TABLE, "cpu-sampled": FREE}
+    with pytest.warns(UserWarning) as caught:
+        Engine(model, EngineConfig(draft_tokens="auto", drafter=drafter))
+    assert sorted(str(w.message) for w in caught) == sorted([f"foreign: {FREE.label}", f"foreign: {TABLE.label}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(model, EngineConfig(draft_tokens="auto", drafter=drafter, capacity=TABLE))
+        Engine(model, EngineConfig(draft_tokens=2, drafter=drafter))
