@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default=None,
                    help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: the drafter's table for this device type, e.g. dspark-tiny's for CPUs, "
                         "else a synthetic CPU table)")
+    p.add_argument("--capacity-sampled", default=None,
+                   help="capacity table for rounds with a sampled request (`dspark profile --engine --temperature 1`; "
+                        "default: --capacity when given, else the drafter's sampled table for this device type)")
     p.add_argument("--static-decode", choices=("auto", "on", "off"), default="auto",
                    help="decoding rounds on static slots with CUDA graphs; auto: on for a DeepSeek-V4/V4.1 "
                         "model on CUDA that can replay them (EngineConfig.static_decode=None)")
@@ -88,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_config(args) -> EngineConfig:
+    """The engine's configuration from parsed arguments (tables loaded: a bad path raises here)."""
+    return EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting,
+                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
+                        prefill_chunk=args.prefill_chunk, draft_tokens=args.draft_tokens,
+                        drafter=args.drafter, planner=args.planner,
+                        capacity=CapacityTable.load(args.capacity) if args.capacity else None,
+                        capacity_sampled=CapacityTable.load(args.capacity_sampled) if args.capacity_sampled else None,
+                        state_budget_bytes=args.state_budget_bytes,
+                        static_decode={"auto": None, "on": True, "off": False}[args.static_decode],
+                        overlap={"auto": None, "on": True, "off": False}[args.overlap])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -96,15 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         threads = _torch_threads(args.torch_threads, args.device)
         if threads is not None:
             torch.set_num_threads(threads)
-        config = EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting,
-                              max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
-                              prefill_chunk=args.prefill_chunk, draft_tokens=args.draft_tokens,
-                              drafter=args.drafter, planner=args.planner,
-                              capacity=CapacityTable.load(args.capacity) if args.capacity else None,
-                              state_budget_bytes=args.state_budget_bytes,
-                              static_decode={"auto": None, "on": True, "off": False}[args.static_decode],
-                              overlap={"auto": None, "on": True, "off": False}[args.overlap])
-        engine = Engine(load_model(args.model, args.device), config)
+        engine = Engine(load_model(args.model, args.device), engine_config(args))
         app = create_app(engine, model_name=args.served_model_name or args.model, api_key=args.api_key,
                          drain_s=args.drain_timeout, max_body_bytes=args.max_body_bytes)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad model path, device or limits

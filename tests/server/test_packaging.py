@@ -32,3 +32,15 @@ def test_console_script_help_runs_outside_the_repository(tmp_path):
     for flag in ("--model", "--host", "--port", "--api-key", "--drafter", "--draft-tokens", "--max-running",
                  "--max-waiting", "--max-prompt-tokens", "--max-tokens", "--served-model-name"):
         assert flag in out.stdout
+
+
+def test_the_table_of_sampled_rounds_reaches_the_engine_config(tmp_path):
+    """`--capacity-sampled` loads a table (a shipped name here) into `EngineConfig.capacity_sampled`; a
+    missing file is named."""
+    from dspark_server.__main__ import build_parser, engine_config
+
+    config = engine_config(build_parser().parse_args(["--draft-tokens", "auto",
+                                                      "--capacity-sampled", "h200-v4-mini-ctx4k"]))
+    assert config.capacity is None and config.capacity_sampled.label.startswith("NVIDIA H200")
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        engine_config(build_parser().parse_args(["--capacity-sampled", str(tmp_path / "nope.json")]))
