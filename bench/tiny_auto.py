@@ -10,7 +10,10 @@ timing, and reused: on CUDA its graph captures and Triton's compiles are not tim
 e.g. the held-out corpus cuts of `bench/tiny_drafter.py prompts`, every other one so both domains
 come in) `--batch` at a time (default 1; prompt i of a batch sampled with seed + i as `generate`
 does), `--max-new-tokens` each;
-a cell's tokens/s is all its generated tokens over all its wall time. Cells are interleaved (repeat
+a cell's tokens/s is all its generated tokens over all its wall time, and its decode tokens/s those
+of the steps that ran no prompt chunk over their wall time (the prefill, the same in every cell, dilutes
+the first toward 1 in a ratio: dspark-tiny's eager prefill on a GPU is ~25 ms a step, a third of a
+batch-4 cell). Cells are interleaved (repeat
 r runs every cell once before repeat r + 1) so drift on a noisy machine hits every cell alike. τ is
 committed tokens per request per round. The summary gives auto's
 ratio to the best fixed budget (issue 7's target: >= 0.95 at every load) per temperature.
@@ -58,25 +61,44 @@ def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capaci
     return engine
 
 
-def serve(engine, prompts, temperature: float, seed: int, max_new_tokens: int) -> tuple[int, int]:
-    """Decode `prompts` together to completion; returns (tokens generated, rounds summed over requests)."""
+def serve(engine, prompts, temperature: float, seed: int, max_new_tokens: int) -> dict:
+    """Decode `prompts` together to completion: tokens generated, rounds summed over requests, and the
+    tokens and wall seconds of the steps that ran no prompt chunk ("decode_*")."""
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(temperature, seed=seed + i), max_new_tokens)
-    tokens = rounds = 0
+    got = {"tokens": 0, "rounds": 0, "decode_tokens": 0, "decode_seconds": 0.0}
     while engine.has_work():
-        for event in engine.step():
-            tokens += len(event.new_token_ids)
-            rounds += event.stats.rounds if event.finished else 0
-    return tokens, rounds
+        prefilling = bool(engine.waiting) or any(r.in_prefill for r in engine.running)
+        start = time.perf_counter()
+        events = engine.step()
+        seconds = time.perf_counter() - start
+        tokens = sum(len(e.new_token_ids) for e in events)
+        got["tokens"] += tokens
+        got["rounds"] += sum(e.stats.rounds for e in events if e.finished)
+        if not prefilling:
+            got["decode_tokens"] += tokens
+            got["decode_seconds"] += seconds
+    return got
 
 
 def run_cell(engine, prompts, temperature: float, seed: int, max_new_tokens: int, batch: int = 1) -> dict:
-    tokens = rounds = 0
+    """`serve` over `prompts`, `batch` at a time: its sums, and the cell's wall seconds."""
+    cell = {"seconds": 0.0, "tokens": 0, "rounds": 0, "decode_tokens": 0, "decode_seconds": 0.0}
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        t, r = serve(engine, prompts[i:i + batch], temperature, seed + i, max_new_tokens)
-        tokens, rounds = tokens + t, rounds + r
-    return {"seconds": time.perf_counter() - start, "tokens": tokens, "rounds": rounds}
+        for key, value in serve(engine, prompts[i:i + batch], temperature, seed + i, max_new_tokens).items():
+            cell[key] += value
+    cell["seconds"] = time.perf_counter() - start
+    return cell
+
+
+def _versus_best(rows: list[dict], temperature: float, metric: str, prefix: str) -> dict:
+    """The best fixed budget at `temperature` by `metric`, and "auto"'s ratio to it (keys `prefix`ed)."""
+    fixed = {r["draft_tokens"]: r[metric] for r in rows if r["temperature"] == temperature and r["draft_tokens"] != "auto"}
+    best = max(fixed, key=fixed.get)
+    auto = next((r[metric] for r in rows if r["temperature"] == temperature and r["draft_tokens"] == "auto"), None)
+    return {f"{prefix}best_fixed": best, f"{prefix}best_fixed_tok_s": fixed[best], f"{prefix}auto_tok_s": auto,
+            f"{prefix}auto_over_best": auto / fixed[best] if auto else None}
 
 
 def main() -> None:
@@ -111,7 +133,8 @@ def main() -> None:
     temps = [float(t) for t in args.temperatures.split(",")]
     engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, temperatures=temps,
                                  capacity_sampled=sampled) for b in budgets}
-    cells = {(t, b): {"seconds": 0.0, "tokens": 0, "rounds": 0} for t in temps for b in budgets}
+    cells = {(t, b): {"seconds": 0.0, "tokens": 0, "rounds": 0, "decode_tokens": 0, "decode_seconds": 0.0}
+             for t in temps for b in budgets}
     for r in range(args.repeats):
         for (t, b), acc in cells.items():
             got = run_cell(engines[b], prompts, t, args.seed + 1000 * r, args.max_new_tokens, args.batch)
@@ -120,13 +143,10 @@ def main() -> None:
     rows, summary = [], {}
     for (t, b), acc in cells.items():
         rows.append({"temperature": t, "draft_tokens": b, **acc, "tok_s": acc["tokens"] / acc["seconds"],
+                     "decode_tok_s": acc["decode_tokens"] / acc["decode_seconds"],
                      "tau": acc["tokens"] / acc["rounds"]})
     for t in temps:
-        fixed = {r["draft_tokens"]: r["tok_s"] for r in rows if r["temperature"] == t and r["draft_tokens"] != "auto"}
-        best = max(fixed, key=fixed.get)
-        auto = next((r["tok_s"] for r in rows if r["temperature"] == t and r["draft_tokens"] == "auto"), None)
-        summary[str(t)] = {"best_fixed": best, "best_fixed_tok_s": fixed[best],
-                           "auto_tok_s": auto, "auto_over_best": auto / fixed[best] if auto else None}
+        summary[str(t)] = {**_versus_best(rows, t, "tok_s", ""), **_versus_best(rows, t, "decode_tok_s", "decode_")}
     result = {"bench": "tiny_auto", "conditions": {
         "device": device_name(model.device), "threads": args.threads,
         "torch": torch.__version__, "commit": git_commit(dirty=True), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -137,7 +157,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for row in rows:
-        print(f"T={row['temperature']:g} n={row['draft_tokens']!s:>4}: {row['tok_s']:7.1f} tok/s  tau {row['tau']:.2f}")
+        print(f"T={row['temperature']:g} n={row['draft_tokens']!s:>4}: {row['tok_s']:7.1f} tok/s  "
+              f"decode {row['decode_tok_s']:7.1f} tok/s  tau {row['tau']:.2f}")
     print(json.dumps(summary, indent=1))
 
 
