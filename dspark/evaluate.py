@@ -219,9 +219,10 @@ def eval_accept(model, config: EvalConfig, out_dir: str | os.PathLike, model_nam
             ids = encode_prompt(model, text)
             target = prompts if 0 < len(ids) <= limit else skipped
             target.append((dataset, f"{dataset}/{i}", ids))
-    if capacity is None:  # what the engine would pick: the drafter's table for this device, else the synthetic one
+    if capacity is None:  # what the engine would pick: the drafter's table for this device and kind of
+        # request (every request samples at config.temperature), else the synthetic one
         drafter = resolve_drafter(model, config.drafter) if config.budget != 0 else None
-        capacity = default_capacity(drafter, getattr(model, "device", "cpu"))
+        capacity = default_capacity(drafter, getattr(model, "device", "cpu"), sampled=config.temperature > 0)
     t0 = time.perf_counter()
     records, requests = run_traces(model, prompts, config, capacity, progress)
     wall = time.perf_counter() - t0

@@ -203,7 +203,8 @@ class Engine:
         self.lookahead = Lookahead(self.runner) if overlap and self.drafter is None else None
         # Algorithm 1 ("sync") sizes a verify from that round's own confidences: no round can be in flight.
         in_flight = config.draft_tokens != "auto" or config.planner == "async"
-        # MTP rounds go in flight at a fixed budget only ("auto" would need plain rounds, whose deferred observe only the DSpark runner has).
+        # MTP rounds go in flight at a fixed budget only ("auto" would need plain rounds, whose deferred
+        # observe only the DSpark runner has).
         ahead_drafter = isinstance(self.static_draft, StaticDraftRunner) or (
             isinstance(self.static_draft, StaticMtpRunner) and config.draft_tokens != "auto")
         self.draft_ahead = (DraftLookahead(self.runner, self.static_draft, config.draft_tokens,

@@ -93,3 +93,22 @@ def test_chat_template_wraps_the_first_turn():
     tokenizer.chat_template = ("{% for m in messages %}<user> {{ m['content'] }}{% endfor %}"
                                "{% if add_generation_prompt %} <assistant>{% endif %}")
     assert encode_prompt(model, "hello world") == [1, 3, 4, 2]
+
+
+def test_a_sampled_evaluation_plans_by_the_drafters_sampled_table(tmp_path, monkeypatch):
+    """eval-accept fills in the table the engine would pick for its requests: at T > 0 the drafter's
+    sampled one (`capacity-<device>-sampled.json`), at T = 0 the greedy one."""
+    import dspark
+    from dspark.verify.capacity import CapacityTable
+
+    model = dspark.load_model("tiny")
+    tables = {"cpu": CapacityTable((2, 6), (50.0, 40.0), "greedy rounds"),
+              "cpu-sampled": CapacityTable((2, 6), (30.0, 20.0), "sampled rounds")}
+    monkeypatch.setattr(model.dspark, "capacity_tables", tables)
+    from dspark.evaluate import eval_accept
+
+    for temperature, label in ((1.0, "sampled rounds"), (0.0, "greedy rounds")):
+        config = EvalConfig(datasets=("gsm8k",), limit=1, temperature=temperature, budget="auto", drafter="dspark",
+                            max_new_tokens=4)
+        summary = eval_accept(model, config, tmp_path / str(temperature))
+        assert summary["conditions"]["capacity"] == label
