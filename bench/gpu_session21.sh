@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session21.sh b", kind="nvidia-h200")   # ≈ 6 min
 #   run(command="bash bench/gpu_session21.sh c", kind="nvidia-h200")   # ≈ 6 min (ran on an H100)
 #   run(command="bash bench/gpu_session21.sh d", kind="nvidia-h100-x1")   # ≈ 6 min
+#   run(command="bash bench/gpu_session21.sh e", kind="nvidia-h200")   # ≈ 6 min; written, not yet run
 #
 # a: dspark-tiny's table of sampled rounds (`dspark profile --engine --temperature 1`: on the static path a
 #    round with a sampled request is synchronous, and gpu_session20.sh c found its drafting rounds at 2.3x a
@@ -20,6 +21,9 @@
 #    it drafted γ): part b's runs with more repeats (greedy at batch 4 on 16 prompts: part b's cells were
 #    0.5 s, a third of it prefill), and part b's GPU tests. The narrowing was reverted after this run
 #    (a sampled graph per bucket and width, captured lazily: in the timed cells).
+# e: the sampled table with `--auto-rounds` (each budget timed as "auto" runs it: the whole block drafted,
+#    K = R·n spread by the current confidences) on this card, then sampled auto at batch 1 planned by the
+#    shipped table and by it (same run), and at batch 4 by it.
 # d: part c's runs on the tree without the narrowing (deferred observes only), on the same kind of GPU
 #    as part c (an H100): the same-card comparison.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, step, tests, pack, dispatch
@@ -72,6 +76,19 @@ longer() {  # longer PREFIX: part b's tiny_auto runs with more repeats, then the
 }
 
 part_c() { longer tiny-auto-h200-narrow; }
+
+part_e() {
+  local table=$OUT/capacity-cuda-tiny-auto-rounds-sampled.json
+  logged e_auto_rounds 200 python3 -m dspark.cli profile --engine --auto-rounds --model tiny --drafter dspark \
+    --device cuda --requests 1,2,4 --context 192 --warmup 3 --steps 24 --temperature 1 --out "$table"
+  tail -n 20 "$W/logs/e_auto_rounds.txt" | cut -c1-200
+  [ -f "$table" ] || return 1
+  SAMPLED=bench/results/capacity-cuda-tiny-rounds-sampled-h200.json  # the shipped table, same run: the baseline
+  tiny_auto tiny-auto-s21e-shipped 110 --budgets 0,3,auto --temperatures 1 --repeats 3
+  SAMPLED=$table
+  tiny_auto tiny-auto-s21e 110 --budgets 0,3,auto --temperatures 1 --repeats 3
+  tiny_auto tiny-auto-s21e-batch4 100 --prompts 8 --batch 4 --budgets 0,1,auto --temperatures 1 --repeats 3
+}
 part_d() { longer tiny-auto-s21d; }
 
 dispatch session21 "${1:-}"

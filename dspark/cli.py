@@ -87,8 +87,10 @@ def _profile(args) -> int:
     if args.temperature and not args.engine:
         raise SystemExit(f"dspark profile --temperature {args.temperature:g} needs --engine: bare forwards "
                          f"do not sample")
+    if args.auto_rounds and not args.engine:
+        raise SystemExit("dspark profile --auto-rounds needs --engine: it times engine rounds")
     config = (RoundProfileConfig(args.requests, args.budgets, args.context, args.warmup, args.steps,
-                                 temperature=args.temperature) if args.engine
+                                 temperature=args.temperature, auto_rounds=args.auto_rounds) if args.engine
               else ProfileConfig(args.batch_tokens, args.context, args.width, args.warmup, args.repeats,
                                  args.prefill_chunk, plain=not args.no_plain))
     model = _load(args.model, args.device)
@@ -137,6 +139,10 @@ def _add_profile(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="--engine: time requests sampled at this temperature (0: greedy): the table of sampled "
                         "rounds, shipped beside a drafter as capacity-<device>-sampled.json")
+    p.add_argument("--auto-rounds", action="store_true",
+                   help="--engine: time each drafting budget n as the \"auto\" planner runs it (an auto engine held at "
+                        "n: the whole block drafted in a synchronous round, n or n + 1 slots in flight) instead of an "
+                        "engine at the fixed budget n")
     p.add_argument("--out", required=True, help="capacity table JSON to write")
     p.set_defaults(run=_profile)
 

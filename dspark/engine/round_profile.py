@@ -22,6 +22,14 @@ feeds the drafter's context).
 `temperature` > 0 times sampled requests instead (seeded, one seed per request): the table of sampled
 rounds (`EngineConfig.capacity_sampled`, shipped as a drafter's `capacity-<device>-sampled.json`). On
 the static path they are a different round: synchronous, with the sampled propose and acceptance.
+
+`auto_rounds` times each drafting budget n as "auto" runs it rather than as an engine at the fixed
+budget n: an "auto" engine held at n by a step-shaped table (`forcing_table`: every budget up to
+B = R(1 + n) at one speed, every larger one and plain decoding at almost none, so the planner's
+argmax is K = R·n, or n per request in flight). The rounds then carry what "auto" pays and a fixed
+budget does not: a synchronous round drafts the whole block (a fixed budget drafts n slots) and
+spreads K by the current confidences (several verify groups when sampled), a round in flight drafts
+a slot past n on its probe rounds.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ class RoundProfileConfig:
     warmup, steps : untimed and timed decoding steps per (R, n) (steps >= 3).
     seed : of the random prompts (and of the sampled requests' generators).
     temperature : of every request; 0 (default) times greedy rounds, > 0 sampled ones.
+    auto_rounds : time the drafting budgets as "auto" runs them (module docstring); the plain rounds
+        stay a plain engine's.
     """
 
     requests: tuple[int, ...] = (1, 2, 4, 8)
@@ -58,6 +68,7 @@ class RoundProfileConfig:
     steps: int = 24
     seed: int = 0
     temperature: float = 0.0
+    auto_rounds: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "requests", increasing_ints("requests", self.requests, 1))
@@ -65,16 +76,30 @@ class RoundProfileConfig:
             object.__setattr__(self, "budgets", increasing_ints("budgets", self.budgets, 0))
         check_ints(self, context=1, warmup=0, steps=3, seed=0)
         SamplingParams(self.temperature)  # ValueError naming a bad temperature
+        if not isinstance(self.auto_rounds, bool):
+            raise ValueError(f"auto_rounds must be a bool, got {self.auto_rounds!r}")
+
+
+def forcing_table(requests: int, budget: int) -> CapacityTable:
+    """A table under which "auto" verifies K = requests · budget drafts a round (`async_budget`), or
+    `budget` per request (`uniform_budget`), whenever every candidate's survival is positive: one speed
+    up to B = requests · (1 + budget), almost none past it or for a plain step. Not a measurement."""
+    b = requests * (1 + budget)
+    return CapacityTable((b, b + 1), (1.0, 1e-9), f"forces K = {requests * budget} at R = {requests}",
+                         plain_requests=(requests,), plain_steps_per_second=(1e-9,))
 
 
 def round_seconds(model, drafter, requests: int, budget: int, config: RoundProfileConfig) -> list[float]:
-    """Seconds of each timed decoding step of an engine at `budget` serving `requests` requests at
-    `config.temperature` (steps whose batch changed dropped). Raises RuntimeError when fewer than half the steps are left."""
-    per_step = budget + 1
+    """Seconds of each timed decoding step of an engine at `budget` (held there as "auto" with
+    `config.auto_rounds`) serving `requests` requests at `config.temperature` (steps whose batch
+    changed dropped). Raises RuntimeError when fewer than half the steps are left."""
+    auto = config.auto_rounds and budget > 0
+    per_step = (drafter.block_size if auto else budget) + 1  # "auto" may give one request more than n
     max_new = (config.warmup + config.steps + 2) * per_step
     engine = Engine(model, EngineConfig(max_running=requests, max_waiting=requests, max_prompt_tokens=config.context,
-                                        max_new_tokens=max_new, draft_tokens=budget,
-                                        drafter=drafter if budget else None))
+                                        max_new_tokens=max_new, draft_tokens="auto" if auto else budget,
+                                        drafter=drafter if budget else None,
+                                        capacity=forcing_table(requests, budget) if auto else None))
     g = torch.Generator().manual_seed(config.seed)
     for i in range(requests):
         prompt = torch.randint(0, model.config.vocab_size, (config.context,), generator=g).tolist()
@@ -123,10 +148,12 @@ def profile_rounds(model, drafter, config: RoundProfileConfig = RoundProfileConf
         "device": name, "torch": torch.__version__, "model": model_name, "drafter": drafter_name,
         "dtype": str(model.dtype), "context": config.context, "requests": list(config.requests),
         "budgets": list(budgets), "warmup": config.warmup, "steps": config.steps, "date": date,
-        "temperature": config.temperature,
-        "method": f"median wall time between consecutive Engine.step() returns of an engine at a fixed budget "
-                  f"n serving R {kind} requests (B = R(1 + n)); the plain curve from n = 0",
+        "temperature": config.temperature, "rounds": "auto" if config.auto_rounds else "fixed",
+        "method": f"median wall time between consecutive Engine.step() returns of an engine at a "
+                  f"{'budget n held by auto' if config.auto_rounds else 'fixed budget n'} serving R {kind} requests "
+                  f"(B = R(1 + n)); the plain curve from n = 0",
     }
     label = (f"{name}, torch {torch.__version__}, {model_name or type(model).__name__}, ctx {config.context}, "
-             f"engine rounds" + ("" if kind == "greedy" else f", T={config.temperature:g}"))
+             f"{'auto' if config.auto_rounds else 'engine'} rounds"
+             + ("" if kind == "greedy" else f", T={config.temperature:g}"))
     return CapacityTable.from_step_times(samples, label, f"engine rounds, {date}", conditions, plain or None)

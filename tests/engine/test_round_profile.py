@@ -73,9 +73,57 @@ def test_a_sampled_profile_times_sampled_requests(tiny, monkeypatch):
     assert "sampled requests" in table.conditions["method"]
 
 
+@pytest.mark.parametrize("requests, budget", [(1, 1), (1, 3), (2, 2), (4, 5)])
+def test_the_forcing_table_holds_auto_at_its_budget(requests, budget):
+    """Whatever the (positive) confidences, the asynchronous planner's total is R·n and the round in
+    flight's uniform budget n: "auto" rounds at budget n, for `auto_rounds`."""
+    from dspark.verify.planner import async_budget, uniform_budget
+
+    gamma, table = 5, round_profile.forcing_table(requests, budget)
+    g = torch.Generator().manual_seed(requests * 10 + budget)
+    for stale in ([None] * requests, [torch.rand(gamma, generator=g) * 0.98 + 0.01 for _ in range(requests)]):
+        assert async_budget(stale, gamma, table) == requests * budget
+        assert uniform_budget(stale, gamma, table, min_budget=0) == budget
+
+
+def test_auto_rounds_time_an_auto_engine_held_at_each_budget(tiny, monkeypatch):
+    """The drafting budgets run on "auto" engines whose table is the forcing one (the plain one stays a
+    plain engine; the next test shows such an engine verifies R·n drafts a round); the table says how it
+    was made."""
+    built = []
+
+    class Watched(round_profile.Engine):
+        def __init__(self, model, config):
+            super().__init__(model, config)
+            built.append((config.draft_tokens, config.capacity.label if config.capacity else None))
+
+    monkeypatch.setattr(round_profile, "Engine", Watched)
+    config = RoundProfileConfig(requests=(2,), budgets=(0, 2), context=8, warmup=1, steps=4, auto_rounds=True)
+    table = profile_rounds(tiny, tiny.dspark, config, "tiny", "dspark")
+    assert built == [(0, None), ("auto", "forces K = 4 at R = 2")]
+    assert table.label.endswith("auto rounds") and table.conditions["rounds"] == "auto"
+    assert table.batch_tokens == (6,) and "held by auto" in table.conditions["method"]
+
+
+def test_an_auto_engine_held_by_the_forcing_table_verifies_its_budget(tiny):
+    from dspark.engine import Engine, EngineConfig
+    from dspark.sampling import SamplingParams
+
+    engine = Engine(tiny, EngineConfig(max_running=2, draft_tokens="auto", trace=True,
+                                       capacity=round_profile.forcing_table(2, 2)))
+    for i in range(2):
+        engine.add_request(list(range(3 + i, 19 + i)), SamplingParams(), 30)
+    while engine.has_work():
+        engine.step()
+    trace = engine.take_trace()[:16]  # the first 8 rounds (a record per request each), far from the caps
+    assert all(r["load"] == 2 for r in trace)
+    # K = R·n = 4 drafts a round, spread over the two requests by their current confidences
+    assert [a["verified"] + b["verified"] for a, b in zip(trace[::2], trace[1::2])] == [4] * 8
+
+
 @pytest.mark.parametrize("bad", [dict(requests=()), dict(requests=(2, 1)), dict(budgets=(0, 0)),
                                  dict(budgets=(-1, 1)), dict(steps=2), dict(context=0), dict(warmup=True),
-                                 dict(temperature=-1.0), dict(temperature=float("nan"))])
+                                 dict(temperature=-1.0), dict(temperature=float("nan")), dict(auto_rounds="yes")])
 def test_config_is_validated(bad):
     with pytest.raises(ValueError):
         RoundProfileConfig(**bad)
@@ -101,6 +149,8 @@ def test_cli_writes_a_table_that_generate_reads(tmp_path, capsys):
         main(["profile", "--model", "tiny", "--device", "cpu", "--engine", "--context", "8", "--out", str(out)])
     with pytest.raises(SystemExit, match="--temperature 1 needs --engine"):
         main(["profile", "--model", "tiny", "--device", "cpu", "--temperature", "1", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--auto-rounds needs --engine"):
+        main(["profile", "--model", "tiny", "--device", "cpu", "--auto-rounds", "--out", str(out)])
 
 
 @pytest.mark.gpu
