@@ -53,8 +53,11 @@ holds), as the dynamic path plans a request's first rounds; a drafter without on
 (survival 1). A batch that went plain would therefore stay plain until its
 membership changes, so after `plain_probe_every` (16) plain rounds in a row the next round drafts at
 budget 1, one slot past it (the plain probe): its confidences are the fresh rows the rounds two on plan
-over, and the batch drafts again where the text got easier, or returns to plain rounds for another 16.
-The count is of rounds run (`step`), so a chained and a host-launched round get the same budget. Fixed
+over, and the batch drafts again where the text got easier, or returns to plain rounds, for twice as
+many before the next probe (`plain_probe_wait`: each probe in a row doubles the wait, up to
+PLAIN_PROBE_BACKOFF times, as the dynamic path's `round.probe_wait`; a drafting round that is not a
+probe resets it). The counts are of rounds run (`step`, `count`; each round carries whether it is the
+probe), so a chained and a host-launched round get the same budget. Fixed
 budgets never run plain rounds.
 
 A plain round costs what a `Lookahead` step costs plus the deferred observe (`StaticDraftRunner`
@@ -93,8 +96,10 @@ Key = tuple[tuple[str, int, int], ...]  # (request id, slot, anchor position) of
 # "auto": one drafting round in this many drafts a slot past its budget (the probe that lets it grow).
 PROBE_EVERY = 4
 # "auto": after this many plain rounds in a row, one round drafts at budget 1 (a slot past it as well), so
-# that a batch that went plain sees fresh confidences and drafts again once the text got easier.
+# that a batch that went plain sees fresh confidences and drafts again once the text got easier; each
+# probe in a row (no other drafting round between them) doubles the wait, up to PLAIN_PROBE_BACKOFF times.
 PLAIN_PROBE_EVERY = 16
+PLAIN_PROBE_BACKOFF = 16
 
 
 @dataclass
@@ -123,6 +128,7 @@ class InFlightRound:
     host_conf: torch.Tensor | None  # [b, 2, k] fp32: confidences, their logits (None: a plain round)
     event: torch.cuda.Event | None
     has_logits: bool = True  # the drafter has a confidence head (MTP has none: its rows read None)
+    probe: bool = False  # a plain probe: budget 1 where the rule said plain (`DraftLookahead.plan`)
 
     def read(self, slots: list[int]) -> RoundResults:
         """The results of the requests at `slots` [R], in that order; waits for this round only."""
@@ -175,6 +181,8 @@ class DraftLookahead:
         self.probe_every, self._drafting_rounds = probe_every, 0  # "auto": which rounds draft past their budget
         self.plain_probe_every = plain_probe_every  # "auto": plain rounds in a row before a drafting probe
         self._plain_run = 0  # plain rounds in a row among those run (`step`), up to the newest
+        self._plain_probes = 0  # plain probes run since the last drafting round that was not one
+        self._probe = False  # whether the last `plan` turned a plain decision into the plain probe
         self._after_plain = False  # the last round launched was plain: the next drafting one probes a slot further
         self.capacity = capacity
         # "auto": the stale row of a request with none of its own (rounds in flight are greedy)
@@ -212,7 +220,7 @@ class DraftLookahead:
     def plan(self, stale: list) -> int:
         """The budget of a round whose requests' confidences two rounds back are `stale` (rows [γ] or
         None): the fixed budget, or `uniform_budget` over them with n = 0 (a plain round) allowed; 1
-        instead of 0 after `plain_probe_every` plain rounds in a row (the plain probe: plain rounds
+        instead of 0 after `plain_probe_wait()` plain rounds in a row (the plain probe: plain rounds
         refresh no confidence, so without it a batch that went plain would stay plain)."""
         if self.budget != "auto":
             return self.budget
@@ -222,8 +230,20 @@ class DraftLookahead:
         else:
             n = uniform_budget(stale, self.gamma, self.capacity, min_budget=0)
             self._planned = (list(stale), n)
-        probe = n == 0 and self.plain_probe_every is not None and self._plain_run >= self.plain_probe_every
-        return 1 if probe else n
+        self._probe = n == 0 and self.plain_probe_every is not None and self._plain_run >= self.plain_probe_wait()
+        return 1 if self._probe else n
+
+    def plain_probe_wait(self) -> int:
+        """Plain rounds in a row before the next plain probe: `plain_probe_every`, doubled for each probe
+        run in a row since the last drafting round that was not one (a probe that found plain decoding
+        still better), at most PLAIN_PROBE_BACKOFF times (the dynamic path's `round.probe_wait` rule)."""
+        return self.plain_probe_every * min(1 << self._plain_probes, PLAIN_PROBE_BACKOFF)
+
+    def count(self, n: int, probe: bool) -> None:
+        """Count a round run at budget n (`probe`: it was the plain probe) toward the next probe."""
+        self._plain_run = self._plain_run + 1 if n == 0 else 0
+        if n:
+            self._plain_probes = self._plain_probes + 1 if probe else 0
 
     def prepare(self, requests: list) -> None:
         """Plan now the budget of the round after the one in flight, once the caller has committed the
@@ -246,12 +266,16 @@ class DraftLookahead:
             if self.pending is not None:
                 self._drop()
             current = self._launch_from_host(requests, key, n)
-        self._plain_run = self._plain_run + 1 if n == 0 else 0  # round k runs: the plain probe counts it
+            current.probe = self._probe  # `_next` planned it
+        self.count(n, current.probe)  # round k runs: the plain probe counts it
         # Round k + 1's rows two back are round k − 1's, the newest read: each request's last confidences.
         n_next = self.plan([r.confidences[-1] if r.confidences else self.prior for r in requests])
         chain = self._room(requests, key, n + n_next + 2)
+        probe_next = self._probe
         self.pending = self._launch(None, n_next, current.next_anchors, current.next_positions, current.live) \
             if chain else None
+        if self.pending is not None:
+            self.pending.probe = probe_next
         results = current.read([slot for _, slot, _ in key])
         if self.pending is not None:  # launched at the positions this round's acceptance gives
             self.pending.key = tuple((rid, slot, start + 1 + accepted)

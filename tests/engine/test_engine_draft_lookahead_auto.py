@@ -21,7 +21,7 @@ import torch
 import dspark
 import dspark.round
 from dspark.engine import Engine, EngineConfig
-from dspark.engine.draft_lookahead import PLAIN_PROBE_EVERY, DraftLookahead
+from dspark.engine.draft_lookahead import PLAIN_PROBE_BACKOFF, PLAIN_PROBE_EVERY, DraftLookahead
 from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
 from dspark.verify.planner import VerifyPlan, uniform_budget
@@ -97,18 +97,21 @@ def _rule(calls: list, trace: list, lag: int, gamma: int, table=TABLE,
     """The budget of every recorded round (0 allowed: a plain round) from the confidences of each
     request's round j − lag as the trace recorded them, or of its newest drafting round before that
     when round j − lag drafted nothing (a plain round keeps the last confidences); `prior` before any.
-    After `plain_probe_every` plain rounds in a row a 0 becomes 1 (the plain probe)."""
+    After `plain_probe_every` plain rounds in a row a 0 becomes 1 (the plain probe), the wait doubling
+    with each probe since the last other drafting round, up to PLAIN_PROBE_BACKOFF times."""
     conf = {(r["request_id"], r["round"]): r["confidence"] for r in trace if r["confidence"]}
 
     def stale(rid: str, j: int):
         return next((conf[rid, i] for i in range(j - lag, -1, -1) if (rid, i) in conf), prior)
 
-    budgets, run = [], 0
+    budgets, run, probes = [], 0, 0
     for _, rounds in calls:
         n = uniform_budget([stale(rid, j) for rid, j in rounds], gamma, table, min_budget=0)
-        if n == 0 and plain_probe_every is not None and run >= plain_probe_every:
-            n = 1
+        probe = n == 0 and plain_probe_every is not None and \
+            run >= plain_probe_every * min(1 << probes, PLAIN_PROBE_BACKOFF)
+        n = 1 if probe else n
         run = run + 1 if n == 0 else 0
+        probes = (probes + 1 if probe else 0) if n else probes
         budgets.append(n)
     return budgets
 
@@ -245,20 +248,28 @@ def _lookahead(budget, probe_every=None, gamma=5, **extra):
 
 def test_plain_probe_drafts_one_after_a_run_of_plain_rounds():
     """After `plain_probe_every` plain rounds in a row a plain decision becomes budget 1, drafted a slot
-    past it; drafting decisions and fixed budgets are untouched; None turns the probe off."""
+    past it, and each probe in a row doubles the wait (a drafting round that is not a probe resets it);
+    drafting decisions and fixed budgets are untouched; None turns the probe off."""
     from dspark.verify.capacity import CapacityTable
 
     plain_table = CapacityTable((1, 4, 5), (1.0, 1.0, 1e-3), "plain pays from 3 requests")
     ahead = _lookahead("auto", plain_probe_every=3)
     ahead.capacity = plain_table
     rows = [torch.full((5,), 0.5)] * 4
-    decisions = []
-    for _ in range(9):  # what `step` does per round: plan it, count it if it ran plain
-        n = ahead.plan(rows)
-        decisions.append(n)
-        ahead._plain_run = ahead._plain_run + 1 if n == 0 else 0
-    assert decisions == [0, 0, 0, 1, 0, 0, 0, 1, 0]
-    ahead._plain_run, ahead._after_plain = 3, True
+
+    def rounds(count: int) -> list[int]:  # what `step` does per round: plan it, then count it
+        decisions = []
+        for _ in range(count):
+            decisions.append(ahead.plan(rows))
+            ahead.count(decisions[-1], ahead._probe)
+        return decisions
+
+    assert rounds(24) == [0, 0, 0, 1] + [0] * 6 + [1] + [0] * 12 + [1]  # waits 3, 6, 12
+    ahead.count(2, False)  # a drafting round that is not a probe: the wait is 3 again
+    assert rounds(4) == [0, 0, 0, 1]
+    ahead._plain_probes = 10
+    assert ahead.plain_probe_wait() == 3 * PLAIN_PROBE_BACKOFF
+    ahead._plain_run, ahead._plain_probes, ahead._after_plain = 3, 0, True
     assert ahead.plan(rows[:1]) == 3  # a drafting decision stands as it is
     assert ahead._width(1) == 2  # the first drafting round after a plain one drafts a slot further
     off = _lookahead("auto", plain_probe_every=None)

@@ -141,9 +141,10 @@ def test_plain_rounds_in_flight_switch_both_ways_and_stay_exact(pair, monkeypatc
 
 
 def test_a_long_plain_run_probes_and_stays_exact(pair, monkeypatch):
-    """Four requests from the start: the batch decodes plain, and every PLAIN_PROBE_EVERY + 1-th round is
-    the plain probe (budget 1, drafting two slots), which the two-back rule with the probe reproduces;
-    the tokens are plain greedy's."""
+    """Four requests from the start: the batch decodes plain, and after PLAIN_PROBE_EVERY plain rounds,
+    then twice and four times as many (each probe found plain decoding better), a round is the plain
+    probe (budget 1, drafting two slots), which the two-back rule with the probe reproduces; the tokens
+    are plain greedy's."""
     from dspark.engine.draft_lookahead import PLAIN_PROBE_EVERY
 
     budgets = _spy_budgets(monkeypatch)
@@ -158,7 +159,8 @@ def test_a_long_plain_run_probes_and_stays_exact(pair, monkeypatch):
     assert [tokens[r] for r in rids] == [o.token_ids for o in dspark.generate(pair, TEXTS, max_new_tokens=60)]
     assert n == _rule(budgets, trace, 2, pair.dspark.block_size, TABLE)
     probes = [i for i, b in enumerate(n) if b == 1 and i >= PLAIN_PROBE_EVERY and not any(n[i - PLAIN_PROBE_EVERY:i])]
-    assert len(probes) >= 2 and all(b - a == PLAIN_PROBE_EVERY + 1 for a, b in zip(probes, probes[1:]))
+    assert len(probes) >= 2
+    assert all(b - a == (PLAIN_PROBE_EVERY << k) + 1 for k, (a, b) in enumerate(zip(probes, probes[1:]), 1))
     # each probe drafted two slots for each of the four requests (other rounds verifying one draft may
     # be synchronous ones near the end, which draft the whole block)
     assert sum(1 for r in trace if r["verified"] == 1 and len(r["draft"]) == 2) >= 4 * len(probes)
