@@ -101,20 +101,27 @@ def _versus_best(rows: list[dict], temperature: float, metric: str, prefix: str)
             f"{prefix}auto_over_best": auto / fixed[best] if auto else None}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run_parser(description: str, prompts: int, batch: int) -> argparse.ArgumentParser:
+    """The options of a dspark-tiny engine bench (this one and `tiny_round_split.py`): output, prompts,
+    batch, lengths, repeats, device, threads and the capacity table auto plans by."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--batch", type=int, default=batch, help="prompts decoded together")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the engine's graph path there")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--capacity", default=None, help="capacity table JSON for auto (default: the engine's)")
+    return ap
+
+
+def main() -> None:
+    ap = run_parser(__doc__.split("\n")[0], prompts=4, batch=1)
     ap.add_argument("--budgets", default="0,1,2,3,4,5,auto")
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the engine's graph path there")
-    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (one generate call)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts-file", default=None, help="JSONL of {\"prompt\": text} (default: shipped humaneval)")
-    ap.add_argument("--capacity", default=None, help="capacity table JSON for auto (default: the engine's)")
     ap.add_argument("--capacity-sampled", default=None,
                     help="capacity table JSON for auto's rounds with a sampled request (default: --capacity "
                          "when given, else the engine's)")

@@ -16,7 +16,6 @@ plain engine's round it prices that upkeep; its drafting rounds' count and cost 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -30,7 +29,7 @@ from dspark.profile import device_name
 from dspark.sampling import SamplingParams
 from dspark.verify.capacity import CapacityTable
 from provenance import git_commit
-from tiny_auto import build_engine
+from tiny_auto import build_engine, run_parser
 
 
 def timed_steps(engine, prompts, temperature: float, seed: int, max_new_tokens: int) -> dict[str, list[float]]:
@@ -74,16 +73,8 @@ def profiled_ops(engine, prompts, temperature: float, max_new_tokens: int, top: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap = run_parser(__doc__.split("\n")[0], prompts=8, batch=4)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--capacity", default=None, help="capacity table JSON for auto (default: the engine's)")
     ap.add_argument("--profile", action="store_true",
                     help="also serve the first batch once per engine under torch.profiler (ops by host / device time)")
     args = ap.parse_args()
