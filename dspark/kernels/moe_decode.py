@@ -10,11 +10,7 @@ row of work and nothing is packed:
    clamp(x·W3ᵀ, −L, L), kept in fp32.
 2. `_decode_down_kernel`, grid (N, ⌈D/BLOCK_N⌉): y[t] = h[shared t]·W2_sᵀ + Σ_k w[t, k] ·
    h[t·K + k]·W2[ids[t, k]]ᵀ, accumulated in fp32 and cast once: the down projection and the
-   finalize are one pass, so the routed rows never reach memory. `DecodeTiles.down_split`: grid
-   (N, ⌈D/BLOCK_N⌉, K + 1) instead, one expert per program (its K loop software-pipelined alone),
-   each writing its weighted partial; the last program of a row block to arrive (an atomic counter
-   per block, zeroed by the up kernel) sums the K + 1 partials in the unsplit kernel's order, so
-   the bits are the same and do not depend on which program came last.
+   finalize are one pass, so the routed rows never reach memory.
 
 Two launches, no host sync, CUDA-graph capturable. Weights may be dense or `FP8BlockWeight`
 (dequantised per tile in registers, as in the packed kernels). Shape symbols as in `moe.py`.
@@ -159,15 +155,10 @@ def _decode_up_kernel(
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
     STAGES: tl.constexpr, DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr,
-    SUB_S: tl.constexpr, PDL: tl.constexpr, count_ptr=None, n_count=0,
+    SUB_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h[a, offs_n] for one work row a (routed assignment or shared expert of a token); with
-    `count_ptr`, the split down kernel's n_count counters zeroed on the way."""
+    """h[a, offs_n] for one work row a (routed assignment or shared expert of a token)."""
     pdl_prologue(PDL)
-    if count_ptr is not None:
-        grid1 = tl.num_programs(1)
-        for c in range(tl.program_id(0) * grid1 + tl.program_id(1), n_count, tl.num_programs(0) * grid1):
-            tl.store(count_ptr + c, 0)
     a = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if a < n_assign:
@@ -243,49 +234,6 @@ def _decode_down_kernel(
     tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
-@_jit
-def _decode_down_split_kernel(
-    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, part_ptr, count_ptr,
-    n_assign, dim, inter, inter_s, h_width,
-    TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_decode_down_kernel` with one expert per program: z = program_id(2) < K is token t's routed
-    slot z, z = K its shared expert. Each program writes its weighted partial to part[t, z] and counts
-    itself in count[t, block]; the one that finds K before it adds the partials up as the unsplit
-    kernel does (shared + Σ_k in slot order) and zeroes the counter again."""
-    pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    z = tl.program_id(2)
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < dim
-    if z < TOP_K:
-        a = t * TOP_K + z
-        e = tl.load(ids_ptr + a).to(tl.int64)
-        part = tl.zeros(offs_n.shape, dtype=tl.float32)
-        for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
-            part += _gemv_step(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, k0, FP8, SB, BLOCK_K)
-        part = tl.load(wts_ptr + a) * part
-    else:
-        part = tl.zeros(offs_n.shape, dtype=tl.float32)
-        for k0 in tl.range(0, inter_s, BLOCK_K_S, num_stages=STAGES):
-            part += _gemv_step(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s, k0,
-                               FP8_S, SB_S, BLOCK_K_S)
-    rows = part_ptr + t * (TOP_K + 1) * dim + offs_n
-    tl.store(rows + z * dim, part, mask=n_mask)
-    tl.debug_barrier()  # every thread's partial stored before the counter says so (release below)
-    count = count_ptr + t * tl.num_programs(1) + block
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == TOP_K:
-        routed = tl.zeros(offs_n.shape, dtype=tl.float32)
-        for k in tl.static_range(TOP_K):  # .cg: read from L2, where the other programs' stores are
-            routed += tl.load(rows + k * dim, mask=n_mask, other=0.0, cache_modifier=".cg")
-        acc = tl.load(rows + TOP_K * dim, mask=n_mask, other=0.0, cache_modifier=".cg") + routed
-        tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-        tl.store(count, 0)
-
-
 class DecodeTiles(NamedTuple):
     """Launch shape of the two kernels: output rows per program (`up_n`, `down_n`), reduction
     step (`up_k`, `down_k`; FP8 weights cap it at their scale block), warps per program and the
@@ -300,7 +248,6 @@ class DecodeTiles(NamedTuple):
     stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
     up_defer: bool = False  # True: the kernel's column sums deferred to the end of each row (`_gemv_acc`,
     down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
-    down_split: bool = False  # True: one expert per down program (`_decode_down_split_kernel`; not with down_defer)
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -361,25 +308,12 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
         tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1])
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
-    count = split_counters(x, tiles)
-    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, count)
-    return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles, count)
+    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
+    return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
 
-def split_counters(x, tiles: DecodeTiles):
-    """int32 [N·⌈D/down_n⌉] for a split down kernel (`DecodeTiles.down_split`), else None: left
-    unset here (no memset launch); `decode_up` zeroes it, and the down kernel leaves it zero."""
-    if not tiles.down_split:
-        return None
-    if tiles.down_defer:
-        raise ValueError("DecodeTiles.down_split and down_defer exclude each other, got both True")
-    return torch.empty(x.shape[0] * triton.cdiv(x.shape[1], tiles.down_n), dtype=torch.int32, device=x.device)
-
-
-def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles(),
-              count=None):
-    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row); zeroes
-    `count` (`split_counters`) when given."""
+def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles()):
+    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row)."""
     n_tok, dim = x.shape
     top_k = ids.shape[1]
     n_assign = n_tok * top_k
@@ -396,20 +330,16 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     _decode_up_kernel[grid](
         x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, n_assign, dim, inter, inter_s, h_width,
         float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, PDL=pdl, launch_pdl=pdl, **common,
-        count_ptr=count, n_count=0 if count is None else count.numel(),
     )
     return h, (n_assign, dim, inter, inter_s, h_width)
 
 
-def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles(), count=None):
-    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args` its sizes); a split kernel
-    takes zeroed counters (`split_counters`, zeroed by `decode_up`) and leaves them zero."""
+def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):
+    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args` its sizes)."""
     n_assign, dim, inter, inter_s, h_width = args
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
     y = torch.empty_like(x)
-    if tiles.down_split:
-        return _down_split(h, x, weights, ids, (d2, s2, fp8, sb), (ds2, ss2, fp8_s, sb_s), args, tiles, count, y)
     grid = (x.shape[0], triton.cdiv(dim, tiles.down_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_down_kernel[grid](
@@ -417,25 +347,6 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
         BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
         **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
-    return y
-
-
-def _down_split(h, x, weights, ids, routed, shared, args, tiles, count, y):
-    """`decode_down` by `_decode_down_split_kernel`: part [N, K + 1, D] fp32 holds the partials."""
-    n_assign, dim, inter, inter_s, h_width = args
-    (d2, s2, fp8, sb), (ds2, ss2, fp8_s, sb_s) = routed, shared
-    top_k = ids.shape[1]
-    grid = (x.shape[0], triton.cdiv(dim, tiles.down_n), top_k + 1)
-    if count is None or count.numel() != grid[0] * grid[1] or count.dtype != torch.int32:
-        raise ValueError(f"a split down kernel needs int32 counters [{grid[0] * grid[1]}] (split_counters), "
-                         f"got {None if count is None else (count.dtype, tuple(count.shape))}")
-    part = torch.empty((x.shape[0], top_k + 1, dim), dtype=torch.float32, device=x.device)
-    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, False)
-    for key in ("DEFER", "KB", "SUB", "KB_S", "SUB_S"):
-        del common[key]
-    pdl = pdl_launch(x.device, math.prod(grid))
-    _decode_down_split_kernel[grid](h, ids, weights, d2, s2, ds2, ss2, y, part, count, n_assign, dim, inter, inter_s,
-                                    h_width, BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl, **common)
     return y
 
 

@@ -48,7 +48,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            hc_head_norm: ("_hc_head_norm_kernel",),
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
-           moe_decode: ("_decode_up_kernel", "_decode_down_kernel", "_decode_down_split_kernel"),
+           moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
            moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
            attention_wide: ("_wide_kernel",),
@@ -191,10 +191,6 @@ def run_every_tile_class():
             if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (off: slower)
                 for stages in (2, 3):
                     moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(stages=stages))
-            if tiles in one_token:  # the down kernel with one expert per program (`down_split`), FP8 at 3 stages too
-                for stages in (1, 3) if block else (1,):
-                    moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(
-                        stages=stages, down_defer=False, down_split=True))
     # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.
     moe._launch_pack(torch.randint(0, 384, (50, 6), generator=g).int().to(DEVICE), 384, 64)
     # Decode router at V4-Flash's E = 256 with the widest select tile (32 splits: S_PAD·E_PAD = 8192),

@@ -369,44 +369,6 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
 
 
 @needs_triton
-@pytest.mark.parametrize("down,fp8_block,n_tok", [((16, 32, 4, 1), None, 3), ((8, 256, 8, 1), 32, 1),
-                                                   ((4, 64, 4, 3), 32, 2)])
-def test_decode_down_split_matches_unsplit_bits(down, fp8_block, n_tok, poisoned):
-    """One expert per down program (`DecodeTiles.down_split`): the last program of each row block sums
-    the K + 1 partials in the unsplit kernel's order, so y has the unsplit kernel's bits (same step,
-    one stage), with any arrival order; the counters are zeroed by the up kernel (poisoned here) and
-    left zero, so a second down launch on them gives the same bits."""
-    args = _off_tile_experts(n_tok, fp8_block, seed=11)
-    x, weights, ids, w1, w2, w3, s1, s2, s3 = args
-    n, k, warps, stages = down
-    plain = moe_decode.DecodeTiles(down_n=n, down_k=k, down_warps=warps)
-    split = plain._replace(down_split=True, stages=stages)
-    count = moe_decode.split_counters(x, split)
-    count.fill_(-7)  # whatever torch.empty held: the up kernel must zero it
-    with poisoned():
-        h, sizes = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0, split, count)
-        y = moe_decode.decode_down(h, x, weights, ids, w2, s2, sizes, split, count)
-    assert count.eq(0).all()
-    y_plain = moe_decode.decode_experts(*args, 10.0, tiles=plain)
-    assert torch.equal(y, y_plain)
-    assert torch.equal(moe_decode.decode_down(h, x, weights, ids, w2, s2, sizes, split, count), y)
-    assert torch.equal(moe_decode.decode_experts(*args, 10.0, tiles=split), y)
-    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
-
-
-@needs_triton
-def test_decode_down_split_rejects_bad_counters():
-    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, None, seed=3)
-    split = moe_decode.DecodeTiles(down_n=16, down_split=True)
-    h, sizes = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0, split)
-    with pytest.raises(ValueError, match=r"int32 counters \[12\].*got None"):
-        moe_decode.decode_down(h, x, weights, ids, w2, s2, sizes, split)
-    with pytest.raises(ValueError, match="down_split and down_defer exclude each other"):
-        moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0,
-                                  tiles=split._replace(down_defer=True))
-
-
-@needs_triton
 def test_decode_tiles_reject_bad_stages():
 
     x = router_inputs(1, 64, 8, 2, torch.float32, seed=0)[0]
