@@ -78,9 +78,10 @@ class EngineConfig:
         old, so a round can be launched before the previous one is read) or "sync" (Algorithm 1,
         which reads each round's own confidences on the host first).
     capacity : SPS(B) table the planner reads; default: the drafter's own table for the model's device
-        type where it ships one (`DSparkDrafter.capacity_tables`; dspark-tiny: one measured on a CPU
-        core), else the synthetic CPU table (`default_cpu_table`). With "auto", a default CUDA table
-        measured on another GPU than this one draws a warning naming both (`foreign_table`).
+        where it ships one (`DSparkDrafter.capacity_tables`; dspark-tiny: one measured on a CPU core, an
+        H200 and an H100; on a GPU the table measured on that card first, `default_capacity`), else the
+        synthetic CPU table (`default_cpu_table`). With "auto", a default CUDA table measured on
+        another GPU than this one draws a warning naming both (`foreign_table`).
     capacity_sampled : the table for rounds with a sampled request (temperature > 0); default:
         `capacity` when given, else the drafter's table of sampled rounds for the device type
         (`capacity_tables["cuda-sampled"]`, from `dspark profile --engine --temperature 1`), else the
@@ -440,11 +441,25 @@ class Engine:
 
 
 def default_capacity(drafter, device, sampled: bool = False) -> CapacityTable:
-    """The planner's table when none is given: the drafter's own for this device type (for `sampled`
-    rounds its "<type>-sampled" table where it ships one), else the synthetic CPU table."""
+    """The planner's table when none is given: the drafter's own for this device (for `sampled` rounds
+    its table of sampled rounds where it ships one), else the synthetic CPU table. A drafter may ship
+    one table per GPU ("cuda", "cuda-h100", ... and each "-sampled"): the one measured on this card
+    (its conditions name it) before the device type's plain "<type>" / "<type>-sampled" one."""
     tables = getattr(drafter, "capacity_tables", None) or {}
-    kind = torch.device(device).type
-    return (sampled and tables.get(f"{kind}-sampled")) or tables.get(kind) or default_cpu_table()
+    device = torch.device(device)
+    return (sampled and _device_table(tables, device, "-sampled")) or _device_table(tables, device, "") \
+        or default_cpu_table()
+
+
+def _device_table(tables: dict[str, CapacityTable], device: torch.device, suffix: str) -> CapacityTable | None:
+    """Of the tables keyed "<type>[-<card>]<suffix>", the one measured on this card, else "<type><suffix>"."""
+    kind = device.type
+    mine = [t for key, t in sorted(tables.items()) if key.endswith(suffix) and
+            (key == kind + suffix or key.startswith(kind + "-") and (suffix or not key.endswith("-sampled")))]
+    if len(mine) > 1 and kind == "cuda" and torch.cuda.is_available():  # else no card to match a table by
+        here = device_name(device)
+        return next((t for t in mine if t.conditions.get("device") == here), None) or tables.get(kind + suffix)
+    return tables.get(kind + suffix)
 
 
 def _planner_tables(drafter, model, config: EngineConfig) -> tuple[CapacityTable, CapacityTable]:

@@ -94,6 +94,33 @@ def test_a_table_from_another_gpu_is_named(monkeypatch):
     assert engine_module.foreign_table(h200, torch.device("cuda")) is None
 
 
+def test_the_default_table_is_the_one_measured_on_this_card(monkeypatch):
+    """A drafter may ship a table per GPU: on a card one of them was measured on, that one (greedy and
+    sampled apart); on another card, or with none measured there, the device type's own "cuda" table."""
+    from dspark.engine import engine as engine_module
+
+    def table(card, label):
+        return CapacityTable((2, 4), (50.0, 40.0), f"{card}, {label}", "", conditions={"device": card})
+
+    h200, h200_s = table("NVIDIA H200", "greedy"), table("NVIDIA H200", "sampled")
+    h100, h100_s = table("NVIDIA H100 80GB HBM3", "greedy"), table("NVIDIA H100 80GB HBM3", "sampled")
+    drafter = LowConfidenceDrafter()
+    drafter.capacity_tables = {"cpu": TABLE, "cuda": h200, "cuda-sampled": h200_s, "cuda-h100": h100,
+                               "cuda-h100-sampled": h100_s}
+    pick = engine_module.default_capacity
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert pick(drafter, "cuda") is h100 and pick(drafter, "cuda", sampled=True) is h100_s
+    assert pick(drafter, "cpu") is TABLE and pick(drafter, "cpu", sampled=True) is TABLE
+    monkeypatch.setattr(engine_module, "device_name", lambda device: "NVIDIA H200")
+    assert pick(drafter, "cuda") is h200 and pick(drafter, "cuda", sampled=True) is h200_s
+    monkeypatch.setattr(engine_module, "device_name", lambda device: "NVIDIA B200")
+    assert pick(drafter, "cuda") is h200 and pick(drafter, "cuda", sampled=True) is h200_s
+    del drafter.capacity_tables["cuda-h100-sampled"]  # no sampled table of this card: the type's sampled one
+    monkeypatch.setattr(engine_module, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert pick(drafter, "cuda") is h100 and pick(drafter, "cuda", sampled=True) is h200_s
+
+
 def test_an_auto_engine_warns_of_a_foreign_default_table_only(model, monkeypatch):
     """The engine checks the default tables "auto" will plan by (one warning per distinct message), not
     a table it was given, nor any table an engine at a fixed budget never reads."""
