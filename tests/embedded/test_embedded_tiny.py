@@ -3,6 +3,7 @@ the trained drafter keeps its acceptance (a floor set from the measured value, s
 drafter, the verifier or the loop shows up here)."""
 
 import pytest
+import torch
 
 import dspark
 
@@ -40,7 +41,7 @@ def test_the_drafter_ships_a_table_per_device_type_labelled_with_its_device(tiny
     from dspark.engine.engine import default_capacity
 
     tables = tiny.dspark.capacity_tables
-    assert sorted(tables) == ["cpu", "cuda", "cuda-sampled"]
+    assert sorted(tables) == ["cpu", "cuda", "cuda-h100", "cuda-h100-sampled", "cuda-sampled"]
     assert tables["cuda"].label.startswith("NVIDIA H200") and "engine rounds" in tables["cuda"].label
     assert tables["cpu"].label.startswith("cpu")
     assert default_capacity(tiny.dspark, "cuda") is tables["cuda"]
@@ -68,3 +69,24 @@ def test_speculative_equals_plain_and_tau_stays_above_floor(tiny, domain):
     tau = sum(o.stats.new_tokens - 1 for o in spec) / rounds
     print(f"{domain}: tau {tau:.2f} over {rounds} rounds")
     assert tau >= TAU_FLOOR[domain]
+
+
+def test_the_drafter_ships_h100_tables_that_an_h100_takes(tiny, monkeypatch):
+    """On an H100 the default tables are the ones measured there (on it the H200's had sampled "auto" at
+    0.77 of plain decoding, its own 1.01; bench/README.md, twenty-second session): engine rounds, and
+    sampled rounds as "auto" runs them (`--auto-rounds`), where drafting never pays for dspark-tiny."""
+    from dspark.engine import engine as engine_module
+
+    tables = tiny.dspark.capacity_tables
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert tables["cuda-h100"].conditions["device"] == h100 and "engine rounds" in tables["cuda-h100"].label
+    sampled = tables["cuda-h100-sampled"]
+    assert sampled.conditions["device"] == h100 and sampled.conditions["rounds"] == "auto"
+    assert sampled.conditions["temperature"] == 1.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module, "device_name", lambda device: h100)
+    assert engine_module.default_capacity(tiny.dspark, "cuda") is tables["cuda-h100"]
+    assert engine_module.default_capacity(tiny.dspark, "cuda", sampled=True) is sampled
+    assert engine_module.foreign_table(sampled, torch.device("cuda")) is None
+    for r in (1, 2, 4):  # a drafting round of any budget costs more than 1.7 plain ones
+        assert all(sampled.plain(r) / sampled(r * (1 + n)) > 1.7 for n in range(1, tiny.dspark.block_size + 1))
