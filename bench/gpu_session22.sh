@@ -3,7 +3,8 @@
 #
 #   run(command="bash bench/gpu_session22.sh a")   # ≈ 4 min
 #   run(command="bash bench/gpu_session21.sh e")   # ≈ 2 min: the auto-rounds table (ran on an H100)
-#   run(command="bash bench/gpu_session22.sh b")   # ≈ 6 min
+#   run(command="bash bench/gpu_session22.sh b")   # ≈ 3 min (ran on an H100)
+#   run(command="bash bench/gpu_session22.sh c")   # ≈ 4 min on an H200; on another card it stops at once
 #
 # a: the decode MoE's down kernel with one expert per program and no third launch
 #    (`DecodeTiles.down_split`: the last program of a row block to arrive adds the partials, counted by an
@@ -17,6 +18,7 @@
 #    greedy table both ways (fixed-budget engines as the shipped H200 one, and --auto-rounds), greedy
 #    "auto" by each at batch 1 and 4 (A/B in one run), sampled by part e's table at batch 4 again. On
 #    an H200: the sampled table with --auto-rounds, sampled "auto" by it and by the shipped one (A/B).
+# c: part b's H200 branch only (the A/B of the sampled table with --auto-rounds against the shipped one).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 part_a() {
@@ -42,7 +44,7 @@ rounds() {  # rounds NAME ARGS...: dspark-tiny's engine-round table on this card
 
 part_b() {
   local card; card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1); echo "card: $card"
-  if [[ $card == *H100* ]]; then
+  if [[ $card == *H100* && ${1:-} != h200 ]]; then
     local sampled=bench/results/capacity-cuda-tiny-auto-rounds-sampled-h100.json
     rounds capacity-cuda-tiny-rounds-h100
     rounds capacity-cuda-tiny-auto-rounds-h100 --auto-rounds
@@ -62,6 +64,12 @@ part_b() {
     tiny tiny-auto-h200-sampled-auto-rounds-batch4 "$greedy" "$OUT/capacity-cuda-tiny-auto-rounds-sampled-h200.json" \
       --prompts 8 --batch 4 --budgets 0,1,auto --temperatures 1
   fi
+}
+
+part_c() {
+  local card; card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+  [[ $card == *H200* ]] || { echo "card: $card, not an H200: part c stops"; return 0; }
+  part_b h200
 }
 
 dispatch session22 "${1:-}"
