@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session21.sh e")   # ≈ 2 min: the auto-rounds table (ran on an H100)
 #   run(command="bash bench/gpu_session22.sh b")   # ≈ 3 min (ran on an H100)
 #   run(command="bash bench/gpu_session22.sh c")   # ≈ 4 min on an H200; on another card it stops at once
+#   run(command="bash bench/gpu_session22.sh d")   # ≈ 4 min, then part c on an H200
 #
 # a: the decode MoE's down kernel with one expert per program and no third launch
 #    (`DecodeTiles.down_split`: the last program of a row block to arrive adds the partials, counted by an
@@ -19,6 +20,11 @@
 #    "auto" by each at batch 1 and 4 (A/B in one run), sampled by part e's table at batch 4 again. On
 #    an H200: the sampled table with --auto-rounds, sampled "auto" by it and by the shipped one (A/B).
 # c: part b's H200 branch only (the A/B of the sampled table with --auto-rounds against the shipped one).
+# d: the decode MoE's down kernel with the experts in its inner loop (`DecodeTiles.down_interleave`: each
+#    K step loads the tiles of all K + 1 experts, independent loads in flight together, as the up kernel's
+#    gate and up tiles; the shipped kernel walks one expert's row after another): its GPU tests, the
+#    one-token V4-Flash FP8 sweep with and without it (the whole op at the shipped and best shapes in the
+#    same run), then part c where the card is an H200.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 part_a() {
@@ -70,6 +76,14 @@ part_c() {
   local card; card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   [[ $card == *H200* ]] || { echo "card: $card, not an H200: part c stops"; return 0; }
   part_b h200
+}
+
+part_d() {
+  tests d_moe_tests 150 tests/kernels/test_moe.py -k "decode"
+  logged d_interleave 240 python3 bench/moe_decode_tiles.py --layers v4-flash --kinds fp8,fp8-32 --tokens 1 --graph \
+    --rows 4,8,16 --fp8-steps 256,512,1024 --interleave 0,1 --out "$OUT/moe-decode-tiles-interleave.json"
+  tail -n 3 "$W/logs/d_interleave.txt" | cut -c1-900
+  part_c
 }
 
 dispatch session22 "${1:-}"
