@@ -81,7 +81,7 @@ part_c() {
 part_d() {
   tests d_moe_tests 150 tests/kernels/test_moe.py -k "decode"
   logged d_interleave 240 python3 bench/moe_decode_tiles.py --layers v4-flash --kinds fp8,fp8-32 --tokens 1 --graph \
-    --rows 4,8,16 --fp8-steps 256,512,1024 --interleave 0,1 --out "$OUT/moe-decode-tiles-interleave.json"
+    --rows 4,8,16 --fp8-steps 256,512,1024 --interleave 0,1 --out "$OUT/moe-decode-tiles-interleave.json"  # ran at c259308 (H100), reverted
   tail -n 3 "$W/logs/d_interleave.txt" | cut -c1-900
   part_c
 }

@@ -19,8 +19,7 @@ the eager launch overhead that do_bench includes). `--fp8-steps` and `--rows` re
 steps and the rows per program swept (e.g. `--fp8-steps 256,512,1024,2048 --rows 4,8,16,32`, the
 fourteenth session's whole-row steps), `--stages 1,2,3` adds the software-pipelined loops
 (`DecodeTiles.stages`) to every candidate, `--defer 0,1` the column sums deferred to the end of
-each row (`DecodeTiles.up_defer`, `down_defer`), `--interleave 0,1` the down kernel with the experts in
-its inner loop (`DecodeTiles.down_interleave`: each K step loads all K + 1 experts' tiles).
+each row (`DecodeTiles.up_defer`, `down_defer`).
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def timed(fn, graph: bool = False) -> float:
 
 
 def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_steps: tuple = (),
-                rows: tuple = (), stages: tuple = (1,), defer: tuple = (False,), interleave: tuple = (False,)) -> dict:
+                rows: tuple = (), stages: tuple = (1,), defer: tuple = (False,)) -> dict:
     """One layer, weight kind (`block`: FP8 scale block, None for bf16) and token count: every candidate
     of each kernel, then the whole op at the default, shipped and best-per-kernel shapes."""
     from triton.runtime.errors import OutOfResources
@@ -109,10 +108,9 @@ def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_
         err = ((h - h_ref).norm() / h_ref.norm()).item()
         s = timed_(lambda: md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t))
         ups.append({**shape, "us": s * 1e6, "pct_hbm": 100 * up_bytes / s / HBM, "rel_err": err})
-    down_shapes = itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS, stages, defer, interleave)
-    for n, k, warps, st, d, il in (c for c in down_shapes if not (c[4] and c[5])):
-        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps, stages=st, down_defer=d, down_interleave=il)
-        shape = {"down_n": n, "block_k": k, "num_warps": warps, "stages": st, "defer": d, "interleave": il}
+    for n, k, warps, st, d in itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS, stages, defer):
+        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps, stages=st, down_defer=d)
+        shape = {"down_n": n, "block_k": k, "num_warps": warps, "stages": st, "defer": d}
         try:
             y = md.decode_down(h_ref, x, wts, ids, w2, s2, args, t)
         except OutOfResources as e:
@@ -131,7 +129,7 @@ def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_
     best = md.DecodeTiles(up_n=best_up["up_n"], up_k=best_up["block_k"], up_warps=best_up["num_warps"],
                           down_n=best_down["down_n"], down_k=best_down["block_k"], down_warps=best_down["num_warps"],
                           stages=best_up["stages"], up_defer=best_up["defer"],
-                          down_defer=best_down["defer"], down_interleave=best_down["interleave"])
+                          down_defer=best_down["defer"])
     full_best = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, best))
     return {"layer": name, "fp8": fp8, "fp8_block": block, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
             "default": {"tiles": default._asdict(), "us": full_default * 1e6, "pct_hbm": 100 * total / full_default / HBM},
@@ -153,8 +151,6 @@ def main() -> None:
     ap.add_argument("--fp8-steps", default="", help="FP8 reduction steps to sweep (default 128, or 128-512 with --wide)")
     ap.add_argument("--rows", default="", help="output rows per program to sweep (default by --wide)")
     ap.add_argument("--stages", default="1", help="software-pipeline depths to sweep (DecodeTiles.stages)")
-    ap.add_argument("--interleave", default="0", help="down kernels to sweep: comma list of 0 (one expert "
-                    "after another), 1 (experts in the inner loop, DecodeTiles.down_interleave)")
     ap.add_argument("--defer", default="0", help="column sums to sweep: comma list of 0 (every K step), 1 (once "
                     "per row, DecodeTiles.up_defer / down_defer)")
     args = ap.parse_args()
@@ -162,7 +158,6 @@ def main() -> None:
     rows_ = tuple(int(n) for n in args.rows.split(",") if n)
     stages = tuple(int(n) for n in args.stages.split(",") if n)
     defer = tuple(bool(int(d)) for d in args.defer.split(",") if d)
-    interleave = tuple(bool(int(d)) for d in args.interleave.split(",") if d)
     layers = args.layers.split(",")
     if not set(layers) <= set(LAYERS):
         raise SystemExit(f"--layers: unknown {sorted(set(layers) - set(LAYERS))}; known {tuple(LAYERS)}")
@@ -173,14 +168,14 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, block, m in itertools.product(layers, kinds, tokens):
-        row = sweep_layer(name, block, m, g, args.wide, args.graph, fp8_steps, rows_, stages, defer, interleave)
+        row = sweep_layer(name, block, m, g, args.wide, args.graph, fp8_steps, rows_, stages, defer)
         rows.append(row)
         print(f"{name} fp8_block={block} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
               f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
               f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM; whole op at the best shapes {row['best']['us']:.1f} us "
               f"({row['best']['pct_hbm']:.0f} % HBM) {tuple(row['best']['tiles'].values())}", flush=True)
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
-                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "defer": defer, "interleave": interleave, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
+                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "defer": defer, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
 

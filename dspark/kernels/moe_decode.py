@@ -199,36 +199,15 @@ def _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter,
 
 
 @_jit
-def _down_interleaved(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, n_assign, offs_n, dim, inter,
-                      h_width, TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_N]: shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ) with the experts in the inner
-    loop: each K step loads the step's tile of all K + 1 experts (independent loads, all in flight
-    at once, as the up kernel's gate and up tiles are) before summing them; the shared expert has the
-    routed experts' width and weight kind (the caller checks)."""
-    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        step = _gemv_step(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter, k0,
-                          FP8, SB, BLOCK_K)
-        for k in tl.static_range(TOP_K):
-            a = t * TOP_K + k
-            e = tl.load(ids_ptr + a).to(tl.int64)
-            step += tl.load(wts_ptr + a) * _gemv_step(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter,
-                                                      k0, FP8, SB, BLOCK_K)
-        acc += step
-    return acc
-
-
-@_jit
 def _decode_down_kernel(
     h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
     n_assign, dim, inter, inter_s, h_width,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
     DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr,
-    PDL: tl.constexpr, INTERLEAVE: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
-    INTERLEAVE: the experts in the inner loop (`_down_interleaved`).
     STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
     the next expert's tiles load while this one's are summed (each step's partial is weighted, not
     each expert's sum: the same value up to fp32 rounding). DEFER: `_gemv_acc`'s accumulators, the
@@ -236,10 +215,7 @@ def _decode_down_kernel(
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INTERLEAVE:
-        acc = _down_interleaved(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, n_assign, offs_n, dim,
-                                inter, h_width, TOP_K, FP8, SB, BLOCK_K)
-    elif DEFER:
+    if DEFER:
         n0 = tl.program_id(1) * BLOCK_N
         acc = _acc_sum(_gemv_acc(tl.zeros((BLOCK_N, KB_S, SUB_S), dtype=tl.float32), h_ptr + (n_assign + t) * h_width,
                                  sw2_ptr, ss2_ptr, 0, n0, dim, inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
@@ -272,7 +248,6 @@ class DecodeTiles(NamedTuple):
     stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
     up_defer: bool = False  # True: the kernel's column sums deferred to the end of each row (`_gemv_acc`,
     down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
-    down_interleave: bool = False  # True: each down K step loads all experts' tiles (`_down_interleaved`)
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -367,13 +342,9 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     y = torch.empty_like(x)
     grid = (x.shape[0], triton.cdiv(dim, tiles.down_n))
     pdl = pdl_launch(x.device, math.prod(grid))
-    if tiles.down_interleave and (tiles.down_defer or (inter_s, fp8_s, sb_s) != (inter, fp8, sb)):
-        raise ValueError(f"DecodeTiles.down_interleave needs down_defer off and a shared expert of the routed "
-                         f"experts' width and kind, got down_defer={tiles.down_defer}, (I_s, fp8, block) "
-                         f"{(inter_s, fp8_s, sb_s)} vs {(inter, fp8, sb)}")
     _decode_down_kernel[grid](
         h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
-        BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl, INTERLEAVE=tiles.down_interleave,
+        BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
         **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return y

@@ -369,34 +369,6 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
 
 
 @needs_triton
-@pytest.mark.parametrize("down,fp8_block,n_tok", [((16, 32, 4), None, 3), ((8, 64, 8), 32, 1), ((4, 32, 4), 32, 2)])
-def test_decode_down_interleaved_experts(down, fp8_block, n_tok, poisoned):
-    """The down kernel with the experts in the inner loop (`DecodeTiles.down_interleave`: each K step
-    loads every expert's tile, shared one included) computes the same experts: D = 96 and I = 80 off
-    every step and scale block, FP8 steps inside one 32-wide block (16) and over two (64)."""
-    dim, n_exp, top_k, inter = 96, 8, 3, 80
-    x = router_inputs(n_tok, dim, n_exp, top_k, torch.float32, seed=21)[0]
-    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, torch.float32, seed=22, fp8_block=fp8_block)
-    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter, torch.float32, seed=23, fp8_block=fp8_block)
-    weights, ids = _routing(n_tok, n_exp, top_k, seed=24)
-    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
-    n, k, warps = down
-    tiles = moe_decode.DecodeTiles(down_n=n, down_k=k, down_warps=warps, down_interleave=True)
-    with poisoned():
-        y = moe_decode.decode_experts(*args, 10.0, tiles=tiles)
-    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
-    assert rel_err(y, moe_decode.decode_experts(*args, 10.0, tiles=tiles._replace(down_interleave=False))) < 1e-6
-
-
-@needs_triton
-def test_decode_down_interleave_needs_a_shared_expert_like_the_routed_ones():
-    args = _off_tile_experts(1, None, seed=3)  # shared I = 48, routed I = 80
-    tiles = moe_decode.DecodeTiles(down_interleave=True)
-    with pytest.raises(ValueError, match=r"down_interleave needs .*\(48, False, .*\) vs \(80, False"):
-        moe_decode.decode_experts(*args, 10.0, tiles=tiles)
-
-
-@needs_triton
 def test_decode_tiles_reject_bad_stages():
 
     x = router_inputs(1, 64, 8, 2, torch.float32, seed=0)[0]
