@@ -83,9 +83,9 @@ class EngineConfig:
         synthetic CPU table (`default_cpu_table`). With "auto", a default CUDA table measured on
         another GPU than this one draws a warning naming both (`foreign_table`).
     capacity_sampled : the table for rounds with a sampled request (temperature > 0); default:
-        `capacity` when given, else the drafter's table of sampled rounds for the device type
-        (`capacity_tables["cuda-sampled"]`, from `dspark profile --engine --temperature 1`), else the
-        same default as `capacity`. On the static path a sampled round runs synchronously (no round
+        `capacity` when given, else the drafter's table of sampled rounds for the device, picked per
+        card as for `capacity` (`capacity_tables["cuda-sampled"]`, "cuda-h100-sampled", ...: from
+        `dspark profile --engine --temperature 1`), else the same default as `capacity`. On the static path a sampled round runs synchronously (no round
         in flight, the sampled propose and acceptance), so its drafting rounds cost more than greedy
         ones relative to a plain round, and a greedy table would have "auto" draft where it does not pay.
     trace : keep one record per request per round (see `take_trace`).
@@ -453,12 +453,14 @@ def default_capacity(drafter, device, sampled: bool = False) -> CapacityTable:
 
 def _device_table(tables: dict[str, CapacityTable], device: torch.device, suffix: str) -> CapacityTable | None:
     """Of the tables keyed "<type>[-<card>]<suffix>", the one measured on this card, else "<type><suffix>"."""
-    kind = device.type
-    mine = [t for key, t in sorted(tables.items()) if key.endswith(suffix) and
-            (key == kind + suffix or key.startswith(kind + "-") and (suffix or not key.endswith("-sampled")))]
-    if len(mine) > 1 and kind == "cuda" and torch.cuda.is_available():  # else no card to match a table by
+    kind, sampled = device.type, suffix == "-sampled"
+    mine = [t for key, t in sorted(tables.items())
+            if (key == kind or key.startswith(kind + "-")) and key.endswith("-sampled") == sampled]
+    if mine and kind == "cuda" and torch.cuda.is_available():  # else there is no card to match them by
         here = device_name(device)
-        return next((t for t in mine if t.conditions.get("device") == here), None) or tables.get(kind + suffix)
+        match = next((t for t in mine if t.conditions.get("device") == here), None)
+        if match is not None:
+            return match
     return tables.get(kind + suffix)
 
 

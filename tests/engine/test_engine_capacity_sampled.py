@@ -119,6 +119,10 @@ def test_the_default_table_is_the_one_measured_on_this_card(monkeypatch):
     del drafter.capacity_tables["cuda-h100-sampled"]  # no sampled table of this card: the type's sampled one
     monkeypatch.setattr(engine_module, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
     assert pick(drafter, "cuda") is h100 and pick(drafter, "cuda", sampled=True) is h200_s
+    drafter.capacity_tables = {"cpu": TABLE, "cuda-h100": h100}  # a card's table alone, no "cuda" one
+    assert pick(drafter, "cuda") is h100 and pick(drafter, "cuda", sampled=True) is h100
+    monkeypatch.setattr(engine_module, "device_name", lambda device: "NVIDIA H200")
+    assert pick(drafter, "cuda").label.startswith("cpu-default")  # not this card's: the synthetic table
 
 
 def test_an_auto_engine_warns_of_a_foreign_default_table_only(model, monkeypatch):
