@@ -6,6 +6,7 @@
 #   run(command="bash bench/gpu_session22.sh b")   # ≈ 3 min (ran on an H100)
 #   run(command="bash bench/gpu_session22.sh c")   # ≈ 4 min on an H200; on another card it stops at once
 #   run(command="bash bench/gpu_session22.sh d")   # ≈ 4 min, then part c on an H200
+#   run(command="bash bench/gpu_session22.sh e")   # ≈ 2 min
 #
 # a: the decode MoE's down kernel with one expert per program and no third launch
 #    (`DecodeTiles.down_split`: the last program of a row block to arrive adds the partials, counted by an
@@ -25,6 +26,10 @@
 #    gate and up tiles; the shipped kernel walks one expert's row after another): its GPU tests, the
 #    one-token V4-Flash FP8 sweep with and without it (the whole op at the shipped and best shapes in the
 #    same run), then part c where the card is an H200.
+# e: the decode MoE's kernels overlapped (`DecodeTiles.up_pdl`: the up kernel launched with PDL whatever its
+#    grid, so the down kernel is scheduled as its last wave retires; `down_prefetch`: the down programs ask
+#    L2 for their weight rows before their PDL wait): the GPU tests of the decode MoE and of PDL, then
+#    `bench/moe_decode_overlap.py` (the fused MoE with its router at one token, shipped vs variants).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 part_a() {
@@ -84,6 +89,12 @@ part_d() {
     --rows 4,8,16 --fp8-steps 256,512,1024 --interleave 0,1 --out "$OUT/moe-decode-tiles-interleave.json"  # ran at c259308 (H100), reverted
   tail -n 3 "$W/logs/d_interleave.txt" | cut -c1-900
   part_c
+}
+
+part_e() {
+  tests e_tests 150 tests/kernels/test_moe.py tests/kernels/test_kernels_pdl.py -k "decode or pdl or overlap"
+  logged e_overlap 200 python3 bench/moe_decode_overlap.py --out "$OUT/moe-decode-overlap.json"
+  grep -h " us (" "$W/logs/e_overlap.txt" | cut -c1-200; tail -n 2 "$W/logs/e_overlap.txt" | cut -c1-300
 }
 
 dispatch session22 "${1:-}"
