@@ -93,7 +93,7 @@ part_d() {
 
 part_e() {
   tests e_tests 150 tests/kernels/test_moe.py tests/kernels/test_kernels_pdl.py -k "decode or pdl or overlap"
-  logged e_overlap 200 python3 bench/moe_decode_overlap.py --out "$OUT/moe-decode-overlap.json"
+  logged e_overlap 200 python3 bench/moe_decode_overlap.py --out "$OUT/moe-decode-overlap.json"  # ran at 0989ca9 (H100), reverted
   grep -h " us (" "$W/logs/e_overlap.txt" | cut -c1-200; tail -n 2 "$W/logs/e_overlap.txt" | cut -c1-300
 }
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from dspark.kernels.moe import _block_k, _jit, _weight_parts, _weight_tile, tl, triton
-from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue, prefetch_launch
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _BLOCK_N = 16  # output rows per program: small, so that one token still spreads over the SMs
 _BLOCK_K = 128  # reduction step; FP8 weights cap it at the scale block
@@ -199,47 +199,21 @@ def _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter,
 
 
 @_jit
-def _down_prefetch(ids_ptr, w2_ptr, sw2_ptr, t, dim, inter, inter_s, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BYTES: tl.constexpr, PDL: tl.constexpr):
-    """Before the down kernel's PDL wait: ask L2 for up to BYTES of this program's weight rows, expert by
-    expert in the order the kernel reads them (the shared expert's, then routed slots 0, 1, ...).
-    The routed experts' ids are read here, before the wait: the router wrote them before the up kernel
-    was launched, and this grid is scheduled only once every up program has passed its own wait."""
-    n0 = tl.program_id(1) * BLOCK_N
-    rows = tl.minimum(dim - n0, BLOCK_N)
-    elt = w2_ptr.dtype.element_ty.primitive_bitwidth // 8
-    elt_s = sw2_ptr.dtype.element_ty.primitive_bitwidth // 8
-    shared = rows * inter_s * elt_s
-    pdl_prefetch(sw2_ptr + n0.to(tl.int64) * inter_s, tl.minimum(shared, BYTES), PDL)
-    left = BYTES - shared
-    block = rows * inter * elt
-    for k in tl.static_range(TOP_K):
-        if left > 0:
-            e = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
-            pdl_prefetch(w2_ptr + (e * dim + n0) * inter, tl.minimum(block, left), PDL)
-        left -= block
-
-
-@_jit
 def _decode_down_kernel(
     h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
     n_assign, dim, inter, inter_s, h_width,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
     DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
-    PREFETCH > 0: up to that many bytes of the program's weight rows asked into L2 before the PDL wait
-    (`_down_prefetch`).
     STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
     the next expert's tiles load while this one's are summed (each step's partial is weighted, not
     each expert's sum: the same value up to fp32 rounding). DEFER: `_gemv_acc`'s accumulators, the
     routing weights folded into h, two column sums in all (the shared expert's, the routed ones')."""
-    t = tl.program_id(0).to(tl.int64)
-    if PREFETCH > 0:
-        _down_prefetch(ids_ptr, w2_ptr, sw2_ptr, t, dim, inter, inter_s, TOP_K, BLOCK_N, PREFETCH, PDL)
     pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if DEFER:
         n0 = tl.program_id(1) * BLOCK_N
@@ -274,9 +248,6 @@ class DecodeTiles(NamedTuple):
     stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
     up_defer: bool = False  # True: the kernel's column sums deferred to the end of each row (`_gemv_acc`,
     down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
-    up_pdl: bool = False  # True: the up kernel launches with PDL whatever its grid, so that the down kernel is
-    # scheduled as the up kernel's last wave retires (the down grid is PDL-launched when decode-sized)
-    down_prefetch: int = 0  # bytes of each down program's weight rows asked into L2 before its PDL wait
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -355,7 +326,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
     common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
-    pdl = pdl_launch(x.device, 1 if tiles.up_pdl else math.prod(grid))
+    pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
         x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, n_assign, dim, inter, inter_s, h_width,
         float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, PDL=pdl, launch_pdl=pdl, **common,
@@ -371,12 +342,9 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     y = torch.empty_like(x)
     grid = (x.shape[0], triton.cdiv(dim, tiles.down_n))
     pdl = pdl_launch(x.device, math.prod(grid))
-    if not (isinstance(tiles.down_prefetch, int) and tiles.down_prefetch >= 0 and tiles.down_prefetch % 16 == 0):
-        raise ValueError(f"DecodeTiles.down_prefetch must be an int >= 0, a multiple of 16, got {tiles.down_prefetch!r}")
-    prefetch = tiles.down_prefetch if prefetch_launch(pdl, d2.reshape(-1, d2.shape[-1]), ds2) else 0
     _decode_down_kernel[grid](
         h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
-        BLOCK_N=tiles.down_n, PREFETCH=prefetch, PDL=pdl, launch_pdl=pdl,
+        BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
         **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return y

@@ -92,12 +92,10 @@ def test_pdl_device_reads_capability_and_sms_once_per_index(monkeypatch):
 # ---------------------------------------------------------------------------------------- kernels
 
 
-# Kernel helpers that run before the PDL wait, and why nothing they read can be a predecessor's output.
+# Kernel helpers that run before the PDL wait, and why nothing they read can be a predecessor's output
+# (the check above reads only the kernel's own body).
 BEFORE_WAIT = {
     "_prefetch_fn_share": "index arithmetic and an L2 prefetch of the mHC site's weights (fn), nothing else",
-    "_down_prefetch": "reads the routing ids of the decode MoE (written before its up kernel was launched: the "
-                      "down grid is scheduled only once every up program has passed its own wait) to ask L2 "
-                      "for the picked experts' weights",
 }
 
 
@@ -317,39 +315,6 @@ def test_sm90_code_prefetches_weights_before_the_wait():
     prefetch, wait, load = found["True"]
     assert 0 <= prefetch < wait < load, found
     assert found["False"][0] == -1 and 0 <= found["False"][1] < found["False"][2], found
-
-
-AOT_DOWN_PREFETCH = textwrap.dedent("""
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from dspark.kernels import moe_decode
-
-    fn = moe_decode._decode_down_kernel
-    types = dict(h_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", w2_ptr="*fp8e4nv", s2_ptr="*u8", sw2_ptr="*fp8e4nv",
-                 ss2_ptr="*u8", y_ptr="*bf16", n_assign="i32", dim="i32", inter="i32", inter_s="i32", h_width="i32")
-    found = {}
-    for prefetch in (0, 65536):
-        constexprs = dict(TOP_K=6, FP8=True, SB=128, FP8_S=True, SB_S=128, BLOCK_N=16, BLOCK_K=1024, BLOCK_K_S=1024,
-                          STAGES=1, DEFER=False, KB=8, SUB=128, KB_S=8, SUB_S=128, PREFETCH=prefetch, PDL=True)
-        signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
-        ptx = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                             options=dict(launch_pdl=True, num_warps=8)).asm["ptx"]
-        wait = ptx.find("griddepcontrol.wait")
-        found[str(prefetch)] = [ptx.find("cp.async.bulk.prefetch.L2.global"), wait, ptx[:wait].count("ld.global")]
-    print(json.dumps(found))
-""")
-
-
-@needs_triton
-def test_sm90_down_kernel_prefetches_its_experts_before_the_wait_reading_only_their_ids():
-    """AOT for sm_90: with PREFETCH the decode MoE's down kernel issues its L2 prefetches before the PDL
-    wait, and its only global loads there are the six routing ids (`_down_prefetch`); without PREFETCH
-    neither."""
-    found = _aot(AOT_DOWN_PREFETCH)
-    prefetch, wait, loads = found["65536"]
-    assert 0 <= prefetch < wait and 1 <= loads <= 6, found
-    assert found["0"][0] == -1 and found["0"][2] == 0, found
 
 
 def test_prefetch_launch_needs_pdl_the_switch_and_aligned_rows(monkeypatch):

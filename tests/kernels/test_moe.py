@@ -369,20 +369,6 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
 
 
 @needs_triton
-def test_decode_tiles_overlap_options_keep_the_bits_and_check_the_prefetch():
-    """`DecodeTiles.up_pdl` and `down_prefetch` change when work is scheduled, not what is computed (the
-    GPU bench compares the bits there; on the CPU PDL is off and they only pass through); a prefetch
-    size that `pdl_prefetch` cannot issue is refused."""
-    args = _off_tile_experts(2, 32, seed=13)
-    tiles = moe_decode.DecodeTiles(down_n=8, down_k=64)
-    y = moe_decode.decode_experts(*args, 10.0, tiles=tiles)
-    assert torch.equal(moe_decode.decode_experts(*args, 10.0, tiles=tiles._replace(up_pdl=True, down_prefetch=4096)), y)
-    for bad in (-16, 100, 1.5):
-        with pytest.raises(ValueError, match=f"down_prefetch must be an int >= 0, a multiple of 16, got {bad!r}"):
-            moe_decode.decode_experts(*args, 10.0, tiles=tiles._replace(down_prefetch=bad))
-
-
-@needs_triton
 def test_decode_tiles_reject_bad_stages():
 
     x = router_inputs(1, 64, 8, 2, torch.float32, seed=0)[0]
