@@ -61,8 +61,10 @@ class DSparkDrafter:
     greedy_calibration : StsCalibration fitted on greedy rounds, for greedy requests (acceptance under
         greedy verification differs from sampled acceptance, `dspark.verify.sts`), or None.
 
-    `capacity_tables` maps a device type ("cpu", "cuda") to the capacity table shipped with the drafter
-    for it (`dspark.draft.io`), the engine's default planner table there; empty unless loaded.
+    `capacity_tables` maps a device type ("cpu", "cuda"), or a device type and card ("cuda-h100"), each
+    with "-sampled" for sampled rounds, to the capacity table shipped with the drafter for it
+    (`dspark.draft.io`), the engine's default planner table there (`engine.default_capacity`); empty
+    unless loaded.
     """
 
     def __init__(self, target, config: DSparkConfig | None = None, model: DSparkModel | None = None,

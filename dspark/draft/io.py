@@ -10,7 +10,9 @@ Two homes for the same weights (keys `mtp.{i}.*`, dspark spec §7.1):
       sts-greedy.json    optional STS calibration of greedy requests (default: sts.json's)
       capacity-<device type>.json   optional capacity tables (`dspark.verify.capacity`) of this drafter
                          with its target on that kind of device ("cpu", "cuda"), drafting rounds
-                         priced (`dspark profile --drafter`): the engine's default there
+                         priced (`dspark profile --drafter`): the engine's default there;
+                         capacity-<type>-sampled.json for sampled rounds, and capacity-cuda-<name>[-sampled].json
+                         for the card their conditions name, the default on that card
   `target` records the target's shape-defining fields; loading refuses a target that differs.
   `stage_kind` (`dspark_v4.STAGE_KINDS`; "v4" when absent, as directories written before it) says
   which stage modules the weights belong to: "shipped" for a V4.1 target are V4.1 blocks. For a
