@@ -93,7 +93,7 @@ def test_pdl_device_reads_capability_and_sms_once_per_index(monkeypatch):
 
 
 # Kernel helpers that run before the PDL wait, and why nothing they read can be a predecessor's output
-# (the check above reads only the kernel's own body).
+# (the test below reads only each kernel's own body, so a helper it calls there is argued here).
 BEFORE_WAIT = {
     "_prefetch_fn_share": "index arithmetic and an L2 prefetch of the mHC site's weights (fn), nothing else",
 }
