@@ -61,12 +61,20 @@ def build_engine(model, budget, batch: int, prompts, max_new_tokens: int, capaci
     return engine
 
 
+SERVED = ("tokens", "rounds", "decode_tokens", "decode_seconds")  # what `serve` sums
+
+
+def _sums() -> dict:
+    """A cell's running sums: `serve`'s, and the cell's wall seconds."""
+    return dict.fromkeys(("seconds",) + SERVED, 0)
+
+
 def serve(engine, prompts, temperature: float, seed: int, max_new_tokens: int) -> dict:
     """Decode `prompts` together to completion: tokens generated, rounds summed over requests, and the
     tokens and wall seconds of the steps that ran no prompt chunk ("decode_*")."""
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(temperature, seed=seed + i), max_new_tokens)
-    got = {"tokens": 0, "rounds": 0, "decode_tokens": 0, "decode_seconds": 0.0}
+    got = dict.fromkeys(SERVED, 0)
     while engine.has_work():
         prefilling = bool(engine.waiting) or any(r.in_prefill for r in engine.running)
         start = time.perf_counter()
@@ -83,7 +91,7 @@ def serve(engine, prompts, temperature: float, seed: int, max_new_tokens: int) -
 
 def run_cell(engine, prompts, temperature: float, seed: int, max_new_tokens: int, batch: int = 1) -> dict:
     """`serve` over `prompts`, `batch` at a time: its sums, and the cell's wall seconds."""
-    cell = {"seconds": 0.0, "tokens": 0, "rounds": 0, "decode_tokens": 0, "decode_seconds": 0.0}
+    cell = _sums()
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         for key, value in serve(engine, prompts[i:i + batch], temperature, seed + i, max_new_tokens).items():
@@ -140,8 +148,7 @@ def main() -> None:
     temps = [float(t) for t in args.temperatures.split(",")]
     engines = {b: build_engine(model, b, args.batch, prompts, args.max_new_tokens, capacity, temperatures=temps,
                                  capacity_sampled=sampled) for b in budgets}
-    cells = {(t, b): {"seconds": 0.0, "tokens": 0, "rounds": 0, "decode_tokens": 0, "decode_seconds": 0.0}
-             for t in temps for b in budgets}
+    cells = {(t, b): _sums() for t in temps for b in budgets}
     for r in range(args.repeats):
         for (t, b), acc in cells.items():
             got = run_cell(engines[b], prompts, t, args.seed + 1000 * r, args.max_new_tokens, args.batch)

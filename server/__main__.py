@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else a synthetic CPU table)")
     p.add_argument("--capacity-sampled", default=None,
                    help="capacity table for rounds with a sampled request (`dspark profile --engine --temperature 1`; "
-                        "default: --capacity when given, else the drafter's sampled table for this device type)")
+                        "default: --capacity when given, else the drafter's sampled table for this device, its card's where it ships one)")
     p.add_argument("--static-decode", choices=("auto", "on", "off"), default="auto",
                    help="decoding rounds on static slots with CUDA graphs; auto: on for a DeepSeek-V4/V4.1 "
                         "model on CUDA that can replay them (EngineConfig.static_decode=None)")

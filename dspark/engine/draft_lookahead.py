@@ -191,13 +191,11 @@ class DraftLookahead:
         self._planned: tuple[list, int] | None = None  # the last stale rows planned (held) and their budget
 
     def discard(self) -> None:
-        """Forget the round in flight (its rows are invisible past every committed length)."""
-        if self.pending is not None:
-            self._drop()
-
-    def _drop(self) -> None:
-        """Forget the round in flight and end the drafter's run of deferred rows: a dropped plain round's
-        row is in it, and the next round feeds that position again (`static_draft.py`)."""
+        """Forget the round in flight (its rows are invisible past every committed length) and end the
+        drafter's run of deferred rows: a dropped plain round's row is in it, and the next round feeds
+        that position again (`static_draft.py`)."""
+        if self.pending is None:
+            return
         self.pending = None
         flush = getattr(self.drafting, "flush", None)  # an MTP runner defers nothing
         if flush is not None:
@@ -263,8 +261,7 @@ class DraftLookahead:
         key, n = self._next(requests)
         current = self.pending if self.pending is not None and self.pending.key == key else None
         if current is None:
-            if self.pending is not None:
-                self._drop()
+            self.discard()
             current = self._launch_from_host(requests, key, n)
             current.probe = self._probe  # `_next` planned it
         self.count(n, current.probe)  # round k runs: the plain probe counts it

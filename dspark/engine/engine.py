@@ -85,9 +85,10 @@ class EngineConfig:
     capacity_sampled : the table for rounds with a sampled request (temperature > 0); default:
         `capacity` when given, else the drafter's table of sampled rounds for the device, picked per
         card as for `capacity` (`capacity_tables["cuda-sampled"]`, "cuda-h100-sampled", ...: from
-        `dspark profile --engine --temperature 1`), else the same default as `capacity`. On the static path a sampled round runs synchronously (no round
-        in flight, the sampled propose and acceptance), so its drafting rounds cost more than greedy
-        ones relative to a plain round, and a greedy table would have "auto" draft where it does not pay.
+        `dspark profile --engine --temperature 1`), else the same default as `capacity`. On the static
+        path a sampled round runs synchronously (no round in flight, the sampled propose and
+        acceptance), so its drafting rounds cost more than greedy ones relative to a plain round, and a
+        greedy table would have "auto" draft where it does not pay.
     trace : keep one record per request per round (see `take_trace`).
     state_budget_bytes : device memory for per-request decode state (target and drafter), in bytes;
         None sizes it for `max_running` requests at their longest, so nothing is ever preempted.
