@@ -35,3 +35,11 @@ dispatch() {  # dispatch SESSION PART: run the script's function part_PART, then
   "part_$part"
   pack "$session-$part"
 }
+
+with_flashinfer() {  # the wheels carried in .whl/ onto PYTHONPATH, nvcc for flashinfer's JIT
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:. FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+  local nvcc; nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+  [ -n "$nvcc" ] && export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")} PATH=$(dirname "$nvcc"):$PATH
+  echo "nvcc: ${nvcc:-none}; CUDA_HOME=${CUDA_HOME:-unset}"; python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+}

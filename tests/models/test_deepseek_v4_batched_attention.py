@@ -172,3 +172,50 @@ def test_batched_attention_equals_per_request_path_on_gpu(tiny):
         worst = max(worst, rel_diff(a, b))
     print(f"[batched attention, GPU fp32] max relative |Δ| of logits: {worst:.3e}")
     assert worst <= 1e-4
+
+
+class DeferredSinkAttention:
+    """A stand-in for flashinfer's op on the CPU (`attention_flashinfer.SparseAttentionFlashinfer`): called,
+    the reference; `deferred` returns the softmax over the keys alone and the sink's per-head factor
+    (`sink_weights_ref` of the log-sum-exp), as the flashinfer op does, and counts its calls."""
+
+    def __init__(self):
+        self.deferred_calls = 0
+
+    def __call__(self, q, pool, index, sink, scale):
+        from dspark.kernels.attention_ref import sparse_attention_ref
+
+        return sparse_attention_ref(q, pool, index, sink, scale)
+
+    def deferred(self, q, pool, index, sink, scale):
+        from dspark.kernels.attention_flashinfer import sink_weights_ref
+
+        self.deferred_calls += 1
+        keys = pool[index.clamp(min=0)].float()  # [S, K, d]
+        scores = torch.einsum("shd,skd->shk", q.float(), keys) * scale
+        scores = scores.masked_fill((index < 0).unsqueeze(1), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [S, H]; −inf on rows without keys
+        probs = torch.nan_to_num(torch.softmax(scores, dim=-1))
+        out = torch.einsum("shk,skd->shd", probs, keys).to(q.dtype)
+        return out, sink_weights_ref(lse, sink, (index >= 0).sum(dim=-1))
+
+
+def test_a_deferred_sink_is_applied_by_the_projection(pair):
+    """An attention op offering `deferred` (the sink left to `grouped_wo_a`'s head_scale) gives the
+    model's logits and state within fp32 rounding of the reference op; every layer took that path."""
+    new, _ = pair
+    deferring = copy.deepcopy(new)
+    ops = []
+    for layer in deferring.layers:
+        layer.attn.attend_op = DeferredSinkAttention()
+        ops.append(layer.attn.attend_op)
+    states, states_ref = [new.new_state() for _ in range(3)], [new.new_state() for _ in range(3)]
+    worst = 0.0
+    for step, seq_lens in enumerate(([9, 3, 17], [1, 1, 1], [3, 3, 3])):
+        ids = torch.randint(0, 256, (sum(seq_lens),), generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():
+            a = deferring(ids, states, seq_lens).logits
+            b = new(ids, states_ref, seq_lens).logits
+        worst = max(worst, rel_diff(a, b), *(max_state_diff(x, y) for x, y in zip(states, states_ref)))
+    assert worst <= TOL
+    assert [op.deferred_calls for op in ops] == [3] * len(ops)
