@@ -4,6 +4,8 @@
 # `pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64`):
 #
 #   run(command="bash bench/gpu_session23.sh a", carry=[".whl"])   # ≈ 7 min
+#   run(command="bash bench/gpu_session23.sh b")                   # ≈ 6 min
+#   run(command="bash bench/gpu_session23.sh c")                   # ≈ 5 min
 #   run(command="bash bench/gpu_session22.sh c")                   # ≈ 4 min, on an H200 only
 #
 # a: the sink of flashinfer's attention deferred to the projection after it (`SparseAttentionFlashinfer.
@@ -13,6 +15,13 @@
 #    `bench/attn_batched.py` at 32K for 64..512 requests: flashinfer's kernel alone, with the sink pass,
 #    and each followed by `wo_a` in one graph (attention cost = pair − `wo_a` alone, both ways), % of
 #    4.4 TB/s and of this card's measured copy bandwidth.
+# b: each layer's compressors on a second CUDA stream beside its q / kv projections (`StaticDecoder(...,
+#    side_stream=True)`, the default; `dspark/models/deepseek_v4/side_stream.py`):
+#    `bench/graph_decode.py --side-ab` (the default decoder's graph and a single-stream decoder's over the
+#    same state, timed in turn in one process; both against the dynamic path): v4-mini at 1 and 8
+#    requests, the 4-token verify block at 1, v41-mini at 1.
+# c: the GPU tests of the static step graphs (V4, V4.1: side stream vs single stream bit for bit,
+#    graph == eager without sync) and of the engine on graphs.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -23,6 +32,18 @@ part_a() {
   logged a_attn 300 python3 bench/attn_batched.py --skip-model --skip-sweep --skip-per-request \
     --batches 64,128,256,512 --out "$OUT/attn-deferred-sink.json"
   grep -h "flashinfer\|wo_a\|copy" "$W/logs/a_attn.txt" | cut -c1-300; tail -n 1 "$W/logs/a_attn.txt"
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  step b_side 200 --requests 1,8 --side-ab
+  step b_side_verify 150 --requests 1 --tokens 4 --side-ab
+  step b_side_v41 150 --config v41-mini --requests 1 --side-ab
+}
+
+part_c() {
+  tests c_tests 400 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py \
+    tests/engine -m gpu
 }
 
 dispatch session23 "${1:-}"

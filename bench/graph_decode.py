@@ -152,17 +152,24 @@ def op_sites(fn, top: int = 40) -> dict:
     return {"torch_ops_per_step": sum(counter.sites.values()), "top": rows}
 
 
-def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False) -> dict:
-    """The three timings (graph: when `graphs`) for n_req requests at the context."""
+def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False,
+         side_ab: bool = False) -> dict:
+    """The three timings (graph: when `graphs`) for n_req requests at the context; with `side_ab` also
+    the graph of a single-stream decoder (`side_stream=False`) over the same state, timed in turn."""
     device, context = model.device, args["context"]
     n_tok = args["tokens"]
     shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=n_tok)
-    decoder = (StaticDecoderV41 if isinstance(model, DeepseekV41ForCausalLM) else StaticDecoder)(model, shape)
+    family = StaticDecoderV41 if isinstance(model, DeepseekV41ForCausalLM) else StaticDecoder
+    decoder = family(model, shape)
     graph = StepGraph(decoder, n_tok) if graphs else None  # before loading: its warm-up writes every slot
+    single = family(model, shape, side_stream=False) if graphs and side_ab else None
+    single_graph = StepGraph(single, n_tok) if single is not None else None
     vocab, token_map = model.config.vocab_size, _token_map(model)
     states = [fabricate_state(model.new_state(), context, g, vocab, token_map) for _ in range(n_req)]
     for slot, state in enumerate(states):
         decoder.load(slot, state)
+        if single is not None:
+            single.load(slot, state)
     ids_host = torch.randint(0, model.config.vocab_size, (n_req, n_tok), generator=torch.Generator().manual_seed(n_req))
     ids, starts = decoder.plan(ids_host, [context] * n_req)
     flat = ids.reshape(-1)
@@ -181,6 +188,14 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
     if graph is not None:
         row["graph_max_abs_diff"] = (graph.replay(ids, starts) - reference).abs().max().item()
         row["graph_ms"] = timed(graph.replay, device, args["warmup"], args["steps"])
+    if single_graph is not None:  # A, B, A, B: the two graphs' times interleaved, each the median of its two
+        row["single_stream_equal"] = torch.equal(single_graph.replay(ids, starts), graph.replay(ids, starts))
+        times = {"graph": [row["graph_ms"]], "single": []}
+        for key in ("single", "graph", "single"):
+            times[key].append(timed((graph if key == "graph" else single_graph).replay, device, args["warmup"],
+                                    args["steps"]))
+        row["graph_ms"], row["single_stream_graph_ms"] = (statistics.median(times[k]) for k in ("graph", "single"))
+        row["side_stream_speedup"] = row["single_stream_graph_ms"] / row["graph_ms"]
     if profile:
         target = graph.replay if graph is not None else (lambda: decoder.step(ids, starts))
         row["profile"] = kernel_profile(target, device, args["steps"])
@@ -219,6 +234,8 @@ def main() -> None:
                     help="comma list of registry.NOT_YET_ON_GPU ops to run on Triton (one of --not-yet's)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every Triton kernel without programmatic dependent launch (A/B of PDL)")
+    ap.add_argument("--side-ab", action="store_true",
+                    help="also time a single-stream decoder's graph (side_stream=False) in turn with the default")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="no weight prefetch before the PDL wait (triton_compat.pdl_prefetch; A/B of it)")
     cli = ap.parse_args()
@@ -271,7 +288,8 @@ def main() -> None:
                "roofline": roofline, "cells": []}
     with torch.no_grad():
         for n_req in args["requests"]:
-            results["cells"].append(cell(model, n_req, args, graphs=not cli.smoke, g=g, profile=cli.profile))
+            results["cells"].append(cell(model, n_req, args, graphs=not cli.smoke, g=g, profile=cli.profile,
+                                         side_ab=cli.side_ab))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     b1 = results["cells"][0]

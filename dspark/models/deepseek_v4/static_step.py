@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.models.deepseek_v4.side_stream import SideStream
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -61,13 +62,20 @@ class StaticStepOutput:
 
 class StaticDecoderBase(abc.ABC):
     """What every family's static decoder shares: the bucket's shape and state, `load`, the host-side
-    `plan` and `step`; a subclass builds its state (`new_state`) and runs `forward`."""
+    `plan` and `step`; a subclass builds its state (`new_state`) and runs `forward`.
 
-    def __init__(self, model, shape: StaticShape):
+    side_stream: run each layer's compressors on a second CUDA stream beside its q / kv projections
+    (`side_stream.SideStream`: the same results; False gives the single-stream step, for A/B).
+    """
+
+    def __init__(self, model, shape: StaticShape, side_stream: bool = True):
         if not isinstance(shape, StaticShape):
             raise ValueError(f"shape must be a StaticShape, got {shape!r}")
+        if not isinstance(side_stream, bool):
+            raise ValueError(f"side_stream must be a bool, got {side_stream!r}")
         self.model = model
         self.shape = shape
+        self.side = SideStream(model.device, side_stream)
         self.state = self.new_state(model, shape)
         # The steps' constant index tensors (RoPE tables per group of equal ropes, ranges, the
         # segments of the step-index op), made here: never inside a captured step.
@@ -173,7 +181,7 @@ class StaticDecoder(StaticDecoderBase):
         for i, layer in enumerate(model.layers):
             if i in capture:
                 features[i] = x
-            a = static_attention(layer.attn, site.h, index, self.state.layers[i])  # h: after attn_norm
+            a = static_attention(layer.attn, site.h, index, self.state.layers[i], self.side)  # h: after attn_norm
             y, pending = layer.ffn_after(a, x, site, ids)
             if i + 1 < len(model.layers):
                 x, site = model.layers[i + 1].enter(pending, y)
@@ -187,29 +195,38 @@ class StaticDecoder(StaticDecoderBase):
 
 
 
-def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayerState) -> torch.Tensor:
+def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayerState,
+                     side: SideStream | None = None) -> torch.Tensor:
     """`Attention.forward` on the static state: x [N, D] (after attn_norm) at the step's positions
     (`index`, [S, T]) -> [N, D].
 
     Writes the new window latents, compressor rows and completed entries of every slot first, then
     attends over the fixed-width key list [W | top-k picks (CSA) or all E entries (HCA)], −1 = none.
+    The compressors need only x: with `side` they run on its stream, beside the q / kv projections
+    and the indexer's queries, and the step joins it before the first read of their entries.
     """
     cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
+    side = side or SideStream(x.device, enabled=False)
+    if attn.compressor is not None:
+        with side.fork():
+            update_compressor(attn.compressor, state.compressor, index, x, attn.rope)
+            if attn.indexer is not None:
+                update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
     # the new window latents go straight to their ring rows from the kv norm + RoPE op (no copy after)
     q_lora, q, _ = attn.project_qkv(x, cos, sin, kv_out=state.window.flat(),
                                     kv_rows=index.ring_rows(state.window).reshape(-1))
     if attn.compressor is None:  # SWA: the window alone
         keys = index.window_keys(attn.window, state.window)  # [N, W]
     else:
-        update_compressor(attn.compressor, state.compressor, index, x, attn.rope)
         first, n_entries = state.window.slots * state.window.size, state.compressor.n_entries
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
             q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
-            update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
+            side.join()
             keys = index.csa_keys(attn.window, state.window, min(attn.indexer.topk, n_entries))
             select_entries(attn.indexer, q_index, weights, state.indexer, index,
                            offset=index.entry_offsets(first, n_entries), out=keys[:, attn.window:])
         else:  # HCA: every complete entry (one key list for all HCA layers of the step)
+            side.join()
             keys = index.hca_keys(attn.window, state.window, attn.rate, n_entries, first)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from dspark.models.deepseek_v4.mhc import collapse
+from dspark.models.deepseek_v4.side_stream import SideStream
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -94,7 +95,7 @@ class StaticDecoderV41(StaticDecoderBase):
                 features[i] = x
             if site is None:
                 site = layer.attn_site(x, pre)
-            a = static_attention(layer.attn, site.h, index, self.state, i, shared)
+            a = static_attention(layer.attn, site.h, index, self.state, i, shared, self.side)
             y, pending = layer.ffn_after(a, x, site, ids)
             pre = pending.pre
             if i + 1 < len(model.layers) and i + 1 not in materialised:
@@ -137,15 +138,22 @@ class StaticDecoderV41(StaticDecoderBase):
 
 
 def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticStateV41, layer: int,
-                     shared: SharedSlots) -> torch.Tensor:
+                     shared: SharedSlots, side: SideStream | None = None) -> torch.Tensor:
     """CSA2 `Attention.forward` on the static state: x [N, D] (after attn_norm) at the step's
     positions (`index`, [S, T]) -> [N, D].
 
     Writes the new window latents (and, on a KV source, its rows, entries and index keys) first; an
     index source then picks into `shared` (topk [N, min(k, E)], candidates [N, E]) for the layers
     after it; the key list is [W window rows | the latest picks in the KV source's entries], −1 = none.
+    A KV source's publishing needs only x: with `side` it runs on that stream beside the projections
+    (`deepseek_v4.side_stream`), joined before the first read of the source.
     """
     cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
+    side = side or SideStream(x.device, enabled=False)
+    publishes = attn.ratio and attn.compressor is not None
+    if publishes:
+        with side.fork():
+            publish(attn, x, index, state.sources[attn.role.kv_source])
     q_lora, q, kv = attn.project_qkv(x, cos, sin)
     window = state.windows[layer]
     window.write_rows(index.ring_rows(window), attn.quant.window(kv))  # the window cache is FP8 (QAT)
@@ -153,10 +161,13 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     keys = offset_rows(keys, state.window_offsets[layer])
     if attn.ratio:
         source = state.sources[attn.role.kv_source]
-        if attn.compressor is not None:
-            publish(attn, x, index, source)
         if attn.indexer is not None:
-            select(attn.indexer, *attn.indexer.queries(x, q_lora, cos, sin), index, source, shared)
+            queries = attn.indexer.queries(x, q_lora, cos, sin)
+            if publishes:
+                side.join()
+            select(attn.indexer, *queries, index, source, shared)
+        elif publishes:
+            side.join()
         offset = index.entry_offsets(source.offset, source.n_entries)  # [N, 1]
         keys = torch.cat((keys, offset_rows(shared.topk, offset)), dim=-1)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
