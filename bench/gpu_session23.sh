@@ -15,13 +15,13 @@
 #    `bench/attn_batched.py` at 32K for 64..512 requests: flashinfer's kernel alone, with the sink pass,
 #    and each followed by `wo_a` in one graph (attention cost = pair − `wo_a` alone, both ways), % of
 #    4.4 TB/s and of this card's measured copy bandwidth.
-# b: each layer's compressors on a second CUDA stream beside its q / kv projections (`StaticDecoder(...,
-#    side_stream=True)`, the default; `dspark/models/deepseek_v4/side_stream.py`):
-#    `bench/graph_decode.py --side-ab` (the default decoder's graph and a single-stream decoder's over the
-#    same state, timed in turn in one process; both against the dynamic path): v4-mini at 1 and 8
-#    requests, the 4-token verify block at 1, v41-mini at 1.
-# c: the GPU tests of the static step graphs (V4, V4.1: side stream vs single stream bit for bit,
-#    graph == eager without sync) and of the engine on graphs.
+# b: each layer's compressors and its kv projection on side CUDA streams beside its q projection
+#    (`StaticDecoder(..., side_streams=2)`, the default; `dspark/models/deepseek_v4/side_stream.py`): the
+#    GPU tests of the static step graphs (V4, V4.1: 2, 1 and 0 side streams bit for bit, graph == eager
+#    without sync), then `bench/graph_decode.py --side-ab` (the graphs of decoders with 2, 1 and 0 side
+#    streams over the same state, timed in turn in one process; against the dynamic path too): v4-mini
+#    at 1 and 8 requests, the 4-token verify block at 1, v41-mini at 1.
+# c: the GPU tests of the engine on graphs (every static step now forks and joins side streams).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -36,14 +36,14 @@ part_a() {
 
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  step b_side 200 --requests 1,8 --side-ab
-  step b_side_verify 150 --requests 1 --tokens 4 --side-ab
-  step b_side_v41 150 --config v41-mini --requests 1 --side-ab
+  tests b_tests 150 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  step b_side 160 --requests 1,8 --side-ab
+  step b_side_verify 120 --requests 1 --tokens 4 --side-ab
+  step b_side_v41 120 --config v41-mini --requests 1 --side-ab
 }
 
 part_c() {
-  tests c_tests 400 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py \
-    tests/engine -m gpu
+  tests c_tests 400 tests/engine -m gpu
 }
 
 dispatch session23 "${1:-}"

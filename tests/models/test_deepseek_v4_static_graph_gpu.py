@@ -27,10 +27,11 @@ def test_static_step_graph_replay_equals_eager_without_sync(gather):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["v4", "v41"])
 @torch.no_grad()
-def test_the_side_stream_runs_the_compressors_beside_and_changes_no_bit(family, monkeypatch):
-    """`StaticDecoder(side_stream=True)` (the default) runs each layer's compressors (V4: both of a CSA
-    layer, V4.1: a KV source's publishing) on a second stream, and its logits, eager and replayed
-    from a graph, equal the single-stream decoder's bit for bit over verify and decode rounds."""
+def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
+    """`StaticDecoder(side_streams=2)` (the default) runs each layer's compressors (V4: both of a CSA
+    layer; V4.1: a KV source's publishing) on one side stream and its kv projection on another, and its
+    logits, eager and replayed from a graph, equal the 1-lane and single-stream decoders' bit for bit
+    over verify and decode rounds."""
     from dspark.engine.graphs import StepGraph
     from dspark.models.deepseek_v4 import static_step
     from dspark.models.deepseek_v4.static_state import StaticShape
@@ -43,16 +44,16 @@ def test_the_side_stream_runs_the_compressors_beside_and_changes_no_bit(family, 
         model = dspark.init_model("tiny-v41", seed=0, device="cuda", prefill_mode="exact", cache_qat=False,
                                   engram_tables="device", kernels=KernelConfig.for_device("cuda"))
         decoder_cls, module, branch = static_step_v41.StaticDecoderV41, static_step_v41, "publish"
-    streams = []
-    work = getattr(module, branch)
-    monkeypatch.setattr(module, branch, lambda *a, **k: streams.append(torch.cuda.current_stream()) or work(*a, **k))
+    seen = []  # (the decoder's lanes, the stream the compressors ran on, the one the kv projection ran on)
+    work, project_kv = getattr(module, branch), type(model.layers[0].attn).project_kv
+    monkeypatch.setattr(module, branch, lambda *a, **k: seen.append(("compress", torch.cuda.current_stream()))
+                        or work(*a, **k))
+    monkeypatch.setattr(type(model.layers[0].attn), "project_kv",
+                        lambda *a, **k: seen.append(("kv", torch.cuda.current_stream())) or project_kv(*a, **k))
     lengths = (5, 21)
     g = torch.Generator().manual_seed(1)
-    decoders, graphs = [], []
-    for side in (True, False):
-        decoder = decoder_cls(model, StaticShape(slots=2, max_context=96, tokens=4), side_stream=side)
-        graphs.append(StepGraph(decoder, 4))
-        decoders.append(decoder)
+    decoders = [decoder_cls(model, StaticShape(slots=2, max_context=96, tokens=4), side_streams=n) for n in (2, 1, 0)]
+    graphs = [StepGraph(decoder, 4) for decoder in decoders]
     for slot, n in enumerate(lengths):
         state = model.new_state()
         model(torch.randint(0, 256, (n,), generator=g).cuda(), [state], [n])
@@ -62,11 +63,17 @@ def test_the_side_stream_runs_the_compressors_beside_and_changes_no_bit(family, 
     main = torch.cuda.current_stream()
     for round_ in range(6):
         ids, dev_starts = decoders[0].plan(torch.randint(0, 256, (2, 4), generator=g), starts)
-        streams.clear()
-        eager = [decoder.step(ids, dev_starts) for decoder in decoders]
-        half = len(streams) // 2  # the side-stream decoder's calls, then the single-stream one's
-        assert half and all(s != main for s in streams[:half]) and all(s == main for s in streams[half:])
-        assert torch.equal(eager[0], eager[1])
+        eager = []
+        for decoder in decoders:
+            seen.clear()
+            eager.append(decoder.step(ids, dev_starts))
+            lanes = [s for s in decoder.side.streams]
+            kinds = {kind for kind, _ in seen}
+            assert kinds == {"compress", "kv"}
+            for kind, stream in seen:
+                lane = 0 if kind == "compress" else 1
+                assert stream == (lanes[lane] if lane < len(lanes) else main), (len(lanes), kind)
+        assert torch.equal(eager[0], eager[1]) and torch.equal(eager[0], eager[2])
         replayed = [graph.replay(ids, dev_starts).clone() for graph in graphs]
-        assert torch.equal(replayed[0], replayed[1]) and torch.equal(replayed[0], eager[0])
+        assert all(torch.equal(r, eager[0]) for r in replayed)
         starts = starts + 1 + round_ % 4  # accept 1..4 of the 4 tokens fed

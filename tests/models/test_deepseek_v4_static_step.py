@@ -99,9 +99,10 @@ def test_static_step_rejects_bad_inputs(model):
         StaticShape(slots=1, max_context=8, tokens=0)
     with pytest.raises(ValueError, match="slots=2.0"):
         StaticShape(slots=2.0, max_context=8, tokens=1)
-    with pytest.raises(ValueError, match="side_stream must be a bool, got 'yes'"):
-        StaticDecoder(model, StaticShape(slots=1, max_context=8, tokens=1), side_stream="yes")
-    assert decoder.side.stream is None  # the CPU has no streams: the compressors run inline
+    for bad in (3, -1, True, "2"):
+        with pytest.raises(ValueError, match=rf"side streams must be an int in \[0, 2\], got {bad!r}"):
+            StaticDecoder(model, StaticShape(slots=1, max_context=8, tokens=1), side_streams=bad)
+    assert decoder.side.streams == []  # the CPU has no streams: the lanes' work runs inline
 
 
 def test_position_indices_are_built_once_per_step_not_per_layer(model, monkeypatch):

@@ -121,17 +121,25 @@ class LatentAttention(nn.Module):
         c_q = q_norm(x·wq_aᵀ) is also the indexer's input; q and kv carry RoPE at their positions.
         kv_out [R, d] (x's dtype, contiguous rows) with kv_rows [N] long: kv row n is also stored at
         row kv_rows[n] of kv_out (the static step's window ring), by the norm + RoPE op itself.
+        The two halves (`project_q`, `project_kv`) share only x: the static step runs them on two streams.
         """
+        q_lora, q = self.project_q(x, cos, sin)
+        return q_lora, q, self.project_kv(x, cos, sin, kv_out, kv_rows)
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`project_qkv`'s (c_q [N, q_lora], q [N, H, d])."""
         q_lora = self.q_norm(self.wq_a(x))  # [N, q_lora]
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q_cos, q_sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [N, 1, rd/2]: one row for all heads
         if self.q_head_norm:  # per-head unweighted RMS (spec §5), then RoPE
-            q = self.norm_rope_op(q, None, q_cos, q_sin, eps=self.eps)  # [N, H, d]
-        else:
-            q = self.rope_op(q, q_cos, q_sin)
-        kv = self.norm_rope_op(self.wkv(x), self.kv_norm.weight, cos, sin, eps=self.kv_norm.eps, out=kv_out,
-                               out_rows=kv_rows)  # [N, d]
-        return q_lora, q, kv
+            return q_lora, self.norm_rope_op(q, None, q_cos, q_sin, eps=self.eps)  # [N, H, d]
+        return q_lora, self.rope_op(q, q_cos, q_sin)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_out: torch.Tensor | None = None,
+                   kv_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`project_qkv`'s kv [N, d] (and its rows stored into kv_out, as there)."""
+        return self.norm_rope_op(self.wkv(x), self.kv_norm.weight, cos, sin, eps=self.kv_norm.eps, out=kv_out,
+                                 out_rows=kv_rows)
 
     def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     head_scale: torch.Tensor | None = None) -> torch.Tensor:

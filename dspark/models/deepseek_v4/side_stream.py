@@ -1,26 +1,29 @@
-"""A second CUDA stream for the parts of a static step that do not depend on each other.
+"""Side CUDA streams for the parts of a static step that do not depend on each other.
 
-    side = SideStream(device)                # once per decoder (None-like on the CPU)
-    with side.fork():                        # enqueued after everything the current stream has so far
+    side = SideStreams(device, lanes=2)      # once per decoder (inline on the CPU)
+    with side.fork(COMPRESS):                # enqueued after everything the current stream has so far
         update_compressor(...)               # runs beside what the current stream enqueues next
-    q = project_q(...)                       # current stream
-    side.join()                              # the current stream waits for the side's work
-    attend(q, entries)
+    with side.fork(KV):
+        kv = attn.project_kv(...)            # a second lane beside both
+    q = attn.project_q(...)                  # current stream
+    side.join(COMPRESS); side.join(KV)       # the current stream waits for the lanes' work
+    attend(q, kv, entries)
 
-At one decode token a layer's kernels are latency-bound (a few µs each, most SMs idle), and its
-compressors (projection, pooling, norm: three launches each, two on a CSA layer) need only the
-sublayer input, as do the q and kv projections beside them. In one stream every launch waits for the
-one before it; forked onto a side stream, the compressors' launches overlap the projections'. Under
-CUDA-graph capture the fork and the join become edges of the graph (a branch), so the replay keeps
-the overlap at no host cost. The math is unchanged: each kernel reads and writes what it did in one
-stream, so the step's results are the same bits.
+At one decode token a layer's kernels are latency-bound (a few µs each, most SMs idle). Its
+compressors (projection, pooling, norm: three launches each, two on a CSA layer) and its kv
+projection (projection, norm + RoPE) need only the sublayer input, as does the q projection; in one
+stream every launch waits for the one before it, forked onto lanes they overlap. Under CUDA-graph
+capture a fork and a join become edges of the graph (branches), so the replay keeps the overlap at
+no host cost. The math is unchanged: each kernel reads and writes what it did in one stream, so the
+step's results are the same bits.
 
-Memory: tensors the side's work allocates belong to the side stream's pool and are only used there
-(its results go into the decoder's persistent state); tensors of the current stream that the side
-reads (the sublayer input) stay referenced until after the join.
+Memory: tensors a lane's work allocates belong to that stream's pool and, past the join, are read
+only through the decoder's persistent state (or, for the kv lane, the projection's output, which is
+still referenced when the join makes the current stream wait for it); tensors of the current stream
+that a lane reads (the sublayer input, cos / sin) stay referenced until after its join.
 
-On the CPU (or with `enabled=False`, the single-stream step a bench compares with) `fork` runs its
-block inline and `join` does nothing.
+A lane numbered past `lanes` (and every lane on the CPU) runs its block inline: `lanes` = 0 is the
+single-stream step a bench compares with.
 """
 
 from __future__ import annotations
@@ -30,25 +33,32 @@ from collections.abc import Iterator
 
 import torch
 
+COMPRESS, KV = 0, 1  # the static steps' lanes
+MAX_LANES = 2
 
-class SideStream:
-    """A side stream of `device` (module docstring); inline where there is none."""
 
-    def __init__(self, device: torch.device, enabled: bool = True):
+class SideStreams:
+    """`lanes` side streams of `device` (module docstring)."""
+
+    def __init__(self, device: torch.device, lanes: int = MAX_LANES):
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 0 <= lanes <= MAX_LANES:
+            raise ValueError(f"side streams must be an int in [0, {MAX_LANES}], got {lanes!r}")
         device = torch.device(device)
-        self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
+        self.streams = [torch.cuda.Stream(device) for _ in range(lanes)] if device.type == "cuda" else []
 
     @contextlib.contextmanager
-    def fork(self) -> Iterator[None]:
-        """Run the block's work on the side stream, after what the current stream has enqueued."""
-        if self.stream is None:
+    def fork(self, lane: int) -> Iterator[None]:
+        """Run the block's work on lane `lane`, after what the current stream has enqueued."""
+        if lane >= len(self.streams):
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
+        stream = self.streams[lane]
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
             yield
 
-    def join(self) -> None:
-        """Make the current stream wait for everything forked so far."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+    def join(self, lane: int) -> None:
+        """Make the current stream wait for everything forked onto `lane` so far."""
+        if lane < len(self.streams):
+            stream = self.streams[lane]
+            torch.cuda.current_stream(stream.device).wait_stream(stream)

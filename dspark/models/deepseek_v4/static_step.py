@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.deepseek_v4.side_stream import SideStream
+from dspark.models.deepseek_v4.side_stream import COMPRESS, KV, MAX_LANES, SideStreams
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -64,18 +64,17 @@ class StaticDecoderBase(abc.ABC):
     """What every family's static decoder shares: the bucket's shape and state, `load`, the host-side
     `plan` and `step`; a subclass builds its state (`new_state`) and runs `forward`.
 
-    side_stream: run each layer's compressors on a second CUDA stream beside its q / kv projections
-    (`side_stream.SideStream`: the same results; False gives the single-stream step, for A/B).
+    side_streams: CUDA streams beside the step's own (`side_stream.SideStreams`: the same results):
+    2 (default) runs each layer's compressors on one and its kv projection on the other, beside its
+    q projection; 1 the compressors alone; 0 the single-stream step (for A/B).
     """
 
-    def __init__(self, model, shape: StaticShape, side_stream: bool = True):
+    def __init__(self, model, shape: StaticShape, side_streams: int = MAX_LANES):
         if not isinstance(shape, StaticShape):
             raise ValueError(f"shape must be a StaticShape, got {shape!r}")
-        if not isinstance(side_stream, bool):
-            raise ValueError(f"side_stream must be a bool, got {side_stream!r}")
+        self.side = SideStreams(model.device, side_streams)
         self.model = model
         self.shape = shape
-        self.side = SideStream(model.device, side_stream)
         self.state = self.new_state(model, shape)
         # The steps' constant index tensors (RoPE tables per group of equal ropes, ranges, the
         # segments of the step-index op), made here: never inside a captured step.
@@ -196,38 +195,39 @@ class StaticDecoder(StaticDecoderBase):
 
 
 def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayerState,
-                     side: SideStream | None = None) -> torch.Tensor:
+                     side: SideStreams | None = None) -> torch.Tensor:
     """`Attention.forward` on the static state: x [N, D] (after attn_norm) at the step's positions
     (`index`, [S, T]) -> [N, D].
 
     Writes the new window latents, compressor rows and completed entries of every slot first, then
     attends over the fixed-width key list [W | top-k picks (CSA) or all E entries (HCA)], −1 = none.
-    The compressors need only x: with `side` they run on its stream, beside the q / kv projections
-    and the indexer's queries, and the step joins it before the first read of their entries.
+    The compressors and the kv projection need only x: with `side` they run on its lanes, beside the
+    q projection and the indexer's queries, each joined before the first read of what it writes.
     """
     cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
-    side = side or SideStream(x.device, enabled=False)
+    side = side or SideStreams(x.device, 0)
     if attn.compressor is not None:
-        with side.fork():
+        with side.fork(COMPRESS):
             update_compressor(attn.compressor, state.compressor, index, x, attn.rope)
             if attn.indexer is not None:
                 update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
-    # the new window latents go straight to their ring rows from the kv norm + RoPE op (no copy after)
-    q_lora, q, _ = attn.project_qkv(x, cos, sin, kv_out=state.window.flat(),
-                                    kv_rows=index.ring_rows(state.window).reshape(-1))
+    with side.fork(KV):  # the new window latents go straight to their ring rows from the norm + RoPE op
+        attn.project_kv(x, cos, sin, kv_out=state.window.flat(), kv_rows=index.ring_rows(state.window).reshape(-1))
+    q_lora, q = attn.project_q(x, cos, sin)
     if attn.compressor is None:  # SWA: the window alone
         keys = index.window_keys(attn.window, state.window)  # [N, W]
     else:
         first, n_entries = state.window.slots * state.window.size, state.compressor.n_entries
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
             q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
-            side.join()
+            side.join(COMPRESS)
             keys = index.csa_keys(attn.window, state.window, min(attn.indexer.topk, n_entries))
             select_entries(attn.indexer, q_index, weights, state.indexer, index,
                            offset=index.entry_offsets(first, n_entries), out=keys[:, attn.window:])
         else:  # HCA: every complete entry (one key list for all HCA layers of the step)
-            side.join()
+            side.join(COMPRESS)
             keys = index.hca_keys(attn.window, state.window, attn.rate, n_entries, first)
+    side.join(KV)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from dspark.models.deepseek_v4.mhc import collapse
-from dspark.models.deepseek_v4.side_stream import SideStream
+from dspark.models.deepseek_v4.side_stream import COMPRESS, KV, SideStreams
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -138,25 +138,28 @@ class StaticDecoderV41(StaticDecoderBase):
 
 
 def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticStateV41, layer: int,
-                     shared: SharedSlots, side: SideStream | None = None) -> torch.Tensor:
+                     shared: SharedSlots, side: SideStreams | None = None) -> torch.Tensor:
     """CSA2 `Attention.forward` on the static state: x [N, D] (after attn_norm) at the step's
     positions (`index`, [S, T]) -> [N, D].
 
     Writes the new window latents (and, on a KV source, its rows, entries and index keys) first; an
     index source then picks into `shared` (topk [N, min(k, E)], candidates [N, E]) for the layers
     after it; the key list is [W window rows | the latest picks in the KV source's entries], −1 = none.
-    A KV source's publishing needs only x: with `side` it runs on that stream beside the projections
-    (`deepseek_v4.side_stream`), joined before the first read of the source.
+    A KV source's publishing and the window latents need only x: with `side` they run on its lanes
+    beside the q projection (`deepseek_v4.side_stream`), each joined before the first read of what it
+    writes.
     """
     cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
-    side = side or SideStream(x.device, enabled=False)
+    side = side or SideStreams(x.device, 0)
     publishes = attn.ratio and attn.compressor is not None
     if publishes:
-        with side.fork():
+        with side.fork(COMPRESS):
             publish(attn, x, index, state.sources[attn.role.kv_source])
-    q_lora, q, kv = attn.project_qkv(x, cos, sin)
     window = state.windows[layer]
-    window.write_rows(index.ring_rows(window), attn.quant.window(kv))  # the window cache is FP8 (QAT)
+    with side.fork(KV):
+        kv = attn.project_kv(x, cos, sin)
+        window.write_rows(index.ring_rows(window), attn.quant.window(kv))  # the window cache is FP8 (QAT)
+    q_lora, q = attn.project_q(x, cos, sin)
     keys = index.window_keys(attn.window, window)  # [N, W] rows of the layer's ring, −1 = none
     keys = offset_rows(keys, state.window_offsets[layer])
     if attn.ratio:
@@ -164,12 +167,13 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
         if attn.indexer is not None:
             queries = attn.indexer.queries(x, q_lora, cos, sin)
             if publishes:
-                side.join()
+                side.join(COMPRESS)
             select(attn.indexer, *queries, index, source, shared)
         elif publishes:
-            side.join()
+            side.join(COMPRESS)
         offset = index.entry_offsets(source.offset, source.n_entries)  # [N, 1]
         keys = torch.cat((keys, offset_rows(shared.topk, offset)), dim=-1)
+    side.join(KV)
     out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
 
