@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU steps of the twenty-third session (one H200 or H100; each part under the 10-minute call limit).
+# GPU steps written in the twenty-third session (one H200 or H100; each part under the 10-minute call
+# limit). That session was lent no machine: none of the parts has run yet.
 # flashinfer travels as wheels in .whl/ (flashinfer-python==0.6.18.post1, apache-tvm-ffi==0.1.15.post2,
 # `pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64`):
 #
@@ -16,7 +17,8 @@
 #    and each followed by `wo_a` in one graph (attention cost = pair − `wo_a` alone, both ways), % of
 #    4.4 TB/s and of this card's measured copy bandwidth.
 # b: each layer's compressors and its kv projection on side CUDA streams beside its q projection
-#    (`StaticDecoder(..., side_streams=2)`, the default; `dspark/models/deepseek_v4/side_stream.py`): the
+#    (`StaticDecoder(..., side_streams=2)`; `dspark/models/deepseek_v4/side_stream.py`, whose DEFAULT_LANES
+#    stays 0 until this part has run: set it from the timings below where the lanes win): the
 #    GPU tests of the static step graphs (V4, V4.1: 2, 1 and 0 side streams bit for bit, graph == eager
 #    without sync), then `bench/graph_decode.py --side-ab` (the graphs of decoders with 2, 1 and 0 side
 #    streams over the same state, timed in turn in one process; against the dynamic path too): v4-mini

@@ -155,15 +155,16 @@ def op_sites(fn, top: int = 40) -> dict:
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False,
          side_ab: bool = False) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context; with `side_ab` also
-    the graphs of decoders with one side stream and with none (`side_streams=1`, `0`) over the same
-    state, all three timed in turn."""
+    the graphs of decoders with 2, 1 and 0 side streams (`side_streams=`) over the same state, timed
+    in turn."""
     device, context = model.device, args["context"]
     n_tok = args["tokens"]
     shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=n_tok)
     family = StaticDecoderV41 if isinstance(model, DeepseekV41ForCausalLM) else StaticDecoder
     decoder = family(model, shape)
     graph = StepGraph(decoder, n_tok) if graphs else None  # before loading: its warm-up writes every slot
-    others = {lanes: family(model, shape, side_streams=lanes) for lanes in ((1, 0) if graphs and side_ab else ())}
+    # --side-ab: decoders with 2, 1 and 0 side streams (`StaticDecoder(side_streams=)`) besides the default one
+    others = {lanes: family(model, shape, side_streams=lanes) for lanes in ((2, 1, 0) if graphs and side_ab else ())}
     other_graphs = {lanes: StepGraph(other, n_tok) for lanes, other in others.items()}
     vocab, token_map = model.config.vocab_size, _token_map(model)
     states = [fabricate_state(model.new_state(), context, g, vocab, token_map) for _ in range(n_req)]
@@ -189,18 +190,16 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
     if graph is not None:
         row["graph_max_abs_diff"] = (graph.replay(ids, starts) - reference).abs().max().item()
         row["graph_ms"] = timed(graph.replay, device, args["warmup"], args["steps"])
-    if other_graphs:  # rounds of (default, 1 lane, none), each graph's time the median over the rounds
+    if other_graphs:  # three rounds over (2, 1, 0 side streams), each graph's time the median of its three
         reference_graph = graph.replay(ids, starts).clone()
         row["side_lanes_equal"] = all(torch.equal(g_.replay(ids, starts), reference_graph) for g_ in other_graphs.values())
-        times = {2: [row["graph_ms"]], 1: [], 0: []}
-        for _ in range(2):
-            for lanes, g_ in ((1, other_graphs[1]), (0, other_graphs[0]), (2, graph)):
+        times = {lanes: [] for lanes in other_graphs}
+        for _ in range(3):
+            for lanes, g_ in other_graphs.items():
                 times[lanes].append(timed(g_.replay, device, args["warmup"], args["steps"]))
-        times[1].append(timed(other_graphs[1].replay, device, args["warmup"], args["steps"]))
-        times[0].append(timed(other_graphs[0].replay, device, args["warmup"], args["steps"]))
-        row["graph_ms"] = statistics.median(times[2])
-        row["graph_ms_one_side_stream"], row["graph_ms_single_stream"] = (statistics.median(times[k]) for k in (1, 0))
-        row["side_streams_speedup"] = row["graph_ms_single_stream"] / row["graph_ms"]
+        for lanes in other_graphs:
+            row[f"graph_ms_{lanes}_side_streams"] = statistics.median(times[lanes])
+        row["side_streams_speedup"] = row["graph_ms_0_side_streams"] / row["graph_ms_2_side_streams"]
     if profile:
         target = graph.replay if graph is not None else (lambda: decoder.step(ids, starts))
         row["profile"] = kernel_profile(target, device, args["steps"])
@@ -240,7 +239,7 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every Triton kernel without programmatic dependent launch (A/B of PDL)")
     ap.add_argument("--side-ab", action="store_true",
-                    help="also time the graphs of decoders with 1 and 0 side streams, in turn with the default (2)")
+                    help="also time the graphs of decoders with 2, 1 and 0 side streams (StaticDecoder(side_streams=)), in turn")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="no weight prefetch before the PDL wait (triton_compat.pdl_prefetch; A/B of it)")
     cli = ap.parse_args()

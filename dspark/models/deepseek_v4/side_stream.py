@@ -35,6 +35,10 @@ import torch
 
 COMPRESS, KV = 0, 1  # the static steps' lanes
 MAX_LANES = 2
+# The static decoders' default: none until a GPU run has compared the lanes' steps with the
+# single-stream one (their GPU test and `bench/gpu_session23.sh b`, written, not yet run: the session
+# that wrote them was lent no machine), as the kernel registry keeps unrun kernels off.
+DEFAULT_LANES = 0
 
 
 class SideStreams:

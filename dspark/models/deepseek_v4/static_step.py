@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.deepseek_v4.side_stream import COMPRESS, KV, MAX_LANES, SideStreams
+from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, SideStreams
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -65,11 +65,12 @@ class StaticDecoderBase(abc.ABC):
     `plan` and `step`; a subclass builds its state (`new_state`) and runs `forward`.
 
     side_streams: CUDA streams beside the step's own (`side_stream.SideStreams`: the same results):
-    2 (default) runs each layer's compressors on one and its kv projection on the other, beside its
-    q projection; 1 the compressors alone; 0 the single-stream step (for A/B).
+    2 runs each layer's compressors on one and its kv projection on the other, beside its q
+    projection; 1 the compressors alone; 0 the single-stream step (default until its GPU run:
+    `side_stream.DEFAULT_LANES`).
     """
 
-    def __init__(self, model, shape: StaticShape, side_streams: int = MAX_LANES):
+    def __init__(self, model, shape: StaticShape, side_streams: int = DEFAULT_LANES):
         if not isinstance(shape, StaticShape):
             raise ValueError(f"shape must be a StaticShape, got {shape!r}")
         self.side = SideStreams(model.device, side_streams)
