@@ -23,7 +23,8 @@
 #    without sync), then `bench/graph_decode.py --side-ab` (the graphs of decoders with 2, 1 and 0 side
 #    streams over the same state, timed in turn in one process; against the dynamic path too): v4-mini
 #    at 1 and 8 requests, the 4-token verify block at 1, v41-mini at 1.
-# c: the GPU tests of the engine on graphs (every static step now forks and joins side streams).
+# c: the GPU tests of the engine on graphs: run after DEFAULT_LANES is set from part b (the engine's
+#    static steps then fork and join the side streams).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
