@@ -26,7 +26,6 @@ from dspark.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from dspark.models.deepseek_v41 import checkpoint as deepseek_v41_checkpoint
 from dspark.models.deepseek_v41.config import DeepseekV41Config
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from dspark.models.hf_causal import is_transformers_causal_lm, load_hf_directory, wrap_hf_model
 
 CONFIG_FILE = "config.json"
 DRAFTER_DIR = "drafter"
@@ -191,6 +190,8 @@ def load_model(
     ``model_type``, an unknown option or weights that do not match the config (every bad key named).
     """
     if isinstance(path, torch.nn.Module):
+        from dspark.models.hf_causal import wrap_hf_model  # imports transformers: only for its targets
+
         return wrap_hf_model(path, device, dtype, **options)
     if isinstance(path, str) and path == RANDOM_TINY:
         return _random_tiny(device, dtype)
@@ -198,7 +199,9 @@ def load_model(
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     config = _read_config(path)
-    if config.get("model_type") not in MODEL_FAMILIES and is_transformers_causal_lm(config.get("model_type")):
+    if config.get("model_type") not in MODEL_FAMILIES and _transformers_causal_lm(config.get("model_type")):
+        from dspark.models.hf_causal import load_hf_directory
+
         model = load_hf_directory(path, *_placement(device, dtype), **options)
     else:
         family = _family(config, str(path / CONFIG_FILE))
@@ -210,6 +213,14 @@ def load_model(
         # model's own DSpark drafter, which `generate` picks by default.
         model.dspark = load_drafter(path / DRAFTER_DIR, model)
     return model.eval().requires_grad_(False)
+
+
+def _transformers_causal_lm(model_type) -> bool:
+    """Whether transformers knows `model_type` as a causal LM (imports transformers: ~0.5 s on a
+    CPU, so only for a model type no family of ours takes)."""
+    from dspark.models.hf_causal import is_transformers_causal_lm
+
+    return is_transformers_causal_lm(model_type)
 
 
 def _random_tiny(device, dtype) -> torch.nn.Module:

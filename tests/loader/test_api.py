@@ -69,6 +69,16 @@ def test_tokenizer_config_selects_the_transformers_tokenizer(plain_dir, tmp_path
     assert model.tokenizer.encode("hello world", add_special_tokens=False) == [1, 2]
 
 
+def test_importing_the_cli_does_not_import_transformers():
+    """transformers (~0.5 s to import on a CPU) is imported where a model needs it (its tokenizer, a
+    transformers target), not by `import dspark` or the CLI's imports."""
+    import subprocess
+    import sys
+
+    code = "import sys, dspark.cli; print('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["False"]
+
+
 def test_unknown_model_type_is_named(plain_dir, tmp_path):
     path = tmp_path / "other"
     path.mkdir()
