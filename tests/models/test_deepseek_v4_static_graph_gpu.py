@@ -28,10 +28,10 @@ def test_static_step_graph_replay_equals_eager_without_sync(gather):
 @pytest.mark.parametrize("family", ["v4", "v41"])
 @torch.no_grad()
 def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
-    """`StaticDecoder(side_streams=2)` (the default) runs each layer's compressors (V4: both of a CSA
-    layer; V4.1: a KV source's publishing) on one side stream and its kv projection on another, and its
-    logits, eager and replayed from a graph, equal the 1-lane and single-stream decoders' bit for bit
-    over verify and decode rounds."""
+    """`StaticDecoder(side_streams=2)` runs each layer's compressors (V4: both of a CSA layer; V4.1: a
+    KV source's publishing) on one side stream and its kv projection and indexer queries on another,
+    and its logits, eager and replayed from a graph, equal the 1-lane and single-stream decoders' bit
+    for bit over verify and decode rounds."""
     from dspark.engine.graphs import StepGraph
     from dspark.models.deepseek_v4 import static_step
     from dspark.models.deepseek_v4.static_state import StaticShape
@@ -44,12 +44,15 @@ def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
         model = dspark.init_model("tiny-v41", seed=0, device="cuda", prefill_mode="exact", cache_qat=False,
                                   engram_tables="device", kernels=KernelConfig.for_device("cuda"))
         decoder_cls, module, branch = static_step_v41.StaticDecoderV41, static_step_v41, "publish"
-    seen = []  # (the decoder's lanes, the stream the compressors ran on, the one the kv projection ran on)
-    work, project_kv = getattr(module, branch), type(model.layers[0].attn).project_kv
+    seen = []  # (which part, the stream it ran on): compressors on lane 0, the kv projection and the
+    # indexer's queries on lane 1, each on the step's own stream where the decoder has fewer lanes
+    work = getattr(module, branch)
     monkeypatch.setattr(module, branch, lambda *a, **k: seen.append(("compress", torch.cuda.current_stream()))
                         or work(*a, **k))
-    monkeypatch.setattr(type(model.layers[0].attn), "project_kv",
-                        lambda *a, **k: seen.append(("kv", torch.cuda.current_stream())) or project_kv(*a, **k))
+    indexer = next(layer.attn.indexer for layer in model.layers if layer.attn.indexer is not None)
+    for owner, name, kind in ((type(model.layers[0].attn), "project_kv", "kv"), (type(indexer), "queries", "queries")):
+        monkeypatch.setattr(owner, name, lambda *a, f=getattr(owner, name), kind=kind, **k:
+                            seen.append((kind, torch.cuda.current_stream())) or f(*a, **k))
     lengths = (5, 21)
     g = torch.Generator().manual_seed(1)
     decoders = [decoder_cls(model, StaticShape(slots=2, max_context=96, tokens=4), side_streams=n) for n in (2, 1, 0)]
@@ -69,7 +72,7 @@ def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
             eager.append(decoder.step(ids, dev_starts))
             lanes = [s for s in decoder.side.streams]
             kinds = {kind for kind, _ in seen}
-            assert kinds == {"compress", "kv"}
+            assert kinds == {"compress", "kv", "queries"}
             for kind, stream in seen:
                 lane = 0 if kind == "compress" else 1
                 assert stream == (lanes[lane] if lane < len(lanes) else main), (len(lanes), kind)

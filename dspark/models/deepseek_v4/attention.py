@@ -128,12 +128,20 @@ class LatentAttention(nn.Module):
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`project_qkv`'s (c_q [N, q_lora], q [N, H, d])."""
-        q_lora = self.q_norm(self.wq_a(x))  # [N, q_lora]
+        q_lora = self.project_q_lora(x)
+        return q_lora, self.project_q_heads(q_lora, cos, sin)
+
+    def project_q_lora(self, x: torch.Tensor) -> torch.Tensor:
+        """c_q = q_norm(x·wq_aᵀ) [N, q_lora]: `project_q`'s first half, also the indexer's input."""
+        return self.q_norm(self.wq_a(x))
+
+    def project_q_heads(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): `project_q`'s second half."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q_cos, q_sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [N, 1, rd/2]: one row for all heads
         if self.q_head_norm:  # per-head unweighted RMS (spec §5), then RoPE
-            return q_lora, self.norm_rope_op(q, None, q_cos, q_sin, eps=self.eps)  # [N, H, d]
-        return q_lora, self.rope_op(q, q_cos, q_sin)
+            return self.norm_rope_op(q, None, q_cos, q_sin, eps=self.eps)  # [N, H, d]
+        return self.rope_op(q, q_cos, q_sin)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_out: torch.Tensor | None = None,
                    kv_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,23 +4,27 @@
     with side.fork(COMPRESS):                # enqueued after everything the current stream has so far
         update_compressor(...)               # runs beside what the current stream enqueues next
     with side.fork(KV):
-        kv = attn.project_kv(...)            # a second lane beside both
+        attn.project_kv(...)                 # a second lane beside both (its rows to the window ring)
     q = attn.project_q(...)                  # current stream
     side.join(COMPRESS); side.join(KV)       # the current stream waits for the lanes' work
-    attend(q, kv, entries)
+    attend(q, window, entries)
 
 At one decode token a layer's kernels are latency-bound (a few µs each, most SMs idle). Its
 compressors (projection, pooling, norm: three launches each, two on a CSA layer) and its kv
-projection (projection, norm + RoPE) need only the sublayer input, as does the q projection; in one
-stream every launch waits for the one before it, forked onto lanes they overlap. Under CUDA-graph
+projection (projection, norm + RoPE) need only the sublayer input, as does the q projection, and the
+indexer's queries (its wq_b, RoPE, head weights) only that and c_q, beside the q heads' wq_b and norm;
+in one stream every launch waits for the one before it, forked onto lanes they overlap. Under CUDA-graph
 capture a fork and a join become edges of the graph (branches), so the replay keeps the overlap at
 no host cost. The math is unchanged: each kernel reads and writes what it did in one stream, so the
 step's results are the same bits.
 
-Memory: tensors a lane's work allocates belong to that stream's pool and, past the join, are read
-only through the decoder's persistent state (or, for the kv lane, the projection's output, which is
-still referenced when the join makes the current stream wait for it); tensors of the current stream
-that a lane reads (the sublayer input, cos / sin) stay referenced until after its join.
+Ordering and memory, from two rules the static steps keep: a lane's work is always forked from the
+current stream's latest point (`fork` makes the lane wait for it), and the current stream joins every
+lane it forked before the attention of the layer reads anything (and so before the sublayer input or
+any other tensor a lane read can be freed and its memory reused by the current stream). Then a tensor
+a lane allocates and the current stream reads after the join (the indexer's queries) may return to the
+lane's pool when it is dropped: the lane's next work that could reuse it comes after a later fork,
+i.e. after the current stream's reads. Results that outlive the layer go to the decoder's state.
 
 A lane numbered past `lanes` (and every lane on the CPU) runs its block inline: `lanes` = 0 is the
 single-stream step a bench compares with.

@@ -202,8 +202,9 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
 
     Writes the new window latents, compressor rows and completed entries of every slot first, then
     attends over the fixed-width key list [W | top-k picks (CSA) or all E entries (HCA)], −1 = none.
-    The compressors and the kv projection need only x: with `side` they run on its lanes, beside the
-    q projection and the indexer's queries, each joined before the first read of what it writes.
+    The compressors and the kv projection need only x, the indexer's queries only x and c_q: with
+    `side` they run on its lanes beside the q projection, each joined before the first read of what
+    it writes.
     """
     cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
     side = side or SideStreams(x.device, 0)
@@ -214,13 +215,17 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
                 update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
     with side.fork(KV):  # the new window latents go straight to their ring rows from the norm + RoPE op
         attn.project_kv(x, cos, sin, kv_out=state.window.flat(), kv_rows=index.ring_rows(state.window).reshape(-1))
-    q_lora, q = attn.project_q(x, cos, sin)
+    q_lora = attn.project_q_lora(x)
+    if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
+        with side.fork(KV):
+            q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
+    q = attn.project_q_heads(q_lora, cos, sin)
     if attn.compressor is None:  # SWA: the window alone
         keys = index.window_keys(attn.window, state.window)  # [N, W]
     else:
         first, n_entries = state.window.slots * state.window.size, state.compressor.n_entries
         if attn.indexer is not None:  # CSA: the indexer's top-k of the complete entries
-            q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
+            side.join(KV)
             side.join(COMPRESS)
             keys = index.csa_keys(attn.window, state.window, min(attn.indexer.topk, n_entries))
             select_entries(attn.indexer, q_index, weights, state.indexer, index,

@@ -145,9 +145,9 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     Writes the new window latents (and, on a KV source, its rows, entries and index keys) first; an
     index source then picks into `shared` (topk [N, min(k, E)], candidates [N, E]) for the layers
     after it; the key list is [W window rows | the latest picks in the KV source's entries], −1 = none.
-    A KV source's publishing and the window latents need only x: with `side` they run on its lanes
-    beside the q projection (`deepseek_v4.side_stream`), each joined before the first read of what it
-    writes.
+    A KV source's publishing and the window latents need only x, the indexer's queries only x and c_q:
+    with `side` they run on its lanes beside the q projection (`deepseek_v4.side_stream`), each joined
+    before the first read of what it writes.
     """
     cos, sin = index.cos_sin(attn.rope)  # [N, rd/2] fp32
     side = side or SideStreams(x.device, 0)
@@ -159,13 +159,17 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     with side.fork(KV):
         kv = attn.project_kv(x, cos, sin)
         window.write_rows(index.ring_rows(window), attn.quant.window(kv))  # the window cache is FP8 (QAT)
-    q_lora, q = attn.project_q(x, cos, sin)
+    q_lora = attn.project_q_lora(x)
+    if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
+        with side.fork(KV):
+            queries = attn.indexer.queries(x, q_lora, cos, sin)
+    q = attn.project_q_heads(q_lora, cos, sin)
     keys = index.window_keys(attn.window, window)  # [N, W] rows of the layer's ring, −1 = none
     keys = offset_rows(keys, state.window_offsets[layer])
     if attn.ratio:
         source = state.sources[attn.role.kv_source]
         if attn.indexer is not None:
-            queries = attn.indexer.queries(x, q_lora, cos, sin)
+            side.join(KV)
             if publishes:
                 side.join(COMPRESS)
             select(attn.indexer, *queries, index, source, shared)
