@@ -192,7 +192,8 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
         row["graph_ms"] = timed(graph.replay, device, args["warmup"], args["steps"])
     if other_graphs:  # three rounds over (2, 1, 0 side streams), each graph's time the median of its three
         reference_graph = graph.replay(ids, starts).clone()
-        row["side_lanes_equal"] = all(torch.equal(g_.replay(ids, starts), reference_graph) for g_ in other_graphs.values())
+        row["side_lanes_equal"] = all(torch.equal(g_.replay(ids, starts), reference_graph)
+                                      for g_ in other_graphs.values())
         times = {lanes: [] for lanes in other_graphs}
         for _ in range(3):
             for lanes, g_ in other_graphs.items():
@@ -239,7 +240,8 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every Triton kernel without programmatic dependent launch (A/B of PDL)")
     ap.add_argument("--side-ab", action="store_true",
-                    help="also time the graphs of decoders with 2, 1 and 0 side streams (StaticDecoder(side_streams=)), in turn")
+                    help="also time the graphs of decoders with 2, 1 and 0 side streams "
+                         "(StaticDecoder(side_streams=)), in turn")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="no weight prefetch before the PDL wait (triton_compat.pdl_prefetch; A/B of it)")
     cli = ap.parse_args()

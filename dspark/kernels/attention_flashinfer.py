@@ -209,10 +209,11 @@ class SparseAttentionFlashinfer:
         plan = self._check_run(q)
         return apply_sink(*self.kernel(q, pool), sink, plan.lengths)
 
-    def run_deferred(self, q: torch.Tensor, pool: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_deferred(self, q: torch.Tensor, pool: torch.Tensor,
+                     sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`run` without the pass over the output: (out [S, H, 512] without the sink, rows without keys
-        attending their filler key; weights [S, H] fp32, 0 on those rows). out · weights is `run`'s result (rounded as
-        `apply_sink` rounds): the caller's next op applies it (module docstring)."""
+        attending their filler key; weights [S, H] fp32, 0 on those rows). out · weights, rounded as
+        `apply_sink` rounds, is `run`'s result: the caller's next op applies it (module docstring)."""
         plan = self._check_run(q)
         out, lse = self.kernel(q, pool)
         return out, sink_weights(lse, sink, plan.lengths)

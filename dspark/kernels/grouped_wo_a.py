@@ -2,18 +2,19 @@
 
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
-* ``grouped_wo_a(out, cos, sin, weight, head_scale=None) -> y``: optionally scale each head of each row
-  by head_scale[n, h] (fp32 product rounded to out's dtype: how an attention backend that returns
-  its output without the sink hands the sink weight over, `attention_flashinfer.sink_weights`), undo the
-  rotation that the values carried into the attention output (angle −p·θ on the last rd dims of each head, at the query position p), split
+* ``grouped_wo_a(out, cos, sin, weight, head_scale=None) -> y``: optionally scale each head of each
+  row by head_scale[n, h] (fp32 product rounded to out's dtype: how an attention backend that
+  returns its output without the sink hands the sink weight over, `attention_flashinfer.sink_weights`),
+  undo the rotation that the values carried into the attention output (angle −p·θ on the last rd
+  dims of each head, at the query position p), split
   the heads into G groups of H/G consecutive heads and project group g with its own row block
   ``weight[g·R:(g+1)·R]`` (block-diagonal `wo_a`). Returns y [N, G·R] token-major: row n is
   [y_0 | y_1 | … | y_{G−1}], `wo_b`'s input.
 
-Shape: out [N, H, d] bf16/fp32 (contiguous); head_scale [N, H] fp32 or None; cos, sin [N, rd/2] fp32 (`Rope.cos_sin` of the query
-positions: the op negates sin itself); weight [G·R, H·d/G] in out's dtype (V4-Flash [8192, 4096]:
-H 64, d 512, G 8, R 1024; under tensor parallelism a rank's row block [G/t·R, H·d/G] with its
-H/t heads). G = H·d / weight.shape[1]. y [N, G·R] in out's dtype.
+Shape: out [N, H, d] bf16/fp32 (contiguous); head_scale [N, H] fp32 or None; cos, sin [N, rd/2]
+fp32 (`Rope.cos_sin` of the query positions: the op negates sin itself); weight [G·R, H·d/G] in
+out's dtype (V4-Flash [8192, 4096]: H 64, d 512, G 8, R 1024; under tensor parallelism a rank's
+row block [G/t·R, H·d/G] with its H/t heads). G = H·d / weight.shape[1]. y [N, G·R] in out's dtype.
 
 Shape symbols: N rows, H heads, d head_dim, rd rotary dims, G groups, K = H·d/G group width,
 R o_lora_rank.
@@ -64,7 +65,8 @@ def _check_args(out, cos, sin, weight, head_scale=None) -> int:
     if weight.dtype != out.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must equal out's dtype {out.dtype}")
     if head_scale is not None and (head_scale.shape != (n, heads) or head_scale.dtype != torch.float32):
-        raise ValueError(f"head_scale must be fp32 [N={n}, H={heads}], got {head_scale.dtype} {tuple(head_scale.shape)}")
+        raise ValueError(f"head_scale must be fp32 [N={n}, H={heads}], got {head_scale.dtype} "
+                         f"{tuple(head_scale.shape)}")
     return groups
 
 

@@ -25,9 +25,10 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import (attention, attention_flashinfer, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
-                            indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe, moe_decode,
-                            moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index, triton_available)
+from dspark.kernels import (attention, attention_flashinfer, attention_wide, cache_round, compressor, grouped_wo_a,
+                            hc_head_norm, indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe,
+                            moe_decode, moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index,
+                            triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -292,7 +293,8 @@ def run_every_tile_class():
         grouped_wo_a.grouped_wo_a(out, cos, sin, weight)
         if dtype == torch.bfloat16:  # with the sink's per-head factor of flashinfer's attention (deferred)
             lse = torch.randn(n_tok, heads, generator=g).to(DEVICE)
-            sink, lengths = torch.randn(heads, generator=g).to(DEVICE), torch.ones(n_tok, dtype=torch.int32, device=DEVICE)
+            sink = torch.randn(heads, generator=g).to(DEVICE)
+            lengths = torch.ones(n_tok, dtype=torch.int32, device=DEVICE)
             grouped_wo_a.grouped_wo_a(out, cos, sin, weight, attention_flashinfer.sink_weights(lse, sink, lengths))
             attention_flashinfer.apply_sink(out, lse, sink, lengths)
     # RMSNorm: V4-Flash / v4-mini hidden (weighted, one row per program), V4-Pro's 7168 (the widest

@@ -76,7 +76,8 @@ def test_importing_the_cli_does_not_import_transformers():
     import sys
 
     code = "import sys, dspark.cli; print('transformers' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["False"]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
 
 
 def test_unknown_model_type_is_named(plain_dir, tmp_path):
