@@ -130,6 +130,8 @@ def test_a_v4_step_builds_its_indices_in_one_launch_and_one_gather(monkeypatch):
     assert index_sites == {"models/deepseek_v4/static_index.py:_gather_rope_rows": 1}, index_sites
     assert counter.sites["models/deepseek_v4/static_step.py:forward"] == 2  # embedding, clone: no arange, add
     assert launches == [1]
+    # Nothing is built on first use, so a decoder may run side streams over this index (`side_stream.py`).
+    assert StaticDecoder(model, StaticShape(slots=1, max_context=64, tokens=1), side_streams=2).side_streams == 2
 
 
 @pytest.mark.gpu

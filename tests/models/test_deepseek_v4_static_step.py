@@ -103,6 +103,10 @@ def test_static_step_rejects_bad_inputs(model):
         with pytest.raises(ValueError, match=rf"side streams must be an int in \[0, 2\], got {bad!r}"):
             StaticDecoder(model, StaticShape(slots=1, max_context=8, tokens=1), side_streams=bad)
     assert decoder.side.streams == []  # the CPU has no streams: the lanes' work runs inline
+    # An unplanned step index (step_index "ref": tensors built on first use by whichever stream asks)
+    # keeps the single stream; the planned one takes the lanes asked for.
+    assert model.kernels.step_index == "ref"
+    assert StaticDecoder(model, StaticShape(slots=1, max_context=8, tokens=1), side_streams=2).side_streams == 0
 
 
 def test_position_indices_are_built_once_per_step_not_per_layer(model, monkeypatch):

@@ -25,6 +25,9 @@ any other tensor a lane read can be freed and its memory reused by the current s
 a lane allocates and the current stream reads after the join (the indexer's queries) may return to the
 lane's pool when it is dropped: the lane's next work that could reuse it comes after a later fork,
 i.e. after the current stream's reads. Results that outlive the layer go to the decoder's state.
+The step's `StepIndex` must be planned (`StepTables.planned`): its tensors are then views of one buffer
+built before any fork, where an unplanned one builds each on first use, on whichever stream asks,
+and another stream could read it before its join (`StaticDecoderBase` keeps such a step on one stream).
 
 A lane numbered past `lanes` (and every lane on the CPU) runs its block inline: `lanes` = 0 is the
 single-stream step a bench compares with.

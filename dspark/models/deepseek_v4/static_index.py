@@ -101,6 +101,7 @@ class StepTables:
             # The reference op would build each segment with about as many torch ops as the builds
             # below: at "ref" the step keeps those (the op makes the positions only), as before it.
             plan = None
+        self.planned = plan is not None  # every index tensor a step asks for is a view of the op's output
         rope_rows = []
         for rope, rate in (plan.ropes if plan is not None else ()):
             row = self.rope_segment(rope, rate)

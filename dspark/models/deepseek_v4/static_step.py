@@ -67,19 +67,23 @@ class StaticDecoderBase(abc.ABC):
     side_streams: CUDA streams beside the step's own (`side_stream.SideStreams`: the same results):
     2 runs each layer's compressors on one and its kv projection on the other, beside its q
     projection; 1 the compressors alone; 0 the single-stream step (default until its GPU run:
-    `side_stream.DEFAULT_LANES`).
+    `side_stream.DEFAULT_LANES`). `self.side_streams` is the count in use: 0 where the step index is
+    not planned (`KernelConfig.step_index="ref"`), whose tensors are built on first use, on whichever
+    stream asks first, where another stream could read them before its join.
     """
 
     def __init__(self, model, shape: StaticShape, side_streams: int = DEFAULT_LANES):
         if not isinstance(shape, StaticShape):
             raise ValueError(f"shape must be a StaticShape, got {shape!r}")
-        self.side = SideStreams(model.device, side_streams)
+        SideStreams(torch.device("cpu"), side_streams)  # validates the count before anything is built
         self.model = model
         self.shape = shape
         self.state = self.new_state(model, shape)
         # The steps' constant index tensors (RoPE tables per group of equal ropes, ranges, the
         # segments of the step-index op), made here: never inside a captured step.
         self.index_tables = StepTables(model, shape, self.index_plan())
+        self.side_streams = side_streams if self.index_tables.planned else 0
+        self.side = SideStreams(model.device, self.side_streams)
 
     @abc.abstractmethod
     def new_state(self, model, shape: StaticShape):
