@@ -250,20 +250,12 @@ def projected_rows(op, q, pool, sink, n_bytes: int, device, copy_bps: float) -> 
 
 
 def copy_bytes_per_s(device, n_bytes: int = 1 << 30) -> float:
-    """This card's device-to-device copy bandwidth (bytes read + written per second, median of 10):
-    the ceiling `*_pct_copy` divides by, so that a card other than the H200 (whose 4.4 TB/s the
-    `*_pct_hbm` fields assume) is measured against its own."""
+    """This card's device-to-device copy bandwidth (bytes read + written per second, `gpu_timer`'s
+    median): the ceiling `*_pct_copy` divides by, so that a card other than the H200 (whose 4.4 TB/s
+    the `*_pct_hbm` fields assume) is measured against its own."""
     src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * n_bytes / statistics.median(times[2:])
+    return 2 * n_bytes / gpu_timer(lambda: dst.copy_(src))
 
 
 # Launch shapes of the fused kernel compared at B = 8 and 128 (CSA): each compiles for sm_90

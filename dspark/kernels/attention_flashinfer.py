@@ -72,9 +72,8 @@ def _sink_kernel(out_ptr, lse_ptr, sink_ptr, len_ptr, n_heads, head_dim,
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < n_heads
     lse = tl.load(lse_ptr + s * n_heads + offs_h, mask=h_mask, other=0.0)
-    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-    weight = 1.0 / (1.0 + tl.exp(sink - lse))
-    weight = tl.where(tl.load(len_ptr + s) > 0, weight, 0.0)
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
+    weight = _sink_weight(lse, sink, tl.load(len_ptr + s))
     rows = (s * n_heads + offs_h)[:, None] * head_dim
     for d0 in range(0, head_dim, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -84,15 +83,22 @@ def _sink_kernel(out_ptr, lse_ptr, sink_ptr, len_ptr, n_heads, head_dim,
 
 
 @_jit
+def _sink_weight(lse, sink, n_keys):
+    """sigmoid(lse − sink) in fp32, 0 where the row has no keys: the one expression both kernels use,
+    so `sink_weights` gives the factor `apply_sink` multiplies by, bit for bit."""
+    weight = 1.0 / (1.0 + tl.exp(sink.to(tl.float32) - lse))
+    return tl.where(n_keys > 0, weight, 0.0)
+
+
+@_jit
 def _sink_weights_kernel(lse_ptr, sink_ptr, len_ptr, w_ptr, n_heads, n_elems, BLOCK: tl.constexpr):
-    """w[s, h] = sigmoid(lse[s, h] − sink[h]), 0 where row s has no keys (as `_sink_kernel` computes it)."""
+    """w[s, h] = `_sink_weight` of row s, head h."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elems
     lse = tl.load(lse_ptr + offs, mask=mask, other=0.0)
-    sink = tl.load(sink_ptr + offs % n_heads, mask=mask, other=0.0).to(tl.float32)
-    weight = 1.0 / (1.0 + tl.exp(sink - lse))
-    weight = tl.where(tl.load(len_ptr + offs // n_heads, mask=mask, other=0) > 0, weight, 0.0)
-    tl.store(w_ptr + offs, weight, mask=mask)
+    sink = tl.load(sink_ptr + offs % n_heads, mask=mask, other=0.0)
+    n_keys = tl.load(len_ptr + offs // n_heads, mask=mask, other=0)
+    tl.store(w_ptr + offs, _sink_weight(lse, sink, n_keys), mask=mask)
 
 
 def sink_weights_ref(lse: torch.Tensor, sink: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -220,7 +226,8 @@ class SparseAttentionFlashinfer:
 
     def kernel(self, q: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """flashinfer's planned kernel alone: (out [S, H, 512] without the sink, lse [S, H] fp32,
-        natural log). `run` adds the sink; the bench times this part by itself."""
+        natural log; reference `attention_ref.sparse_attention_lse_ref`). `run` adds the sink; the
+        bench times this part by itself."""
         empty_q = q.new_empty((*q.shape[:2], 0))
         empty_kpe = pool.new_empty((pool.shape[0], 1, 0))
         return self._wrapper.run(q.contiguous(), empty_q, pool.contiguous().view(pool.shape[0], 1, HEAD_DIM),

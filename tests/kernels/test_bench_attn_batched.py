@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dspark.kernels import attention_flashinfer, triton_available
+from dspark.kernels.attention_ref import sparse_attention_lse_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -34,10 +35,7 @@ class StandIn:
         self.index, self.lengths = index, (index >= 0).sum(dim=1, dtype=torch.int32)
 
     def kernel(self, q, pool):
-        keys = pool[self.index.clamp(min=0)].float()  # [S, K, d]
-        scores = torch.einsum("shd,skd->shk", q.float(), keys) * q.shape[-1] ** -0.5
-        scores = scores.masked_fill((self.index < 0).unsqueeze(1), float("-inf"))
-        return torch.einsum("shk,skd->shd", scores.softmax(-1), keys).to(q.dtype), scores.logsumexp(-1)
+        return sparse_attention_lse_ref(q, pool, self.index, q.shape[-1] ** -0.5)
 
     def run(self, q, pool, sink):
         return attention_flashinfer.apply_sink(*self.kernel(q, pool), sink, self.lengths)

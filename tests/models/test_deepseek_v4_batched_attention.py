@@ -189,14 +189,10 @@ class DeferredSinkAttention:
 
     def deferred(self, q, pool, index, sink, scale):
         from dspark.kernels.attention_flashinfer import sink_weights_ref
+        from dspark.kernels.attention_ref import sparse_attention_lse_ref
 
         self.deferred_calls += 1
-        keys = pool[index.clamp(min=0)].float()  # [S, K, d]
-        scores = torch.einsum("shd,skd->shk", q.float(), keys) * scale
-        scores = scores.masked_fill((index < 0).unsqueeze(1), float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [S, H]; −inf on rows without keys
-        probs = torch.nan_to_num(torch.softmax(scores, dim=-1))
-        out = torch.einsum("shk,skd->shd", probs, keys).to(q.dtype)
+        out, lse = sparse_attention_lse_ref(q, pool, index, scale)
         return out, sink_weights_ref(lse, sink, (index >= 0).sum(dim=-1))
 
 

@@ -48,12 +48,18 @@ MAX_LANES = 2
 DEFAULT_LANES = 0
 
 
+def check_lanes(lanes) -> int:
+    """`lanes` when it is an int in [0, MAX_LANES], else a ValueError naming it."""
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 0 <= lanes <= MAX_LANES:
+        raise ValueError(f"side streams must be an int in [0, {MAX_LANES}], got {lanes!r}")
+    return lanes
+
+
 class SideStreams:
     """`lanes` side streams of `device` (module docstring)."""
 
     def __init__(self, device: torch.device, lanes: int = MAX_LANES):
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 0 <= lanes <= MAX_LANES:
-            raise ValueError(f"side streams must be an int in [0, {MAX_LANES}], got {lanes!r}")
+        check_lanes(lanes)
         device = torch.device(device)
         self.streams = [torch.cuda.Stream(device) for _ in range(lanes)] if device.type == "cuda" else []
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, SideStreams
+from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, SideStreams, check_lanes
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -75,7 +75,7 @@ class StaticDecoderBase(abc.ABC):
     def __init__(self, model, shape: StaticShape, side_streams: int = DEFAULT_LANES):
         if not isinstance(shape, StaticShape):
             raise ValueError(f"shape must be a StaticShape, got {shape!r}")
-        SideStreams(torch.device("cpu"), side_streams)  # validates the count before anything is built
+        check_lanes(side_streams)  # before anything is built
         self.model = model
         self.shape = shape
         self.state = self.new_state(model, shape)
