@@ -25,14 +25,8 @@ whole-model decode step with the batched attention vs the old per-request loop.
    (`dspark.kernels.attention_flashinfer`; sink applied from the LSE). `plan_ms` is the host
    scheduling (one sync; once per step and key-list layout), `us` / `graph_us` the planned `run`
    (kernel + sink epilogue) as above, `kernel_graph_us` flashinfer's kernel alone in a graph.
-   Then the attention with the projection that follows it (`grouped_wo_a`, the layer's wo_a shape:
-   v4-mini 4 groups × 512, V4-Flash 8 × 1024, random bf16), each in one graph: `wo_a_graph_us` the
-   projection alone, `project_graph_us` run + projection (the sink pass between them),
-   `deferred_graph_us` `run_deferred` + the projection applying the sink weights as it loads its
-   operands (`deferred_equal`: the two give the same bits). The attention's cost with its sink is
-   then the pair's time less the projection's, both ways: `sink_pass_pct_hbm` and `deferred_pct_hbm`
-   (the projection is timed alone with L2 flushed, in the pair it may find the output in L2: the
-   same in both, so the two compare; either is a little generous to the attention).
+   `graph_pct_copy` / `kernel_pct_copy`: the same as % of this card's measured device-to-device copy
+   bandwidth (`copy_TBps` in the conditions), so a card other than the H200 is judged by its own.
 """
 
 from __future__ import annotations
@@ -208,45 +202,12 @@ def flashinfer_rows(cfg: dict, device, copy_bps: float) -> list[dict]:
         print(f"flashinfer {name} {kind} B={batch}: run {r['us']:.1f} us, graph {r['graph_us']:.1f} us "
               f"({r['graph_pct_hbm']:.1f}% HBM), kernel {r['kernel_graph_us']:.1f} us "
               f"({r['kernel_pct_hbm']:.1f}%), plan {r['plan_ms']:.2f} ms, rel err {err:.1e}", flush=True)
-        r.update(projected_rows(op, q, pool, sink, n_bytes, device, copy_bps))
+        r["graph_pct_copy"] = 100 * n_bytes / graph_s / copy_bps
         r["kernel_pct_copy"] = 100 * n_bytes / kernel_s / copy_bps
-        print(f"  + wo_a: alone {r['wo_a_graph_us']:.1f} us; with the sink pass {r['project_graph_us']:.1f} us "
-              f"(attention {r['sink_pass_pct_hbm']:.1f}% of 4.4 TB/s, {r['sink_pass_pct_copy']:.1f}% of this card's "
-              f"copy), deferred {r['deferred_graph_us']:.1f} us (attention {r['deferred_pct_hbm']:.1f}%, "
-              f"{r['deferred_pct_copy']:.1f}%), same bits: {r['deferred_equal']}", flush=True)
+        print(f"  of this card's copy bandwidth: graph {r['graph_pct_copy']:.1f}%, kernel {r['kernel_pct_copy']:.1f}%",
+              flush=True)
         del q, pool, index
     return rows
-
-
-WO_A = {32: (4, 512), 64: (8, 1024)}  # heads -> (groups, rank): v4-mini, V4-Flash
-
-
-def projected_rows(op, q, pool, sink, n_bytes: int, device, copy_bps: float) -> dict:
-    """The planned flashinfer attention followed by `grouped_wo_a` (module docstring, part 4)."""
-    from dspark.kernels.grouped_wo_a import grouped_wo_a
-
-    batch, heads, _ = q.shape
-    groups, rank = WO_A.get(heads, (2, 64))
-    g = torch.Generator(device=device).manual_seed(heads)
-    weight = (torch.randn(groups * rank, heads * HEAD_DIM // groups, generator=g, device=device) * 0.02).to(q.dtype)
-    angles = torch.rand(batch, 32, generator=g, device=device) * 1000
-    cos, sin = angles.cos(), angles.sin()
-    out = op.run(q, pool, sink)
-
-    def folded():
-        attended, weights = op.run_deferred(q, pool, sink)
-        return grouped_wo_a(attended, cos, sin, weight, weights)
-
-    equal = torch.equal(folded(), grouped_wo_a(op.run(q, pool, sink), cos, sin, weight))
-    wo_a_s = graph_timer(lambda: grouped_wo_a(out, cos, sin, weight))
-    project_s = graph_timer(lambda: grouped_wo_a(op.run(q, pool, sink), cos, sin, weight))
-    deferred_s = graph_timer(folded)
-    row = {"wo_a_graph_us": wo_a_s * 1e6, "project_graph_us": project_s * 1e6, "deferred_graph_us": deferred_s * 1e6,
-           "deferred_equal": equal}
-    for name, seconds in (("sink_pass", project_s - wo_a_s), ("deferred", deferred_s - wo_a_s)):
-        row[f"{name}_pct_hbm"] = 100 * n_bytes / max(seconds, 1e-9) / HBM_BYTES_PER_S
-        row[f"{name}_pct_copy"] = 100 * n_bytes / max(seconds, 1e-9) / copy_bps
-    return row
 
 
 def copy_bytes_per_s(device, n_bytes: int = 1 << 30) -> float:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU steps written in the twenty-third session (one H200 or H100; each part under the 10-minute call
-# limit). That session was lent no machine: none of the parts has run yet.
+# limit). Parts a, b and c ran in the twenty-fourth session on one H100 (bench/README.md).
 # flashinfer travels as wheels in .whl/ (flashinfer-python==0.6.18.post1, apache-tvm-ffi==0.1.15.post2,
 # `pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64`):
 #
@@ -9,7 +9,7 @@
 #   run(command="bash bench/gpu_session23.sh c")                   # ≈ 5 min
 #   run(command="bash bench/gpu_session22.sh c")                   # ≈ 4 min, on an H200 only
 #
-# a: the sink of flashinfer's attention deferred to the projection after it (`SparseAttentionFlashinfer.
+# a: (deferred sink: slower on the H100, removed after this ran) the sink of flashinfer's attention deferred to the projection after it (`SparseAttentionFlashinfer.
 #    deferred` / `run_deferred` + `grouped_wo_a(..., head_scale=)`: no pass over the attention output).
 #    The GPU tests of flashinfer's op, of `grouped_wo_a` and of the model's batched attention (the
 #    deferred path bit for bit against the sink pass at V4-Flash and v4-mini shapes), then

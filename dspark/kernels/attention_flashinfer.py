@@ -10,11 +10,7 @@ softmax denominator only, so it is applied afterwards from the log-sum-exp the k
     out_with_sink = out · e^lse / (e^lse + e^sink) = out · sigmoid(lse − sink).
 
 The sink is one Triton pass over the output (`apply_sink`, in place; `apply_sink_ref` is its torch
-reference): a chain of torch ops there costs more than flashinfer's kernel at decode sizes. A caller
-that projects the output next can skip that pass: `run_deferred` returns the output without the sink
-and the per-head weights sigmoid(lse − sink) [S, H] (`sink_weights`, one small launch), which
-`grouped_wo_a(..., head_scale=weights)` applies to its operand tiles as it loads them, rounding as
-`apply_sink` does, so the projection is bit-identical to the two passes (`LatentAttention.attend_project`).
+reference): a chain of torch ops there costs more than flashinfer's kernel at decode sizes.
 
 Planning is host work: flashinfer schedules the key lists over the SMs from their lengths, which this
 op reads from `index` (one host sync per call). `plan` and `run` are separate so a caller that knows
@@ -72,8 +68,9 @@ def _sink_kernel(out_ptr, lse_ptr, sink_ptr, len_ptr, n_heads, head_dim,
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < n_heads
     lse = tl.load(lse_ptr + s * n_heads + offs_h, mask=h_mask, other=0.0)
-    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
-    weight = _sink_weight(lse, sink, tl.load(len_ptr + s))
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    weight = 1.0 / (1.0 + tl.exp(sink - lse))
+    weight = tl.where(tl.load(len_ptr + s) > 0, weight, 0.0)
     rows = (s * n_heads + offs_h)[:, None] * head_dim
     for d0 in range(0, head_dim, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -82,47 +79,11 @@ def _sink_kernel(out_ptr, lse_ptr, sink_ptr, len_ptr, n_heads, head_dim,
         tl.store(out_ptr + rows + offs_d[None, :], (out * weight[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@_jit
-def _sink_weight(lse, sink, n_keys):
-    """sigmoid(lse − sink) in fp32, 0 where the row has no keys: the one expression both kernels use,
-    so `sink_weights` gives the factor `apply_sink` multiplies by, bit for bit."""
-    weight = 1.0 / (1.0 + tl.exp(sink.to(tl.float32) - lse))
-    return tl.where(n_keys > 0, weight, 0.0)
-
-
-@_jit
-def _sink_weights_kernel(lse_ptr, sink_ptr, len_ptr, w_ptr, n_heads, n_elems, BLOCK: tl.constexpr):
-    """w[s, h] = `_sink_weight` of row s, head h."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elems
-    lse = tl.load(lse_ptr + offs, mask=mask, other=0.0)
-    sink = tl.load(sink_ptr + offs % n_heads, mask=mask, other=0.0)
-    n_keys = tl.load(len_ptr + offs // n_heads, mask=mask, other=0)
-    tl.store(w_ptr + offs, _sink_weight(lse, sink, n_keys), mask=mask)
-
-
-def sink_weights_ref(lse: torch.Tensor, sink: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """lse [S, H] fp32 natural-log, sink [H], lengths [S] -> sigmoid(lse − sink) [S, H] fp32, 0 for
-    rows without keys: the factor the sink puts on each head's output."""
-    return torch.sigmoid(lse - sink.float()).masked_fill((lengths == 0).unsqueeze(-1), 0.0)
-
-
-def sink_weights(lse: torch.Tensor, sink: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """`sink_weights_ref` as one Triton launch (same signature)."""
-    require_triton()
-    weights = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
-    if lse.numel():
-        block = 1024
-        _sink_weights_kernel[(triton.cdiv(lse.numel(), block),)](
-            lse.contiguous(), sink.contiguous(), lengths.contiguous(), weights, lse.shape[1], lse.numel(),
-            BLOCK=block, num_warps=4)
-    return weights
-
-
 def apply_sink_ref(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """out [S, H, d] (softmax over the keys only), lse [S, H] fp32 natural-log, sink [H], lengths [S]
     -> out · sigmoid(lse − sink) in out's dtype, 0 for rows without keys (in place, returned)."""
-    return out.copy_(out.float() * sink_weights_ref(lse, sink, lengths).unsqueeze(-1))
+    weight = torch.sigmoid(lse - sink.float()).masked_fill((lengths == 0).unsqueeze(-1), 0.0)
+    return out.copy_(out.float() * weight.unsqueeze(-1))
 
 
 def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -201,33 +162,19 @@ class SparseAttentionFlashinfer:
         self._planned = _Plan(n_q, n_heads, dtype, keys.lengths)
         return keys
 
-    def _check_run(self, q: torch.Tensor) -> _Plan:
+    def run(self, q: torch.Tensor, pool: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        """The planned attention of q [S, H, 512] over pool [P, 512], sink [H] applied: [S, H, 512].
+        Device work only (no host sync): CUDA-graph capturable once planned."""
         plan = self._planned
         if plan is None or (plan.n_q, plan.n_heads, plan.dtype) != (q.shape[0], q.shape[1], q.dtype):
             raise ValueError(f"run: q {tuple(q.shape)} {q.dtype} does not match the plan "
                              f"{plan and (plan.n_q, plan.n_heads, plan.dtype)}")
-        return plan
-
-    def run(self, q: torch.Tensor, pool: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-        """The planned attention of q [S, H, 512] over pool [P, 512], sink [H] applied: [S, H, 512].
-        Device work only (no host sync): CUDA-graph capturable once planned."""
         # Rows without keys: the reference gives 0 (all mass on the sink); flashinfer leaves them undefined.
-        plan = self._check_run(q)
         return apply_sink(*self.kernel(q, pool), sink, plan.lengths)
-
-    def run_deferred(self, q: torch.Tensor, pool: torch.Tensor,
-                     sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`run` without the pass over the output: (out [S, H, 512] without the sink, rows without keys
-        attending their filler key; weights [S, H] fp32, 0 on those rows). out · weights, rounded as
-        `apply_sink` rounds, is `run`'s result: the caller's next op applies it (module docstring)."""
-        plan = self._check_run(q)
-        out, lse = self.kernel(q, pool)
-        return out, sink_weights(lse, sink, plan.lengths)
 
     def kernel(self, q: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """flashinfer's planned kernel alone: (out [S, H, 512] without the sink, lse [S, H] fp32,
-        natural log; reference `attention_ref.sparse_attention_lse_ref`). `run` adds the sink; the
-        bench times this part by itself."""
+        natural log). `run` adds the sink; the bench times this part by itself."""
         empty_q = q.new_empty((*q.shape[:2], 0))
         empty_kpe = pool.new_empty((pool.shape[0], 1, 0))
         return self._wrapper.run(q.contiguous(), empty_q, pool.contiguous().view(pool.shape[0], 1, HEAD_DIM),
@@ -241,13 +188,3 @@ class SparseAttentionFlashinfer:
             return torch.empty_like(q)
         self.plan(index, q.shape[1], scale, q.dtype)
         return self.run(q, pool, sink)
-
-    def deferred(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`__call__` (plan, then run) without the sink pass: `run_deferred`'s (out, weights)."""
-        _check_args(q, pool, index, sink)
-        check_supported(q, pool)
-        if q.shape[0] == 0:
-            return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
-        self.plan(index, q.shape[1], scale, q.dtype)
-        return self.run_deferred(q, pool, sink)

@@ -40,26 +40,10 @@ def sparse_attention_ref(q: torch.Tensor, pool: torch.Tensor, index: torch.Tenso
     return torch.cat(out).to(q.dtype)
 
 
-def sparse_attention_lse_ref(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sparse_attention_ref` without the sink: (the softmax over the keys alone · values [S, H, d] in
-    q's dtype, 0 on rows without keys; its log-sum-exp [S, H] fp32, natural log, −inf there): what
-    flashinfer's MLA kernel returns (`attention_flashinfer.SparseAttentionFlashinfer.kernel`), whose
-    sink is applied after from the LSE. Shapes as `sparse_attention_ref`."""
-    keys, scores = _scores(q, pool, index, scale)
-    out = torch.einsum("shk,skd->shd", torch.nan_to_num(scores.softmax(dim=-1)), keys)
-    return out.to(q.dtype), scores.logsumexp(dim=-1)
-
-
-def _scores(q, pool, index, scale):
-    """The gathered keys [S, K, d] fp32 and the scores [S, H, K] fp32, −inf where a key is missing."""
+def _ref_chunk(q, pool, index, sink, scale):
     keys = pool[index.clamp(min=0)].float()  # [S, K, d]
     scores = torch.einsum("shd,skd->shk", q.float(), keys) * scale
-    return keys, scores.masked_fill((index < 0).unsqueeze(1), float("-inf"))
-
-
-def _ref_chunk(q, pool, index, sink, scale):
-    keys, scores = _scores(q, pool, index, scale)
+    scores = scores.masked_fill((index < 0).unsqueeze(1), float("-inf"))
     sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
     probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass, gives no value
     return torch.einsum("shk,skd->shd", probs, keys)

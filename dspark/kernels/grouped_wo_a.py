@@ -2,19 +2,16 @@
 
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
-* ``grouped_wo_a(out, cos, sin, weight, head_scale=None) -> y``: optionally scale each head of each
-  row by head_scale[n, h] (fp32 product rounded to out's dtype: how an attention backend that
-  returns its output without the sink hands the sink weight over, `attention_flashinfer.sink_weights`),
-  undo the rotation that the values carried into the attention output (angle −p·θ on the last rd
-  dims of each head, at the query position p), split
+* ``grouped_wo_a(out, cos, sin, weight) -> y``: undo the rotation that the values carried into the
+  attention output (angle −p·θ on the last rd dims of each head, at the query position p), split
   the heads into G groups of H/G consecutive heads and project group g with its own row block
   ``weight[g·R:(g+1)·R]`` (block-diagonal `wo_a`). Returns y [N, G·R] token-major: row n is
   [y_0 | y_1 | … | y_{G−1}], `wo_b`'s input.
 
-Shape: out [N, H, d] bf16/fp32 (contiguous); head_scale [N, H] fp32 or None; cos, sin [N, rd/2]
-fp32 (`Rope.cos_sin` of the query positions: the op negates sin itself); weight [G·R, H·d/G] in
-out's dtype (V4-Flash [8192, 4096]: H 64, d 512, G 8, R 1024; under tensor parallelism a rank's
-row block [G/t·R, H·d/G] with its H/t heads). G = H·d / weight.shape[1]. y [N, G·R] in out's dtype.
+Shape: out [N, H, d] bf16/fp32 (contiguous); cos, sin [N, rd/2] fp32 (`Rope.cos_sin` of the query
+positions: the op negates sin itself); weight [G·R, H·d/G] in out's dtype (V4-Flash [8192, 4096]:
+H 64, d 512, G 8, R 1024; under tensor parallelism a rank's row block [G/t·R, H·d/G] with its
+H/t heads). G = H·d / weight.shape[1]. y [N, G·R] in out's dtype.
 
 Shape symbols: N rows, H heads, d head_dim, rd rotary dims, G groups, K = H·d/G group width,
 R o_lora_rank.
@@ -48,7 +45,7 @@ from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
-def _check_args(out, cos, sin, weight, head_scale=None) -> int:
+def _check_args(out, cos, sin, weight) -> int:
     """Validate the operands; returns G."""
     if out.dim() != 3:
         raise ValueError(f"out must be [N, H, d], got shape {tuple(out.shape)}")
@@ -64,23 +61,16 @@ def _check_args(out, cos, sin, weight, head_scale=None) -> int:
         raise ValueError(f"weight rows {weight.shape[0]} are not G={groups} blocks of R rows")
     if weight.dtype != out.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must equal out's dtype {out.dtype}")
-    if head_scale is not None and (head_scale.shape != (n, heads) or head_scale.dtype != torch.float32):
-        raise ValueError(f"head_scale must be fp32 [N={n}, H={heads}], got {head_scale.dtype} "
-                         f"{tuple(head_scale.shape)}")
     return groups
 
 
-def grouped_wo_a_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                     head_scale: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_wo_a_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Inverse RoPE, then the block-diagonal `wo_a`: out [N, H, d] -> [N, G·R] (see the module docstring).
 
-    The models' own code, op for op: the head scale as `attention_flashinfer.apply_sink_ref` applies
-    it (fp32 product, rounded to out's dtype), the rotation mirrors `deepseek_v4.rope.apply_rope(out,
-    cos, −sin)` (fp32, cast back to out's dtype) and the projection is the einsum "ngk,grk->ngr".
+    The models' own code, op for op: the rotation mirrors `deepseek_v4.rope.apply_rope(out, cos, −sin)`
+    (fp32, cast back to out's dtype) and the projection is the einsum "ngk,grk->ngr".
     """
-    groups = _check_args(out, cos, sin, weight, head_scale)
-    if head_scale is not None:
-        out = (out.float() * head_scale.unsqueeze(-1)).to(out.dtype)
+    groups = _check_args(out, cos, sin, weight)
     rd = 2 * cos.shape[-1]
     cos, sin = cos.unsqueeze(-2), -sin.unsqueeze(-2)  # [N, 1, rd/2]: every head of a row, angle −p·θ
     nope, rot = out[..., :-rd], out[..., -rd:].float()
@@ -92,9 +82,9 @@ def grouped_wo_a_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, we
 
 
 @_jit
-def _wo_a_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, head_dim, nope, stride_cs,
+def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, head_dim, nope, stride_cs,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
-                 PRECISION: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
+                 PRECISION: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     """y[m, g·R + r] = Σ_k rot(x)[m, g, k] · w[g·R + r, k] for one [BLOCK_M, BLOCK_N] tile of group g.
 
     x [N, G·K] (= out [N, H, d]), w [G·R, K], y [N, G·R]. ALIGNED (the V4 layout, d 512 = 448 + 64):
@@ -105,7 +95,6 @@ def _wo_a_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank,
     PRECISION: "ieee" for fp32 operands (a true fp32 GEMM, like torch's default), ignored for bf16.
     SPLITS > 1 (ALIGNED only): program axis 1 also picks one of SPLITS equal runs of the group's heads
     and y is fp32 partials [SPLITS, N, G·R] that `_sum_splits_kernel` adds up.
-    HAS_SCALE: every x tile is first scaled by its head's scale[m, h] (fp32 [N, H]) and rounded back.
     """
     pdl_prologue(PDL)
     pid_m, pid_ns, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -122,19 +111,14 @@ def _wo_a_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank,
         nope_tiles = nope // BLOCK_K
         split_width = width // SPLITS  # whole heads: the launcher checks that SPLITS divides them
         first = split * split_width
-        head0 = (g * width + first) // head_dim  # the split's first head (a K tile is inside one head)
         for t in range(0, (split_width // head_dim) * nope_tiles):
             offs_k = first + (t // nope_tiles) * head_dim + (t % nope_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            if HAS_SCALE:
-                a = _scale_rows(a, scale_ptr, offs_m, m_mask, head0 + t // nope_tiles, width, head_dim)
             b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)  # [K, N] tile
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         for k0 in range(nope, split_width, head_dim):
             offs_k = first + k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            if HAS_SCALE:
-                a = _scale_rows(a, scale_ptr, offs_m, m_mask, head0 + k0 // head_dim, width, head_dim)
             a = _rotate_tile(a, cos_ptr, sin_ptr, offs_m, m_mask, stride_cs)
             b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -143,8 +127,8 @@ def _wo_a_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank,
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < width
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            a = _rotate_masked(a, x_rows, scale_ptr, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, g * width,
-                               width, head_dim, nope, stride_cs, HAS_SCALE)
+            a = _rotate_masked(a, x_rows, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, head_dim, nope,
+                               stride_cs)
             b = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
     y = y_ptr + offs_m.to(tl.int64)[:, None] * (rank * tl.num_programs(2)) + g * rank + offs_n[None, :]
@@ -166,15 +150,6 @@ def _sum_splits_kernel(part_ptr, y_ptr, n_elems, SPLITS: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _scale_rows(a, scale_ptr, offs_m, m_mask, head, width, head_dim):
-    """a [BLOCK_M, BLOCK_K] (channels of one head) · scale[m, head] in fp32, rounded back to a's dtype.
-    H = G·K / d, with G the grid's axis 2."""
-    n_heads = tl.num_programs(2) * width // head_dim
-    s = tl.load(scale_ptr + offs_m.to(tl.int64) * n_heads + head, mask=m_mask, other=0.0)
-    return (a.to(tl.float32) * s[:, None]).to(a.dtype)
-
-
-@_jit
 def _rotate_tile(a, cos_ptr, sin_ptr, offs_m, m_mask, stride_cs):
     """a [BLOCK_M, rd] (one head's rotary dims) rotated by −p·θ in fp32, rounded back to a's dtype
     (as the reference rounds before its GEMM): pair i = (e, o) -> (e·cos + o·sin, o·cos − e·sin).
@@ -189,23 +164,12 @@ def _rotate_tile(a, cos_ptr, sin_ptr, offs_m, m_mask, stride_cs):
 
 
 @_jit
-def _rotate_masked(a, x_rows, scale_ptr, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, group_k, width, head_dim,
-                   nope, stride_cs, HAS_SCALE: tl.constexpr):
+def _rotate_masked(a, x_rows, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, head_dim, nope, stride_cs):
     """`_rotate_tile` for a tile [BLOCK_M, BLOCK_K] at any alignment: channels k with k mod d ≥ nope
-    are rotated (partner channel k ^ 1 and cos/sin loaded per element), the others pass unchanged.
-    HAS_SCALE: channel k of row m (and its partner, of the same head) is first scaled by
-    scale[m, (group_k + k) / d] and rounded back, as `_scale_rows`."""
+    are rotated (partner channel k ^ 1 and cos/sin loaded per element), the others pass unchanged."""
     j = offs_k % head_dim - nope  # index inside the head's rotary dims, < 0 for "nope" channels
     mask = m_mask[:, None] & ((j >= 0) & k_mask)[None, :]
-    partner = tl.load(x_rows + (offs_k ^ 1)[None, :], mask=mask, other=0.0)  # the pair's other half
-    if HAS_SCALE:
-        n_heads = tl.num_programs(2) * width // head_dim
-        heads = (group_k + offs_k) // head_dim
-        s = tl.load(scale_ptr + offs_m.to(tl.int64)[:, None] * n_heads + heads[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        a = (a.to(tl.float32) * s).to(a.dtype)
-        partner = (partner.to(tl.float32) * s).to(a.dtype)
-    partner = partner.to(tl.float32)
+    partner = tl.load(x_rows + (offs_k ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)  # the pair's other half
     cs = offs_m[:, None] * stride_cs + (tl.maximum(j, 0) // 2)[None, :]
     c = tl.load(cos_ptr + cs, mask=mask, other=1.0)
     s = tl.load(sin_ptr + cs, mask=mask, other=0.0)
@@ -264,21 +228,20 @@ def _tiles(n: int, rows: int, head_dim: int, rd: int, dtype: torch.dtype) -> tup
     return 128, 64, block_k, 8, 3, aligned
 
 
-def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                 head_scale: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Fused `grouped_wo_a_ref` (same signature, shapes and dtypes)."""
-    groups = _check_args(out, cos, sin, weight, head_scale)
+    groups = _check_args(out, cos, sin, weight)
     n, heads, head_dim = out.shape
     tiles = default_tiles(n, groups, weight.shape[0] // groups, heads // groups, head_dim, 2 * cos.shape[1],
                           out.dtype)
-    return launch_grouped_wo_a(out, cos, sin, weight, tiles, head_scale)
+    return launch_grouped_wo_a(out, cos, sin, weight, tiles)
 
 
 def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                        tiles: Tiles, head_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        tiles: Tiles) -> torch.Tensor:
     """`grouped_wo_a` with an explicit launch shape (tests and `bench/decode_sweep.py` vary it)."""
     require_triton()
-    groups = _check_args(out, cos, sin, weight, head_scale)
+    groups = _check_args(out, cos, sin, weight)
     n, heads, head_dim = out.shape
     rank, width = weight.shape[0] // groups, weight.shape[1]
     y = torch.empty((n, groups * rank), dtype=out.dtype, device=out.device)
@@ -294,12 +257,10 @@ def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                                      device=out.device)
     grid = (triton.cdiv(n, tiles.block_m), triton.cdiv(rank, tiles.block_n) * tiles.splits, groups)
     pdl = pdl_launch(out.device, math.prod(grid))
-    scale = cos if head_scale is None else head_scale.contiguous()  # any fp32 tensor when unused
-    _wo_a_kernel[grid](out.contiguous(), scale, cos, sin, weight.contiguous(), target, n, rank, width, head_dim,
+    _wo_a_kernel[grid](out.contiguous(), cos, sin, weight.contiguous(), target, n, rank, width, head_dim,
                        head_dim - rd, cos.shape[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                        BLOCK_K=tiles.block_k, ALIGNED=_aligned(head_dim, rd), PRECISION=precision,
-                       SPLITS=tiles.splits, HAS_SCALE=head_scale is not None, PDL=pdl, launch_pdl=pdl,
-                       num_warps=tiles.warps, num_stages=tiles.stages)
+                       SPLITS=tiles.splits, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps, num_stages=tiles.stages)
     if tiles.splits > 1:
         block = 1024
         programs = triton.cdiv(y.numel(), block)

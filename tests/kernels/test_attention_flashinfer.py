@@ -83,30 +83,6 @@ def test_matches_reference_on_gpu(n_q, n_heads, start, n_entries, top_k):
 
 @pytest.mark.gpu
 @needs_flashinfer
-@pytest.mark.parametrize("layer", ["flash", "mini"])
-def test_deferred_sink_projects_bit_for_bit_on_gpu(layer):
-    """`deferred` + `grouped_wo_a(head_scale=)` equals the op (its sink pass) + `grouped_wo_a`, bit for
-    bit, at V4-Flash (64 heads, 8 groups × 1024) and v4-mini (32, 4 × 512) shapes, rows without keys
-    included."""
-    from dspark.kernels import grouped_wo_a
-
-    heads, groups, rank = (64, 8, 1024) if layer == "flash" else (32, 4, 512)
-    q, pool, index, sink = make_inputs(6, heads, 512, 3000, 128, 800, 512, torch.bfloat16, seed=heads)
-    index[2] = -1
-    g = torch.Generator().manual_seed(3)
-    angles = torch.rand(6, 32, generator=g) * 100
-    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
-    weight = (torch.randn(groups * rank, heads * 512 // groups, generator=g) * 0.02).to(DEVICE, torch.bfloat16)
-    op = SparseAttentionFlashinfer()
-    out, weights = op.deferred(q, pool, index, sink, 512 ** -0.5)
-    fused = grouped_wo_a.grouped_wo_a(out, cos, sin, weight, head_scale=weights)
-    two_pass = grouped_wo_a.grouped_wo_a(op(q, pool, index, sink, 512 ** -0.5), cos, sin, weight)
-    assert torch.equal(weights[2], torch.zeros_like(weights[2]))
-    assert torch.equal(fused, two_pass)
-
-
-@pytest.mark.gpu
-@needs_flashinfer
 def test_rows_without_keys_give_zero_on_gpu():
     q, pool, index, sink = make_inputs(3, 16, 512, 10, 128, 0, 0, torch.bfloat16, seed=2)
     index[1] = -1
@@ -114,25 +90,6 @@ def test_rows_without_keys_give_zero_on_gpu():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = attention_ref.sparse_attention_ref(q, pool, index, sink, 512 ** -0.5)
     assert rel_err(out, ref) < 1e-2
-
-
-@pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
-@pytest.mark.parametrize("n_q,n_heads", [(3, 4), (5, 64), (300, 20)])
-def test_sink_weights_are_the_sink_pass_factor(n_q, n_heads, poisoned):
-    """`sink_weights` gives the factor the sink pass multiplies by (the same fp32 expression: scaling a
-    tensor of ones by the pass returns it bit for bit), 0 on rows without keys; the reference within
-    fp32 rounding of it."""
-    g = torch.Generator().manual_seed(n_q)
-    lse = (torch.randn(n_q, n_heads, generator=g) * 3).to(DEVICE)
-    sink = torch.randn(n_heads, generator=g).to(DEVICE)
-    lengths = torch.randint(0, 3, (n_q,), generator=g, dtype=torch.int32).to(DEVICE)
-    lengths[0] = 0
-    with poisoned():
-        weights = attention_flashinfer.sink_weights(lse, sink, lengths)
-    ones = torch.ones(n_q, n_heads, 1, device=DEVICE)
-    assert torch.equal(weights, attention_flashinfer.apply_sink(ones, lse, sink, lengths)[..., 0])
-    assert torch.equal(weights[0], torch.zeros_like(weights[0]))
-    assert torch.allclose(weights, attention_flashinfer.sink_weights_ref(lse, sink, lengths), rtol=1e-6, atol=0)
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")

@@ -25,10 +25,9 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import (attention, attention_flashinfer, attention_wide, cache_round, compressor, grouped_wo_a,
-                            hc_head_norm, indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe,
-                            moe_decode, moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index,
-                            triton_available)
+from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
+                            indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe, moe_decode,
+                            moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -57,7 +56,6 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
            compressor: ("_pool_kernel", "_pool_part_kernel", "_norm_kernel"),
            grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel"),
-           attention_flashinfer: ("_sink_kernel", "_sink_weights_kernel"),
            linear: ("_gemv_kernel", "_project_kernel"),
            cache_round: ("_round_kernel",),
            rms_norm: ("_rms_norm_kernel",),
@@ -291,12 +289,6 @@ def run_every_tile_class():
         cos, sin = torch.rand(n_tok, 32, generator=g).to(DEVICE), torch.rand(n_tok, 32, generator=g).to(DEVICE)
         weight = torch.randn(groups * rank, heads * 512 // groups, generator=g).to(DEVICE, dtype)
         grouped_wo_a.grouped_wo_a(out, cos, sin, weight)
-        if dtype == torch.bfloat16:  # with the sink's per-head factor of flashinfer's attention (deferred)
-            lse = torch.randn(n_tok, heads, generator=g).to(DEVICE)
-            sink = torch.randn(heads, generator=g).to(DEVICE)
-            lengths = torch.ones(n_tok, dtype=torch.int32, device=DEVICE)
-            grouped_wo_a.grouped_wo_a(out, cos, sin, weight, attention_flashinfer.sink_weights(lse, sink, lengths))
-            attention_flashinfer.apply_sink(out, lse, sink, lengths)
     # RMSNorm: V4-Flash / v4-mini hidden (weighted, one row per program), V4-Pro's 7168 (the widest
     # register row), the per-head q norm (d 512, several rows per program), a row past the widest
     # tile (two passes), fp32 out (rms_scale).

@@ -119,46 +119,6 @@ def test_row_block_of_wo_a(poisoned):
     assert torch.equal(part, full[:, 2 * rank:])
 
 
-def head_scales(n, heads, seed, device=DEVICE):
-    """Per-head factors in (0, 1) as a sink's sigmoid gives them, one row all zero (a row without keys)."""
-    scale = torch.rand(n, heads, generator=torch.Generator().manual_seed(seed))
-    scale[n // 2] = 0.0
-    return scale.to(device)
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,head_dim,rd,groups,rank,splits", [
-    (4, 32, 8, 2, 24, 1),  # d not a multiple of the K tile: every tile scaled and rotated under masks
-    (8, 64, 16, 2, 32, 1),  # aligned (48 nope + 16 rotary)
-    (8, 64, 16, 2, 32, 2),  # aligned, each group's heads in two runs
-])
-def test_head_scale_is_the_scaled_operand(dtype, heads, head_dim, rd, groups, rank, splits, poisoned):
-    """head_scale [N, H] gives bit for bit what the op gives on the operand the sink pass would write
-    (`attention_flashinfer.apply_sink`: the fp32 product rounded to out's dtype, here by the same
-    Triton cast; `sink_weights` computes its factor as that pass does), and the reference does the
-    same with torch's product and `sink_weights_ref`."""
-    from dspark.kernels import attention_flashinfer
-
-    n = 5
-    out, cos, sin, weight = make_inputs(n, heads, head_dim, rd, groups, rank, dtype, seed=heads + splits)
-    lse = torch.randn(n, heads, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 3
-    sink = torch.randn(heads, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    lengths = torch.tensor([4, 1, 0, 7, 2], dtype=torch.int32, device=DEVICE)
-    scale = attention_flashinfer.sink_weights(lse, sink, lengths)
-    sunk = attention_flashinfer.apply_sink(out.clone(), lse, sink, lengths)
-    tiles = op.Tiles(16, 16, 16 if rd == 16 else 32, 4, 2, splits)
-    with poisoned():
-        y = op.launch_grouped_wo_a(out, cos, sin, weight, tiles, head_scale=scale)
-    assert torch.equal(y, op.launch_grouped_wo_a(sunk, cos, sin, weight, tiles))
-    assert not torch.equal(y, op.launch_grouped_wo_a(out, cos, sin, weight, tiles))
-    scale_ref = attention_flashinfer.sink_weights_ref(lse, sink, lengths)
-    assert torch.equal(op.grouped_wo_a_ref(out, cos, sin, weight, head_scale=scale_ref),
-                       op.grouped_wo_a_ref(attention_flashinfer.apply_sink_ref(out.clone(), lse, sink, lengths),
-                                           cos, sin, weight))
-    assert rel_err(y, op.grouped_wo_a_ref(out, cos, sin, weight, head_scale=scale)) < TOL[dtype]
-
-
 @needs_triton
 def test_no_rows():
     out, cos, sin, weight = make_inputs(0, 2, 32, 8, 2, 16, torch.float32, seed=0)
@@ -189,10 +149,6 @@ def test_reference_validates_arguments():
         ref(out, cos, sin, weight[:31])
     with pytest.raises(ValueError, match="dtype"):
         ref(out, cos, sin, weight.double())
-    with pytest.raises(ValueError, match=r"head_scale must be fp32 \[N=3, H=4\], got torch.float32 \(3, 2\)"):
-        ref(out, cos, sin, weight, torch.ones(3, 2))
-    with pytest.raises(ValueError, match="head_scale must be fp32"):
-        ref(out, cos, sin, weight, torch.ones(3, 4, dtype=torch.float64))
 
 
 @pytest.mark.gpu

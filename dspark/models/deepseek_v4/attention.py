@@ -149,28 +149,14 @@ class LatentAttention(nn.Module):
         return self.norm_rope_op(self.wkv(x), self.kv_norm.weight, cos, sin, eps=self.kv_norm.eps, out=kv_out,
                                  out_rows=kv_rows)
 
-    def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    head_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Attention output [N, H, d] -> [N, D]: inverse RoPE (undoes the values' rotation), the
         block-diagonal `wo_a` (group g: heads g·H/G .., rows g·R .. (g+1)·R−1), `wo_b` (spec §7.5).
 
         The first two are one op (`grouped_wo_a`), which takes whatever row block of `wo_a` this
-        module holds (tensor parallelism keeps G/t groups and their H/t heads), and the per-head
-        factor head_scale [N, H] fp32 of an attention backend that left it out (`attend_project`).
+        module holds (tensor parallelism keeps G/t groups and their H/t heads).
         """
-        return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight, head_scale))  # [N, G·R] -> [N, D]
-
-    def attend_project(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> torch.Tensor:
-        """`attend_op` then `project_out`: [N, D]. An attention backend that applies the sink as a
-        pass over its output (flashinfer's) offers `deferred`, which returns the output without it and
-        the sink's per-head factor; `grouped_wo_a` applies that factor as it loads its operands, with
-        the same rounding, so the result is the same and the pass is saved."""
-        deferred = getattr(self.attend_op, "deferred", None)
-        if deferred is None:
-            return self.project_out(self.attend_op(q, pool, index, self.attn_sink, self.scale), cos, sin)
-        out, weights = deferred(q, pool, index, self.attn_sink, self.scale)  # [N, H, d], [N, H]
-        return self.project_out(out, cos, sin, weights)
+        return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight))  # [N, G·R] -> [N, D]
 
 
 class Attention(LatentAttention):
@@ -229,7 +215,8 @@ class Attention(LatentAttention):
         elif self.compressor is not None:  # HCA: every complete entry
             index = torch.cat((index, causal_entry_index(batch.positions, layout.max_entries, self.rate,
                                                          layout.entry_offset)), dim=-1)
-        return self.attend_project(q, layout.pool(), index, cos, sin)
+        out = self.attend_op(q, layout.pool(), index, self.attn_sink, self.scale)  # [N, H, d]
+        return self.project_out(out, cos, sin)
 
     def _update_caches(self, batch: RaggedBatch, caches: list[LayerCache], kv, compressed, index_inputs) -> None:
         """Append every request's window latents and compressor rows (one multi-tensor copy per kind)
