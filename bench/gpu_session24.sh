@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU steps of the twenty-fourth session, after side streams became the static step's default
+# (`side_stream.DEFAULT_LANES` = 2), for one H200 (the issues' card; an H100 runs them too, its card
+# named in every JSON):
+#
+#   run(command="bash bench/gpu_session24.sh a", kind="nvidia-h200")   # ≈ 7 min
+#   run(command="bash bench/gpu_session22.sh c", kind="nvidia-h200")   # ≈ 4 min, H200 only
+#
+# a: the batch-1 graph step with 2 / 1 / 0 side streams on this card (`graph_decode.py --side-ab`,
+#    v4-mini at 1 and 8 requests), then the engine table of the sixteenth session's part b with the
+#    lanes on (`engine_h200.py`, 1 and 64 requests, 4K, no speculation / MTP-1 / DSpark 1-3 / auto, the
+#    HF eager peer in the same call): % of the HBM roofline at batch 1, × HF, DSpark 3 / none at 64.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
+
+part_a() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  step a_side 160 --requests 1,8 --side-ab
+  logged a_engine 360 python3 bench/engine_h200.py --static-decode --overlap --decode-only --peer --steps 8 \
+    --confidence 0.8629 --table-from-cells --modes none,mtp1,dspark1,dspark2,dspark3,auto_async --requests 1,64 \
+    --contexts 4096 --budget-s 300 --out "$OUT/engine-s24.json"
+  tail -n 16 "$W/logs/a_engine.txt" | cut -c1-300
+}
+
+dispatch session24 "${1:-}"
