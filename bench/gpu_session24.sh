@@ -3,7 +3,7 @@
 # (`side_stream.DEFAULT_LANES` = 2), for one H200 (the issues' card; an H100 runs them too, its card
 # named in every JSON):
 #
-#   run(command="bash bench/gpu_session24.sh b")                       # ≈ 4 min
+#   run(command="bash bench/gpu_session24.sh b")                       # ≈ 2 min (at its commit, below)
 #   run(command="bash bench/gpu_session24.sh a", kind="nvidia-h200")   # ≈ 7 min
 #   run(command="bash bench/gpu_session22.sh c", kind="nvidia-h200")   # ≈ 4 min, H200 only
 #
@@ -11,7 +11,8 @@
 #    v4-mini at 1 and 8 requests), then the engine table of the sixteenth session's part b with the
 #    lanes on (`engine_h200.py`, 1 and 64 requests, 4K, no speculation / MTP-1 / DSpark 1-3 / auto, the
 #    HF eager peer in the same call): % of the HBM roofline at batch 1, × HF, DSpark 3 / none at 64.
-# b: wo_a and wo_b as one op (`grouped_wo_a.wo_ab`: the decode runs' partials summed in wo_b's GEMV
+# b: (ran at 3f73b79, whose `wo_ab` it measured: no gain, so it was taken out and this part no longer runs)
+#    wo_a and wo_b as one op (`grouped_wo_a.wo_ab`: the decode runs' partials summed in wo_b's GEMV
 #    loads, one launch fewer per layer; `registry.NOT_YET_ON_GPU` until this has run): its GPU tests,
 #    then the v4-mini graph step at 1 and 8 requests without it and with it (`--triton wo_ab`), twice
 #    in alternation (separate processes).

@@ -13,13 +13,6 @@ positions: the op negates sin itself); weight [G·R, H·d/G] in out's dtype (V4-
 H 64, d 512, G 8, R 1024; under tensor parallelism a rank's row block [G/t·R, H·d/G] with its
 H/t heads). G = H·d / weight.shape[1]. y [N, G·R] in out's dtype.
 
-* ``wo_ab(out, cos, sin, wo_a, wo_b) -> z``: `grouped_wo_a` then `wo_b` (z = y·wo_bᵀ [N, D], wo_b
-  [D, G·R] in out's dtype): the attention's whole output projection. Where `grouped_wo_a` splits a
-  decode call's heads into runs and `wo_b` runs on `linear`'s GEMV (a decode step of up to 4 rows on
-  v4-mini's shapes), the GEMV adds the runs' fp32 partials as it loads its input
-  (`linear.gemv_of_splits`) instead of a launch between them: the same bits, one launch fewer.
-  Elsewhere it is `linear.linear(grouped_wo_a(...), wo_b)`.
-
 Shape symbols: N rows, H heads, d head_dim, rd rotary dims, G groups, K = H·d/G group width,
 R o_lora_rank.
 
@@ -47,8 +40,6 @@ from typing import NamedTuple
 
 import torch
 
-from dspark.kernels import linear
-from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
@@ -246,37 +237,9 @@ def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
     return launch_grouped_wo_a(out, cos, sin, weight, tiles)
 
 
-def _check_wo_b(out: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> None:
-    if wo_b.dim() != 2 or wo_b.shape[1] != wo_a.shape[0] or wo_b.dtype != out.dtype:
-        raise ValueError(f"wo_b must be [D, G·R={wo_a.shape[0]}] in out's dtype {out.dtype}, got "
-                         f"{wo_b.dtype} {tuple(wo_b.shape)}")
-
-
-def wo_ab_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor,
-              wo_b: torch.Tensor) -> torch.Tensor:
-    """`grouped_wo_a_ref` then `linear_ref` by wo_b: out [N, H, d] -> [N, D] (module docstring)."""
-    _check_wo_b(out, wo_a, wo_b)
-    return linear.linear_ref(grouped_wo_a_ref(out, cos, sin, wo_a), wo_b)
-
-
-def wo_ab(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor,
-          wo_b: torch.Tensor) -> torch.Tensor:
-    """Fused `wo_ab_ref` (same signature): `grouped_wo_a` then `linear`, the wo_a runs' partials summed
-    inside wo_b's GEMV where both apply (module docstring)."""
-    groups = _check_args(out, cos, sin, wo_a)
-    _check_wo_b(out, wo_a, wo_b)
-    n, heads, head_dim = out.shape
-    tiles = default_tiles(n, groups, wo_a.shape[0] // groups, heads // groups, head_dim, 2 * cos.shape[1], out.dtype)
-    if (tiles.splits > 1 and n and linear.gemv_pays(n, *wo_b.shape)
-            and not records_grad(out, wo_a, wo_b)):
-        return linear.gemv_of_splits(launch_grouped_wo_a(out, cos, sin, wo_a, tiles, keep_splits=True), wo_b)
-    return linear.linear(launch_grouped_wo_a(out, cos, sin, wo_a, tiles), wo_b)
-
-
 def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                        tiles: Tiles, keep_splits: bool = False) -> torch.Tensor:
-    """`grouped_wo_a` with an explicit launch shape (tests and `bench/decode_sweep.py` vary it). With
-    keep_splits and tiles.splits > 1: the runs' fp32 partials [splits, N, G·R], not yet added."""
+                        tiles: Tiles) -> torch.Tensor:
+    """`grouped_wo_a` with an explicit launch shape (tests and `bench/decode_sweep.py` vary it)."""
     require_triton()
     groups = _check_args(out, cos, sin, weight)
     n, heads, head_dim = out.shape
@@ -298,18 +261,10 @@ def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        head_dim - rd, cos.shape[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                        BLOCK_K=tiles.block_k, ALIGNED=_aligned(head_dim, rd), PRECISION=precision,
                        SPLITS=tiles.splits, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps, num_stages=tiles.stages)
-    if tiles.splits > 1 and keep_splits:
-        return target
     if tiles.splits > 1:
-        sum_splits(target, y)
-    return y
-
-
-def sum_splits(parts: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y = Σ_s parts[s] (fp32 [S, *y.shape], in split order) cast to y's dtype, one launch; y returned."""
-    block = 1024
-    programs = triton.cdiv(y.numel(), block)
-    pdl = pdl_launch(y.device, programs)
-    _sum_splits_kernel[(programs,)](parts, y, y.numel(), SPLITS=parts.shape[0], BLOCK=block, PDL=pdl,
-                                    launch_pdl=pdl, num_warps=4)
+        block = 1024
+        programs = triton.cdiv(y.numel(), block)
+        pdl = pdl_launch(out.device, programs)
+        _sum_splits_kernel[(programs,)](target, y, y.numel(), SPLITS=tiles.splits, BLOCK=block, PDL=pdl,
+                                        launch_pdl=pdl, num_warps=4)
     return y

@@ -3,10 +3,6 @@
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
 * ``linear(x, weight) -> y``: x [..., K], weight [N, K] (no bias) -> y [..., N] in x.dtype.
-* ``gemv_of_splits(parts, weight) -> y``: `linear` of x = Σ_s parts[s] (fp32, in split order,
-  rounded to weight's dtype), parts [S, M, K] fp32 -> y [M, N] in weight's dtype: the split-K
-  partials of the op before (`grouped_wo_a`'s decode runs) summed as this kernel loads its x tiles,
-  bit for bit what that op's own summing launch and then `launch_gemv` give, one launch fewer.
 * ``compressor_project(x, wkv, wgate, ape, phase, *, kv_out=None, score_out=None, out_rows=None)
   -> (kv, score)``: a compressor's two projections and its position bias (deepseek_v4 spec §8.2): kv = x·wkvᵀ, score = x·wgateᵀ (rounded to x.dtype,
   as the model's linear returns it) + ape[phase] in fp32; x [N, K], wkv / wgate [W, K], ape
@@ -146,23 +142,11 @@ def _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask):
 
 
 @_jit
-def _x_sum_tile(x_ptr, offs_m, m_mask, n_rows, n_in, offs_k, k_mask, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLITS: tl.constexpr, x_ty: tl.constexpr):
-    """`_x_tile` of x = Σ_s parts[s] for parts [SPLITS, M, K] fp32 at x_ptr: fp32 sums from zero in
-    split order, rounded to x_ty and back to fp32 (as `grouped_wo_a._sum_splits_kernel` stores x)."""
-    acc = tl.zeros((ROWS, 1, BLOCK_K), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc += _x_tile(x_ptr + s * n_rows * n_in, offs_m, m_mask, n_in, offs_k, k_mask)
-    return acc.to(x_ty).to(tl.float32)
-
-
-@_jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """y[m, n] = Σ_k x[m, k]·w[n, k] for the n_rows (<= ROWS) rows of x and the BLOCK_N weight rows of
     program n, fp32 sums: each weight tile is read once and multiplied with every row of x. With
-    PREFETCH the program's weight rows are requested into L2 before it waits for its predecessor.
-    SPLITS > 0: x_ptr holds fp32 partials [SPLITS, M, K] and x is their sum (`_x_sum_tile`)."""
+    PREFETCH the program's weight rows are requested into L2 before it waits for its predecessor."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     if PREFETCH:
@@ -178,11 +162,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, ROWS: tl.constexpr, B
     for k0 in range(0, n_in, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < n_in
-        if SPLITS > 0:
-            x = _x_sum_tile(x_ptr, offs_m, m_mask, n_rows, n_in, offs_k, k_mask, ROWS, BLOCK_K, SPLITS,
-                            y_ptr.dtype.element_ty)
-        else:
-            x = _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask)
+        x = _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask)
         acc = _rows_times_tile(acc, x, w_ptr, rows, offs_k[None, None, :], n_mask[None, :, None] & k_mask[None, None, :])
     y = tl.sum(acc, axis=2)
     out = y_ptr + offs_m.to(tl.int64)[:, None] * n_out + offs_n[None, :]
@@ -272,49 +252,19 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     every row count sums a row's products in the same lanes, the same K-tile order and the same
     reduction tree."""
     _check_args(x, weight)
-    rows = x.numel() // max(1, weight.shape[1])
-    return _launch(x, weight, rows, 0, tiles).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, rows: int, splits: int, tiles) -> torch.Tensor:
-    """`_gemv_kernel` over `rows` rows (x, or with splits > 0 fp32 partials [splits, rows, K]) -> [rows, N]."""
-    _check_rows(rows, "gemv_of_splits" if splits else "launch_gemv")
-    require_triton()
     n_out, n_in = weight.shape
-    y = torch.empty(rows, n_out, dtype=weight.dtype, device=x.device)
+    rows = x.numel() // max(1, n_in)
+    _check_rows(rows, "launch_gemv")
+    require_triton()
+    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device), rows)
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
     weight = weight.contiguous()
     _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, ROWS=triton.next_power_of_2(rows),
                        BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch_launch(pdl, weight), PDL=pdl,
-                       SPLITS=splits, launch_pdl=pdl, num_warps=warps)
-    return y
-
-
-def _check_splits(parts: torch.Tensor, weight: torch.Tensor) -> None:
-    if parts.dim() != 3 or parts.dtype != torch.float32:
-        raise ValueError(f"parts must be fp32 [S, M, K], got {parts.dtype} {tuple(parts.shape)}")
-    if weight.dim() != 2 or parts.shape[-1] != weight.shape[1]:
-        raise ValueError(f"parts [S, M, K] must match weight [N, K], got {tuple(parts.shape)} and "
-                         f"{tuple(weight.shape)}")
-
-
-def gemv_of_splits_ref(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """parts [S, M, K] fp32 -> (Σ_s parts[s] in split order, rounded to weight's dtype) · weightᵀ [M, N]."""
-    _check_splits(parts, weight)
-    x = torch.zeros_like(parts[0])
-    for part in parts:
-        x += part
-    return F.linear(x.to(weight.dtype), weight)
-
-
-def gemv_of_splits(parts: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """`gemv_of_splits_ref` as one `_gemv_kernel` launch (1 to MAX_ROWS rows; `tiles` as `launch_gemv`)."""
-    _check_splits(parts, weight)
-    if parts.shape[0] == 0:
-        raise ValueError("parts must hold at least one split")
-    return _launch(parts, weight, parts.shape[1], parts.shape[0], tiles)
+                       launch_pdl=pdl, num_warps=warps)
+    return y.reshape(*x.shape[:-1], n_out)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

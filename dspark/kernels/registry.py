@@ -66,7 +66,6 @@ _OP_MODULES: dict[str, str] = {
     "compressor_pool": "compressor",
     "compressor_pool_gather": "compressor",
     "grouped_wo_a": "grouped_wo_a",
-    "wo_ab": "grouped_wo_a",
     "linear": "linear",
     "compressor_project": "linear",
     "cache_round": "cache_round",
@@ -83,7 +82,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ("wo_ab",)
+NOT_YET_ON_GPU: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,7 +147,6 @@ class KernelConfig:
     compressor_pool: Impl = "ref"
     compressor_pool_gather: Impl = "ref"
     grouped_wo_a: Impl = "ref"
-    wo_ab: Impl = "ref"
     linear: Impl = "ref"
     compressor_project: Impl = "ref"
     cache_round: Impl = "ref"

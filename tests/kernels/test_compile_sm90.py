@@ -289,9 +289,6 @@ def run_every_tile_class():
         cos, sin = torch.rand(n_tok, 32, generator=g).to(DEVICE), torch.rand(n_tok, 32, generator=g).to(DEVICE)
         weight = torch.randn(groups * rank, heads * 512 // groups, generator=g).to(DEVICE, dtype)
         grouped_wo_a.grouped_wo_a(out, cos, sin, weight)
-        if n_tok == 2 and heads == 32:  # v4-mini's decode wo_a runs summed inside wo_b's GEMV (wo_b [2048, 2048])
-            wo_b = torch.randn(2048, groups * rank, generator=g).to(DEVICE, dtype)
-            grouped_wo_a.wo_ab(out, cos, sin, weight, wo_b)
     # RMSNorm: V4-Flash / v4-mini hidden (weighted, one row per program), V4-Pro's 7168 (the widest
     # register row), the per-head q norm (d 512, several rows per program), a row past the widest
     # tile (two passes), fp32 out (rms_scale).

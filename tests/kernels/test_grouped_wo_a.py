@@ -120,36 +120,6 @@ def test_row_block_of_wo_a(poisoned):
 
 
 @needs_triton
-@pytest.mark.parametrize("n,fused", [(1, True), (3, True), (5, False)])
-def test_wo_ab_sums_the_runs_inside_wo_b_bit_for_bit(n, fused, poisoned, monkeypatch):
-    """`wo_ab` on a decode shape whose `wo_a` splits its heads into runs and whose `wo_b` runs on the GEMV
-    (K = G·R = 2048; at most 4 rows) hands the runs' partials to `linear.gemv_of_splits`, and gives
-    bit for bit `grouped_wo_a` (its summing launch) then `linear`; past 4 rows it is that pair itself.
-    The reference within bf16 rounding."""
-    from dspark.kernels import linear
-
-    calls, real = [], linear.gemv_of_splits
-    monkeypatch.setattr(linear, "gemv_of_splits", lambda *a: calls.append(1) or real(*a))
-    out, cos, sin, wo_a = make_inputs(n, 4, 32, 16, 2, 1024, torch.bfloat16, seed=n)
-    wo_b = (torch.randn(64, 2048, generator=torch.Generator().manual_seed(9)) * 2048 ** -0.5).to(DEVICE, torch.bfloat16)
-    assert op.default_tiles(n, 2, 1024, 2, 32, 16, torch.bfloat16).splits == 2
-    with poisoned():
-        z = op.wo_ab(out, cos, sin, wo_a, wo_b)
-    assert len(calls) == fused
-    assert torch.equal(z, linear.linear(op.grouped_wo_a(out, cos, sin, wo_a), wo_b))
-    assert rel_err(z, op.wo_ab_ref(out, cos, sin, wo_a, wo_b)) < TOL[torch.bfloat16]
-
-
-def test_wo_ab_names_a_bad_wo_b():
-    out, cos, sin, wo_a = make_inputs(1, 4, 32, 16, 2, 8, torch.float32, seed=0, device="cpu")
-    with pytest.raises(ValueError, match=r"wo_b must be \[D, G·R=16\] in out's dtype torch.float32, got "
-                                         r"torch.float32 \(8, 15\)"):
-        op.wo_ab_ref(out, cos, sin, wo_a, torch.zeros(8, 15))
-    with pytest.raises(ValueError, match="wo_b must be"):
-        op.wo_ab_ref(out, cos, sin, wo_a, torch.zeros(8, 16, dtype=torch.float64))
-
-
-@needs_triton
 def test_no_rows():
     out, cos, sin, weight = make_inputs(0, 2, 32, 8, 2, 16, torch.float32, seed=0)
     assert op.grouped_wo_a(out, cos, sin, weight).shape == (0, 32)
@@ -196,18 +166,3 @@ def test_real_shapes_on_gpu(n, layer):
     assert not y.isnan().any()
     assert rel_err(y, ref) < TOL[torch.bfloat16]
     assert rel_err(y, exact) < TOL[torch.bfloat16] and rel_err(ref, exact) < TOL[torch.bfloat16]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_wo_ab_on_gpu(n):
-    """v4-mini's output projection (H 32, G 4, R 512, d 512, rd 64; wo_b [2048, 2048]), bf16: `wo_ab`
-    equals `grouped_wo_a` then `linear` bit for bit (fused at 1 to 4 rows, the pair at 8), and its
-    reference within bf16 rounding."""
-    from dspark.kernels import linear
-
-    out, cos, sin, wo_a = make_inputs(n, 32, 512, 64, 4, 512, torch.bfloat16, seed=n)
-    wo_b = (torch.randn(2048, 2048, generator=torch.Generator().manual_seed(n)) / 45).to(DEVICE, torch.bfloat16)
-    z = op.wo_ab(out, cos, sin, wo_a, wo_b)
-    assert torch.equal(z, linear.linear(op.grouped_wo_a(out, cos, sin, wo_a), wo_b))
-    assert rel_err(z, op.wo_ab_ref(out, cos, sin, wo_a, wo_b)) < TOL[torch.bfloat16]

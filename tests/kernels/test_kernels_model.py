@@ -15,7 +15,6 @@ small factor of the bf16 reference's own error; greedy splits from the fp32 run 
 the fp32 top-2 margin where they happen.
 """
 
-import dataclasses
 import json
 from importlib import resources
 
@@ -231,31 +230,3 @@ def test_fused_matches_reference_on_gpu(family, capsys):
     report = compare_to_fp32(fused, ref, exact, prompts(vocab, lengths=(300, 37)), steps=16, factor=2.0)
     with capsys.disabled():
         print(f"\n{family}: {report}")
-
-
-@needs_triton
-@torch.no_grad()
-def test_the_output_projection_is_one_op_where_both_halves_run_triton():
-    """With `wo_ab`, `grouped_wo_a` and `linear` on Triton every layer's `project_out` calls `wo_ab` (wo_a
-    and wo_b as one op), and gives what the two ops give one after the other; with `wo_ab` on its
-    reference (its default on CUDA until its GPU run) or a `wo_b` other than the plain `Linear`
-    (tensor parallelism's), the two run as configured."""
-    from dspark.kernels import grouped_wo_a
-
-    model = build(tiny_config("tiny-v4.json"), "triton", torch.float32)
-    attn = model.layers[0].attn
-    assert all(layer.attn.wo_ab_op is grouped_wo_a.wo_ab for layer in model.layers)
-    held_back = dataclasses.replace(KernelConfig.uniform("triton"), wo_ab="ref")
-    assert init_model(tiny_config("tiny-v4.json"), seed=3, kernels=held_back).layers[0].attn.wo_ab_op is None
-    g = torch.Generator().manual_seed(0)
-    out = torch.randn(3, 4, 32, generator=g)
-    angles = torch.rand(3, 4, generator=g) * 50
-    calls = []
-    attn.wo_ab_op = lambda *args: calls.append(1) or grouped_wo_a.wo_ab(*args)
-    z = attn.project_out(out, angles.cos(), angles.sin())
-    assert calls == [1]
-    assert torch.equal(z, attn.wo_b(attn.wo_a_op(out, angles.cos(), angles.sin(), attn.wo_a.weight)))
-    plain = torch.nn.Linear(attn.wo_b.in_features, attn.wo_b.out_features, bias=False)
-    plain.weight.copy_(attn.wo_b.weight)
-    attn.wo_b = plain
-    assert torch.equal(attn.project_out(out, angles.cos(), angles.sin()), z) and calls == [1]

@@ -130,36 +130,6 @@ def test_records_grad_runs_torch():
     assert weight.grad is not None and torch.allclose(weight.grad, x.expand(20, 2048))
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits,rows,n_out,n_in", [(2, 1, 9, 2048), (4, 3, 33, 1500), (3, 4, 7, 130)])
-def test_gemv_of_splits_is_the_gemv_of_the_summed_input(dtype, splits, rows, n_out, n_in, poisoned):
-    """The partials summed in the GEMV's x loads give bit for bit the GEMV of their sum as
-    `grouped_wo_a`'s summing launch stores it (a masked K tail, 1 to 4 rows with a masked one, 2 to 4
-    splits); the reference within rounding."""
-    from dspark.kernels.grouped_wo_a import sum_splits
-
-    g = torch.Generator().manual_seed(splits * 100 + rows)
-    parts = torch.randn(splits, rows, n_in, generator=g).to(DEVICE)
-    weight = (torch.randn(n_out, n_in, generator=g) * n_in ** -0.5).to(DEVICE, dtype)
-    with poisoned():
-        y = op.gemv_of_splits(parts, weight)
-    assert y.shape == (rows, n_out) and y.dtype == dtype
-    summed = sum_splits(parts, torch.empty(rows, n_in, dtype=dtype, device=DEVICE))
-    assert torch.equal(y, op.launch_gemv(summed, weight))
-    assert rel_err(y, op.gemv_of_splits_ref(parts, weight)) < TOL[dtype]
-
-
-def test_gemv_of_splits_names_bad_parts():
-    weight = torch.randn(5, 24)
-    with pytest.raises(ValueError, match=r"parts must be fp32 \[S, M, K\], got torch.bfloat16"):
-        op.gemv_of_splits_ref(torch.zeros(2, 1, 24, dtype=torch.bfloat16), weight)
-    with pytest.raises(ValueError, match=r"parts \[S, M, K\] must match weight \[N, K\], got \(2, 1, 23\)"):
-        op.gemv_of_splits_ref(torch.zeros(2, 1, 23), weight)
-    with pytest.raises(ValueError, match="at least one split"):
-        op.gemv_of_splits(torch.zeros(0, 1, 24), weight)
-
-
 def test_bad_arguments_name_the_shapes():
     x, weight = make_inputs((2,), 20, 24, torch.float32, seed=4, device="cpu")
     with pytest.raises(ValueError, match="weight must be"):

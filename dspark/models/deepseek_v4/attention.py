@@ -85,10 +85,6 @@ class LatentAttention(nn.Module):
         self.attend_op = get_op(kernels, "sparse_attention")
         # out [N, H, d], cos/sin [N, rd/2], wo_a weight [G·R, H·d/G] -> [N, G·R] token-major
         self.wo_a_op = get_op(kernels, "grouped_wo_a")
-        # the same and wo_b [D, G·R] -> [N, D], one op (`grouped_wo_a.wo_ab`) where its Triton kernels
-        # are chosen for both halves; otherwise `project_out` calls the two as configured
-        self.wo_ab_op = (get_op(kernels, "wo_ab") if (kernels.wo_ab, kernels.grouped_wo_a, kernels.linear)
-                         == ("triton",) * 3 else None)
         # x [..., d], cos/sin broadcastable to [..., rd/2] -> x rotated (a new tensor, x's dtype)
         self.rope_op = get_op(kernels, "rope")
         # x [..., d], weight [d] or None -> RMS-normalised x (V4's per-head q norm: no weight)
@@ -158,11 +154,8 @@ class LatentAttention(nn.Module):
         block-diagonal `wo_a` (group g: heads g·H/G .., rows g·R .. (g+1)·R−1), `wo_b` (spec §7.5).
 
         The first two are one op (`grouped_wo_a`), which takes whatever row block of `wo_a` this
-        module holds (tensor parallelism keeps G/t groups and their H/t heads). With `wo_ab_op` and a
-        plain `wo_b` (tensor parallelism's `ReduceLinear` sums over ranks) the three are one op.
+        module holds (tensor parallelism keeps G/t groups and their H/t heads).
         """
-        if self.wo_ab_op is not None and type(self.wo_b) is Linear:
-            return self.wo_ab_op(out, cos, sin, self.wo_a.weight, self.wo_b.weight)
         return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight))  # [N, G·R] -> [N, D]
 
 
