@@ -6,6 +6,7 @@
 #   run(command="bash bench/gpu_session24.sh b")                       # ≈ 2 min (at its commit, below)
 #   run(command="bash bench/gpu_session24.sh a", kind="nvidia-h200")   # ≈ 7 min
 #   run(command="bash bench/gpu_session22.sh c", kind="nvidia-h200")   # ≈ 4 min, H200 only
+#   run(command="bash bench/gpu_session24.sh c")                       # ≈ 5 min
 #
 # a: the batch-1 graph step with 2 / 1 / 0 side streams on this card (`graph_decode.py --side-ab`,
 #    v4-mini at 1 and 8 requests), then the engine table of the sixteenth session's part b with the
@@ -16,6 +17,8 @@
 #    loads, one launch fewer per layer; `registry.NOT_YET_ON_GPU` until this has run): its GPU tests,
 #    then the v4-mini graph step at 1 and 8 requests without it and with it (`--triton wo_ab`), twice
 #    in alternation (separate processes).
+# c: the side streams where the step is wide (their default is on for every step size): 2 / 1 / 0 lanes
+#    at 64 and 256 requests, the 4-token verify block at 64, v41-mini at 64 (4K context).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 part_a() {
@@ -34,6 +37,13 @@ part_b() {
     step "b_held_$round" 100 --requests 1,8
     step "b_wo_ab_$round" 100 --requests 1,8 --triton wo_ab
   done
+}
+
+part_c() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  step c_side_wide 200 --requests 64,256 --side-ab
+  step c_side_verify_64 120 --requests 64 --tokens 4 --side-ab
+  step c_side_v41_64 120 --config v41-mini --requests 64 --side-ab
 }
 
 dispatch session24 "${1:-}"
