@@ -121,22 +121,18 @@ class LatentAttention(nn.Module):
         c_q = q_norm(x·wq_aᵀ) is also the indexer's input; q and kv carry RoPE at their positions.
         kv_out [R, d] (x's dtype, contiguous rows) with kv_rows [N] long: kv row n is also stored at
         row kv_rows[n] of kv_out (the static step's window ring), by the norm + RoPE op itself.
-        The two halves (`project_q`, `project_kv`) share only x: the static step runs them on two streams.
+        The q half (`project_q_lora`, `project_q_heads`) and the kv half (`project_kv`) share only x:
+        the static step runs them on two streams.
         """
-        q_lora, q = self.project_q(x, cos, sin)
-        return q_lora, q, self.project_kv(x, cos, sin, kv_out, kv_rows)
-
-    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`project_qkv`'s (c_q [N, q_lora], q [N, H, d])."""
         q_lora = self.project_q_lora(x)
-        return q_lora, self.project_q_heads(q_lora, cos, sin)
+        return q_lora, self.project_q_heads(q_lora, cos, sin), self.project_kv(x, cos, sin, kv_out, kv_rows)
 
     def project_q_lora(self, x: torch.Tensor) -> torch.Tensor:
-        """c_q = q_norm(x·wq_aᵀ) [N, q_lora]: `project_q`'s first half, also the indexer's input."""
+        """c_q = q_norm(x·wq_aᵀ) [N, q_lora]: the q half's first step, also the indexer's input."""
         return self.q_norm(self.wq_a(x))
 
     def project_q_heads(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): `project_q`'s second half."""
+        """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): the q half's second step."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q_cos, q_sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [N, 1, rd/2]: one row for all heads
         if self.q_head_norm:  # per-head unweighted RMS (spec §5), then RoPE

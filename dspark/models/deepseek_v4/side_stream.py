@@ -5,7 +5,7 @@
         update_compressor(...)               # runs beside what the current stream enqueues next
     with side.fork(KV):
         attn.project_kv(...)                 # a second lane beside both (its rows to the window ring)
-    q = attn.project_q(...)                  # current stream
+    q = attn.project_q_heads(...)            # current stream
     side.join(COMPRESS); side.join(KV)       # the current stream waits for the lanes' work
     attend(q, window, entries)
 

@@ -168,13 +168,11 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     keys = offset_rows(keys, state.window_offsets[layer])
     if attn.ratio:
         source = state.sources[attn.role.kv_source]
+        if publishes:
+            side.join(COMPRESS)
         if attn.indexer is not None:
             side.join(KV)
-            if publishes:
-                side.join(COMPRESS)
             select(attn.indexer, *queries, index, source, shared)
-        elif publishes:
-            side.join(COMPRESS)
         offset = index.entry_offsets(source.offset, source.n_entries)  # [N, 1]
         keys = torch.cat((keys, offset_rows(shared.topk, offset)), dim=-1)
     side.join(KV)
