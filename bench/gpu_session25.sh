@@ -2,11 +2,17 @@
 # GPU steps of the twenty-fifth session, for one H200 (an H100 runs them too; every JSON names its card):
 #
 #   run(command="bash bench/gpu_session25.sh a", carry=[".whl"])   # ≈ 6 min (flashinfer JIT compiles)
+#   run(command="bash bench/gpu_session25.sh b")                    # ≈ 6 min
 #
 # a: flashinfer's attention-sink variant (`SparseAttentionFlashinferSink`: the FA2 batch prefill kernel,
 #    head_dim 512, the sink inside the kernel) against the MLA kernels + sink pass, both timed in one
 #    process at 32K context, 1 / 8 / 64 / 128 / 256 / 512 requests (`bench/attn_batched.py --flashinfer
 #    mla,fa2_sink`); then both paths' GPU tests against the reference.
+# b: the MoE's shared expert on a side stream beside its router (`moe_shared`, in registry.NOT_YET_ON_GPU):
+#    its GPU tests (the kernels against the references, the static graphs with it on lane 0 bit for bit),
+#    the V4-Flash MoE op with the router at 1 and 8 tokens with it and without (`bench/kernels.py --graph`,
+#    bf16 / FP8 128 / FP8 32), then the v4-mini graph step at 1 and 8 requests without it and with it
+#    (`--triton moe_shared`), twice in alternation (separate processes).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -16,6 +22,19 @@ part_a() {
     --flashinfer mla,fa2_sink --batches 1,8,64,128,256,512 --out "$OUT/attn-fa2-sink.json"
   grep -h "attn_flashinfer\|wrote\|Error\|error" "$W/logs/a_attn.txt" | cut -c1-260 | tail -n 60
   tests a_tests 120 tests/kernels/test_attention_flashinfer.py -m gpu
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests b_tests 200 tests/kernels/test_moe.py -k "shared or v4_mini_shapes" tests/models/test_deepseek_v4_static_graph_gpu.py
+  logged b_moe 200 python3 bench/kernels.py --configs flash --tokens 1,8 --model-steps 0 --graph \
+    --ops fused_moe,fused_moe_beside,fused_moe_fp8_128,fused_moe_fp8_128_beside,fused_moe_fp8_32,fused_moe_fp8_32_beside \
+    --out "$OUT/moe-shared-beside.json"
+  grep -h "fused_moe" "$W/logs/b_moe.txt" | cut -c1-220 | tail -n 16
+  for round in 1 2; do
+    step "b_held_$round" 100 --requests 1,8
+    step "b_shared_$round" 100 --requests 1,8 --triton moe_shared
+  done
 }
 
 dispatch session25 "${1:-}"
