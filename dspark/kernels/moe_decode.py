@@ -218,27 +218,38 @@ def _decode_down_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n0 = tl.program_id(1) * BLOCK_N
-    if PART == 2:
-        acc = tl.load(ys_ptr + t * dim + offs_n, mask=offs_n < dim, other=0.0)
-    elif DEFER:
-        acc = _acc_sum(_gemv_acc(tl.zeros((BLOCK_N, KB_S, SUB_S), dtype=tl.float32), h_ptr + (n_assign + t) * h_width,
-                                 sw2_ptr, ss2_ptr, 0, n0, dim, inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
+    if PART == 2:  # the stored shared term read after the loops (no registers held across them): s + r == r + s
+        acc = _routed_terms(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, n0, dim, inter, h_width, TOP_K,
+                           FP8, SB, BLOCK_K, STAGES, DEFER, KB, SUB)
+        acc = tl.load(ys_ptr + t * dim + offs_n, mask=offs_n < dim, other=0.0) + acc
     else:
-        acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
-                    FP8_S, SB_S, BLOCK_K_S)
-    if PART != 1:
         if DEFER:
-            routed = tl.zeros((BLOCK_N, KB, SUB), dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                a = t * TOP_K + k
-                e = tl.load(ids_ptr + a).to(tl.int64)
-                routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter,
-                                   tl.load(wts_ptr + a), FP8, SB, BLOCK_K, STAGES)
-            acc += _acc_sum(routed)
+            acc = _acc_sum(_gemv_acc(tl.zeros((BLOCK_N, KB_S, SUB_S), dtype=tl.float32), h_ptr + (n_assign + t) * h_width,
+                                     sw2_ptr, ss2_ptr, 0, n0, dim, inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
         else:
-            acc += _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
-                                TOP_K, FP8, SB, BLOCK_K, STAGES)
+            acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
+                        FP8_S, SB_S, BLOCK_K_S)
+        if PART == 0:
+            acc += _routed_terms(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, n0, dim, inter, h_width, TOP_K,
+                                FP8, SB, BLOCK_K, STAGES, DEFER, KB, SUB)
     tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
+
+
+@_jit
+def _routed_terms(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, n0, dim, inter, h_width, TOP_K: tl.constexpr,
+                 FP8: tl.constexpr, SB: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                 DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr):
+    """fp32 [BLOCK_N]: the routed experts' weighted down projections of token t (`_decode_down_kernel`)."""
+    if DEFER:
+        routed = tl.zeros((offs_n.shape[0], KB, SUB), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            a = t * TOP_K + k
+            e = tl.load(ids_ptr + a).to(tl.int64)
+            routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter,
+                               tl.load(wts_ptr + a), FP8, SB, BLOCK_K, STAGES)
+        return _acc_sum(routed)
+    return _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
+                        TOP_K, FP8, SB, BLOCK_K, STAGES)
 
 
 _BOTH, _SHARED, _ROUTED = 0, 1, 2  # `_decode_down_kernel`'s PART

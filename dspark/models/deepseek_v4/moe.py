@@ -178,12 +178,9 @@ class MoE(nn.Module):
         At decode sizes (the experts' GEMV path), with `moe_shared` on Triton and a `side` stream for
         lane SHARED, the shared expert's two launches run on that lane beside the router (they need
         only x) and `moe_experts` reads their fp32 term: the same sums, so the same bits."""
-        from dspark.kernels.moe import DECODE_MAX_ASSIGNMENTS  # not at the top: importing it defines Triton kernels
-
         shared = self.shared_experts
         shared_w = (shared.w1.weight, shared.w2.weight, shared.w3.weight)
-        beside = (side is not None and side.has(SHARED) and self._shared_op is not None
-                  and x.shape[0] * self.gate.top_k <= DECODE_MAX_ASSIGNMENTS)
+        beside = side is not None and side.has(SHARED) and self._shared_op is not None and self._decode_sized(x)
         shared_y = None
         if beside:
             with side.fork(SHARED):
@@ -193,6 +190,12 @@ class MoE(nn.Module):
             side.join(SHARED)
         return self._experts_op(x, weights, experts, *self.stacked_weights(), *shared_w, swiglu_limit=self.swiglu_limit,
                                 shared_y=shared_y)
+
+    def _decode_sized(self, x: torch.Tensor) -> bool:
+        """True when the experts op takes its decode (GEMV) path for x's tokens."""
+        from dspark.kernels.moe import DECODE_MAX_ASSIGNMENTS  # not at the top: importing it defines Triton kernels
+
+        return x.shape[0] * self.gate.top_k <= DECODE_MAX_ASSIGNMENTS
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, expert ids [N, K]): the fused router when the gate is V4's own."""
