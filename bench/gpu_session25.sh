@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session25.sh a", carry=[".whl"])   # ≈ 6 min (flashinfer JIT compiles)
 #   run(command="bash bench/gpu_session25.sh b")                    # ≈ 6 min
+#   run(command="bash bench/gpu_session25.sh c")                    # ≈ 5 min
 #
 # a: flashinfer's attention-sink variant (`SparseAttentionFlashinferSink`: the FA2 batch prefill kernel,
 #    head_dim 512, the sink inside the kernel) against the MLA kernels + sink pass, both timed in one
@@ -13,6 +14,10 @@
 #    the V4-Flash MoE op with the router at 1 and 8 tokens with it and without (`bench/kernels.py --graph`,
 #    bf16 / FP8 128 / FP8 32), then the v4-mini graph step at 1 and 8 requests without it and with it
 #    (`--triton moe_shared`), twice in alternation (separate processes).
+# c: V4.1's router on V4's fused `moe_route` (`Gate.fused_route_args`: gate_temp 1, no image tokens,
+#    K > 1), where it ran as ~10 torch ops: the V4.1 GPU tests, then the v41-mini graph step at 1 and
+#    8 requests with it and with the module gate (the device copy's `fused_route_args` made to return
+#    None by sed, then restored), twice in alternation.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -34,6 +39,20 @@ part_b() {
   for round in 1 2; do
     step "b_held_$round" 100 --requests 1,8
     step "b_shared_$round" 100 --requests 1,8 --triton moe_shared
+  done
+}
+
+part_c() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests c_tests 200 tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_model.py \
+    tests/kernels/test_moe.py -k "v41 or fused_matches"
+  local gate=dspark/models/deepseek_v41/moe.py
+  cp "$gate" /tmp/v41_moe.py
+  for round in 1 2; do
+    step "c_fused_router_$round" 120 --config v41-mini --requests 1,8
+    sed -i 's/if self.gate_temp != 1 or self.image_token_id/if True or self.image_token_id/' "$gate"
+    step "c_module_router_$round" 120 --config v41-mini --requests 1,8
+    cp /tmp/v41_moe.py "$gate"
   done
 }
 

@@ -523,3 +523,33 @@ def test_moe_layer_forks_the_shared_expert_only_at_decode_sizes():
     lanes = InlineLanes()
     layer(x[:2], ids[:2], lanes)
     assert lanes.log == []
+
+
+@needs_triton
+def test_v41_router_takes_the_fused_route_where_its_extras_are_identities():
+    """V4.1's gate (temperature, image-token bias, no renormalising at K = 1) runs on V4's fused
+    router when gate_temp is 1, no image token id is set and K > 1, and as its module otherwise; both
+    match the layer's reference."""
+    import dspark
+    from dspark.kernels import KernelConfig
+
+    fused = KernelConfig(fused_moe="triton", moe_route="triton", moe_experts="triton")
+    model = dspark.init_model("tiny-v41", seed=0, kernels=fused, prefill_mode="exact", cache_qat=False)
+    layer = model.layers[0].ffn
+    gate = layer.gate
+    with torch.no_grad():
+        gate.bias.normal_(0, 0.1)
+    calls = []
+    route = layer._route
+    layer._route = lambda *a, **k: calls.append(1) or route(*a, **k)
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(3, model.config.hidden_size, generator=g), torch.randint(0, 100, (3,), generator=g)
+    assert gate.fused_route_args() is not None
+    assert rel_err(layer(x, ids), layer.forward_ref(x, ids)) < 1e-4 and calls == [1]
+    for name, value in (("gate_temp", 2.0), ("image_token_id", 7), ("top_k", 1)):
+        old = getattr(gate, name)
+        setattr(gate, name, value)
+        assert gate.fused_route_args() is None
+        if name != "top_k":
+            assert rel_err(layer(x, ids), layer.forward_ref(x, ids)) < 1e-4 and calls == [1]
+        setattr(gate, name, old)

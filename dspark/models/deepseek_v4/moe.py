@@ -71,6 +71,14 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=torch.float32, device=device))
 
+    def fused_route_args(self) -> dict | None:
+        """The arguments besides (x, gate_weight, token_ids) with which the registry's `moe_route`
+        computes this router, or None where it cannot (another score function, no renormalising)."""
+        if self.score_fn is not sqrtsoftplus or not self.renormalize:
+            return None
+        return dict(gate_bias=None if self.hashed else self.bias, tid2eid=self.tid2eid if self.hashed else None,
+                    top_k=self.top_k, routed_scaling_factor=self.routed_scaling_factor, hash_routing=self.hashed)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D], input_ids [N] -> (weights [N, K] fp32, expert ids [N, K] long)."""
         scores = self.score_fn(F.linear(x.float(), self.weight.float()))  # [N, E]
@@ -94,11 +102,11 @@ class MoE(nn.Module):
     temperature and an image-token bias); `hashed` is then ignored.
 
     `kernels` picks the implementation (default: the torch reference below). With
-    ``kernels.fused_moe == "triton"`` the layer runs the registry's `moe_route` (V4 router only;
-    another gate runs as a module) and `moe_experts` ops. Those read the routed experts as stacked
-    [E, I, D] / [E, D, I] tensors: every `experts.{e}.w*.weight` is a view into one stacked tensor
-    per projection, so the checkpoint names and the per-expert modules stay as they are, and no
-    weight is copied per call.
+    ``kernels.fused_moe == "triton"`` the layer runs the registry's `moe_route` (where it computes
+    the gate: `Gate.fused_route_args`; else the gate module runs) and `moe_experts` ops. Those read
+    the routed experts as stacked [E, I, D] / [E, D, I] tensors: every `experts.{e}.w*.weight` is a
+    view into one stacked tensor per projection, so the checkpoint names and the per-expert modules
+    stay as they are, and no weight is copied per call.
     """
 
     def __init__(self, config: DeepseekV4Config, hashed: bool, dtype=None, device=None, gate: nn.Module | None = None,
@@ -198,13 +206,11 @@ class MoE(nn.Module):
         return x.shape[0] * self.gate.top_k <= DECODE_MAX_ASSIGNMENTS
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [N, K] fp32, expert ids [N, K]): the fused router when the gate is V4's own."""
+        """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate
+        (`Gate.fused_route_args`), else the gate module."""
         gate = self.gate
-        if type(gate) is Gate and gate.score_fn is sqrtsoftplus and gate.renormalize:
-            weights, experts = self._route(
-                x, gate.weight, None if gate.hashed else gate.bias, gate.tid2eid if gate.hashed else None,
-                input_ids, top_k=gate.top_k, routed_scaling_factor=gate.routed_scaling_factor,
-                hash_routing=gate.hashed)
-        else:
-            weights, experts = gate(x, input_ids)
-        return weights, experts
+        fused = gate.fused_route_args() if isinstance(gate, Gate) else None
+        if fused is None:
+            return gate(x, input_ids)
+        bias, tid2eid = fused.pop("gate_bias"), fused.pop("tid2eid")
+        return self._route(x, gate.weight, bias, tid2eid, input_ids, **fused)

@@ -25,6 +25,14 @@ class Gate(V4Gate):
         self.image_token_id = config.image_token_id
         self.bias_vl = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32, device=device))
 
+    def fused_route_args(self) -> dict | None:
+        """V4's fused router computes this one where the extras are the identity: gate_temp 1, no
+        image tokens (the per-token bias), K > 1 (where this router renormalises, as `moe_route`
+        always does); else None (the module runs)."""
+        if self.gate_temp != 1 or self.image_token_id is not None or self.top_k == 1:
+            return None
+        return super().fused_route_args()
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D], input_ids [N] -> (weights [N, K] fp32, expert ids [N, K] long)."""
         scores = self.score_fn(F.linear(x.float(), self.weight.float()) / self.gate_temp)  # [N, E]
