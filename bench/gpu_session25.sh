@@ -4,10 +4,11 @@
 #   run(command="bash bench/gpu_session25.sh a", carry=[".whl"])   # ≈ 6 min (flashinfer JIT compiles)
 #   run(command="bash bench/gpu_session25.sh b")                    # ≈ 6 min
 #   run(command="bash bench/gpu_session25.sh c")                    # ≈ 5 min
+#   run(command="bash bench/gpu_session25.sh d")                    # ≈ 7 min: b and c in one call, one round each
 #
 # a: flashinfer's attention-sink variant (`SparseAttentionFlashinferSink`: the FA2 batch prefill kernel,
 #    head_dim 512, the sink inside the kernel) against the MLA kernels + sink pass, both timed in one
-#    process at 32K context, 1 / 8 / 64 / 128 / 256 / 512 requests (`bench/attn_batched.py --flashinfer
+#    process at 32K context, 8 / 128 / 256 / 512 requests (`bench/attn_batched.py --flashinfer
 #    mla,fa2_sink`); then both paths' GPU tests against the reference.
 # b: the MoE's shared expert on a side stream beside its router (`moe_shared`, in registry.NOT_YET_ON_GPU):
 #    its GPU tests (the kernels against the references, the static graphs with it on lane 0 bit for bit),
@@ -18,13 +19,14 @@
 #    K > 1), where it ran as ~10 torch ops: the V4.1 GPU tests, then the v41-mini graph step at 1 and
 #    8 requests with it and with the module gate (the device copy's `fused_route_args` made to return
 #    None by sed, then restored), twice in alternation.
+# d: for a short budget, the GPU tests of b and c, then one round of each A/B (no kernels.py).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   with_flashinfer
   logged a_attn 420 python3 bench/attn_batched.py --skip-model --skip-sweep --skip-per-request --skip-triton \
-    --flashinfer mla,fa2_sink --batches 1,8,64,128,256,512 --out "$OUT/attn-fa2-sink.json"
+    --flashinfer mla,fa2_sink --batches 8,128,256,512 --out "$OUT/attn-fa2-sink.json"
   grep -h "attn_flashinfer\|wrote\|Error\|error" "$W/logs/a_attn.txt" | cut -c1-260 | tail -n 60
   tests a_tests 120 tests/kernels/test_attention_flashinfer.py -m gpu
 }
@@ -54,6 +56,21 @@ part_c() {
     step "c_module_router_$round" 120 --config v41-mini --requests 1,8
     cp /tmp/v41_moe.py "$gate"
   done
+}
+
+part_d() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests d_tests 240 tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_model.py \
+    tests/kernels/test_moe.py tests/models/test_deepseek_v4_static_graph_gpu.py \
+    -k "v41 or fused_matches or shared or side_streams or v4_mini_shapes"
+  step d_held 100 --requests 1,8
+  step d_shared 100 --requests 1,8 --triton moe_shared
+  local gate=dspark/models/deepseek_v41/moe.py
+  cp "$gate" /tmp/v41_moe.py
+  step d_v41_fused_router 120 --config v41-mini --requests 1,8
+  sed -i 's/if self.gate_temp != 1 or self.image_token_id/if True or self.image_token_id/' "$gate"
+  step d_v41_module_router 120 --config v41-mini --requests 1,8
+  cp /tmp/v41_moe.py "$gate"
 }
 
 dispatch session25 "${1:-}"
