@@ -272,6 +272,16 @@ def _routing(n_tok, n_exp, top_k, seed):
     return weights.to(DEVICE), ids.to(DEVICE)
 
 
+def _expert_case(n_tok, dim, n_exp, top_k, inter, inter_s, fp8_block, dtype):
+    """`moe_experts`' positional arguments (x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3)
+    of one `EXPERT_CASES` row."""
+    x = router_inputs(n_tok, dim, n_exp, top_k, dtype, seed=dim)[0]
+    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, dtype, seed=inter, fp8_block=fp8_block)
+    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, dtype, seed=inter_s + 1, fp8_block=fp8_block)
+    weights, ids = _routing(n_tok, n_exp, top_k, seed=n_tok)
+    return x, weights, ids, w1, w2, w3, s1, s2, s3
+
+
 @needs_triton
 @pytest.mark.parametrize("path", ["decode", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -279,11 +289,7 @@ def _routing(n_tok, n_exp, top_k, seed):
 def test_moe_experts_paths_match_ref(n_tok, dim, n_exp, top_k, inter, inter_s, fp8_block, dtype, path, poisoned):
     """Both paths of `moe_experts` against `moe_experts_ref`, on the same routing."""
 
-    x = router_inputs(n_tok, dim, n_exp, top_k, dtype, seed=dim)[0]
-    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, dtype, seed=inter, fp8_block=fp8_block)
-    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, dtype, seed=inter_s + 1, fp8_block=fp8_block)
-    weights, ids = _routing(n_tok, n_exp, top_k, seed=n_tok)
-    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
+    args = _expert_case(n_tok, dim, n_exp, top_k, inter, inter_s, fp8_block, dtype)
     with poisoned():
         if path == "decode":
             y = moe_decode.decode_experts(*args, 10.0)
@@ -437,16 +443,12 @@ def test_moe_shared_then_experts_give_the_same_bits(n_tok, dim, n_exp, top_k, in
     router) equals `moe_experts` alone bit for bit on the decode path, and `moe_shared` is the
     shared expert of `moe_shared_ref`; the same for the references."""
     dtype = torch.bfloat16
-    x = router_inputs(n_tok, dim, n_exp, top_k, dtype, seed=dim)[0]
-    w1, w2, w3, _, _, _ = expert_weights(n_exp, dim, inter, dtype, seed=inter, fp8_block=fp8_block)
-    _, _, _, s1, s2, s3 = expert_weights(1, dim, inter_s, dtype, seed=inter_s + 1, fp8_block=fp8_block)
-    weights, ids = _routing(n_tok, n_exp, top_k, seed=n_tok)
-    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
+    args = _expert_case(n_tok, dim, n_exp, top_k, inter, inter_s, fp8_block, dtype)
     with poisoned():
-        shared_y = moe.moe_shared(x, s1, s2, s3, swiglu_limit=10.0)
+        shared_y = moe.moe_shared(args[0], *args[6:], swiglu_limit=10.0)
         split = moe.moe_experts(*args, swiglu_limit=10.0, shared_y=shared_y)
         whole = moe.moe_experts(*args, swiglu_limit=10.0)
-    shared_ref = moe.moe_shared_ref(x, s1, s2, s3, swiglu_limit=10.0)
+    shared_ref = moe.moe_shared_ref(args[0], *args[6:], swiglu_limit=10.0)
     assert shared_y.dtype == torch.float32 and rel_err(shared_y, shared_ref) < 1e-4
     assert torch.equal(split, whole)
     ref = moe.moe_experts_ref(*args, swiglu_limit=10.0)
