@@ -19,7 +19,8 @@
 #    K > 1), where it ran as ~10 torch ops: the V4.1 GPU tests, then the v41-mini graph step at 1 and
 #    8 requests with it and with the module gate (the device copy's `fused_route_args` made to return
 #    None by sed, then restored), twice in alternation.
-# d: for a short budget, the GPU tests of b and c, then one round of each A/B (no kernels.py).
+# d: for a short budget, the GPU tests of b and c, then one round of each A/B (no kernels.py); and V4.1's
+#    Engram gate in one launch (`engram_gate`, in registry.NOT_YET_ON_GPU): its tests, v41-mini with it.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -61,8 +62,8 @@ part_c() {
 part_d() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   tests d_tests 240 tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_model.py \
-    tests/kernels/test_moe.py tests/models/test_deepseek_v4_static_graph_gpu.py \
-    -k "v41 or fused_matches or shared or side_streams or v4_mini_shapes"
+    tests/kernels/test_moe.py tests/models/test_deepseek_v4_static_graph_gpu.py tests/kernels/test_engram_gate.py \
+    -k "v41 or fused_matches or shared or side_streams or v4_mini_shapes or engram or gate"
   step d_held 100 --requests 1,8
   step d_shared 100 --requests 1,8 --triton moe_shared
   local gate=dspark/models/deepseek_v41/moe.py
@@ -71,6 +72,7 @@ part_d() {
   sed -i 's/if self.gate_temp != 1 or self.image_token_id/if True or self.image_token_id/' "$gate"
   step d_v41_module_router 120 --config v41-mini --requests 1,8
   cp /tmp/v41_moe.py "$gate"
+  step d_v41_engram_gate 120 --config v41-mini --requests 1,8 --triton engram_gate
 }
 
 dispatch session25 "${1:-}"

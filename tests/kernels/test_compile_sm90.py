@@ -25,8 +25,8 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
-                            indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe, moe_decode,
+from dspark.kernels import (attention, attention_wide, cache_round, compressor, engram_gate, grouped_wo_a, hc_head_norm,
+                            indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe, moe_decode,
                             moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
@@ -63,7 +63,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            norm_rope: ("_norm_rope_kernel",),
            step_index: ("_step_index_kernel",),
            markov_greedy: ("_markov_greedy_kernel",),
-           slot_noise: ("_slot_noise_kernel",)}
+           slot_noise: ("_slot_noise_kernel",),
+           engram_gate: ("_engram_gate_kernel",)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -357,6 +358,13 @@ def run_every_tile_class():
         markov_greedy.markov_greedy(torch.randn(rows, 320, generator=g).to(DEVICE),
                                     torch.randn(rows, rank, generator=g).to(DEVICE),
                                     torch.randn(320, rank, generator=g).to(DEVICE))
+    # V4.1's Engram gate: bf16 streams of width 2048 (v41-mini's: two 1024-wide passes), with and without
+    # the image-token mask.
+    for live in (torch.tensor([True, False]).to(DEVICE), None):
+        engram_gate.engram_gate(torch.randn(2, 4, 2048, generator=g).bfloat16().to(DEVICE),
+                                torch.randn(2, 5 * 2048, generator=g).bfloat16().to(DEVICE),
+                                torch.rand(4, 2048, generator=g).bfloat16().to(DEVICE),
+                                torch.rand(4, 2048, generator=g).bfloat16().to(DEVICE), live, eps=1e-6)
 
 
 COMPILE = textwrap.dedent("""

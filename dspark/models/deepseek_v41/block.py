@@ -103,7 +103,7 @@ class Block(nn.Module):
         self.engram = None
         if role.has_engram:
             rows = c.engram_num_embeddings[c.engram_layer_ids.index(role.layer_id)]
-            self.engram = Engram(c, rows, dtype=dtype, device=device, host_table=host_engram)
+            self.engram = Engram(c, rows, dtype=dtype, device=device, host_table=host_engram, kernels=kernels)
         self.attn = Attention(c, role, quant, dtype=dtype, device=device, kernels=kernels)
         self.ffn = MoE(c, hashed=False, dtype=dtype, device=device, gate=Gate(c, dtype=dtype, device=device),
                        kernels=kernels)

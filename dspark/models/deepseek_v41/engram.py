@@ -13,7 +13,8 @@ The normalisation is per (token, stream) over D, not joint over the streams; `q_
 `k_weight` are only ever used as their product. V4.1 dropped the short convolution of the
 original Engram. Tables are ~98 GB each in the release, so `EngramTable` can live in host memory
 (pinned when CUDA is available): its lookups depend only on token ids, so the model issues them
-for all Engram layers before layer 0 runs (spec §8.5).
+for all Engram layers before layer 0 runs (spec §8.5). The gate and the blend after `wkv` are the
+registry's `engram_gate` op (dspark/kernels/engram_gate.py: one launch on Triton).
 
 Shape symbols: N tokens, hc streams, D hidden size, C hash columns, hd table row width.
 """
@@ -24,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Floor of |dot| under the square root: the gradient of sqrt is unbounded at 0 (training kernel).
-_GATE_FLOOR = 1e-6
+from dspark.kernels import KernelConfig, get_op
 
 
 class EngramTable(nn.Module):
@@ -58,8 +58,10 @@ class Engram(nn.Module):
     """Parameters (checkpoint names, Flash sizes): `embed` (table [384 006 168, 256]),
     `wkv` [(hc+1)·D, C·hd] = [25600, 6144], `q_weight`, `k_weight` [hc, D] = [4, 5120]."""
 
-    def __init__(self, config, table_rows: int, dtype=None, device=None, host_table: bool = False):
+    def __init__(self, config, table_rows: int, dtype=None, device=None, host_table: bool = False,
+                 kernels: KernelConfig | None = None):
         super().__init__()
+        self.gate_op = get_op(KernelConfig() if kernels is None else kernels, "engram_gate")
         c = config
         self.hc_mult = c.hc_mult
         self.hidden_size = c.hidden_size
@@ -74,14 +76,5 @@ class Engram(nn.Module):
     def forward(self, x: torch.Tensor, rows: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
         """x [N, hc, D] streams, rows [N, C, hd] looked-up table rows, live [N] bool (False: image
         token, gate shut) or None -> streams [N, hc, D] with the gated value added."""
-        kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))  # [N, (hc+1)·D]
-        key, value = kv.split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
-        key = key.float().unflatten(-1, (self.hc_mult, self.hidden_size))  # [N, hc, D]
-        h = x.float()
-        weight = self.q_weight.float() * self.k_weight.float()  # [hc, D]
-        scale = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * weight * key).sum(-1) * scale * self.hidden_size**-0.5  # [N, hc]
-        gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp(min=_GATE_FLOOR).sqrt())
-        if live is not None:
-            gate = gate * live.unsqueeze(-1)
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
+        kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))  # [N, (hc+1)·D]: keys per stream, value
+        return self.gate_op(x, kv, self.q_weight, self.k_weight, live, eps=self.eps)
