@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session25.sh b")                    # ≈ 6 min
 #   run(command="bash bench/gpu_session25.sh c")                    # ≈ 5 min
 #   run(command="bash bench/gpu_session25.sh d")                    # ≈ 7 min: b and c in one call, one round each
+#   run(command="bash bench/gpu_session25.sh e")                    # ≈ 4 min: d's tests, c's A/B once
 #
 # a: flashinfer's attention-sink variant (`SparseAttentionFlashinferSink`: the FA2 batch prefill kernel,
 #    head_dim 512, the sink inside the kernel) against the MLA kernels + sink pass, both timed in one
@@ -73,6 +74,18 @@ part_d() {
   step d_v41_module_router 120 --config v41-mini --requests 1,8
   cp /tmp/v41_moe.py "$gate"
   step d_v41_engram_gate 120 --config v41-mini --requests 1,8 --triton engram_gate
+}
+
+part_e() {  # d's tests and the V4.1 router A/B only (≈ 4 min)
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests e_tests 150 tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_model.py \
+    tests/kernels/test_moe.py tests/kernels/test_engram_gate.py -k "v41 or fused_matches or shared or engram or gate"
+  local gate=dspark/models/deepseek_v41/moe.py
+  cp "$gate" /tmp/v41_moe.py
+  step e_v41_fused_router 100 --config v41-mini --requests 1,8
+  sed -i 's/if self.gate_temp != 1 or self.image_token_id/if True or self.image_token_id/' "$gate"
+  step e_v41_module_router 100 --config v41-mini --requests 1,8
+  cp /tmp/v41_moe.py "$gate"
 }
 
 dispatch session25 "${1:-}"
