@@ -144,7 +144,8 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
 
     Writes the new window latents (and, on a KV source, its rows, entries and index keys) first; an
     index source then picks into `shared` (topk [N, min(k, E)], candidates [N, E]) for the layers
-    after it; the key list is [W window rows | the latest picks in the KV source's entries], −1 = none.
+    after it; the key list is [W window rows | the latest picks in the KV source's entries] as rows of the
+    pool from the layer's window on, −1 = none.
     A KV source's publishing and the window latents need only x, the indexer's queries only x and c_q:
     with `side` they run on its lanes beside the q projection (`deepseek_v4.side_stream`), each joined
     before the first read of what it writes.
@@ -164,8 +165,10 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
         with side.fork(KV):
             queries = attn.indexer.queries(x, q_lora, cos, sin)
     q = attn.project_q_heads(q_lora, cos, sin)
+    # The attention reads the pool from the layer's window on (`pool_from`): the window keys are rows of
+    # its ring as they are, and the entries (after every window) rows past it: no per-layer offset ops.
+    pool_from = state.window_offsets[layer]
     keys = index.window_keys(attn.window, window)  # [N, W] rows of the layer's ring, −1 = none
-    keys = offset_rows(keys, state.window_offsets[layer])
     if attn.ratio:
         source = state.sources[attn.role.kv_source]
         if publishes:
@@ -173,10 +176,10 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
         if attn.indexer is not None:
             side.join(KV)
             select(attn.indexer, *queries, index, source, shared)
-        offset = index.entry_offsets(source.offset, source.n_entries)  # [N, 1]
+        offset = index.entry_offsets(source.offset - pool_from, source.n_entries)  # [N, 1]
         keys = torch.cat((keys, offset_rows(shared.topk, offset)), dim=-1)
     side.join(KV)
-    out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
+    out = attn.attend_op(q, state.pool[pool_from:], keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
 
 
@@ -199,7 +202,7 @@ def plan_attention(attn, plan: StepPlan, state: StaticStateV41, layer: int) -> N
         plan.group_cos_sin(attn.rope, m)
     if attn.indexer is not None:
         plan.visible(attn.indexer.ratio)
-    plan.entry_offsets(source.offset, source.n_entries)
+    plan.entry_offsets(source.offset - state.window_offsets[layer], source.n_entries)
 
 
 def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> None:
