@@ -46,46 +46,40 @@ part_b() {
   done
 }
 
+router_ab() {  # router_ab PREFIX LIMIT: v41-mini at 1 and 8 requests, the fused router then the module gate
+  local gate=dspark/models/deepseek_v41/moe.py
+  cp "$gate" /tmp/v41_moe.py
+  step "${1}_fused_router" "$2" --config v41-mini --requests 1,8
+  sed -i 's/if self.gate_temp != 1 or self.image_token_id/if True or self.image_token_id/' "$gate"
+  step "${1}_module_router" "$2" --config v41-mini --requests 1,8
+  cp /tmp/v41_moe.py "$gate"
+}
+
+V41_TESTS=(tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_model.py
+           tests/kernels/test_moe.py tests/kernels/test_engram_gate.py)
+
 part_c() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   tests c_tests 200 tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_model.py \
     tests/kernels/test_moe.py -k "v41 or fused_matches"
-  local gate=dspark/models/deepseek_v41/moe.py
-  cp "$gate" /tmp/v41_moe.py
-  for round in 1 2; do
-    step "c_fused_router_$round" 120 --config v41-mini --requests 1,8
-    sed -i 's/if self.gate_temp != 1 or self.image_token_id/if True or self.image_token_id/' "$gate"
-    step "c_module_router_$round" 120 --config v41-mini --requests 1,8
-    cp /tmp/v41_moe.py "$gate"
-  done
+  router_ab c_1 120
+  router_ab c_2 120
 }
 
 part_d() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests d_tests 240 tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_model.py \
-    tests/kernels/test_moe.py tests/models/test_deepseek_v4_static_graph_gpu.py tests/kernels/test_engram_gate.py \
+  tests d_tests 240 "${V41_TESTS[@]}" tests/models/test_deepseek_v4_static_graph_gpu.py \
     -k "v41 or fused_matches or shared or side_streams or v4_mini_shapes or engram or gate"
   step d_held 100 --requests 1,8
   step d_shared 100 --requests 1,8 --triton moe_shared
-  local gate=dspark/models/deepseek_v41/moe.py
-  cp "$gate" /tmp/v41_moe.py
-  step d_v41_fused_router 120 --config v41-mini --requests 1,8
-  sed -i 's/if self.gate_temp != 1 or self.image_token_id/if True or self.image_token_id/' "$gate"
-  step d_v41_module_router 120 --config v41-mini --requests 1,8
-  cp /tmp/v41_moe.py "$gate"
+  router_ab d 120
   step d_v41_engram_gate 120 --config v41-mini --requests 1,8 --triton engram_gate
 }
 
 part_e() {  # d's tests and the V4.1 router A/B only (≈ 4 min)
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests e_tests 110 tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_model.py \
-    tests/kernels/test_moe.py tests/kernels/test_engram_gate.py -k "v41 or fused_matches or shared or engram or gate"
-  local gate=dspark/models/deepseek_v41/moe.py
-  cp "$gate" /tmp/v41_moe.py
-  step e_v41_fused_router 70 --config v41-mini --requests 1,8
-  sed -i 's/if self.gate_temp != 1 or self.image_token_id/if True or self.image_token_id/' "$gate"
-  step e_v41_module_router 70 --config v41-mini --requests 1,8
-  cp /tmp/v41_moe.py "$gate"
+  tests e_tests 110 "${V41_TESTS[@]}" -k "v41 or fused_matches or shared or engram or gate"
+  router_ab e 70
 }
 
 dispatch session25 "${1:-}"
