@@ -681,8 +681,8 @@ def moe_shared(x, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float) -> to
     """Fused `moe_shared_ref` (same signature): the launches `moe_experts` runs for its shared term,
     alone (for up to DECODE_MAX_ASSIGNMENTS tokens the decode GEMV kernels, else the grouped GEMMs),
     so that `moe_experts(..., shared_y=moe_shared(...))` gives the bits `moe_experts` gives alone
-    where both take the same path (the decode path with K = 1, the packed one above
-    DECODE_MAX_ASSIGNMENTS tokens). Fp32 [N, D]."""
+    where both take the same path (both decode where N·K <= DECODE_MAX_ASSIGNMENTS, both packed above
+    DECODE_MAX_ASSIGNMENTS tokens; the MoE layer splits only the first). Fp32 [N, D]."""
     require_triton()
     _check_shared_args(x, shared_w1, shared_w2, shared_w3)
     x = x.contiguous()

@@ -181,7 +181,7 @@ class MoE(nn.Module):
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
     def _forward_fused(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStreams | None = None) -> torch.Tensor:
-        """The registry's ops: fused router when the gate is V4's own, then the experts kernel.
+        """The registry's ops: the fused router where it computes the gate (`_routing`), then the experts.
 
         At decode sizes (the experts' GEMV path), with `moe_shared` on Triton and a `side` stream for
         lane SHARED, the shared expert's two launches run on that lane beside the router (they need
