@@ -165,12 +165,13 @@ class SparseAttentionFlashinfer(_FlashinferAttention):
     (module docstring)."""
 
     def _get_wrapper(self, device: torch.device):
-        if self._wrapper is None or self._wrapper.device != device:
+        if self._wrapper is None or self._wrapper_key != device:
             require_flashinfer()
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
             workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
             self._wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="auto")
+            self._wrapper_key = device
         return self._wrapper
 
     def plan(self, index: torch.Tensor, n_heads: int, scale: float, dtype: torch.dtype) -> KeyLists:

@@ -171,6 +171,8 @@ class DeepGemmMoeExperts(DeepGemmOp):
             raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
         _check_routing_args(x, weights, ids, w1.shape[0])
         _check_expert_args(x, w1.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
+        if shared_y is not None:
+            _checked_shared_y(x, shared_y)
         args = (x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3)
         api = self._api(x.device)
         reason = api if isinstance(api, str) else self._call_reason(*args)
@@ -180,8 +182,7 @@ class DeepGemmMoeExperts(DeepGemmOp):
         parts = (w1, w2, w3, shared_w1, shared_w2, shared_w3)
         key = sum((weight_key(w) for w in parts), ())
         experts = self._converted(key, lambda: DeepGemmExperts.from_weights(*parts))
-        return moe_experts_deep_gemm(api, x, weights, ids, experts, swiglu_limit,
-                                     shared_y if shared_y is None else _checked_shared_y(x, shared_y))
+        return moe_experts_deep_gemm(api, x, weights, ids, experts, swiglu_limit, shared_y)
 
     @staticmethod
     def _call_reason(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3) -> str | None:
