@@ -27,8 +27,6 @@ whole-model decode step with the batched attention vs the old per-request loop.
    (kernel + sink epilogue) as above, `kernel_graph_us` flashinfer's kernel alone in a graph.
    `graph_pct_copy` / `kernel_pct_copy`: the same as % of this card's measured device-to-device copy
    bandwidth (`copy_TBps` in the conditions), so a card other than the H200 is judged by its own.
-   `--flashinfer mla,fa2_sink` adds `attn_flashinfer_fa2_sink`: flashinfer's batch prefill kernel
-   (FA2, head_dim 512) with its attention-sink variant, the sink inside the kernel, no pass after it.
 """
 
 from __future__ import annotations
@@ -69,8 +67,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", help="requests per launch, comma-separated (default 1,8,64,128)")
     p.add_argument("--skip-sweep", action="store_true", help="no Triton launch-shape sweep")
     p.add_argument("--skip-per-request", action="store_true", help="no one-launch-per-request timing")
-    p.add_argument("--skip-triton", action="store_true", help="no Triton attention rows (flashinfer only)")
-    p.add_argument("--flashinfer", default="mla", help="flashinfer paths, comma-separated: mla, fa2_sink")
     return p.parse_args(argv)
 
 
@@ -168,54 +164,48 @@ def cpu_timer(fn) -> float:
     return time.perf_counter() - start
 
 
-FLASHINFER_PATHS = {"mla": ("attn_flashinfer", "SparseAttentionFlashinfer"),
-                    "fa2_sink": ("attn_flashinfer_fa2_sink", "SparseAttentionFlashinferSink")}
-
-
-def flashinfer_rows(cfg: dict, device, copy_bps: float, paths=("mla",)) -> list[dict]:
-    """`attn_flashinfer`: the `attention_rows` cases on flashinfer (module docstring), one row per case
-    and path of `FLASHINFER_PATHS` (mla: its kernel then the sink pass; fa2_sink: the sink in the kernel)."""
-    from dspark.kernels import attention_flashinfer
+def flashinfer_rows(cfg: dict, device, copy_bps: float) -> list[dict]:
+    """`attn_flashinfer`: the `attention_rows` cases on flashinfer's MLA kernels (module docstring)."""
+    from dspark.kernels.attention_flashinfer import SparseAttentionFlashinfer
     from dspark.kernels.attention_ref import sparse_attention_ref
 
     scale = HEAD_DIM**-0.5
     rows = []
     for name, kind, batch, heads, (q, pool, index, sink, _) in decode_cases(cfg, device):
-        for path in paths:
-            case, cls = FLASHINFER_PATHS[path]
-            op = getattr(attention_flashinfer, cls)()
-            head = {"case": case, "layer": name, "kind": kind, "B": batch}
-            try:
-                out = op(q, pool, index, sink, scale)  # compiles on the first call
-                sync(device)
-                start = time.perf_counter()
-                op.plan(index, heads, scale, q.dtype)
-                plan_s = time.perf_counter() - start
-                check = slice(0, min(batch, 8))
-                expected = sparse_attention_ref(q[check], pool, index[check], sink, scale).float()
-                err = ((out[check].float() - expected).norm() / expected.norm()).item()
-                run_s = gpu_timer(lambda: op.run(q, pool, sink))
-                graph_s = graph_timer(lambda: op.run(q, pool, sink))
-                # the MLA kernel alone (no sink pass); the sink variant has no separate pass
-                kernel_s = graph_timer(lambda: op.kernel(q, pool)) if path == "mla" else graph_s
-            except Exception as exc:  # no nvcc, a shape flashinfer rejects: record, go on
-                rows.append({**head, "error": repr(exc)[:400]})
-                print(f"{case} {name} {kind} B={batch}: {rows[-1]['error']}", flush=True)
-                continue
-            n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()
-                       + 2 * q.numel() * q.element_size() + index.numel() * 4)
-            r = {**head, "keys_per_query": index.shape[1], "context": cfg["context"], "plan_ms": plan_s * 1e3,
-                 "us": run_s * 1e6, "graph_us": graph_s * 1e6, "kernel_graph_us": kernel_s * 1e6,
-                 "bytes": n_bytes, "pct_hbm": 100 * n_bytes / run_s / HBM_BYTES_PER_S,
-                 "graph_pct_hbm": 100 * n_bytes / graph_s / HBM_BYTES_PER_S,
-                 "kernel_pct_hbm": 100 * n_bytes / kernel_s / HBM_BYTES_PER_S, "rel_err": err,
-                 "graph_pct_copy": 100 * n_bytes / graph_s / copy_bps,
-                 "kernel_pct_copy": 100 * n_bytes / kernel_s / copy_bps}
-            rows.append(r)
-            print(f"{case} {name} {kind} B={batch}: run {r['us']:.1f} us, graph {r['graph_us']:.1f} us "
-                  f"({r['graph_pct_hbm']:.1f}% HBM, {r['graph_pct_copy']:.1f}% copy), kernel "
-                  f"{r['kernel_graph_us']:.1f} us ({r['kernel_pct_hbm']:.1f}%, {r['kernel_pct_copy']:.1f}% copy), "
-                  f"plan {r['plan_ms']:.2f} ms, rel err {err:.1e}", flush=True)
+        op = SparseAttentionFlashinfer()
+        try:
+            out = op(q, pool, index, sink, scale)  # compiles on the first call
+            sync(device)
+            start = time.perf_counter()
+            op.plan(index, heads, scale, q.dtype)
+            plan_s = time.perf_counter() - start
+            check = slice(0, min(batch, 8))
+            expected = sparse_attention_ref(q[check], pool, index[check], sink, scale).float()
+            err = ((out[check].float() - expected).norm() / expected.norm()).item()
+            run_s = gpu_timer(lambda: op.run(q, pool, sink))
+            graph_s = graph_timer(lambda: op.run(q, pool, sink))
+            kernel_s = graph_timer(lambda: op.kernel(q, pool))
+        except Exception as exc:  # no nvcc, a shape flashinfer rejects: record, go on
+            rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
+                         "error": repr(exc)[:400]})
+            print(f"flashinfer {name} {kind} B={batch}: {rows[-1]['error']}", flush=True)
+            continue
+        n_bytes = (batch * index.shape[1] * HEAD_DIM * pool.element_size()
+                   + 2 * q.numel() * q.element_size() + index.numel() * 4)
+        rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
+                     "keys_per_query": index.shape[1], "context": cfg["context"], "plan_ms": plan_s * 1e3,
+                     "us": run_s * 1e6, "graph_us": graph_s * 1e6, "kernel_graph_us": kernel_s * 1e6,
+                     "bytes": n_bytes, "pct_hbm": 100 * n_bytes / run_s / HBM_BYTES_PER_S,
+                     "graph_pct_hbm": 100 * n_bytes / graph_s / HBM_BYTES_PER_S,
+                     "kernel_pct_hbm": 100 * n_bytes / kernel_s / HBM_BYTES_PER_S, "rel_err": err})
+        r = rows[-1]
+        print(f"flashinfer {name} {kind} B={batch}: run {r['us']:.1f} us, graph {r['graph_us']:.1f} us "
+              f"({r['graph_pct_hbm']:.1f}% HBM), kernel {r['kernel_graph_us']:.1f} us "
+              f"({r['kernel_pct_hbm']:.1f}%), plan {r['plan_ms']:.2f} ms, rel err {err:.1e}", flush=True)
+        r["graph_pct_copy"] = 100 * n_bytes / graph_s / copy_bps
+        r["kernel_pct_copy"] = 100 * n_bytes / kernel_s / copy_bps
+        print(f"  of this card's copy bandwidth: graph {r['graph_pct_copy']:.1f}%, kernel {r['kernel_pct_copy']:.1f}%",
+              flush=True)
         del q, pool, index
     return rows
 
@@ -365,8 +355,7 @@ def main(argv=None) -> int:
     print(json.dumps(cond), flush=True)
     timer = gpu_timer if device.type == "cuda" else cpu_timer
     with torch.inference_mode():
-        rows = [] if args.skip_triton else attention_rows(cfg, device, timer,
-                                                           per_request_timing=not args.skip_per_request)
+        rows = attention_rows(cfg, device, timer, per_request_timing=not args.skip_per_request)
         if device.type == "cuda" and not args.skip_sweep:  # the Triton launch shapes (CPU check: tests/kernels)
             rows += sweep_rows(cfg, device, timer)
         if device.type == "cuda":
@@ -374,7 +363,7 @@ def main(argv=None) -> int:
 
             if flashinfer_available():
                 cond["copy_TBps"] = copy_bytes_per_s(device) / 1e12
-                rows += flashinfer_rows(cfg, device, cond["copy_TBps"] * 1e12, args.flashinfer.split(","))
+                rows += flashinfer_rows(cfg, device, cond["copy_TBps"] * 1e12)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not args.skip_model:

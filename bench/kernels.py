@@ -46,7 +46,7 @@ HBM_BYTES_PER_S = 4.4e12  # measured copy bandwidth of one H200 (peers.md §7.1)
 BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
 OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "mhc_v41_pre", "mhc_v41_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
-       "fused_moe_fp8_32", "fused_moe_beside", "fused_moe_fp8_128_beside", "fused_moe_fp8_32_beside", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
+       "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
        "indexer_pool", "compressor_csa", "compressor_hca", "grouped_wo_a", "rms_norm", "rms_norm_q", "rope_q",
        "linear_wkv", "compressor_project", "index_scores")
 DECODE_ONLY = ("indexer_csa", "indexer_v41", "indexer_pool", "index_scores")  # decode / verify ops: M <= 256 rows
@@ -240,13 +240,9 @@ def mhc_v41_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
 
 
 def moe_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
-    """(fused thunk, ref thunk, bytes, flop) of the router or the whole MoE at M tokens, bf16 x.
-    `<op>_beside`: the MoE layer's own decode schedule with a side stream (`MoE._forward_fused`):
-    the shared expert (`moe.moe_shared`) on it beside the router, then the routed experts."""
+    """(fused thunk, ref thunk, bytes, flop) of the router or the whole MoE at M tokens, bf16 x."""
     from dspark.kernels import moe
 
-    beside = op.endswith("_beside")
-    op = op.removesuffix("_beside")
     gen = torch.Generator(device=device).manual_seed(m)
     x = torch.randn(m, shape.dim, generator=gen, device=device).bfloat16()
     router = (x, layer["gate"], layer["bias"], None, None)
@@ -269,25 +265,7 @@ def moe_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
             w, i = moe.moe_route(*router, **route_kw)
             return moe._packed_experts(x, w, i, *weights, 10.0)
         return packed, ref, n_bytes, flop
-    if beside:
-        return shared_beside_router(x, router, route_kw, weights, device), ref, n_bytes, flop
     return (lambda: moe.fused_moe(*router, *weights, **kw)), ref, n_bytes, flop
-
-
-def shared_beside_router(x, router, route_kw, weights, device):
-    """The thunk of `moe_case`'s `_beside` ops: what `MoE._forward_fused` runs with a side stream."""
-    from dspark.kernels import moe
-    from dspark.models.deepseek_v4.side_stream import SHARED, SideStreams
-
-    side = SideStreams(torch.device(device), lanes=1)
-
-    def run():
-        with side.fork(SHARED):
-            shared_y = moe.moe_shared(x, *weights[3:], swiglu_limit=10.0)
-        w, i = moe.moe_route(*router, **route_kw)
-        side.join(SHARED)
-        return moe.moe_experts(x, w, i, *weights, swiglu_limit=10.0, shared_y=shared_y)
-    return run
 
 
 def attention_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):

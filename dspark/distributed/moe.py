@@ -31,7 +31,6 @@ from torch import nn
 from dspark.distributed.comm import Comm
 from dspark.distributed.fused_allreduce import PushWorkspace, moe_epilogue, moe_epilogue_ref
 from dspark.models.deepseek_v4.moe import Expert
-from dspark.models.deepseek_v4.side_stream import SideStreams
 
 
 def expert_slice(n_experts: int, rank: int, size: int) -> range:
@@ -66,9 +65,8 @@ class DispatchMoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in self.owned})
         self.comm = comm
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStreams | None = None) -> torch.Tensor:
-        """x [N, D] (after ffn_norm), input_ids [N] -> [N, D] in x.dtype. `side` (the static step's
-        lanes, as `MoE.forward` takes them) is unused: everything runs on the current stream."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D] (after ffn_norm), input_ids [N] -> [N, D] in x.dtype."""
         weights, ids = self.gate(x, input_ids)  # [N, K] fp32, [N, K]
         n, k = ids.shape
         flat = ids.reshape(-1).long()  # [N·K], token-major
@@ -115,9 +113,8 @@ class SliceMoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in self.owned})
         self.comm = comm
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStreams | None = None) -> torch.Tensor:
-        """x [N, D] (identical on every rank), input_ids [N] -> [N, D] in x.dtype; `side` unused (as
-        `DispatchMoE`)."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D] (identical on every rank), input_ids [N] -> [N, D] in x.dtype."""
         weights, ids = self.gate(x, input_ids)
         partial = _routed_sum(x, weights, ids, {e: self.experts[str(e)] for e in self.owned})
         if self.comm.rank == 0:
@@ -149,9 +146,8 @@ class ColumnMoE(nn.Module):
         self.shared_experts = _column_slice(moe.shared_experts, comm.rank, comm.size)
         self.experts = nn.ModuleList(_column_slice(e, comm.rank, comm.size) for e in moe.experts)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStreams | None = None) -> torch.Tensor:
-        """x [N, D] (identical on every rank), input_ids [N] -> [N, D] in x.dtype; `side` unused (as
-        `DispatchMoE`)."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D] (identical on every rank), input_ids [N] -> [N, D] in x.dtype."""
         weights, ids = self.gate(x, input_ids)  # [N, K] fp32, [N, K]
         n, k = ids.shape
         fused = self.workspace is not None and self.workspace.fits(n * (k + 1))

@@ -130,8 +130,8 @@ class _Plan(NamedTuple):
     lengths: torch.Tensor
 
 
-class _FlashinferAttention:
-    """What both flashinfer paths share: the workspace size, the plan `run` must match, `__call__`.
+class SparseAttentionFlashinfer:
+    """`sparse_attention(q, pool, index, sink, scale)` on flashinfer (module docstring).
 
     Each instance holds one flashinfer wrapper and its workspaces (made on the first call, on that
     call's device), so two models never share planning state.
@@ -140,38 +140,15 @@ class _FlashinferAttention:
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES):
         self.workspace_bytes = workspace_bytes
         self._wrapper = None
-        self._wrapper_key = None
         self._planned: _Plan | None = None
 
-    def _checked_plan(self, q: torch.Tensor) -> _Plan:
-        plan = self._planned
-        if plan is None or (plan.n_q, plan.n_heads, plan.dtype) != (q.shape[0], q.shape[1], q.dtype):
-            raise ValueError(f"run: q {tuple(q.shape)} {q.dtype} does not match the plan "
-                             f"{plan and (plan.n_q, plan.n_heads, plan.dtype)}")
-        return plan
-
-    def __call__(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-        _check_args(q, pool, index, sink)
-        check_supported(q, pool)
-        if q.shape[0] == 0:
-            return torch.empty_like(q)
-        self.plan(index, q.shape[1], scale, q.dtype)
-        return self.run(q, pool, sink)
-
-
-class SparseAttentionFlashinfer(_FlashinferAttention):
-    """`sparse_attention(q, pool, index, sink, scale)` on flashinfer's MLA kernels, then the sink pass
-    (module docstring)."""
-
     def _get_wrapper(self, device: torch.device):
-        if self._wrapper is None or self._wrapper_key != device:
+        if self._wrapper is None or self._wrapper.device != device:
             require_flashinfer()
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
             workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
             self._wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="auto")
-            self._wrapper_key = device
         return self._wrapper
 
     def plan(self, index: torch.Tensor, n_heads: int, scale: float, dtype: torch.dtype) -> KeyLists:
@@ -188,7 +165,10 @@ class SparseAttentionFlashinfer(_FlashinferAttention):
     def run(self, q: torch.Tensor, pool: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
         """The planned attention of q [S, H, 512] over pool [P, 512], sink [H] applied: [S, H, 512].
         Device work only (no host sync): CUDA-graph capturable once planned."""
-        plan = self._checked_plan(q)
+        plan = self._planned
+        if plan is None or (plan.n_q, plan.n_heads, plan.dtype) != (q.shape[0], q.shape[1], q.dtype):
+            raise ValueError(f"run: q {tuple(q.shape)} {q.dtype} does not match the plan "
+                             f"{plan and (plan.n_q, plan.n_heads, plan.dtype)}")
         # Rows without keys: the reference gives 0 (all mass on the sink); flashinfer leaves them undefined.
         return apply_sink(*self.kernel(q, pool), sink, plan.lengths)
 
@@ -200,48 +180,11 @@ class SparseAttentionFlashinfer(_FlashinferAttention):
         return self._wrapper.run(q.contiguous(), empty_q, pool.contiguous().view(pool.shape[0], 1, HEAD_DIM),
                                  empty_kpe, return_lse=True, return_lse_base_on_e=True)
 
-
-class SparseAttentionFlashinferSink(_FlashinferAttention):
-    """`sparse_attention` on flashinfer's batch prefill kernel (FA2 templates, head_dim 512) compiled
-    with its attention-sink variant: the sink joins the softmax denominator inside the kernel, so
-    there is no pass over the output after it (the MLA path's `apply_sink`). Keys and values are
-    the same pool rows (one KV head, page size 1), each query row its own request as above.
-
-    The variant's output for a row whose only key is the filler (no keys) is the filler row's share,
-    so `run` zeroes such rows, when a plan has any, with one multiply."""
-
-    def _get_wrapper(self, device: torch.device, dtype: torch.dtype = torch.bfloat16):
-        key = (device, dtype)
-        if self._wrapper is None or self._wrapper_key != key:
-            require_flashinfer()
-            from flashinfer import BatchAttentionWithAttentionSinkWrapper
-
-            workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
-            self._wrapper = BatchAttentionWithAttentionSinkWrapper(
-                workspace, "NHD", backend="fa2", q_data_type=dtype, kv_data_type=dtype, head_dim_qk=HEAD_DIM,
-                head_dim_vo=HEAD_DIM, window_left=-1)
-            self._wrapper_key = key
-        return self._wrapper
-
-    def plan(self, index: torch.Tensor, n_heads: int, scale: float, dtype: torch.dtype) -> KeyLists:
-        """Schedule the key lists of `index` [S, K] (host work, one sync); returns them."""
-        keys = KeyLists.from_index(index)
-        n_q = index.shape[0]
-        qo_indptr = torch.arange(n_q + 1, dtype=torch.int32, device=index.device)
-        last_page = torch.ones(n_q, dtype=torch.int32, device=index.device)  # page size 1: every page full
-        wrapper = self._get_wrapper(index.device, dtype)
-        wrapper.plan(qo_indptr, keys.indptr, keys.indices, last_page, n_heads, 1, HEAD_DIM, 1, causal=False,
-                     sm_scale=float(scale), q_data_type=dtype, kv_data_type=dtype)
-        self._scale = float(scale)
-        # Rows without keys, known here (the plan syncs anyway): their mask for `run`, else None.
-        self._keyed = (keys.lengths > 0).to(dtype)[:, None, None] if bool((keys.lengths == 0).any()) else None
-        self._planned = _Plan(n_q, n_heads, dtype, keys.lengths)
-        return keys
-
-    def run(self, q: torch.Tensor, pool: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-        """The planned attention of q [S, H, 512] over pool [P, 512], sink [H] inside the kernel:
-        [S, H, 512]. Device work only: CUDA-graph capturable once planned."""
-        self._checked_plan(q)
-        kv = pool.contiguous().view(pool.shape[0], 1, 1, HEAD_DIM)  # [pages, page size, KV heads, d]
-        out = self._wrapper.run(q.contiguous(), (kv, kv), sink.float().contiguous(), self._scale)
-        return out if self._keyed is None else out.mul_(self._keyed)
+    def __call__(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        _check_args(q, pool, index, sink)
+        check_supported(q, pool)
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        self.plan(index, q.shape[1], scale, q.dtype)
+        return self.run(q, pool, sink)

@@ -80,18 +80,6 @@ def _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash
                          f"{None if gate_bias is None else tuple(gate_bias.shape)}")
 
 
-def _check_shared_args(x, shared_w1, shared_w2, shared_w3) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
-    dim = x.shape[1]
-    if len(shared_w1.shape) != 2 or shared_w1.shape[1] != dim:
-        raise ValueError(f"shared_w1 must be [I_s, D={dim}], got {tuple(shared_w1.shape)}")
-    if tuple(shared_w3.shape) != tuple(shared_w1.shape):
-        raise ValueError(f"shared_w3 must be [I_s, D] = {tuple(shared_w1.shape)}, got {tuple(shared_w3.shape)}")
-    if tuple(shared_w2.shape) != (dim, shared_w1.shape[0]):
-        raise ValueError(f"shared_w2 must be [D, I_s] = {(dim, shared_w1.shape[0])}, got {tuple(shared_w2.shape)}")
-
-
 def _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3) -> None:
     dim = x.shape[1]
     if len(w1.shape) != 3 or w1.shape[0] != n_exp or w1.shape[2] != dim:
@@ -101,7 +89,12 @@ def _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3) ->
         raise ValueError(f"w3 must be [E, I, D] = {tuple(w1.shape)}, got {tuple(w3.shape)}")
     if tuple(w2.shape) != (n_exp, dim, inter):
         raise ValueError(f"w2 must be [E, D, I] = {(n_exp, dim, inter)}, got {tuple(w2.shape)}")
-    _check_shared_args(x, shared_w1, shared_w2, shared_w3)
+    if len(shared_w1.shape) != 2 or shared_w1.shape[1] != dim:
+        raise ValueError(f"shared_w1 must be [I_s, D={dim}], got {tuple(shared_w1.shape)}")
+    if tuple(shared_w3.shape) != tuple(shared_w1.shape):
+        raise ValueError(f"shared_w3 must be [I_s, D] = {tuple(shared_w1.shape)}, got {tuple(shared_w3.shape)}")
+    if tuple(shared_w2.shape) != (dim, shared_w1.shape[0]):
+        raise ValueError(f"shared_w2 must be [D, I_s] = {(dim, shared_w1.shape[0])}, got {tuple(shared_w2.shape)}")
     for name, a, b in (("w1/w3", w1, w3), ("shared_w1/shared_w3", shared_w1, shared_w3)):
         if isinstance(a, FP8BlockWeight) != isinstance(b, FP8BlockWeight) or \
                 (isinstance(a, FP8BlockWeight) and a.block != b.block):
@@ -139,14 +132,6 @@ def _expert_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.T
     return (F.silu(gate) * up) @ w2.T
 
 
-def _checked_shared_y(x, shared_y: torch.Tensor) -> torch.Tensor:
-    """`shared_y` when it is the fp32 [N, D] a `moe_shared` of x returns, else a ValueError naming it."""
-    if shared_y.dtype != torch.float32 or tuple(shared_y.shape) != tuple(x.shape) or shared_y.device != x.device:
-        raise ValueError(f"shared_y must be float32 {tuple(x.shape)} on {x.device} (moe_shared's output), got "
-                         f"{shared_y.dtype} {tuple(shared_y.shape)} on {shared_y.device}")
-    return shared_y
-
-
 def _check_routing_args(x, weights, ids, n_exp) -> None:
     n_tok = x.shape[0]
     if weights.dim() != 2 or weights.shape[0] != n_tok:
@@ -159,22 +144,13 @@ def _check_routing_args(x, weights, ids, n_exp) -> None:
         raise ValueError(f"K={weights.shape[1]} routing slots exceed E={n_exp} experts")
 
 
-def moe_shared_ref(x, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float) -> torch.Tensor:
-    """The shared expert's term of `moe_experts_ref`, Shared(x), fp32: x [N, D]; shared_w1, shared_w3
-    [I_s, D]; shared_w2 [D, I_s] (tensors or `FP8BlockWeight`) -> [N, D] fp32. Computed apart from the
-    routed experts, it may run beside the router; `moe_experts(..., shared_y=)` then adds the rest."""
-    _check_shared_args(x, shared_w1, shared_w2, shared_w3)
-    return _expert_ref(x.float(), _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
-
-
 def moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                    swiglu_limit: float, shared_y: torch.Tensor | None = None) -> torch.Tensor:
+                    swiglu_limit: float) -> torch.Tensor:
     """y = Σ_k weights_k · Expert_{ids_k}(x) + Shared(x) for a routing computed elsewhere (spec §11.2).
 
     Shape: x [N, D] bf16/fp32; weights [N, K] fp32 (final routing weights, scaling included);
     ids [N, K] int in [0, E); w1, w3 [E, I, D]; w2 [E, D, I]; shared_w1, shared_w3 [I_s, D];
-    shared_w2 [D, I_s] (tensors or `FP8BlockWeight`); shared_y [N, D] fp32: Shared(x) computed
-    already (`moe_shared`), the shared weights then unread. Returns y [N, D] in x.dtype; fp32 math,
+    shared_w2 [D, I_s] (tensors or `FP8BlockWeight`). Returns y [N, D] in x.dtype; fp32 math,
     loop over experts (a host sync per expert: fine in a reference).
     """
     if x.dim() != 2:
@@ -183,10 +159,7 @@ def moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
     _check_routing_args(x, weights, ids, n_exp)
     _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3)
     xf = x.float()
-    if shared_y is None:
-        y = _expert_ref(xf, _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
-    else:
-        y = _checked_shared_y(x, shared_y).clone()
+    y = _expert_ref(xf, _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
     for e in range(n_exp):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
@@ -677,57 +650,28 @@ def route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
 DECODE_MAX_ASSIGNMENTS = 64
 
 
-def moe_shared(x, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float) -> torch.Tensor:
-    """Fused `moe_shared_ref` (same signature): the launches `moe_experts` runs for its shared term,
-    alone (for up to DECODE_MAX_ASSIGNMENTS tokens the decode GEMV kernels, else the grouped GEMMs),
-    so that `moe_experts(..., shared_y=moe_shared(...))` gives the bits `moe_experts` gives alone
-    where both take the same path (both decode where N·K <= DECODE_MAX_ASSIGNMENTS, both packed above
-    DECODE_MAX_ASSIGNMENTS tokens; the MoE layer splits only the first). Fp32 [N, D]."""
-    require_triton()
-    _check_shared_args(x, shared_w1, shared_w2, shared_w3)
-    x = x.contiguous()
-    if x.shape[0] <= DECODE_MAX_ASSIGNMENTS:
-        from dspark.kernels import moe_decode  # here, not at the top: moe_decode imports this module
-
-        return moe_decode.decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit)
-    return _packed_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit)
-
-
 def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                swiglu_limit: float, shared_y: torch.Tensor | None = None) -> torch.Tensor:
+                swiglu_limit: float) -> torch.Tensor:
     """Fused `moe_experts_ref` (same signature): with at most DECODE_MAX_ASSIGNMENTS assignments,
     the two decode GEMV kernels; otherwise packing, two grouped GEMMs (SwiGLU in the first one's
-    epilogue) for routed and shared experts, and one finalize. With `shared_y` (fp32 [N, D], from
-    `moe_shared`) the shared expert's launches are skipped and its term read from there."""
+    epilogue) for routed and shared experts, and one finalize."""
     require_triton()
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
     n_exp = w1.shape[0]
     _check_routing_args(x, weights, ids, n_exp)
     _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3)
-    if shared_y is not None:
-        _checked_shared_y(x, shared_y)
     x = x.contiguous()
     weights, ids = weights.float().contiguous(), ids.to(torch.int32).contiguous()
     if ids.numel() <= DECODE_MAX_ASSIGNMENTS:
-        from dspark.kernels import moe_decode
+        from dspark.kernels import moe_decode  # here, not at the top: moe_decode imports this module
 
         return moe_decode.decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
-                                         swiglu_limit, shared_y=shared_y)
-    return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit,
-                           shared_y=shared_y)
+                                         swiglu_limit)
+    return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit)
 
 
-def _packed_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit) -> torch.Tensor:
-    """The shared expert on the packed path's grouped GEMMs: fp32 [N, D]."""
-    n_tok = x.shape[0]
-    tiles = _tiles(n_tok)
-    h_shared = _launch_up(x, shared_w1, shared_w3, None, None, n_tok, n_tok, 1, swiglu_limit, tiles)
-    return _launch_down(h_shared, shared_w2, None, n_tok, tiles)
-
-
-def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, tiles=None,
-                    shared_y=None):
+def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, tiles=None):
     """The prefill-sized path of `moe_experts` (checked, contiguous inputs; ids int32). `tiles`
     (`_tiles`' form) overrides the routed experts' launch shapes (tests, benches)."""
     n_tok, dim = x.shape
@@ -737,7 +681,9 @@ def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
     rows, block_expert, slot = _pack_assignments(ids, n_exp, tiles[0])
     h = _launch_up(x, w1, w3, rows, block_expert, n_assign, rows.numel(), top_k, swiglu_limit, tiles)
     routed = _launch_down(h, w2, block_expert, n_assign, tiles)  # [R, D] fp32
-    shared = _packed_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit) if shared_y is None else shared_y
+    shared_tiles = _tiles(n_tok)
+    h_shared = _launch_up(x, shared_w1, shared_w3, None, None, n_tok, n_tok, 1, swiglu_limit, shared_tiles)
+    shared = _launch_down(h_shared, shared_w2, None, n_tok, shared_tiles)  # [N, D] fp32
     y = torch.empty_like(x)
     block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))

@@ -200,59 +200,38 @@ def _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter,
 
 @_jit
 def _decode_down_kernel(
-    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, ys_ptr, y_ptr,
+    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
     n_assign, dim, inter, inter_s, h_width,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
     DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr,
-    PART: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
     STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
     the next expert's tiles load while this one's are summed (each step's partial is weighted, not
     each expert's sum: the same value up to fp32 rounding). DEFER: `_gemv_acc`'s accumulators, the
-    routing weights folded into h, two column sums in all (the shared expert's, the routed ones').
-    PART (`_BOTH`, `_SHARED`, `_ROUTED`): both terms; the shared term alone, stored in fp32 (y_ptr
-    fp32); or the routed terms added to that stored shared term (ys_ptr): the same sums as `_BOTH`."""
+    routing weights folded into h, two column sums in all (the shared expert's, the routed ones')."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n0 = tl.program_id(1) * BLOCK_N
-    if PART == 2:  # the stored shared term read after the loops (no registers held across them): s + r == r + s
-        acc = _routed_terms(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, n0, dim, inter, h_width, TOP_K,
-                           FP8, SB, BLOCK_K, STAGES, DEFER, KB, SUB)
-        acc = tl.load(ys_ptr + t * dim + offs_n, mask=offs_n < dim, other=0.0) + acc
-    else:
-        if DEFER:
-            acc = _acc_sum(_gemv_acc(tl.zeros((BLOCK_N, KB_S, SUB_S), dtype=tl.float32), h_ptr + (n_assign + t) * h_width,
-                                     sw2_ptr, ss2_ptr, 0, n0, dim, inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
-        else:
-            acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
-                        FP8_S, SB_S, BLOCK_K_S)
-        if PART == 0:
-            acc += _routed_terms(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, n0, dim, inter, h_width, TOP_K,
-                                FP8, SB, BLOCK_K, STAGES, DEFER, KB, SUB)
-    tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
-
-
-@_jit
-def _routed_terms(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, n0, dim, inter, h_width, TOP_K: tl.constexpr,
-                 FP8: tl.constexpr, SB: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr):
-    """fp32 [BLOCK_N]: the routed experts' weighted down projections of token t (`_decode_down_kernel`)."""
     if DEFER:
-        routed = tl.zeros((offs_n.shape[0], KB, SUB), dtype=tl.float32)
+        n0 = tl.program_id(1) * BLOCK_N
+        acc = _acc_sum(_gemv_acc(tl.zeros((BLOCK_N, KB_S, SUB_S), dtype=tl.float32), h_ptr + (n_assign + t) * h_width,
+                                 sw2_ptr, ss2_ptr, 0, n0, dim, inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
+        routed = tl.zeros((BLOCK_N, KB, SUB), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
             a = t * TOP_K + k
             e = tl.load(ids_ptr + a).to(tl.int64)
-            routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter,
-                               tl.load(wts_ptr + a), FP8, SB, BLOCK_K, STAGES)
-        return _acc_sum(routed)
-    return _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
-                        TOP_K, FP8, SB, BLOCK_K, STAGES)
-
-
-_BOTH, _SHARED, _ROUTED = 0, 1, 2  # `_decode_down_kernel`'s PART
+            routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter, tl.load(wts_ptr + a),
+                               FP8, SB, BLOCK_K, STAGES)
+        acc += _acc_sum(routed)
+    else:
+        acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
+                    FP8_S, SB_S, BLOCK_K_S)
+        acc += _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
+                            TOP_K, FP8, SB, BLOCK_K, STAGES)
+    tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
 class DecodeTiles(NamedTuple):
@@ -320,45 +299,21 @@ def decode_tiles(n_tok: int, block: int | None, dim: int = 4096) -> DecodeTiles:
 
 
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
-                   tiles: DecodeTiles | None = None, shared_y: torch.Tensor | None = None):
+                   tiles: DecodeTiles | None = None):
     """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
-    default: `decode_tiles` for N and the routed weights' kind. `shared_y` [N, D] fp32: the shared
-    expert's term from `decode_shared` (with the same tiles: then y has the same bits), which these
-    launches then skip (the shared weights are not read)."""
-    tiles = _checked_tiles(x, w1, tiles)
-    if shared_y is None:
-        h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
-        return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
-    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, part=_ROUTED)
-    return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles, part=_ROUTED, shared_y=shared_y)
-
-
-def decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit: float, tiles: DecodeTiles | None = None):
-    """The shared expert's term of `decode_experts` alone, fp32 [N, D] (the value its down launch
-    starts each row's sum from): the same two kernels over the shared rows only, so that a caller
-    can run them beside the router (`moe.moe_shared`). `tiles` default: `decode_tiles` for N and the
-    shared weights' kind."""
-    tiles = _checked_tiles(x, shared_w1, tiles)
-    ids = torch.empty((x.shape[0], 0), dtype=torch.int32, device=x.device)  # no routed rows
-    h, args = decode_up(x, ids, shared_w1, shared_w3, shared_w1, shared_w3, swiglu_limit, tiles, part=_SHARED)
-    return decode_down(h, x, ids.float(), ids, shared_w2, shared_w2, args, tiles, part=_SHARED)
-
-
-def _checked_tiles(x, w, tiles: DecodeTiles | None) -> DecodeTiles:
-    """`tiles`, else the measured shape for x's tokens and width and the kind of weight w; checked."""
+    default: `decode_tiles` for N and the routed weights' kind."""
     if tiles is None:
-        _, _, fp8, block = _weight_parts(w)
+        _, _, fp8, block = _weight_parts(w1)
         tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1])
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
-    return tiles
+    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
+    return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
 
-def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles(),
-              part: int = _BOTH):
-    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row);
-    `part` _ROUTED: the N·K routed rows only; _SHARED: the N shared rows only (ids [N, 0])."""
+def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles()):
+    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row)."""
     n_tok, dim = x.shape
     top_k = ids.shape[1]
     n_assign = n_tok * top_k
@@ -366,12 +321,11 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     d3, s3, _, _ = _weight_parts(w3)
     ds1, ss1, fp8_s, sb_s = _weight_parts(shared_w1)
     ds3, ss3, _, _ = _weight_parts(shared_w3)
-    inter, inter_s = d1.shape[-2], ds1.shape[0]
+    inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
-    n_rows = n_assign if part == _ROUTED else n_tok if part == _SHARED else n_assign + n_tok
-    h = torch.empty((n_rows, h_width), dtype=torch.float32, device=x.device)
-    common = _common(max(top_k, 1), fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
-    grid = (n_rows, triton.cdiv(h_width, tiles.up_n))
+    h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
+    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
+    grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
         x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, n_assign, dim, inter, inter_s, h_width,
@@ -380,22 +334,18 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     return h, (n_assign, dim, inter, inter_s, h_width)
 
 
-def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles(),
-                part: int = _BOTH, shared_y: torch.Tensor | None = None):
-    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args` its sizes); `part` _SHARED:
-    the shared term alone, fp32; _ROUTED: the routed terms added to `shared_y` [N, D] fp32."""
+def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):
+    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args` its sizes)."""
     n_assign, dim, inter, inter_s, h_width = args
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
-    y = torch.empty(x.shape, dtype=torch.float32, device=x.device) if part == _SHARED else torch.empty_like(x)
-    ys = shared_y.contiguous() if part == _ROUTED else y
+    y = torch.empty_like(x)
     grid = (x.shape[0], triton.cdiv(dim, tiles.down_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_down_kernel[grid](
-        h, ids, weights, d2, s2, ds2, ss2, ys, y, n_assign, dim, inter, inter_s, h_width,
-        BLOCK_N=tiles.down_n, PART=part, PDL=pdl, launch_pdl=pdl,
-        **_common(max(ids.shape[1], 1), fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages,
-                  tiles.down_defer),
+        h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
+        BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
+        **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return y
 

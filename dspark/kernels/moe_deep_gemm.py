@@ -42,7 +42,7 @@ from dspark.kernels.deep_gemm_path import (
     mn_major_tma_aligned, quantize_rows,
 )
 from dspark.kernels.fp8 import FP8BlockWeight
-from dspark.kernels.moe import _check_expert_args, _check_routing_args, _checked_shared_y, _pack_by_expert
+from dspark.kernels.moe import _check_expert_args, _check_routing_args, _pack_by_expert
 
 
 def _stack_n(a, b) -> torch.Tensor | FP8BlockWeight:
@@ -109,11 +109,9 @@ def _grouped(api: DeepGemmApi, a: torch.Tensor, sf: torch.Tensor, weight: DeepGe
 
 
 def moe_experts_deep_gemm(api: DeepGemmApi, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                          experts: DeepGemmExperts, swiglu_limit: float,
-                          shared_y: torch.Tensor | None = None) -> torch.Tensor:
+                          experts: DeepGemmExperts, swiglu_limit: float) -> torch.Tensor:
     """The pipeline of the module docstring: x [N, D], weights [N, K] fp32, ids [N, K] int (checked
-    by the caller; shapes accepted by `experts_shape_reason`) -> y [N, D] in x.dtype. `shared_y`
-    [N, D] fp32: the shared expert's term computed elsewhere (step 5 is then skipped)."""
+    by the caller; shapes accepted by `experts_shape_reason`) -> y [N, D] in x.dtype."""
     n_tok, dim = x.shape
     n_exp, top_k = experts.w13.data.shape[0], ids.shape[1]
     n_assign = n_tok * top_k
@@ -128,11 +126,10 @@ def moe_experts_deep_gemm(api: DeepGemmApi, x: torch.Tensor, weights: torch.Tens
     h = _swiglu(_grouped(api, xq[src], xs[src], experts.w13, layout), swiglu_limit)  # [R, I] fp32
     h = torch.where((rows < n_assign)[:, None], h, 0.0)  # skipped rows hold undefined values: no NaN past here
     routed = _grouped(api, *quantize_rows(h), experts.w2, layout)  # [R, D] bf16
-    if shared_y is None:
-        shared = fp8_linear(api, x, experts.shared_w13)
-        shared_y = fp8_linear(api, _swiglu(shared, swiglu_limit), experts.shared_w2).float()  # [N, D]
+    shared = fp8_linear(api, x, experts.shared_w13)
+    shared = fp8_linear(api, _swiglu(shared, swiglu_limit), experts.shared_w2).float()  # [N, D]
     picked = routed[slot].float().view(n_tok, top_k, dim)  # [N, K, D]
-    return (shared_y + (weights.float()[..., None] * picked).sum(1)).to(x.dtype)
+    return (shared + (weights.float()[..., None] * picked).sum(1)).to(x.dtype)
 
 
 def moe_experts_w8a8_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: DeepGemmExperts,
@@ -158,31 +155,27 @@ def moe_experts_w8a8_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
 
 
 class DeepGemmMoeExperts(DeepGemmOp):
-    """`moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *, swiglu_limit,
-    shared_y=None)` on deep_gemm (module docstring); weights converted on first use and cached on
-    this instance."""
+    """`moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *, swiglu_limit)` on
+    deep_gemm (module docstring); weights converted on first use and cached on this instance."""
 
     op_name = "moe_experts"
     fallback_module = "moe"
 
-    def __call__(self, x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float,
-                 shared_y: torch.Tensor | None = None):
+    def __call__(self, x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float):
         if x.dim() != 2:
             raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
         _check_routing_args(x, weights, ids, w1.shape[0])
         _check_expert_args(x, w1.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
-        if shared_y is not None:
-            _checked_shared_y(x, shared_y)
         args = (x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3)
         api = self._api(x.device)
         reason = api if isinstance(api, str) else self._call_reason(*args)
         if reason is not None:
-            return self._fall_back(reason, x.device)(*args, swiglu_limit=swiglu_limit, shared_y=shared_y)
+            return self._fall_back(reason, x.device)(*args, swiglu_limit=swiglu_limit)
         self.fallback_reason = None
         parts = (w1, w2, w3, shared_w1, shared_w2, shared_w3)
         key = sum((weight_key(w) for w in parts), ())
         experts = self._converted(key, lambda: DeepGemmExperts.from_weights(*parts))
-        return moe_experts_deep_gemm(api, x, weights, ids, experts, swiglu_limit, shared_y)
+        return moe_experts_deep_gemm(api, x, weights, ids, experts, swiglu_limit)
 
     @staticmethod
     def _call_reason(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3) -> str | None:

@@ -57,7 +57,6 @@ _OP_MODULES: dict[str, str] = {
     "moe_route": "moe",
     "fused_moe": "moe",
     "moe_experts": "moe",
-    "moe_shared": "moe",
     "engram_gate": "engram_gate",
     "sparse_attention": "attention",
     "lightning_indexer": "indexer",
@@ -84,7 +83,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ("moe_shared", "engram_gate")
+NOT_YET_ON_GPU: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +139,6 @@ class KernelConfig:
     moe_route: Impl = "ref"
     fused_moe: Impl = "ref"
     moe_experts: Impl = "ref"
-    moe_shared: Impl = "ref"
     engram_gate: Impl = "ref"
     sparse_attention: Impl = "ref"
     lightning_indexer: Impl = "ref"

@@ -1,16 +1,15 @@
 """`sparse_attention` on flashinfer (dspark/kernels/attention_flashinfer.py) against the reference.
 
 On the CPU: the CSR key lists built from `index`, the argument checks, and the registry's rules for
-the "flashinfer" implementation. On a GPU with flashinfer installed: both paths (MLA kernels with the
-sink from the LSE; the FA2 sink variant) against `sparse_attention_ref` at V4 shapes (head_dim 512,
-bf16): rows without keys, −1 holes.
+the "flashinfer" implementation. On a GPU with flashinfer installed: the op (sink from the LSE, rows
+without keys, −1 holes) against `sparse_attention_ref` at V4 shapes (head_dim 512, bf16).
 """
 
 import pytest
 import torch
 
 from dspark.kernels import KernelConfig, attention_flashinfer, attention_ref, get_op, triton_available
-from dspark.kernels.attention_flashinfer import KeyLists, SparseAttentionFlashinfer, SparseAttentionFlashinferSink
+from dspark.kernels.attention_flashinfer import KeyLists, SparseAttentionFlashinfer
 
 from test_sparse_attention import DEVICE, make_inputs, rel_err
 
@@ -37,13 +36,9 @@ def test_key_lists_of_the_model_index_cover_every_key():
         assert sorted(listed) == sorted(index[row][index[row] >= 0].tolist())
 
 
-BOTH = pytest.mark.parametrize("cls", [SparseAttentionFlashinfer, SparseAttentionFlashinferSink])
-
-
-@BOTH
-def test_unsupported_inputs_name_the_bad_value(cls):
+def test_unsupported_inputs_name_the_bad_value():
     q, pool, index, sink = (t.cpu() for t in make_inputs(2, 4, 32, 10, 8, 0, 0, torch.float32, seed=1))
-    op = cls()
+    op = SparseAttentionFlashinfer()
     with pytest.raises(ValueError, match="CUDA"):
         op(q, pool, index, sink, 0.2)
     with pytest.raises(ValueError, match="sink"):  # the reference's own argument checks come first
@@ -64,36 +59,34 @@ def test_registry_offers_flashinfer_only_where_it_exists():
     assert KernelConfig.for_device("cuda").sparse_attention != "flashinfer"  # never a default
 
 
-@BOTH
-def test_run_before_plan_is_an_error(cls):
+def test_run_before_plan_is_an_error():
     with pytest.raises(ValueError, match="plan"):
-        cls().run(torch.zeros(1, 2, 512), torch.zeros(3, 512), torch.zeros(2))
+        SparseAttentionFlashinfer().run(torch.zeros(1, 2, 512), torch.zeros(3, 512), torch.zeros(2))
 
 
 @pytest.mark.gpu
 @needs_flashinfer
-@BOTH
 @pytest.mark.parametrize("n_q,n_heads,start,n_entries,top_k", [
     (1, 64, 32767, 8192, 512),  # V4-Flash CSA decode at 32K
     (4, 32, 4000, 1000, 0),  # v4-mini HCA verify block
     (3, 16, 0, 0, 0),  # first tokens: window keys only, −1 before position 0
     (64, 64, 500, 2000, 128),  # many rows, holes in the picks
 ])
-def test_matches_reference_on_gpu(cls, n_q, n_heads, start, n_entries, top_k):
+def test_matches_reference_on_gpu(n_q, n_heads, start, n_entries, top_k):
     q, pool, index, sink = make_inputs(n_q, n_heads, 512, start, 128, n_entries, top_k, torch.bfloat16,
                                        seed=n_q + n_heads)
-    out = cls()(q, pool, index, sink, 512 ** -0.5)
+    op = get_op(KernelConfig(sparse_attention="flashinfer"), "sparse_attention")
+    out = op(q, pool, index, sink, 512 ** -0.5)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, attention_ref.sparse_attention_ref(q, pool, index, sink, 512 ** -0.5)) < 1e-2
 
 
 @pytest.mark.gpu
 @needs_flashinfer
-@BOTH
-def test_rows_without_keys_give_zero_on_gpu(cls):
+def test_rows_without_keys_give_zero_on_gpu():
     q, pool, index, sink = make_inputs(3, 16, 512, 10, 128, 0, 0, torch.bfloat16, seed=2)
     index[1] = -1
-    out = cls()(q, pool, index, sink, 512 ** -0.5)
+    out = SparseAttentionFlashinfer()(q, pool, index, sink, 512 ** -0.5)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = attention_ref.sparse_attention_ref(q, pool, index, sink, 512 ** -0.5)
     assert rel_err(out, ref) < 1e-2

@@ -189,8 +189,6 @@ def run_every_tile_class():
                 *(t.to(DEVICE) for t in (q.data, q.scale)), block) for w in dense
                 for q in [FP8BlockWeight.quantize(w, block or 16)]]
             moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles)
-            shared_y = moe_decode.decode_shared(x1, *weights[3:], 10.0, tiles=tiles)  # moe_shared's launches
-            moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles, shared_y=shared_y)
             if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (off: slower)
                 for stages in (2, 3):
                     moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(stages=stages))
@@ -452,9 +450,6 @@ KNOWN_SPILLS = (
     ("_v41_stats_kernel", dict(BLOCK_T=32, BLOCK_D=64, FUSE_POST=False), 8),
     ("_wide_kernel", dict(BLOCK_H=64, n_chunks=1), 24),
     ("_decode_down_kernel", dict(FP8=False, BLOCK_N=4, BLOCK_K=512), 8),
-    # the routed-only FP8 launches beside `moe_shared` (PART 2): the stored shared term's pointer, live
-    # across the routed loops, is the 8 B (stored once, reloaded once per program); 8-token FP8-32 tiles
-    ("_decode_down_kernel", dict(FP8=True, DEFER=False, PART=2), 8),
 )
 
 

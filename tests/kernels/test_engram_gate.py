@@ -60,8 +60,9 @@ def test_v41_model_logits_with_the_fused_gate_match_the_reference():
     kw = dict(seed=0, prefill_mode="exact", cache_qat=False)
     ref = dspark.init_model("tiny-v41", **kw)
     fused = dspark.init_model("tiny-v41", kernels=KernelConfig(engram_gate="triton"), **kw)
+    ref.to(DEVICE), fused.to(DEVICE)
     assert any(layer.engram is not None for layer in fused.layers)
-    ids = torch.randint(0, 200, (12,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 200, (12,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
         a = ref(ids, [ref.new_state()], [12]).logits
         b = fused(ids, [fused.new_state()], [12]).logits

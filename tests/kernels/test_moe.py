@@ -5,8 +5,6 @@ experts with more rows than one M-tile, hash and score routing, D and I off the 
 and FP8 weights with 128×128 and 32×32 blocks whose scales differ block by block.
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -433,100 +431,6 @@ def test_decode_experts_default_tiles_follow_size_and_weights(fp8_block, monkeyp
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
 
 
-# ------------------------------------------------------------------ the shared expert on its own
-
-
-@needs_triton
-@pytest.mark.parametrize("n_tok,dim,n_exp,top_k,inter,inter_s,fp8_block", EXPERT_CASES[1:])
-def test_moe_shared_then_experts_give_the_same_bits(n_tok, dim, n_exp, top_k, inter, inter_s, fp8_block, poisoned):
-    """`moe_experts(..., shared_y=moe_shared(...))` (the shared expert's launches apart, as beside the
-    router) equals `moe_experts` alone bit for bit on the decode path, and `moe_shared` is the
-    shared expert of `moe_shared_ref`; the same for the references."""
-    dtype = torch.bfloat16
-    args = _expert_case(n_tok, dim, n_exp, top_k, inter, inter_s, fp8_block, dtype)
-    with poisoned():
-        shared_y = moe.moe_shared(args[0], *args[6:], swiglu_limit=10.0)
-        split = moe.moe_experts(*args, swiglu_limit=10.0, shared_y=shared_y)
-        whole = moe.moe_experts(*args, swiglu_limit=10.0)
-    shared_ref = moe.moe_shared_ref(args[0], *args[6:], swiglu_limit=10.0)
-    assert shared_y.dtype == torch.float32 and rel_err(shared_y, shared_ref) < 1e-4
-    assert torch.equal(split, whole)
-    ref = moe.moe_experts_ref(*args, swiglu_limit=10.0)
-    assert torch.equal(moe.moe_experts_ref(*args, swiglu_limit=10.0, shared_y=shared_ref), ref)
-    assert rel_err(split, ref) < TOL[dtype]
-
-
-@needs_triton
-def test_moe_shared_on_the_packed_path_gives_the_same_bits(monkeypatch, poisoned):
-    """Above the decode bound `moe_shared` runs the packed path's shared launches, and
-    `moe_experts(..., shared_y=)` there equals `moe_experts` alone."""
-    monkeypatch.setattr(moe, "DECODE_MAX_ASSIGNMENTS", 1)
-    x = router_inputs(3, 96, 8, 2, torch.float32, seed=4)[0]
-    w1, w2, w3, s1, s2, s3 = expert_weights(8, 96, 48, torch.float32, seed=9)
-    weights, ids = _routing(3, 8, 2, seed=3)
-    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
-    with poisoned():
-        shared_y = moe.moe_shared(x, s1, s2, s3, swiglu_limit=10.0)
-        split = moe.moe_experts(*args, swiglu_limit=10.0, shared_y=shared_y)
-        whole = moe.moe_experts(*args, swiglu_limit=10.0)
-    assert torch.equal(split, whole)
-    assert rel_err(shared_y, moe.moe_shared_ref(x, s1, s2, s3, swiglu_limit=10.0)) < 1e-4
-
-
-def test_shared_y_must_be_the_shared_experts_fp32_output():
-    x = router_inputs(2, 64, 8, 2, torch.float32, seed=1)[0]
-    experts = expert_weights(8, 64, 32, torch.float32, seed=2)
-    weights, ids = _routing(2, 8, 2, seed=3)
-    for bad in (torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE), torch.zeros(3, 64, device=DEVICE)):
-        with pytest.raises(ValueError, match="shared_y must be float32"):
-            moe.moe_experts_ref(x, weights, ids, *experts, swiglu_limit=10.0, shared_y=bad)
-    with pytest.raises(ValueError, match="shared_w2 must be"):
-        moe.moe_shared_ref(x, experts[3], experts[3], experts[5], swiglu_limit=10.0)
-
-
-class InlineLanes:
-    """A `SideStreams` stand-in that has every lane and runs it inline, logging forks and joins."""
-
-    def __init__(self):
-        self.log = []
-
-    def has(self, lane):
-        return True
-
-    @contextlib.contextmanager
-    def fork(self, lane):
-        self.log.append(("fork", lane))
-        yield
-
-    def join(self, lane):
-        self.log.append(("join", lane))
-
-
-@needs_triton
-def test_moe_layer_forks_the_shared_expert_only_at_decode_sizes():
-    """With `moe_shared` on Triton and side streams lent, the MoE layer forks its shared expert onto
-    lane SHARED and joins it before the experts (the same bits as without); above the decode bound,
-    or without `moe_shared` on Triton, it forks nothing."""
-    import dspark
-    from dspark.kernels import KernelConfig
-    from dspark.models.deepseek_v4.side_stream import SHARED
-
-    fused = KernelConfig(fused_moe="triton", moe_route="triton", moe_experts="triton", moe_shared="triton")
-    model = dspark.init_model("tiny-v4", seed=0, kernels=fused)
-    layer = next(layer.ffn for layer in model.layers if not layer.ffn.gate.hashed)
-    top_k, dim = layer.gate.top_k, model.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    for n_tok, forks in ((2, [("fork", SHARED), ("join", SHARED)]), (64 // top_k + 1, [])):
-        x, ids = torch.randn(n_tok, dim, generator=g), torch.randint(0, 100, (n_tok,), generator=g)
-        lanes = InlineLanes()
-        assert torch.equal(layer(x, ids, lanes), layer(x, ids))
-        assert lanes.log == forks
-    layer._shared_op = None  # what KernelConfig(moe_shared="ref") builds
-    lanes = InlineLanes()
-    layer(x[:2], ids[:2], lanes)
-    assert lanes.log == []
-
-
 @needs_triton
 def test_v41_router_takes_the_fused_route_where_its_extras_are_identities():
     """V4.1's gate (temperature, image-token bias, no renormalising at K = 1) runs on V4's fused
@@ -537,6 +441,7 @@ def test_v41_router_takes_the_fused_route_where_its_extras_are_identities():
 
     fused = KernelConfig(fused_moe="triton", moe_route="triton", moe_experts="triton")
     model = dspark.init_model("tiny-v41", seed=0, kernels=fused, prefill_mode="exact", cache_qat=False)
+    model.to(DEVICE)
     layer = model.layers[0].ffn
     gate = layer.gate
     with torch.no_grad():
@@ -545,7 +450,8 @@ def test_v41_router_takes_the_fused_route_where_its_extras_are_identities():
     route = layer._route
     layer._route = lambda *a, **k: calls.append(1) or route(*a, **k)
     g = torch.Generator().manual_seed(0)
-    x, ids = torch.randn(3, model.config.hidden_size, generator=g), torch.randint(0, 100, (3,), generator=g)
+    x = torch.randn(3, model.config.hidden_size, generator=g).to(DEVICE)
+    ids = torch.randint(0, 100, (3,), generator=g).to(DEVICE)
     assert gate.fused_route_args() is not None
     assert rel_err(layer(x, ids), layer.forward_ref(x, ids)) < 1e-4 and calls == [1]
     for name, value in (("gate_temp", 2.0), ("image_token_id", 7), ("top_k", 1)):

@@ -25,28 +25,24 @@ def test_static_step_graph_replay_equals_eager_without_sync(gather):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("family", ["v4", "v41"])
 @torch.no_grad()
-def test_the_side_streams_run_beside_and_change_no_bit(family, shared, monkeypatch):
+def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
     """`StaticDecoder(side_streams=2)` runs each layer's compressors (V4: both of a CSA layer; V4.1: a
-    KV source's publishing) on one side stream and its kv projection and indexer queries on another
-    (`shared`: with `moe_shared` on Triton, the MoE's shared expert on the first one too), and its
-    logits, eager and replayed from a graph, equal the 1-lane and single-stream decoders' bit for
-    bit over verify and decode rounds."""
+    KV source's publishing) on one side stream and its kv projection and indexer queries on another,
+    and its logits, eager and replayed from a graph, equal the 1-lane and single-stream decoders' bit
+    for bit over verify and decode rounds."""
     from dspark.engine.graphs import StepGraph
     from dspark.models.deepseek_v4 import static_step
     from dspark.models.deepseek_v4.static_state import StaticShape
     from dspark.models.deepseek_v41 import static_step as static_step_v41
 
-    kernels = KernelConfig.for_device("cuda")
-    kernels = dataclasses.replace(kernels, moe_shared="triton") if shared else kernels
     if family == "v4":
-        model = dspark.init_model("tiny-v4", seed=0, device="cuda", kernels=kernels)
+        model = dspark.init_model("tiny-v4", seed=0, device="cuda", kernels=KernelConfig.for_device("cuda"))
         decoder_cls, module, branch = StaticDecoder, static_step, "update_compressor"
     else:
         model = dspark.init_model("tiny-v41", seed=0, device="cuda", prefill_mode="exact", cache_qat=False,
-                                  engram_tables="device", kernels=kernels)
+                                  engram_tables="device", kernels=KernelConfig.for_device("cuda"))
         decoder_cls, module, branch = static_step_v41.StaticDecoderV41, static_step_v41, "publish"
     seen = []  # (which part, the stream it ran on): compressors on lane 0, the kv projection and the
     # indexer's queries on lane 1, each on the step's own stream where the decoder has fewer lanes
@@ -57,10 +53,6 @@ def test_the_side_streams_run_beside_and_change_no_bit(family, shared, monkeypat
     for owner, name, kind in ((type(model.layers[0].attn), "project_kv", "kv"), (type(indexer), "queries", "queries")):
         monkeypatch.setattr(owner, name, lambda *a, f=getattr(owner, name), kind=kind, **k:
                             seen.append((kind, torch.cuda.current_stream())) or f(*a, **k))
-    for layer in model.layers:
-        if layer.ffn._shared_op is not None:
-            layer.ffn._shared_op = lambda *a, f=layer.ffn._shared_op, **k: (
-                seen.append(("shared", torch.cuda.current_stream())) or f(*a, **k))
     lengths = (5, 21)
     g = torch.Generator().manual_seed(1)
     decoders = [decoder_cls(model, StaticShape(slots=2, max_context=96, tokens=4), side_streams=n) for n in (2, 1, 0)]
@@ -80,9 +72,9 @@ def test_the_side_streams_run_beside_and_change_no_bit(family, shared, monkeypat
             eager.append(decoder.step(ids, dev_starts))
             lanes = [s for s in decoder.side.streams]
             kinds = {kind for kind, _ in seen}
-            assert kinds == {"compress", "kv", "queries"} | ({"shared"} if shared and lanes else set())
+            assert kinds == {"compress", "kv", "queries"}
             for kind, stream in seen:
-                lane = 0 if kind in ("compress", "shared") else 1
+                lane = 0 if kind == "compress" else 1
                 assert stream == (lanes[lane] if lane < len(lanes) else main), (len(lanes), kind)
         assert torch.equal(eager[0], eager[1]) and torch.equal(eager[0], eager[2])
         replayed = [graph.replay(ids, dev_starts).clone() for graph in graphs]

@@ -36,7 +36,6 @@ from dspark.kernels import KernelConfig, get_op, head_norm_op, norm_folded_op
 from dspark.models.deepseek_v4.attention import Attention
 from dspark.models.deepseek_v4.config import HASH_MOE, MOE, SLIDING, DeepseekV4Config
 from dspark.models.deepseek_v4.moe import MoE
-from dspark.models.deepseek_v4.side_stream import SideStreams
 from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import DecodeState, LayerCache, RaggedBatch, check_capture, plan_batch
@@ -162,8 +161,8 @@ class Block(nn.Module):
         """
         return self.ffn_after(self.attn(site.h, batch, caches), x, site, batch.input_ids)
 
-    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site, input_ids: torch.Tensor,
-                  side: SideStreams | None = None) -> tuple[torch.Tensor, PendingPost]:
+    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site,
+                  input_ids: torch.Tensor) -> tuple[torch.Tensor, PendingPost]:
         """Everything of `open` after the attention: its post fused with the MoE site's pre, then MoE.
 
         a [N, D] the attention output, x [N, n_hc, D] the block's input streams, `site` their
@@ -173,7 +172,7 @@ class Block(nn.Module):
         y, post, comb, h = self.post_pre_op(a, x, site.post, site.comb, self.hc_ffn_fn, self.hc_ffn_base,
                                             self.hc_ffn_scale, self.ffn_norm.weight, norm_eps=self.ffn_norm.eps,
                                             **self.mhc_eps)
-        return y, PendingPost(self.ffn(h, input_ids, side), post, comb)
+        return y, PendingPost(self.ffn(h, input_ids), post, comb)
 
     def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:
         """Apply the pending post alone (no next site to fuse with): y [N, n_hc, D] -> [N, n_hc, D]."""

@@ -20,7 +20,6 @@ from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.config import DeepseekV4Config
-from dspark.models.deepseek_v4.side_stream import SHARED, SideStreams
 
 _EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -133,8 +132,6 @@ class MoE(nn.Module):
         if self.fused:
             self._route = get_op(kernels, "moe_route")
             self._experts_op = get_op(kernels, "moe_experts")
-            # The shared expert's launches on their own, for a side stream beside the router (`_forward_fused`).
-            self._shared_op = get_op(kernels, "moe_shared") if kernels.moe_shared == "triton" else None
 
     def _tie(self, name: str, stacked: torch.Tensor) -> None:
         """Make expert e's `name` weight the view stacked[e]."""
@@ -158,11 +155,10 @@ class MoE(nn.Module):
                     self._tie(name, torch.stack([getattr(ex, name).weight.detach() for ex in self.experts]))
         return self._stacked["w1"], self._stacked["w2"], self._stacked["w3"]
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStreams | None = None) -> torch.Tensor:
-        """x [N, D] (after ffn_norm), input_ids [N] -> [N, D]. Routed outputs accumulate in fp32.
-        `side`: the static step's side streams, which the fused path may run the shared expert on."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D] (after ffn_norm), input_ids [N] -> [N, D]. Routed outputs accumulate in fp32."""
         if self.fused:
-            return self._forward_fused(x, input_ids, side)
+            return self._forward_fused(x, input_ids)
         return self.forward_ref(x, input_ids)
 
     def forward_ref(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -180,30 +176,12 @@ class MoE(nn.Module):
             routed.index_add_(0, token, y)
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
-    def _forward_fused(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStreams | None = None) -> torch.Tensor:
-        """The registry's ops: the fused router where it computes the gate (`_routing`), then the experts.
-
-        At decode sizes (the experts' GEMV path), with `moe_shared` on Triton and a `side` stream for
-        lane SHARED, the shared expert's two launches run on that lane beside the router (they need
-        only x) and `moe_experts` reads their fp32 term: the same sums, so the same bits."""
-        shared = self.shared_experts
-        shared_w = (shared.w1.weight, shared.w2.weight, shared.w3.weight)
-        beside = side is not None and side.has(SHARED) and self._shared_op is not None and self._decode_sized(x)
-        shared_y = None
-        if beside:
-            with side.fork(SHARED):
-                shared_y = self._shared_op(x, *shared_w, swiglu_limit=self.swiglu_limit)
+    def _forward_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The registry's ops: the fused router where it computes the gate (`_routing`), then the experts."""
         weights, experts = self._routing(x, input_ids)
-        if beside:
-            side.join(SHARED)
-        return self._experts_op(x, weights, experts, *self.stacked_weights(), *shared_w, swiglu_limit=self.swiglu_limit,
-                                shared_y=shared_y)
-
-    def _decode_sized(self, x: torch.Tensor) -> bool:
-        """True when the experts op takes its decode (GEMV) path for x's tokens."""
-        from dspark.kernels.moe import DECODE_MAX_ASSIGNMENTS  # not at the top: importing it defines Triton kernels
-
-        return x.shape[0] * self.gate.top_k <= DECODE_MAX_ASSIGNMENTS
+        shared = self.shared_experts
+        return self._experts_op(x, weights, experts, *self.stacked_weights(), shared.w1.weight, shared.w2.weight,
+                                shared.w3.weight, swiglu_limit=self.swiglu_limit)
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate

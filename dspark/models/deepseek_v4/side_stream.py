@@ -41,9 +41,6 @@ from collections.abc import Iterator
 import torch
 
 COMPRESS, KV = 0, 1  # the static steps' lanes
-# The MoE's shared expert, beside its router (`MoE._forward_fused`): lane 0 again, free by then (the
-# attention joined both lanes before it read anything).
-SHARED = COMPRESS
 MAX_LANES = 2
 # The static decoders' default: both lanes. One H100 (`bench/gpu_session23.sh b`,
 # `side-streams-h100-s24*.json`): the v4-mini graph step 1.397 ms with 2 lanes, 1.442 with 1, 1.536 with
@@ -77,10 +74,6 @@ class SideStreams:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             yield
-
-    def has(self, lane: int) -> bool:
-        """True when `lane` is a stream of its own (False: `fork` runs its block inline)."""
-        return lane < len(self.streams)
 
     def join(self, lane: int) -> None:
         """Make the current stream wait for everything forked onto `lane` so far."""

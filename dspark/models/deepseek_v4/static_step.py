@@ -186,7 +186,7 @@ class StaticDecoder(StaticDecoderBase):
             if i in capture:
                 features[i] = x
             a = static_attention(layer.attn, site.h, index, self.state.layers[i], self.side)  # h: after attn_norm
-            y, pending = layer.ffn_after(a, x, site, ids, self.side)
+            y, pending = layer.ffn_after(a, x, site, ids)
             if i + 1 < len(model.layers):
                 x, site = model.layers[i + 1].enter(pending, y)
             else:

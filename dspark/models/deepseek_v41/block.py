@@ -28,7 +28,6 @@ from torch import nn
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.moe import MoE
-from dspark.models.deepseek_v4.side_stream import SideStreams
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.state import RaggedBatch, WindowCache
 from dspark.models.deepseek_v41.attention import Attention
@@ -154,8 +153,8 @@ class Block(nn.Module):
         """
         return self.ffn_after(self.attn(site.h, batch, windows, sources, slots, publish), x, site, batch.input_ids)
 
-    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site, input_ids: torch.Tensor,
-                  side: SideStreams | None = None) -> tuple[torch.Tensor, PendingPost]:
+    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site,
+                  input_ids: torch.Tensor) -> tuple[torch.Tensor, PendingPost]:
         """Everything of `open` after the attention: its post fused with the FFN site, then MoE.
 
         a [N, D] the attention output, x [N, hc, D] the block's input streams, `site` their attention
@@ -165,7 +164,7 @@ class Block(nn.Module):
         y, f_pre, f_post, f_comb, g = self.post_pre_op(a, x, site.post, site.comb, site.pre, self.hc_ffn_fn,
                                                        self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight,
                                                        norm_eps=self.ffn_norm.eps, **self._eps())
-        return y, PendingPost(self.ffn(g, input_ids, side), f_post, f_comb, f_pre)
+        return y, PendingPost(self.ffn(g, input_ids), f_post, f_comb, f_pre)
 
     def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:
         """Apply the pending post alone: y [N, hc, D] -> the next block's input streams [N, hc, D]."""

@@ -96,7 +96,7 @@ class StaticDecoderV41(StaticDecoderBase):
             if site is None:
                 site = layer.attn_site(x, pre)
             a = static_attention(layer.attn, site.h, index, self.state, i, shared, self.side)
-            y, pending = layer.ffn_after(a, x, site, ids, self.side)
+            y, pending = layer.ffn_after(a, x, site, ids)
             pre = pending.pre
             if i + 1 < len(model.layers) and i + 1 not in materialised:
                 x, site = model.layers[i + 1].enter(pending, y)  # post + next site: one op
