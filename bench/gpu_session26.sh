@@ -2,11 +2,19 @@
 # GPU steps of the twenty-sixth session, for one H100 or H200 (every JSON names its card):
 #
 #   run(command="bash bench/gpu_session26.sh a", carry=[".whl"])   # ≈ 5 min
+#   run(command="bash bench/gpu_session26.sh b", carry=[".ab"])    # ≈ 5 min
 #
 # a: after `moe_shared` and `SparseAttentionFlashinferSink` were removed (both slower in session 25's
 #    part a / b) and `engram_gate` left `NOT_YET_ON_GPU`: the GPU tests of the files those changes
 #    touched (the MoE kernels and V4.1's fused router, the Engram gate, the flashinfer MLA path, both
 #    models' static graphs), then the v41-mini graph step at 1 and 8 requests with the new defaults.
+# b: V4.1's static step with the picks written into the planned key list (the selection kernel's
+#    `offset` / `out`; a sharing layer shifts them in place: no cat, no offset ops) and the window rows
+#    rounded straight into the ring (`cache_round(out=, out_rows=)`: no index_copy_): the GPU tests
+#    of the V4.1 static step, `cache_round` and the step-index op, then the v41-mini graph step at
+#    1 and 8 requests with it and with the step before (`.ab/v41_static_step_old.py`, carried
+#    uncommitted: the previous commit's static_step.py), twice in alternation; then one profiled
+#    v41-mini step at 1 request (`--profile --no-pdl`: per-kernel times, the torch ops by site).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -15,6 +23,21 @@ part_a() {
   tests a_tests 360 tests/kernels/test_engram_gate.py tests/kernels/test_moe.py tests/kernels/test_attention_flashinfer.py \
     tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
   step a_v41_defaults 130 --config v41-mini --requests 1,8
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests b_tests 200 tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_cache_round.py \
+    tests/kernels/test_step_index.py tests/kernels/test_static_step_kernels.py
+  local file=dspark/models/deepseek_v41/static_step.py
+  cp "$file" /tmp/v41_static_step_new.py
+  for round in 1 2; do
+    step "b_new_$round" 100 --config v41-mini --requests 1,8
+    cp .ab/v41_static_step_old.py "$file"
+    step "b_old_$round" 100 --config v41-mini --requests 1,8
+    cp /tmp/v41_static_step_new.py "$file"
+  done
+  step b_profile 100 --config v41-mini --requests 1 --profile --no-pdl  # where the V4.1 step's time goes now
 }
 
 dispatch session26 "${1:-}"

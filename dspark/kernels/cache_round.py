@@ -2,11 +2,14 @@
 
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
-* ``cache_round(x, *, fmt) -> y``: x [..., d] rounded to what an FP8 / FP4 cache of `fmt` would hold
-  and read back, in x's dtype; `fmt` one of `FORMATS` ("fp8_ue8m0": the window KV, FP8 e4m3 with a
-  power-of-two scale per 32 values; "fp4_ue8m0": the indexer's q and keys, FP4 e2m1 with a
-  power-of-two scale per 32; "fp4_e4m3": the compressed entries, FP4 e2m1 with an e4m3 scale per
-  16). The formats and their edge rules are `dspark.models.deepseek_v41.qat`'s.
+* ``cache_round(x, *, fmt, out=None, out_rows=None) -> y``: x [..., d] rounded to what an FP8 / FP4
+  cache of `fmt` would hold and read back, in x's dtype; `fmt` one of `FORMATS` ("fp8_ue8m0": the
+  window KV, FP8 e4m3 with a power-of-two scale per 32 values; "fp4_ue8m0": the indexer's q and
+  keys, FP4 e2m1 with a power-of-two scale per 32; "fp4_e4m3": the compressed entries, FP4 e2m1 with
+  an e4m3 scale per 16). The formats and their edge rules are `dspark.models.deepseek_v41.qat`'s.
+  With `out` [R, d] and `out_rows` [n] (x viewed as [n, d]), row i goes to out[out_rows[i]] in the
+  kernel's own stores and `out` is returned: a static step writes its window rows without an
+  `index_copy_` after the rounding.
 
 The reference is ~15 torch ops per call and V4.1 rounds every cached vector of a step: about 660
 launches of a v41-mini decode step (`bench/results/graph-profile-v41-mini-h200-final.json`: 1 707
@@ -35,20 +38,32 @@ from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 FORMATS = {"fp8_ue8m0": (32, 0), "fp4_ue8m0": (32, 1), "fp4_e4m3": (16, 2)}
 
 
-def _check_args(x: torch.Tensor, fmt: str) -> int:
+def _check_args(x: torch.Tensor, fmt: str, out: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None) -> int:
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {tuple(FORMATS)}, got {fmt!r}")
     block = FORMATS[fmt][0]
     if x.dim() < 1 or x.shape[-1] % block or not x.is_floating_point():
         raise ValueError(f"x must be a float [..., d] with d a multiple of {block} for {fmt}, got "
                          f"{tuple(x.shape)} {x.dtype}")
+    if (out is None) != (out_rows is None):
+        raise ValueError("out and out_rows go together: pass both or neither")
+    if out is not None:
+        n = x.numel() // x.shape[-1]
+        if out.dim() != 2 or out.shape[1] != x.shape[-1] or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [R, {x.shape[-1]}] tensor, got {tuple(out.shape)}")
+        if out_rows.shape != (n,) or out_rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"out_rows must be [{n}] int32 / int64 (one row of out per row of x), got "
+                             f"{tuple(out_rows.shape)} {out_rows.dtype}")
     return block
 
 
-def cache_round_ref(x: torch.Tensor, *, fmt: str) -> torch.Tensor:
-    """x [..., d] -> the values a `fmt` cache holds, [..., d] in x's dtype (torch, `qat.py`)."""
-    _check_args(x, fmt)
-    return _round_ref(x, fmt=fmt)
+def cache_round_ref(x: torch.Tensor, *, fmt: str, out: torch.Tensor | None = None,
+                    out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., d] -> the values a `fmt` cache holds, [..., d] in x's dtype (torch, `qat.py`); with
+    `out` / `out_rows`, written to those rows of out (in out's dtype), which is returned."""
+    _check_args(x, fmt, out, out_rows)
+    return _round_ref(x, fmt=fmt, out=out, out_rows=out_rows)
 
 
 # --------------------------------------------------------------------------------- Triton kernel
@@ -85,9 +100,10 @@ def _round_e2m1(v):
 
 
 @_jit
-def _round_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
-                  PDL: tl.constexpr):
-    """ROWS blocks of BLOCK values per program: amax, scale, rounded values, written in y's dtype."""
+def _round_kernel(x_ptr, y_ptr, rows_ptr, n_blocks, blocks_per_row, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                  FMT: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
+    """ROWS blocks of BLOCK values per program: amax, scale, rounded values, written in y's dtype
+    (HAS_ROWS: block b of x's row r to the same block of y's row rows[r])."""
     pdl_prologue(PDL)
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = offs_r.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -103,19 +119,26 @@ def _round_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexp
     else:  # FP4 e2m1, e4m3 scale, amax >= 6·2^-9
         scale = _round_e4m3(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0))
         out = _round_e2m1(tl.math.div_rn(v, scale[:, None])) * scale[:, None]
+    if HAS_ROWS:
+        row = offs_r // blocks_per_row
+        dest = tl.load(rows_ptr + row, mask=offs_r < n_blocks, other=0).to(tl.int64)
+        block_in_row = (offs_r - row * blocks_per_row).to(tl.int64)
+        offs = (dest * blocks_per_row + block_in_row)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def cache_round(x: torch.Tensor, *, fmt: str) -> torch.Tensor:
+def cache_round(x: torch.Tensor, *, fmt: str, out: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Fused `cache_round_ref` (same signature): one launch, 64 blocks per program."""
-    block = _check_args(x, fmt)
+    block = _check_args(x, fmt, out, out_rows)
     if x.numel() == 0 or records_grad(x):  # the kernel has no backward
-        return cache_round_ref(x, fmt=fmt)
+        return cache_round_ref(x, fmt=fmt, out=out, out_rows=out_rows)
     require_triton()
     x = x.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
     n_blocks, rows = x.numel() // block, 64
     programs = triton.cdiv(n_blocks, rows)
     pdl = pdl_launch(x.device, programs)
-    _round_kernel[(programs,)](x, y, n_blocks, BLOCK=block, ROWS=rows, FMT=FORMATS[fmt][1], PDL=pdl, launch_pdl=pdl)
+    _round_kernel[(programs,)](x, y, out_rows if out is not None else x, n_blocks, x.shape[-1] // block, BLOCK=block,
+                               ROWS=rows, FMT=FORMATS[fmt][1], HAS_ROWS=out is not None, PDL=pdl, launch_pdl=pdl)
     return y

@@ -71,6 +71,24 @@ def test_leading_dims_and_empty_inputs():
     assert op.cache_round(empty, fmt="fp8_ue8m0").shape == (0, 32)
 
 
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+def test_rows_written_into_out_like_the_reference(fmt, poisoned):
+    """With out / out_rows each rounded row goes to its row of out (the static step's window ring,
+    bf16 from fp32 rows here); the other rows of out stay as they were."""
+    x = random_blocks(5, 64, seed=7).reshape(5, 64).to(DEVICE)
+    rows = torch.tensor([6, 0, 3, 9, 1], device=DEVICE)
+    before = torch.randn(11, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    ref = op.cache_round_ref(x, fmt=fmt, out=before.clone(), out_rows=rows)
+    with poisoned():
+        out = before.clone()
+        y = op.cache_round(x, fmt=fmt, out=out, out_rows=rows.int())
+    assert y is out and torch.equal(out, ref)
+    assert torch.equal(out[rows], op.cache_round_ref(x, fmt=fmt).bfloat16())
+    untouched = torch.ones(11, dtype=torch.bool, device=DEVICE).index_fill_(0, rows, False)
+    assert torch.equal(out[untouched], before[untouched])
+
+
 def test_bad_arguments_name_the_value():
     x = torch.randn(2, 32)
     with pytest.raises(ValueError, match="fmt must be one of"):
@@ -79,6 +97,12 @@ def test_bad_arguments_name_the_value():
         op.cache_round_ref(x[:, :8], fmt="fp4_e4m3")
     with pytest.raises(ValueError, match="a float"):
         op.cache_round_ref(x.long(), fmt="fp8_ue8m0")
+    with pytest.raises(ValueError, match="out and out_rows go together"):
+        op.cache_round_ref(x, fmt="fp8_ue8m0", out=torch.empty(4, 32))
+    with pytest.raises(ValueError, match=r"out_rows must be \[2\] int32 / int64"):
+        op.cache_round_ref(x, fmt="fp8_ue8m0", out=torch.empty(4, 32), out_rows=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[R, 32\]"):
+        op.cache_round_ref(x, fmt="fp8_ue8m0", out=torch.empty(4, 16), out_rows=torch.zeros(2, dtype=torch.long))
 
 
 @needs_triton

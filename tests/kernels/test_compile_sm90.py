@@ -322,6 +322,9 @@ def run_every_tile_class():
     # V4.1 cache QAT rounding, every format, bf16 window latents / fp32 rows.
     for fmt, dtype in (("fp8_ue8m0", torch.bfloat16), ("fp4_ue8m0", torch.bfloat16), ("fp4_e4m3", torch.float32)):
         cache_round.cache_round(torch.randn(2, 512, generator=g).to(DEVICE, dtype), fmt=fmt)
+    ring = torch.empty(8, 512, device=DEVICE, dtype=torch.bfloat16)  # the static step's window rows
+    cache_round.cache_round(torch.randn(2, 512, generator=g).to(DEVICE, torch.bfloat16), fmt="fp8_ue8m0", out=ring,
+                            out_rows=torch.tensor([5, 1], device=DEVICE))
     # RoPE, rd 64: q heads [N, H, 512] with [N, 1, 32] tables, kv latents [N, 512], indexer q [N, H, 128].
     for x_shape, table_shape in (((2, 64, 512), (2, 1, 32)), ((2, 512), (2, 32)), ((2, 64, 128), (2, 1, 32))):
         x = torch.randn(x_shape, generator=g).to(DEVICE, torch.bfloat16)

@@ -243,9 +243,11 @@ def test_pdl_prologue_calls_gdc_only_with_pdl():
     if not os.environ.get("TRITON_INTERPRET"):
         pytest.skip("checks the interpreter's behaviour (CPU machines)")
     x = torch.zeros(64)
-    cache_round._round_kernel[(1,)](x, torch.empty_like(x), 1, BLOCK=64, ROWS=1, FMT=0, PDL=False, launch_pdl=False)
+    cache_round._round_kernel[(1,)](x, torch.empty_like(x), x, 1, 1, BLOCK=64, ROWS=1, FMT=0, HAS_ROWS=False,
+                                    PDL=False, launch_pdl=False)
     with pytest.raises(Exception, match="_semantic"):  # the interpreter cannot run griddepcontrol
-        cache_round._round_kernel[(1,)](x, torch.empty_like(x), 1, BLOCK=64, ROWS=1, FMT=0, PDL=True, launch_pdl=True)
+        cache_round._round_kernel[(1,)](x, torch.empty_like(x), x, 1, 1, BLOCK=64, ROWS=1, FMT=0, HAS_ROWS=False,
+                                        PDL=True, launch_pdl=True)
 
 
 AOT = textwrap.dedent("""

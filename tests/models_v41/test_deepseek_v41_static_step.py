@@ -130,20 +130,22 @@ def test_static_v41_rejects_bad_inputs(model):
         StaticDecoderV41(host, StaticShape(slots=1, max_context=32, tokens=1))
 
 
-def test_static_v41_attention_reads_the_pool_from_its_window_without_offset_ops(model, monkeypatch):
-    """Each layer attends over the pool from its own window on, so its window keys go to the attention
-    as the planned rows (no per-layer offset kernels); only the picks of a compressed layer are offset
-    (its entry offset planned relative to the window), and the step still equals the dynamic path."""
+def test_static_v41_picks_go_straight_into_the_planned_key_list(model, monkeypatch):
+    """Each layer attends over the pool from its own window on, so its window keys are the planned
+    rows as they are; an index source's selection writes its picks, offset, into the step's planned
+    key list, and a layer sharing them shifts them in place by the difference of the two pool views
+    (no cat, no per-layer offset ops). The step still equals the dynamic path."""
     from dspark.models.deepseek_v41 import static_step
 
-    offsets = []
-    offset_rows = static_step.offset_rows
-    monkeypatch.setattr(static_step, "offset_rows", lambda rows, off: offsets.append(off) or offset_rows(rows, off))
+    shifts = []
+    shared_keys = static_step.shared_keys
+    monkeypatch.setattr(static_step, "shared_keys", lambda index, window, ring, shared, base: shifts.append(
+        (shared.base, base)) or shared_keys(index, window, ring, shared, base))
     decoder = StaticDecoderV41(model, StaticShape(slots=2, max_context=96, tokens=1))
     states, starts = prefilled(model, decoder, [7, 20], seed=3)
     g = torch.Generator().manual_seed(4)
     for static, dynamic, _ in lockstep(model, decoder, states, starts, 3, 1, g):
         torch.testing.assert_close(static, dynamic, **TOL)
-    compressed = sum(1 for layer in model.layers if layer.attn.ratio)
-    assert 0 < compressed < len(model.layers) and len(offsets) == 3 * compressed
-    assert all(isinstance(off, torch.Tensor) for off in offsets)  # the planned [N, 1] entry offsets
+    sharing = sum(1 for layer in model.layers if layer.attn.ratio and layer.attn.indexer is None)
+    assert 0 < sharing and len(shifts) == 3 * sharing
+    assert any(before != after for before, after in shifts)  # the in-place shift is exercised

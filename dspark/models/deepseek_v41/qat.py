@@ -72,9 +72,14 @@ def fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return _fp4(blocks, scale, x.dtype)
 
 
-def _round_ref(x: torch.Tensor, *, fmt: str) -> torch.Tensor:
-    """The formats above by name: `dspark.kernels.cache_round`'s op signature, its reference."""
-    return {"fp8_ue8m0": fp8_ue8m0, "fp4_ue8m0": fp4_ue8m0, "fp4_e4m3": fp4_e4m3}[fmt](x)
+def _round_ref(x: torch.Tensor, *, fmt: str, out: torch.Tensor | None = None,
+               out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The formats above by name: `dspark.kernels.cache_round`'s op signature, its reference (with
+    `out` [R, d] and `out_rows` [n], row i of x viewed as [n, d] goes to out[out_rows[i]])."""
+    y = {"fp8_ue8m0": fp8_ue8m0, "fp4_ue8m0": fp4_ue8m0, "fp4_e4m3": fp4_e4m3}[fmt](x)
+    if out is None:
+        return y
+    return out.index_copy_(0, out_rows, y.reshape(-1, x.shape[-1]).to(out.dtype))
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,13 @@ class CacheQuant:
 
     def window(self, kv: torch.Tensor) -> torch.Tensor:
         return self.round_op(kv, fmt="fp8_ue8m0") if self.enabled else kv
+
+    def window_rows(self, kv: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`window(kv)` [n, d] written to out[rows] (a static step's window ring, [R, d]; on Triton in
+        the rounding kernel's own stores, so no copy follows)."""
+        if self.enabled:
+            return self.round_op(kv, fmt="fp8_ue8m0", out=out, out_rows=rows)
+        return out.index_copy_(0, rows, kv.to(out.dtype))
 
     def entries(self, latents: torch.Tensor) -> torch.Tensor:
         return self.round_op(latents, fmt="fp4_e4m3") if self.enabled else latents

@@ -7,10 +7,10 @@
     out = decoder.forward(ids, starts, capture_layers=(4,))  # + final streams and layer-4 inputs
 
 `step` feeds slot s the tokens input_ids[s] at positions starts[s] .. starts[s] + T − 1 and writes
-their state (`static_state.py`): every write an `index_copy_` at rows computed on the device from
-positions, every read a fixed-width gather whose invisible keys are −1 (or −inf scores), so shapes
-and launched kernels never depend on the data and one capture per (S, T) replays any step
-(`dspark.engine.graphs.StepGraph` takes this decoder as it takes V4's).
+their state (`static_state.py`): every write an `index_copy_` (or a kernel's own stores) at rows
+computed on the device from positions, every read a fixed-width gather whose invisible keys are −1
+(or −inf scores), so shapes and launched kernels never depend on the data and one capture per (S, T)
+replays any step (`dspark.engine.graphs.StepGraph` takes this decoder as it takes V4's).
 
 The math is the model's own modules, in `DeepseekV41ForCausalLM.forward`'s order (exact mode):
 Engram hashing (`engram_hash.hash_columns`) and table lookups, the single-pass mHC sites of every
@@ -35,6 +35,8 @@ Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, k = index_top
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dspark.models.deepseek_v4.mhc import collapse
@@ -43,11 +45,26 @@ from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_plan import StepPlan
 from dspark.models.deepseek_v4.static_state import StaticShape
-from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput, offset_rows
+from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput
 from dspark.models.deepseek_v41 import engram_hash
 from dspark.models.deepseek_v41.block import initial_pre
-from dspark.models.deepseek_v41.csa2 import SharedSlots
 from dspark.models.deepseek_v41.static_state import StaticSource, StaticStateV41
+
+
+@dataclass
+class StaticPicks:
+    """What the latest index source of a static step chose, read by the layers after it (spec §5.5;
+    the dynamic path's `SharedSlots` for all rows at once).
+
+    keys        [N, W + k'] the key list holding the picks: W window rows, then the picks as rows of
+                a pool view whose source entries start at `base` (−1 = none); k' = min(k, E)
+    candidates  [N, E] bool, the candidate source's pool (None before it ran)
+    """
+
+    keys: torch.Tensor | None = None
+    window: int = 0
+    base: int = 0
+    candidates: torch.Tensor | None = None
 
 
 class StaticDecoderV41(StaticDecoderBase):
@@ -64,9 +81,9 @@ class StaticDecoderV41(StaticDecoderBase):
     def index_plan(self) -> StepPlan:
         """What `static_attention` (with `publish` and `select`) asks the step's `StepIndex` for,
         layer by layer (same calls)."""
-        plan = StepPlan()
+        plan, width = StepPlan(), 0
         for i, layer in enumerate(self.model.layers):
-            plan_attention(layer.attn, plan, self.state, i)
+            width = plan_attention(layer.attn, plan, self.state, i, width)
         return plan
 
     def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
@@ -86,7 +103,7 @@ class StaticDecoderV41(StaticDecoderBase):
         engram_rows, live = self._engram_rows(input_ids, positions)
         x = model.embed(ids).unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, hc, D]
         pre = initial_pre(ids.shape[0], model.config.hc_mult, model.device)
-        shared, site = SharedSlots(), None  # the latest index source's picks / candidate pool, all rows
+        shared, site = StaticPicks(), None  # the latest index source's picks / candidate pool, all rows
         features = {}
         for i, layer in enumerate(model.layers):
             if layer.engram is not None:
@@ -138,14 +155,17 @@ class StaticDecoderV41(StaticDecoderBase):
 
 
 def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticStateV41, layer: int,
-                     shared: SharedSlots, side: SideStreams | None = None) -> torch.Tensor:
+                     shared: StaticPicks, side: SideStreams | None = None) -> torch.Tensor:
     """CSA2 `Attention.forward` on the static state: x [N, D] (after attn_norm) at the step's
     positions (`index`, [S, T]) -> [N, D].
 
     Writes the new window latents (and, on a KV source, its rows, entries and index keys) first; an
-    index source then picks into `shared` (topk [N, min(k, E)], candidates [N, E]) for the layers
-    after it; the key list is [W window rows | the latest picks in the KV source's entries] as rows of the
-    pool from the layer's window on, −1 = none.
+    index source then picks for the layers after it (`shared`: its key list and candidate pool); the
+    key list is [W window rows | the latest picks in the KV source's entries] as rows of the pool from
+    the layer's window on, −1 = none. It is the step's planned list (`StepIndex.csa_keys`, window rows
+    filled): the selection kernel writes the picks into it already offset, and a layer sharing them
+    shifts them in place by the difference of the two layers' pool views (two launches, where a cat
+    and an offset took four).
     A KV source's publishing and the window latents need only x, the indexer's queries only x and c_q:
     with `side` they run on its lanes beside the q projection (`deepseek_v4.side_stream`), each joined
     before the first read of what it writes.
@@ -159,7 +179,8 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     window = state.windows[layer]
     with side.fork(KV):
         kv = attn.project_kv(x, cos, sin)
-        window.write_rows(index.ring_rows(window), attn.quant.window(kv))  # the window cache is FP8 (QAT)
+        # the window cache is FP8 (QAT): rounded into its ring rows by one launch
+        attn.quant.window_rows(kv, window.flat(), index.ring_rows(window).reshape(-1))
     q_lora = attn.project_q_lora(x)
     if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
         with side.fork(KV):
@@ -168,28 +189,53 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     # The attention reads the pool from the layer's window on (`pool_from`): the window keys are rows of
     # its ring as they are, and the entries (after every window) rows past it: no per-layer offset ops.
     pool_from = state.window_offsets[layer]
-    keys = index.window_keys(attn.window, window)  # [N, W] rows of the layer's ring, −1 = none
-    if attn.ratio:
+    if not attn.ratio:
+        keys = index.window_keys(attn.window, window)  # [N, W] rows of the layer's ring, −1 = none
+    else:
         source = state.sources[attn.role.kv_source]
         if publishes:
             side.join(COMPRESS)
         if attn.indexer is not None:
             side.join(KV)
-            select(attn.indexer, *queries, index, source, shared)
-        offset = index.entry_offsets(source.offset - pool_from, source.n_entries)  # [N, 1]
-        keys = torch.cat((keys, offset_rows(shared.topk, offset)), dim=-1)
+            keys = index.csa_keys(attn.window, window, pick_width(attn.indexer, source))
+            base = source.offset - pool_from
+            select(attn.indexer, *queries, index, source, shared, keys[:, attn.window:], base)
+            shared.keys, shared.window, shared.base = keys, attn.window, base
+        else:
+            keys = shared_keys(index, attn.window, window, shared, source.offset - pool_from)
     side.join(KV)
     out = attn.attend_op(q, state.pool[pool_from:], keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
 
 
-def plan_attention(attn, plan: StepPlan, state: StaticStateV41, layer: int) -> None:
-    """The `StepIndex` calls of `static_attention`, `publish` and `select` for one layer, on `plan`."""
+def pick_width(indexer, source: StaticSource) -> int:
+    """k' = min(k, E): the columns of an index source's picks over `source`'s entries."""
+    return min(indexer.topk, source.n_entries)
+
+
+def shared_keys(index: StepIndex, window: int, ring, shared: StaticPicks, base: int) -> torch.Tensor:
+    """The key list [N, W + k'] of a layer reading the latest index source's picks in a pool view whose
+    source entries start at `base`: the planned list of its shape, the picks copied in when they sit
+    in another list, then shifted by base − shared.base where they are not −1 (in place)."""
+    width = shared.keys.shape[1] - shared.window
+    keys = index.csa_keys(window, ring, width)
+    picks = keys[:, window:]
+    if keys.data_ptr() != shared.keys.data_ptr() or window != shared.window:
+        picks.copy_(shared.keys[:, shared.window:])
+    if base != shared.base:
+        picks.add_(picks >= 0, alpha=base - shared.base)
+    shared.keys, shared.window, shared.base = keys, window, base
+    return keys
+
+
+def plan_attention(attn, plan: StepPlan, state: StaticStateV41, layer: int, width: int) -> int:
+    """The `StepIndex` calls of `static_attention`, `publish` and `select` for one layer, on `plan`;
+    `width` the latest index source's pick count before this layer (returned, updated)."""
     plan.cos_sin(attn.rope)
     plan.ring_rows(state.windows[layer])
-    plan.window_keys(attn.window, state.windows[layer])
     if not attn.ratio:
-        return
+        plan.window_keys(attn.window, state.windows[layer])
+        return width
     source = state.sources[attn.role.kv_source]
     if attn.compressor is not None:
         m = source.rate
@@ -201,8 +247,11 @@ def plan_attention(attn, plan: StepPlan, state: StaticStateV41, layer: int) -> N
             plan.entry_rows(m, source.n_entries)
         plan.group_cos_sin(attn.rope, m)
     if attn.indexer is not None:
+        width = pick_width(attn.indexer, source)
         plan.visible(attn.indexer.ratio)
-    plan.entry_offsets(source.offset - state.window_offsets[layer], source.n_entries)
+        plan.entry_offsets(source.offset - state.window_offsets[layer], source.n_entries)
+    plan.csa_keys(attn.window, state.windows[layer], width)
+    return width
 
 
 def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> None:
@@ -234,12 +283,13 @@ def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> No
 
 
 def select(indexer, q: torch.Tensor, weights: torch.Tensor, index: StepIndex, source: StaticSource,
-           shared: SharedSlots) -> None:
+           shared: StaticPicks, out: torch.Tensor, base: int) -> None:
     """`Indexer.select_batch` on the static state: every row scores all E index keys of its slot;
     entries it cannot see yet (w >= (p+1)//m), or outside the candidate pool on a later index source,
-    are −inf and never picked. Sets shared.topk [N, min(k, E)] (ascending, −1 = none) and, on the
-    candidate source, shared.candidates [N, E] (the registry's `indexer_pool`).
-    q [N, Hi, di], weights [N, Hi].
+    are −inf and never picked. Writes the picks into out [N, min(k, E)] (ascending, −1 = none) as
+    rows of a pool view whose `source` entries start at `base` (the selection kernel adds the planned
+    per-slot entry offsets), and, on the candidate source, sets shared.candidates [N, E] (the
+    registry's `indexer_pool`). q [N, Hi, di], weights [N, Hi].
     """
     n_slots, n_tok = index.positions.shape
     keys = source.keys[:n_slots, : source.n_entries]  # [b, E, di] the bucket's slots
@@ -253,7 +303,7 @@ def select(indexer, q: torch.Tensor, weights: torch.Tensor, index: StepIndex, so
     scores = scores.flatten(0, 1)  # [N, E] fp32, −inf if not complete
     if indexer.uses_candidates and not indexer.is_candidate_source:
         scores = scores.masked_fill(~shared.candidates, float("-inf"))
-    shared.topk = indexer.topk_op(scores, indexer.topk)
+    indexer.topk_op(scores, indexer.topk, offset=index.entry_offsets(base, source.n_entries), out=out)
     if indexer.is_candidate_source:  # its own top-k ignores the pool it publishes (spec §5.3 step 5)
         visible = (index.flat + 1) // indexer.ratio  # [N]
         shared.candidates = indexer.pool_op(scores, visible, topk_blocks=indexer.candidate_blocks,
