@@ -2,7 +2,8 @@
 # GPU steps of the twenty-sixth session, for one H100 or H200 (every JSON names its card):
 #
 #   run(command="bash bench/gpu_session26.sh a", carry=[".whl"])   # ≈ 5 min
-#   run(command="bash bench/gpu_session26.sh b", carry=[".ab"])    # ≈ 5 min
+#   run(command="bash bench/gpu_session26.sh b", carry=[".ab"])    # ≈ 5 min, after, on this machine:
+#     mkdir -p .ab && git show 15d8cc8:dspark/models/deepseek_v41/static_step.py > .ab/v41_static_step_old.py
 #
 # a: after `moe_shared` and `SparseAttentionFlashinferSink` were removed (both slower in session 25's
 #    part a / b) and `engram_gate` left `NOT_YET_ON_GPU`: the GPU tests of the files those changes
@@ -13,7 +14,7 @@
 #    rounded straight into the ring (`cache_round(out=, out_rows=)`: no index_copy_): the GPU tests
 #    of the V4.1 static step, `cache_round` and the step-index op, then the v41-mini graph step at
 #    1 and 8 requests with it and with the step before (`.ab/v41_static_step_old.py`, carried
-#    uncommitted: the previous commit's static_step.py), twice in alternation; then one profiled
+#    uncommitted: static_step.py before this change, commit 15d8cc8), twice in alternation; then one profiled
 #    v41-mini step at 1 request (`--profile --no-pdl`: per-kernel times, the torch ops by site).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
