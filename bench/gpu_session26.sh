@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session26.sh a", carry=[".whl"])   # ≈ 5 min
 #   run(command="bash bench/gpu_session26.sh b", carry=[".ab"])    # ≈ 5 min, after, on this machine:
 #     mkdir -p .ab && git show 15d8cc8:dspark/models/deepseek_v41/static_step.py > .ab/v41_static_step_old.py
+#   run(command="bash bench/gpu_session26.sh c")                    # ≈ 4 min
 #
 # a: after `moe_shared` and `SparseAttentionFlashinferSink` were removed (both slower in session 25's
 #    part a / b) and `engram_gate` left `NOT_YET_ON_GPU`: the GPU tests of the files those changes
@@ -16,6 +17,10 @@
 #    1 and 8 requests with it and with the step before (`.ab/v41_static_step_old.py`, carried
 #    uncommitted: static_step.py before this change, commit 15d8cc8), twice in alternation; then one profiled
 #    v41-mini step at 1 request (`--profile --no-pdl`: per-kernel times, the torch ops by site).
+# c: V4.1's Engram n-gram rows in one launch (`engram_rows`, in registry.NOT_YET_ON_GPU): its GPU tests
+#    (the kernel against the reference, the V4.1 static step with it, its PDL launches), then the
+#    v41-mini graph step at 1 and 8 requests without it and with it (`--triton engram_rows`), twice
+#    in alternation.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -39,6 +44,16 @@ part_b() {
     cp /tmp/v41_static_step_new.py "$file"
   done
   step b_profile 100 --config v41-mini --requests 1 --profile --no-pdl  # where the V4.1 step's time goes now
+}
+
+part_c() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests c_tests 150 tests/kernels/test_engram_rows.py tests/kernels/test_static_step_kernels.py \
+    tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/kernels/test_kernels_pdl.py
+  for round in 1 2; do
+    step "c_held_$round" 100 --config v41-mini --requests 1,8
+    step "c_engram_rows_$round" 100 --config v41-mini --requests 1,8 --triton engram_rows
+  done
 }
 
 dispatch session26 "${1:-}"

@@ -58,6 +58,7 @@ _OP_MODULES: dict[str, str] = {
     "fused_moe": "moe",
     "moe_experts": "moe",
     "engram_gate": "engram_gate",
+    "engram_rows": "engram_rows",
     "sparse_attention": "attention",
     "lightning_indexer": "indexer",
     "select_topk": "indexer",
@@ -83,7 +84,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ()
+NOT_YET_ON_GPU: tuple[str, ...] = ("engram_rows",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,6 +141,7 @@ class KernelConfig:
     fused_moe: Impl = "ref"
     moe_experts: Impl = "ref"
     engram_gate: Impl = "ref"
+    engram_rows: Impl = "ref"
     sparse_attention: Impl = "ref"
     lightning_indexer: Impl = "ref"
     select_topk: Impl = "ref"

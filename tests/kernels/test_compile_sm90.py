@@ -25,9 +25,10 @@ import textwrap
 import pytest
 import torch
 
-from dspark.kernels import (attention, attention_wide, cache_round, compressor, engram_gate, grouped_wo_a, hc_head_norm,
-                            indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe, moe_decode,
-                            moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index, triton_available)
+from dspark.kernels import (attention, attention_wide, cache_round, compressor, engram_gate, engram_rows, grouped_wo_a,
+                            hc_head_norm, indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe,
+                            moe_decode, moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index,
+                            triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -64,7 +65,8 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            step_index: ("_step_index_kernel",),
            markov_greedy: ("_markov_greedy_kernel",),
            slot_noise: ("_slot_noise_kernel",),
-           engram_gate: ("_engram_gate_kernel",)}
+           engram_gate: ("_engram_gate_kernel",),
+           engram_rows: ("_engram_rows_kernel",)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -366,6 +368,13 @@ def run_every_tile_class():
                                 torch.randn(2, 5 * 2048, generator=g).bfloat16().to(DEVICE),
                                 torch.rand(4, 2048, generator=g).bfloat16().to(DEVICE),
                                 torch.rand(4, 2048, generator=g).bfloat16().to(DEVICE), live, eps=1e-6)
+    # V4.1's Engram n-gram rows at v41-mini's hashing (2 layers, N = 4, 8 heads), with and without image tokens.
+    primes = torch.randint(1000, 2000, (2, 3, 8)).to(DEVICE)
+    for image in (None, 7):
+        engram_rows.engram_rows(torch.randint(0, 50, (2, 4)).to(DEVICE), torch.tensor([[9, 10, 11, 12]] * 2).to(DEVICE),
+                                torch.zeros(2, 7, dtype=torch.long, device=DEVICE), torch.arange(50).to(DEVICE),
+                                torch.randint(1, 1 << 40, (2, 4)).to(DEVICE), primes,
+                                torch.zeros(2, 24, dtype=torch.long, device=DEVICE), pad_id=2, image_token_id=image)
 
 
 COMPILE = textwrap.dedent("""

@@ -24,12 +24,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.kernels import (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer,
-                            indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode, moe_route_decode, norm_rope,
-                            rms_norm, rope, step_index, triton_available, triton_compat)
+from dspark.kernels import (attention, attention_wide, cache_round, compressor, engram_gate, engram_rows, grouped_wo_a,
+                            hc_head_norm, indexer, indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode,
+                            moe_route_decode, norm_rope, rms_norm, rope, step_index, triton_available, triton_compat)
 
-MODULES = (attention, attention_wide, cache_round, compressor, grouped_wo_a, hc_head_norm, indexer, indexer_pool,
-           linear, mhc, mhc_norm, mhc_v41, moe,
+MODULES = (attention, attention_wide, cache_round, compressor, engram_gate, engram_rows, grouped_wo_a, hc_head_norm,
+           indexer, indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe,
            moe_decode, moe_route_decode, norm_rope, rms_norm, rope, step_index)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
@@ -179,6 +179,11 @@ def _every_op(device: str) -> None:
     norm_rope.norm_rope(rand(4, 16, 256), None, angles.cos(), angles.sin(), eps=1e-6,  # q heads, stored at rows
                         out=rand(70, 256), out_rows=torch.arange(64, device=device))
     cache_round.cache_round(rand(65, 64), fmt="fp8_ue8m0")
+    engram_gate.engram_gate(rand(3, 4, 64), rand(3, 5 * 64), rand(4, 64), rand(4, 64), None, eps=1e-6)
+    long = dict(dtype=torch.long, device=device)
+    engram_rows.engram_rows(torch.randint(0, 9, (2, 2)).to(device), torch.tensor([[4, 5], [6, 7]], device=device),
+                            torch.zeros(2, 5, **long), torch.arange(9, device=device), torch.ones(1, 4, **long),
+                            torch.full((1, 3, 2), 7, **long), torch.zeros(1, 6, **long), pad_id=2, image_token_id=None)
     segments = step_index.SegmentTable.build([(step_index.ROW, 1, 1, 0, 0, 0, 0, 0),
                                               (step_index.KEYS, 1, 12, 11, 8, 4, 4, 40)], device)
     step_index.step_index(torch.tensor([3, 17], device=device), segments, tokens=2)

@@ -1,5 +1,5 @@
 """The static step's own ops on Triton (the batched `index_scores`, the pool reading its slots from
-the rings, `compressor_pool_gather`; on CPU the interpreter, see conftest.py) against their references, where the models use them: the V4 and V4.1 static decode steps (tiny configs,
+the rings, `compressor_pool_gather`, V4.1's `engram_rows`; on CPU the interpreter, see conftest.py) against their references, where the models use them: the V4 and V4.1 static decode steps (tiny configs,
 fp32, verify rounds of 4 tokens over 2 slots at different lengths, so rows see different numbers of
 entries) and the padded indexer pass of a ragged decode call."""
 
@@ -21,7 +21,7 @@ from static_step_checks import run_rounds  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores", "compressor_project", "norm_rope")
+STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores", "compressor_project", "norm_rope", "engram_rows")
 
 
 @needs_triton

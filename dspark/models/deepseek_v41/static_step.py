@@ -13,7 +13,7 @@ computed on the device from positions, every read a fixed-width gather whose inv
 replays any step (`dspark.engine.graphs.StepGraph` takes this decoder as it takes V4's).
 
 The math is the model's own modules, in `DeepseekV41ForCausalLM.forward`'s order (exact mode):
-Engram hashing (`engram_hash.hash_columns`) and table lookups, the single-pass mHC sites of every
+Engram hashing (the registry's `engram_rows`) and table lookups, the single-pass mHC sites of every
 `Block` (`attn_site`, `enter`, `ffn_after`, `close`), the attention projections and cache
 QAT, the source compressor's pooling op, the entries' RoPE + FP4 and index keys, the indexer's
 queries, scores (the registry's `index_scores`) and candidate pool op, MoE and
@@ -40,13 +40,13 @@ from dataclasses import dataclass
 import torch
 
 from dspark.models.deepseek_v4.mhc import collapse
-from dspark.models.deepseek_v4.side_stream import COMPRESS, KV, SideStreams
+from dspark.kernels import get_op
+from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, SideStreams
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_plan import StepPlan
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v4.static_step import StaticDecoderBase, StaticStepOutput
-from dspark.models.deepseek_v41 import engram_hash
 from dspark.models.deepseek_v41.block import initial_pre
 from dspark.models.deepseek_v41.static_state import StaticSource, StaticStateV41
 
@@ -69,6 +69,10 @@ class StaticPicks:
 
 class StaticDecoderV41(StaticDecoderBase):
     """Static decode / verify steps of `model` (a `DeepseekV41ForCausalLM`) over one bucket's state."""
+
+    def __init__(self, model, shape: StaticShape, side_streams: int = DEFAULT_LANES):
+        super().__init__(model, shape, side_streams)
+        self.engram_rows_op = get_op(model.kernels, "engram_rows")
 
     def new_state(self, model, shape: StaticShape) -> StaticStateV41:
         host = [i for i in model.engram_ids if model.layers[i].engram.embed.host]
@@ -128,30 +132,17 @@ class StaticDecoderV41(StaticDecoderBase):
 
     def _engram_rows(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Record the new tokens' compressed ids in the n-gram ring, hash every row's n-grams from
-        the ring and look the rows up: ({layer: [N, C, hd]}, live [N] bool or None), or ({}, None)."""
+        the ring (the registry's `engram_rows`) and look the rows up: ({layer: [N, C, hd]}, live [N]
+        bool or None), or ({}, None)."""
         model, c = self.model, self.model.config
         if not model.engram_ids:
             return {}, None
-        compressed = model.engram_token_map[input_ids]  # [S, T]
-        live = None
-        if c.image_token_id is not None:
-            live = input_ids != c.image_token_id
-            compressed = compressed.masked_fill(~live, engram_hash.DEAD)
-            live = live.reshape(-1)
-        ring = self.state.ngram
-        ring.write(positions, compressed.reshape(-1))
-        back = positions.unsqueeze(-1) - torch.arange(c.engram_max_ngram_size, device=positions.device)  # [S, T, N]
-        seen = ring.flat()[ring.rows(back.clamp(min=0))]  # [S, T, N]: shift k = the id at p − k
-        # A shift that leaves the sequence or meets DEAD blocks itself and every longer one.
-        blocked = ((back < 0) | (seen == engram_hash.DEAD)).cumsum(dim=-1) > 0
-        pad = model.engram_token_map[c.engram_pad_id]  # 0-dim on the device: no host read
-        tokens = torch.where(blocked, pad, seen)
-        columns = engram_hash.hash_columns(tokens, model.engram_multipliers, model.engram_primes,
-                                           model.engram_offsets).flatten(0, 1)  # [N, L, C]
+        columns, live = self.engram_rows_op(
+            input_ids, positions, self.state.ngram.data, model.engram_token_map, model.engram_multipliers,
+            model.engram_primes, model.engram_offsets, pad_id=c.engram_pad_id, image_token_id=c.image_token_id)
         rows = {layer: model.layers[layer].engram.embed.lookup(columns[:, j], model.device)
                 for j, layer in enumerate(model.engram_ids)}
         return rows, live
-
 
 
 def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticStateV41, layer: int,
