@@ -42,9 +42,10 @@ def _check_args(input_ids, positions, ring, token_map, multipliers, primes, offs
     if primes.shape != (n_layers, n_shift - 1, primes.shape[-1]) or offsets.shape != (n_layers, primes[0].numel()):
         raise ValueError(f"primes must be [L, N - 1, Hh] and offsets [L, C] for multipliers [L={n_layers}, "
                          f"N={n_shift}], got {tuple(primes.shape)} and {tuple(offsets.shape)}")
-    if ring.dim() != 2 or not ring.is_contiguous() or ring.shape[0] < input_ids.shape[0] or ring.shape[1] < n_shift - 1 + input_ids.shape[1]:
-        raise ValueError(f"ring must be a contiguous [S' >= {input_ids.shape[0]}, R >= N - 1 + T = "
-                         f"{n_shift - 1 + input_ids.shape[1]}], got {tuple(ring.shape)}")
+    rows_needed = n_shift - 1 + input_ids.shape[1]
+    if ring.dim() != 2 or not ring.is_contiguous() or ring.shape[0] < input_ids.shape[0] or ring.shape[1] < rows_needed:
+        raise ValueError(f"ring must be a contiguous [S' >= {input_ids.shape[0]}, R >= N - 1 + T = {rows_needed}], "
+                         f"got {tuple(ring.shape)}")
     for name, t in (("input_ids", input_ids), ("positions", positions), ("ring", ring), ("token_map", token_map),
                     ("multipliers", multipliers), ("primes", primes), ("offsets", offsets)):
         if t.dtype != torch.long:

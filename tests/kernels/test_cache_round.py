@@ -80,6 +80,7 @@ def test_rows_written_into_out_like_the_reference(fmt, poisoned):
     rows = torch.tensor([6, 0, 3, 9, 1], device=DEVICE)
     before = torch.randn(11, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     ref = op.cache_round_ref(x, fmt=fmt, out=before.clone(), out_rows=rows)
+    assert torch.equal(op.cache_round_ref(x, fmt=fmt, out=before.clone(), out_rows=rows.int()), ref)
     with poisoned():
         out = before.clone()
         y = op.cache_round(x, fmt=fmt, out=out, out_rows=rows.int())

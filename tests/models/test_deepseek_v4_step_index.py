@@ -112,19 +112,15 @@ def test_step_index_equals_the_plain_formulas(model, starts, tokens):
     assert not half.any() and missing.shape == (*rows.shape, 1)
 
 
-def test_hca_layers_share_one_key_list_and_picks_keep_their_holes(model):
+def test_hca_layers_share_one_key_list(model):
     """The HCA key list [window | causal entries] is built once per step (every HCA layer gets the same
-    tensor); `offset_rows` moves picks into the pool and keeps −1 (no pick) as −1."""
-    from dspark.models.deepseek_v4.static_step import offset_rows
-
+    tensor)."""
     tables = StepTables(model, StaticShape(slots=3, max_context=96, tokens=4))
     ring = PositionRing(torch.zeros(3, 11, 2))
     index = StepIndex(torch.tensor([0, 5, 17]), 4, tables)
     keys = index.hca_keys(8, ring, 4, 24, 33)
     assert index.hca_keys(8, ring, 4, 24, 33) is keys
     assert torch.equal(keys, torch.cat((index.window_keys(8, ring), index.causal_entries(4, 24, 33)), dim=-1))
-    picks = torch.tensor([[-1, 0, 5], [2, -1, -1]])
-    assert torch.equal(offset_rows(picks, torch.tensor([[100], [200]])), torch.tensor([[-1, 100, 105], [202, -1, -1]]))
 
 
 def test_step_tables_reject_a_range_beyond_their_span(model):

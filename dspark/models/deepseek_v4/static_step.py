@@ -270,11 +270,6 @@ def plan_attention(attn, plan: StepPlan, state: StaticLayerState) -> None:
             plan.group_starts(compressor.rate)
 
 
-def offset_rows(rows: torch.Tensor, offset: torch.Tensor | int) -> torch.Tensor:
-    """rows + offset where rows >= 0, −1 kept (rows: −1 = none): three launches, no scalar tensor."""
-    return torch.where(rows >= 0, rows + offset, rows)
-
-
 def update_compressor(compressor, state: StaticCompressorState, index: StepIndex, x: torch.Tensor, rope) -> None:
     """`Compressor.update_batch` on the static state: project x [N, D] (after attn_norm) into the rows
     of the step's positions in the kv and score rings (`Compressor.project_rows`: at one decode row

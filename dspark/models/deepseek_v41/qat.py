@@ -79,7 +79,7 @@ def _round_ref(x: torch.Tensor, *, fmt: str, out: torch.Tensor | None = None,
     y = {"fp8_ue8m0": fp8_ue8m0, "fp4_ue8m0": fp4_ue8m0, "fp4_e4m3": fp4_e4m3}[fmt](x)
     if out is None:
         return y
-    return out.index_copy_(0, out_rows, y.reshape(-1, x.shape[-1]).to(out.dtype))
+    return out.index_copy_(0, out_rows.long(), y.reshape(-1, x.shape[-1]).to(out.dtype))
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class CacheQuant:
         the rounding kernel's own stores, so no copy follows)."""
         if self.enabled:
             return self.round_op(kv, fmt="fp8_ue8m0", out=out, out_rows=rows)
-        return out.index_copy_(0, rows, kv.to(out.dtype))
+        return out.index_copy_(0, rows.long(), kv.to(out.dtype))
 
     def entries(self, latents: torch.Tensor) -> torch.Tensor:
         return self.round_op(latents, fmt="fp4_e4m3") if self.enabled else latents

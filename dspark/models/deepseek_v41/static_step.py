@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.models.deepseek_v4.mhc import collapse
 from dspark.kernels import get_op
+from dspark.models.deepseek_v4.mhc import collapse
 from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, SideStreams
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
