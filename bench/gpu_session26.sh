@@ -3,7 +3,10 @@
 #
 #   run(command="bash bench/gpu_session26.sh a", carry=[".whl"])   # ≈ 5 min
 #   run(command="bash bench/gpu_session26.sh b", carry=[".ab"])    # ≈ 5 min, after, on this machine:
-#     mkdir -p .ab && git show 15d8cc8:dspark/models/deepseek_v41/static_step.py > .ab/v41_static_step_old.py
+#     mkdir -p .ab && git show 15d8cc8:dspark/models/deepseek_v41/static_step.py \
+#       | sed 's/StaticStepOutput, offset_rows/StaticStepOutput/' > .ab/v41_static_step_old.py
+#     printf '\n\ndef offset_rows(rows, offset):\n    return torch.where(rows >= 0, rows + offset, rows)\n' \
+#       >> .ab/v41_static_step_old.py   # (offset_rows left deepseek_v4.static_step with its last caller)
 #   run(command="bash bench/gpu_session26.sh c")                    # ≈ 4 min
 #
 # a: after `moe_shared` and `SparseAttentionFlashinferSink` were removed (both slower in session 25's
@@ -15,7 +18,8 @@
 #    rounded straight into the ring (`cache_round(out=, out_rows=)`: no index_copy_): the GPU tests
 #    of the V4.1 static step, `cache_round` and the step-index op, then the v41-mini graph step at
 #    1 and 8 requests with it and with the step before (`.ab/v41_static_step_old.py`, carried
-#    uncommitted: static_step.py before this change, commit 15d8cc8), twice in alternation; then one profiled
+#    uncommitted: static_step.py before this change, commit 15d8cc8, whose Engram hashing is the
+#    torch code that `engram_rows_ref` now holds), twice in alternation; then one profiled
 #    v41-mini step at 1 request (`--profile --no-pdl`: per-kernel times, the torch ops by site).
 # c: V4.1's Engram n-gram rows in one launch (`engram_rows`, in registry.NOT_YET_ON_GPU): its GPU tests
 #    (the kernel against the reference, the V4.1 static step with it, its PDL launches), then the
