@@ -64,7 +64,7 @@ def engram_rows_ref(input_ids: torch.Tensor, positions: torch.Tensor, ring: torc
         compressed = compressed.masked_fill(~live, DEAD)
         live = live.reshape(-1)
     size = ring.shape[1]
-    base = (torch.arange(input_ids.shape[0], device=ring.device) * size).unsqueeze(-1)  # [S, 1]
+    base = torch.arange(0, input_ids.shape[0] * size, size, device=ring.device).unsqueeze(-1)  # [S, 1] slot rows
     flat = ring.view(-1)
     flat.index_copy_(0, (positions.remainder(size) + base).reshape(-1), compressed.reshape(-1))
     back = positions.unsqueeze(-1) - torch.arange(multipliers.shape[1], device=positions.device)  # [S, T, N]

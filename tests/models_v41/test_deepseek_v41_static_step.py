@@ -139,8 +139,8 @@ def test_static_v41_picks_go_straight_into_the_planned_key_list(model, monkeypat
 
     shifts = []
     shared_keys = static_step.shared_keys
-    monkeypatch.setattr(static_step, "shared_keys", lambda index, window, ring, shared, base: shifts.append(
-        (shared.base, base)) or shared_keys(index, window, ring, shared, base))
+    monkeypatch.setattr(static_step, "shared_keys", lambda shared, window, base: shifts.append(
+        (shared.base, base)) or shared_keys(shared, window, base))
     decoder = StaticDecoderV41(model, StaticShape(slots=2, max_context=96, tokens=1))
     states, starts = prefilled(model, decoder, [7, 20], seed=3)
     g = torch.Generator().manual_seed(4)

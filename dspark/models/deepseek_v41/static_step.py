@@ -62,7 +62,6 @@ class StaticPicks:
     """
 
     keys: torch.Tensor | None = None
-    window: int = 0
     base: int = 0
     candidates: torch.Tensor | None = None
 
@@ -85,9 +84,9 @@ class StaticDecoderV41(StaticDecoderBase):
     def index_plan(self) -> StepPlan:
         """What `static_attention` (with `publish` and `select`) asks the step's `StepIndex` for,
         layer by layer (same calls)."""
-        plan, width = StepPlan(), 0
+        plan = StepPlan()
         for i, layer in enumerate(self.model.layers):
-            width = plan_attention(layer.attn, plan, self.state, i, width)
+            plan_attention(layer.attn, plan, self.state, i)
         return plan
 
     def forward(self, input_ids: torch.Tensor, starts: torch.Tensor,
@@ -155,8 +154,8 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     key list is [W window rows | the latest picks in the KV source's entries] as rows of the pool from
     the layer's window on, −1 = none. It is the step's planned list (`StepIndex.csa_keys`, window rows
     filled): the selection kernel writes the picks into it already offset, and a layer sharing them
-    shifts them in place by the difference of the two layers' pool views (two launches, where a cat
-    and an offset took four).
+    reads the same list, its picks shifted in place by the difference of the two layers' pool views
+    (two launches, where a cat and an offset took four).
     A KV source's publishing and the window latents need only x, the indexer's queries only x and c_q:
     with `side` they run on its lanes beside the q projection (`deepseek_v4.side_stream`), each joined
     before the first read of what it writes.
@@ -191,9 +190,9 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
             keys = index.csa_keys(attn.window, window, pick_width(attn.indexer, source))
             base = source.offset - pool_from
             select(attn.indexer, *queries, index, source, shared, keys[:, attn.window:], base)
-            shared.keys, shared.window, shared.base = keys, attn.window, base
+            shared.keys, shared.base = keys, base
         else:
-            keys = shared_keys(index, attn.window, window, shared, source.offset - pool_from)
+            keys = shared_keys(shared, attn.window, source.offset - pool_from)
     side.join(KV)
     out = attn.attend_op(q, state.pool[pool_from:], keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
@@ -204,29 +203,24 @@ def pick_width(indexer, source: StaticSource) -> int:
     return min(indexer.topk, source.n_entries)
 
 
-def shared_keys(index: StepIndex, window: int, ring, shared: StaticPicks, base: int) -> torch.Tensor:
+def shared_keys(shared: StaticPicks, window: int, base: int) -> torch.Tensor:
     """The key list [N, W + k'] of a layer reading the latest index source's picks in a pool view whose
-    source entries start at `base`: the planned list of its shape, the picks copied in when they sit
-    in another list, then shifted by base − shared.base where they are not −1 (in place)."""
-    width = shared.keys.shape[1] - shared.window
-    keys = index.csa_keys(window, ring, width)
-    picks = keys[:, window:]
-    if keys.data_ptr() != shared.keys.data_ptr() or window != shared.window:
-        picks.copy_(shared.keys[:, shared.window:])
+    source entries start at `base`: the source's own list (every layer has the same window and ring
+    size, so the same window rows), its picks shifted in place by base − shared.base where not −1."""
     if base != shared.base:
+        picks = shared.keys[:, window:]
         picks.add_(picks >= 0, alpha=base - shared.base)
-    shared.keys, shared.window, shared.base = keys, window, base
-    return keys
+        shared.base = base
+    return shared.keys
 
 
-def plan_attention(attn, plan: StepPlan, state: StaticStateV41, layer: int, width: int) -> int:
-    """The `StepIndex` calls of `static_attention`, `publish` and `select` for one layer, on `plan`;
-    `width` the latest index source's pick count before this layer (returned, updated)."""
+def plan_attention(attn, plan: StepPlan, state: StaticStateV41, layer: int) -> None:
+    """The `StepIndex` calls of `static_attention`, `publish` and `select` for one layer, on `plan`."""
     plan.cos_sin(attn.rope)
     plan.ring_rows(state.windows[layer])
     if not attn.ratio:
         plan.window_keys(attn.window, state.windows[layer])
-        return width
+        return
     source = state.sources[attn.role.kv_source]
     if attn.compressor is not None:
         m = source.rate
@@ -238,11 +232,9 @@ def plan_attention(attn, plan: StepPlan, state: StaticStateV41, layer: int, widt
             plan.entry_rows(m, source.n_entries)
         plan.group_cos_sin(attn.rope, m)
     if attn.indexer is not None:
-        width = pick_width(attn.indexer, source)
         plan.visible(attn.indexer.ratio)
+        plan.csa_keys(attn.window, state.windows[layer], pick_width(attn.indexer, source))
         plan.entry_offsets(source.offset - state.window_offsets[layer], source.n_entries)
-    plan.csa_keys(attn.window, state.windows[layer], width)
-    return width
 
 
 def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> None:
