@@ -86,7 +86,8 @@ def _round_e4m3(v):
     a = tl.minimum(tl.abs(v), 448.0)
     exponent = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # floor(log2 a), at least -6
     unit = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((tl.math.div_rn(a, unit) + 12582912.0) - 12582912.0) * unit
+    inv_unit = ((3 - exponent + 127) << 23).to(tl.float32, bitcast=True)  # 1 / unit exactly: 2^(3 − e)
+    r = ((a * inv_unit + 12582912.0) - 12582912.0) * unit
     return tl.where(v < 0, -r, r)
 
 
@@ -95,7 +96,7 @@ def _round_e2m1(v):
     """`dspark.quant.round_e2m1`: magnitudes clamped to 6, units 0.5 / 1 / 2 below 2 / 4 / above."""
     m = tl.minimum(tl.abs(v), 6.0)
     unit = tl.where(m < 2.0, 0.5, tl.where(m >= 4.0, 2.0, 1.0))
-    g = ((tl.math.div_rn(m, unit) + 12582912.0) - 12582912.0) * unit
+    g = ((m * (1.0 / unit) + 12582912.0) - 12582912.0) * unit  # 1 / unit is exact: 2, 1 or 0.5
     return tl.where(v < 0, -g, g)
 
 
@@ -110,12 +111,16 @@ def _round_kernel(x_ptr, y_ptr, rows_ptr, n_blocks, blocks_per_row, BLOCK: tl.co
     mask = (offs_r < n_blocks)[:, None]
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)
+    # A power-of-two scale divides exactly as a product with its reciprocal (one IEEE division per
+    # block instead of one per value: the divisions were most of a small call's latency).
     if FMT == 0:  # FP8 e4m3, UE8M0 scale, amax >= 1e-4
         scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
-        out = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -448.0), 448.0)) * scale[:, None]
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        out = _round_e4m3(tl.minimum(tl.maximum(v * inv, -448.0), 448.0)) * scale[:, None]
     elif FMT == 1:  # FP4 e2m1, UE8M0 scale, amax >= 6·2^-126
         scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 7.052966104933725e-38), 6.0))
-        out = _round_e2m1(tl.math.div_rn(v, scale[:, None])) * scale[:, None]
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        out = _round_e2m1(v * inv) * scale[:, None]
     else:  # FP4 e2m1, e4m3 scale, amax >= 6·2^-9
         scale = _round_e4m3(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0))
         out = _round_e2m1(tl.math.div_rn(v, scale[:, None])) * scale[:, None]
@@ -129,14 +134,31 @@ def _round_kernel(x_ptr, y_ptr, rows_ptr, n_blocks, blocks_per_row, BLOCK: tl.co
 
 def cache_round(x: torch.Tensor, *, fmt: str, out: torch.Tensor | None = None,
                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused `cache_round_ref` (same signature): one launch, 64 blocks per program."""
+    """Fused `cache_round_ref` (same signature): one launch of `round_rows` blocks per program."""
+    return launch_cache_round(x, fmt, out, out_rows, None)
+
+
+def round_rows(n_blocks: int) -> int:
+    """Blocks per program of a call rounding `n_blocks` blocks: 8 for a decode step's few rows (its
+    calls are latency-bound: spread over more programs, one H100 `select-round-sweep-h100-s27.json`,
+    e.g. one compressed entry 2.35 -> 1.45 µs), 64 for prefill-sized calls as before."""
+    return 8 if n_blocks <= 4096 else 64
+
+
+def launch_cache_round(x: torch.Tensor, fmt: str, out: torch.Tensor | None, out_rows: torch.Tensor | None,
+                       rows: int | None) -> torch.Tensor:
+    """`cache_round` by programs of `rows` blocks (a power of two; default `round_rows`; the bench
+    `bench/select_round_sweep.py` times the others)."""
     block = _check_args(x, fmt, out, out_rows)
+    if rows is not None and (rows < 1 or rows & (rows - 1)):
+        raise ValueError(f"rows must be a power of two, got {rows!r}")
     if x.numel() == 0 or records_grad(x):  # the kernel has no backward
         return cache_round_ref(x, fmt=fmt, out=out, out_rows=out_rows)
     require_triton()
     x = x.contiguous()
     y = torch.empty_like(x) if out is None else out
-    n_blocks, rows = x.numel() // block, 64
+    n_blocks = x.numel() // block
+    rows = rows or round_rows(n_blocks)
     programs = triton.cdiv(n_blocks, rows)
     pdl = pdl_launch(x.device, programs)
     _round_kernel[(programs,)](x, y, out_rows if out is not None else x, n_blocks, x.shape[-1] // block, BLOCK=block,

@@ -322,10 +322,19 @@ def select_topk(scores: torch.Tensor, topk: int, *, offset: torch.Tensor | None 
     return launch_select_topk(scores, topk, offset, out, RADIX_BITS)
 
 
+def select_warps(block: int) -> int:
+    """Warps of a `_select_kernel` program over register tiles of `block` entries: its counting
+    passes are serial block reductions, and more warps hide their latency up to a point (one H100,
+    top-512, `select-round-sweep-h100-s27.json`: 1 024 entries 7.2 -> 6.3 µs at 8 warps instead of
+    4; 4 160 / 8 192 entries 32 -> 25 µs at 16 instead of 8, 30 at 32)."""
+    return 16 if block >= 8192 else 8 if block >= 1024 else 4
+
+
 def launch_select_topk(scores: torch.Tensor, topk: int, offset: torch.Tensor | None, out: torch.Tensor | None,
-                       radix_bits: int) -> torch.Tensor:
+                       radix_bits: int, num_warps: int | None = None) -> torch.Tensor:
     """`select_topk` with θ found `radix_bits` bits per pass (1, 2, 4 or 8; the bench times 1, the
-    former 32-pass search, against `RADIX_BITS`)."""
+    former 32-pass search, against `RADIX_BITS`) by programs of `num_warps` warps (default
+    `select_warps`; `bench/select_round_sweep.py` times the others)."""
     require_triton()
     check_select_args(scores, topk, offset, out)
     if radix_bits not in (1, 2, 4, 8):
@@ -341,5 +350,5 @@ def launch_select_topk(scores: torch.Tensor, topk: int, offset: torch.Tensor | N
     offsets = offset.reshape(-1).contiguous() if offset is not None else ids  # a dummy pointer when absent
     _select_kernel[(n_q,)](scores.contiguous(), ids, offsets, n_keys, n_out, n_out, ids.stride(0), ONE_TILE=one_tile,
                            BLOCK_T=block, HAS_OFFSET=offset is not None, RADIX_BITS=radix_bits, PDL=pdl,
-                           launch_pdl=pdl, num_warps=8 if block >= 2048 else 4)
+                           launch_pdl=pdl, num_warps=num_warps or select_warps(block))
     return ids

@@ -107,6 +107,23 @@ def test_bad_arguments_name_the_value():
 
 
 @needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+def test_every_program_size_rounds_alike(fmt):
+    """The launch's blocks per program (`launch_cache_round(rows=)`, swept by the bench) changes
+    only how the blocks are split: ragged last programs, rows written into out alike."""
+    x = random_blocks(5, 96, seed=3).to(DEVICE)
+    ref = op.cache_round_ref(x, fmt=fmt)
+    rows = torch.tensor([4, 0, 6, 2, 1], device=DEVICE)
+    for per_program in (1, 2, 8, 64):
+        assert torch.equal(op.launch_cache_round(x, fmt, None, None, per_program), ref), per_program
+        out = torch.zeros(7, 96, device=DEVICE)
+        op.launch_cache_round(x, fmt, out, rows, per_program)
+        assert torch.equal(out[rows], ref), per_program
+    with pytest.raises(ValueError, match="rows must be a power of two, got 3"):
+        op.launch_cache_round(x, fmt, None, None, 3)
+
+
+@needs_triton
 @torch.no_grad()
 def test_v41_model_with_the_fused_rounding_gives_the_reference_logits():
     """tiny-v41 with cache QAT: the fused op in every CacheQuant call; rounding is exact, so the

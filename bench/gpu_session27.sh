@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# GPU steps of the twenty-seventh session, for one H100 or H200 (every JSON names its card):
+#
+#   git show 918ea76:dspark/kernels/cache_round.py > .ab/cache_round_old.py   # on this machine first
+#   run(command="bash bench/gpu_session27.sh a", carry=[".ab"])   # ≈ 2 min
+#   run(command="bash bench/gpu_session27.sh b", carry=[".ab"])   # ≈ 5 min
+#
+# a: the launch shapes of the v41-mini step's top-k selection (warps per program) and cache rounding
+#    (blocks per program; and the kernel before its per-value divisions became reciprocal products,
+#    `.ab/cache_round_old.py`) at the step's shapes (`bench/select_round_sweep.py`).
+# b: with the shapes part a picked as the shipped defaults: the GPU tests of the two kernels (and of
+#    the static graphs that run them), then the v41-mini and v4-mini graph steps at 1 and 8 requests
+#    with the new kernels and with both files as they were at 918ea76 (`.ab/indexer_old.py`,
+#    `.ab/cache_round_old.py`), twice in alternation.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step
+
+part_a() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  logged a_sweep 200 python3 bench/select_round_sweep.py --former-round .ab/cache_round_old.py --out "$OUT/a_sweep.json"
+  grep -h "^select_topk\|^cache_round\|wrote\|Error" "$W/logs/a_sweep.txt" | cut -c1-300
+}
+
+swap() {  # swap new|old: the two kernel files as this commit has them, or as 918ea76 had them
+  if [ "$1" = old ]; then
+    cp .ab/indexer_old.py dspark/kernels/indexer.py && cp .ab/cache_round_old.py dspark/kernels/cache_round.py
+  else
+    cp /tmp/indexer_new.py dspark/kernels/indexer.py && cp /tmp/cache_round_new.py dspark/kernels/cache_round.py
+  fi
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests b_tests 200 tests/kernels/test_cache_round.py tests/kernels/test_lightning_indexer.py \
+    tests/kernels/test_static_step_kernels.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py
+  cp dspark/kernels/indexer.py /tmp/indexer_new.py && cp dspark/kernels/cache_round.py /tmp/cache_round_new.py
+  for round in 1 2; do
+    for side in new old; do
+      swap "$side"
+      step "b_v41_${side}_$round" 100 --config v41-mini --requests 1,8
+      step "b_v4_${side}_$round" 80 --requests 1,8
+    done
+    swap new
+  done
+}
+
+dispatch session27 "${1:-}"
