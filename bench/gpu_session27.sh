@@ -3,7 +3,10 @@
 #
 #   git show 918ea76:dspark/kernels/cache_round.py > .ab/cache_round_old.py   # on this machine first
 #   run(command="bash bench/gpu_session27.sh a", carry=[".ab"])   # ≈ 2 min
-#   run(command="bash bench/gpu_session27.sh b", carry=[".ab"])   # ≈ 5 min
+#   run(command="bash bench/gpu_session27.sh b", carry=[".ab"])   # ≈ 9 min
+#   git show 2970274:dspark/kernels/indexer.py > .ab/indexer_prev.py
+#   git show 2970274:dspark/kernels/indexer_pool.py > .ab/indexer_pool_prev.py
+#   run(command="bash bench/gpu_session27.sh c", carry=[".ab"])   # ≈ 7 min
 #
 # a: the launch shapes of the v41-mini step's top-k selection (warps per program) and cache rounding
 #    (blocks per program; and the kernel before its per-value divisions became reciprocal products,
@@ -12,6 +15,11 @@
 #    the static graphs that run them), then the v41-mini and v4-mini graph steps at 1 and 8 requests
 #    with the new kernels and with both files as they were at 918ea76 (`.ab/indexer_old.py`,
 #    `.ab/cache_round_old.py`), twice in alternation.
+# c: the selection with the row in two register tiles (a power of two and the rest rounded up:
+#    4 160 entries as 4 096 + 64, not 8 192; 8 208 in registers, not streamed): the GPU tests of the
+#    indexer, its candidate pool and both static graphs; the selection cells of the sweep against
+#    the kernel before (`.ab/indexer_prev.py`, commit 2970274); the v41-mini graph step with it and
+#    without it (both files of 2970274), twice in alternation, and v4-mini once each.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step
 
 part_a() {
@@ -41,6 +49,32 @@ part_b() {
       step "b_v4_${side}_$round" 80 --requests 1,8
     done
     swap new
+  done
+}
+
+swap_prev() {  # swap_prev new|old: the indexer files as this commit has them, or as 2970274 had them
+  if [ "$1" = old ]; then
+    cp .ab/indexer_prev.py dspark/kernels/indexer.py && cp .ab/indexer_pool_prev.py dspark/kernels/indexer_pool.py
+  else
+    cp /tmp/indexer_new.py dspark/kernels/indexer.py && cp /tmp/indexer_pool_new.py dspark/kernels/indexer_pool.py
+  fi
+}
+
+part_c() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests c_tests 200 tests/kernels/test_lightning_indexer.py tests/kernels/test_indexer_pool.py \
+    tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/models/test_deepseek_v4_static_graph_gpu.py
+  logged c_sweep 120 python3 bench/select_round_sweep.py --select-only --former-select .ab/indexer_prev.py \
+    --out "$OUT/c_sweep.json"
+  grep -h "^select_topk\|wrote\|Error" "$W/logs/c_sweep.txt" | cut -c1-300
+  cp dspark/kernels/indexer.py /tmp/indexer_new.py && cp dspark/kernels/indexer_pool.py /tmp/indexer_pool_new.py
+  for round in 1 2; do
+    for side in new old; do
+      swap_prev "$side"
+      step "c_v41_${side}_$round" 100 --config v41-mini --requests 1,8
+      [ "$round" = 1 ] && step "c_v4_${side}" 80 --requests 1,8
+    done
+    swap_prev new
   done
 }
 

@@ -10,6 +10,8 @@ sources at 4K) and 168 µs in 23 `_round_kernel` launches of a few hundred value
 * `select_topk`, one program per row: warps per program 4 / 8 / 16 / 32 with 4 bits of θ per
   counting pass (`launch_select_topk(num_warps=)`; "shipped" = `select_warps`), and 8 bits at 16 /
   32 warps. The passes are serial block reductions of one program; more warps hide their latency.
+  "former": `--former-select`, indexer.py before the row's register tail (one tile of the row's
+  next power of two), at its shipped warps.
 * `cache_round`, blocks per program 1 .. 64 (`launch_cache_round(rows=)`; "shipped" =
   `round_rows`), and "former": the kernel before its per-value divisions became exact reciprocal
   products, loaded from `--former-round` (that file at an earlier commit), at its 64 blocks.
@@ -37,7 +39,8 @@ if str(REPO) not in sys.path:
 from bench.latency_kernels import conditions, interpreter_setup, time_call  # noqa: E402
 
 # (requests, entries, top-k); (name, fmt, shape, window rows written into a ring)
-FULL = dict(select=((1, 1024, 512), (1, 2080, 512), (1, 4160, 512), (8, 4160, 512), (1, 8192, 512)),
+FULL = dict(select=((1, 1024, 512), (1, 1040, 512), (1, 2080, 512), (1, 4160, 512), (8, 4160, 512), (1, 8192, 512),
+                    (1, 8208, 512)),
             round=(("window", "fp8_ue8m0", (1, 512), True), ("window8", "fp8_ue8m0", (8, 512), True),
                    ("index_q", "fp4_ue8m0", (1, 32, 128), False), ("index_q8", "fp4_ue8m0", (8, 32, 128), False),
                    ("index_key", "fp4_ue8m0", (1, 128), False), ("entry", "fp4_e4m3", (1, 512), False)))
@@ -52,26 +55,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(Path(os.environ.get("OUT", "bench/results")) / "select-round-sweep.json"))
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter: checks the script")
     p.add_argument("--former-round", default=None, help="cache_round.py before the reciprocal products")
+    p.add_argument("--former-select", default=None, help="indexer.py before the register tail")
+    p.add_argument("--select-only", action="store_true", help="the selection cells alone")
     p.add_argument("--calls", type=int, default=24, help="calls of the op per captured graph")
     p.add_argument("--reps", type=int, default=30, help="graph replays timed (median)")
     return p.parse_args(argv)
 
 
-def select_cells(cfg: dict, device, g) -> list[tuple]:
+def select_cells(cfg: dict, device, g, former_path: str | None) -> list[tuple]:
     from dspark.kernels import indexer
 
+    former = load_module(former_path, "indexer_former") if former_path else None
     cells = []
     for rows, n_keys, topk in cfg["select"]:
         scores = torch.randn(rows, n_keys, generator=g, device=device)
         variants = {"shipped": lambda s=scores, k=topk: indexer.select_topk(s, k)}
         variants.update({name: (lambda s=scores, k=topk, b=bits, w=warps: indexer.launch_select_topk(s, k, None, None, b, w))
                          for name, (bits, warps) in SELECT_VARIANTS.items()})
+        if former is not None:
+            variants["former"] = lambda s=scores, k=topk: former.select_topk(s, k)
         cells.append(("select_topk", f"S{rows}_T{n_keys}_k{topk}", variants, indexer.select_topk_ref(scores, topk)))
     return cells
 
 
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("cache_round_former", path)
+def load_module(path: str, name: str):
+    """A kernel module as an earlier commit had it (its own Triton kernels beside the shipped ones)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -80,7 +89,7 @@ def load_module(path: str):
 def round_cells(cfg: dict, device, g, former_path: str | None) -> list[tuple]:
     from dspark.kernels import cache_round as op
 
-    former = load_module(former_path) if former_path else None
+    former = load_module(former_path, "cache_round_former") if former_path else None
     cells = []
     for name, fmt, shape, into_ring in cfg["round"]:
         x = (torch.randn(shape, generator=g, device=device) * 3).to(torch.bfloat16)
@@ -140,7 +149,9 @@ def main(argv=None) -> int:
     g = torch.Generator(device=device).manual_seed(0)
     shipped_pdl, rows, start = triton_compat.PDL, [], time.time()
     with torch.inference_mode():
-        cells = select_cells(cfg, device, g) + round_cells(cfg, device, g, args.former_round)
+        cells = select_cells(cfg, device, g, args.former_select)
+        if not args.select_only:
+            cells += round_cells(cfg, device, g, args.former_round)
         try:
             for pdl in ((False,) if args.smoke else (False, True)):
                 rows += run(cells, device, pdl, args)

@@ -25,8 +25,9 @@ Fused kernels, two launches:
    (`indexer_pool.index_scores_pooled`, via `launch_index_scores`) its epilogue also writes the V4.1
    candidate pool's block maxima of each tile's whole blocks, so the pool does not re-read the scores.
 2. `_select_kernel`, one program per row: a radix search over the scores' order-preserving int32
-   keys finds the k-th largest score θ in 8 counting passes of 4 bits (16 counts each; one
-   register-resident tile for T ≤ 8192, else passes over L2-resident tiles); one more pass writes
+   keys finds the k-th largest score θ in 8 counting passes of 4 bits (16 counts each; the row in
+   two register tiles, a power of two and the rest rounded up, for T ≤ 8192 + 1024 (`register_tiles`),
+   else passes over L2-resident tiles); one more pass writes
    the entries > θ and the first (k − #(> θ)) entries equal to θ, in id order, via prefix sums --
    so ids come out ascending and the tie rule is exactly the reference's.
 
@@ -49,6 +50,7 @@ from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _REGISTER_ROW = 8192  # rows up to this many entries stay in registers during selection
 _STREAM_TILE = 4096  # tile of the passes over longer rows
+_REGISTER_TAIL = 1024  # past _REGISTER_ROW, a row's rest up to this many entries stays in registers too
 # Bits of θ per counting pass of the selection (`_kth_largest`): 8 passes instead of 32. On one H200 the
 # v4-mini batch-1 step's _select_kernel (one row of 1024 entries) took 9.5 µs with 32 (graph profile s9).
 RADIX_BITS = 4
@@ -131,10 +133,13 @@ def _order_keys(scores):
 
 
 @_jit
-def _count_at_least(row_ptr, n_keys, keys, threshold, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr):
+def _count_at_least(row_ptr, n_keys, keys, tail, threshold, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+                    TAIL: tl.constexpr):
     """How many entries of the row have an order key >= threshold (int32 scalar)."""
     if ONE_TILE:
         total = tl.sum((keys >= threshold).to(tl.int32), axis=0)
+        if TAIL > 0:
+            total += tl.sum((tail >= threshold).to(tl.int32), axis=0)
     else:
         total = tl.full((), 0, tl.int32)
         for t0 in range(0, n_keys, BLOCK_T):
@@ -154,11 +159,13 @@ def _digit_counts(keys, in_row, lo, SHIFT: tl.constexpr, RADIX: tl.constexpr):
 
 
 @_jit
-def _count_each(row_ptr, n_keys, keys, lo, SHIFT: tl.constexpr, RADIX: tl.constexpr, ONE_TILE: tl.constexpr,
-                BLOCK_T: tl.constexpr):
+def _count_each(row_ptr, n_keys, keys, tail, lo, SHIFT: tl.constexpr, RADIX: tl.constexpr, ONE_TILE: tl.constexpr,
+                BLOCK_T: tl.constexpr, TAIL: tl.constexpr):
     """#(key >= lo + d·2^SHIFT) for d = 0 .. RADIX−1 ([RADIX] int32) in one pass over the row."""
     if ONE_TILE:
         hist = _digit_counts(keys, keys == keys, lo, SHIFT, RADIX)
+        if TAIL > 0:
+            hist += _digit_counts(tail, tail == tail, lo, SHIFT, RADIX)
     else:
         hist = tl.zeros((RADIX,), tl.int32)
         for t0 in range(0, n_keys, BLOCK_T):
@@ -169,8 +176,8 @@ def _count_each(row_ptr, n_keys, keys, lo, SHIFT: tl.constexpr, RADIX: tl.conste
 
 
 @_jit
-def _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-                 RADIX_BITS: tl.constexpr):
+def _kth_largest(row_ptr, n_keys, keys, tail, topk, ONE_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+                 TAIL: tl.constexpr, RADIX_BITS: tl.constexpr):
     """Threshold of a row's top-k: (θ, n_take, n_ties) -- θ the order key of the k-th largest
     finite score, n_take = min(k, #finite) entries to take, n_ties of them equal to θ (the rest > θ).
 
@@ -179,16 +186,19 @@ def _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE: tl.constexpr, BLOCK_T: t
     (a histogram of the digits) and keeps the largest d whose count still reaches n_take (d = 0
     always does: #(key >= lo) >= n_take holds from lo = −2^31 on). RADIX_BITS 1 is a bisection in the
     former kernel's 32 passes; 4 takes 8 passes: the passes are serial reductions, so at one row
-    (batch-1 decode) their number sets the kernel's latency."""
+    (batch-1 decode) their number sets the kernel's latency. With ONE_TILE the row is in registers:
+    `keys` its first BLOCK_T entries and, with TAIL > 0, `tail` the next TAIL (`register_tiles`);
+    padding is −inf, below every finite key, so it never moves θ."""
     # Finite entries: order key above _order_keys(−inf) = 0xFF800000 ^ 0x7FFFFFFF = −2139095041.
-    n_take = tl.minimum(_count_at_least(row_ptr, n_keys, keys, -2139095040, ONE_TILE, BLOCK_T), topk)
+    n_take = tl.minimum(_count_at_least(row_ptr, n_keys, keys, tail, -2139095040, ONE_TILE, BLOCK_T, TAIL), topk)
     lo = tl.full((), -2147483648, tl.int64)  # int64: lo + d·2^shift never wraps
     for p in tl.static_range(32 // RADIX_BITS):
         shift = 32 - RADIX_BITS * (p + 1)  # a constant: p is unrolled
-        counts = _count_each(row_ptr, n_keys, keys, lo, shift, 1 << RADIX_BITS, ONE_TILE, BLOCK_T)
+        counts = _count_each(row_ptr, n_keys, keys, tail, lo, shift, 1 << RADIX_BITS, ONE_TILE, BLOCK_T, TAIL)
         lo += (tl.sum((counts >= n_take).to(tl.int64), axis=0) - 1) << shift  # counts fall with d
     theta = lo.to(tl.int32)
-    n_above = tl.where(n_take > 0, _count_at_least(row_ptr, n_keys, keys, theta + 1, ONE_TILE, BLOCK_T), 0)
+    n_above = tl.where(n_take > 0, _count_at_least(row_ptr, n_keys, keys, tail, theta + 1, ONE_TILE, BLOCK_T, TAIL),
+                       0)
     return theta, n_take, n_take - n_above
 
 
@@ -204,33 +214,49 @@ def _take_flags(tile, in_row, theta, n_ties, ties_seen):
 
 
 @_jit
+def _write_picks(out_row, ids, tile, in_row, theta, n_ties, ties_seen, written, base):
+    """Store one id-ordered tile's picks at the next free slots of the output row (+ base).
+    Returns (ties_seen, written) after the tile."""
+    take, ties_seen = _take_flags(tile, in_row, theta, n_ties, ties_seen)
+    slot = written + tl.cumsum(take, axis=0) - 1
+    tl.store(out_row + slot, ids.to(tl.int64) + base, mask=take != 0)
+    return ties_seen, written + tl.sum(take, axis=0)
+
+
+@_jit
 def _select_kernel(score_ptr, out_ptr, offset_ptr, n_keys, topk, n_out, out_stride, ONE_TILE: tl.constexpr,
-                   BLOCK_T: tl.constexpr, HAS_OFFSET: tl.constexpr, RADIX_BITS: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_T: tl.constexpr, TAIL: tl.constexpr, HAS_OFFSET: tl.constexpr, RADIX_BITS: tl.constexpr,
+                   PDL: tl.constexpr):
     """ids[s, :n_out] of row s = program_id(0): the top-k (ties: lower id) ascending, + offset[s]
-    with HAS_OFFSET, −1 padded; row s of the output starts at out_ptr + s·out_stride."""
+    with HAS_OFFSET, −1 padded; row s of the output starts at out_ptr + s·out_stride. ONE_TILE:
+    the row's first BLOCK_T entries and (TAIL > 0) its next TAIL stay in registers throughout."""
     pdl_prologue(PDL)
     s = tl.program_id(0).to(tl.int64)
     base = tl.load(offset_ptr + s) if HAS_OFFSET else 0
     row_ptr = score_ptr + s * n_keys
     offs = tl.arange(0, BLOCK_T)
-    keys = offs  # bound on both paths for the compiler; only the one-tile path reads it
+    offs_tail = BLOCK_T + tl.arange(0, TAIL if TAIL > 0 else 16)
+    keys = offs  # bound on both paths for the compiler; only the one-tile path reads them
+    tail = offs_tail
     if ONE_TILE:
         keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_keys, other=float("-inf")))
-    theta, n_take, n_ties = _kth_largest(row_ptr, n_keys, keys, topk, ONE_TILE, BLOCK_T, RADIX_BITS)
+        if TAIL > 0:
+            tail = _order_keys(tl.load(row_ptr + offs_tail, mask=offs_tail < n_keys, other=float("-inf")))
+    theta, n_take, n_ties = _kth_largest(row_ptr, n_keys, keys, tail, topk, ONE_TILE, BLOCK_T, TAIL, RADIX_BITS)
     out_row = out_ptr + s * out_stride
     written = tl.full((), 0, tl.int32)
     ties_seen = tl.full((), 0, tl.int32)
-    for t0 in range(0, n_keys, BLOCK_T):
-        ids = t0 + offs
-        in_row = ids < n_keys
-        if ONE_TILE:
-            tile = keys
-        else:
+    if ONE_TILE:
+        ties_seen, written = _write_picks(out_row, offs, keys, offs < n_keys, theta, n_ties, ties_seen, written, base)
+        if TAIL > 0:
+            ties_seen, written = _write_picks(out_row, offs_tail, tail, offs_tail < n_keys, theta, n_ties, ties_seen,
+                                              written, base)
+    else:
+        for t0 in range(0, n_keys, BLOCK_T):
+            ids = t0 + offs
+            in_row = ids < n_keys
             tile = _order_keys(tl.load(row_ptr + ids, mask=in_row, other=float("-inf")))
-        take, ties_seen = _take_flags(tile, in_row, theta, n_ties, ties_seen)
-        slot = written + tl.cumsum(take, axis=0) - 1
-        tl.store(out_row + slot, ids.to(tl.int64) + base, mask=take != 0)
-        written += tl.sum(take, axis=0)
+            ties_seen, written = _write_picks(out_row, ids, tile, in_row, theta, n_ties, ties_seen, written, base)
     for o0 in range(0, n_out, BLOCK_T):
         slot = o0 + offs
         tl.store(out_row + slot, tl.full((BLOCK_T,), -1, tl.int64), mask=(slot >= n_take) & (slot < n_out))
@@ -322,6 +348,25 @@ def select_topk(scores: torch.Tensor, topk: int, *, offset: torch.Tensor | None 
     return launch_select_topk(scores, topk, offset, out, RADIX_BITS)
 
 
+def register_tiles(n_keys: int) -> tuple[int, int] | None:
+    """(BLOCK_T, TAIL): the two power-of-two register tiles of `_select_kernel` for a row of n_keys
+    entries -- the largest power of two that fits and the rest rounded up -- or None when the row
+    streams through L2 in `_STREAM_TILE` tiles (more than `_REGISTER_ROW` entries plus a short tail).
+    A static bucket holds its capacity's entries (the context plus headroom: 1 040 at 4K for ratio 4,
+    4 160 for V4.1's ratio 1): one tile rounded up would be twice the row, and every counting pass
+    costs in proportion to the tiles' size."""
+    block = max(16, 1 << (max(n_keys, 1).bit_length() - 1))
+    if block > _REGISTER_ROW:
+        block = _REGISTER_ROW
+    rest = n_keys - block
+    if rest <= 0:
+        return block, 0
+    tail = max(16, triton.next_power_of_2(rest))
+    if block == _REGISTER_ROW and tail > _REGISTER_TAIL:
+        return None
+    return block, tail
+
+
 def select_warps(block: int) -> int:
     """Warps of a `_select_kernel` program over register tiles of `block` entries: its counting
     passes are serial block reductions, and more warps hide their latency up to a point (one H100,
@@ -344,11 +389,12 @@ def launch_select_topk(scores: torch.Tensor, topk: int, offset: torch.Tensor | N
     ids = out if out is not None else torch.empty((n_q, n_out), dtype=torch.int64, device=scores.device)
     if n_q == 0 or n_keys == 0:
         return ids
-    one_tile = n_keys <= _REGISTER_ROW
-    block = max(16, triton.next_power_of_2(n_keys)) if one_tile else _STREAM_TILE
+    tiles = register_tiles(n_keys)
+    block, tail = tiles if tiles is not None else (_STREAM_TILE, 0)
     pdl = pdl_launch(scores.device, n_q)
     offsets = offset.reshape(-1).contiguous() if offset is not None else ids  # a dummy pointer when absent
-    _select_kernel[(n_q,)](scores.contiguous(), ids, offsets, n_keys, n_out, n_out, ids.stride(0), ONE_TILE=one_tile,
-                           BLOCK_T=block, HAS_OFFSET=offset is not None, RADIX_BITS=radix_bits, PDL=pdl,
-                           launch_pdl=pdl, num_warps=num_warps or select_warps(block))
+    _select_kernel[(n_q,)](scores.contiguous(), ids, offsets, n_keys, n_out, n_out, ids.stride(0),
+                           ONE_TILE=tiles is not None, BLOCK_T=block, TAIL=tail, HAS_OFFSET=offset is not None,
+                           RADIX_BITS=radix_bits, PDL=pdl, launch_pdl=pdl,
+                           num_warps=num_warps or select_warps(block + tail))
     return ids

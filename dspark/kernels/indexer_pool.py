@@ -144,7 +144,7 @@ def _pool_select_kernel(bscore_ptr, keep_ptr, n_keys, n_blocks, block, topk,
     keys = offs  # bound on both paths for the compiler; only the one-tile path reads it
     if ONE_TILE:
         keys = _order_keys(tl.load(row_ptr + offs, mask=offs < n_blocks, other=float("-inf")))
-    theta, n_take, n_ties = _kth_largest(row_ptr, n_blocks, keys, topk, ONE_TILE, BLOCK_T, RADIX_BITS)
+    theta, n_take, n_ties = _kth_largest(row_ptr, n_blocks, keys, keys, topk, ONE_TILE, BLOCK_T, 0, RADIX_BITS)
     offs_w = tl.arange(0, WRITE_T)
     offs_j = tl.arange(0, B_PAD)
     ties_seen = tl.full((), 0, tl.int32)

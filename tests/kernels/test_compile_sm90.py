@@ -234,18 +234,21 @@ def run_every_tile_class():
                                    torch.zeros(32, device=DEVICE), 512 ** -0.5)
     finally:
         attention._num_sms = n_sms
-    # Indexer, V4-Flash (64 heads) and V4.1 (32 heads), di 128, bf16: the widest register row
-    # (4096 < T <= 8192) and, with the register limit lowered, the streaming selection tiles.
-    for n_heads, n_keys, register_row in ((64, 5000, indexer._REGISTER_ROW), (32, 100, 64)):
+    # Indexer, V4-Flash (64 heads) and V4.1 (32 heads), di 128, bf16: register rows with a tail
+    # (4096 + 1024; the widest, 8192 + 16) and, with the register limits lowered, the streaming tiles.
+    for n_heads, n_keys, register_row, register_tail in ((64, 5000, indexer._REGISTER_ROW, indexer._REGISTER_TAIL),
+                                                         (64, 8208, indexer._REGISTER_ROW, indexer._REGISTER_TAIL),
+                                                         (32, 100, 64, 0)):
         q = torch.randn(2, n_heads, 128, generator=g).bfloat16().to(DEVICE)
         keys = torch.randn(n_keys, 128, generator=g).bfloat16().to(DEVICE)
         visible = torch.tensor([n_keys - 1, n_keys], device=DEVICE)
         pool = torch.rand(2, n_keys, generator=g).to(DEVICE) < 0.5 if n_heads == 32 else None
-        limit, indexer._REGISTER_ROW = indexer._REGISTER_ROW, register_row
+        limits = indexer._REGISTER_ROW, indexer._REGISTER_TAIL
+        indexer._REGISTER_ROW, indexer._REGISTER_TAIL = register_row, register_tail
         try:
             indexer.lightning_indexer(q, torch.randn(2, n_heads, device=DEVICE), keys, visible, pool, topk=64)
         finally:
-            indexer._REGISTER_ROW = limit
+            indexer._REGISTER_ROW, indexer._REGISTER_TAIL = limits
     # The static steps' batched scores: 3 slots of 64 index heads x 128, keys a prefix of each slot's rows.
     block = torch.randn(3, 301, 128, generator=g).bfloat16().to(DEVICE)
     indexer.index_scores(torch.randn(3, 2, 64, 128, generator=g).bfloat16().to(DEVICE),

@@ -78,6 +78,7 @@ def test_streaming_selection_over_long_rows(monkeypatch, poisoned, pool):
     """Rows longer than the register tile take the multi-pass path (shrunk here to 16 entries)."""
     monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
     monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+    monkeypatch.setattr(indexer, "_REGISTER_TAIL", 0)  # no register tail: stream
     for integer in (False, True):
         args = make_inputs(5, 4, 16, 77, torch.float32, seed=5, pool=pool, integer=integer)
         with poisoned():
@@ -94,6 +95,7 @@ def test_select_topk_matches_ref(n_q, n_keys, topk, long_rows, poisoned, monkeyp
     if long_rows:
         monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
         monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+        monkeypatch.setattr(indexer, "_REGISTER_TAIL", 0)  # no register tail: stream
     g = torch.Generator().manual_seed(n_q * 31 + n_keys)
     for integer in (False, True):
         scores = (torch.randint(-3, 4, (n_q, n_keys), generator=g).float() if integer
@@ -110,6 +112,39 @@ def test_select_topk_matches_ref(n_q, n_keys, topk, long_rows, poisoned, monkeyp
         indexer.select_topk(scores, 0)
 
 
+def test_register_tiles_cover_the_row_with_two_powers_of_two():
+    """A static bucket's rows (capacity = context + headroom) are just past a power of two: the
+    selection keeps them in a tile of that power and a short tail, not in one tile twice the row."""
+    assert indexer.register_tiles(1) == (16, 0)
+    assert indexer.register_tiles(1024) == (1024, 0)
+    assert indexer.register_tiles(1040) == (1024, 16)  # v4-mini at 4K + 64: ratio 4
+    assert indexer.register_tiles(4160) == (4096, 64)  # v41-mini at 4K + 64: ratio 1
+    assert indexer.register_tiles(6000) == (4096, 2048)
+    assert indexer.register_tiles(8208) == (8192, 16)  # 32K + 64, ratio 4: registers, not L2 passes
+    assert indexer.register_tiles(8192 + 1024) == (8192, 1024)
+    assert indexer.register_tiles(8192 + 1025) is None  # streams through L2
+
+
+@needs_triton
+@pytest.mark.parametrize("topk", [5, 20, 90])
+def test_selection_past_the_register_row_keeps_a_tail_in_registers(topk, poisoned, monkeypatch):
+    """With the register row shrunk to 16 entries, rows of 17..16+64 entries keep the rest in a
+    register tail (`register_tiles`), longer ones stream: both == the reference, ties at the cut
+    straddling the two tiles (small integers), −inf entries, k above the finite count."""
+    monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
+    monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+    monkeypatch.setattr(indexer, "_REGISTER_TAIL", 64)
+    g = torch.Generator().manual_seed(topk)
+    for n_keys, tiles in ((17, (16, 16)), (50, (16, 64)), (80, (16, 64)), (81, None)):
+        assert indexer.register_tiles(n_keys) == tiles
+        scores = torch.randint(-2, 3, (3, n_keys), generator=g).float()
+        scores[torch.rand(3, n_keys, generator=g) < 0.25] = float("-inf")
+        scores = scores.to(DEVICE)
+        with poisoned():
+            ids = indexer.select_topk(scores, topk)
+        assert torch.equal(ids, indexer.select_topk_ref(scores, topk)), n_keys
+
+
 @needs_triton
 @pytest.mark.parametrize("radix_bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("long_rows", [False, True])
@@ -120,6 +155,7 @@ def test_select_radix_widths_match_ref(radix_bits, long_rows, poisoned, monkeypa
     if long_rows:
         monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
         monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+        monkeypatch.setattr(indexer, "_REGISTER_TAIL", 0)  # no register tail: stream
     g = torch.Generator().manual_seed(radix_bits)
     special = torch.tensor([float("inf"), -0.0, 0.0, 1e-45, -1e-45, 3e38, -3e38, 1.0, 1.0, -2.0])
     scores = torch.randn(3, 45, generator=g) * torch.logspace(-30, 30, 45)
@@ -144,6 +180,7 @@ def test_select_topk_offset_and_out_write_the_key_list(long_rows, monkeypatch):
     if long_rows:
         monkeypatch.setattr(indexer, "_REGISTER_ROW", 16)
         monkeypatch.setattr(indexer, "_STREAM_TILE", 16)
+        monkeypatch.setattr(indexer, "_REGISTER_TAIL", 0)  # no register tail: stream
     g = torch.Generator().manual_seed(3)
     n_q, n_keys, topk, window = 4, 40, 9, 5
     scores = torch.randn(n_q, n_keys, generator=g)
