@@ -368,10 +368,11 @@ def register_tiles(n_keys: int) -> tuple[int, int] | None:
 
 
 def select_warps(block: int) -> int:
-    """Warps of a `_select_kernel` program over register tiles of `block` entries: its counting
-    passes are serial block reductions, and more warps hide their latency up to a point (one H100,
-    top-512, `select-round-sweep-h100-s27.json`: 1 024 entries 7.2 -> 6.3 µs at 8 warps instead of
-    4; 4 160 / 8 192 entries 32 -> 25 µs at 16 instead of 8, 30 at 32)."""
+    """Warps of a `_select_kernel` program over register tiles of `block` entries in all: its
+    counting passes are serial block reductions, and more warps hide their latency up to a point
+    (one H100, top-512, `select-round-sweep-h100-s27.json` and `select-tail-sweep-h100-s27.json`:
+    1 024 entries 6.4 -> 5.9 µs at 8 warps instead of 4; 4 096 + 64 best at 8, 14.8 µs; 8 192
+    entries 32 -> 24 µs at 16 instead of 8, 30 at 32)."""
     return 16 if block >= 8192 else 8 if block >= 1024 else 4
 
 
