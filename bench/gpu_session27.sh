@@ -7,6 +7,7 @@
 #   git show 2970274:dspark/kernels/indexer.py > .ab/indexer_prev.py
 #   git show 2970274:dspark/kernels/indexer_pool.py > .ab/indexer_pool_prev.py
 #   run(command="bash bench/gpu_session27.sh c", carry=[".ab"])   # ≈ 7 min
+#   run(command="bash bench/gpu_session27.sh d", timeout_s=110)    # ≈ 2 min (what this session had left)
 #
 # a: the launch shapes of the v41-mini step's top-k selection (warps per program) and cache rounding
 #    (blocks per program; and the kernel before its per-value divisions became reciprocal products,
@@ -20,6 +21,9 @@
 #    indexer, its candidate pool and both static graphs; the selection cells of the sweep against
 #    the kernel before (`.ab/indexer_prev.py`, commit 2970274); the v41-mini graph step with it and
 #    without it (both files of 2970274), twice in alternation, and v4-mini once each.
+# d: V4.1's ratio-2 compressor projections as one `_project_kernel` launch storing fp32 rows into the
+#    rings (`compressor_project_fp32`, in registry.NOT_YET_ON_GPU): its GPU tests, then the v41-mini
+#    graph step at 1 request with it (`--triton compressor_project_fp32`) and without, once each.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step
 
 part_a() {
@@ -76,6 +80,13 @@ part_c() {
     done
     swap_prev new
   done
+}
+
+part_d() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests d_tests 40 tests/kernels/test_linear.py -k "fp32"
+  step d_v41_pair 50 --config v41-mini --requests 1 --triton compressor_project_fp32
+  step d_v41_held 50 --config v41-mini --requests 1
 }
 
 dispatch session27 "${1:-}"

@@ -13,6 +13,13 @@ Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
   ``out_rows=`` [N] long: a static state's rings viewed as rows) row i goes to row out_rows[i] of
   each and the op returns (kv_out, score_out): the kernel stores there itself (no `index_copy_`
   launches after it), the reference path copies.
+* ``compressor_project_fp32(x, wkv, wgate, *, kv_out=None, gate_out=None, out_rows=None) -> (kv, gate)``:
+  V4.1's compressor projections (deepseek_v41 spec §5.2: it pools in fp32, the bf16 weights promoted):
+  kv = x·wkvᵀ and gate = x·wgateᵀ, both fp32 and unrounded; x [N, K] and the weights [W, K] in the model
+  dtype. The same `_project_kernel` without the position bias, where `project_pays`; with
+  destinations (fp32 [R, W] rings and out_rows [N] long) it stores there, as `compressor_project`.
+  The reference is the model's former code: x and both weights cast to fp32 (two weight copies per
+  call) and two fp32 matmuls, then two ring copies in the static step.
 
 A batch-1 decode step multiplies one row by every dense weight of the model, and its small weights
 are latency-bound: cuBLAS's one-row kernels took 4.4-12.3 µs for the 1-4 MB projections of v4-mini
@@ -121,6 +128,42 @@ def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tens
     return kv_out.index_copy_(0, out_rows, kv), score_out.index_copy_(0, out_rows, score)
 
 
+def _check_pair_dest(x, wkv, kv_out, gate_out, out_rows) -> None:
+    given = [t is not None for t in (kv_out, gate_out, out_rows)]
+    if any(given) and not all(given):
+        raise ValueError("kv_out, gate_out and out_rows go together: pass all three or none")
+    if not all(given):
+        return
+    width = wkv.shape[0]
+    for name, out in (("kv_out", kv_out), ("gate_out", gate_out)):
+        if out.dim() != 2 or out.shape[1] != width or out.dtype != torch.float32 or out.stride(1) != 1:
+            raise ValueError(f"{name} must be fp32 [R, {width}] with contiguous rows, got {tuple(out.shape)} {out.dtype}")
+    if out_rows.shape != (x.shape[0],) or out_rows.dtype != torch.long:
+        raise ValueError(f"out_rows must be long [{x.shape[0]}], got {tuple(out_rows.shape)} {out_rows.dtype}")
+
+
+def _check_pair_args(x, wkv, wgate) -> None:
+    _check_args(x, wkv)
+    if wgate.shape != wkv.shape or wgate.dtype != wkv.dtype:
+        raise ValueError(f"wgate must match wkv {tuple(wkv.shape)} {wkv.dtype}, got {tuple(wgate.shape)} {wgate.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, K], got shape {tuple(x.shape)}")
+
+
+def compressor_project_fp32_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, *,
+                                kv_out: torch.Tensor | None = None, gate_out: torch.Tensor | None = None,
+                                out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x·wkvᵀ, x·wgateᵀ) [N, W] fp32 from x and weights promoted to fp32; with kv_out / gate_out /
+    out_rows both are copied to rows out_rows and (kv_out, gate_out) returned."""
+    _check_pair_args(x, wkv, wgate)
+    _check_pair_dest(x, wkv, kv_out, gate_out, out_rows)
+    x32 = x.float()
+    kv, gate = F.linear(x32, wkv.float()), F.linear(x32, wgate.float())
+    if kv_out is None:
+        return kv, gate
+    return kv_out.index_copy_(0, out_rows, kv), gate_out.index_copy_(0, out_rows, gate)
+
+
 # --------------------------------------------------------------------------------- Triton kernels
 
 
@@ -172,11 +215,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, ROWS: tl.constexpr, B
 @_jit
 def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, rows_ptr, kv_ptr, score_ptr, n_rows, n_out, n_in,
                     kv_stride, score_stride, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SCATTER: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                    SCATTER: tl.constexpr, APE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """kv[r, n] = Σ_k x[m, k]·wkv[n, k] and score[r, n] = round(Σ_k x[m, k]·wgate[n, k]) + ape[phase[m], n]
     for the n_rows (<= ROWS) rows m of x and the BLOCK_N columns of program n (x read once for both
     weights, each weight tile once for every row), fp32 sums; r = rows[m] with SCATTER (the row's place
-    in a ring), else m. PREFETCH: as `_gemv_kernel`'s, for both weights."""
+    in a ring), else m. Without APE (V4.1) score is the fp32 sum itself. kv is stored in kv's dtype.
+    PREFETCH: as `_gemv_kernel`'s, for both weights."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     if PREFETCH:
@@ -204,10 +248,12 @@ def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, phase_ptr, rows_ptr, kv_
     mask = m_mask[:, None] & n_mask[None, :]
     kv = tl.sum(acc_kv, axis=2).to(kv_ptr.dtype.element_ty)
     tl.store(kv_ptr + out_row[:, None] * kv_stride + offs_n[None, :], kv, mask=mask)
-    gate = tl.sum(acc_gate, axis=2).to(x_ptr.dtype.element_ty).to(tl.float32)  # the linear's rounding
-    phase = tl.load(phase_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    bias = tl.load(ape_ptr + phase[:, None] * n_out + offs_n[None, :], mask=mask, other=0.0)
-    tl.store(score_ptr + out_row[:, None] * score_stride + offs_n[None, :], gate + bias, mask=mask)
+    gate = tl.sum(acc_gate, axis=2)
+    if APE:
+        gate = gate.to(x_ptr.dtype.element_ty).to(tl.float32)  # the linear's rounding
+        phase = tl.load(phase_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        gate += tl.load(ape_ptr + phase[:, None] * n_out + offs_n[None, :], mask=mask, other=0.0)
+    tl.store(score_ptr + out_row[:, None] * score_stride + offs_n[None, :], gate, mask=mask)
 
 
 # ------------------------------------------------------------------------------------- launchers
@@ -299,23 +345,37 @@ def launch_project(x, wkv, wgate, ape, phase, tiles: tuple[int, int, int] | None
     its fp32 exception)."""
     _check_project_args(x, wkv, wgate, ape, phase)
     _check_project_dest(x, wkv, kv_out, score_out, out_rows)
+    return _launch_project(x, wkv, wgate, (ape, phase), kv_out, score_out, out_rows, x.dtype, tiles)
+
+
+def launch_project_fp32(x, wkv, wgate, tiles: tuple[int, int, int] | None = None, *, kv_out=None, gate_out=None,
+                        out_rows=None):
+    """`_project_kernel` without the position bias for `compressor_project_fp32` (as `launch_project`)."""
+    _check_pair_args(x, wkv, wgate)
+    _check_pair_dest(x, wkv, kv_out, gate_out, out_rows)
+    return _launch_project(x, wkv, wgate, None, kv_out, gate_out, out_rows, torch.float32, tiles)
+
+
+def _launch_project(x, wkv, wgate, ape_phase, kv_out, score_out, out_rows, kv_dtype, tiles):
+    """One `_project_kernel` launch (arguments checked by the caller); ape_phase None: V4.1's fp32 pair."""
     rows = x.shape[0]
     _check_rows(rows, "launch_project")
     require_triton()
     n_out, n_in = wkv.shape
     scatter = out_rows is not None
     if not scatter:
-        kv_out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+        kv_out = torch.empty((rows, n_out), dtype=kv_dtype, device=x.device)
         score_out = torch.empty((rows, n_out), dtype=torch.float32, device=x.device)
     block_n, block_k, warps = tiles or project_tiles(n_out, n_in, _num_sms(x.device), rows)
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
     wkv, wgate = wkv.contiguous(), wgate.contiguous()
+    ape, phase = (t.contiguous() for t in ape_phase) if ape_phase is not None else (score_out, score_out)  # dummies
     _project_kernel[grid](
-        x.contiguous(), wkv, wgate, ape.contiguous(), phase.contiguous(),
-        out_rows.contiguous() if scatter else phase, kv_out, score_out, rows, n_out, n_in, kv_out.stride(0),
-        score_out.stride(0), ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, SCATTER=scatter,
-        PREFETCH=prefetch_launch(pdl, wkv, wgate), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+        x.contiguous(), wkv, wgate, ape, phase, out_rows.contiguous() if scatter else phase, kv_out, score_out, rows,
+        n_out, n_in, kv_out.stride(0), score_out.stride(0), ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n,
+        BLOCK_K=block_k, SCATTER=scatter, APE=ape_phase is not None, PREFETCH=prefetch_launch(pdl, wkv, wgate),
+        PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return kv_out, score_out
 
 
@@ -332,3 +392,17 @@ def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, 
     if not project_pays(x.shape[0], n_out, n_in) or records_grad(x, wkv, wgate, ape):
         return compressor_project_ref(x, wkv, wgate, ape, phase, **dest)
     return launch_project(x, wkv, wgate, ape, phase, **dest)
+
+
+def compressor_project_fp32(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, *,
+                            kv_out: torch.Tensor | None = None, gate_out: torch.Tensor | None = None,
+                            out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused `compressor_project_fp32_ref` (same signature): `_project_kernel` without the position bias
+    where `project_pays` (no fp32 weight copies; the rows stored at out_rows by the kernel), the
+    reference elsewhere and while autograd records."""
+    _check_pair_args(x, wkv, wgate)
+    dest = dict(kv_out=kv_out, gate_out=gate_out, out_rows=out_rows)
+    n_out, n_in = wkv.shape
+    if not project_pays(x.shape[0], n_out, n_in) or records_grad(x, wkv, wgate):
+        return compressor_project_fp32_ref(x, wkv, wgate, **dest)
+    return launch_project_fp32(x, wkv, wgate, **dest)

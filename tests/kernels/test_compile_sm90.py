@@ -324,6 +324,15 @@ def run_every_tile_class():
             linear.launch_project(x, wkv, wgate, ape, phase, tiles)
             linear.launch_project(x, wkv, wgate, ape, phase, tiles, kv_out=rings[0], score_out=rings[1],
                                   out_rows=torch.arange(rows, device=DEVICE) + 2)
+    # V4.1's fp32 pair (no bias): v41-mini's ratio-2 compressors (W 512), 1 and 8 rows, into its fp32 rings.
+    wkv, wgate = (torch.randn(512, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    rings = [torch.empty(11, 512, device=DEVICE) for _ in range(2)]
+    for rows in (1, 8):
+        x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
+        tiles = linear.project_tiles(512, 2048, 132, rows)
+        linear.launch_project_fp32(x, wkv, wgate, tiles)
+        linear.launch_project_fp32(x, wkv, wgate, tiles, kv_out=rings[0], gate_out=rings[1],
+                                   out_rows=torch.arange(rows, device=DEVICE) + 2)
     # V4.1 cache QAT rounding, every format, bf16 window latents / fp32 rows.
     for fmt, dtype in (("fp8_ue8m0", torch.bfloat16), ("fp4_ue8m0", torch.bfloat16), ("fp4_e4m3", torch.float32)):
         cache_round.cache_round(torch.randn(2, 512, generator=g).to(DEVICE, dtype), fmt=fmt)

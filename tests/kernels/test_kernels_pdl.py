@@ -211,6 +211,7 @@ def _every_op(device: str) -> None:
     linear.launch_gemv(rand(3, 64), rand(40, 64))
     ape, phase = rand(4, 24), torch.tensor([1, 3], device=device)
     linear.launch_project(rand(2, 64), rand(24, 64), rand(24, 64), ape, phase)
+    linear.launch_project_fp32(rand(2, 64), rand(24, 64), rand(24, 64))  # V4.1's pair: no bias
     kv, score, norm_weight = rand(3, 8, 32), rand(3, 8, 32), torch.ones(32, device=device)
     for split in (True, False):  # channel blocks + norm launch, or one program per entry
         compressor.launch_compressor_pool(kv, score, norm_weight, eps=1e-6, out_dtype=torch.float32, split=split)

@@ -320,6 +320,68 @@ def test_compressor_project_destination_is_validated():
         op.compressor_project_ref(*args, kv_out=kv_out, score_out=score_out, out_rows=rows[:1])
 
 
+def pair_inputs(n_rows, width, n_in, dtype, seed):
+    x, wkv, wgate, _, _ = project_inputs(n_rows, width, n_in, 1, dtype, seed)
+    return x, wkv, wgate
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_rows,width,n_in", [(1, 24, 40), (1, 7, 1500), (3, 48, 2048), (8, 16, 100)])
+def test_compressor_project_fp32_kernel_matches_ref(dtype, n_rows, width, n_in, poisoned):
+    """V4.1's pair: both outputs fp32 and unrounded (bf16 products are exact in fp32, so bf16 inputs
+    differ from the reference by summation order only), no position bias; ring stores at out_rows."""
+    args = pair_inputs(n_rows, width, n_in, dtype, seed=width + n_in)
+    ref_kv, ref_gate = op.compressor_project_fp32_ref(*args)
+    with poisoned():
+        kv, gate = op.launch_project_fp32(*args)
+    assert kv.dtype == gate.dtype == torch.float32 and kv.shape == gate.shape == (n_rows, width)
+    assert rel_err(kv, ref_kv) < TOL[torch.float32] and rel_err(gate, ref_gate) < TOL[torch.float32]
+    kv_out, gate_out, rows = ring_destination(n_rows, width, torch.float32, seed=n_rows)
+    with poisoned():
+        got = op.launch_project_fp32(*args, kv_out=kv_out, gate_out=gate_out, out_rows=rows)
+    assert got[0] is kv_out and got[1] is gate_out
+    assert_rows_written(kv_out, gate_out, rows, ref_kv, ref_gate, TOL[torch.float32])
+
+
+@needs_triton
+@pytest.mark.parametrize("n_rows,n_in,kernel", [(1, 2048, True), (4, 2048, True), (9, 2048, False),
+                                                (1, 1024, False)])
+def test_compressor_project_fp32_runs_the_kernel_where_the_gemv_pays(n_rows, n_in, kernel, monkeypatch):
+    """Where `project_pays` the kernel stores the rows, elsewhere the reference copies them; the
+    reference is the model's former code, bit for bit."""
+    args = pair_inputs(n_rows, 16, n_in, torch.bfloat16, seed=n_rows + 3)
+    x, wkv, wgate = args
+    former = (torch.nn.functional.linear(x.float(), wkv.float()), torch.nn.functional.linear(x.float(), wgate.float()))
+    ref = op.compressor_project_fp32_ref(*args)
+    assert all(torch.equal(a, b) for a, b in zip(ref, former))
+    kv_out, gate_out, rows = ring_destination(n_rows, 16, torch.float32, seed=n_rows)
+    calls = []
+    launch = op.launch_project_fp32
+    monkeypatch.setattr(op, "launch_project_fp32", lambda *a, **k: calls.append(k) or launch(*a, **k))
+    op.compressor_project_fp32(*args, kv_out=kv_out, gate_out=gate_out, out_rows=rows)
+    assert bool(calls) == kernel
+    assert_rows_written(kv_out, gate_out, rows, *ref, TOL[torch.float32])
+
+
+def test_compressor_project_fp32_rejects_bad_arguments():
+    x, wkv, wgate = pair_inputs(2, 8, 16, torch.bfloat16, seed=1)
+    x, wkv, wgate = x.cpu(), wkv.cpu(), wgate.cpu()
+    out, rows = torch.empty(5, 8), torch.tensor([0, 3])
+    with pytest.raises(ValueError, match="wgate must match"):
+        op.compressor_project_fp32_ref(x, wkv, wgate[:4])
+    with pytest.raises(ValueError, match="x must be"):
+        op.compressor_project_fp32_ref(x[None], wkv, wgate)
+    with pytest.raises(ValueError, match="share a dtype"):
+        op.compressor_project_fp32_ref(x.float(), wkv, wgate)
+    with pytest.raises(ValueError, match="go together"):
+        op.compressor_project_fp32_ref(x, wkv, wgate, kv_out=out, out_rows=rows)
+    with pytest.raises(ValueError, match=r"gate_out must be fp32 \[R, 8\]"):
+        op.compressor_project_fp32_ref(x, wkv, wgate, kv_out=out, gate_out=out.bfloat16(), out_rows=rows)
+    with pytest.raises(ValueError, match=r"out_rows must be long \[2\]"):
+        op.compressor_project_fp32_ref(x, wkv, wgate, kv_out=out, gate_out=out, out_rows=rows.int())
+
+
 @needs_triton
 @torch.no_grad()
 def test_compressor_module_on_the_fused_projection():

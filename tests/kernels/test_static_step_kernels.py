@@ -21,7 +21,8 @@ from static_step_checks import run_rounds  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores", "compressor_project", "norm_rope", "engram_rows")
+STATIC_STEP_OPS = ("compressor_pool_gather", "index_scores", "compressor_project", "compressor_project_fp32", "norm_rope",
+                   "engram_rows")
 
 
 @needs_triton
@@ -55,9 +56,23 @@ def _models(name, **options):
 
 @needs_triton
 @torch.no_grad()
-def test_static_v41_step_with_its_kernels_follows_the_reference():
+def test_static_v41_step_with_its_kernels_follows_the_reference(monkeypatch):
+    """Also V4.1's ratio-2 compressor projections stored into their rings by `_project_kernel`: the
+    tiny model's K = 64 is below the kernel's range, so `project_pays` is widened here to every row
+    count the kernel takes."""
+    from dspark.kernels import linear
+
+    launches = []
+    launch = linear.launch_project_fp32
+    monkeypatch.setattr(linear, "project_pays", lambda rows, width, n_in: 1 <= rows <= linear.PROJECT_MAX_ROWS)
+    monkeypatch.setattr(linear, "launch_project_fp32", lambda *a, **k: launches.append(k) or launch(*a, **k))
     ref, fused = _models("tiny-v41", prefill_mode="exact", cache_qat=False)
-    outs = [torch.stack(run_rounds(StaticDecoderV41, model, None, rounds=2)) for model in (ref, fused)]
+    outs = []
+    for model in (ref, fused):
+        launches.clear()
+        outs.append(torch.stack(run_rounds(StaticDecoderV41, model, None, rounds=2)))
+        assert bool(launches) == (model is fused)
+    assert any(k["out_rows"] is not None for k in launches)  # the static step's ring stores
     assert torch.allclose(outs[1], outs[0], atol=2e-4, rtol=1e-4)
 
 

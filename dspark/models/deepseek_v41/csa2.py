@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
@@ -53,6 +52,8 @@ class Compressor(nn.Module):
         # kv [n, ratio, d], gate [n, ratio, d], norm weight [d] -> norm(Σ softmax(gate)·kv) [n, d]
         kernels = KernelConfig() if kernels is None else kernels
         self.pool_op = get_op(kernels, "compressor_pool")
+        # x [N, D], wkv, wgate [d, D] -> (kv, gate) [N, d] fp32 (ratio > 1), optionally into ring rows
+        self.project_op = get_op(kernels, "compressor_project_fp32")
         self.ratio = ratio
         self.wkv = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device) if ratio > 1 else None
@@ -63,8 +64,7 @@ class Compressor(nn.Module):
         ratio 1: (latents [N, d] in x's dtype, None) — every token is its own entry."""
         if self.wgate is None:
             return self.norm(self.wkv(x)), None
-        x32 = x.float()  # the reference pools in fp32, weights promoted from BF16
-        return F.linear(x32, self.wkv.weight.float()), F.linear(x32, self.wgate.weight.float())
+        return self.project_op(x, self.wkv.weight, self.wgate.weight)  # fp32 pooling, weights promoted from BF16
 
     def pool_batch(self, caches: list[SourceCache], kv: torch.Tensor, gate: torch.Tensor, batch: RaggedBatch,
                    dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:

@@ -244,18 +244,17 @@ def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> No
     Candidates: ratio 1, every new token; ratio m > 1, groups start // m .. + ceil(T/m) − 1 (the
     groups whose last position may fall in the step), pooled from the rings.
     """
-    kv, gate = attn.compressor.project(x)  # ratio > 1: fp32 rows [N, d]; ratio 1: latents [N, d]
     m = source.rate
-    if gate is None:
-        rows, latents = index.entry_rows(1, source.n_entries), kv
-    else:
-        ring_rows = index.ring_rows(source.kv)  # the kv and gate rings have the same size
-        source.kv.write_rows(ring_rows, kv)
-        source.gate.write_rows(ring_rows, gate)
+    compressor = attn.compressor
+    if m == 1:
+        latents, _ = compressor.project(x)  # [N, d]
+        rows = index.entry_rows(1, source.n_entries)
+    else:  # fp32 rows [N, d] stored into the kv and gate rings (same size) by the projection itself
+        compressor.project_op(x, compressor.wkv.weight, compressor.wgate.weight, kv_out=source.kv.flat(),
+                              gate_out=source.gate.flat(), out_rows=index.ring_rows(source.kv).reshape(-1))
         group, _, _ = index.group_rows(m, False, source.kv)  # [S, c, m]
         kv_groups = source.kv.flat()[group].flatten(0, 1)  # [S·c, m, d]
         gate_groups = source.gate.flat()[group].flatten(0, 1)
-        compressor = attn.compressor
         latents = compressor.pool_op(kv_groups, gate_groups, compressor.norm.weight, eps=compressor.norm.eps,
                                      out_dtype=x.dtype)  # [S·c, d]
         rows = index.entry_rows(m, source.n_entries)
