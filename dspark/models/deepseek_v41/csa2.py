@@ -35,6 +35,7 @@ from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v41.qat import CacheQuant
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
+from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
 from dspark.models.deepseek_v41.state import SourceCache
 
@@ -55,8 +56,10 @@ class Compressor(nn.Module):
         # x [N, D], wkv, wgate [d, D] -> (kv, gate) [N, d] fp32 (ratio > 1), optionally into ring rows
         self.project_op = get_op(kernels, "compressor_project_fp32")
         self.ratio = ratio
-        self.wkv = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device)
-        self.wgate = nn.Linear(dim, head_dim, bias=False, dtype=dtype, device=device) if ratio > 1 else None
+        # Ratio 1 calls wkv (the registry's `linear`: the decode GEMV where it pays, as V4's projections);
+        # ratio > 1 hands both weights to `project_op`.
+        self.wkv = Linear(dim, head_dim, dtype=dtype, device=device, kernels=kernels)
+        self.wgate = Linear(dim, head_dim, dtype=dtype, device=device, kernels=kernels) if ratio > 1 else None
         self.norm = RMSNorm(head_dim, eps, device=device, kernels=kernels)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -148,12 +151,12 @@ class Indexer(nn.Module):
         self.uses_candidates = role.uses_candidates
         self.candidate_blocks = c.candidate_topk_blocks
         self.candidate_block_size = c.candidate_block_size
-        linear = dict(bias=False, dtype=dtype, device=device)
-        self.wq_b = nn.Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, **linear)
-        self.weights_proj = nn.Linear(c.hidden_size, c.index_n_heads, **linear)
+        linear = dict(dtype=dtype, device=device, kernels=kernels)  # the registry's `linear`, as V4's indexer
+        self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, **linear)
+        self.weights_proj = Linear(c.hidden_size, c.index_n_heads, **linear)
         self.wk = self.k_norm = None
         if role.owns_compressor:
-            self.wk = nn.Linear(c.head_dim, c.index_head_dim, **linear)
+            self.wk = Linear(c.head_dim, c.index_head_dim, **linear)
             self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, device=device, kernels=kernels)
 
     def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
