@@ -96,22 +96,25 @@ def _check_project_args(x, wkv, wgate, ape, phase) -> None:
         raise ValueError(f"phase must be long [{x.shape[0]}], got {tuple(phase.shape)} {phase.dtype}")
 
 
-def _check_project_dest(x, wkv, kv_out, score_out, out_rows) -> None:
-    given = [t is not None for t in (kv_out, score_out, out_rows)]
+def _check_dest(x, wkv, outs: dict, out_rows) -> None:
+    """The destinations of a projection pair: `outs` {name: (tensor or None, dtype)} and out_rows,
+    all given or none; each output [R, W] of its dtype with contiguous rows, out_rows long [N]."""
+    given = [t is not None for t, _ in outs.values()] + [out_rows is not None]
     if any(given) and not all(given):
-        raise ValueError("kv_out, score_out and out_rows go together: pass all three or none")
+        raise ValueError(f"{', '.join(outs)} and out_rows go together: pass all three or none")
     if not all(given):
         return
     width = wkv.shape[0]
-    if kv_out.dim() != 2 or kv_out.shape[1] != width or kv_out.dtype != x.dtype or kv_out.stride(1) != 1:
-        raise ValueError(f"kv_out must be [R, {width}] {x.dtype} with contiguous rows, got {tuple(kv_out.shape)} "
-                         f"{kv_out.dtype}")
-    if score_out.dim() != 2 or score_out.shape[1] != width or score_out.dtype != torch.float32 \
-            or score_out.stride(1) != 1:
-        raise ValueError(f"score_out must be fp32 [R, {width}] with contiguous rows, got {tuple(score_out.shape)} "
-                         f"{score_out.dtype}")
+    for name, (out, dtype) in outs.items():
+        if out.dim() != 2 or out.shape[1] != width or out.dtype != dtype or out.stride(1) != 1:
+            raise ValueError(f"{name} must be [R, {width}] {dtype} with contiguous rows, got {tuple(out.shape)} "
+                             f"{out.dtype}")
     if out_rows.shape != (x.shape[0],) or out_rows.dtype != torch.long:
         raise ValueError(f"out_rows must be long [{x.shape[0]}], got {tuple(out_rows.shape)} {out_rows.dtype}")
+
+
+def _check_project_dest(x, wkv, kv_out, score_out, out_rows) -> None:
+    _check_dest(x, wkv, {"kv_out": (kv_out, x.dtype), "score_out": (score_out, torch.float32)}, out_rows)
 
 
 def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor,
@@ -129,17 +132,7 @@ def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tens
 
 
 def _check_pair_dest(x, wkv, kv_out, gate_out, out_rows) -> None:
-    given = [t is not None for t in (kv_out, gate_out, out_rows)]
-    if any(given) and not all(given):
-        raise ValueError("kv_out, gate_out and out_rows go together: pass all three or none")
-    if not all(given):
-        return
-    width = wkv.shape[0]
-    for name, out in (("kv_out", kv_out), ("gate_out", gate_out)):
-        if out.dim() != 2 or out.shape[1] != width or out.dtype != torch.float32 or out.stride(1) != 1:
-            raise ValueError(f"{name} must be fp32 [R, {width}] with contiguous rows, got {tuple(out.shape)} {out.dtype}")
-    if out_rows.shape != (x.shape[0],) or out_rows.dtype != torch.long:
-        raise ValueError(f"out_rows must be long [{x.shape[0]}], got {tuple(out_rows.shape)} {out_rows.dtype}")
+    _check_dest(x, wkv, {"kv_out": (kv_out, torch.float32), "gate_out": (gate_out, torch.float32)}, out_rows)
 
 
 def _check_pair_args(x, wkv, wgate) -> None:

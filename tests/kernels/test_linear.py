@@ -376,7 +376,7 @@ def test_compressor_project_fp32_rejects_bad_arguments():
         op.compressor_project_fp32_ref(x.float(), wkv, wgate)
     with pytest.raises(ValueError, match="go together"):
         op.compressor_project_fp32_ref(x, wkv, wgate, kv_out=out, out_rows=rows)
-    with pytest.raises(ValueError, match=r"gate_out must be fp32 \[R, 8\]"):
+    with pytest.raises(ValueError, match=r"gate_out must be \[R, 8\] torch.float32"):
         op.compressor_project_fp32_ref(x, wkv, wgate, kv_out=out, gate_out=out.bfloat16(), out_rows=rows)
     with pytest.raises(ValueError, match=r"out_rows must be long \[2\]"):
         op.compressor_project_fp32_ref(x, wkv, wgate, kv_out=out, gate_out=out, out_rows=rows.int())
