@@ -4,8 +4,8 @@
 #   git show 918ea76:dspark/kernels/cache_round.py > .ab/cache_round_old.py   # on this machine first
 #   run(command="bash bench/gpu_session27.sh a", carry=[".ab"])   # ≈ 2 min
 #   run(command="bash bench/gpu_session27.sh b", carry=[".ab"])   # ≈ 9 min
-#   git show 2970274:dspark/kernels/indexer.py > .ab/indexer_prev.py
-#   git show 2970274:dspark/kernels/indexer_pool.py > .ab/indexer_pool_prev.py
+#   git show 2970274:dspark/kernels/indexer.py > .ab/indexer_old.py     # part c's own .ab (replaces b's)
+#   git show 2970274:dspark/kernels/indexer_pool.py > .ab/indexer_pool_old.py
 #   run(command="bash bench/gpu_session27.sh c", carry=[".ab"])   # ≈ 7 min
 #   run(command="bash bench/gpu_session27.sh d", timeout_s=110)    # ≈ 2 min (what this session had left)
 #
@@ -19,7 +19,7 @@
 # c: the selection with the row in two register tiles (a power of two and the rest rounded up:
 #    4 160 entries as 4 096 + 64, not 8 192; 8 208 in registers, not streamed): the GPU tests of the
 #    indexer, its candidate pool and both static graphs; the selection cells of the sweep against
-#    the kernel before (`.ab/indexer_prev.py`, commit 2970274); the v41-mini graph step with it and
+#    the kernel before (`.ab/indexer_old.py`, commit 2970274); the v41-mini graph step with it and
 #    without it (both files of 2970274), twice in alternation, and v4-mini once each.
 # d: V4.1's ratio-2 compressor projections as one `_project_kernel` launch storing fp32 rows into the
 #    rings (`compressor_project_fp32`, in registry.NOT_YET_ON_GPU): its GPU tests, then the v41-mini
@@ -32,12 +32,14 @@ part_a() {
   grep -h "^select_topk\|^cache_round\|wrote\|Error" "$W/logs/a_sweep.txt" | cut -c1-300
 }
 
-swap() {  # swap new|old: the two kernel files as this commit has them, or as 918ea76 had them
-  if [ "$1" = old ]; then
-    cp .ab/indexer_old.py dspark/kernels/indexer.py && cp .ab/cache_round_old.py dspark/kernels/cache_round.py
-  else
-    cp /tmp/indexer_new.py dspark/kernels/indexer.py && cp /tmp/cache_round_new.py dspark/kernels/cache_round.py
-  fi
+swap() {  # swap new|old FILE...: the kernel files as this commit has them (kept in /tmp on the first
+  # swap), or as .ab/<name>_old.py has them
+  local side=$1 f name; shift
+  for f in "$@"; do
+    name=$(basename "$f" .py)
+    [ -f "/tmp/${name}_new.py" ] || cp "$f" "/tmp/${name}_new.py"
+    if [ "$side" = old ]; then cp ".ab/${name}_old.py" "$f"; else cp "/tmp/${name}_new.py" "$f"; fi
+  done
 }
 
 part_b() {
@@ -45,40 +47,32 @@ part_b() {
   tests b_tests 200 tests/kernels/test_cache_round.py tests/kernels/test_lightning_indexer.py \
     tests/kernels/test_static_step_kernels.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py \
     tests/models/test_deepseek_v4_static_graph_gpu.py
-  cp dspark/kernels/indexer.py /tmp/indexer_new.py && cp dspark/kernels/cache_round.py /tmp/cache_round_new.py
+  local files=(dspark/kernels/indexer.py dspark/kernels/cache_round.py)
   for round in 1 2; do
     for side in new old; do
-      swap "$side"
+      swap "$side" "${files[@]}"
       step "b_v41_${side}_$round" 100 --config v41-mini --requests 1,8
       step "b_v4_${side}_$round" 80 --requests 1,8
     done
-    swap new
+    swap new "${files[@]}"
   done
-}
-
-swap_prev() {  # swap_prev new|old: the indexer files as this commit has them, or as 2970274 had them
-  if [ "$1" = old ]; then
-    cp .ab/indexer_prev.py dspark/kernels/indexer.py && cp .ab/indexer_pool_prev.py dspark/kernels/indexer_pool.py
-  else
-    cp /tmp/indexer_new.py dspark/kernels/indexer.py && cp /tmp/indexer_pool_new.py dspark/kernels/indexer_pool.py
-  fi
 }
 
 part_c() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   tests c_tests 200 tests/kernels/test_lightning_indexer.py tests/kernels/test_indexer_pool.py \
     tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/models/test_deepseek_v4_static_graph_gpu.py
-  logged c_sweep 120 python3 bench/select_round_sweep.py --select-only --former-select .ab/indexer_prev.py \
+  logged c_sweep 120 python3 bench/select_round_sweep.py --select-only --former-select .ab/indexer_old.py \
     --out "$OUT/c_sweep.json"
   grep -h "^select_topk\|wrote\|Error" "$W/logs/c_sweep.txt" | cut -c1-300
-  cp dspark/kernels/indexer.py /tmp/indexer_new.py && cp dspark/kernels/indexer_pool.py /tmp/indexer_pool_new.py
+  local files=(dspark/kernels/indexer.py dspark/kernels/indexer_pool.py)
   for round in 1 2; do
     for side in new old; do
-      swap_prev "$side"
+      swap "$side" "${files[@]}"
       step "c_v41_${side}_$round" 100 --config v41-mini --requests 1,8
       [ "$round" = 1 ] && step "c_v4_${side}" 80 --requests 1,8
     done
-    swap_prev new
+    swap new "${files[@]}"
   done
 }
 

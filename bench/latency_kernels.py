@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -182,13 +181,22 @@ def interpreter_setup() -> None:
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
+def bench_device(smoke: bool, script: str) -> torch.device | None:
+    """The device of a kernel bench: the CPU under the interpreter with --smoke (set up here), else
+    CUDA; None, after saying so, when there is no GPU."""
+    if smoke:
+        interpreter_setup()
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return None
+    return torch.device("cuda")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.smoke:
-        interpreter_setup()
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/latency_kernels.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    device = bench_device(args.smoke, "bench/latency_kernels.py")
+    if device is None:
         return 2
     from dspark.kernels import triton_compat
 

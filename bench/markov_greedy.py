@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.latency_kernels import interpreter_setup  # noqa: E402 (imports torch only)
+from bench.latency_kernels import bench_device  # noqa: E402 (imports torch only)
 
 HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
 SMOKE = dict(rows=(1, 5, 17), vocab=300, rank=32)
@@ -123,11 +123,8 @@ def sweep_tiles(n_rows: int, rank: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.smoke:
-        interpreter_setup()
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/markov_greedy.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    device = bench_device(args.smoke, "bench/markov_greedy.py")
+    if device is None:
         return 2
     from dspark.kernels.markov_greedy import default_tiles, markov_greedy, markov_greedy_ref
 

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.latency_kernels import conditions, interpreter_setup, time_call  # noqa: E402
+from bench.latency_kernels import bench_device, conditions, time_call  # noqa: E402
 
 # (requests, entries, top-k); (name, fmt, shape, window rows written into a ring)
 FULL = dict(select=((1, 1024, 512), (1, 1040, 512), (1, 2080, 512), (1, 4160, 512), (8, 4160, 512), (1, 8192, 512),
@@ -134,17 +134,14 @@ def run(cells: list[tuple], device, pdl: bool, args) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.smoke:
-        interpreter_setup()
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/select_round_sweep.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    device = bench_device(args.smoke, "bench/select_round_sweep.py")
+    if device is None:
         return 2
     from dspark.kernels import triton_compat
 
     cfg = SMOKE if args.smoke else FULL
     cond = conditions(device, args)
-    cond["former_round"] = args.former_round
+    cond.update(former_round=args.former_round, former_select=args.former_select)
     print(json.dumps(cond), flush=True)
     g = torch.Generator(device=device).manual_seed(0)
     shipped_pdl, rows, start = triton_compat.PDL, [], time.time()

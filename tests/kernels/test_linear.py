@@ -193,14 +193,19 @@ def test_compressor_project_kernel_matches_ref(dtype, width, n_in, poisoned):
     assert torch.allclose(moved - score, args[3][other] - args[3][args[4]], atol=1e-5)
 
 
+def record_launches(monkeypatch, name):
+    """The keyword arguments of every call of `op.<name>` from here on (the launches still run)."""
+    calls, launch = [], getattr(op, name)
+    monkeypatch.setattr(op, name, lambda *a, **k: calls.append(k) or launch(*a, **k))
+    return calls
+
+
 @needs_triton
 @pytest.mark.parametrize("n_rows,n_in,kernel", [(1, 2048, True), (3, 2048, True), (9, 2048, False),
                                                 (1, 1024, False)])
 def test_compressor_project_runs_the_kernel_where_the_gemv_pays(n_rows, n_in, kernel, monkeypatch):
     args = project_inputs(n_rows, 16, n_in, 4, torch.float32, seed=n_rows)
-    calls = []
-    launch = op.launch_project
-    monkeypatch.setattr(op, "launch_project", lambda *a, **k: calls.append(a) or launch(*a, **k))
+    calls = record_launches(monkeypatch, "launch_project")
     kv, score = op.compressor_project(*args)
     ref_kv, ref_score = op.compressor_project_ref(*args)
     assert bool(calls) == kernel
@@ -255,9 +260,7 @@ def test_compressor_project_destination_on_both_paths(n_rows, n_in, kernel, monk
     """The op's destinations wherever it runs: the kernel stores them, the reference copies them."""
     args = project_inputs(n_rows, 16, n_in, 4, torch.float32, seed=n_rows + 7)
     kv_out, score_out, rows = ring_destination(n_rows, 16, torch.float32, seed=n_rows)
-    calls = []
-    launch = op.launch_project
-    monkeypatch.setattr(op, "launch_project", lambda *a, **k: calls.append(k) or launch(*a, **k))
+    calls = record_launches(monkeypatch, "launch_project")
     op.compressor_project(*args, kv_out=kv_out, score_out=score_out, out_rows=rows)
     assert bool(calls) == kernel
     assert_rows_written(kv_out, score_out, rows, *op.compressor_project_ref(*args), TOL[torch.float32])
@@ -356,9 +359,7 @@ def test_compressor_project_fp32_runs_the_kernel_where_the_gemv_pays(n_rows, n_i
     ref = op.compressor_project_fp32_ref(*args)
     assert all(torch.equal(a, b) for a, b in zip(ref, former))
     kv_out, gate_out, rows = ring_destination(n_rows, 16, torch.float32, seed=n_rows)
-    calls = []
-    launch = op.launch_project_fp32
-    monkeypatch.setattr(op, "launch_project_fp32", lambda *a, **k: calls.append(k) or launch(*a, **k))
+    calls = record_launches(monkeypatch, "launch_project_fp32")
     op.compressor_project_fp32(*args, kv_out=kv_out, gate_out=gate_out, out_rows=rows)
     assert bool(calls) == kernel
     assert_rows_written(kv_out, gate_out, rows, *ref, TOL[torch.float32])
