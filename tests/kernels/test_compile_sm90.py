@@ -235,9 +235,11 @@ def run_every_tile_class():
     finally:
         attention._num_sms = n_sms
     # Indexer, V4-Flash (64 heads) and V4.1 (32 heads), di 128, bf16: register rows with a tail
-    # (4096 + 1024; the widest, 8192 + 16) and, with the register limits lowered, the streaming tiles.
+    # (4096 + 1024; 8192 + 16, v4-mini at 32K; the widest, 8192 + 1024) and, with the register limits
+    # lowered, the streaming tiles.
     for n_heads, n_keys, register_row, register_tail in ((64, 5000, indexer._REGISTER_ROW, indexer._REGISTER_TAIL),
                                                          (64, 8208, indexer._REGISTER_ROW, indexer._REGISTER_TAIL),
+                                                         (64, 9216, indexer._REGISTER_ROW, indexer._REGISTER_TAIL),
                                                          (32, 100, 64, 0)):
         q = torch.randn(2, n_heads, 128, generator=g).bfloat16().to(DEVICE)
         keys = torch.randn(n_keys, 128, generator=g).bfloat16().to(DEVICE)
