@@ -7,7 +7,7 @@
 #   git show 2970274:dspark/kernels/indexer.py > .ab/indexer_old.py     # part c's own .ab (replaces b's)
 #   git show 2970274:dspark/kernels/indexer_pool.py > .ab/indexer_pool_old.py
 #   run(command="bash bench/gpu_session27.sh c", carry=[".ab"])   # ≈ 7 min
-#   run(command="bash bench/gpu_session27.sh d")                    # ≈ 6 min (not run: no device time left)
+#   run(command="bash bench/gpu_session27.sh d")                    # ≈ 8 min (not run: no device time left)
 #
 # a: the launch shapes of the v41-mini step's top-k selection (warps per program) and cache rounding
 #    (blocks per program; and the kernel before its per-value divisions became reciprocal products,
@@ -21,11 +21,13 @@
 #    indexer, its candidate pool and both static graphs; the selection cells of the sweep against
 #    the kernel before (`.ab/indexer_old.py`, commit 2970274); the v41-mini graph step with it and
 #    without it (both files of 2970274), twice in alternation, and v4-mini once each.
-# d: V4.1's ratio-2 compressor projections as one `_project_kernel` launch storing fp32 rows into the
-#    rings (`compressor_project_fp32`, in registry.NOT_YET_ON_GPU): its GPU tests and the V4.1 static
-#    graph's, then the v41-mini graph step at 1 and 8 requests with it (`--triton
-#    compressor_project_fp32`) and without, twice in alternation; then one profiled step with it.
-#    (V4.1's indexer / ratio-1 compressor projections on the registry's Linear are in both columns.)
+# d: two ops in registry.NOT_YET_ON_GPU: V4.1's ratio-2 compressor projections as one `_project_kernel`
+#    launch storing fp32 rows into the rings (`compressor_project_fp32`), and the indexers' head
+#    weights with the cast and the scale in the GEMV's epilogue (`linear_scaled`, V4 and V4.1): their
+#    GPU tests and the static graphs', then the v41-mini graph step at 1 and 8 requests with both
+#    (`--triton compressor_project_fp32,linear_scaled`) and without, twice in alternation, v4-mini with
+#    `--triton linear_scaled` and without once each, and one profiled v41-mini step with both.
+#    (V4.1's indexer / ratio-1 compressor projections on the registry's Linear are in every column.)
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step
 
 part_a() {
@@ -81,12 +83,15 @@ part_c() {
 part_d() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   tests d_tests 200 tests/kernels/test_linear.py tests/kernels/test_static_step_kernels.py \
-    tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+    tests/models_v41/test_deepseek_v41_static_graph_gpu.py tests/models/test_deepseek_v4_static_graph_gpu.py
+  local both=compressor_project_fp32,linear_scaled
   for round in 1 2; do
-    step "d_v41_pair_$round" 100 --config v41-mini --requests 1,8 --triton compressor_project_fp32
+    step "d_v41_on_$round" 100 --config v41-mini --requests 1,8 --triton "$both"
     step "d_v41_held_$round" 100 --config v41-mini --requests 1,8
   done
-  step d_profile 100 --config v41-mini --requests 1 --triton compressor_project_fp32 --profile --no-pdl
+  step d_v4_on 80 --requests 1,8 --triton linear_scaled
+  step d_v4_held 80 --requests 1,8
+  step d_profile 100 --config v41-mini --requests 1 --triton "$both" --profile --no-pdl
 }
 
 dispatch session27 "${1:-}"

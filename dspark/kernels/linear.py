@@ -3,6 +3,9 @@
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
 * ``linear(x, weight) -> y``: x [..., K], weight [N, K] (no bias) -> y [..., N] in x.dtype.
+* ``linear_scaled(x, weight, *, scale) -> y``: `linear` rounded to x.dtype as it returns it, then
+  times `scale` in fp32 -> y [..., N] fp32: the indexers' head weights, weights_proj(x).float() · s,
+  in one launch where the GEMV runs (three before: the GEMV, the cast, the product).
 * ``compressor_project(x, wkv, wgate, ape, phase, *, kv_out=None, score_out=None, out_rows=None)
   -> (kv, score)``: a compressor's two projections and its position bias (deepseek_v4 spec §8.2): kv = x·wkvᵀ, score = x·wgateᵀ (rounded to x.dtype,
   as the model's linear returns it) + ape[phase] in fp32; x [N, K], wkv / wgate [W, K], ape
@@ -82,6 +85,12 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] · weight [N, K]ᵀ -> [..., N] (torch's matmul)."""
     _check_args(x, weight)
     return F.linear(x, weight)
+
+
+def linear_scaled_ref(x: torch.Tensor, weight: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """fp32(x · weightᵀ in x.dtype) · scale -> [..., N] fp32 (the models' former code)."""
+    _check_args(x, weight)
+    return F.linear(x, weight).float() * scale
 
 
 def _check_project_args(x, wkv, wgate, ape, phase) -> None:
@@ -178,11 +187,12 @@ def _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask):
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, scale, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """y[m, n] = Σ_k x[m, k]·w[n, k] for the n_rows (<= ROWS) rows of x and the BLOCK_N weight rows of
-    program n, fp32 sums: each weight tile is read once and multiplied with every row of x. With
-    PREFETCH the program's weight rows are requested into L2 before it waits for its predecessor."""
+    program n, fp32 sums: each weight tile is read once and multiplied with every row of x. SCALED:
+    the sum rounded to x's dtype, then times `scale` in fp32 (y fp32). With PREFETCH the program's
+    weight rows are requested into L2 before it waits for its predecessor."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     if PREFETCH:
@@ -201,6 +211,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, ROWS: tl.constexpr, B
         x = _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask)
         acc = _rows_times_tile(acc, x, w_ptr, rows, offs_k[None, None, :], n_mask[None, :, None] & k_mask[None, None, :])
     y = tl.sum(acc, axis=2)
+    if SCALED:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32) * scale
     out = y_ptr + offs_m.to(tl.int64)[:, None] * n_out + offs_n[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -282,27 +294,28 @@ def _check_rows(rows: int, launcher: str) -> None:
         raise ValueError(f"{launcher} takes 1 to {MAX_ROWS} rows, got {rows}")
 
 
-def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None, *,
+                scale: float | None = None) -> torch.Tensor:
     """`_gemv_kernel` for the M = x.numel() / K rows of x [..., K] (1 <= M <= MAX_ROWS) whatever the
     weight; `tiles` overrides `gemv_tiles` (the bench compares it with torch on every shape; the model
     goes through `linear`). At the default tiles each row's result is bit-identical to a one-row launch
     on that row (on the H200 not for fp32 with a masked K tail, K = 1500: ulps apart, FMA contraction): BLOCK_K depends on K alone and the accumulator takes the weight tile's layout (8
     consecutive k per thread, 32 lanes and BLOCK_K / 256 warps along K, the other warps along N), so
     every row count sums a row's products in the same lanes, the same K-tile order and the same
-    reduction tree."""
+    reduction tree. With `scale`: `linear_scaled`'s fp32 output from the same sums."""
     _check_args(x, weight)
     n_out, n_in = weight.shape
     rows = x.numel() // max(1, n_in)
     _check_rows(rows, "launch_gemv")
     require_triton()
-    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, n_out, dtype=x.dtype if scale is None else torch.float32, device=x.device)
     block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device), rows)
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
     weight = weight.contiguous()
-    _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, ROWS=triton.next_power_of_2(rows),
-                       BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch_launch(pdl, weight), PDL=pdl,
-                       launch_pdl=pdl, num_warps=warps)
+    _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, 1.0 if scale is None else float(scale),
+                       ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scale is not None,
+                       PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -314,6 +327,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not gemv_pays(x.numel() // max(1, n_in), n_out, n_in) or records_grad(x, weight):
         return F.linear(x, weight)
     return launch_gemv(x, weight)
+
+
+def linear_scaled(x: torch.Tensor, weight: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Fused `linear_scaled_ref` (same signature): `_gemv_kernel`'s sums rounded and scaled in its
+    epilogue where `gemv_pays` (the same sums `linear` rounds there), the reference elsewhere."""
+    _check_args(x, weight)
+    n_out, n_in = weight.shape
+    if not gemv_pays(x.numel() // max(1, n_in), n_out, n_in) or records_grad(x, weight):
+        return linear_scaled_ref(x, weight, scale=scale)
+    return launch_gemv(x, weight, scale=scale)
 
 
 def project_tiles(n_out: int, n_in: int, n_sms: int, rows: int = 1) -> tuple[int, int, int]:

@@ -69,6 +69,7 @@ _OP_MODULES: dict[str, str] = {
     "compressor_pool_gather": "compressor",
     "grouped_wo_a": "grouped_wo_a",
     "linear": "linear",
+    "linear_scaled": "linear",
     "compressor_project": "linear",
     "compressor_project_fp32": "linear",
     "cache_round": "cache_round",
@@ -85,7 +86,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ("compressor_project_fp32",)
+NOT_YET_ON_GPU: tuple[str, ...] = ("compressor_project_fp32", "linear_scaled")
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,6 +154,7 @@ class KernelConfig:
     compressor_pool_gather: Impl = "ref"
     grouped_wo_a: Impl = "ref"
     linear: Impl = "ref"
+    linear_scaled: Impl = "ref"
     compressor_project: Impl = "ref"
     compressor_project_fp32: Impl = "ref"
     cache_round: Impl = "ref"

@@ -314,6 +314,12 @@ def run_every_tile_class():
         for rows in (1, 2, 3, 8):
             x = torch.randn(rows, n_in, generator=g).to(DEVICE, torch.bfloat16)
             linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, n_in, 132, rows))
+    # `linear_scaled`'s epilogue (the indexers' head weights: v4-mini 64, V4.1 32 heads), 1 and 4 rows.
+    for n_out in (64, 32):
+        weight = torch.randn(n_out, 2048, generator=g).to(DEVICE, torch.bfloat16)
+        for rows in (1, 4):
+            x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
+            linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, 2048, 132, rows), scale=8192 ** -0.5)
     # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256), 1, 4
     # and 8 rows, into fresh outputs and into the static rings.
     for width in (1024, 256):

@@ -3,6 +3,8 @@ random inputs, fp32 and bf16, shapes off every tile, 1 to 8 rows (each row equal
 on it); which calls `linear` / `compressor_project` send to the kernels and which to torch; autograd;
 argument errors; the models' `Linear` and `Compressor` modules."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -154,6 +156,64 @@ def test_module_runs_the_configured_op():
     assert fused.linear_op is op.linear and ref.linear_op is op.linear_ref
     x = torch.randn(1, 2048, device=DEVICE)
     assert rel_err(fused(x), ref(x)) < TOL[torch.float32]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead,n_out,n_in", [((1,), 64, 2048), ((3,), 32, 130), ((1, 2), 7, 1500)])
+def test_linear_scaled_is_the_gemv_rounded_then_scaled(dtype, lead, n_out, n_in, poisoned):
+    """`linear_scaled`'s epilogue on the GEMV's own sums: bit for bit the rounded `launch_gemv` output
+    cast to fp32 times the scale (what the indexers computed in three launches), fp32 out."""
+    x, weight = make_inputs(lead, n_out, n_in, dtype, seed=n_out + n_in)
+    scale = (64 * 128) ** -0.5
+    with poisoned():
+        y = op.launch_gemv(x, weight, scale=scale)
+    assert y.dtype == torch.float32 and y.shape == (*lead, n_out)
+    assert torch.equal(y, op.launch_gemv(x, weight).float() * scale)
+    assert rel_err(y, op.linear_scaled_ref(x, weight, scale=scale)) < TOL[dtype]
+
+
+@needs_triton
+@pytest.mark.parametrize("rows,n_in,kernel", [(1, 2048, True), (4, 2048, True), (5, 2048, False), (1, 1024, False)])
+def test_linear_scaled_runs_the_kernel_where_the_gemv_pays(rows, n_in, kernel, monkeypatch):
+    x, weight = make_inputs((rows,), 16, n_in, torch.bfloat16, seed=rows)
+    calls = record_launches(monkeypatch, "launch_gemv")
+    y = op.linear_scaled(x, weight, scale=0.125)
+    assert bool(calls) == kernel and y.dtype == torch.float32
+    if not kernel:  # the reference: the models' former code, bit for bit
+        assert torch.equal(y, torch.nn.functional.linear(x, weight).float() * 0.125)
+    with pytest.raises(ValueError, match="share a dtype"):
+        op.linear_scaled_ref(x.float(), weight, scale=0.125)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+@torch.no_grad()
+def test_indexers_on_linear_scaled_give_the_same_logits(name, monkeypatch):
+    """The V4 and V4.1 indexers' head weights from `linear_scaled` (one launch) against the module path
+    (the registry's `linear`, the cast, the product): the same sums, so the same logits bit for bit,
+    over a prefill and decode steps (the GEMV's range widened to the tiny model's K)."""
+    import dspark
+
+    monkeypatch.setattr(op, "gemv_pays", lambda rows, n_out, n_in: 1 <= rows <= op.GEMV_MAX_ROWS)
+    calls = record_launches(monkeypatch, "launch_gemv")
+    base = KernelConfig.for_device(DEVICE)
+    options = dict(prefill_mode="exact", cache_qat=False) if name == "tiny-v41" else {}
+    logits = []
+    for impl in ("ref", "triton"):
+        model = dspark.init_model(name, seed=0, device=DEVICE, dtype=torch.float32, **options,
+                                  kernels=dataclasses.replace(base, linear="triton", linear_scaled=impl))
+        indexers = [m for m in model.modules() if hasattr(m, "weights_op")]
+        assert indexers and all((m.weights_op is None) == (impl == "ref") for m in indexers)
+        calls.clear()
+        state = model.new_state()
+        ids = torch.arange(3, 12, device=DEVICE)
+        steps = [model(ids, [state], [len(ids)]).logits[-1]]
+        for token in (5, 9):
+            steps.append(model(torch.tensor([token], device=DEVICE), [state], [1]).logits[-1])
+        assert any("scale" in k and k["scale"] is not None for k in calls) == (impl == "triton")
+        logits.append(torch.stack(steps))
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ from torch import nn
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v41.qat import CacheQuant
+from dspark.models.deepseek_v4.compressor import head_weights, weights_op
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
@@ -143,6 +144,7 @@ class Indexer(nn.Module):
                                  if role.is_candidate_source and kernels.index_scores_pooled != "ref" else None)
         # x [..., di], cos/sin broadcastable to [..., rd/2] -> x rotated (index keys and queries)
         self.rope_op = get_op(kernels, "rope")
+        self.weights_op = weights_op(kernels)  # see `head_weights`
         self.n_heads = c.index_n_heads
         self.head_dim = c.index_head_dim
         self.topk = c.index_topk
@@ -167,8 +169,7 @@ class Indexer(nn.Module):
         """Dense part for all N tokens -> (q [N, Hi, di] rotated + FP4, weights [N, Hi] fp32)."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.quant.index(self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
-        # Both score scales folded into the head weights: (Hi · di)^-1/2.
-        weights = self.weights_proj(x).float() * (self.n_heads * self.head_dim) ** -0.5
+        weights = head_weights(self, x)
         return q, weights
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
