@@ -46,20 +46,25 @@ swap() {  # swap new|old FILE...: the kernel files as this commit has them (kept
   done
 }
 
+ab_steps() {  # ab_steps PART V4_ROUNDS FILE...: two alternating rounds of the v41-mini graph step (and in
+  # the first V4_ROUNDS rounds the v4-mini one) with FILEs as committed ("new") and as .ab has them ("old")
+  local part=$1 v4_rounds=$2 round side; shift 2
+  for round in 1 2; do
+    for side in new old; do
+      swap "$side" "$@"
+      step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8
+      if [ "$round" -le "$v4_rounds" ]; then step "${part}_v4_${side}_$round" 80 --requests 1,8; fi
+    done
+    swap new "$@"
+  done
+}
+
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   tests b_tests 200 tests/kernels/test_cache_round.py tests/kernels/test_lightning_indexer.py \
     tests/kernels/test_static_step_kernels.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py \
     tests/models/test_deepseek_v4_static_graph_gpu.py
-  local files=(dspark/kernels/indexer.py dspark/kernels/cache_round.py)
-  for round in 1 2; do
-    for side in new old; do
-      swap "$side" "${files[@]}"
-      step "b_v41_${side}_$round" 100 --config v41-mini --requests 1,8
-      step "b_v4_${side}_$round" 80 --requests 1,8
-    done
-    swap new "${files[@]}"
-  done
+  ab_steps b 2 dspark/kernels/indexer.py dspark/kernels/cache_round.py
 }
 
 part_c() {
@@ -69,15 +74,7 @@ part_c() {
   logged c_sweep 120 python3 bench/select_round_sweep.py --select-only --former-select .ab/indexer_old.py \
     --out "$OUT/c_sweep.json"
   grep -h "^select_topk\|wrote\|Error" "$W/logs/c_sweep.txt" | cut -c1-300
-  local files=(dspark/kernels/indexer.py dspark/kernels/indexer_pool.py)
-  for round in 1 2; do
-    for side in new old; do
-      swap "$side" "${files[@]}"
-      step "c_v41_${side}_$round" 100 --config v41-mini --requests 1,8
-      [ "$round" = 1 ] && step "c_v4_${side}" 80 --requests 1,8
-    done
-    swap new "${files[@]}"
-  done
+  ab_steps c 1 dspark/kernels/indexer.py dspark/kernels/indexer_pool.py
 }
 
 part_d() {
