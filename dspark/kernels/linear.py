@@ -93,12 +93,17 @@ def linear_scaled_ref(x: torch.Tensor, weight: torch.Tensor, *, scale: float) ->
     return F.linear(x, weight).float() * scale
 
 
-def _check_project_args(x, wkv, wgate, ape, phase) -> None:
+def _check_pair_args(x, wkv, wgate) -> None:
+    """x [N, K] and two weights [W, K] of x's dtype (both projection ops)."""
     _check_args(x, wkv)
     if wgate.shape != wkv.shape or wgate.dtype != wkv.dtype:
         raise ValueError(f"wgate must match wkv {tuple(wkv.shape)} {wkv.dtype}, got {tuple(wgate.shape)} {wgate.dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be [N, K], got shape {tuple(x.shape)}")
+
+
+def _check_project_args(x, wkv, wgate, ape, phase) -> None:
+    _check_pair_args(x, wkv, wgate)
     if ape.dim() != 2 or ape.shape[1] != wkv.shape[0] or ape.dtype != torch.float32:
         raise ValueError(f"ape must be fp32 [rate, {wkv.shape[0]}], got {tuple(ape.shape)} {ape.dtype}")
     if phase.shape != (x.shape[0],) or phase.dtype != torch.long:
@@ -142,14 +147,6 @@ def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tens
 
 def _check_pair_dest(x, wkv, kv_out, gate_out, out_rows) -> None:
     _check_dest(x, wkv, {"kv_out": (kv_out, torch.float32), "gate_out": (gate_out, torch.float32)}, out_rows)
-
-
-def _check_pair_args(x, wkv, wgate) -> None:
-    _check_args(x, wkv)
-    if wgate.shape != wkv.shape or wgate.dtype != wkv.dtype:
-        raise ValueError(f"wgate must match wkv {tuple(wkv.shape)} {wkv.dtype}, got {tuple(wgate.shape)} {wgate.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [N, K], got shape {tuple(x.shape)}")
 
 
 def compressor_project_fp32_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, *,

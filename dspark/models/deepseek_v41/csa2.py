@@ -63,12 +63,16 @@ class Compressor(nn.Module):
         self.wgate = Linear(dim, head_dim, dtype=dtype, device=device, kernels=kernels) if ratio > 1 else None
         self.norm = RMSNorm(head_dim, eps, device=device, kernels=kernels)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Dense part for all N tokens, x [N, D]. Ratio > 1: fp32 (kv rows, gate rows) [N, d] each;
+    def project(self, x: torch.Tensor, rings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dense part for all N tokens, x [N, D]. Ratio > 1: fp32 (kv rows, gate rows) [N, d] each
+        (pooled in fp32, the weights promoted from BF16), or with `rings` (the kv and gate rings [R, d]
+        fp32) and `rows` [N] long stored at those rows of them (a static step; returns the rings);
         ratio 1: (latents [N, d] in x's dtype, None) — every token is its own entry."""
         if self.wgate is None:
             return self.norm(self.wkv(x)), None
-        return self.project_op(x, self.wkv.weight, self.wgate.weight)  # fp32 pooling, weights promoted from BF16
+        kv_out, gate_out = rings if rings is not None else (None, None)
+        return self.project_op(x, self.wkv.weight, self.wgate.weight, kv_out=kv_out, gate_out=gate_out, out_rows=rows)
 
     def pool_batch(self, caches: list[SourceCache], kv: torch.Tensor, gate: torch.Tensor, batch: RaggedBatch,
                    dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:

@@ -250,8 +250,7 @@ def publish(attn, x: torch.Tensor, index: StepIndex, source: StaticSource) -> No
         latents, _ = compressor.project(x)  # [N, d]
         rows = index.entry_rows(1, source.n_entries)
     else:  # fp32 rows [N, d] stored into the kv and gate rings (same size) by the projection itself
-        compressor.project_op(x, compressor.wkv.weight, compressor.wgate.weight, kv_out=source.kv.flat(),
-                              gate_out=source.gate.flat(), out_rows=index.ring_rows(source.kv).reshape(-1))
+        compressor.project(x, (source.kv.flat(), source.gate.flat()), index.ring_rows(source.kv).reshape(-1))
         group, _, _ = index.group_rows(m, False, source.kv)  # [S, c, m]
         kv_groups = source.kv.flat()[group].flatten(0, 1)  # [S·c, m, d]
         gate_groups = source.gate.flat()[group].flatten(0, 1)
