@@ -86,7 +86,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ("compressor_project_fp32", "linear_scaled")
+NOT_YET_ON_GPU: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)

@@ -190,21 +190,24 @@ def test_linear_scaled_runs_the_kernel_where_the_gemv_pays(rows, n_in, kernel, m
 @pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
 @torch.no_grad()
 def test_indexers_on_linear_scaled_give_the_same_logits(name, monkeypatch):
-    """The V4 and V4.1 indexers' head weights from `linear_scaled` (one launch) against the module path
-    (the registry's `linear`, the cast, the product): the same sums, so the same logits bit for bit,
-    over a prefill and decode steps (the GEMV's range widened to the tiny model's K)."""
+    """The V4 and V4.1 indexers' head weights from `linear_scaled` (one launch) against the path it
+    replaced (the registry's `linear` GEMV, then the cast and the product, swapped in as each indexer's
+    `weights_op`): the same sums, so the same logits bit for bit, over a prefill and decode steps
+    (the GEMV's range widened to the tiny model's K)."""
     import dspark
 
     monkeypatch.setattr(op, "gemv_pays", lambda rows, n_out, n_in: 1 <= rows <= op.GEMV_MAX_ROWS)
     calls = record_launches(monkeypatch, "launch_gemv")
-    base = KernelConfig.for_device(DEVICE)
+    kernels = dataclasses.replace(KernelConfig.for_device(DEVICE), linear="triton", linear_scaled="triton")
     options = dict(prefill_mode="exact", cache_qat=False) if name == "tiny-v41" else {}
     logits = []
-    for impl in ("ref", "triton"):
-        model = dspark.init_model(name, seed=0, device=DEVICE, dtype=torch.float32, **options,
-                                  kernels=dataclasses.replace(base, linear="triton", linear_scaled=impl))
+    for impl in ("former", "triton"):
+        model = dspark.init_model(name, seed=0, device=DEVICE, dtype=torch.float32, **options, kernels=kernels)
         indexers = [m for m in model.modules() if hasattr(m, "weights_op")]
-        assert indexers and all((m.weights_op is None) == (impl == "ref") for m in indexers)
+        assert indexers and all(m.weights_op is op.linear_scaled for m in indexers)
+        if impl == "former":
+            for m in indexers:
+                m.weights_op = lambda x, weight, *, scale: op.linear(x, weight).float() * scale
         calls.clear()
         state = model.new_state()
         ids = torch.arange(3, 12, device=DEVICE)

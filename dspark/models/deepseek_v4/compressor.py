@@ -209,20 +209,12 @@ class IndexerQueries:
     score: torch.Tensor  # [N, 2·di] compressor rows Z + ape, fp32
 
 
-def weights_op(kernels: KernelConfig):
-    """The indexers' head-weight op: the registry's `linear_scaled` (the GEMV with the cast and the
-    scale in its epilogue) when picked, else None: the projection through the registry's `linear`,
-    then the cast and the product (`head_weights`)."""
-    return get_op(kernels, "linear_scaled") if kernels.linear_scaled != "ref" else None
-
-
 def head_weights(indexer, x: torch.Tensor) -> torch.Tensor:
     """x [N, D] -> fp32(weights_proj(x)) / √(Hi·di) [N, Hi] fp32: both score constants folded into the
-    head weights (ReLU commutes with a positive scale). `indexer` has weights_proj, weights_op,
-    n_heads and head_dim (V4's `Indexer`, V4.1's `csa2.Indexer`)."""
+    head weights (ReLU commutes with a positive scale), through the registry's `linear_scaled`
+    (`weights_op`: the cast and the scale in the GEMV's epilogue). `indexer` has weights_proj,
+    weights_op, n_heads and head_dim (V4's `Indexer`, V4.1's `csa2.Indexer`)."""
     scale = (indexer.n_heads * indexer.head_dim) ** -0.5
-    if indexer.weights_op is None:
-        return indexer.weights_proj(x).float() * scale
     return indexer.weights_op(x, indexer.weights_proj.weight, scale=scale)
 
 
@@ -248,7 +240,7 @@ class Indexer(nn.Module):
         self.topk_op = get_op(kernels, "select_topk")  # the static steps' selection over batched scores
         self.scores_op = get_op(kernels, "index_scores")  # the static steps' scores of every slot at once
         self.rope_op = get_op(kernels, "rope")  # q [N, Hi, di], cos/sin [N, 1, rd/2] -> q rotated
-        self.weights_op = weights_op(kernels)
+        self.weights_op = get_op(kernels, "linear_scaled")
         self.wq_b = Linear(q_lora_rank, n_heads * head_dim, dtype=dtype, device=device, kernels=kernels)
         self.weights_proj = Linear(dim, n_heads, dtype=dtype, device=device, kernels=kernels)
         self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device,

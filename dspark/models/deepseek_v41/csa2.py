@@ -34,7 +34,7 @@ from torch import nn
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v41.qat import CacheQuant
-from dspark.models.deepseek_v4.compressor import head_weights, weights_op
+from dspark.models.deepseek_v4.compressor import head_weights
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
@@ -148,7 +148,7 @@ class Indexer(nn.Module):
                                  if role.is_candidate_source and kernels.index_scores_pooled != "ref" else None)
         # x [..., di], cos/sin broadcastable to [..., rd/2] -> x rotated (index keys and queries)
         self.rope_op = get_op(kernels, "rope")
-        self.weights_op = weights_op(kernels)  # see `head_weights`
+        self.weights_op = get_op(kernels, "linear_scaled")  # see `head_weights`
         self.n_heads = c.index_n_heads
         self.head_dim = c.index_head_dim
         self.topk = c.index_topk
