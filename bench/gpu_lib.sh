@@ -43,3 +43,26 @@ with_flashinfer() {  # the wheels carried in .whl/ onto PYTHONPATH, nvcc for fla
   [ -n "$nvcc" ] && export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")} PATH=$(dirname "$nvcc"):$PATH
   echo "nvcc: ${nvcc:-none}; CUDA_HOME=${CUDA_HOME:-unset}"; python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
 }
+
+swap() {  # swap new|old FILE...: the kernel files as this commit has them (kept in /tmp on the first
+  # swap), or as .ab/<name>_old.py has them
+  local side=$1 f name; shift
+  for f in "$@"; do
+    name=$(basename "$f" .py)
+    [ -f "/tmp/${name}_new.py" ] || cp "$f" "/tmp/${name}_new.py"
+    if [ "$side" = old ]; then cp ".ab/${name}_old.py" "$f"; else cp "/tmp/${name}_new.py" "$f"; fi
+  done
+}
+
+ab_steps() {  # ab_steps PART V4_ROUNDS FILE...: two alternating rounds of the v41-mini graph step (and in
+  # the first V4_ROUNDS rounds the v4-mini one) with FILEs as committed ("new") and as .ab has them ("old")
+  local part=$1 v4_rounds=$2 round side; shift 2
+  for round in 1 2; do
+    for side in new old; do
+      swap "$side" "$@"
+      step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8
+      if [ "$round" -le "$v4_rounds" ]; then step "${part}_v4_${side}_$round" 80 --requests 1,8; fi
+    done
+    swap new "$@"
+  done
+}

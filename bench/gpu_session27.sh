@@ -28,35 +28,12 @@
 #    (`--triton compressor_project_fp32,linear_scaled`) and without, twice in alternation, v4-mini with
 #    `--triton linear_scaled` and without once each, and one profiled v41-mini step with both.
 #    (V4.1's indexer / ratio-1 compressor projections on the registry's Linear are in every column.)
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step, swap, ab_steps
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   logged a_sweep 200 python3 bench/select_round_sweep.py --former-round .ab/cache_round_old.py --out "$OUT/a_sweep.json"
   grep -h "^select_topk\|^cache_round\|wrote\|Error" "$W/logs/a_sweep.txt" | cut -c1-300
-}
-
-swap() {  # swap new|old FILE...: the kernel files as this commit has them (kept in /tmp on the first
-  # swap), or as .ab/<name>_old.py has them
-  local side=$1 f name; shift
-  for f in "$@"; do
-    name=$(basename "$f" .py)
-    [ -f "/tmp/${name}_new.py" ] || cp "$f" "/tmp/${name}_new.py"
-    if [ "$side" = old ]; then cp ".ab/${name}_old.py" "$f"; else cp "/tmp/${name}_new.py" "$f"; fi
-  done
-}
-
-ab_steps() {  # ab_steps PART V4_ROUNDS FILE...: two alternating rounds of the v41-mini graph step (and in
-  # the first V4_ROUNDS rounds the v4-mini one) with FILEs as committed ("new") and as .ab has them ("old")
-  local part=$1 v4_rounds=$2 round side; shift 2
-  for round in 1 2; do
-    for side in new old; do
-      swap "$side" "$@"
-      step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8
-      if [ "$round" -le "$v4_rounds" ]; then step "${part}_v4_${side}_$round" 80 --requests 1,8; fi
-    done
-    swap new "$@"
-  done
 }
 
 part_b() {

@@ -98,6 +98,19 @@ def site_us(path: str, n: int, dim: int, g: torch.Generator, reps: int) -> float
     return replay_seconds(capture(step), reps) * 1e6 / 24
 
 
+def stats_variant_us(spec: str, n: int, dim: int, g: torch.Generator, reps: int) -> float:
+    """`site_us` of the fused path with the statistics tiles of `spec` (PRE/POST[/SPLIT]: warps of the
+    pre and post_pre sites up to 8 tokens, and the split-streams threshold), this process only."""
+    pre_w, post_w, *split = (int(v) for v in spec.split("/"))
+    saved = mhc._stats_tiles, mhc.SPLIT_STREAMS_MAX_TOKENS
+    mhc._stats_tiles = lambda n_tok, fused: (16, 64, post_w if fused else pre_w) if n_tok <= 8 else saved[0](n_tok, fused)
+    mhc.SPLIT_STREAMS_MAX_TOKENS = split[0] if split else saved[1]
+    try:
+        return site_us("fused", n, dim, g, reps)
+    finally:
+        mhc._stats_tiles, mhc.SPLIT_STREAMS_MAX_TOKENS = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mhc-norm-site.json"))
@@ -109,6 +122,10 @@ def main() -> None:
     ap.add_argument("--split-streams", default="",
                     help="comma list of mhc.SPLIT_STREAMS_MAX_TOKENS values to time both paths at besides the "
                          "shipped one (0: the statistics pass never splits the streams)")
+    ap.add_argument("--stats-warps", default="",
+                    help="comma list of PRE/POST[/SPLIT] variants of the statistics tiles up to 8 tokens, timed on "
+                         "the fused path: the warps of the pre and post_pre sites' 16 x 64 tiles and optionally "
+                         "mhc.SPLIT_STREAMS_MAX_TOKENS (shipped: 4/8 and 4)")
     cli = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -133,6 +150,8 @@ def main() -> None:
                     row.update({f"{p}_split{value}_us": round(site_us(p, n, dim, g, cli.reps), 2) for p in PATHS})
                 finally:
                     mhc.SPLIT_STREAMS_MAX_TOKENS = shipped
+            for spec in (s for s in cli.stats_warps.split(",") if s):
+                row[f"fused_warps_{spec.replace('/', '_')}_us"] = round(stats_variant_us(spec, n, dim, g, cli.reps), 2)
             for spec in (s for s in cli.tiles.split(",") if s):
                 bt, bd = (int(v) for v in spec.split("x"))
                 mhc_norm._norm_tiles = lambda n_tok, d, _t=(bt, min(bd, 1 << (dim - 1).bit_length())): _t

@@ -557,7 +557,9 @@ def _stats_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
         # tokens: the unfused pass 4.8-5.1 µs with 4 warps vs 6.2-6.6 µs with 8. Narrower D blocks were
         # faster still (3.4 µs) but write 4x the partials, and the epilogue that reduces them then cost
         # more than they saved in the whole step (graph-profile-h200-s6*.json).
-        return (16, 64, 8) if fused else (16, 64, 4)
+        # The post_pre site at 4 warps too: 6.96 -> 6.00 µs per folded site at 1 token, 7.14 -> 6.11 at 4,
+        # 19.47 -> 16.41 at 8 (one H200, D = 2048, `bench/gpu_session28.sh b`, mhc-norm-warps-h200-s28.json).
+        return 16, 64, 4
     # `--mhc-tokens 64,256,320` (mhc-stats-tokens-h200.json; v4-mini and V4-Flash widths): at 64 tokens
     # 16 x 64 tiles at 4 warps (fused 5.6 / 7.5 µs vs 11.9 / 19.6 at 8 warps); from 256 tokens on
     # (verify blocks, many requests, the drafter's γ rows per request) 64-token tiles read fn a quarter

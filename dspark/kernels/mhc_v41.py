@@ -272,10 +272,11 @@ def _v41_epilogue_kernel(
 
 
 # Up to this many tokens the statistics pass splits the HC streams over programs too (`_v41_stats_kernel`
-# SPLIT_STREAMS) and the epilogue takes one token per program, reducing every partial in one round:
-# V4's threshold (`mhc.SPLIT_STREAMS_MAX_TOKENS`), same reasoning. bench/mhc_v41_site.py sets 0 to time
-# the unsplit pass.
-SPLIT_STREAMS_MAX_TOKENS = 4
+# SPLIT_STREAMS) and the epilogue takes one token per program, reducing every partial in one round.
+# With the 64-wide D-blocks of `_v41_tiles` the split pays up to 8 tokens: per site (pre + post_pre
+# mean, D = 2048, one H200, `bench/gpu_session28.sh a`, mhc-v41-tiles-h200-s28.json) 7.6 µs at 8
+# tokens against 17.2 unsplit. bench/mhc_v41_site.py sets 0 to time the unsplit pass.
+SPLIT_STREAMS_MAX_TOKENS = 8
 
 
 def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
@@ -283,11 +284,12 @@ def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     rows for tl.dot; more rows re-read fn from L2 less often), but the collapse keeps one more
     [BT, BD] fp32 tile live, so the tiles are smaller: the largest that compile for sm_90 without
     register spills (checked by tests/kernels/test_compile_sm90.py)."""
-    # A split program holds one stream's loads: 4 warps ran the one-token site in 10.3 µs against 19.0
-    # at 8 (H200, bench/results/mhc-v41-site-h200.json, `split_64_32_4`), 12.4 against 19.5 at 4 tokens.
+    # A split program holds one stream's loads, 4 warps (unsplit: 8). Its D-block: 64 for both sites. Per site at
+    # 1 / 4 / 8 tokens (one H200, mhc-v41-tiles-h200-s28.json): 7.15 / 7.41 / 7.60 µs, against
+    # 10.24 / 12.17 µs with the post_pre site's former 32-wide blocks (twice the programs and the
+    # partials its epilogue reduces; 8 tokens ran unsplit, 17.2 µs); 128-wide 8.1-8.7, 2 warps 7.4-8.1.
     if n_tok <= 8:
-        warps = 4 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 8
-        return (16, 32, warps) if fused else (16, 64, warps)
+        return 16, 64, 4 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 8
     # More tokens (verify blocks, many requests, the drafter's γ rows each): 32-token tiles at 4 warps
     # read fn half as often and keep more programs per SM; per site (pre + post_pre mean, D = 2048,
     # `bench/mhc_v41_site.py --tokens 64,256 --unsplit-variants`, mhc-v41-tokens-h200.json) 26.7 -> 14.7 µs

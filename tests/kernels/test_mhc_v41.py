@@ -135,7 +135,7 @@ def test_fused_collapses_with_the_carried_pre_not_its_own():
 
 @needs_triton
 @pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(1, 4, 1100, torch.float32), (3, 4, 256, torch.bfloat16),
-                                                  (4, 3, 200, torch.float32)])
+                                                  (4, 3, 200, torch.float32), (8, 4, 256, torch.bfloat16)])
 def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, dtype, monkeypatch, poisoned):
     """Up to SPLIT_STREAMS_MAX_TOKENS tokens each statistics program takes one stream of one split
     (HC × splits GEMM partials, one Σu² partial per split; here several D-splits of several D-blocks
@@ -147,7 +147,7 @@ def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, dtype, mon
     f, _, post, comb = finished_site(n_tok, n_hc, dim, dtype, seed=9)
     for fused in (None, (f, post, comb, torch.empty_like(x))):
         u, dpart, sqpart, uqpart = mhc_v41._launch_stats(x, pre_in, params[0], fused)
-        n_dblocks = -(-dim // (32 if fused else 64))  # the decode tiles' BLOCK_D
+        n_dblocks = -(-dim // mhc_v41._v41_tiles(n_tok, fused is not None)[1])  # the decode tiles' BLOCK_D
         splits = min(n_dblocks, -(-32 // n_hc))
         assert dpart.shape[0] == sqpart.shape[0] == n_hc * splits and uqpart.shape[0] == splits
         with monkeypatch.context() as unsplit:
