@@ -6,7 +6,10 @@
 #   git show a612888:dspark/kernels/mhc_v41.py > .ab/mhc_v41_old.py   # on this machine first
 #   run(command="bash bench/gpu_session28.sh b", carry=[".ab"])   # ≈ 5 min (ran on an H200)
 #   git show a612888:dspark/kernels/mhc.py > .ab/mhc_old.py   # part c's .ab (replaces b's)
-#   run(command="bash bench/gpu_session28.sh c", carry=[".ab"])   # ≈ 6 min
+#   run(command="bash bench/gpu_session28.sh c", carry=[".ab"])   # ≈ 6 min (got an H100)
+#   git show a76a0c4:dspark/kernels/mhc.py > .ab/mhc_old.py   # part d's .ab
+#   run(command="bash bench/gpu_session28.sh d", carry=[".ab"])   # ≈ 3 min (ran as its three calls, on
+#                                                                  # one H100, the device time nearly spent)
 #
 # a: the V4.1 single-pass mHC site's statistics tiles at 1, 4 and 8 tokens (`bench/mhc_v41_site.py`,
 #    24 sites per graph): the shipped decode tiles (pre / post_pre D-blocks 64 / 32, 4 warps at ≤ 4
@@ -21,6 +24,10 @@
 # c: with part b's V4 pick shipped (the post_pre site's split statistics programs at 4 warps, not 8):
 #    the GPU tests of mhc, mhc_norm, mhc_v41 and both static graphs; the v4-mini graph step at 1 and 8
 #    requests with mhc.py as committed and as it was (`.ab/mhc_old.py`), twice in alternation.
+# d: V4's unfolded mHC sites (the model folds the norm only up to 4 tokens) with the statistics split
+#    over the streams above 4 tokens (`bench/mhc_norm_site.py --split-streams 8,16` at 8 and 16 tokens),
+#    then, with the split up to 16 tokens shipped, the v4-mini graph step at 8 requests with mhc.py as
+#    committed and as it was (`.ab/mhc_old.py`), twice in alternation.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step, swap, ab_steps
 
 part_a() {
@@ -49,6 +56,21 @@ part_c() {
     for side in new old; do
       swap "$side" dspark/kernels/mhc.py
       step "c_v4_${side}_$round" 80 --requests 1,8
+    done
+    swap new dspark/kernels/mhc.py
+  done
+}
+
+part_d() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  logged d_site 150 python3 bench/mhc_norm_site.py --tokens 8,16 --dims 2048 --reps 100 --tiles "" \
+    --split-streams 8,16 --out "$OUT/d_site.json"
+  grep -h "unfused_us" "$W/logs/d_site.txt" | cut -c1-400
+  local round side
+  for round in 1 2; do
+    for side in new old; do
+      swap "$side" dspark/kernels/mhc.py
+      step "d_v4_${side}_$round" 70 --requests 8
     done
     swap new dspark/kernels/mhc.py
   done

@@ -195,7 +195,7 @@ def test_post_pre_fused_matches_ref(n_tok, n_hc, dim, dtype, poisoned):
 
 
 @needs_triton
-@pytest.mark.parametrize("n_tok,n_hc,dim", [(1, 4, 1100), (3, 4, 256), (4, 3, 200)])
+@pytest.mark.parametrize("n_tok,n_hc,dim", [(1, 4, 1100), (3, 4, 256), (4, 3, 200), (12, 4, 256)])
 def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, monkeypatch, poisoned):
     """Up to SPLIT_STREAMS_MAX_TOKENS tokens each statistics program takes one stream of one split
     (HC × splits partials, here several D-splits of several D-blocks each, with the SM count raised),
