@@ -103,7 +103,8 @@ def stats_variant_us(spec: str, n: int, dim: int, g: torch.Generator, reps: int)
     pre and post_pre sites up to 8 tokens, and the split-streams threshold), this process only."""
     pre_w, post_w, *split = (int(v) for v in spec.split("/"))
     saved = mhc._stats_tiles, mhc.SPLIT_STREAMS_MAX_TOKENS
-    mhc._stats_tiles = lambda n_tok, fused: (16, 64, post_w if fused else pre_w) if n_tok <= 8 else saved[0](n_tok, fused)
+    mhc._stats_tiles = lambda n_tok, fused: ((16, 64, post_w if fused else pre_w) if n_tok <= 8
+                                             else saved[0](n_tok, fused))
     mhc.SPLIT_STREAMS_MAX_TOKENS = split[0] if split else saved[1]
     try:
         return site_us("fused", n, dim, g, reps)

@@ -284,10 +284,10 @@ def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     rows for tl.dot; more rows re-read fn from L2 less often), but the collapse keeps one more
     [BT, BD] fp32 tile live, so the tiles are smaller: the largest that compile for sm_90 without
     register spills (checked by tests/kernels/test_compile_sm90.py)."""
-    # A split program holds one stream's loads, 4 warps (unsplit: 8). Its D-block: 64 for both sites. Per site at
-    # 1 / 4 / 8 tokens (one H200, mhc-v41-tiles-h200-s28.json): 7.15 / 7.41 / 7.60 µs, against
-    # 10.24 / 12.17 µs with the post_pre site's former 32-wide blocks (twice the programs and the
-    # partials its epilogue reduces; 8 tokens ran unsplit, 17.2 µs); 128-wide 8.1-8.7, 2 warps 7.4-8.1.
+    # A split program holds one stream's loads: 4 warps (unsplit: 8). Its D-block is 64 wide at both
+    # sites. Per site at 1 / 4 / 8 tokens (one H200, mhc-v41-tiles-h200-s28.json): 7.15 / 7.41 / 7.60 µs,
+    # against 10.24 / 12.17 µs with the post_pre site's former 32-wide blocks (twice the programs and
+    # the partials its epilogue reduces; 8 tokens ran unsplit, 17.2 µs); 128-wide 8.1-8.7, 2 warps 7.4-8.1.
     if n_tok <= 8:
         return 16, 64, 4 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 8
     # More tokens (verify blocks, many requests, the drafter's γ rows each): 32-token tiles at 4 warps
