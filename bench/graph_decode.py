@@ -242,6 +242,9 @@ def main() -> None:
     ap.add_argument("--side-ab", action="store_true",
                     help="also time the graphs of decoders with 2, 1 and 0 side streams "
                          "(StaticDecoder(side_streams=)), in turn")
+    ap.add_argument("--image-token-id", type=int, default=None,
+                    help="V4.1 configs: set image_token_id (as the released checkpoint does): the gates then select "
+                         "with a per-token bias (the module, or `--triton moe_route_rows`), Engram skips that id")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="no weight prefetch before the PDL wait (triton_compat.pdl_prefetch; A/B of it)")
     cli = ap.parse_args()
@@ -271,6 +274,10 @@ def main() -> None:
     device = torch.device("cpu" if cli.smoke else "cuda")
     dtype = torch.float32 if cli.smoke else torch.bfloat16
     config = load_config(args["config"])
+    if cli.image_token_id is not None:
+        if config.get("model_type") != "deepseek_v41":
+            raise ValueError(f"--image-token-id needs a V4.1 config, got {args['config']!r}")
+        config["image_token_id"] = cli.image_token_id
     # V4.1: a static step gathers Engram rows on the device (host tables are rejected).
     options = {"engram_tables": "device"} if config.get("model_type") == "deepseek_v41" else {}
     kernels = KernelConfig.for_device(device)
@@ -289,6 +296,7 @@ def main() -> None:
                               "commit": git_commit(), "smoke": cli.smoke, "pdl": not cli.no_pdl, "prefetch": not cli.no_prefetch, **options,
                               "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": args["tokens"],
                               "static_capacity": args["context"] + HEADROOM, "grid": args,
+                              "image_token_id": cli.image_token_id,
                               "decode_state": "fabricated at the context (random values, prefill shapes)",
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
                "roofline": roofline, "cells": []}

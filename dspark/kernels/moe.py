@@ -59,7 +59,8 @@ def _dense(weight, index: int | None = None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------- checks
 
 
-def _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing) -> None:
+def _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing, bias_rows=False) -> None:
+    """`moe_route`'s operands (with `bias_rows`, `moe_route_rows`': gate_bias [N, E], one row per token)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
     n_tok, dim = x.shape
@@ -75,9 +76,12 @@ def _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash
         if token_ids is None or tuple(token_ids.shape) != (n_tok,):
             raise ValueError(f"token_ids must be [N={n_tok}] for hash routing, got "
                              f"{None if token_ids is None else tuple(token_ids.shape)}")
-    elif gate_bias is None or tuple(gate_bias.shape) != (n_exp,):
-        raise ValueError(f"gate_bias must be [E={n_exp}] for score routing, got "
+    elif gate_bias is None or tuple(gate_bias.shape) != ((n_tok, n_exp) if bias_rows else (n_exp,)):
+        want = f"[N={n_tok}, E={n_exp}]" if bias_rows else f"[E={n_exp}]"
+        raise ValueError(f"gate_bias must be {want} for score routing, got "
                          f"{None if gate_bias is None else tuple(gate_bias.shape)}")
+    if bias_rows and hash_routing:
+        raise ValueError("moe_route_rows takes score routing only (hash_routing=False)")
 
 
 def _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3) -> None:
@@ -105,15 +109,16 @@ def _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3) ->
 
 
 def moe_route_ref(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
-                  routed_scaling_factor: float, hash_routing: bool):
+                  routed_scaling_factor: float, hash_routing: bool, bias_rows: bool = False):
     """Router of spec §11.1.
 
-    Shape: x [N, D]; gate_weight [E, D]; gate_bias [E] fp32 (score routing; None for hash layers);
-    tid2eid [V, K] int and token_ids [N] int (hash routing; may be None otherwise).
+    Shape: x [N, D]; gate_weight [E, D]; gate_bias [E] fp32 (score routing; None for hash layers;
+    [N, E], one row per token, with `bias_rows`); tid2eid [V, K] int and token_ids [N] int (hash
+    routing; may be None otherwise).
     Returns weights [N, K] fp32 (un-biased scores at the picks, renormalised, × scaling) and
     ids [N, K] int32 (score routing: descending s + bias).
     """
-    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing)
+    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing, bias_rows)
     scores = torch.sqrt(F.softplus(x.float() @ gate_weight.float().T))  # [N, E], fp32 as OFF
     if hash_routing:
         ids = tid2eid[token_ids.long()].long()  # [N, K]
@@ -201,13 +206,19 @@ def _sqrt_softplus(logits):
 
 @_jit
 def _route_pick(logits, offs_t, t_mask, offs_e, e_mask, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
-                scaling, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, HASH: tl.constexpr):
+                scaling, n_exp, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                HASH: tl.constexpr, BIAS_ROWS: tl.constexpr):
     """The router's epilogue for fp32 logits [BLOCK_T, E_PAD] of tokens offs_t (shared by the prefill
     kernel and `moe_route_decode`): scores, the K picks and their renormalised, scaled weights, stored.
-    Taken and padded experts are masked with -3e38, not -inf: finite, and below any real score."""
+    Taken and padded experts are masked with -3e38, not -inf: finite, and below any real score.
+    BIAS_ROWS: the selection bias is one row per token ([N, E], `moe_route_rows`), else one [E] row."""
     scores = _sqrt_softplus(logits)
     if HASH:
         tok = tl.load(tok_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
+    elif BIAS_ROWS:
+        bias2 = tl.load(bias_ptr + offs_t[:, None] * n_exp + offs_e[None, :], mask=t_mask[:, None] & e_mask[None, :],
+                        other=0.0)
+        sel = tl.where(e_mask[None, :], scores + bias2, -3.0e38)
     else:
         bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
         sel = tl.where(e_mask[None, :], scores + bias[None, :], -3.0e38)
@@ -235,7 +246,8 @@ def _moe_route_kernel(
     x_ptr, gw_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
     n_tok, dim, n_exp, scaling,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, HASH: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, HASH: tl.constexpr, DOT_FP32: tl.constexpr, BIAS_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Router for BLOCK_T tokens: logits over all E experts in registers, then `_route_pick`."""
     pdl_prologue(PDL)
@@ -255,7 +267,7 @@ def _moe_route_kernel(
             xa = xa.to(tl.float32)
         logits = _dot(xa, wg.to(xa.dtype), logits, DOT_FP32)  # bf16: exact products, fp32 sums
     _route_pick(logits, offs_t, t_mask, offs_e, e_mask, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
-                scaling, TOP_K, K_PAD, BLOCK_T, HASH)
+                scaling, n_exp, TOP_K, K_PAD, BLOCK_T, HASH, BIAS_ROWS)
 
 
 @_jit
@@ -605,12 +617,14 @@ ROUTE_DECODE_MAX_TOKENS = 256
 
 
 def moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
-              routed_scaling_factor: float, hash_routing: bool):
+              routed_scaling_factor: float, hash_routing: bool, bias_rows: bool = False):
     """Fused `moe_route_ref` (same signature): up to ROUTE_DECODE_MAX_TOKENS tokens the two
-    split-K kernels of `moe_route_decode`; above, one kernel whose logits never leave registers."""
+    split-K kernels of `moe_route_decode`; above, one kernel whose logits never leave registers.
+    `bias_rows`: gate_bias is [N, E] (`moe_route_rows`)."""
     require_triton()
-    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing)
-    kwargs = dict(top_k=top_k, routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
+    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing, bias_rows)
+    kwargs = dict(top_k=top_k, routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing,
+                  bias_rows=bias_rows)
     if 0 < x.shape[0] <= ROUTE_DECODE_MAX_TOKENS:
         from dspark.kernels import moe_route_decode  # here, not at the top: it imports this module
 
@@ -618,11 +632,26 @@ def moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
     return route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, **kwargs)
 
 
+def moe_route_rows_ref(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
+                       routed_scaling_factor: float, hash_routing: bool = False):
+    """`moe_route_ref` with one selection-bias row per token: gate_bias [N, E] fp32 (V4.1's gate,
+    whose image-span tokens select with `bias_vl`), score routing only. Same returns."""
+    return moe_route_ref(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
+                         routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing, bias_rows=True)
+
+
+def moe_route_rows(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
+                   routed_scaling_factor: float, hash_routing: bool = False):
+    """Fused `moe_route_rows_ref`: `moe_route`'s kernels, each token's bias row loaded in the epilogue."""
+    return moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
+                     routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing, bias_rows=True)
+
+
 def route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
-                  routed_scaling_factor: float, hash_routing: bool):
+                  routed_scaling_factor: float, hash_routing: bool, bias_rows: bool = False):
     """The prefill-sized path of `moe_route` (same signature), at any token count."""
     require_triton()
-    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing)
+    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing, bias_rows)
     n_tok, dim = x.shape
     n_exp = gate_weight.shape[0]
     weights = torch.empty((n_tok, top_k), dtype=torch.float32, device=x.device)
@@ -641,6 +670,7 @@ def route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
         BLOCK_T=block_t, BLOCK_K=32, HASH=bool(hash_routing), num_warps=8,
         DOT_FP32=x.dtype == torch.float32 or gate_weight.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
+        BIAS_ROWS=bias_rows,
     )
     return weights, ids
 

@@ -110,7 +110,7 @@ def _route_logits_kernel(x_ptr, gw_ptr, part_ptr, n_tok, dim, n_exp, chunk_steps
 def _route_select_kernel(part_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
                          n_tok, n_exp, n_splits, scaling,
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                         HASH: tl.constexpr, PDL: tl.constexpr):
+                         HASH: tl.constexpr, BIAS_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Token t = program 0: logits = Σ_s partial[s, t] over a [S_PAD, E_PAD] tile, then `_route_pick`."""
     pdl_prologue(PDL)
     offs_t = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one token per program
@@ -122,19 +122,19 @@ def _route_select_kernel(part_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id
                    mask=(offs_s[:, None] < n_splits) & e_mask[None, :], other=0.0)
     logits = tl.sum(part, axis=0)[None, :]  # [1, E_PAD]
     _route_pick(logits, offs_t, offs_t < n_tok, offs_e, e_mask, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr,
-                id_out_ptr, scaling, TOP_K, K_PAD, 1, HASH)
+                id_out_ptr, scaling, n_exp, TOP_K, K_PAD, 1, HASH, BIAS_ROWS)
 
 
 def route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int, routed_scaling_factor: float,
-                 hash_routing: bool, tiles: RouteTiles | None = None):
+                 hash_routing: bool, bias_rows: bool = False, tiles: RouteTiles | None = None):
     """`moe.moe_route_ref` (same signature, plus the launch shape) as the two split-K kernels; any N
     works, `moe.moe_route` sends N <= ROUTE_DECODE_MAX_TOKENS here.
 
-    Shape: x [N, D]; gate_weight [E, D]; gate_bias [E] (score routing); tid2eid [V, K] and
-    token_ids [N] (hash routing). Returns weights [N, K] fp32 and ids [N, K] int32.
+    Shape: x [N, D]; gate_weight [E, D]; gate_bias [E] (score routing; [N, E] with `bias_rows`);
+    tid2eid [V, K] and token_ids [N] (hash routing). Returns weights [N, K] fp32 and ids [N, K] int32.
     """
     require_triton()
-    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing)
+    _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing, bias_rows)
     n_tok, dim = x.shape
     n_exp = gate_weight.shape[0]
     tiles = RouteTiles() if tiles is None else tiles
@@ -157,5 +157,6 @@ def route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int, r
         weights, ids, n_tok, n_exp, plan.splits, float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=plan.e_pad, S_PAD=plan.s_pad,
         HASH=bool(hash_routing), PDL=pdl, launch_pdl=pdl, num_warps=4 if plan.s_pad * plan.e_pad <= 4096 else 8,
+        BIAS_ROWS=bias_rows,
     )
     return weights, ids

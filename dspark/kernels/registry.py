@@ -55,6 +55,7 @@ _OP_MODULES: dict[str, str] = {
     "mhc_v41_pre": "mhc_v41",
     "mhc_v41_post_pre": "mhc_v41",
     "moe_route": "moe",
+    "moe_route_rows": "moe",
     "fused_moe": "moe",
     "moe_experts": "moe",
     "engram_gate": "engram_gate",
@@ -86,7 +87,7 @@ OPS: tuple[str, ...] = tuple(_OP_MODULES)
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
 # The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
 NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ()
+NOT_YET_ON_GPU: tuple[str, ...] = ("moe_route_rows",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,6 +141,7 @@ class KernelConfig:
     mhc_v41_pre: Impl = "ref"
     mhc_v41_post_pre: Impl = "ref"
     moe_route: Impl = "ref"
+    moe_route_rows: Impl = "ref"
     fused_moe: Impl = "ref"
     moe_experts: Impl = "ref"
     engram_gate: Impl = "ref"

@@ -206,6 +206,11 @@ def run_every_tile_class():
         hash_args = (torch.randint(0, 256, (10, 6), generator=g).to(DEVICE), torch.tensor([1, 7], device=DEVICE))
         moe_route_decode.route_decode(x, gate, torch.zeros(256, device=DEVICE), *(hash_args if hashed else (None, None)),
                                       top_k=6, routed_scaling_factor=1.5, hash_routing=hashed, tiles=tiles)
+    # One selection-bias row per token (`moe_route_rows`, V4.1's image spans): both router epilogues.
+    x, gate = x.bfloat16(), gate.bfloat16()
+    rows = torch.randn(2, 256, generator=g).to(DEVICE)
+    moe.moe_route_rows(x, gate, rows, None, None, top_k=6, routed_scaling_factor=1.5)
+    moe.route_prefill(x, gate, rows, None, None, top_k=6, routed_scaling_factor=1.5, hash_routing=False, bias_rows=True)
     for n_heads in (64, 32):  # V4-Flash and v4-mini attention: d 512, bf16
         q = torch.randn(2, n_heads, 512, generator=g).bfloat16().to(DEVICE)
         pool = torch.randn(40, 512, generator=g).bfloat16().to(DEVICE)

@@ -190,3 +190,57 @@ def test_route_decode_real_shapes_on_gpu(n_tok, dim, n_exp):
     torch.cuda.synchronize()
     eager = moe.moe_route(x, gate, bias, None, None, **kw)
     assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
+
+
+def token_bias(args, seed):
+    """`router_inputs`' args with one random selection-bias row per token ([N, E] fp32) in place of
+    the shared [E] bias: big enough that every row picks its own experts."""
+    x, gate, bias = args[:3]
+    g = torch.Generator().manual_seed(seed)
+    rows = bias.cpu() + torch.randn(x.shape[0], bias.shape[0], generator=g)
+    return (x, gate, rows.to(bias.device), *args[3:])
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("n_tok,dim,n_exp,top_k", CASES[::3])
+def test_moe_route_rows_matches_ref(n_tok, dim, n_exp, top_k, path, poisoned):
+    """`moe_route_rows`: each token selects with its own bias row (V4.1's image-span tokens use
+    `bias_vl`), on both router kernels; the picks follow the row, not the shared bias."""
+    args = token_bias(router_inputs(n_tok, dim, n_exp, top_k, torch.float32, seed=n_tok + dim), seed=n_tok)
+    kwargs = dict(top_k=top_k, routed_scaling_factor=1.5, hash_routing=False)
+    with poisoned():
+        if path == "decode":
+            weights, ids = moe.moe_route_rows(*args, **kwargs)
+        else:
+            weights, ids = moe.route_prefill(*args, **kwargs, bias_rows=True)
+    ref_w, ref_ids = moe.moe_route_rows_ref(*args, **kwargs)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, atol=1e-5, rtol=1e-5)
+    shared = moe.moe_route_ref(*args[:2], args[2][0], *args[3:], **kwargs)[1]  # every token with row 0's bias
+    assert n_tok == 1 or not torch.equal(ids, shared)
+
+
+def test_moe_route_rows_checks_its_bias():
+    args = router_inputs(3, 32, 8, 2, torch.float32, seed=0)
+    kwargs = dict(top_k=2, routed_scaling_factor=1.5)
+    with pytest.raises(ValueError, match=r"gate_bias must be \[N=3, E=8\]"):
+        moe.moe_route_rows_ref(*args, **kwargs)  # the shared [E] bias
+    with pytest.raises(ValueError, match=r"gate_bias must be \[E=8\]"):
+        moe.moe_route_ref(*token_bias(args, 0), **kwargs, hash_routing=False)
+    with pytest.raises(ValueError, match="score routing only"):
+        moe.moe_route_rows_ref(*token_bias(args, 0), **kwargs, hash_routing=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tok", [1, 8, 300])  # the decode router, and the prefill kernel above 256
+@pytest.mark.parametrize("dim,n_exp", [(2048, 64), (4096, 256)])
+def test_moe_route_rows_real_shapes_on_gpu(n_tok, dim, n_exp):
+    """bf16 at the real layer sizes, each token selecting with its own bias row: the expert sets agree
+    with the reference (a near-tie may flip a rare token), the weights where they agree."""
+    args = token_bias(router_inputs(n_tok, dim, n_exp, 6, torch.bfloat16, seed=n_tok), seed=n_tok)
+    kw = dict(top_k=6, routed_scaling_factor=2.5)
+    weights, ids = moe.moe_route_rows(*args, **kw)
+    ref_w, ref_ids = moe.moe_route_rows_ref(*args, **kw)
+    same = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1)
+    assert same.float().mean() >= 0.99
+    torch.testing.assert_close(weights[same], ref_w[same], atol=1e-5, rtol=1e-5)

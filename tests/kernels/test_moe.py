@@ -461,3 +461,37 @@ def test_v41_router_takes_the_fused_route_where_its_extras_are_identities():
         if name != "top_k":
             assert rel_err(layer(x, ids), layer.forward_ref(x, ids)) < 1e-4 and calls == [1]
         setattr(gate, name, old)
+
+
+@needs_triton
+@pytest.mark.parametrize("rows_impl", ["triton", "ref"])
+def test_v41_router_with_image_tokens_takes_the_per_token_route(rows_impl):
+    """With an image-token id, V4.1's gate selects with `bias_vl` on image tokens and `bias` elsewhere:
+    the layer then runs `moe_route_rows` with that [N, E] bias where the op is picked (and the gate
+    module where it is the reference), matching the layer's reference either way; the image tokens'
+    experts differ from what the text bias would pick."""
+    import dspark
+    from dspark.kernels import KernelConfig
+
+    fused = KernelConfig(fused_moe="triton", moe_route="triton", moe_experts="triton", moe_route_rows=rows_impl)
+    model = dspark.init_model("tiny-v41", seed=0, kernels=fused, prefill_mode="exact", cache_qat=False)
+    model.to(DEVICE)
+    layer = model.layers[0].ffn
+    gate = layer.gate
+    gate.image_token_id = 7
+    with torch.no_grad():
+        gate.bias.normal_(0, 0.1)
+        gate.bias_vl.copy_(-gate.bias * 20)  # image tokens avoid the experts text tokens favour
+    calls = []
+    for name in ("_route", "_route_rows"):
+        op = getattr(layer, name)
+        if op is not None:
+            setattr(layer, name, lambda *a, _op=op, _name=name, **k: calls.append(_name) or _op(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, model.config.hidden_size, generator=g).to(DEVICE)
+    ids = torch.tensor([7, 3, 7, 12], device=DEVICE)
+    assert rel_err(layer(x, ids), layer.forward_ref(x, ids)) < 1e-4
+    assert calls == (["_route_rows"] if rows_impl == "triton" else [])
+    _, experts = gate(x, ids)
+    _, text_experts = gate(x, torch.zeros_like(ids))
+    assert not torch.equal(experts[ids == 7], text_experts[ids == 7]) and torch.equal(experts[1], text_experts[1])

@@ -70,9 +70,10 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=torch.float32, device=device))
 
-    def fused_route_args(self) -> dict | None:
+    def fused_route_args(self, input_ids: torch.Tensor | None = None) -> dict | None:
         """The arguments besides (x, gate_weight, token_ids) with which the registry's `moe_route`
-        computes this router, or None where it cannot (another score function, no renormalising)."""
+        computes this router, or None where it cannot (another score function, no renormalising).
+        `input_ids` [N] is for gates whose bias depends on the token (V4.1's: `moe_route_rows`)."""
         if self.score_fn is not sqrtsoftplus or not self.renormalize:
             return None
         return dict(gate_bias=None if self.hashed else self.bias, tid2eid=self.tid2eid if self.hashed else None,
@@ -132,6 +133,8 @@ class MoE(nn.Module):
         if self.fused:
             self._route = get_op(kernels, "moe_route")
             self._experts_op = get_op(kernels, "moe_experts")
+            # gates with one bias row per token (V4.1's image spans): only where that op is picked
+            self._route_rows = get_op(kernels, "moe_route_rows") if kernels.moe_route_rows != "ref" else None
 
     def _tie(self, name: str, stacked: torch.Tensor) -> None:
         """Make expert e's `name` weight the view stacked[e]."""
@@ -187,8 +190,10 @@ class MoE(nn.Module):
         """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate
         (`Gate.fused_route_args`), else the gate module."""
         gate = self.gate
-        fused = gate.fused_route_args() if isinstance(gate, Gate) else None
+        ids = input_ids if self._route_rows is not None else None  # a per-token bias needs its op
+        fused = gate.fused_route_args(ids) if isinstance(gate, Gate) else None
         if fused is None:
             return gate(x, input_ids)
         bias, tid2eid = fused.pop("gate_bias"), fused.pop("tid2eid")
-        return self._route(x, gate.weight, bias, tid2eid, input_ids, **fused)
+        route = self._route_rows if bias is not None and bias.dim() == 2 else self._route
+        return route(x, gate.weight, bias, tid2eid, input_ids, **fused)

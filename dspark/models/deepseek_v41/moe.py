@@ -25,20 +25,26 @@ class Gate(V4Gate):
         self.image_token_id = config.image_token_id
         self.bias_vl = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32, device=device))
 
-    def fused_route_args(self) -> dict | None:
-        """V4's fused router computes this one where the extras are the identity: gate_temp 1, no
-        image tokens (the per-token bias), K > 1 (where this router renormalises, as `moe_route`
-        always does); else None (the module runs)."""
-        if self.gate_temp != 1 or self.image_token_id is not None or self.top_k == 1:
+    def fused_route_args(self, input_ids: torch.Tensor | None = None) -> dict | None:
+        """V4's fused router computes this one where gate_temp is 1 and K > 1 (where this router
+        renormalises, as `moe_route` always does). With an image-token id the selection bias is one
+        row per token, `bias_vl` on image tokens (gate_bias [N, E], for `moe_route_rows`): given
+        `input_ids` [N] only, else None (the module runs)."""
+        if self.gate_temp != 1 or self.top_k == 1 or (self.image_token_id is not None and input_ids is None):
             return None
-        return super().fused_route_args()
+        args = super().fused_route_args()
+        if self.image_token_id is not None:
+            args["gate_bias"] = self._token_bias(input_ids)
+        return args
+
+    def _token_bias(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[N, E] fp32: `bias_vl` on the image-token rows, `bias` elsewhere (the forward's selection bias)."""
+        return torch.where((input_ids == self.image_token_id).unsqueeze(-1), self.bias_vl, self.bias)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D], input_ids [N] -> (weights [N, K] fp32, expert ids [N, K] long)."""
         scores = self.score_fn(F.linear(x.float(), self.weight.float()) / self.gate_temp)  # [N, E]
-        bias = self.bias
-        if self.image_token_id is not None:
-            bias = torch.where((input_ids == self.image_token_id).unsqueeze(-1), self.bias_vl, self.bias)
+        bias = self.bias if self.image_token_id is None else self._token_bias(input_ids)
         experts = (scores + bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         # With K = 1 the reference keeps the raw score (renormalising would make every weight 1).
