@@ -216,9 +216,9 @@ def _route_pick(logits, offs_t, t_mask, offs_e, e_mask, bias_ptr, tid2eid_ptr, t
     if HASH:
         tok = tl.load(tok_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
     elif BIAS_ROWS:
-        bias2 = tl.load(bias_ptr + offs_t[:, None] * n_exp + offs_e[None, :], mask=t_mask[:, None] & e_mask[None, :],
-                        other=0.0)
-        sel = tl.where(e_mask[None, :], scores + bias2, -3.0e38)
+        token_bias = tl.load(bias_ptr + offs_t[:, None] * n_exp + offs_e[None, :],
+                             mask=t_mask[:, None] & e_mask[None, :], other=0.0)
+        sel = tl.where(e_mask[None, :], scores + token_bias, -3.0e38)
     else:
         bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
         sel = tl.where(e_mask[None, :], scores + bias[None, :], -3.0e38)
