@@ -118,8 +118,24 @@ def _read_config(path: Path) -> dict:
 
 def _placement(device: str | torch.device | None, dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
     """Default device CPU; default dtype: float32 on CPU (exact references, tests), bfloat16 on accelerators."""
-    device = torch.device(device or "cpu")
+    device = check_device(device or "cpu")
     return device, dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, or a ValueError naming it: not a device string, or a CUDA device
+    this machine does not have (torch's own errors there are an assertion and an opaque RuntimeError)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine "
+                             f"(torch {torch.__version__}); use --device cpu / device='cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def _load_tokenizer(path: Path):

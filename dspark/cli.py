@@ -21,6 +21,17 @@ def _draft_tokens(text: str):
     return text if text == "auto" else int(text)
 
 
+def _threads(text: str) -> int:
+    """--threads: a positive int (torch.set_num_threads raises an opaque RuntimeError otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
 def _generate(args) -> int:
     if args.ep > 1 or args.tp > 1:  # one rank of a torchrun launch
         from dspark.distributed.launch import generate_distributed
@@ -125,7 +136,7 @@ def _add_profile(sub) -> None:
     p.add_argument("--no-plain", action="store_true",
                    help="skip the plain steps (one token per request), the curve budget 0 is priced by")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    p.add_argument("--threads", type=_threads, default=1, help="CPU threads for torch")
     p.add_argument("--drafter", default=None, choices=("dspark", "mtp"),
                    help="also time this drafter's propose in every width probe: the table prices drafting "
                         "rounds against plain ones (what --draft-tokens auto needs to skip drafting)")
@@ -192,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="capacity table JSON from `dspark profile`, or a shipped name (e.g. h200-v4-mini-ctx4k), for --draft-tokens auto (default: the drafter's table for this device type, e.g. dspark-tiny's for CPUs, "
                         "else a synthetic CPU table)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    g.add_argument("--threads", type=int, default=1,
+    g.add_argument("--threads", type=_threads, default=1,
                    help="CPU threads for torch (default 1: the small models here lose time to thread hand-offs)")
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree (= torchrun's world size): each rank builds and reads only "

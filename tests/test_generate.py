@@ -135,3 +135,15 @@ def test_cli_drafts_by_default_with_the_models_own_drafter_and_equals_plain(caps
     assert rounds[1] == 47 and rounds[0] < 30  # the greedy tiny pair accepts most drafts
     assert main(["generate", "ab", "--model", "random-tiny", "--max-new-tokens", "6"]) == 0
     assert "5 rounds, tau 1.00" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,needle", [(["--threads", "0"], "--threads: must be a positive int, got '0'"),
+                                          (["--threads", "two"], "--threads: must be a positive int"),
+                                          (["--device", "gpu0"], "device 'gpu0' is not a torch device")])
+def test_cli_refuses_bad_threads_and_devices_with_a_clear_error(extra, needle, capsys):
+    """Bad --threads / --device exit with status 2 and a message naming the value (they used to end
+    in torch's RuntimeError / AssertionError tracebacks)."""
+    from dspark.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "Hello", "--max-new-tokens", "2", *extra])
+    assert exit_info.value.code == 2 and needle in capsys.readouterr().err

@@ -98,3 +98,19 @@ def test_missing_directory_config_or_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
     with pytest.raises(FileNotFoundError, match="neither model.safetensors nor model.safetensors.index.json"):
         api.load_model(tmp_path)
+
+
+def test_check_device_names_a_device_this_machine_lacks(monkeypatch):
+    """`load_model` / `init_model` placement: a bad device string, CUDA where torch has none, or a
+    CUDA index past the machine's count is a ValueError naming it (not torch's assertion)."""
+    check_device = api.check_device
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="'gpu0' is not a torch device"):
+        check_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="'cuda': CUDA is not available on this machine"):
+        api.init_model("tiny-v4", device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="'cuda:3': this machine has 1 CUDA device"):
+        check_device("cuda:3")
