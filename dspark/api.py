@@ -119,7 +119,18 @@ def _read_config(path: Path) -> dict:
 def _placement(device: str | torch.device | None, dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
     """Default device CPU; default dtype: float32 on CPU (exact references, tests), bfloat16 on accelerators."""
     device = check_device(device or "cpu")
-    return device, dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    return device, _dtype(dtype) or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch floating dtype, also by name ("bfloat16", "torch.float16"), as transformers takes it;
+    None stays None; anything else is a ValueError naming it."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:
+        raise ValueError(f"dtype must be a torch floating dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
+    return named
 
 
 def check_device(device: str | torch.device) -> torch.device:

@@ -89,6 +89,7 @@ def test_stops_at_eos(tiny):
     (dict(planner="magic", draft_tokens="auto"), "planner"),
     (dict(prefill_chunk=True), "prefill_chunk"),
     (dict(max_new_tokens=10**6), "max_position_embeddings"),
+    (dict(drafter="zzz"), "drafter must be None, one of"),  # refused even where no round drafts
 ])
 def test_bad_arguments_name_the_argument(tiny, kwargs, needle):
     with pytest.raises(ValueError, match=needle):

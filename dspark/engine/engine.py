@@ -36,7 +36,7 @@ from functools import partial
 
 import torch
 
-from dspark.draft import DSparkDrafter, MtpDrafter, resolve_drafter
+from dspark.draft import DRAFTER_NAMES, DSparkDrafter, MtpDrafter, resolve_drafter
 from dspark.draft.static_chain import noise_key
 from dspark.engine.draft_lookahead import DraftLookahead
 from dspark.engine.footprint import request_footprint
@@ -140,6 +140,8 @@ class EngineConfig:
         if self.planner not in PLANNERS:
             raise ValueError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
         check_draft_tokens(self.draft_tokens)
+        if isinstance(self.drafter, str) and self.drafter not in DRAFTER_NAMES:  # even where no round drafts
+            raise ValueError(f"drafter must be None, one of {DRAFTER_NAMES} or a Drafter, got {self.drafter!r}")
         for name in ("capacity", "capacity_sampled"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, CapacityTable):

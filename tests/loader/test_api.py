@@ -114,3 +114,13 @@ def test_check_device_names_a_device_this_machine_lacks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="'cuda:3': this machine has 1 CUDA device"):
         check_device("cuda:3")
+
+
+def test_dtype_by_name_or_a_clear_error():
+    """dtype may be named as transformers takes it ("bfloat16", "torch.float16"); a non-floating or
+    unknown dtype is a ValueError naming it (torch's own error came from deep inside the build)."""
+    model = api.init_model("tiny-v4", dtype="torch.bfloat16")
+    assert torch.bfloat16 in {p.dtype for p in model.parameters()}  # (the mHC parameters stay fp32)
+    for bad in ("int8", "bfloat17", torch.int32, 3):
+        with pytest.raises(ValueError, match="dtype must be a torch floating dtype"):
+            api.init_model("tiny-v4", dtype=bad)
