@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from static_step_checks import run_rounds  # noqa: E402
+from test_linear import record_launches  # noqa: E402 (tests/kernels is on sys.path: prepend mode)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,10 +63,8 @@ def test_static_v41_step_with_its_kernels_follows_the_reference(monkeypatch):
     count the kernel takes."""
     from dspark.kernels import linear
 
-    launches = []
-    launch = linear.launch_project_fp32
     monkeypatch.setattr(linear, "project_pays", lambda rows, width, n_in: 1 <= rows <= linear.PROJECT_MAX_ROWS)
-    monkeypatch.setattr(linear, "launch_project_fp32", lambda *a, **k: launches.append(k) or launch(*a, **k))
+    launches = record_launches(monkeypatch, "launch_project_fp32")
     ref, fused = _models("tiny-v41", prefill_mode="exact", cache_qat=False)
     outs = []
     for model in (ref, fused):
