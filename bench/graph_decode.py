@@ -49,7 +49,7 @@ import dspark  # noqa: E402
 from dspark.configs import NAMES, load_config  # noqa: E402
 from dspark.engine.graphs import StepGraph  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
-from dspark.kernels.registry import NOT_YET_ON_GPU  # noqa: E402
+from dspark.kernels.registry import NOT_YET_ON_GPU, OPS  # noqa: E402
 from dspark.models.deepseek_v4.static_state import StaticShape  # noqa: E402
 from dspark.models.deepseek_v4.static_step import StaticDecoder  # noqa: E402
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM  # noqa: E402
@@ -236,7 +236,10 @@ def main() -> None:
     ap.add_argument("--not-yet", action="store_true",
                     help="also run the kernels of registry.NOT_YET_ON_GPU (their first GPU timing)")
     ap.add_argument("--triton", default="",
-                    help="comma list of registry.NOT_YET_ON_GPU ops to run on Triton (one of --not-yet's)")
+                    help="comma list of registry ops to run on Triton (e.g. one of registry.NOT_YET_ON_GPU)")
+    ap.add_argument("--ref", default="",
+                    help="comma list of registry ops held on their torch references (A/B of a kernel against "
+                         "the path it replaced)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every Triton kernel without programmatic dependent launch (A/B of PDL)")
     ap.add_argument("--side-ab", action="store_true",
@@ -244,7 +247,7 @@ def main() -> None:
                          "(StaticDecoder(side_streams=)), in turn")
     ap.add_argument("--image-token-id", type=int, default=None,
                     help="V4.1 configs: set image_token_id (as the released checkpoint does): the gates then select "
-                         "with a per-token bias (the module, or `--triton moe_route_rows`), Engram skips that id")
+                         "with a per-token bias (`moe_route_rows`, or the module with `--ref moe_route_rows`), Engram skips that id")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="no weight prefetch before the PDL wait (triton_compat.pdl_prefetch; A/B of it)")
     cli = ap.parse_args()
@@ -283,11 +286,12 @@ def main() -> None:
     kernels = KernelConfig.for_device(device)
     if cli.not_yet and device.type == "cuda":
         kernels = dataclasses.replace(kernels, **{op: "triton" for op in NOT_YET_ON_GPU})
-    chosen = [op for op in cli.triton.split(",") if op]
-    if any(op not in NOT_YET_ON_GPU for op in chosen):
-        raise ValueError(f"--triton {cli.triton!r}: each op must be one of registry.NOT_YET_ON_GPU {NOT_YET_ON_GPU}")
-    if chosen and device.type == "cuda":
-        kernels = dataclasses.replace(kernels, **{op: "triton" for op in chosen})
+    for flag, impl in (("triton", "triton"), ("ref", "ref")):
+        chosen = [op for op in getattr(cli, flag).split(",") if op]
+        if any(op not in OPS for op in chosen):
+            raise ValueError(f"--{flag} {getattr(cli, flag)!r}: each op must be a registry op {OPS}")
+        if chosen and device.type == "cuda":
+            kernels = dataclasses.replace(kernels, **{op: impl for op in chosen})
     model = dspark.init_model(config, seed=0, device=device, dtype=dtype, kernels=kernels, **options)
     g = torch.Generator(device=device).manual_seed(0)
     roofline = active_bytes(model, args["context"])

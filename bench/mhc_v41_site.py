@@ -4,20 +4,20 @@ at a few tokens against the unsplit pass, at decode sizes on one GPU.
     PYTHONPATH=. python bench/mhc_v41_site.py --out $OUT/mhc-v41-site-h200.json   # one H200, ~1-2 min
     PYTHONPATH=. python bench/mhc_v41_site.py --smoke --out /tmp/mhc-v41-site.json  # CPU interpreter, tiny D
 
-Per N (1, 4, 8 tokens) at D = 2048 (v41-mini), bf16 streams, 4 streams:
+Per N (`--tokens`, default 1, 4, 8) at D = 2048 (v41-mini), bf16 streams, 4 streams:
 
 * check: each path's outputs (pre: pre, post, comb, h; post_pre: y and those) against the references
   (‖Δ‖/‖ref‖, largest over the outputs), and whether the split path's h and y equal the unsplit
   ones bit for bit (the collapse u does by construction; h may differ by the Σu² partials' order).
 * time: µs per site of a CUDA graph of 12 × (mhc_v41_pre, mhc_v41_post_pre) = 24 sites, distinct
   parameters per site, median of `--reps` replays. Paths: `unsplit` (mhc_v41.SPLIT_STREAMS_MAX_TOKENS
-  = 0, the pass before the split), `shipped` (the module's threshold, 4), `before` and
+  = 0, the pass before the split), `shipped` (the module's threshold), `before` and
   `split_noprefetch` (unsplit / shipped with triton_compat.PREFETCH off: the statistics pass's L2
   prefetch of fn before its PDL wait came with the split; `before` is the kernel as it was, but for
   the epilogue's vectorised Σu² reduce), and where N is above the threshold `split_forced`
-  (threshold N: would the split still pay at 8 tokens?). `--block-d` adds split-path
-  variants of the statistics tiles (PRE/POST_PRE D-block widths, the shipped decode tiles are 64/32,
-  and optionally the warps, shipped 8): narrower blocks mean more D-splits (more programs, more
+  (threshold N: would the split still pay there?). `--block-d` adds split-path variants of the
+  statistics tiles (PRE/POST_PRE D-block widths, and optionally the warps and the token rows; the
+  shipped ones are `mhc_v41._v41_tiles`'): narrower blocks mean more D-splits (more programs, more
   partials for the one-round epilogue); a split program holds one stream, so fewer warps may do.
 
 The module constants are rebound in this process only (as bench/mhc_norm_site.py does for V4).

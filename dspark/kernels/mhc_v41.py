@@ -273,10 +273,12 @@ def _v41_epilogue_kernel(
 
 # Up to this many tokens the statistics pass splits the HC streams over programs too (`_v41_stats_kernel`
 # SPLIT_STREAMS) and the epilogue takes one token per program, reducing every partial in one round.
-# With the 64-wide D-blocks of `_v41_tiles` the split pays up to 8 tokens: per site (pre + post_pre
-# mean, D = 2048, one H200, `bench/gpu_session28.sh a`, mhc-v41-tiles-h200-s28.json) 7.6 µs at 8
-# tokens against 17.2 unsplit. bench/mhc_v41_site.py sets 0 to time the unsplit pass.
-SPLIT_STREAMS_MAX_TOKENS = 8
+# With the 16-token, 64-wide tiles of `_v41_tiles` the split pays up to 32 tokens (a verify block of 4
+# for 8 requests): per site (pre + post_pre mean, D = 2048) 7.6 µs at 8 tokens against 17.2 unsplit (one
+# H200, mhc-v41-tiles-h200-s28.json), 7.7 / 9.3 µs at 16 / 32 tokens against 13.3 / 13.6 (one H100,
+# `bench/gpu_session29.sh b`, mhc-v41-split-past8-h100-s29.json). bench/mhc_v41_site.py sets 0 to time
+# the unsplit pass.
+SPLIT_STREAMS_MAX_TOKENS = 32
 
 
 def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
@@ -284,14 +286,18 @@ def _v41_tiles(n_tok: int, fused: bool) -> tuple[int, int, int]:
     rows for tl.dot; more rows re-read fn from L2 less often), but the collapse keeps one more
     [BT, BD] fp32 tile live, so the tiles are smaller: the largest that compile for sm_90 without
     register spills (checked by tests/kernels/test_compile_sm90.py)."""
-    # A split program holds one stream's loads: 4 warps (unsplit: 8). Its D-block is 64 wide at both
-    # sites. Per site at 1 / 4 / 8 tokens (one H200, mhc-v41-tiles-h200-s28.json): 7.15 / 7.41 / 7.60 µs,
+    # A split program holds one stream's loads: 16 token rows, a 64-wide D-block at both sites, 4 warps.
+    # Per site at 1 / 4 / 8 tokens (one H200, mhc-v41-tiles-h200-s28.json): 7.15 / 7.41 / 7.60 µs,
     # against 10.24 / 12.17 µs with the post_pre site's former 32-wide blocks (twice the programs and
-    # the partials its epilogue reduces; 8 tokens ran unsplit, 17.2 µs); 128-wide 8.1-8.7, 2 warps 7.4-8.1.
+    # the partials its epilogue reduces); 128-wide 8.1-8.7, 2 warps 7.4-8.1. At 32 tokens 32-row
+    # tiles ran 10.3 µs against 9.3 (mhc-v41-split-past8-h100-s29.json).
+    if n_tok <= SPLIT_STREAMS_MAX_TOKENS:
+        return 16, 64, 4
+    # Unsplit (past the threshold, or with it at 0 in bench/mhc_v41_site.py): up to 8 tokens 8 warps.
     if n_tok <= 8:
-        return 16, 64, 4 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 8
-    # More tokens (verify blocks, many requests, the drafter's γ rows each): 32-token tiles at 4 warps
-    # read fn half as often and keep more programs per SM; per site (pre + post_pre mean, D = 2048,
+        return 16, 64, 8
+    # More tokens (verify blocks of many requests, prefill): 32-token tiles at 4 warps read fn half as
+    # often and keep more programs per SM; per site (pre + post_pre mean, D = 2048,
     # `bench/mhc_v41_site.py --tokens 64,256 --unsplit-variants`, mhc-v41-tokens-h200.json) 26.7 -> 14.7 µs
     # at 64 tokens and 91.9 -> 20.5 µs at 256 against the 16-token, 8-warp tiles.
     return (32, 32, 4) if fused else (32, 64, 4)

@@ -82,12 +82,13 @@ _OP_MODULES: dict[str, str] = {
     "slot_noise": "slot_noise",
 }
 OPS: tuple[str, ...] = tuple(_OP_MODULES)
+# The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
+NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
 # with an explicit KernelConfig (e.g. `KernelConfig.for_device("cuda")` replaced with
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
-# The V4 mHC sites with the sublayer RMSNorm folded in -> the site op they replace (`norm_folded_op`).
-NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "mhc_post_pre"}
-NOT_YET_ON_GPU: tuple[str, ...] = ("moe_route_rows",)
+# Empty since the twenty-ninth session (`moe_route_rows` ran on an H100: bench/gpu_session29.sh a).
+NOT_YET_ON_GPU: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)

@@ -135,7 +135,8 @@ def test_fused_collapses_with_the_carried_pre_not_its_own():
 
 @needs_triton
 @pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(1, 4, 1100, torch.float32), (3, 4, 256, torch.bfloat16),
-                                                  (4, 3, 200, torch.float32), (8, 4, 256, torch.bfloat16)])
+                                                  (4, 3, 200, torch.float32), (8, 4, 256, torch.bfloat16),
+                                                  (32, 4, 512, torch.bfloat16)])
 def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, dtype, monkeypatch, poisoned):
     """Up to SPLIT_STREAMS_MAX_TOKENS tokens each statistics program takes one stream of one split
     (HC × splits GEMM partials, one Σu² partial per split; here several D-splits of several D-blocks
@@ -147,13 +148,16 @@ def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, dtype, mon
     f, _, post, comb = finished_site(n_tok, n_hc, dim, dtype, seed=9)
     for fused in (None, (f, post, comb, torch.empty_like(x))):
         u, dpart, sqpart, uqpart = mhc_v41._launch_stats(x, pre_in, params[0], fused)
-        n_dblocks = -(-dim // mhc_v41._v41_tiles(n_tok, fused is not None)[1])  # the decode tiles' BLOCK_D
-        splits = min(n_dblocks, -(-32 // n_hc))
+        block_t, block_d, _ = mhc_v41._v41_tiles(n_tok, fused is not None)  # the split tiles
+        n_dblocks, n_tblocks = -(-dim // block_d), -(-n_tok // block_t)
+        splits = min(n_dblocks, -(-32 // (n_tblocks * n_hc)))
         assert dpart.shape[0] == sqpart.shape[0] == n_hc * splits and uqpart.shape[0] == splits
         with monkeypatch.context() as unsplit:
             unsplit.setattr(mhc_v41, "SPLIT_STREAMS_MAX_TOKENS", 0)
+            block_t, block_d, _ = mhc_v41._v41_tiles(n_tok, fused is not None)  # the unsplit tiles
             u_unsplit, dpart_unsplit, *_ = mhc_v41._launch_stats(x, pre_in, params[0], fused)
-        assert dpart_unsplit.shape[0] == min(n_dblocks, 32) and torch.equal(u, u_unsplit)
+        assert dpart_unsplit.shape[0] == min(-(-dim // block_d), -(-32 // -(-n_tok // block_t)))
+        assert torch.equal(u, u_unsplit)
     with poisoned():
         got = mhc_v41.mhc_v41_pre(x, pre_in, *params, **EPS)
     for out, want in zip(got, mhc_v41.mhc_v41_pre_ref(x, pre_in, *params, **EPS)):
@@ -168,7 +172,7 @@ def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, dtype, mon
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_tok", [1, 8, 64, 512])
+@pytest.mark.parametrize("n_tok", [1, 8, 32, 64, 512])
 @pytest.mark.parametrize("dim", [2048, 4096])
 def test_real_shapes_on_gpu(n_tok, dim):
     eps = dict(EPS, rms_eps=1e-20)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU steps of the twenty-ninth session, for one H100 or H200 (every JSON names its card):
+#
+#   run(command="bash bench/gpu_session29.sh c; bash bench/gpu_session30.sh a", kind="nvidia-h200",
+#       carry=[".whl"])                                             # ≈ 5 min, H200 (s29 c needs one)
+#   git show 284cc41:dspark/kernels/mhc_v41.py > .ab/mhc_v41_old.py   # on this machine first
+#   run(command="bash bench/gpu_session30.sh b", carry=[".ab"])    # ≈ 6 min
+#
+# a: the v4-mini graph step at one request profiled without PDL (per-kernel attribution: launches and
+#    µs per kernel name), the launch list the next fusions of issue 7 pick from.
+# b: with `moe_route_rows` on by default and V4.1's mHC split over the streams up to 32 tokens (it was
+#    8; `bench/gpu_session29.sh b`: 13.3 -> 7.7 µs per site at 16 tokens, 13.6 -> 9.3 at 32): the GPU
+#    tests of mhc_v41 (real shapes now include 32 tokens) and of V4.1's static graph, then the v41-mini
+#    graph step at 4 and 8 requests with 4-token verify blocks (16 and 32 rows, `--image-token-id 7`)
+#    with mhc_v41.py as committed and as it was (`.ab/mhc_v41_old.py`), twice in alternation.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step, swap
+
+part_a() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  step a_v4_profile 150 --requests 1 --profile --no-pdl
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests b_tests 200 tests/kernels/test_mhc_v41.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  local round side
+  for round in 1 2; do
+    for side in new old; do
+      swap "$side" dspark/kernels/mhc_v41.py
+      step "b_v41_verify_${side}_$round" 100 --config v41-mini --requests 4,8 --tokens 4 --image-token-id 7
+    done
+    swap new dspark/kernels/mhc_v41.py
+  done
+}
+
+dispatch session30 "${1:-}"
