@@ -50,6 +50,7 @@ from dspark.configs import NAMES, load_config  # noqa: E402
 from dspark.engine.graphs import StepGraph  # noqa: E402
 from dspark.kernels import KernelConfig  # noqa: E402
 from dspark.kernels.registry import NOT_YET_ON_GPU, OPS  # noqa: E402
+from dspark.models.deepseek_v4.side_stream import MAX_LANES  # noqa: E402
 from dspark.models.deepseek_v4.static_state import StaticShape  # noqa: E402
 from dspark.models.deepseek_v4.static_step import StaticDecoder  # noqa: E402
 from dspark.models.deepseek_v41.model import DeepseekV41ForCausalLM  # noqa: E402
@@ -155,16 +156,17 @@ def op_sites(fn, top: int = 40) -> dict:
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False,
          side_ab: bool = False) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context; with `side_ab` also
-    the graphs of decoders with 2, 1 and 0 side streams (`side_streams=`) over the same state, timed
-    in turn."""
+    the graphs of decoders with 3, 2, 1 and 0 side streams (`side_streams=`; the third lane carries
+    V4.1's mHC mixes) over the same state, timed in turn."""
     device, context = model.device, args["context"]
     n_tok = args["tokens"]
     shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=n_tok)
     family = StaticDecoderV41 if isinstance(model, DeepseekV41ForCausalLM) else StaticDecoder
     decoder = family(model, shape)
     graph = StepGraph(decoder, n_tok) if graphs else None  # before loading: its warm-up writes every slot
-    # --side-ab: decoders with 2, 1 and 0 side streams (`StaticDecoder(side_streams=)`) besides the default one
-    others = {lanes: family(model, shape, side_streams=lanes) for lanes in ((2, 1, 0) if graphs and side_ab else ())}
+    # --side-ab: decoders with 3, 2, 1 and 0 side streams (`StaticDecoder(side_streams=)`) besides the default one
+    lane_counts = tuple(range(MAX_LANES, -1, -1)) if graphs and side_ab else ()
+    others = {lanes: family(model, shape, side_streams=lanes) for lanes in lane_counts}
     other_graphs = {lanes: StepGraph(other, n_tok) for lanes, other in others.items()}
     vocab, token_map = model.config.vocab_size, _token_map(model)
     states = [fabricate_state(model.new_state(), context, g, vocab, token_map) for _ in range(n_req)]
@@ -190,7 +192,7 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
     if graph is not None:
         row["graph_max_abs_diff"] = (graph.replay(ids, starts) - reference).abs().max().item()
         row["graph_ms"] = timed(graph.replay, device, args["warmup"], args["steps"])
-    if other_graphs:  # three rounds over (2, 1, 0 side streams), each graph's time the median of its three
+    if other_graphs:  # three rounds over (3, 2, 1, 0 side streams), each graph's time the median of its three
         reference_graph = graph.replay(ids, starts).clone()
         row["side_lanes_equal"] = all(torch.equal(g_.replay(ids, starts), reference_graph)
                                       for g_ in other_graphs.values())
@@ -200,7 +202,8 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
                 times[lanes].append(timed(g_.replay, device, args["warmup"], args["steps"]))
         for lanes in other_graphs:
             row[f"graph_ms_{lanes}_side_streams"] = statistics.median(times[lanes])
-        row["side_streams_speedup"] = row["graph_ms_0_side_streams"] / row["graph_ms_2_side_streams"]
+        row["side_streams_speedup"] = row["graph_ms_0_side_streams"] / row[f"graph_ms_{MAX_LANES}_side_streams"]
+        row["mix_lane_speedup"] = row["graph_ms_2_side_streams"] / row["graph_ms_3_side_streams"]
     if profile:
         target = graph.replay if graph is not None else (lambda: decoder.step(ids, starts))
         row["profile"] = kernel_profile(target, device, args["steps"])
@@ -243,7 +246,7 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every Triton kernel without programmatic dependent launch (A/B of PDL)")
     ap.add_argument("--side-ab", action="store_true",
-                    help="also time the graphs of decoders with 2, 1 and 0 side streams "
+                    help="also time the graphs of decoders with 3, 2, 1 and 0 side streams "
                          "(StaticDecoder(side_streams=)), in turn")
     ap.add_argument("--image-token-id", type=int, default=None,
                     help="V4.1 configs: set image_token_id (as the released checkpoint does): the gates then select "

@@ -127,11 +127,17 @@ def main() -> None:
                     help="comma list of PRE/POST[/SPLIT] variants of the statistics tiles up to 8 tokens, timed on "
                          "the fused path: the warps of the pre and post_pre sites' 16 x 64 tiles and optionally "
                          "mhc.SPLIT_STREAMS_MAX_TOKENS (shipped: 4/8 and 4)")
+    ap.add_argument("--sinkhorn-iters", type=int, default=EPS["sinkhorn_iters"],
+                    help="Sinkhorn iterations of every site (V4: 20); fewer prices the Sinkhorn's share of a site")
     cli = ap.parse_args()
+    if cli.sinkhorn_iters < 1:
+        raise ValueError(f"--sinkhorn-iters must be >= 1, got {cli.sinkhorn_iters}")
+    EPS["sinkhorn_iters"] = cli.sinkhorn_iters  # this process only
     g = torch.Generator().manual_seed(0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     results = {"conditions": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
-                              "dtype": "bfloat16", "sites_per_graph": 24, "reps": cli.reps}, "check": [], "time": []}
+                              "dtype": "bfloat16", "sites_per_graph": 24, "reps": cli.reps,
+                              "sinkhorn_iters": cli.sinkhorn_iters}, "check": [], "time": []}
     tokens = [int(t) for t in cli.tokens.split(",")]
     dims = [int(d) for d in cli.dims.split(",")]
     for n in tokens:

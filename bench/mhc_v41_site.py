@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--unsplit-variants", action="store_true",
                    help="time the --block-d variants on the shipped path (unsplit above its threshold: many tokens)")
     p.add_argument("--sites", type=int, default=24, help="mHC sites per graph (half pre, half post_pre)")
+    p.add_argument("--sinkhorn-iters", type=int, default=EPS["sinkhorn_iters"],
+                   help="Sinkhorn iterations of every site (V4.1: 20); fewer prices the Sinkhorn's share of a site")
     p.add_argument("--smoke", action="store_true",
                    help="CPU interpreter, D = 64, fp32, 2 sites, N = 1 and 8, one wall-clock step (checks the script)")
     return p.parse_args(argv)
@@ -168,6 +170,9 @@ def site_us(path: Variant, n: int, dim: int, dtype: torch.dtype, g: torch.Genera
 def run(args) -> dict:
     from dspark.kernels import mhc_v41
 
+    if args.sinkhorn_iters < 1:
+        raise ValueError(f"--sinkhorn-iters must be >= 1, got {args.sinkhorn_iters}")
+    EPS["sinkhorn_iters"] = args.sinkhorn_iters  # this process only
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     dim = 64 if args.smoke else args.dim
@@ -188,6 +193,7 @@ def run(args) -> dict:
                              "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
                              "dtype": str(dtype).removeprefix("torch."), "dim": dim, "n_hc": N_HC,
                              "sites_per_graph": sites, "reps": args.reps, "smoke": args.smoke,
+                             "sinkhorn_iters": args.sinkhorn_iters,
                              "split_streams_max_tokens": shipped,
                              "shipped_block_d": [mhc_v41._v41_tiles(1, False)[1], mhc_v41._v41_tiles(1, True)[1]]},
               "check": [], "time": []}

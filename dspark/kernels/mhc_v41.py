@@ -76,7 +76,7 @@ def _rms_norm_ref(u: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 def mhc_v41_pre_ref(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
                     scale: torch.Tensor, norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float,
-                    sinkhorn_iters: int, norm_eps: float):
+                    sinkhorn_iters: int, norm_eps: float, mixes_on=None):
     """V4.1 single-pass mHC pre site (spec §4), in the op order of the model's torch path
     (`stream_mixes`, `split_mixes`, `collapse`, `RMSNorm` of deepseek_v4/{mhc,norm}.py).
 
@@ -87,7 +87,9 @@ def mhc_v41_pre_ref(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, bas
     fn : [(2+H)·H, H·D] fp32; base : [(2+H)·H] fp32; scale : [3] fp32 -- the site's mHC parameters.
     norm_weight : [D] fp32 -- the sublayer's RMSNorm weight (attn_norm / ffn_norm).
     rms_eps : eps of the mix statistic; hc_eps : eps of pre/comb and Sinkhorn; sinkhorn_iters :
-    column normalisations; norm_eps : eps of the sublayer RMSNorm.
+    column normalisations; norm_eps : eps of the sublayer RMSNorm. mixes_on : where the fused op
+    launches the mixes (a context-manager factory, e.g. a side stream's fork); the reference runs
+    everything in order and takes it only for the same signature.
 
     Returns
     -------
@@ -106,7 +108,7 @@ def mhc_v41_pre_ref(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, bas
 def mhc_v41_post_pre_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                          pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                          norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
-                         norm_eps: float):
+                         norm_eps: float, mixes_on=None):
     """Y = post ⊗ f + combᵀ X (the model's `hc_post` op order), then `mhc_v41_pre_ref` on Y.
 
     Shape: f [N, D] sublayer output; x [N, H, D]; post [N, H], comb [N, H, H] of the site just run;
@@ -243,29 +245,33 @@ def _v41_epilogue_kernel(
     u_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, uqpart_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
     n_tok, dim, n_parts, u_parts, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h tile [BLOCK_T, BLOCK_D] = RMSNorm(u) from the u_parts Σu² partials; D-block 0 also reduces
-    the n_parts GEMM / Σx̂² partials (`mhc._block_mixes`) and stores pre/post/comb of its tokens."""
+    """NORM: h tile [BLOCK_T, BLOCK_D] = RMSNorm(u) from the u_parts Σu² partials. MIXES: D-block 0
+    reduces the n_parts GEMM / Σx̂² partials (`mhc._block_mixes`: sigmoids, Sinkhorn) and stores
+    pre/post/comb of its tokens. Both is the one-launch epilogue; apart, the mixes may run on another
+    stream beside the sublayer, which reads h only (`_launch_epilogue`)."""
     pdl_prologue(PDL)
     pid_d = tl.program_id(1)
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
-    uq = _sum_partials(uqpart_ptr, offs_t, t_mask, n_tok, u_parts, BLOCK_T, SPLIT_BLOCK)
-    r = tl.rsqrt(uq / dim + norm_eps)  # [BT]
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < dim
-    td_mask = t_mask[:, None] & d_mask[None, :]
-    u = tl.load(u_ptr + offs_t[:, None] * dim + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    h = w[None, :] * (u * r[:, None])
-    tl.store(h_ptr + offs_t[:, None] * dim + offs_d[None, :], h.to(h_ptr.dtype.element_ty), mask=td_mask)
-    if pid_d == 0:
-        _, _, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok, dim,
-                                          n_parts, rms_eps, hc_eps, sinkhorn_iters, True, HC, HC_PAD, MIX_PAD,
-                                          BLOCK_T, SPLIT_BLOCK)
-        offs_j = tl.arange(0, HC_PAD)
-        tl.store(pre_ptr + offs_t[:, None] * HC + offs_j[None, :], pre, mask=tj_mask)
+    if NORM:
+        uq = _sum_partials(uqpart_ptr, offs_t, t_mask, n_tok, u_parts, BLOCK_T, SPLIT_BLOCK)
+        r = tl.rsqrt(uq / dim + norm_eps)  # [BT]
+        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < dim
+        td_mask = t_mask[:, None] & d_mask[None, :]
+        u = tl.load(u_ptr + offs_t[:, None] * dim + offs_d[None, :], mask=td_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        h = w[None, :] * (u * r[:, None])
+        tl.store(h_ptr + offs_t[:, None] * dim + offs_d[None, :], h.to(h_ptr.dtype.element_ty), mask=td_mask)
+    if MIXES:
+        if pid_d == 0:
+            _, _, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok,
+                                              dim, n_parts, rms_eps, hc_eps, sinkhorn_iters, True, HC, HC_PAD,
+                                              MIX_PAD, BLOCK_T, SPLIT_BLOCK)
+            offs_j = tl.arange(0, HC_PAD)
+            tl.store(pre_ptr + offs_t[:, None] * HC + offs_j[None, :], pre, mask=tj_mask)
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -334,9 +340,11 @@ def _launch_stats(src, pin, fn, fused=None, tiles=None):
     return u, dpart, sqpart, uqpart
 
 
-def _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps: dict, n_hc: int):
+def _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps: dict, n_hc: int, mixes_on=None):
     """(pre [N, H], post [N, H], comb [N, H, H] fp32, h [N, D] u.dtype) from the collapse u [N, D] and
-    the statistics partials of `_launch_stats`."""
+    the statistics partials of `_launch_stats`. With `mixes_on` (a context-manager factory, e.g. a
+    side stream's fork) h is one launch on the current stream and the mixes another under
+    `mixes_on()`: the caller joins that stream before it reads pre, post or comb."""
     n_tok, dim = u.shape
     dev = u.device
     pre = torch.empty((n_tok, n_hc), device=dev, dtype=torch.float32)
@@ -345,41 +353,55 @@ def _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps: di
     h = torch.empty((n_tok, dim), device=dev, dtype=u.dtype)
     # one token per program where the statistics split the streams (few tokens, many partials)
     block_t, block_d = (1 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 4), min(256, triton.next_power_of_2(dim))
-    grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
-    pdl = pdl_launch(dev, math.prod(grid))
-    _v41_epilogue_kernel[grid](
-        u, norm_weight, h, dpart, sqpart, uqpart, base, scale, pre, post, comb, n_tok, dim, dpart.shape[0],
-        uqpart.shape[0], float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
-        int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
-        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl, launch_pdl=pdl,
-    )
+    args = (u, norm_weight, h, dpart, sqpart, uqpart, base, scale, pre, post, comb, n_tok, dim, dpart.shape[0],
+            uqpart.shape[0], float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
+            int(eps["sinkhorn_iters"]))
+    consts = dict(HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2], BLOCK_T=block_t,
+                  BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t))
+
+    def launch(d_blocks: int, norm: bool, mixes: bool) -> None:
+        grid = (triton.cdiv(n_tok, block_t), d_blocks)
+        pdl = pdl_launch(dev, math.prod(grid))
+        _v41_epilogue_kernel[grid](*args, **consts, NORM=norm, MIXES=mixes, PDL=pdl, launch_pdl=pdl)
+
+    if mixes_on is None:
+        launch(triton.cdiv(dim, block_d), True, True)
+        return pre, post, comb, h
+    with mixes_on():  # first, so that they wait for the statistics only
+        launch(1, False, True)
+        if dev.type == "cuda":  # the partials were made on the caller's stream: none reused before read
+            dpart.record_stream(torch.cuda.current_stream(dev))
+            sqpart.record_stream(torch.cuda.current_stream(dev))
+    launch(triton.cdiv(dim, block_d), True, False)
     return pre, post, comb, h
 
 
-def _launch(src, pin, fn, base, scale, norm_weight, eps: dict, fused=None):
+def _launch(src, pin, fn, base, scale, norm_weight, eps: dict, fused=None, mixes_on=None):
     """Both launches over `src` [N, H, D] (or, with `fused` = (f, post, comb, y), over the Y tiles
     computed from src and written to y). Returns (pre, post, comb, h)."""
     u, dpart, sqpart, uqpart = _launch_stats(src, pin, fn, fused)
-    return _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps, src.shape[1])
+    return _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps, src.shape[1], mixes_on)
 
 
 def mhc_v41_pre(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
                 scale: torch.Tensor, norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float,
-                sinkhorn_iters: int, norm_eps: float):
-    """Fused `mhc_v41_pre_ref` (same signature, shapes and dtypes): one pass over x + epilogue."""
+                sinkhorn_iters: int, norm_eps: float, mixes_on=None):
+    """Fused `mhc_v41_pre_ref` (same signature, shapes and dtypes): one pass over x + epilogue (with
+    `mixes_on`, the mixes launched under it: `_launch_epilogue`)."""
     require_triton()
     _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     _check_v41_args(x, pre_in, norm_weight)
     eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
     return _launch(x.contiguous(), pre_in.contiguous(), fn.contiguous(), base.contiguous(), scale.contiguous(),
-                   norm_weight.contiguous(), eps)
+                   norm_weight.contiguous(), eps, mixes_on=mixes_on)
 
 
 def mhc_v41_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                      pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                      norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
-                     norm_eps: float):
-    """Fused `mhc_v41_post_pre_ref`: Y written, and its statistics and collapse taken, in one pass."""
+                     norm_eps: float, mixes_on=None):
+    """Fused `mhc_v41_post_pre_ref`: Y written, and its statistics and collapse taken, in one pass
+    (`mixes_on` as `mhc_v41_pre`'s)."""
     require_triton()
     _check_post_args(f, x, post, comb)
     _check_pre_args(x, fn, base, scale, sinkhorn_iters)
@@ -389,4 +411,4 @@ def mhc_v41_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb:
     fused = (f.contiguous(), post.float().contiguous(), comb.float().contiguous(), y)
     eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
     return (y, *_launch(x, pre_in.contiguous(), fn.contiguous(), base.contiguous(), scale.contiguous(),
-                        norm_weight.contiguous(), eps, fused=fused))
+                        norm_weight.contiguous(), eps, fused=fused, mixes_on=mixes_on))

@@ -29,11 +29,11 @@ def test_static_step_graph_replay_equals_eager_without_sync(gather):
 @torch.no_grad()
 def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
     """`StaticDecoder(side_streams=2)` runs each layer's compressors (V4: both of a CSA layer; V4.1: a
-    KV source's publishing) on one side stream and its kv projection and indexer queries on another,
-    and its logits, eager and replayed from a graph, equal the 1-lane and single-stream decoders' bit
-    for bit over verify and decode rounds."""
+    KV source's publishing) on one side stream and its kv projection and indexer queries on another
+    (V4.1 with 3: every mHC site's mixes on a third), and its logits, eager and replayed from a graph,
+    equal the 2-, 1-lane and single-stream decoders' bit for bit over verify and decode rounds."""
     from dspark.engine.graphs import StepGraph
-    from dspark.models.deepseek_v4 import static_step
+    from dspark.models.deepseek_v4 import side_stream, static_step
     from dspark.models.deepseek_v4.static_state import StaticShape
     from dspark.models.deepseek_v41 import static_step as static_step_v41
 
@@ -55,7 +55,11 @@ def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
                             seen.append((kind, torch.cuda.current_stream())) or f(*a, **k))
     lengths = (5, 21)
     g = torch.Generator().manual_seed(1)
-    decoders = [decoder_cls(model, StaticShape(slots=2, max_context=96, tokens=4), side_streams=n) for n in (2, 1, 0)]
+    forks = []  # the lanes forked onto
+    fork = side_stream.SideStreams.fork
+    monkeypatch.setattr(side_stream.SideStreams, "fork", lambda self, lane: forks.append(lane) or fork(self, lane))
+    decoders = [decoder_cls(model, StaticShape(slots=2, max_context=96, tokens=4), side_streams=n)
+                for n in (3, 2, 1, 0)]
     graphs = [StepGraph(decoder, 4) for decoder in decoders]
     for slot, n in enumerate(lengths):
         state = model.new_state()
@@ -69,14 +73,18 @@ def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
         eager = []
         for decoder in decoders:
             seen.clear()
+            forks.clear()
             eager.append(decoder.step(ids, dev_starts))
+            # V4.1: 2 sites per layer, each with its mixes on the MIX lane where the decoder has one
+            n_mixes = 2 * len(model.layers) if family == "v41" and len(decoder.side.streams) > 2 else 0
+            assert forks.count(side_stream.MIX) == n_mixes
             lanes = [s for s in decoder.side.streams]
             kinds = {kind for kind, _ in seen}
             assert kinds == {"compress", "kv", "queries"}
             for kind, stream in seen:
                 lane = 0 if kind == "compress" else 1
                 assert stream == (lanes[lane] if lane < len(lanes) else main), (len(lanes), kind)
-        assert torch.equal(eager[0], eager[1]) and torch.equal(eager[0], eager[2])
+        assert all(torch.equal(eager[0], other) for other in eager[1:])
         replayed = [graph.replay(ids, dev_starts).clone() for graph in graphs]
         assert all(torch.equal(r, eager[0]) for r in replayed)
         starts = starts + 1 + round_ % 4  # accept 1..4 of the 4 tokens fed

@@ -99,8 +99,8 @@ def test_static_step_rejects_bad_inputs(model):
         StaticShape(slots=1, max_context=8, tokens=0)
     with pytest.raises(ValueError, match="slots=2.0"):
         StaticShape(slots=2.0, max_context=8, tokens=1)
-    for bad in (3, -1, True, "2"):
-        with pytest.raises(ValueError, match=rf"side streams must be an int in \[0, 2\], got {bad!r}"):
+    for bad in (4, -1, True, "2"):
+        with pytest.raises(ValueError, match=rf"side streams must be an int in \[0, 3\], got {bad!r}"):
             StaticDecoder(model, StaticShape(slots=1, max_context=8, tokens=1), side_streams=bad)
     assert decoder.side.streams == []  # the CPU has no streams: the lanes' work runs inline
     # An unplanned step index (step_index "ref": tensors built on first use by whichever stream asks)

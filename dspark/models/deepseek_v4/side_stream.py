@@ -29,6 +29,12 @@ The step's `StepIndex` must be planned (`StepTables.planned`): its tensors are t
 built before any fork, where an unplanned one builds each on first use, on whichever stream asks,
 and another stream could read it before its join (`StaticDecoderBase` keeps such a step on one stream).
 
+V4.1's mHC sites (`StaticDecoderV41`) use a third lane, MIX: a site's mixes (the sigmoids and the
+Sinkhorn, about a quarter of the site's time) are read only by the next site, so they run beside
+the sublayer, which reads the normed collapse alone. That lane is joined before the next site, after
+the sublayer; its work reads statistics partials the current stream made and then drops, so the
+site op marks them in use by the lane (`Tensor.record_stream`) and they are not reused before.
+
 A lane numbered past `lanes` (and every lane on the CPU) runs its block inline: `lanes` = 0 is the
 single-stream step a bench compares with.
 """
@@ -40,13 +46,13 @@ from collections.abc import Iterator
 
 import torch
 
-COMPRESS, KV = 0, 1  # the static steps' lanes
-MAX_LANES = 2
-# The static decoders' default: both lanes. One H100 (`bench/gpu_session23.sh b`,
+COMPRESS, KV, MIX = 0, 1, 2  # the static steps' lanes (MIX: V4.1's mHC mixes beside the sublayer)
+MAX_LANES = 3
+# The static decoders' default: every lane. One H100 (`bench/gpu_session23.sh b`,
 # `side-streams-h100-s24*.json`): the v4-mini graph step 1.397 ms with 2 lanes, 1.442 with 1, 1.536 with
 # none at one request (1.10x); 1.09x at 8 requests, 1.08x for the 4-token verify block, 1.07x on v41-mini;
 # logits and state equal bit for bit in every case.
-DEFAULT_LANES = 2
+DEFAULT_LANES = 3
 
 
 def check_lanes(lanes) -> int:
@@ -63,6 +69,7 @@ class SideStreams:
         check_lanes(lanes)
         device = torch.device(device)
         self.streams = [torch.cuda.Stream(device) for _ in range(lanes)] if device.type == "cuda" else []
+        self.forked = [False] * len(self.streams)  # work forked onto the lane since its last join
 
     @contextlib.contextmanager
     def fork(self, lane: int) -> Iterator[None]:
@@ -72,11 +79,15 @@ class SideStreams:
             return
         stream = self.streams[lane]
         stream.wait_stream(torch.cuda.current_stream(stream.device))
+        self.forked[lane] = True
         with torch.cuda.stream(stream):
             yield
 
     def join(self, lane: int) -> None:
-        """Make the current stream wait for everything forked onto `lane` so far."""
-        if lane < len(self.streams):
+        """Make the current stream wait for everything forked onto `lane` since its last join (nothing
+        to wait for without a fork: under graph capture a wait on a lane with no captured work
+        would be a dependency outside the graph)."""
+        if lane < len(self.streams) and self.forked[lane]:
             stream = self.streams[lane]
             torch.cuda.current_stream(stream.device).wait_stream(stream)
+            self.forked[lane] = False

@@ -129,18 +129,21 @@ class Block(nn.Module):
         y, pending = self.open(x, self.attn_site(x, pre), batch, windows, sources, slots, publish)
         return self.close(pending, y), pending.pre
 
-    def attn_site(self, x: torch.Tensor, pre: torch.Tensor) -> Site:
-        """The attention site on input streams x [N, hc, D] with the carried pre [N, hc] fp32."""
+    def attn_site(self, x: torch.Tensor, pre: torch.Tensor, mixes_on=None) -> Site:
+        """The attention site on input streams x [N, hc, D] with the carried pre [N, hc] fp32.
+        `mixes_on`: where the fused site op launches its mixes (`mhc_v41._launch_epilogue`; the
+        static step's side stream, joined before the next site reads them)."""
         return Site(*self.pre_op(x, pre, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                 self.attn_norm.weight, norm_eps=self.attn_norm.eps, **self._eps()))
+                                 self.attn_norm.weight, norm_eps=self.attn_norm.eps, mixes_on=mixes_on,
+                                 **self._eps()))
 
-    def enter(self, pending: PendingPost, y: torch.Tensor) -> tuple[torch.Tensor, Site]:
+    def enter(self, pending: PendingPost, y: torch.Tensor, mixes_on=None) -> tuple[torch.Tensor, Site]:
         """The previous block's pending post on its streams y [N, hc, D] fused with this block's
         attention site (carried pre: `pending.pre`), one op. Returns (this block's input streams
-        [N, hc, D], its Site)."""
+        [N, hc, D], its Site). `mixes_on` as `attn_site`'s."""
         x, *site = self.post_pre_op(pending.f, y, pending.post, pending.comb, pending.pre, self.hc_attn_fn,
                                     self.hc_attn_base, self.hc_attn_scale, self.attn_norm.weight,
-                                    norm_eps=self.attn_norm.eps, **self._eps())
+                                    norm_eps=self.attn_norm.eps, mixes_on=mixes_on, **self._eps())
         return x, Site(*site)
 
     def open(self, x: torch.Tensor, site: Site, batch: RaggedBatch, windows: list[WindowCache],
@@ -153,17 +156,18 @@ class Block(nn.Module):
         """
         return self.ffn_after(self.attn(site.h, batch, windows, sources, slots, publish), x, site, batch.input_ids)
 
-    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site,
-                  input_ids: torch.Tensor) -> tuple[torch.Tensor, PendingPost]:
+    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site, input_ids: torch.Tensor,
+                  mixes_on=None) -> tuple[torch.Tensor, PendingPost]:
         """Everything of `open` after the attention: its post fused with the FFN site, then MoE.
 
         a [N, D] the attention output, x [N, hc, D] the block's input streams, `site` their attention
         site, input_ids [N] (the router's image-token bias). Split out so that another attention
-        driver (the static decode step, `static_step.py`) runs the same block.
+        driver (the static decode step, `static_step.py`) runs the same block. `mixes_on` as
+        `attn_site`'s (for the FFN site's mixes).
         """
         y, f_pre, f_post, f_comb, g = self.post_pre_op(a, x, site.post, site.comb, site.pre, self.hc_ffn_fn,
                                                        self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight,
-                                                       norm_eps=self.ffn_norm.eps, **self._eps())
+                                                       norm_eps=self.ffn_norm.eps, mixes_on=mixes_on, **self._eps())
         return y, PendingPost(self.ffn(g, input_ids), f_post, f_comb, f_pre)
 
     def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:

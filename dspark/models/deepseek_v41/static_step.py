@@ -35,13 +35,15 @@ Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, k = index_top
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
 
 from dspark.kernels import get_op
 from dspark.models.deepseek_v4.mhc import collapse
-from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, SideStreams
+from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, MIX, SideStreams
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -108,20 +110,27 @@ class StaticDecoderV41(StaticDecoderBase):
         pre = initial_pre(ids.shape[0], model.config.hc_mult, model.device)
         shared, site = StaticPicks(), None  # the latest index source's picks / candidate pool, all rows
         features = {}
+        # Each site's mixes on the MIX lane (where the decoder has it), joined before the next site
+        # reads them: the sublayer between reads only the site's h (`side_stream` docstring).
+        mixes_on = functools.partial(self.side.fork, MIX) if self.side_streams > MIX else None
         for i, layer in enumerate(model.layers):
             if layer.engram is not None:
                 x = layer.engram(x, engram_rows[i], live)
             if i in capture:
                 features[i] = x
             if site is None:
-                site = layer.attn_site(x, pre)
+                self.side.join(MIX)
+                site = layer.attn_site(x, pre, mixes_on)
             a = static_attention(layer.attn, site.h, index, self.state, i, shared, self.side)
-            y, pending = layer.ffn_after(a, x, site, ids)
+            self.side.join(MIX)
+            y, pending = layer.ffn_after(a, x, site, ids, mixes_on)
             pre = pending.pre
+            self.side.join(MIX)
             if i + 1 < len(model.layers) and i + 1 not in materialised:
-                x, site = model.layers[i + 1].enter(pending, y)  # post + next site: one op
+                x, site = model.layers[i + 1].enter(pending, y, mixes_on)  # post + next site: one op
             else:
                 x, site = layer.close(pending, y), None
+        self.side.join(MIX)
         if len(model.layers) in capture:
             features[len(model.layers)] = x
         logits = model.head(model.norm(collapse(x, pre))).float()
