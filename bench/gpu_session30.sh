@@ -7,6 +7,7 @@
 #   run(command="bash bench/gpu_session30.sh b", carry=[".ab"])    # ≈ 6 min
 #   run(command="bash bench/gpu_session30.sh c")                   # ≈ 3 min
 #   run(command="bash bench/gpu_session30.sh d")                   # ≈ 4 min
+#   run(command="bash bench/gpu_session30.sh e")                   # ≈ 4 min
 #
 # a: the v4-mini graph step at one request profiled without PDL (per-kernel attribution: launches and
 #    µs per kernel name), the launch list the next fusions of issue 7 pick from.
@@ -24,6 +25,10 @@
 #    tests of mhc_v41 (the epilogue in two launches against one, bit for bit) and of both static graphs
 #    (3, 2, 1 and 0 lanes bit for bit, eager and replayed), then the v41-mini graph step at 1 and 8
 #    requests with 3, 2, 1 and 0 side streams timed in turn in one process (`--side-ab`).
+# e: V4's folded mHC sites (up to 4 rows) with post and comb on the MIX lane too: the GPU tests of
+#    mhc_norm (the row epilogue in two launches against one, bit for bit) and of both static graphs
+#    (V4 at 2 slots x 2 tokens there), then the v4-mini graph step at 1 and 4 requests with 3, 2, 1
+#    and 0 side streams timed in turn in one process (`--side-ab`).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step, swap
 
 part_a() {
@@ -64,6 +69,12 @@ part_d() {
     tests/models_v41/test_deepseek_v41_static_graph_gpu.py
   step d_v41_lanes 200 --config v41-mini --requests 1,8 --side-ab
   grep -h "side_streams\"\|mix_lane" "$W/logs/d_v41_lanes.txt" | cut -c1-600
+}
+
+part_e() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests e_tests 200 tests/kernels/test_mhc_norm.py tests/models/test_deepseek_v4_static_graph_gpu.py
+  step e_v4_lanes 150 --requests 1,4 --side-ab
 }
 
 dispatch session30 "${1:-}"

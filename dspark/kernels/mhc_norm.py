@@ -63,7 +63,7 @@ def _check_norm_weight(x: torch.Tensor, norm_weight: torch.Tensor) -> None:
 
 def mhc_pre_norm_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                      norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
-                     norm_eps: float):
+                     norm_eps: float, mixes_on=None):
     """mHC pre of one site (spec §6.2), then the sublayer's RMSNorm of its collapse (spec §5).
 
     The V4 block's former torch order, op for op: `mhc_pre_ref`, then `rms_norm_ref` (the RMSNorm
@@ -75,6 +75,8 @@ def mhc_pre_norm_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     fn : [(2+H)·H, H·D] fp32; base : [(2+H)·H] fp32; scale : [3] fp32 -- the site's parameters.
     norm_weight : [D] fp32 -- the sublayer's RMSNorm weight (attn_norm / ffn_norm).
     rms_eps, hc_eps, sinkhorn_iters : as `mhc_pre_ref`; norm_eps : eps of the sublayer RMSNorm.
+    mixes_on : where the fused op launches the mixes (`_launch_norm_epilogue`); the reference runs
+    in order and takes it only for the same signature.
 
     Returns
     -------
@@ -87,7 +89,7 @@ def mhc_pre_norm_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 def mhc_post_pre_norm_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                           fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
-                          rms_eps: float, hc_eps: float, sinkhorn_iters: int, norm_eps: float):
+                          rms_eps: float, hc_eps: float, sinkhorn_iters: int, norm_eps: float, mixes_on=None):
     """`mhc_post_pre_ref`, then the next sublayer's RMSNorm of its u2 (`rms_norm_ref`).
 
     Shape: f [N, D], x [N, H, D], post [N, H], comb [N, H, H] (previous site); fn, base, scale,
@@ -161,17 +163,45 @@ def _store_normed_row(h_ptr, x2, w, pre, t, dim, norm_eps, ROW: tl.constexpr):
 
 
 @_jit
+def _row_collapse(x_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, t, offs_t, t_mask, n_tok, dim,
+                  splits, rms_eps, hc_eps, norm_eps, HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
+                  SPLIT_BLOCK: tl.constexpr, ROW: tl.constexpr):
+    """Token t's h from its whole row in registers: the pre partials -> pre -> u -> Σu² -> h."""
+    x2, w = _load_row(x_ptr, w_ptr, t, dim, HC, HC_PAD, ROW)
+    s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+    sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                    HC_PAD, MIX_PAD, 1, SPLIT_BLOCK, True, False)
+    pre = _pre_of(pre_mix, _rho(sq, dim, rms_eps, HC), s_pre, b_pre, hc_eps, HC, HC_PAD)
+    _store_normed_row(h_ptr, x2, w, tl.reshape(pre, (HC_PAD,)), t, dim, norm_eps, ROW)
+
+
+@_jit
+def _row_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, offs_t, t_mask, n_tok, dim, splits,
+               rms_eps, hc_eps, sinkhorn_iters, HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
+               SPLIT_BLOCK: tl.constexpr):
+    """Token `offs_t`'s post and comb: the post/comb partials, sigmoids, Sinkhorn, stored."""
+    s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+    sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                    HC_PAD, MIX_PAD, 1, SPLIT_BLOCK, False, True)
+    post, comb = _post_comb_of(post_mix, comb_mix, _rho(sq, dim, rms_eps, HC), s_post, s_comb, b_post,
+                               b_comb, t_mask, hc_eps, sinkhorn_iters, HC, HC_PAD)
+    _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+
+
+@_jit
 def _mhc_norm_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, h_ptr,
     n_tok, dim, splits, n_dblocks, iters, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, ROW: tl.constexpr,
-    LEGACY: tl.constexpr, PDL: tl.constexpr,
+    LEGACY: tl.constexpr, PDL: tl.constexpr, ROLE: tl.constexpr = 0,
 ):
     """ROW > 0 (one token per program row, grid [N, 2]): program (t, 0) loads token t's whole row
     (ROW >= D wide) and the pre partials, then pre -> u -> Σu² -> h in registers, one walk over x;
     program (t, 1) reduces the post/comb partials, runs the Sinkhorn and stores post and comb. The
     collapse needs only pre, so the Sinkhorn runs beside it on another SM instead of before it.
+    ROLE 1 / 2 (grid [N, 1]): the collapse / the mixes alone, two launches that may run on two
+    streams, so that the Sinkhorn leaves the launch the sublayer waits for (`_launch_norm_epilogue`).
 
     ROW = 0 (token blocks of BLOCK_T, grid [t-blocks, P]): program p reduces the partials -> pre,
     walks the whole row for Σu², then stores h on the D-blocks p, p + P, ... (`iters` of them);
@@ -189,20 +219,18 @@ def _mhc_norm_epilogue_kernel(
         t = tl.program_id(0).to(tl.int64)
         offs_t = t + tl.arange(0, 1)
         t_mask = offs_t < n_tok
-        if pid_p == 0:
-            x2, w = _load_row(x_ptr, w_ptr, t, dim, HC, HC_PAD, ROW)
-            s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
-            sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
-                                                            HC_PAD, MIX_PAD, 1, SPLIT_BLOCK, True, False)
-            pre = _pre_of(pre_mix, _rho(sq, dim, rms_eps, HC), s_pre, b_pre, hc_eps, HC, HC_PAD)
-            _store_normed_row(h_ptr, x2, w, tl.reshape(pre, (HC_PAD,)), t, dim, norm_eps, ROW)
+        if ROLE == 1:
+            _row_collapse(x_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, t, offs_t, t_mask, n_tok,
+                          dim, splits, rms_eps, hc_eps, norm_eps, HC, HC_PAD, MIX_PAD, SPLIT_BLOCK, ROW)
+        elif ROLE == 2:
+            _row_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, offs_t, t_mask, n_tok, dim,
+                       splits, rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, SPLIT_BLOCK)
+        elif pid_p == 0:
+            _row_collapse(x_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, t, offs_t, t_mask, n_tok,
+                          dim, splits, rms_eps, hc_eps, norm_eps, HC, HC_PAD, MIX_PAD, SPLIT_BLOCK, ROW)
         else:
-            s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
-            sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
-                                                            HC_PAD, MIX_PAD, 1, SPLIT_BLOCK, False, True)
-            post, comb = _post_comb_of(post_mix, comb_mix, _rho(sq, dim, rms_eps, HC), s_post, s_comb, b_post,
-                                       b_comb, t_mask, hc_eps, sinkhorn_iters, HC, HC_PAD)
-            _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+            _row_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, offs_t, t_mask, n_tok, dim,
+                       splits, rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, SPLIT_BLOCK)
     else:
         offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         t_mask = offs_t < n_tok
@@ -263,13 +291,16 @@ def row_tiles(n_tok: int, dim: int) -> tuple[int, int] | None:
 
 
 def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weight, eps: dict, tiles=None,
-                          variant: str = "row"):
+                          variant: str = "row", mixes_on=None):
     """post [N, H] fp32, comb [N, H, H] fp32, h [N, D] x.dtype from the statistics partials over x.
 
     `variant`: "row" (the shipped choice: `row_tiles` where they apply, else the walk), "walk" (token
     blocks that walk the row, Sinkhorn once per block), "legacy" (the former kernel; benches).
     `tiles` (BLOCK_T, BLOCK_D) overrides `_norm_tiles` of the walks, or (ROW, num_warps) the row
-    tiles of "row" (benches)."""
+    tiles of "row" (benches). `mixes_on` (a context-manager factory, e.g. a side stream's fork): on
+    the row tiles, the mixes (post, comb) are a launch of their own under `mixes_on()` and h one on
+    the current stream, the same bits; the caller joins that stream before it reads post or comb.
+    The walks run everything in one launch."""
     if variant not in ("row", "walk", "legacy"):
         raise ValueError(f"variant must be 'row', 'walk' or 'legacy', got {variant!r}")
     n_tok, n_hc, dim = x.shape
@@ -285,14 +316,26 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
     else:
         row_width, warps = 0, 4
         block_t, block_d, n_dblocks, grid = norm_epilogue_grid(n_tok, dim, x.device, tiles)
-    pdl = pdl_launch(x.device, math.prod(grid))
-    _mhc_norm_epilogue_kernel[grid](
-        x, dpart, sqpart, base, scale, norm_weight, post, comb, h, n_tok, dim, dpart.shape[0], n_dblocks,
-        triton.cdiv(n_dblocks, grid[1]), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
-        int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
-        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl,
-        ROW=row_width, LEGACY=variant == "legacy", launch_pdl=pdl, num_warps=warps,
-    )
+
+    def launch(grid, role: int) -> None:
+        pdl = pdl_launch(x.device, math.prod(grid))
+        _mhc_norm_epilogue_kernel[grid](
+            x, dpart, sqpart, base, scale, norm_weight, post, comb, h, n_tok, dim, dpart.shape[0], n_dblocks,
+            triton.cdiv(n_dblocks, grid[1]), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
+            int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
+            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl,
+            ROW=row_width, LEGACY=variant == "legacy", ROLE=role, launch_pdl=pdl, num_warps=warps,
+        )
+
+    if row is None or mixes_on is None:
+        launch(grid, 0)
+        return post, comb, h
+    with mixes_on():  # first, so that they wait for the statistics only
+        launch((n_tok, 1), 2)
+        if x.device.type == "cuda":  # the partials were made on the caller's stream: none reused before read
+            dpart.record_stream(torch.cuda.current_stream(x.device))
+            sqpart.record_stream(torch.cuda.current_stream(x.device))
+    launch((n_tok, 1), 1)
     return post, comb, h
 
 
@@ -311,9 +354,10 @@ def _normed(op_out: tuple, norm_weight: torch.Tensor, norm_eps: float) -> tuple:
 
 def mhc_pre_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                  norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
-                 norm_eps: float):
+                 norm_eps: float, mixes_on=None):
     """Fused `mhc_pre_norm_ref` (same signature, shapes and dtypes): `mhc_pre`'s statistics pass +
-    the epilogue with the norm folded in (up to FOLD_MAX_TOKENS tokens)."""
+    the epilogue with the norm folded in (up to FOLD_MAX_TOKENS tokens; `mixes_on`: its mixes
+    launched under it, `_launch_norm_epilogue`)."""
     require_triton()
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     _check_norm_weight(x, norm_weight)
@@ -324,14 +368,15 @@ def mhc_pre_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim)
     eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
     return _launch_norm_epilogue(x, dpart, sqpart, base.contiguous(), scale.contiguous(),
-                                 norm_weight.float().contiguous(), eps)
+                                 norm_weight.float().contiguous(), eps, mixes_on=mixes_on)
 
 
 def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                       fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
-                      rms_eps: float, hc_eps: float, sinkhorn_iters: int, norm_eps: float):
+                      rms_eps: float, hc_eps: float, sinkhorn_iters: int, norm_eps: float, mixes_on=None):
     """Fused `mhc_post_pre_norm_ref`: `mhc_post_pre`'s statistics pass (X' written tile by tile),
-    then the epilogue with the norm folded in, over X' (up to FOLD_MAX_TOKENS tokens)."""
+    then the epilogue with the norm folded in, over X' (up to FOLD_MAX_TOKENS tokens; `mixes_on` as
+    `mhc_pre_norm`'s)."""
     require_triton()
     _check_post_args(f, x, post, comb)
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
@@ -345,4 +390,4 @@ def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb
     dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim, fused=fused)
     eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
     return (x_new, *_launch_norm_epilogue(x_new, dpart, sqpart, base.contiguous(), scale.contiguous(),
-                                          norm_weight.float().contiguous(), eps))
+                                          norm_weight.float().contiguous(), eps, mixes_on=mixes_on))

@@ -223,7 +223,8 @@ def norm_folded_op(config: KernelConfig, name: str) -> Callable[..., Any]:
     the site op (`mhc_pre` / `mhc_post_pre`), then `rms_norm` on the site's last output (u), each
     as `config` picks them -- exactly what a model ran before the fold (`rms_norm` as the RMSNorm
     module calls it), so "ref" changes no bit and no kernel choice. The op's `_ref` is this pair's
-    torch form. Signature: ``(*site_args, norm_weight, *, norm_eps, **site_kwargs) -> (*mixes, h)``.
+    torch form. Signature: ``(*site_args, norm_weight, *, norm_eps, mixes_on=None, **site_kwargs) ->
+    (*mixes, h)``.
     """
     if name not in NORM_FOLDED:
         raise ValueError(f"{name!r} is not a norm-folded op; those are {tuple(NORM_FOLDED)}")
@@ -231,7 +232,8 @@ def norm_folded_op(config: KernelConfig, name: str) -> Callable[..., Any]:
         return get_op(config, name)
     site_op, norm_op = get_op(config, NORM_FOLDED[name]), get_op(config, "rms_norm")
 
-    def site_then_norm(*args, norm_eps: float, **site_kwargs):
+    def site_then_norm(*args, norm_eps: float, mixes_on=None, **site_kwargs):
+        # the pair runs in order on the caller's stream: `mixes_on` only matters to the folded kernel
         *site_args, norm_weight = args
         *mixes, u = site_op(*site_args, **site_kwargs)
         return (*mixes, norm_op(u, norm_weight, eps=norm_eps, out_dtype=u.dtype))

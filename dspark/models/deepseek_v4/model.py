@@ -138,18 +138,20 @@ class Block(nn.Module):
         y, pending = self.open(x, self.attn_site(x), batch, caches)
         return self.close(pending, y)
 
-    def attn_site(self, x: torch.Tensor) -> Site:
-        """The attention site's pre and attn_norm on the block's input streams x [N, n_hc, D]."""
+    def attn_site(self, x: torch.Tensor, mixes_on=None) -> Site:
+        """The attention site's pre and attn_norm on the block's input streams x [N, n_hc, D].
+        `mixes_on`: where the folded site op launches its post and comb (`mhc_norm.
+        _launch_norm_epilogue`; the static step's side stream, joined before the next site reads them)."""
         return Site(*self.pre_op(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm.weight,
-                                 norm_eps=self.attn_norm.eps, **self.mhc_eps))
+                                 norm_eps=self.attn_norm.eps, mixes_on=mixes_on, **self.mhc_eps))
 
-    def enter(self, pending: PendingPost, y: torch.Tensor) -> tuple[torch.Tensor, Site]:
+    def enter(self, pending: PendingPost, y: torch.Tensor, mixes_on=None) -> tuple[torch.Tensor, Site]:
         """The previous block's pending post on its streams y [N, n_hc, D], fused with this block's
         attention-site pre (and attn_norm): one op. Returns (this block's input streams x [N, n_hc, D],
-        its Site)."""
+        its Site). `mixes_on` as `attn_site`'s."""
         x, post, comb, h = self.post_pre_op(pending.f, y, pending.post, pending.comb, self.hc_attn_fn,
                                             self.hc_attn_base, self.hc_attn_scale, self.attn_norm.weight,
-                                            norm_eps=self.attn_norm.eps, **self.mhc_eps)
+                                            norm_eps=self.attn_norm.eps, mixes_on=mixes_on, **self.mhc_eps)
         return x, Site(post, comb, h)
 
     def open(self, x: torch.Tensor, site: Site, batch: RaggedBatch,
@@ -161,17 +163,18 @@ class Block(nn.Module):
         """
         return self.ffn_after(self.attn(site.h, batch, caches), x, site, batch.input_ids)
 
-    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site,
-                  input_ids: torch.Tensor) -> tuple[torch.Tensor, PendingPost]:
+    def ffn_after(self, a: torch.Tensor, x: torch.Tensor, site: Site, input_ids: torch.Tensor,
+                  mixes_on=None) -> tuple[torch.Tensor, PendingPost]:
         """Everything of `open` after the attention: its post fused with the MoE site's pre, then MoE.
 
         a [N, D] the attention output, x [N, n_hc, D] the block's input streams, `site` their
         attention-site mixes, input_ids [N] (hash routing). Split out so that another attention
-        driver (the static decode step, `static_step.py`) runs the same block.
+        driver (the static decode step, `static_step.py`) runs the same block. `mixes_on` as
+        `attn_site`'s (the MoE site's mixes).
         """
         y, post, comb, h = self.post_pre_op(a, x, site.post, site.comb, self.hc_ffn_fn, self.hc_ffn_base,
                                             self.hc_ffn_scale, self.ffn_norm.weight, norm_eps=self.ffn_norm.eps,
-                                            **self.mhc_eps)
+                                            mixes_on=mixes_on, **self.mhc_eps)
         return y, PendingPost(self.ffn(h, input_ids), post, comb)
 
     def close(self, pending: PendingPost, y: torch.Tensor) -> torch.Tensor:

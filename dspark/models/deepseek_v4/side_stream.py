@@ -29,11 +29,13 @@ The step's `StepIndex` must be planned (`StepTables.planned`): its tensors are t
 built before any fork, where an unplanned one builds each on first use, on whichever stream asks,
 and another stream could read it before its join (`StaticDecoderBase` keeps such a step on one stream).
 
-V4.1's mHC sites (`StaticDecoderV41`) use a third lane, MIX: a site's mixes (the sigmoids and the
-Sinkhorn, about a quarter of the site's time) are read only by the next site, so they run beside
-the sublayer, which reads the normed collapse alone. That lane is joined before the next site, after
-the sublayer; its work reads statistics partials the current stream made and then drops, so the
-site op marks them in use by the lane (`Tensor.record_stream`) and they are not reused before.
+The mHC sites use a third lane, MIX: a site's mixes (V4.1: pre, post, comb; V4: post and comb, the
+collapse needing only pre; their sigmoids and Sinkhorn are about a quarter of the site's time) are
+read only by the next site, so they run beside the sublayer, which reads the normed collapse alone.
+That lane is joined before the next site, after the sublayer; its work reads statistics partials the
+current stream made and then drops, so the site op marks them in use by the lane
+(`Tensor.record_stream`) and they are not reused before. (V4 splits its folded sites only, up to
+`mhc_norm.FOLD_MAX_TOKENS` tokens; more tokens run the site in order.)
 
 A lane numbered past `lanes` (and every lane on the CPU) runs its block inline: `lanes` = 0 is the
 single-stream step a bench compares with.
@@ -46,7 +48,7 @@ from collections.abc import Iterator
 
 import torch
 
-COMPRESS, KV, MIX = 0, 1, 2  # the static steps' lanes (MIX: V4.1's mHC mixes beside the sublayer)
+COMPRESS, KV, MIX = 0, 1, 2  # the static steps' lanes (MIX: the mHC sites' mixes beside the sublayer)
 MAX_LANES = 3
 # The static decoders' default: every lane. One H100 (`bench/gpu_session23.sh b`,
 # `side-streams-h100-s24*.json`): the v4-mini graph step 1.397 ms with 2 lanes, 1.442 with 1, 1.536 with

@@ -33,12 +33,13 @@ Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, and those of 
 from __future__ import annotations
 
 import abc
+import functools
 
 from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, SideStreams, check_lanes
+from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, MIX, SideStreams, check_lanes
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -181,14 +182,19 @@ class StaticDecoder(StaticDecoderBase):
         x = x.unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, n_hc, D]
         features = {}
         # The block loop of `DeepseekV4ForCausalLM.forward`, with the static attention in each block.
-        site = model.layers[0].attn_site(x)
+        # Each site's post and comb on the MIX lane (where the decoder has it), joined before the next
+        # site reads them: the sublayer between reads only the site's h (`side_stream` docstring).
+        mixes_on = functools.partial(self.side.fork, MIX) if self.side_streams > MIX else None
+        site = model.layers[0].attn_site(x, mixes_on)
         for i, layer in enumerate(model.layers):
             if i in capture:
                 features[i] = x
             a = static_attention(layer.attn, site.h, index, self.state.layers[i], self.side)  # h: after attn_norm
-            y, pending = layer.ffn_after(a, x, site, ids)
+            self.side.join(MIX)
+            y, pending = layer.ffn_after(a, x, site, ids, mixes_on)
+            self.side.join(MIX)
             if i + 1 < len(model.layers):
-                x, site = model.layers[i + 1].enter(pending, y)
+                x, site = model.layers[i + 1].enter(pending, y, mixes_on)
             else:
                 x = layer.close(pending, y)
         if len(model.layers) in capture:
