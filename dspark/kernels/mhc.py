@@ -609,6 +609,18 @@ def split_block(n_partials: int, block_t: int) -> int:
     return min(256, triton.next_power_of_2(n_partials)) if block_t == 1 else 8
 
 
+def launch_mixes_apart(mixes_on, launch, *partials: torch.Tensor) -> None:
+    """`launch()` (a site's mixes launch) under `mixes_on()` (a side stream's fork; `mhc_v41`'s and
+    `mhc_norm`'s epilogues). The statistics `partials` it reads were made on the caller's stream,
+    which drops them on return: marking them in use by the mixes' stream keeps the allocator from
+    handing their memory out again before that stream has read them."""
+    with mixes_on():
+        launch()
+        for t in partials:
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+
+
 def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters, legacy=False):
     """post [N, H] fp32, comb [N, H, H] fp32, u [N, D] x.dtype from the statistics partials.
     `legacy` launches the former kernel order (`_mhc_epilogue_kernel` LEGACY; bench/mhc_epilogue.py)."""

@@ -42,7 +42,8 @@ import torch
 
 from dspark.kernels.mhc import (
     _block_mixes, _check_post_args, _check_pre_args, _launch_stats, _num_sms, _partial_sums, _post_comb_of, _pre_of,
-    _rho, _site_params, _store_mixes, mhc_post_pre, mhc_post_pre_ref, mhc_pre, mhc_pre_ref, split_block,
+    _rho, _site_params, _store_mixes, launch_mixes_apart, mhc_post_pre, mhc_post_pre_ref, mhc_pre, mhc_pre_ref,
+    split_block,
 )
 from dspark.kernels.registry import require_triton
 from dspark.kernels.rms_norm import rms_norm
@@ -330,11 +331,7 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
     if row is None or mixes_on is None:
         launch(grid, 0)
         return post, comb, h
-    with mixes_on():  # first, so that they wait for the statistics only
-        launch((n_tok, 1), 2)
-        if x.device.type == "cuda":  # the partials were made on the caller's stream: none reused before read
-            dpart.record_stream(torch.cuda.current_stream(x.device))
-            sqpart.record_stream(torch.cuda.current_stream(x.device))
+    launch_mixes_apart(mixes_on, lambda: launch((n_tok, 1), 2), dpart, sqpart)  # first: after the statistics only
     launch((n_tok, 1), 1)
     return post, comb, h
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from dspark.kernels.mhc import (
     _block_mixes, _check_post_args, _check_pre_args, _dot_fp32, _num_sms, _post_stream, _prefetch_fn_share,
-    _split_sinkhorn_ref, split_block,
+    _split_sinkhorn_ref, launch_mixes_apart, split_block,
 )
 from dspark.kernels.registry import require_triton
 
@@ -367,11 +367,7 @@ def _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps: di
     if mixes_on is None:
         launch(triton.cdiv(dim, block_d), True, True)
         return pre, post, comb, h
-    with mixes_on():  # first, so that they wait for the statistics only
-        launch(1, False, True)
-        if dev.type == "cuda":  # the partials were made on the caller's stream: none reused before read
-            dpart.record_stream(torch.cuda.current_stream(dev))
-            sqpart.record_stream(torch.cuda.current_stream(dev))
+    launch_mixes_apart(mixes_on, lambda: launch(1, False, True), dpart, sqpart)  # first: after the statistics only
     launch(triton.cdiv(dim, block_d), True, False)
     return pre, post, comb, h
 

@@ -15,6 +15,7 @@ tiny inputs, so their shapes keep the shipped launches' multiples of 16 where a 
 """
 
 import concurrent.futures
+import contextlib
 import functools
 import json
 import os
@@ -146,13 +147,18 @@ def run_every_tile_class():
             mhc_norm._launch_norm_epilogue(x1, dpart, sqpart, *head, torch.ones(2048, device=DEVICE),
                                            dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20),
                                            variant=variant)
+        # the row epilogue as two launches (ROLE 1 and 2: the mixes on the static step's MIX lane)
+        mhc_norm._launch_norm_epilogue(x1, dpart, sqpart, *head, torch.ones(2048, device=DEVICE),
+                                       dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20),
+                                       mixes_on=contextlib.nullcontext)
     # V4.1 likewise: 128 (D = 2048, pre), 256 (D = 2048, post+pre's 32-wide D-blocks) or 264 (D = 7168)
     # GEMM partials, a quarter as many Σu² partials (one per split).
     for partials in (128, 256, 264):
         dpart, sqpart = torch.randn(partials, 1, 32, generator=g).to(DEVICE), torch.rand(partials, 1).to(DEVICE)
-        mhc_v41._launch_epilogue(x1[:, 0].contiguous(), dpart, sqpart, sqpart[:partials // 4], *head,
-                                 torch.ones(2048, device=DEVICE),
-                                 dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20), 4)
+        for mixes_on in (None, contextlib.nullcontext):  # one launch, or NORM and MIXES apart
+            mhc_v41._launch_epilogue(x1[:, 0].contiguous(), dpart, sqpart, sqpart[:partials // 4], *head,
+                                     torch.ones(2048, device=DEVICE),
+                                     dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20), 4, mixes_on)
     # The output collapse + final norm: its statistics pass (M = 4 mixes, MIX_PAD 16) and epilogue at the
     # decode tiles (v4-mini D, Pro D) and the 4 x 256 / prefill tiles, bf16 and fp32 streams.
     for n_tok, dim, dtype in ((1, 2048, torch.bfloat16), (3, 7168, torch.bfloat16), (8, 2048, torch.bfloat16),
