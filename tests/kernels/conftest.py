@@ -86,6 +86,19 @@ if HAVE_TRITON and INTERPRET:
 
 
 @pytest.fixture
+def counted_lane():
+    """A stand-in for a side stream's fork as the site ops take it (`mixes_on`): its block runs
+    inline, and `counted_lane.entered` counts the launches made under it."""
+
+    def mixes_on():
+        mixes_on.entered += 1
+        return contextlib.nullcontext()
+
+    mixes_on.entered = 0
+    return mixes_on
+
+
+@pytest.fixture
 def poisoned():
     """Context manager factory: inside it, torch.empty/empty_like return NaN-filled float tensors
     (integer ones: -1), so any output or intermediate element a kernel forgets to write shows up."""

@@ -9,8 +9,6 @@ program stores two and the other one a block past the end, masked), D not a mult
 N = 300 (prefill tiles, one program per token block; post+pre only: slow under the interpreter); n_hc = 3 (padded to 4).
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -168,7 +166,7 @@ def test_post_pre_norm_matches_the_unfused_kernels(n_tok, n_hc, dim, dtype, pois
 @needs_triton
 @pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(1, 4, 256, torch.bfloat16), (3, 3, 1100, torch.float32),
                                                   (4, 4, 80, torch.bfloat16), (6, 4, 64, torch.float32)])
-def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poisoned):
+def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poisoned, counted_lane):
     """With `mixes_on` the row epilogue (up to FOLD_MAX_TOKENS tokens) is two launches, the collapse
     and norm (ROLE 1) on the caller's stream and post and comb (ROLE 2: partials, sigmoids, Sinkhorn)
     under `mixes_on()` (the static step's side stream): every output equals the one-launch epilogue's
@@ -177,17 +175,11 @@ def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poison
     is held to 2 ulp. Past the fold (6 tokens) the unfused pair runs in order without it."""
     x, params, weight = site(n_tok, n_hc, dim, dtype, seed=n_tok + 11)
     f, _, post, comb = finished(n_tok, n_hc, dim, dtype, seed=12)
-    entered = []
-
-    def mixes_on():
-        entered.append(True)
-        return contextlib.nullcontext()
-
     for op, args in ((mhc_norm.mhc_pre_norm, (x, *params, weight)),
                      (mhc_norm.mhc_post_pre_norm, (f, x, post, comb, *params, weight))):
         whole = op(*args, **EPS, norm_eps=NORM_EPS)
         with poisoned():
-            apart = op(*args, **EPS, norm_eps=NORM_EPS, mixes_on=mixes_on)
+            apart = op(*args, **EPS, norm_eps=NORM_EPS, mixes_on=counted_lane)
         assert len(whole) == len(apart)
         for i, (a, b) in enumerate(zip(whole, apart)):
             if n_hc != 4 and a is whole[-3]:  # post
@@ -195,9 +187,9 @@ def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poison
             else:
                 assert torch.equal(a, b), i
         ref = (mhc_norm.mhc_pre_norm_ref if op is mhc_norm.mhc_pre_norm else mhc_norm.mhc_post_pre_norm_ref)(
-            *args, **EPS, norm_eps=NORM_EPS, mixes_on=mixes_on)  # the reference takes it and runs in order
+            *args, **EPS, norm_eps=NORM_EPS, mixes_on=counted_lane)  # the reference takes it and runs in order
         assert all(rel_err(a, b) < MHC_TOL[dtype] for a, b in zip(apart, ref))
-    assert len(entered) == (2 if n_tok <= mhc_norm.FOLD_MAX_TOKENS else 0)
+    assert counted_lane.entered == (2 if n_tok <= mhc_norm.FOLD_MAX_TOKENS else 0)
 
 
 @needs_triton

@@ -6,8 +6,6 @@ block edge: N not a multiple of the token tiles, D not a multiple of the D tiles
 partials, n_hc = 3 (padded to 4), N > 256 (the prefill tiles).
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -173,28 +171,22 @@ def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, dtype, mon
 @needs_triton
 @pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(1, 4, 256, torch.bfloat16), (8, 3, 200, torch.float32),
                                                   (40, 4, 96, torch.bfloat16)])
-def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poisoned):
+def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poisoned, counted_lane):
     """With `mixes_on` the epilogue is two launches, h (NORM) on the caller's stream and the mixes
     (MIXES: partials, sigmoids, Sinkhorn) under `mixes_on()` (the static step's side stream): each
     output equals the one-launch epilogue's bit for bit, at both sites, split and unsplit streams."""
     x, pre_in, params = site(n_tok, n_hc, dim, dtype, seed=n_tok + 3)
     f, _, post, comb = finished_site(n_tok, n_hc, dim, dtype, seed=5)
-    entered = []
-
-    def mixes_on():
-        entered.append(True)
-        return contextlib.nullcontext()
-
     for op, args in ((mhc_v41.mhc_v41_pre, (x, pre_in, *params)),
                      (mhc_v41.mhc_v41_post_pre, (f, x, post, comb, pre_in, *params))):
         whole = op(*args, **EPS)
         with poisoned():
-            apart = op(*args, **EPS, mixes_on=mixes_on)
+            apart = op(*args, **EPS, mixes_on=counted_lane)
         assert len(whole) == len(apart) and all(torch.equal(a, b) for a, b in zip(whole, apart))
         ref = (mhc_v41.mhc_v41_pre_ref if op is mhc_v41.mhc_v41_pre else mhc_v41.mhc_v41_post_pre_ref)(
-            *args, **EPS, mixes_on=mixes_on)  # the reference takes it and runs in order
+            *args, **EPS, mixes_on=counted_lane)  # the reference takes it and runs in order
         assert all(rel_err(a, b) < TOL[dtype] for a, b in zip(apart, ref))
-    assert len(entered) == 2
+    assert counted_lane.entered == 2
 
 
 # ----------------------------------------------------------------------------------- GPU, real shapes
