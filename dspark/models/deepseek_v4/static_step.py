@@ -66,9 +66,10 @@ class StaticDecoderBase(abc.ABC):
     `plan` and `step`; a subclass builds its state (`new_state`) and runs `forward`.
 
     side_streams: CUDA streams beside the step's own (`side_stream.SideStreams`: the same results):
+    3 runs each mHC site's mixes on a third, beside the sublayer (V4: at its norm-folded sites);
     2 runs each layer's compressors on one and its kv projection on the other, beside its q
     projection; 1 the compressors alone; 0 the single-stream step (default
-    `side_stream.DEFAULT_LANES`, 2). `self.side_streams` is the count in use: 0 where the step index is
+    `side_stream.DEFAULT_LANES`, 3). `self.side_streams` is the count in use: 0 where the step index is
     not planned (`KernelConfig.step_index="ref"`), whose tensors are built on first use, on whichever
     stream asks first, where another stream could read them before its join.
     """
