@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU steps of the twenty-ninth session, for one H100 or H200 (every JSON names its card):
+# GPU steps of the twenty-ninth session, for one H100 or H200 (every JSON names its card). All ran in
+# that session, each call on an H100 (results *-h100-s29*; the first asked for an H200):
 #
 #   run(command="bash bench/gpu_session29.sh c; bash bench/gpu_session30.sh a", kind="nvidia-h200",
-#       carry=[".whl"])                                             # ≈ 5 min, H200 (s29 c needs one)
+#       carry=[".whl"])                                             # ≈ 2 min
 #   git show 284cc41:dspark/kernels/mhc_v41.py > .ab/mhc_v41_old.py   # on this machine first
 #   run(command="bash bench/gpu_session30.sh b", carry=[".ab"])    # ≈ 6 min
 #   run(command="bash bench/gpu_session30.sh c")                   # ≈ 3 min
