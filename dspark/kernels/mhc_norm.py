@@ -195,7 +195,7 @@ def _mhc_norm_epilogue_kernel(
     n_tok, dim, splits, n_dblocks, iters, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, ROW: tl.constexpr,
-    LEGACY: tl.constexpr, PDL: tl.constexpr, ROLE: tl.constexpr = 0,
+    LEGACY: tl.constexpr, ROLE: tl.constexpr, PDL: tl.constexpr,
 ):
     """ROW > 0 (one token per program row, grid [N, 2]): program (t, 0) loads token t's whole row
     (ROW >= D wide) and the pre partials, then pre -> u -> Σu² -> h in registers, one walk over x;
