@@ -136,7 +136,7 @@ def test_fused_collapses_with_the_carried_pre_not_its_own():
 @needs_triton
 @pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(1, 4, 1100, torch.float32), (3, 4, 256, torch.bfloat16),
                                                   (4, 3, 200, torch.float32), (8, 4, 256, torch.bfloat16),
-                                                  (32, 4, 512, torch.bfloat16)])
+                                                  (32, 4, 128, torch.bfloat16)])
 def test_few_tokens_split_the_streams_over_programs(n_tok, n_hc, dim, dtype, monkeypatch, poisoned):
     """Up to SPLIT_STREAMS_MAX_TOKENS tokens each statistics program takes one stream of one split
     (HC × splits GEMM partials, one Σu² partial per split; here several D-splits of several D-blocks

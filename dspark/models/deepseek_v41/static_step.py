@@ -110,9 +110,10 @@ class StaticDecoderV41(StaticDecoderBase):
         pre = initial_pre(ids.shape[0], model.config.hc_mult, model.device)
         shared, site = StaticPicks(), None  # the latest index source's picks / candidate pool, all rows
         features = {}
-        # Each site's mixes on the MIX lane (where the decoder has it), joined before the next site
+        # Each site's mixes on the MIX lane (where the decoder has that stream; inline on the CPU, the
+        # one-launch epilogue gives the same bits in fewer launches), joined before the next site
         # reads them: the sublayer between reads only the site's h (`side_stream` docstring).
-        mixes_on = functools.partial(self.side.fork, MIX) if self.side_streams > MIX else None
+        mixes_on = functools.partial(self.side.fork, MIX) if len(self.side.streams) > MIX else None
         for i, layer in enumerate(model.layers):
             if layer.engram is not None:
                 x = layer.engram(x, engram_rows[i], live)
