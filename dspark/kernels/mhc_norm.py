@@ -220,13 +220,11 @@ def _mhc_norm_epilogue_kernel(
         t = tl.program_id(0).to(tl.int64)
         offs_t = t + tl.arange(0, 1)
         t_mask = offs_t < n_tok
-        if ROLE == 1:
-            _row_collapse(x_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, t, offs_t, t_mask, n_tok,
-                          dim, splits, rms_eps, hc_eps, norm_eps, HC, HC_PAD, MIX_PAD, SPLIT_BLOCK, ROW)
-        elif ROLE == 2:
-            _row_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, offs_t, t_mask, n_tok, dim,
-                       splits, rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, SPLIT_BLOCK)
-        elif pid_p == 0:
+        if ROLE == 0:
+            role = pid_p  # both parts in one launch: program (t, 0) collapses, (t, 1) mixes
+        else:
+            role = ROLE - 1  # one part per launch: a constant, so the other part is not compiled
+        if role == 0:
             _row_collapse(x_ptr, w_ptr, h_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, t, offs_t, t_mask, n_tok,
                           dim, splits, rms_eps, hc_eps, norm_eps, HC, HC_PAD, MIX_PAD, SPLIT_BLOCK, ROW)
         else:

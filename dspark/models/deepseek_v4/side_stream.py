@@ -45,6 +45,7 @@ single-stream step a bench compares with.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -85,6 +86,12 @@ class SideStreams:
         self.forked[lane] = True
         with torch.cuda.stream(stream):
             yield
+
+    def lane_fork(self, lane: int):
+        """A zero-argument factory of `fork(lane)` (what the site ops take as `mixes_on`) where the
+        lane is a real stream; None elsewhere (on the CPU, or past `lanes`), where the caller keeps the
+        work in order on its own stream: inline, one launch gives the same bits in fewer launches."""
+        return functools.partial(self.fork, lane) if lane < len(self.streams) else None
 
     def join(self, lane: int) -> None:
         """Make the current stream wait for everything forked onto `lane` since its last join (nothing

@@ -33,7 +33,6 @@ Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, and those of 
 from __future__ import annotations
 
 import abc
-import functools
 
 from dataclasses import dataclass, field
 
@@ -183,10 +182,9 @@ class StaticDecoder(StaticDecoderBase):
         x = x.unsqueeze(-2).expand(-1, model.config.hc_mult, -1).contiguous()  # [N, n_hc, D]
         features = {}
         # The block loop of `DeepseekV4ForCausalLM.forward`, with the static attention in each block.
-        # Each site's post and comb on the MIX lane (where the decoder has that stream; inline on the
-        # CPU, the one-launch epilogue gives the same bits in fewer launches), joined before the next
-        # site reads them: the sublayer between reads only the site's h (`side_stream` docstring).
-        mixes_on = functools.partial(self.side.fork, MIX) if len(self.side.streams) > MIX else None
+        # Each site's post and comb on the MIX lane, joined before the next site reads them: the
+        # sublayer between reads only the site's h (`side_stream` docstring).
+        mixes_on = self.side.lane_fork(MIX)
         site = model.layers[0].attn_site(x, mixes_on)
         for i, layer in enumerate(model.layers):
             if i in capture:

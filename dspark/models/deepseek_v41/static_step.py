@@ -35,8 +35,6 @@ Shape symbols: S slots, T tokens per step, N = S·T rows, V vocab, k = index_top
 
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass
 
 import torch
@@ -110,17 +108,16 @@ class StaticDecoderV41(StaticDecoderBase):
         pre = initial_pre(ids.shape[0], model.config.hc_mult, model.device)
         shared, site = StaticPicks(), None  # the latest index source's picks / candidate pool, all rows
         features = {}
-        # Each site's mixes on the MIX lane (where the decoder has that stream; inline on the CPU, the
-        # one-launch epilogue gives the same bits in fewer launches), joined before the next site
-        # reads them: the sublayer between reads only the site's h (`side_stream` docstring).
-        mixes_on = functools.partial(self.side.fork, MIX) if len(self.side.streams) > MIX else None
+        # Each site's mixes on the MIX lane, joined before the next site reads them: the sublayer
+        # between reads only the site's h (`side_stream` docstring). A closed block (`close`) forks
+        # nothing, so a site after it needs no join.
+        mixes_on = self.side.lane_fork(MIX)
         for i, layer in enumerate(model.layers):
             if layer.engram is not None:
                 x = layer.engram(x, engram_rows[i], live)
             if i in capture:
                 features[i] = x
             if site is None:
-                self.side.join(MIX)
                 site = layer.attn_site(x, pre, mixes_on)
             a = static_attention(layer.attn, site.h, index, self.state, i, shared, self.side)
             self.side.join(MIX)
@@ -131,7 +128,6 @@ class StaticDecoderV41(StaticDecoderBase):
                 x, site = model.layers[i + 1].enter(pending, y, mixes_on)  # post + next site: one op
             else:
                 x, site = layer.close(pending, y), None
-        self.side.join(MIX)
         if len(model.layers) in capture:
             features[len(model.layers)] = x
         logits = model.head(model.norm(collapse(x, pre))).float()
