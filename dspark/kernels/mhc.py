@@ -105,7 +105,7 @@ def _split_sinkhorn_ref(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tens
 
 
 def mhc_pre_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-                rms_eps: float, hc_eps: float, sinkhorn_iters: int):
+                rms_eps: float, hc_eps: float, sinkhorn_iters: int, mixes_on=None):
     """mHC pre (spec §6.2): mixing weights of one site and the collapsed sublayer input.
 
     Parameters
@@ -114,6 +114,8 @@ def mhc_pre_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     fn : [(2+H)·H, H·D] fp32; base : [(2+H)·H] fp32; scale : [3] fp32 -- the site's parameters.
     rms_eps : eps of the RMS statistic (rms_norm_eps); hc_eps : eps of pre/comb and Sinkhorn;
     sinkhorn_iters : column normalisations (row normalisations are one fewer).
+    mixes_on : where the fused op launches post and comb (`_launch_epilogue`); the reference runs in
+    order and takes it only for the same signature.
 
     Returns
     -------
@@ -143,11 +145,11 @@ def mhc_post_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: tor
 
 def mhc_post_pre_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                      fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-                     rms_eps: float, hc_eps: float, sinkhorn_iters: int):
+                     rms_eps: float, hc_eps: float, sinkhorn_iters: int, mixes_on=None):
     """mhc_post of one site, then mhc_pre of the next site on its output (spec §6.5).
 
     Shape: f [N, D], x [N, H, D], post [N, H], comb [N, H, H] (previous site); fn, base, scale of the
-    next site as in `mhc_pre_ref`. Returns (x_new [N, H, D] x.dtype, post2 [N, H], comb2 [N, H, H],
+    next site and `mixes_on` as in `mhc_pre_ref`. Returns (x_new [N, H, D] x.dtype, post2 [N, H], comb2 [N, H, H],
     u2 [N, D] x.dtype).
     """
     x_new = mhc_post_ref(f, x, post, comb)
@@ -472,12 +474,15 @@ def _mhc_epilogue_kernel(
     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, LEGACY: tl.constexpr,
-    PDL: tl.constexpr,
+    ROLE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t-block, d-block): reduce the partials -> pre (every D-block: H values per token,
     cheaper than another launch) and store its slice of u; D-block 0 then runs the Sinkhorn and
     stores post and comb (the collapse needs only pre). The x tile, base and scale are loaded before
     the partials' reductions, so one memory round trip precedes the arithmetic.
+    ROLE 1: the collapse alone (every D-block; no post / comb partials loaded); ROLE 2 (grid
+    [t-blocks, 1]): the mixes alone (no x tile, no u): two launches that may run on two streams, so
+    that the Sinkhorn leaves the launch the sublayer waits for (`_launch_epilogue`); ROLE 0 both.
     LEGACY: the former order (every D-block runs the Sinkhorn before its collapse) for the bench."""
     pdl_prologue(PDL)
     pid_d = tl.program_id(1)
@@ -497,17 +502,24 @@ def _mhc_epilogue_kernel(
         offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         t_mask = offs_t < n_tok
         tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
-        x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
-                     mask=tj_mask[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
+        if ROLE != 2:
+            x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim
+                         + offs_d[None, None, :], mask=tj_mask[:, :, None] & d_mask[None, None, :],
+                         other=0.0).to(tl.float32)
         s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
         sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
-                                                        HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True, True)
+                                                        HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, ROLE != 2, ROLE != 1)
         rho = _rho(sq, dim, rms_eps, HC)
-        pre = _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD)
-        u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
-        tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
-                 mask=t_mask[:, None] & d_mask[None, :])
-        if pid_d == 0:
+        if ROLE != 2:
+            pre = _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD)
+            u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
+            tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
+                     mask=t_mask[:, None] & d_mask[None, :])
+        if ROLE == 0:
+            mixes = pid_d == 0  # both parts in one launch: D-block 0 also runs the Sinkhorn
+        else:
+            mixes = ROLE == 2  # one part per launch: a constant, so the other part is not compiled
+        if mixes:
             post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
                                        sinkhorn_iters, HC, HC_PAD)
             _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
@@ -621,9 +633,13 @@ def launch_mixes_apart(mixes_on, launch, *partials: torch.Tensor) -> None:
                 t.record_stream(torch.cuda.current_stream(t.device))
 
 
-def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters, legacy=False):
+def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters, legacy=False,
+                     mixes_on=None):
     """post [N, H] fp32, comb [N, H, H] fp32, u [N, D] x.dtype from the statistics partials.
-    `legacy` launches the former kernel order (`_mhc_epilogue_kernel` LEGACY; bench/mhc_epilogue.py)."""
+    `legacy` launches the former kernel order (`_mhc_epilogue_kernel` LEGACY; bench/mhc_epilogue.py).
+    `mixes_on` (a context-manager factory, e.g. a side stream's fork): the mixes (post, comb) are a
+    launch of their own under `mixes_on()` and u one on the current stream, the same bits; the
+    caller joins that stream before it reads post or comb."""
     n_tok, n_hc, dim = x.shape
     post = torch.empty((n_tok, n_hc), device=x.device, dtype=torch.float32)
     comb = torch.empty((n_tok, n_hc, n_hc), device=x.device, dtype=torch.float32)
@@ -631,26 +647,35 @@ def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_ep
     # one token per program row block where the statistics split the streams (few tokens, many partials)
     block_t, block_d = (1 if n_tok <= SPLIT_STREAMS_MAX_TOKENS else 4), min(256, triton.next_power_of_2(dim))
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
-    pdl = pdl_launch(x.device, math.prod(grid))
-    _mhc_epilogue_kernel[grid](
-        x, dpart, sqpart, base, scale, post, comb, u, n_tok, dim, dpart.shape[0],
-        float(rms_eps), float(hc_eps), int(sinkhorn_iters),
-        HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
-        BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl,
-        LEGACY=bool(legacy), launch_pdl=pdl,
-    )
+
+    def launch(grid, role: int) -> None:
+        pdl = pdl_launch(x.device, math.prod(grid))
+        _mhc_epilogue_kernel[grid](
+            x, dpart, sqpart, base, scale, post, comb, u, n_tok, dim, dpart.shape[0],
+            float(rms_eps), float(hc_eps), int(sinkhorn_iters),
+            HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
+            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t),
+            LEGACY=bool(legacy), ROLE=role, PDL=pdl, launch_pdl=pdl,
+        )
+
+    if mixes_on is None or legacy:
+        launch(grid, 0)
+        return post, comb, u
+    launch_mixes_apart(mixes_on, lambda: launch((grid[0], 1), 2), dpart, sqpart)  # first: after the statistics only
+    launch(grid, 1)
     return post, comb, u
 
 
 def mhc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-            rms_eps: float, hc_eps: float, sinkhorn_iters: int):
-    """Fused `mhc_pre_ref` (same signature, shapes and dtypes): statistics pass + epilogue."""
+            rms_eps: float, hc_eps: float, sinkhorn_iters: int, mixes_on=None):
+    """Fused `mhc_pre_ref` (same signature, shapes and dtypes): statistics pass + epilogue (`mixes_on`:
+    its post and comb launched under it, `_launch_epilogue`)."""
     require_triton()
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     x = x.contiguous()
     dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim)
     return _launch_epilogue(x, dpart, sqpart, base.contiguous(), scale.contiguous(),
-                            rms_eps, hc_eps, sinkhorn_iters)
+                            rms_eps, hc_eps, sinkhorn_iters, mixes_on=mixes_on)
 
 
 def mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -672,8 +697,9 @@ def mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.T
 
 def mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-                 rms_eps: float, hc_eps: float, sinkhorn_iters: int):
-    """Fused `mhc_post_pre_ref`: X' written and the next site's statistics accumulated in one pass."""
+                 rms_eps: float, hc_eps: float, sinkhorn_iters: int, mixes_on=None):
+    """Fused `mhc_post_pre_ref`: X' written and the next site's statistics accumulated in one pass
+    (`mixes_on` as `mhc_pre`'s)."""
     require_triton()
     _check_post_args(f, x, post, comb)
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
@@ -682,5 +708,5 @@ def mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: tor
     fused = (f.contiguous(), post.float().contiguous(), comb.float().contiguous(), x_new)
     dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim, fused=fused)
     post2, comb2, u2 = _launch_epilogue(x_new, dpart, sqpart, base.contiguous(), scale.contiguous(),
-                                        rms_eps, hc_eps, sinkhorn_iters)
+                                        rms_eps, hc_eps, sinkhorn_iters, mixes_on=mixes_on)
     return x_new, post2, comb2, u2

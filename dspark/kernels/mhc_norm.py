@@ -352,13 +352,13 @@ def mhc_pre_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
                  norm_eps: float, mixes_on=None):
     """Fused `mhc_pre_norm_ref` (same signature, shapes and dtypes): `mhc_pre`'s statistics pass +
     the epilogue with the norm folded in (up to FOLD_MAX_TOKENS tokens; `mixes_on`: its mixes
-    launched under it, `_launch_norm_epilogue`)."""
+    launched under it, `_launch_norm_epilogue`, or `mhc._launch_epilogue`'s above)."""
     require_triton()
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     _check_norm_weight(x, norm_weight)
     if x.shape[0] > FOLD_MAX_TOKENS:
-        return _normed(mhc_pre(x, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters),
-                       norm_weight, norm_eps)
+        return _normed(mhc_pre(x, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
+                               mixes_on=mixes_on), norm_weight, norm_eps)
     x = x.contiguous()
     dpart, sqpart = _launch_stats(x, fn.contiguous(), n_hc, dim)
     eps = dict(rms_eps=rms_eps, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_iters=sinkhorn_iters)
@@ -378,7 +378,7 @@ def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb
     _check_norm_weight(x, norm_weight)
     if x.shape[0] > FOLD_MAX_TOKENS:
         return _normed(mhc_post_pre(f, x, post, comb, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
-                                    sinkhorn_iters=sinkhorn_iters), norm_weight, norm_eps)
+                                    sinkhorn_iters=sinkhorn_iters, mixes_on=mixes_on), norm_weight, norm_eps)
     x = x.contiguous()
     x_new = torch.empty_like(x)
     fused = (f.contiguous(), post.float().contiguous(), comb.float().contiguous(), x_new)

@@ -233,9 +233,9 @@ def norm_folded_op(config: KernelConfig, name: str) -> Callable[..., Any]:
     site_op, norm_op = get_op(config, NORM_FOLDED[name]), get_op(config, "rms_norm")
 
     def site_then_norm(*args, norm_eps: float, mixes_on=None, **site_kwargs):
-        # the pair runs in order on the caller's stream: `mixes_on` only matters to the folded kernel
+        # the site's mixes may go under `mixes_on` (its Triton epilogue); u and its norm stay on the caller's stream
         *site_args, norm_weight = args
-        *mixes, u = site_op(*site_args, **site_kwargs)
+        *mixes, u = site_op(*site_args, mixes_on=mixes_on, **site_kwargs)
         return (*mixes, norm_op(u, norm_weight, eps=norm_eps, out_dtype=u.dtype))
 
     return site_then_norm

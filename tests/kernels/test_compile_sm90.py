@@ -127,6 +127,7 @@ def run_every_tile_class():
         post, comb, _ = mhc.mhc_pre(x, *site, **eps)
         mhc.mhc_post(x[:, 0], x, post, comb)
         mhc.mhc_post_pre(x[:, 0], x, post, comb, *site, **eps)
+        mhc.mhc_post_pre(x[:, 0], x, post, comb, *site, **eps, mixes_on=contextlib.nullcontext)  # ROLE 1 and 2
         v41 = (post, *site, torch.ones(256, device=DEVICE))  # carried pre, site, norm weight
         mhc_v41.mhc_v41_pre(x, *v41, **eps, norm_eps=1e-6)
         mhc_v41.mhc_v41_post_pre(x[:, 0], x, post, comb, *v41, **eps, norm_eps=1e-6)
@@ -142,7 +143,8 @@ def run_every_tile_class():
     head = [t.to(DEVICE) for t in (torch.randn(24, generator=g), torch.rand(3, generator=g) + 0.5)]
     for partials in (128, 264):
         dpart, sqpart = torch.randn(partials, 1, 32, generator=g).to(DEVICE), torch.rand(partials, 1).to(DEVICE)
-        mhc._launch_epilogue(x1, dpart, sqpart, *head, 1e-6, 1e-6, 20)
+        for mixes_on in (None, contextlib.nullcontext):  # one launch, or u and the mixes apart (ROLE 1 and 2)
+            mhc._launch_epilogue(x1, dpart, sqpart, *head, 1e-6, 1e-6, 20, mixes_on=mixes_on)
         for variant in ("row", "walk"):  # the walk: token blocks of more than 4 tokens, rows past ROW_MAX
             mhc_norm._launch_norm_epilogue(x1, dpart, sqpart, *head, torch.ones(2048, device=DEVICE),
                                            dict(rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6, sinkhorn_iters=20),

@@ -224,6 +224,32 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 @needs_triton
+@pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(6, 4, 300, torch.bfloat16), (5, 3, 96, torch.float32),
+                                                  (19, 4, 300, torch.float32), (21, 3, 64, torch.bfloat16)])
+def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poisoned, counted_lane):
+    """With `mixes_on` the epilogue is two launches: u (ROLE 1, every D-block) on the caller's stream
+    and post and comb (ROLE 2: one program per token block, no x tile) under `mixes_on()` (the static
+    step's side stream), for the one-token blocks of the stream split and the 4-token blocks past it:
+    every output equals the one-launch epilogue's bit for bit, both ops, with the models' 4 streams
+    (3 padded streams: post within 2 ulp, as `test_mhc_norm`'s row epilogue)."""
+    x = streams(n_tok, n_hc, dim, dtype, seed=n_tok)
+    params = site_params(n_hc, dim, seed=dim)
+    f, x_prev, post, comb = prev_site(n_tok, n_hc, dim, dtype, seed=4)
+    for op, args in ((mhc.mhc_pre, (x, *params)), (mhc.mhc_post_pre, (f, x_prev, post, comb, *params))):
+        whole = op(*args, **EPS)
+        with poisoned():
+            apart = op(*args, **EPS, mixes_on=counted_lane)
+        for i, (a, b) in enumerate(zip(whole, apart)):
+            if n_hc != 4 and a is whole[-3]:  # post
+                torch.testing.assert_close(b, a, rtol=2.5e-7, atol=0)
+            else:
+                assert torch.equal(a, b), i
+        ref = (mhc.mhc_pre_ref if op is mhc.mhc_pre else mhc.mhc_post_pre_ref)(*args, **EPS, mixes_on=counted_lane)
+        assert all(rel_err(a, b) < TOL[dtype] for a, b in zip(apart, ref))
+    assert counted_lane.entered == 2  # one mixes launch per fused op; the references never enter it
+
+
+@needs_triton
 def test_pre_fused_matches_spec_18_2_vector():
     x, fn = hadamard_case(2.0 * torch.sin(torch.arange(24.0)), dim=4)
     args = (x.to(DEVICE), fn.to(DEVICE), torch.zeros(24, device=DEVICE), torch.tensor([1.0, 0.5, 2.0], device=DEVICE))

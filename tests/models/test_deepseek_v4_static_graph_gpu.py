@@ -25,13 +25,13 @@ def test_static_step_graph_replay_equals_eager_without_sync(gather):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["v4", "v41"])
+@pytest.mark.parametrize("family,n_tok", [("v4", 2), ("v4", 4), ("v41", 4)])
 @torch.no_grad()
-def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
+def test_the_side_streams_run_beside_and_change_no_bit(family, n_tok, monkeypatch):
     """`StaticDecoder(side_streams=2)` runs each layer's compressors (V4: both of a CSA layer; V4.1: a
     KV source's publishing) on one side stream and its kv projection and indexer queries on another
-    (with 3: every mHC site's mixes on a third; V4's where its norm-folded sites run, up to 4 rows, so
-    its steps here take 2 slots × 2 tokens), and its logits, eager and replayed from a graph, equal the
+    (with 3: every mHC site's mixes on a third; V4's norm-folded sites up to 4 rows, here 2 slots × 2
+    tokens, and its unfolded ones, 2 × 4), and its logits, eager and replayed from a graph, equal the
     2-, 1-lane and single-stream decoders' bit for bit over verify and decode rounds."""
     from dspark.engine.graphs import StepGraph
     from dspark.models.deepseek_v4 import side_stream, static_step
@@ -59,7 +59,6 @@ def test_the_side_streams_run_beside_and_change_no_bit(family, monkeypatch):
     forks = []  # the lanes forked onto
     fork = side_stream.SideStreams.fork
     monkeypatch.setattr(side_stream.SideStreams, "fork", lambda self, lane: forks.append(lane) or fork(self, lane))
-    n_tok = 2 if family == "v4" else 4
     decoders = [decoder_cls(model, StaticShape(slots=2, max_context=96, tokens=n_tok), side_streams=n)
                 for n in (3, 2, 1, 0)]
     graphs = [StepGraph(decoder, n_tok) for decoder in decoders]

@@ -140,8 +140,8 @@ class Block(nn.Module):
 
     def attn_site(self, x: torch.Tensor, mixes_on=None) -> Site:
         """The attention site's pre and attn_norm on the block's input streams x [N, n_hc, D].
-        `mixes_on`: where the folded site op launches its post and comb (`mhc_norm.
-        _launch_norm_epilogue`; the static step's side stream, joined before the next site reads them)."""
+        `mixes_on`: where the site op launches its post and comb (`mhc_norm._launch_norm_epilogue`,
+        `mhc._launch_epilogue`; the static step's side stream, joined before the next site reads them)."""
         return Site(*self.pre_op(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm.weight,
                                  norm_eps=self.attn_norm.eps, mixes_on=mixes_on, **self.mhc_eps))
 
