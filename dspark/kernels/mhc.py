@@ -621,16 +621,21 @@ def split_block(n_partials: int, block_t: int) -> int:
     return min(256, triton.next_power_of_2(n_partials)) if block_t == 1 else 8
 
 
-def launch_mixes_apart(mixes_on, launch, *partials: torch.Tensor) -> None:
-    """`launch()` (a site's mixes launch) under `mixes_on()` (a side stream's fork; `mhc_v41`'s and
-    `mhc_norm`'s epilogues). The statistics `partials` it reads were made on the caller's stream,
-    which drops them on return: marking them in use by the mixes' stream keeps the allocator from
-    handing their memory out again before that stream has read them."""
+def launch_epilogue_parts(mixes_on, whole, mixes, rest, *partials: torch.Tensor) -> None:
+    """A site epilogue's launches (`mhc`'s, `mhc_norm`'s and `mhc_v41`'s): `whole()`, one launch, where
+    `mixes_on` is None; else `mixes()` (post and comb) under `mixes_on()` (a side stream's fork), then
+    `rest()` on the caller's stream. The statistics `partials` the mixes read were made on the
+    caller's stream, which drops them on return: marking them in use by the mixes' stream keeps the
+    allocator from handing their memory out again before that stream has read them."""
+    if mixes_on is None:
+        whole()
+        return
     with mixes_on():
-        launch()
+        mixes()  # first: it waits on the statistics only
         for t in partials:
             if t.is_cuda:
                 t.record_stream(torch.cuda.current_stream(t.device))
+    rest()
 
 
 def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters, legacy=False,
@@ -658,11 +663,8 @@ def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_ep
             LEGACY=bool(legacy), ROLE=role, PDL=pdl, launch_pdl=pdl,
         )
 
-    if mixes_on is None or legacy:
-        launch(grid, 0)
-        return post, comb, u
-    launch_mixes_apart(mixes_on, lambda: launch((grid[0], 1), 2), dpart, sqpart)  # first: after the statistics only
-    launch(grid, 1)
+    launch_epilogue_parts(None if legacy else mixes_on, lambda: launch(grid, 0), lambda: launch((grid[0], 1), 2),
+                       lambda: launch(grid, 1), dpart, sqpart)
     return post, comb, u
 
 

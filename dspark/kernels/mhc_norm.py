@@ -42,7 +42,7 @@ import torch
 
 from dspark.kernels.mhc import (
     _block_mixes, _check_post_args, _check_pre_args, _launch_stats, _num_sms, _partial_sums, _post_comb_of, _pre_of,
-    _rho, _site_params, _store_mixes, launch_mixes_apart, mhc_post_pre, mhc_post_pre_ref, mhc_pre, mhc_pre_ref,
+    _rho, _site_params, _store_mixes, launch_epilogue_parts, mhc_post_pre, mhc_post_pre_ref, mhc_pre, mhc_pre_ref,
     split_block,
 )
 from dspark.kernels.registry import require_triton
@@ -326,11 +326,8 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
             ROW=row_width, LEGACY=variant == "legacy", ROLE=role, launch_pdl=pdl, num_warps=warps,
         )
 
-    if row is None or mixes_on is None:
-        launch(grid, 0)
-        return post, comb, h
-    launch_mixes_apart(mixes_on, lambda: launch((n_tok, 1), 2), dpart, sqpart)  # first: after the statistics only
-    launch((n_tok, 1), 1)
+    launch_epilogue_parts(None if row is None else mixes_on, lambda: launch(grid, 0), lambda: launch((n_tok, 1), 2),
+                       lambda: launch((n_tok, 1), 1), dpart, sqpart)
     return post, comb, h
 
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from dspark.kernels.mhc import (
     _block_mixes, _check_post_args, _check_pre_args, _dot_fp32, _num_sms, _post_stream, _prefetch_fn_share,
-    _split_sinkhorn_ref, launch_mixes_apart, split_block,
+    _split_sinkhorn_ref, launch_epilogue_parts, split_block,
 )
 from dspark.kernels.registry import require_triton
 
@@ -364,11 +364,9 @@ def _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps: di
         pdl = pdl_launch(dev, math.prod(grid))
         _v41_epilogue_kernel[grid](*args, **consts, NORM=norm, MIXES=mixes, PDL=pdl, launch_pdl=pdl)
 
-    if mixes_on is None:
-        launch(triton.cdiv(dim, block_d), True, True)
-        return pre, post, comb, h
-    launch_mixes_apart(mixes_on, lambda: launch(1, False, True), dpart, sqpart)  # first: after the statistics only
-    launch(triton.cdiv(dim, block_d), True, False)
+    n_dblocks = triton.cdiv(dim, block_d)
+    launch_epilogue_parts(mixes_on, lambda: launch(n_dblocks, True, True), lambda: launch(1, False, True),
+                       lambda: launch(n_dblocks, True, False), dpart, sqpart)
     return pre, post, comb, h
 
 
