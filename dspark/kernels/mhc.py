@@ -664,7 +664,7 @@ def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_ep
         )
 
     launch_epilogue_parts(None if legacy else mixes_on, lambda: launch(grid, 0), lambda: launch((grid[0], 1), 2),
-                       lambda: launch(grid, 1), dpart, sqpart)
+                          lambda: launch(grid, 1), dpart, sqpart)
     return post, comb, u
 
 

@@ -327,7 +327,7 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
         )
 
     launch_epilogue_parts(None if row is None else mixes_on, lambda: launch(grid, 0), lambda: launch((n_tok, 1), 2),
-                       lambda: launch((n_tok, 1), 1), dpart, sqpart)
+                          lambda: launch((n_tok, 1), 1), dpart, sqpart)
     return post, comb, h
 
 

@@ -366,7 +366,7 @@ def _launch_epilogue(u, dpart, sqpart, uqpart, base, scale, norm_weight, eps: di
 
     n_dblocks = triton.cdiv(dim, block_d)
     launch_epilogue_parts(mixes_on, lambda: launch(n_dblocks, True, True), lambda: launch(1, False, True),
-                       lambda: launch(n_dblocks, True, False), dpart, sqpart)
+                          lambda: launch(n_dblocks, True, False), dpart, sqpart)
     return pre, post, comb, h
 
 
