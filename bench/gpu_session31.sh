@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps of the thirtieth session, for one H100 or H200 (every JSON names its card):
 #
-#   run(command="bash bench/gpu_session31.sh a")                           # ≈ 4 min
+#   run(command="bash bench/gpu_session31.sh a")   # ≈ 5 min; ran (H100): v4-mix-lane-*-h100-s30.json
 #   run(command="bash bench/gpu_session29.sh c", kind="nvidia-h200", carry=[".whl"])   # ≈ 4 min, H200 only
 #   run(command="bash bench/gpu_session24.sh a", kind="nvidia-h200")       # ≈ 7 min, H200 only
 #

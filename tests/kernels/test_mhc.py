@@ -231,7 +231,7 @@ def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poison
     and post and comb (ROLE 2: one program per token block, no x tile) under `mixes_on()` (the static
     step's side stream), for the one-token blocks of the stream split and the 4-token blocks past it:
     every output equals the one-launch epilogue's bit for bit, both ops, with the models' 4 streams
-    (3 padded streams: post within 2 ulp, as `test_mhc_norm`'s row epilogue)."""
+    (3 padded streams: post within 4 ulp, as `test_mhc_norm`'s row epilogue)."""
     x = streams(n_tok, n_hc, dim, dtype, seed=n_tok)
     params = site_params(n_hc, dim, seed=dim)
     f, x_prev, post, comb = prev_site(n_tok, n_hc, dim, dtype, seed=4)
@@ -241,7 +241,7 @@ def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poison
             apart = op(*args, **EPS, mixes_on=counted_lane)
         for i, (a, b) in enumerate(zip(whole, apart)):
             if n_hc != 4 and a is whole[-3]:  # post
-                torch.testing.assert_close(b, a, rtol=2.5e-7, atol=0)
+                torch.testing.assert_close(b, a, rtol=4.8e-7, atol=0)  # 4 ulp of fp32 near 1
             else:
                 assert torch.equal(a, b), i
         ref = (mhc.mhc_pre_ref if op is mhc.mhc_pre else mhc.mhc_post_pre_ref)(*args, **EPS, mixes_on=counted_lane)
