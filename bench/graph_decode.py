@@ -253,11 +253,18 @@ def main() -> None:
                          "with a per-token bias (`moe_route_rows`, or the module with `--ref moe_route_rows`), Engram skips that id")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="no weight prefetch before the PDL wait (triton_compat.pdl_prefetch; A/B of it)")
+    ap.add_argument("--fold-max-tokens", type=int, default=None,
+                    help="V4: fold the sublayer norm into the mHC sites (row epilogue) up to this many rows "
+                         "(mhc_norm.FOLD_MAX_TOKENS and ROW_MAX_TOKENS; shipped 4)")
     cli = ap.parse_args()
-    from dspark.kernels import triton_compat
+    from dspark.kernels import mhc_norm, triton_compat
 
     # this bench process only: the module constants every launch consults
     triton_compat.PDL, triton_compat.PREFETCH = not cli.no_pdl, not cli.no_prefetch
+    if cli.fold_max_tokens is not None:
+        if cli.fold_max_tokens < 1:
+            raise ValueError(f"--fold-max-tokens must be positive, got {cli.fold_max_tokens}")
+        mhc_norm.FOLD_MAX_TOKENS = mhc_norm.ROW_MAX_TOKENS = cli.fold_max_tokens
     args = dict(SMOKE if cli.smoke else FULL)
     if cli.config:
         if cli.config not in NAMES:
@@ -303,7 +310,7 @@ def main() -> None:
                               "commit": git_commit(), "smoke": cli.smoke, "pdl": not cli.no_pdl, "prefetch": not cli.no_prefetch, **options,
                               "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": args["tokens"],
                               "static_capacity": args["context"] + HEADROOM, "grid": args,
-                              "image_token_id": cli.image_token_id,
+                              "image_token_id": cli.image_token_id, "fold_max_tokens": mhc_norm.FOLD_MAX_TOKENS,
                               "decode_state": "fabricated at the context (random values, prefill shapes)",
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
                "roofline": roofline, "cells": []}

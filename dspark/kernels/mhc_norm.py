@@ -275,16 +275,20 @@ def norm_epilogue_grid(n_tok: int, dim: int, device: torch.device, tiles=None):
 # V4-Flash's D = 4096 (4 streams: 16384 values, 128 per thread at 4 warps). V4-Pro's 7168 pads to
 # 8192, which spilled registers on sm_90 at 16 warps (24 bytes, triton 3.6): it takes the walks.
 ROW_MAX = 4096
+# The most tokens the row epilogue takes (one token per program row); above, the 4 × 256 token blocks
+# walk the row. It equals FOLD_MAX_TOKENS, so every folded site of the model runs the row epilogue;
+# `bench/graph_decode.py --fold-max-tokens` raises both to time the fold at 8-16 rows with it.
+ROW_MAX_TOKENS = 4
 
 
 def row_tiles(n_tok: int, dim: int) -> tuple[int, int] | None:
-    """(ROW, num_warps) of the one-walk decode epilogue, or None where it does not apply (more than 4
-    tokens, whose 4 × 256 token blocks walk the row; rows wider than ROW_MAX). 4 warps at every width:
+    """(ROW, num_warps) of the one-walk decode epilogue, or None where it does not apply (more than
+    ROW_MAX_TOKENS tokens; rows wider than ROW_MAX). 4 warps at every width:
     on the H200 (`bench/mhc_epilogue.py`, `bench/results/mhc-epilogue-h200.json`, 1 and 4 tokens) D = 2048
     took 4.1-4.2 µs at 4 warps, 6.8-6.9 at 8; D = 4096 4.5 µs at 4 warps (128 values of x per thread,
     no spill on sm_90), 6.0 at 8, 10.1 at 16."""
     row = triton.next_power_of_2(dim)
-    if n_tok > 4 or row > ROW_MAX:
+    if n_tok > ROW_MAX_TOKENS or row > ROW_MAX:
         return None
     return row, 4
 

@@ -194,6 +194,32 @@ def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poison
 
 
 @needs_triton
+@pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(7, 3, 200, torch.float32)])
+def test_the_row_epilogue_past_four_rows(n_tok, n_hc, dim, dtype, poisoned, monkeypatch, counted_lane):
+    """`bench/graph_decode.py --fold-max-tokens 8` raises FOLD_MAX_TOKENS and ROW_MAX_TOKENS together:
+    both folded ops then take the row epilogue (one token per program row) at 5-8 rows, in one launch
+    and with the mixes apart, and match the unfused kernels."""
+    monkeypatch.setattr(mhc_norm, "FOLD_MAX_TOKENS", 8)
+    monkeypatch.setattr(mhc_norm, "ROW_MAX_TOKENS", 8)
+    assert mhc_norm.row_tiles(n_tok, dim) is not None
+    x, params, weight = site(n_tok, n_hc, dim, dtype, seed=n_tok)
+    f, _, post, comb = finished(n_tok, n_hc, dim, dtype, seed=3)
+    x_new, *_ = mhc.mhc_post_pre(f, x, post, comb, *params, **EPS)
+    for mixes_on in (None, counted_lane):
+        with poisoned():
+            fused = mhc_norm.mhc_pre_norm(x, *params, weight, **EPS, norm_eps=NORM_EPS, mixes_on=mixes_on)
+            fused_pp = mhc_norm.mhc_post_pre_norm(f, x, post, comb, *params, weight, **EPS, norm_eps=NORM_EPS,
+                                                  mixes_on=mixes_on)
+        assert_matches(fused, unfused_pre(x, params, weight),
+                       mhc_norm.mhc_pre_norm_ref(x, *params, weight, **EPS, norm_eps=NORM_EPS), dtype)
+        assert torch.equal(fused_pp[0], x_new)
+        assert_matches(fused_pp[1:], unfused_pre(x_new, params, weight),
+                       mhc_norm.mhc_post_pre_norm_ref(f, x, post, comb, *params, weight, **EPS,
+                                                      norm_eps=NORM_EPS)[1:], dtype)
+    assert counted_lane.entered == 2
+
+
+@needs_triton
 def test_every_epilogue_program_walks_the_whole_row(monkeypatch):
     """Σu² is over the full row whatever share of it a program stores: a norm taken over one D-block
     only would be far off at D = 1000 (4 D-blocks of 256 here, 4 programs at N = 3 on CPU)."""
