@@ -65,7 +65,7 @@ class StaticDecoderBase(abc.ABC):
     `plan` and `step`; a subclass builds its state (`new_state`) and runs `forward`.
 
     side_streams: CUDA streams beside the step's own (`side_stream.SideStreams`: the same results):
-    3 runs each mHC site's mixes on a third, beside the sublayer (V4: at its norm-folded sites);
+    3 runs each mHC site's mixes on a third, beside the sublayer;
     2 runs each layer's compressors on one and its kv projection on the other, beside its q
     projection; 1 the compressors alone; 0 the single-stream step (default
     `side_stream.DEFAULT_LANES`, 3). `self.side_streams` is the count in use: 0 where the step index is
