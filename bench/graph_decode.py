@@ -255,7 +255,7 @@ def main() -> None:
                     help="no weight prefetch before the PDL wait (triton_compat.pdl_prefetch; A/B of it)")
     ap.add_argument("--fold-max-tokens", type=int, default=None,
                     help="V4: fold the sublayer norm into the mHC sites (row epilogue) up to this many rows "
-                         "(mhc_norm.FOLD_MAX_TOKENS and ROW_MAX_TOKENS; shipped 4)")
+                         "(mhc_norm.FOLD_MAX_TOKENS and ROW_MAX_TOKENS; shipped 4 and 16)")
     cli = ap.parse_args()
     from dspark.kernels import mhc_norm, triton_compat
 
@@ -311,6 +311,7 @@ def main() -> None:
                               "cache_qat": getattr(model, "cache_qat", None), "decode_tokens_per_step": args["tokens"],
                               "static_capacity": args["context"] + HEADROOM, "grid": args,
                               "image_token_id": cli.image_token_id, "fold_max_tokens": mhc_norm.FOLD_MAX_TOKENS,
+                              "row_max_tokens": mhc_norm.ROW_MAX_TOKENS,
                               "decode_state": "fabricated at the context (random values, prefill shapes)",
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
                "roofline": roofline, "cells": []}

@@ -559,7 +559,7 @@ def _num_sms(device: torch.device) -> int:
 
 # Up to this many tokens the statistics pass splits the HC streams over programs too
 # (`_mhc_stats_kernel` SPLIT_STREAMS) and the epilogues take one token per program row block. The
-# unfolded sites (the model folds the norm only up to mhc_norm.FOLD_MAX_TOKENS = 4) at 8 / 16 tokens:
+# unfolded sites (the model folded the norm only up to 4 tokens then; now `mhc_norm.folds`) at 8 / 16 tokens:
 # 11.85 -> 9.39 / 12.08 -> 9.78 µs per site split up to 16 against up to 4 (one H100, D = 2048,
 # `bench/mhc_norm_site.py --tokens 8,16 --split-streams 8,16`, mhc-norm-split-h100-s28.json). Up to
 # 32 lost: 12.26 -> 12.81 µs at 32 tokens (`bench/gpu_session29.sh b`, mhc-norm-split32-h100-s29.json).

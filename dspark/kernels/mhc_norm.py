@@ -276,9 +276,11 @@ def norm_epilogue_grid(n_tok: int, dim: int, device: torch.device, tiles=None):
 # 8192, which spilled registers on sm_90 at 16 warps (24 bytes, triton 3.6): it takes the walks.
 ROW_MAX = 4096
 # The most tokens the row epilogue takes (one token per program row); above, the 4 × 256 token blocks
-# walk the row. It equals FOLD_MAX_TOKENS, so every folded site of the model runs the row epilogue;
-# `bench/graph_decode.py --fold-max-tokens` raises both to time the fold at 8-16 rows with it.
-ROW_MAX_TOKENS = 4
+# walk the row. The ops fold the norm wherever it applies (`folds`). Raised from 4 on one H100 (v4-mini
+# graph step, 4K context, `bash bench/gpu_session31.sh b`, v4-fold16-ab-h100-s31.json, two alternating
+# rounds): 8 requests 2.485 -> 2.429 ms, 16 requests 3.217 -> 3.132 ms, 4 requests x 4-token verify
+# blocks 3.222 -> 3.131 ms (1.02-1.03x), where these sites ran the unfused Triton pair.
+ROW_MAX_TOKENS = 16
 
 
 def row_tiles(n_tok: int, dim: int) -> tuple[int, int] | None:
@@ -335,11 +337,18 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
     return post, comb, h
 
 
-# Above this many tokens the ops run the unfused Triton pair (`mhc_pre` / `mhc_post_pre`, then
+# Where the row epilogue does not apply (rows wider than ROW_MAX: V4-Pro), the ops fold the norm up
+# to this many tokens, and above it run the unfused Triton pair (`mhc_pre` / `mhc_post_pre`, then
 # `rms_norm`), which they match within rms_norm's tolerance. On one H200 (v4-mini graph step, 4K,
 # `bench/gpu_session9.sh d`) the fold took 1.869 -> 1.828 ms at one request but 2.993 -> 3.113 ms at 8,
 # where the epilogue's 4 x 256 tiles walk each token's whole row in every program.
 FOLD_MAX_TOKENS = 4
+
+
+def folds(n_tok: int, dim: int) -> bool:
+    """Whether the ops fold the norm into the site for `n_tok` tokens of width `dim`: the row epilogue
+    where it applies (`row_tiles`), else the walking one up to FOLD_MAX_TOKENS tokens."""
+    return n_tok <= FOLD_MAX_TOKENS or row_tiles(n_tok, dim) is not None
 
 
 def _normed(op_out: tuple, norm_weight: torch.Tensor, norm_eps: float) -> tuple:
@@ -352,12 +361,12 @@ def mhc_pre_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
                  norm_weight: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
                  norm_eps: float, mixes_on=None):
     """Fused `mhc_pre_norm_ref` (same signature, shapes and dtypes): `mhc_pre`'s statistics pass +
-    the epilogue with the norm folded in (up to FOLD_MAX_TOKENS tokens; `mixes_on`: its mixes
-    launched under it, `_launch_norm_epilogue`, or `mhc._launch_epilogue`'s above)."""
+    the epilogue with the norm folded in (where `folds`; `mixes_on`: its mixes launched under it,
+    `_launch_norm_epilogue`, or `mhc._launch_epilogue`'s in the unfused pair)."""
     require_triton()
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     _check_norm_weight(x, norm_weight)
-    if x.shape[0] > FOLD_MAX_TOKENS:
+    if not folds(x.shape[0], dim):
         return _normed(mhc_pre(x, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
                                mixes_on=mixes_on), norm_weight, norm_eps)
     x = x.contiguous()
@@ -371,13 +380,13 @@ def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb
                       fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
                       rms_eps: float, hc_eps: float, sinkhorn_iters: int, norm_eps: float, mixes_on=None):
     """Fused `mhc_post_pre_norm_ref`: `mhc_post_pre`'s statistics pass (X' written tile by tile),
-    then the epilogue with the norm folded in, over X' (up to FOLD_MAX_TOKENS tokens; `mixes_on` as
+    then the epilogue with the norm folded in, over X' (where `folds`; `mixes_on` as
     `mhc_pre_norm`'s)."""
     require_triton()
     _check_post_args(f, x, post, comb)
     _, n_hc, dim = _check_pre_args(x, fn, base, scale, sinkhorn_iters)
     _check_norm_weight(x, norm_weight)
-    if x.shape[0] > FOLD_MAX_TOKENS:
+    if not folds(x.shape[0], dim):
         return _normed(mhc_post_pre(f, x, post, comb, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
                                     sinkhorn_iters=sinkhorn_iters, mixes_on=mixes_on), norm_weight, norm_eps)
     x = x.contiguous()

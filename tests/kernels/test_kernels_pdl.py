@@ -169,7 +169,7 @@ def _every_op(device: str) -> None:
     mhc.mhc_pre(x[:2], *site, **eps)  # the statistics split over the streams (a few tokens)
     mhc_v41.mhc_v41_post_pre(u[:2], x[:2], post[:2], comb[:2], post[:2], *site, torch.ones(128, device=device),
                              **eps, norm_eps=1e-6)  # V4.1 likewise, the post fused
-    # 2 tokens: within mhc_norm.FOLD_MAX_TOKENS, so its own epilogue launches (5 run the unfused pair)
+    # 2 tokens: the folded epilogue (`mhc_norm.folds`) launches
     mhc_norm.mhc_pre_norm(x[:2], *site, torch.ones(128, device=device), **eps, norm_eps=1e-6)
     head = (rand(4, 512) * 0.05, rand(4), torch.rand(1, generator=g).to(device) + 0.5)
     hc_head_norm.hc_head_norm(x, *head, torch.ones(128, device=device), rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-6)

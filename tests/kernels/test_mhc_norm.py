@@ -195,13 +195,10 @@ def test_mixes_launched_apart_give_the_same_bits(n_tok, n_hc, dim, dtype, poison
 
 @needs_triton
 @pytest.mark.parametrize("n_tok,n_hc,dim,dtype", [(7, 3, 200, torch.float32)])
-def test_the_row_epilogue_past_four_rows(n_tok, n_hc, dim, dtype, poisoned, monkeypatch, counted_lane):
-    """`bench/graph_decode.py --fold-max-tokens 8` raises FOLD_MAX_TOKENS and ROW_MAX_TOKENS together:
-    both folded ops then take the row epilogue (one token per program row) at 5-8 rows, in one launch
-    and with the mixes apart, and match the unfused kernels."""
-    monkeypatch.setattr(mhc_norm, "FOLD_MAX_TOKENS", 8)
-    monkeypatch.setattr(mhc_norm, "ROW_MAX_TOKENS", 8)
-    assert mhc_norm.row_tiles(n_tok, dim) is not None
+def test_the_row_epilogue_past_four_rows(n_tok, n_hc, dim, dtype, poisoned, counted_lane):
+    """Past 4 rows (up to ROW_MAX_TOKENS) both folded ops take the row epilogue, one token per program
+    row, in one launch and with the mixes apart, and match the unfused kernels."""
+    assert mhc_norm.folds(n_tok, dim) and mhc_norm.row_tiles(n_tok, dim) is not None
     x, params, weight = site(n_tok, n_hc, dim, dtype, seed=n_tok)
     f, _, post, comb = finished(n_tok, n_hc, dim, dtype, seed=3)
     x_new, *_ = mhc.mhc_post_pre(f, x, post, comb, *params, **EPS)
@@ -254,13 +251,14 @@ def test_real_shapes_on_gpu(n_tok, dim):
 
 @needs_triton
 def test_above_the_fold_limit_the_ops_run_the_unfused_pair(monkeypatch):
-    """Above FOLD_MAX_TOKENS (measured slower folded at 8 tokens) both ops are the unfused Triton pair,
-    bit for bit, and the fused epilogue does not launch."""
+    """Above ROW_MAX_TOKENS both ops are the unfused Triton pair, bit for bit, and the fused epilogue
+    does not launch."""
     launches = []
     kernel = mhc_norm._mhc_norm_epilogue_kernel
     monkeypatch.setattr(mhc_norm, "_mhc_norm_epilogue_kernel",
                         type("Count", (), {"__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
-    n_tok = mhc_norm.FOLD_MAX_TOKENS + 1
+    n_tok = mhc_norm.ROW_MAX_TOKENS + 1
+    assert not mhc_norm.folds(n_tok, 256)
     x, params, weight = site(n_tok, 4, 256, torch.bfloat16, seed=2)
     got = mhc_norm.mhc_pre_norm(x, *params, weight, **EPS, norm_eps=NORM_EPS)
     post, comb, u = mhc.mhc_pre(x, *params, **EPS)
@@ -274,3 +272,14 @@ def test_above_the_fold_limit_the_ops_run_the_unfused_pair(monkeypatch):
     assert not launches
     mhc_norm.mhc_pre_norm(x[:1], *params, weight, **EPS, norm_eps=NORM_EPS)
     assert len(launches) == 1
+
+
+def test_wide_rows_fold_only_where_the_walk_was_measured_faster():
+    """The row epilogue (up to ROW_MAX_TOKENS rows) holds rows up to ROW_MAX wide; wider ones (V4-Pro's
+    7168) walk the row and fold only up to FOLD_MAX_TOKENS tokens, where that walk won."""
+    assert mhc_norm.ROW_MAX_TOKENS > mhc_norm.FOLD_MAX_TOKENS
+    for n_tok in (1, mhc_norm.FOLD_MAX_TOKENS, mhc_norm.ROW_MAX_TOKENS):
+        assert mhc_norm.folds(n_tok, mhc_norm.ROW_MAX)
+    assert mhc_norm.folds(mhc_norm.FOLD_MAX_TOKENS, 7168)
+    assert not mhc_norm.folds(mhc_norm.FOLD_MAX_TOKENS + 1, 7168)
+    assert not mhc_norm.folds(mhc_norm.ROW_MAX_TOKENS + 1, mhc_norm.ROW_MAX)

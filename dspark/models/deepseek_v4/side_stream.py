@@ -34,8 +34,8 @@ collapse needing only pre; their sigmoids and Sinkhorn are about a quarter of th
 read only by the next site, so they run beside the sublayer, which reads the normed collapse alone.
 That lane is joined before the next site, after the sublayer; its work reads statistics partials the
 current stream made and then drops, so the site op marks them in use by the lane
-(`Tensor.record_stream`) and they are not reused before. (V4 splits its folded sites, up to
-`mhc_norm.FOLD_MAX_TOKENS` tokens, and the unfolded epilogue of larger steps alike. Where the lane is
+(`Tensor.record_stream`) and they are not reused before. (V4 splits its folded sites
+(`mhc_norm.folds`) and the unfolded epilogue of larger steps alike. Where the lane is
 not a stream, on the CPU, the sites keep their one-launch epilogue: the same bits in fewer launches.)
 
 A lane numbered past `lanes` (and every lane on the CPU) runs its block inline: `lanes` = 0 is the
