@@ -19,7 +19,8 @@ the eager launch overhead that do_bench includes). `--fp8-steps` and `--rows` re
 steps and the rows per program swept (e.g. `--fp8-steps 256,512,1024,2048 --rows 4,8,16,32`, the
 fourteenth session's whole-row steps), `--stages 1,2,3` adds the software-pipelined loops
 (`DecodeTiles.stages`) to every candidate, `--defer 0,1` the column sums deferred to the end of
-each row (`DecodeTiles.up_defer`, `down_defer`).
+each row (`DecodeTiles.up_defer`, `down_defer`), `--splits 1,2,4,7` the down kernel's expert slots spread
+over that many programs per row block (`DecodeTiles.down_split`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def timed(fn, graph: bool = False) -> float:
 
 
 def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_steps: tuple = (),
-                rows: tuple = (), stages: tuple = (1,), defer: tuple = (False,)) -> dict:
+                rows: tuple = (), stages: tuple = (1,), defer: tuple = (False,), splits: tuple = (1,)) -> dict:
     """One layer, weight kind (`block`: FP8 scale block, None for bf16) and token count: every candidate
     of each kernel, then the whole op at the default, shipped and best-per-kernel shapes."""
     from triton.runtime.errors import OutOfResources
@@ -108,16 +109,21 @@ def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_
         err = ((h - h_ref).norm() / h_ref.norm()).item()
         s = timed_(lambda: md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t))
         ups.append({**shape, "us": s * 1e6, "pct_hbm": 100 * up_bytes / s / HBM, "rel_err": err})
-    for n, k, warps, st, d in itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS, stages, defer):
-        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps, stages=st, down_defer=d)
-        shape = {"down_n": n, "block_k": k, "num_warps": warps, "stages": st, "defer": d}
+    for n, k, warps, st, d, sp in itertools.product(down_ns, [k for k in block_ks if k <= inter], WARPS, stages,
+                                                    defer, splits):
+        if sp > 1 and st > 1:  # the split down kernel runs stages 1 only
+            continue
+        t = md.DecodeTiles(down_n=n, down_k=k, down_warps=warps, stages=st, down_defer=d, down_split=sp)
+        shape = {"down_n": n, "block_k": k, "num_warps": warps, "stages": st, "defer": d, "split": sp}
+        # the split kernel's ticket counters come with decode_up's args for its tiles (each call leaves them 0)
+        args_t = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t)[1] if sp > 1 else args
         try:
-            y = md.decode_down(h_ref, x, wts, ids, w2, s2, args, t)
+            y = md.decode_down(h_ref, x, wts, ids, w2, s2, args_t, t)
         except OutOfResources as e:
             downs.append({**shape, "skipped": str(e)})
             continue
         err = ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
-        s = timed_(lambda: md.decode_down(h_ref, x, wts, ids, w2, s2, args, t))
+        s = timed_(lambda: md.decode_down(h_ref, x, wts, ids, w2, s2, args_t, t))
         downs.append({**shape, "us": s * 1e6, "pct_hbm": 100 * down_bytes / s / HBM, "rel_err": err})
     best_up = min((r for r in ups if "us" in r), key=lambda r: r["us"])
     best_down = min((r for r in downs if "us" in r), key=lambda r: r["us"])
@@ -129,7 +135,7 @@ def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_
     best = md.DecodeTiles(up_n=best_up["up_n"], up_k=best_up["block_k"], up_warps=best_up["num_warps"],
                           down_n=best_down["down_n"], down_k=best_down["block_k"], down_warps=best_down["num_warps"],
                           stages=best_up["stages"], up_defer=best_up["defer"],
-                          down_defer=best_down["defer"])
+                          down_defer=best_down["defer"], down_split=best_down["split"])
     full_best = timed_(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, best))
     return {"layer": name, "fp8": fp8, "fp8_block": block, "M": m, "touched_experts": touched, "up_bytes": up_bytes, "down_bytes": down_bytes,
             "default": {"tiles": default._asdict(), "us": full_default * 1e6, "pct_hbm": 100 * total / full_default / HBM},
@@ -138,6 +144,47 @@ def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_
             "best_up": best_up, "best_down": best_down,
             "best_pair_pct_hbm": 100 * total / ((best_up["us"] + best_down["us"]) * 1e-6) / HBM,
             "up": ups, "down": downs}
+
+
+def split_ab(name, block, m, g, graph: bool, splits: tuple) -> dict:
+    """The shipped shape (`decode_tiles`) against itself with the down kernel's expert slots split over
+    `splits` programs (`DecodeTiles.down_split`) at its row block and at 2 and 4 times it (the split
+    brings the programs back): the down kernel alone and the whole op, each checked against the shipped op."""
+    from dspark.kernels import moe_decode as md
+
+    dim, inter, n_exp = LAYERS[name]
+    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, block, g)
+    x = torch.randn(m, dim, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(m)]).int()
+    wts = torch.rand(m, TOP_K, generator=g, device="cuda") + 0.1
+    touched = int(torch.unique(ids).numel())
+    total = (nbytes(w1, touched) + nbytes(w3, touched) + nbytes(s1, 1) + nbytes(s3, 1) + nbytes(w2, touched)
+             + nbytes(s2, 1) + 2 * x.numel() * 2)
+    down_bytes = nbytes(w2, touched) + nbytes(s2, 1) + x.numel() * 2
+    shipped = md.decode_tiles(m, block, dim)
+    y_ref = md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped)
+    rows = []
+    from triton.runtime.errors import OutOfResources
+
+    for n, sp in itertools.product(sorted({shipped.down_n, 2 * shipped.down_n, 4 * shipped.down_n}), (1, *splits)):
+        t = shipped._replace(down_n=n, down_split=sp)
+        h, args = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t)
+        try:
+            y = md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, t)
+        except OutOfResources as e:  # recorded, not timed
+            rows.append({"down_n": n, "split": sp, "skipped": str(e)})
+            continue
+        down = timed(lambda: md.decode_down(h, x, wts, ids, w2, s2, args, t), graph)
+        op = timed(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, t), graph)
+        rows.append({"down_n": n, "split": sp, "down_us": down * 1e6, "down_pct_hbm": 100 * down_bytes / down / HBM,
+                     "op_us": op * 1e6, "op_pct_hbm": 100 * total / op / HBM,
+                     "rel_err": ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()})
+        print(f"{name} fp8_block={block} M={m} down_n={n} split={sp}: down {down * 1e6:.1f} us, op {op * 1e6:.1f} us "
+              f"({rows[-1]['op_pct_hbm']:.0f} % HBM)", flush=True)
+    base = next(r for r in rows if r["down_n"] == shipped.down_n and r["split"] == 1)
+    best = min((r for r in rows if "op_us" in r), key=lambda r: r["op_us"])
+    return {"layer": name, "fp8_block": block, "M": m, "shipped": shipped._asdict(), "bytes": total,
+            "shipped_op_us": base["op_us"], "best": best, "speedup": base["op_us"] / best["op_us"], "rows": rows}
 
 
 def main() -> None:
@@ -153,7 +200,12 @@ def main() -> None:
     ap.add_argument("--stages", default="1", help="software-pipeline depths to sweep (DecodeTiles.stages)")
     ap.add_argument("--defer", default="0", help="column sums to sweep: comma list of 0 (every K step), 1 (once "
                     "per row, DecodeTiles.up_defer / down_defer)")
+    ap.add_argument("--splits", default="1", help="down kernel expert splits to sweep (DecodeTiles.down_split: "
+                    "the shared + K routed slots over this many programs per row block)")
+    ap.add_argument("--split-ab", action="store_true", help="instead of the sweep: the shipped shapes against "
+                    "themselves with --splits programs per down row block (`split_ab`)")
     args = ap.parse_args()
+    splits = tuple(int(n) for n in args.splits.split(",") if n)
     fp8_steps = tuple(int(k) for k in args.fp8_steps.split(",") if k)
     rows_ = tuple(int(n) for n in args.rows.split(",") if n)
     stages = tuple(int(n) for n in args.stages.split(",") if n)
@@ -167,15 +219,22 @@ def main() -> None:
     tokens = [int(m) for m in args.tokens.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, block, m in itertools.product(layers, kinds, tokens):
-        row = sweep_layer(name, block, m, g, args.wide, args.graph, fp8_steps, rows_, stages, defer)
+    if args.split_ab:
+        rows = [split_ab(name, block, m, g, args.graph, tuple(sp for sp in splits if sp > 1))
+                for name, block, m in itertools.product(layers, kinds, tokens)]
+        for r in rows:
+            print(f"{r['layer']} fp8_block={r['fp8_block']} M={r['M']}: shipped {r['shipped_op_us']:.1f} us, best "
+                  f"{r['best']['op_us']:.1f} us at down_n={r['best']['down_n']} split={r['best']['split']} "
+                  f"({r['speedup']:.3f}x, {r['best']['op_pct_hbm']:.0f} % HBM)", flush=True)
+    for name, block, m in [] if args.split_ab else itertools.product(layers, kinds, tokens):
+        row = sweep_layer(name, block, m, g, args.wide, args.graph, fp8_steps, rows_, stages, defer, splits)
         rows.append(row)
         print(f"{name} fp8_block={block} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
               f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
               f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM; whole op at the best shapes {row['best']['us']:.1f} us "
               f"({row['best']['pct_hbm']:.0f} % HBM) {tuple(row['best']['tiles'].values())}", flush=True)
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
-                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "defer": defer, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
+                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "defer": defer, "splits": splits, "split_ab": args.split_ab, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
 

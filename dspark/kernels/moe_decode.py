@@ -10,7 +10,11 @@ row of work and nothing is packed:
    clamp(x·W3ᵀ, −L, L), kept in fp32.
 2. `_decode_down_kernel`, grid (N, ⌈D/BLOCK_N⌉): y[t] = h[shared t]·W2_sᵀ + Σ_k w[t, k] ·
    h[t·K + k]·W2[ids[t, k]]ᵀ, accumulated in fp32 and cast once: the down projection and the
-   finalize are one pass, so the routed rows never reach memory.
+   finalize are one pass, so the routed rows never reach memory. With `DecodeTiles.down_split` S > 1
+   the grid gains an axis of S programs that share the K + 1 expert slots of a row block; each stores
+   its fp32 sum, and the last to take a ticket (a counter per row block, zeroed by the up kernel and
+   put back to 0 after) adds the S sums in a fixed order and casts: more programs in flight, the same
+   bits on every run.
 
 Two launches, no host sync, CUDA-graph capturable. Weights may be dense or `FP8BlockWeight`
 (dequantised per tile in registers, as in the packed kernels). Shape symbols as in `moe.py`.
@@ -150,17 +154,22 @@ def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim
 
 @_jit
 def _decode_up_kernel(
-    x_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, h_ptr,
+    x_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, h_ptr, ticket_ptr,
     n_assign, dim, inter, inter_s, h_width, limit,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
     STAGES: tl.constexpr, DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr,
-    SUB_S: tl.constexpr, PDL: tl.constexpr,
+    SUB_S: tl.constexpr, TICKETS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h[a, offs_n] for one work row a (routed assignment or shared expert of a token)."""
+    """h[a, offs_n] for one work row a (routed assignment or shared expert of a token). TICKETS > 0:
+    programs (a < N, 0) also zero token a's TICKETS counters of the split down kernel (`ticket_ptr`)."""
     pdl_prologue(PDL)
     a = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if TICKETS > 0:
+        if (a < n_assign // TOP_K) & (tl.program_id(1) == 0):
+            offs_c = tl.arange(0, TICKETS)
+            tl.store(ticket_ptr + a * TICKETS + offs_c, tl.zeros((TICKETS,), dtype=tl.int32))
     if a < n_assign:
         e = tl.load(ids_ptr + a).to(tl.int64)
         x_row = x_ptr + (a // TOP_K).to(tl.int64) * dim
@@ -199,23 +208,74 @@ def _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter,
 
 
 @_jit
+def _down_slot(j: tl.constexpr, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0,
+               n_assign, dim, inter, inter_s, h_width, TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
+               FP8_S: tl.constexpr, SB_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
+               DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr):
+    """fp32 [BLOCK_N]: expert slot j of token t for rows offs_n: j = 0 the shared expert, j = 1..K the
+    routed ones, weighted (the split down kernel's unit of work)."""
+    if j == 0:
+        if DEFER:
+            zero_s = tl.zeros((offs_n.shape[0], KB_S, SUB_S), dtype=tl.float32)
+            out = _acc_sum(_gemv_acc(zero_s, h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, n0, dim,
+                                     inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
+        else:
+            out = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
+                        FP8_S, SB_S, BLOCK_K_S)
+    else:
+        a = t * TOP_K + (j - 1)
+        e = tl.load(ids_ptr + a).to(tl.int64)
+        weight = tl.load(wts_ptr + a)
+        if DEFER:
+            zero = tl.zeros((offs_n.shape[0], KB, SUB), dtype=tl.float32)
+            out = _acc_sum(_gemv_acc(zero, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter, weight,
+                                     FP8, SB, BLOCK_K))
+        else:
+            out = weight * _gemv(h_ptr + a * h_width, w2_ptr, s2_ptr, e, offs_n, dim, inter, FP8, SB, BLOCK_K)
+    return out
+
+
+@_jit
 def _decode_down_kernel(
-    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr,
-    n_assign, dim, inter, inter_s, h_width,
+    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, part_ptr, ticket_ptr,
+    n_assign, dim, inter, inter_s, h_width, ticket_stride,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
     DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
     STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
     the next expert's tiles load while this one's are summed (each step's partial is weighted, not
     each expert's sum: the same value up to fp32 rounding). DEFER: `_gemv_acc`'s accumulators, the
-    routing weights folded into h, two column sums in all (the shared expert's, the routed ones')."""
+    routing weights folded into h, two column sums in all (the shared expert's, the routed ones').
+    SPLIT > 1 (grid axis 2): program s takes the expert slots j ≡ s (mod SPLIT) (`_down_slot`) and
+    stores its fp32 sum in part[t, s]; the last of the SPLIT programs of (t, row block) to take a
+    ticket sums the parts in order s = 0..SPLIT−1 (the same bits whichever arrives last), stores y and
+    puts the ticket counter back to 0 (zeroed by the up kernel)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if DEFER:
+    if SPLIT > 1:
+        s = tl.program_id(2)
+        n_mask = offs_n < dim
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K + 1):
+            if s == j % SPLIT:
+                acc += _down_slot(j, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n,
+                                  tl.program_id(1) * BLOCK_N, n_assign, dim, inter, inter_s, h_width, TOP_K, FP8,
+                                  SB, FP8_S, SB_S, BLOCK_K, BLOCK_K_S, DEFER, KB, SUB, KB_S, SUB_S)
+        tl.store(part_ptr + (t * SPLIT + s) * dim + offs_n, acc, mask=n_mask)
+        tl.debug_barrier()  # every thread's part stored before the ticket releases them (acq_rel, GPU scope)
+        counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):  # from L2 (.cg): other SMs stored these parts
+                total += tl.load(part_ptr + (t * SPLIT + i) * dim + offs_n, mask=n_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptr + t * dim + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
+            tl.store(counter, 0)
+    elif DEFER:
         n0 = tl.program_id(1) * BLOCK_N
         acc = _acc_sum(_gemv_acc(tl.zeros((BLOCK_N, KB_S, SUB_S), dtype=tl.float32), h_ptr + (n_assign + t) * h_width,
                                  sw2_ptr, ss2_ptr, 0, n0, dim, inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
@@ -231,7 +291,8 @@ def _decode_down_kernel(
                     FP8_S, SB_S, BLOCK_K_S)
         acc += _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
                             TOP_K, FP8, SB, BLOCK_K, STAGES)
-    tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
+    if SPLIT == 1:
+        tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
 class DecodeTiles(NamedTuple):
@@ -248,6 +309,8 @@ class DecodeTiles(NamedTuple):
     stages: int = 1  # > 1: each kernel's steps in one software-pipelined loop of this many stages
     up_defer: bool = False  # True: the kernel's column sums deferred to the end of each row (`_gemv_acc`,
     down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
+    down_split: int = 1  # > 1: the down kernel's expert slots (shared + K routed) over this many programs
+    # per row block, their fp32 sums added in a fixed order by the last to finish (stages 1 only)
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -308,12 +371,20 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
         tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1])
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
+    slots = ids.shape[1] + 1
+    if not (isinstance(tiles.down_split, int) and 1 <= tiles.down_split <= slots):
+        raise ValueError(f"DecodeTiles.down_split must be an int in 1..{slots} (the shared expert and "
+                         f"{slots - 1} routed), got {tiles.down_split!r}")
+    if tiles.down_split > 1 and tiles.stages > 1:
+        raise ValueError(f"DecodeTiles.down_split {tiles.down_split} takes stages 1, got {tiles.stages}")
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
 
 def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles()):
-    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row)."""
+    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row), and the
+    sizes `decode_down` takes; with `tiles.down_split` > 1 also the split down kernel's ticket counters
+    [N, ⌈D/down_n⌉ padded to a power of two] int32, zeroed here (each call's down kernel leaves them 0)."""
     n_tok, dim = x.shape
     top_k = ids.shape[1]
     n_assign = n_tok * top_k
@@ -324,27 +395,36 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
+    n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
+    tickets = torch.empty((n_tok, max(n_tickets, 1)), dtype=torch.int32, device=x.device)
     common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
-        x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, n_assign, dim, inter, inter_s, h_width,
-        float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, PDL=pdl, launch_pdl=pdl, **common,
+        x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, tickets, n_assign, dim, inter, inter_s, h_width,
+        float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, TICKETS=n_tickets, PDL=pdl,
+        launch_pdl=pdl, **common,
     )
-    return h, (n_assign, dim, inter, inter_s, h_width)
+    return h, (n_assign, dim, inter, inter_s, h_width, tickets if n_tickets else None)
 
 
 def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):
-    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args` its sizes)."""
-    n_assign, dim, inter, inter_s, h_width = args
+    """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args`: its sizes and tickets, made for
+    the same `tiles`)."""
+    n_assign, dim, inter, inter_s, h_width, tickets = args
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
+    split = tiles.down_split
+    if (split > 1) != (tickets is not None):
+        raise ValueError(f"decode_down with down_split {split} needs decode_up's args for the same tiles")
     y = torch.empty_like(x)
-    grid = (x.shape[0], triton.cdiv(dim, tiles.down_n))
+    part = torch.empty((x.shape[0], split, dim) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    grid = (x.shape[0], triton.cdiv(dim, tiles.down_n), split)
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_down_kernel[grid](
-        h, ids, weights, d2, s2, ds2, ss2, y, n_assign, dim, inter, inter_s, h_width,
-        BLOCK_N=tiles.down_n, PDL=pdl, launch_pdl=pdl,
+        h, ids, weights, d2, s2, ds2, ss2, y, part, tickets if split > 1 else y, n_assign, dim, inter,
+        inter_s, h_width, tickets.shape[1] if split > 1 else 0, BLOCK_N=tiles.down_n, SPLIT=split, PDL=pdl,
+        launch_pdl=pdl,
         **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return y

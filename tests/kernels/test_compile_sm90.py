@@ -202,6 +202,8 @@ def run_every_tile_class():
             if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (off: slower)
                 for stages in (2, 3):
                     moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(stages=stages))
+            if tiles in one_token:  # the down kernel's slots (shared + 2 routed) over 3 programs, tickets in the up
+                moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(down_split=3))
     # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.
     moe._launch_pack(torch.randint(0, 384, (50, 6), generator=g).int().to(DEVICE), 384, 64)
     # Decode router at V4-Flash's E = 256 with the widest select tile (32 splits: S_PAD·E_PAD = 8192),

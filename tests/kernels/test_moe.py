@@ -375,6 +375,38 @@ def test_decode_experts_any_tiles(tiles, fp8_block, poisoned):
 
 
 @needs_triton
+@pytest.mark.parametrize("split,defer", [(2, False), (3, True), (4, False), (4, True)])
+@pytest.mark.parametrize("fp8_block", [None, 32])
+def test_decode_down_split_over_programs(split, defer, fp8_block, poisoned):
+    """`DecodeTiles.down_split`: the down kernel's expert slots (shared + top-3) over 2, 3 or 4 programs
+    per row block (uneven shares at 2 and 3), the last to take its ticket summing the fp32 parts: the
+    same experts as the reference; called again on the same h (the tickets back at 0) the same bits."""
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, fp8_block, seed=11)
+    tiles = moe_decode.DecodeTiles(up_n=16, down_n=16, up_k=64, down_k=64, down_defer=defer, down_split=split)
+    with poisoned():
+        h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0, tiles)
+        y = moe_decode.decode_down(h, x, weights, ids, w2, s2, args, tiles)
+    assert args[-1].shape == (2, 8) and not args[-1].any()  # ⌈96 / 16⌉ = 6 counters, padded to 8
+    assert rel_err(y, moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)) < TOL[torch.float32]
+    assert torch.equal(moe_decode.decode_down(h, x, weights, ids, w2, s2, args, tiles), y)
+    assert torch.equal(moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=tiles), y)
+
+
+@needs_triton
+def test_decode_down_split_rejects_bad_values():
+    x, weights, ids, *experts = _off_tile_experts(1, None, seed=0)
+    for split in (0, 5, 2.0):
+        with pytest.raises(ValueError, match=f"down_split must be an int in 1..4 .*got {split!r}"):
+            moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=moe_decode.DecodeTiles(down_split=split))
+    with pytest.raises(ValueError, match="down_split 2 takes stages 1, got 2"):
+        moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=moe_decode.DecodeTiles(down_split=2, stages=2))
+    w1, w2, w3, s1, s2, s3 = experts
+    h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0)  # made for one program per row block
+    with pytest.raises(ValueError, match="down_split 2 needs decode_up's args for the same tiles"):
+        moe_decode.decode_down(h, x, weights, ids, w2, s2, args, moe_decode.DecodeTiles(down_split=2))
+
+
+@needs_triton
 def test_decode_tiles_reject_bad_stages():
 
     x = router_inputs(1, 64, 8, 2, torch.float32, seed=0)[0]
