@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-first session, for one H100 or H200 (every JSON names its card):
 #
-#   run(command="bash bench/gpu_session32.sh a")   # ≈ 6 min
+#   run(command="SKIP_TESTS=1 bash bench/gpu_session32.sh a")   # ≈ 6 min (the tests: 37 passed, H100)
 #
 # a: the decode MoE's down kernel with its expert slots (the shared expert and the K routed ones) split
 #    over several programs per row block (`DecodeTiles.down_split`: fp32 parts, the last program to
 #    take its ticket adds them in a fixed order), where one program walked all K + 1 experts' rows in
 #    turn: the MoE GPU tests of the decode path, then `bench/moe_decode_tiles.py --split-ab` (the
 #    shipped shapes against themselves split 2 / 4 / 7 ways, at their row block and 2 and 4 times it;
-#    the down kernel alone and the whole op, CUDA-graph replays, L2 flushed) for the V4-Flash and
+#    the down kernel alone and the whole op, each a CUDA graph of 12 calls over several weight sets,
+#    the variants in turn over 3 rounds) for the V4-Flash and
 #    v4-mini layers, bf16, FP8 128×128 and 32×32, one token; and 32×32 at 8 tokens (issue 6's FP8
 #    rows under 60 % of HBM).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests a_tests 120 tests/kernels/test_moe.py -k "decode or split"
-  logged a_split_m1 300 python3 bench/moe_decode_tiles.py --split-ab --graph --layers v4-flash,v4-mini \
+  [ -n "${SKIP_TESTS:-}" ] || tests a_tests 120 tests/kernels/test_moe.py -k "decode or split"
+  logged a_split_m1 330 python3 bench/moe_decode_tiles.py --split-ab --layers v4-flash,v4-mini \
     --kinds fp8,fp8-32,bf16 --tokens 1 --splits 2,4,7 --out "$OUT/moe-split-ab-m1.json"
   grep -h "shipped .* best" "$W/logs/a_split_m1.txt"; tail -n 3 "$W/logs/a_split_m1.txt" | cut -c1-300
-  logged a_split_m8 120 python3 bench/moe_decode_tiles.py --split-ab --graph --layers v4-flash,v4-mini \
+  logged a_split_m8 150 python3 bench/moe_decode_tiles.py --split-ab --layers v4-flash,v4-mini \
     --kinds fp8-32 --tokens 8 --splits 2,4,7 --out "$OUT/moe-split-ab-m8.json"
   grep -h "shipped .* best" "$W/logs/a_split_m8.txt"; tail -n 3 "$W/logs/a_split_m8.txt" | cut -c1-300
 }

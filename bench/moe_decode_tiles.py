@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -146,44 +147,76 @@ def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_
             "up": ups, "down": downs}
 
 
-def split_ab(name, block, m, g, graph: bool, splits: tuple) -> dict:
+CHAIN_SETS = {"v4-flash": 2, "v4-mini": 12}  # weight sets per chain (v4-mini: its 12 layers; Flash's 2 fill 26 GB)
+CHAIN_CALLS = 12  # op calls per captured chain, each with its own tokens and experts
+
+
+def chain_seconds(calls, rounds: int) -> list[float]:
+    """Seconds per call of `calls` (a list of thunks) captured as one CUDA graph, one median per round.
+    The calls read different weight sets and experts in turn, as the decode step's layers do, so they
+    stream their weights from HBM without an L2 flush between them."""
+    from graph_timing import capture, replay_seconds
+
+    graph = capture(lambda: [c() for c in calls])
+    return [replay_seconds(graph, 20) / len(calls) for _ in range(rounds)]
+
+
+def split_ab(name, block, m, g, splits: tuple, rounds: int = 3) -> dict:
     """The shipped shape (`decode_tiles`) against itself with the down kernel's expert slots split over
     `splits` programs (`DecodeTiles.down_split`) at its row block and at 2 and 4 times it (the split
-    brings the programs back): the down kernel alone and the whole op, each checked against the shipped op."""
+    brings the programs back). Each variant is timed as a chain of CHAIN_CALLS calls over CHAIN_SETS
+    weight sets (`chain_seconds`: the whole op, and the down kernel alone on the calls' h), the variants
+    in turn for `rounds` rounds (median), every output checked against the shipped op's."""
+    from triton.runtime.errors import OutOfResources
+
     from dspark.kernels import moe_decode as md
 
     dim, inter, n_exp = LAYERS[name]
-    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, block, g)
-    x = torch.randn(m, dim, generator=g, device="cuda").bfloat16()
-    ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(m)]).int()
-    wts = torch.rand(m, TOP_K, generator=g, device="cuda") + 0.1
-    touched = int(torch.unique(ids).numel())
-    total = (nbytes(w1, touched) + nbytes(w3, touched) + nbytes(s1, 1) + nbytes(s3, 1) + nbytes(w2, touched)
-             + nbytes(s2, 1) + 2 * x.numel() * 2)
-    down_bytes = nbytes(w2, touched) + nbytes(s2, 1) + x.numel() * 2
+    sets = [weights(dim, inter, n_exp, block, g) for _ in range(CHAIN_SETS[name])]
+    calls = []
+    for i in range(CHAIN_CALLS):
+        x = torch.randn(m, dim, generator=g, device="cuda").bfloat16()
+        ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(m)]).int()
+        calls.append((x, torch.rand(m, TOP_K, generator=g, device="cuda") + 0.1, ids, sets[i % len(sets)]))
+    w1, w2, w3, s1, s2, s3 = sets[0]
+    touched = sum(int(torch.unique(ids).numel()) for _, _, ids, _ in calls) / len(calls)
+    per_expert = (nbytes(w1, 1) + nbytes(w3, 1) + nbytes(w2, 1)) * touched
+    total = per_expert + sum(nbytes(w, 1) for w in (s1, s2, s3)) + 2 * m * dim * 2  # bytes of one call
+    down_bytes = nbytes(w2, 1) * touched + nbytes(s2, 1) + m * dim * 2
     shipped = md.decode_tiles(m, block, dim)
-    y_ref = md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped)
-    rows = []
-    from triton.runtime.errors import OutOfResources
-
-    for n, sp in itertools.product(sorted({shipped.down_n, 2 * shipped.down_n, 4 * shipped.down_n}), (1, *splits)):
-        t = shipped._replace(down_n=n, down_split=sp)
-        h, args = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, t)
+    op = lambda t, c: md.decode_experts(c[0], c[1], c[2], *c[3], 10.0, tiles=t)  # noqa: E731
+    want = [op(shipped, c) for c in calls]
+    variants = [shipped._replace(down_n=n, down_split=sp) for n in
+                sorted({shipped.down_n, 2 * shipped.down_n, 4 * shipped.down_n}) for sp in (1, *splits)]
+    rows, timers = [], []
+    for t in variants:
+        shape = {"down_n": t.down_n, "split": t.down_split}
         try:
-            y = md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, t)
+            got = [op(t, c) for c in calls]
         except OutOfResources as e:  # recorded, not timed
-            rows.append({"down_n": n, "split": sp, "skipped": str(e)})
+            rows.append({**shape, "skipped": str(e)})
             continue
-        down = timed(lambda: md.decode_down(h, x, wts, ids, w2, s2, args, t), graph)
-        op = timed(lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, t), graph)
-        rows.append({"down_n": n, "split": sp, "down_us": down * 1e6, "down_pct_hbm": 100 * down_bytes / down / HBM,
-                     "op_us": op * 1e6, "op_pct_hbm": 100 * total / op / HBM,
-                     "rel_err": ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()})
-        print(f"{name} fp8_block={block} M={m} down_n={n} split={sp}: down {down * 1e6:.1f} us, op {op * 1e6:.1f} us "
-              f"({rows[-1]['op_pct_hbm']:.0f} % HBM)", flush=True)
+        ups = [md.decode_up(c[0], c[2], c[3][0], c[3][2], c[3][3], c[3][5], 10.0, t) for c in calls]
+        downs = [lambda t=t, c=c, u=u: md.decode_down(u[0], c[0], c[1], c[2], c[3][1], c[3][4], u[1], t)
+                 for c, u in zip(calls, ups)]
+        err = max(((y.float() - w.float()).norm() / w.float().norm()).item() for y, w in zip(got, want))
+        rows.append({**shape, "rel_err": err, "op_s": [], "down_s": []})
+        timers.append((rows[-1], [lambda t=t, c=c: op(t, c) for c in calls], downs))
+    for _ in range(rounds):  # the variants in turn, so that clocks and neighbours drift over all alike
+        for row, op_calls, down_calls in timers:
+            row["op_s"] += chain_seconds(op_calls, 1)
+            row["down_s"] += chain_seconds(down_calls, 1)
+    for row, _, _ in timers:
+        row["op_us"] = statistics.median(row["op_s"]) * 1e6
+        row["down_us"] = statistics.median(row["down_s"]) * 1e6
+        row["op_pct_hbm"] = 100 * total / (row["op_us"] * 1e-6) / HBM
+        row["down_pct_hbm"] = 100 * down_bytes / (row["down_us"] * 1e-6) / HBM
+        print(f"{name} fp8_block={block} M={m} down_n={row['down_n']} split={row['split']}: down "
+              f"{row['down_us']:.1f} us, op {row['op_us']:.1f} us ({row['op_pct_hbm']:.0f} % HBM)", flush=True)
     base = next(r for r in rows if r["down_n"] == shipped.down_n and r["split"] == 1)
     best = min((r for r in rows if "op_us" in r), key=lambda r: r["op_us"])
-    return {"layer": name, "fp8_block": block, "M": m, "shipped": shipped._asdict(), "bytes": total,
+    return {"layer": name, "fp8_block": block, "M": m, "shipped": shipped._asdict(), "bytes_per_call": total,
+            "chain": {"calls": CHAIN_CALLS, "weight_sets": len(sets), "rounds": rounds},
             "shipped_op_us": base["op_us"], "best": best, "speedup": base["op_us"] / best["op_us"], "rows": rows}
 
 
@@ -203,7 +236,8 @@ def main() -> None:
     ap.add_argument("--splits", default="1", help="down kernel expert splits to sweep (DecodeTiles.down_split: "
                     "the shared + K routed slots over this many programs per row block)")
     ap.add_argument("--split-ab", action="store_true", help="instead of the sweep: the shipped shapes against "
-                    "themselves with --splits programs per down row block (`split_ab`)")
+                    "themselves with --splits programs per down row block, timed as chains of calls over "
+                    "several weight sets in interleaved rounds (`split_ab`; --graph does not apply)")
     args = ap.parse_args()
     splits = tuple(int(n) for n in args.splits.split(",") if n)
     fp8_steps = tuple(int(k) for k in args.fp8_steps.split(",") if k)
@@ -220,7 +254,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     if args.split_ab:
-        rows = [split_ab(name, block, m, g, args.graph, tuple(sp for sp in splits if sp > 1))
+        rows = [split_ab(name, block, m, g, tuple(sp for sp in splits if sp > 1))
                 for name, block, m in itertools.product(layers, kinds, tokens)]
         for r in rows:
             print(f"{r['layer']} fp8_block={r['fp8_block']} M={r['M']}: shipped {r['shipped_op_us']:.1f} us, best "
