@@ -2,27 +2,35 @@
 # GPU steps of the thirty-first session, for one H100 or H200 (every JSON names its card):
 #
 #   run(command="SKIP_TESTS=1 bash bench/gpu_session32.sh a")   # ≈ 6 min (the tests: 37 passed, H100)
+#   run(command="bash bench/gpu_session32.sh b", carry=[".ab"])   # ≈ 4 min
+#   (.ab: `mkdir -p .ab && git show 7fc45a3:dspark/kernels/moe_decode.py > .ab/moe_decode_old.py`)
 #
 # a: the decode MoE's down kernel with its expert slots (the shared expert and the K routed ones) split
 #    over several programs per row block (`DecodeTiles.down_split`: fp32 parts, the last program to
 #    take its ticket adds them in a fixed order), where one program walked all K + 1 experts' rows in
-#    turn: the MoE GPU tests of the decode path, then `bench/moe_decode_tiles.py --split-ab` (the
-#    shipped shapes against themselves split 2 / 4 / 7 ways, at their row block and 2 and 4 times it;
-#    the down kernel alone and the whole op, each a CUDA graph of 12 calls over several weight sets,
-#    the variants in turn over 3 rounds) for the V4-Flash and
-#    v4-mini layers, bf16, FP8 128×128 and 32×32, one token; and 32×32 at 8 tokens (issue 6's FP8
-#    rows under 60 % of HBM).
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
+#    turn: the MoE GPU tests of the decode path, then `bench/moe_decode_tiles.py --split-ab`: the
+#    shipped shapes against themselves split 2 / 4 ways (and 7 at 8 tokens), at their row block and 2
+#    and 4 times it; the down kernel alone and the whole op, each a CUDA graph of 12 calls over several
+#    weight sets, the variants in turn over 3 rounds. V4-Flash and v4-mini layers, bf16, FP8 128×128
+#    and 32×32, one token; V4-Flash 32×32 at 8 tokens (issue 6's FP8 rows under 60 % of HBM).
+# b: the v4-mini graph step (bf16 experts) at 1 and 8 requests with `moe_decode.py` as committed and as
+#    .ab has it (before the split entered its tables), two rounds in alternation, separate processes.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, ab_v4
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   [ -n "${SKIP_TESTS:-}" ] || tests a_tests 120 tests/kernels/test_moe.py -k "decode or split"
   logged a_split_m1 330 python3 bench/moe_decode_tiles.py --split-ab --layers v4-flash,v4-mini \
-    --kinds fp8,fp8-32,bf16 --tokens 1 --splits 2,4,7 --out "$OUT/moe-split-ab-m1.json"
+    --kinds fp8,fp8-32,bf16 --tokens 1 --splits 2,4 --out "$OUT/moe-split-ab-m1.json"
   grep -h "shipped .* best" "$W/logs/a_split_m1.txt"; tail -n 3 "$W/logs/a_split_m1.txt" | cut -c1-300
-  logged a_split_m8 150 python3 bench/moe_decode_tiles.py --split-ab --layers v4-flash,v4-mini \
+  logged a_split_m8 150 python3 bench/moe_decode_tiles.py --split-ab --layers v4-flash \
     --kinds fp8-32 --tokens 8 --splits 2,4,7 --out "$OUT/moe-split-ab-m8.json"
   grep -h "shipped .* best" "$W/logs/a_split_m8.txt"; tail -n 3 "$W/logs/a_split_m8.txt" | cut -c1-300
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  ab_v4 b dspark/kernels/moe_decode.py
 }
 
 dispatch session32 "${1:-}"
