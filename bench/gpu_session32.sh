@@ -11,21 +11,25 @@
 #    turn: the MoE GPU tests of the decode path, then `bench/moe_decode_tiles.py --split-ab`: the
 #    shipped shapes against themselves split 2 / 4 ways (and 7 at 8 tokens), at their row block and 2
 #    and 4 times it; the down kernel alone and the whole op, each a CUDA graph of 12 calls over several
-#    weight sets, the variants in turn over 3 rounds. V4-Flash and v4-mini layers, bf16, FP8 128×128
-#    and 32×32, one token; V4-Flash 32×32 at 8 tokens (issue 6's FP8 rows under 60 % of HBM).
+#    weight sets, the variants in turn over 3 rounds. The V4-Flash layer with FP8 128×128 and 32×32
+#    experts at one token and 32×32 at 8 (issue 6's FP8 rows under 60 % of HBM), then v4-mini's bf16
+#    (its graph step's) and FP8 128×128 experts at one token.
 # b: the v4-mini graph step (bf16 experts) at 1 and 8 requests with `moe_decode.py` as committed and as
 #    .ab has it (before the split entered its tables), two rounds in alternation, separate processes.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, ab_v4
 
+split_ab() {  # split_ab NAME TIMEOUT ARGS...: moe_decode_tiles.py --split-ab into $OUT/moe-split-ab-NAME.json
+  local name=$1 limit=$2; shift 2
+  logged "a_split_$name" "$limit" python3 bench/moe_decode_tiles.py --split-ab --out "$OUT/moe-split-ab-$name.json" "$@"
+  grep -h "shipped .* best" "$W/logs/a_split_$name.txt"; tail -n 2 "$W/logs/a_split_$name.txt" | cut -c1-300
+}
+
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   [ -n "${SKIP_TESTS:-}" ] || tests a_tests 120 tests/kernels/test_moe.py -k "decode or split"
-  logged a_split_m1 330 python3 bench/moe_decode_tiles.py --split-ab --layers v4-flash,v4-mini \
-    --kinds fp8,fp8-32,bf16 --tokens 1 --splits 2,4 --out "$OUT/moe-split-ab-m1.json"
-  grep -h "shipped .* best" "$W/logs/a_split_m1.txt"; tail -n 3 "$W/logs/a_split_m1.txt" | cut -c1-300
-  logged a_split_m8 150 python3 bench/moe_decode_tiles.py --split-ab --layers v4-flash \
-    --kinds fp8-32 --tokens 8 --splits 2,4,7 --out "$OUT/moe-split-ab-m8.json"
-  grep -h "shipped .* best" "$W/logs/a_split_m8.txt"; tail -n 3 "$W/logs/a_split_m8.txt" | cut -c1-300
+  split_ab flash-m1 130 --layers v4-flash --kinds fp8,fp8-32 --tokens 1 --splits 2,4
+  split_ab flash-m8 80 --layers v4-flash --kinds fp8-32 --tokens 8 --splits 2,4,7
+  split_ab mini-m1 90 --layers v4-mini --kinds bf16,fp8 --tokens 1 --splits 2,4
 }
 
 part_b() {

@@ -252,25 +252,35 @@ def main() -> None:
     kinds = [KINDS[k] for k in args.kinds.split(",")]
     tokens = [int(m) for m in args.tokens.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
+    conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
+                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "defer": defer, "splits": splits, "split_ab": args.split_ab, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.split_ab:
-        rows = [split_ab(name, block, m, g, tuple(sp for sp in splits if sp > 1))
-                for name, block, m in itertools.product(layers, kinds, tokens)]
-        for r in rows:
-            print(f"{r['layer']} fp8_block={r['fp8_block']} M={r['M']}: shipped {r['shipped_op_us']:.1f} us, best "
-                  f"{r['best']['op_us']:.1f} us at down_n={r['best']['down_n']} split={r['best']['split']} "
-                  f"({r['speedup']:.3f}x, {r['best']['op_pct_hbm']:.0f} % HBM)", flush=True)
-    for name, block, m in [] if args.split_ab else itertools.product(layers, kinds, tokens):
+        split_ab_main(args.out, conditions, layers, kinds, tokens, g, tuple(sp for sp in splits if sp > 1))
+        return
+    rows = []
+    for name, block, m in itertools.product(layers, kinds, tokens):
         row = sweep_layer(name, block, m, g, args.wide, args.graph, fp8_steps, rows_, stages, defer, splits)
         rows.append(row)
         print(f"{name} fp8_block={block} M={m}: default {row['default']['us']:.1f} us ({row['default']['pct_hbm']:.0f} % HBM); "
               f"shipped {row['shipped']['us']:.1f} us ({row['shipped']['pct_hbm']:.0f} % HBM); "
               f"best up {row['best_up']} down {row['best_down']}; best pair {row['best_pair_pct_hbm']:.0f} % HBM; whole op at the best shapes {row['best']['us']:.1f} us "
               f"({row['best']['pct_hbm']:.0f} % HBM) {tuple(row['best']['tiles'].values())}", flush=True)
-    conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_bytes_per_s": HBM,
-                  "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "defer": defer, "splits": splits, "split_ab": args.split_ab, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
+
+
+def split_ab_main(out, conditions, layers, kinds, tokens, g, splits) -> None:
+    """`--split-ab`: `split_ab` per layer, weight kind and token count, the JSON rewritten after each."""
+    rows = []
+    for name, block, m in itertools.product(layers, kinds, tokens):
+        r = split_ab(name, block, m, g, splits)
+        rows.append(r)
+        print(f"{r['layer']} fp8_block={r['fp8_block']} M={r['M']}: shipped {r['shipped_op_us']:.1f} us, best "
+              f"{r['best']['op_us']:.1f} us at down_n={r['best']['down_n']} split={r['best']['split']} "
+              f"({r['speedup']:.3f}x, {r['best']['op_pct_hbm']:.0f} % HBM)", flush=True)
+        # written after every layer: a run cut by its time limit keeps what it measured
+        Path(out).write_text(json.dumps({"conditions": {**conditions, "timing": "chain_seconds"}, "results": rows},
+                                        indent=1) + "\n")
 
 
 if __name__ == "__main__":
