@@ -66,15 +66,3 @@ ab_steps() {  # ab_steps PART V4_ROUNDS FILE...: two alternating rounds of the v
     swap new "$@"
   done
 }
-
-ab_v4() {  # ab_v4 PART FILE...: two alternating rounds of the v4-mini graph step at 1 and 8 requests with
-  # FILEs as committed ("new") and as .ab has them ("old")
-  local part=$1 round side; shift
-  for round in 1 2; do
-    for side in new old; do
-      swap "$side" "$@"
-      step "${part}_v4_${side}_$round" 90 --requests 1,8
-    done
-    swap new "$@"
-  done
-}

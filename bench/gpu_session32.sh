@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-first session, for one H100 or H200 (every JSON names its card):
 #
-#   run(command="SKIP_TESTS=1 bash bench/gpu_session32.sh a")   # ≈ 6 min (the tests: 37 passed, H100)
-#   run(command="bash bench/gpu_session32.sh b", carry=[".ab"])   # ≈ 4 min
-#   (.ab: `mkdir -p .ab && git show 7fc45a3:dspark/kernels/moe_decode.py > .ab/moe_decode_old.py`)
+#   run(command="SKIP_TESTS=1 bash bench/gpu_session32.sh a")   # ≈ 3 min; ran (H100): moe-split-ab-*-h100-s31.json
+#   (the tests: 37 passed on an H100 in an earlier call, gpu-tests-moe-split-h100-s31.log)
 #
 # a: the decode MoE's down kernel with its expert slots (the shared expert and the K routed ones) split
 #    over several programs per row block (`DecodeTiles.down_split`: fp32 parts, the last program to
@@ -14,9 +13,7 @@
 #    weight sets, the variants in turn over 3 rounds. The V4-Flash layer with FP8 128×128 and 32×32
 #    experts at one token and 32×32 at 8 (issue 6's FP8 rows under 60 % of HBM), then v4-mini's bf16
 #    (its graph step's) and FP8 128×128 experts at one token.
-# b: the v4-mini graph step (bf16 experts) at 1 and 8 requests with `moe_decode.py` as committed and as
-#    .ab has it (before the split entered its tables), two rounds in alternation, separate processes.
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, ab_v4
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 split_ab() {  # split_ab NAME TIMEOUT ARGS...: moe_decode_tiles.py --split-ab into $OUT/moe-split-ab-NAME.json
   local name=$1 limit=$2; shift 2
@@ -30,11 +27,6 @@ part_a() {
   split_ab flash-m1 130 --layers v4-flash --kinds fp8,fp8-32 --tokens 1 --splits 2,4
   split_ab flash-m8 80 --layers v4-flash --kinds fp8-32 --tokens 8 --splits 2,4,7
   split_ab mini-m1 90 --layers v4-mini --kinds bf16,fp8 --tokens 1 --splits 2,4
-}
-
-part_b() {
-  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  ab_v4 b dspark/kernels/moe_decode.py
 }
 
 dispatch session32 "${1:-}"

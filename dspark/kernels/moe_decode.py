@@ -340,14 +340,21 @@ _MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 204
     (128, False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
     (None, True, True): DecodeTiles(up_n=4, down_n=4, up_k=1024, down_k=512, up_warps=8, down_warps=4),
     (None, False, True): DecodeTiles(up_n=16, down_n=16, up_k=128, down_k=128, up_warps=4, down_warps=4),
-    (128, True, True): DecodeTiles(up_n=8, down_n=4, up_k=2048, down_k=256, up_warps=8, down_warps=8),
+    (128, True, True): DecodeTiles(up_n=8, down_n=16, up_k=2048, down_k=256, up_warps=8, down_warps=8,
+                                   down_split=4),
     (128, False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
+    # The down kernel's expert slots split over programs (`down_split`; `bench/moe_decode_tiles.py --split-ab`,
+    # one H100, chains of 12 calls over separate weight sets, moe-split-ab-*-h100-s31.json): v4-mini FP8 128×128
+    # at one token 16-row blocks over 4 programs, the op 21.8 -> 16.7 µs (down 13.8 -> 8.0); V4-Flash 32×32 at
+    # 8 tokens 64-row blocks over 4, 485.1 -> 468.0 µs. No gain at V4-Flash FP8 one token (70.7 vs 72.4 µs
+    # split 2; 32×32 78.1 vs 77.4) or v4-mini bf16 (22.5 vs 21.8), which keep one program per row block.
     # V4.1's 32×32 FP8 blocks: each kernel's best shape of `bench/moe_decode_tiles.py --kinds fp8-32 --graph`
     # (moe-decode-tiles-fp8-32-m{1,8}-h200.json), the whole op timed at it in the same run against the 128×128
     # shapes they ran before: V4-Flash 81.5 -> 76.1 µs at one token, 432.5 -> 424.7 at 8; v4-mini 24.8 -> 20.1
     # and 71.7 -> 64.7.
     (32, True, False): DecodeTiles(up_n=16, down_n=8, up_k=1024, down_k=1024, up_warps=4, down_warps=4),
-    (32, False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=256, up_warps=4, down_warps=4),
+    (32, False, False): DecodeTiles(up_n=32, down_n=64, up_k=1024, down_k=256, up_warps=4, down_warps=4,
+                                    down_split=4),
     (32, True, True): DecodeTiles(up_n=4, down_n=4, up_k=512, down_k=512, up_warps=8, down_warps=4),
     (32, False, True): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=256, up_warps=4, down_warps=4),
 }
@@ -369,6 +376,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     if tiles is None:
         _, _, fp8, block = _weight_parts(w1)
         tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1])
+        # a table's split, measured at top-6, over at most the K + 1 slots a narrower top-k has
+        tiles = tiles._replace(down_split=min(tiles.down_split, ids.shape[1] + 1))
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
     slots = ids.shape[1] + 1

@@ -198,11 +198,13 @@ def run_every_tile_class():
             weights = [w.bfloat16().to(DEVICE) if block is None else FP8BlockWeight(
                 *(t.to(DEVICE) for t in (q.data, q.scale)), block) for w in dense
                 for q in [FP8BlockWeight.quantize(w, block or 16)]]
-            moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles)
+            moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(
+                down_split=min(tiles.down_split, 3)))  # top-2: 3 slots
             if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (off: slower)
                 for stages in (2, 3):
-                    moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(stages=stages))
-            if tiles in one_token:  # the down kernel's slots (shared + 2 routed) over 3 programs, tickets in the up
+                    moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0,
+                                              tiles=tiles._replace(stages=stages, down_split=1))
+            if tiles.down_split == 1:  # the down kernel's slots (shared + 2 routed) over 3 programs at every shape
                 moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(down_split=3))
     # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.
     moe._launch_pack(torch.randint(0, 384, (50, 6), generator=g).int().to(DEVICE), 384, 64)

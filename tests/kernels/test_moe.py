@@ -464,6 +464,25 @@ def test_decode_experts_default_tiles_follow_size_and_weights(fp8_block, monkeyp
 
 
 @needs_triton
+def test_decode_tables_split_within_the_slots_of_a_narrow_top_k(poisoned, monkeypatch):
+    """The narrow FP8 one-token table splits the down kernel over 4 programs (measured at top-6); a top-2
+    layer has 3 expert slots, so its default tiles split 3 ways, and compute the same experts."""
+    assert moe_decode.decode_tiles(1, 128, 2048).down_split == 4
+    grids, kernel = [], moe_decode._decode_down_kernel
+    monkeypatch.setattr(moe_decode, "_decode_down_kernel",
+                        type("Count", (), {"__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
+    x = router_inputs(1, 96, 8, 2, torch.float32, seed=3)[0]
+    w1, w2, w3, _, _, _ = expert_weights(8, 96, 80, torch.float32, seed=4, fp8_block=128)
+    _, _, _, s1, s2, s3 = expert_weights(1, 96, 48, torch.float32, seed=5, fp8_block=128)
+    weights, ids = _routing(1, 8, 2, seed=6)
+    args = (x, weights, ids, w1, w2, w3, s1, s2, s3)
+    with poisoned():
+        y = moe_decode.decode_experts(*args, 10.0)
+    assert [g[2] for g in grids] == [3]
+    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
+
+
+@needs_triton
 def test_v41_router_takes_the_fused_route_where_its_extras_are_identities():
     """V4.1's gate (temperature, image-token bias, no renormalising at K = 1) runs on V4's fused
     router when gate_temp is 1, no image token id is set and K > 1, and as its module otherwise; both
