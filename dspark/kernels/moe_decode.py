@@ -393,7 +393,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
 def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles()):
     """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row), and the
     sizes `decode_down` takes; with `tiles.down_split` > 1 also the split down kernel's ticket counters
-    [N, ⌈D/down_n⌉ padded to a power of two] int32, zeroed here (each call's down kernel leaves them 0)."""
+    [N, ⌈D/down_n⌉ padded to a power of two] int32, zeroed here (each call's down kernel leaves them 0),
+    else None."""
     n_tok, dim = x.shape
     top_k = ids.shape[1]
     n_assign = n_tok * top_k
@@ -405,16 +406,17 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
     n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
-    tickets = torch.empty((n_tok, max(n_tickets, 1)), dtype=torch.int32, device=x.device)
+    tickets = torch.empty((n_tok, n_tickets), dtype=torch.int32, device=x.device) if n_tickets else None
     common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
-        x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, tickets, n_assign, dim, inter, inter_s, h_width,
+        x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, h if tickets is None else tickets, n_assign, dim, inter,
+        inter_s, h_width,
         float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, TICKETS=n_tickets, PDL=pdl,
         launch_pdl=pdl, **common,
     )
-    return h, (n_assign, dim, inter, inter_s, h_width, tickets if n_tickets else None)
+    return h, (n_assign, dim, inter, inter_s, h_width, tickets)
 
 
 def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):
@@ -423,16 +425,17 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     n_assign, dim, inter, inter_s, h_width, tickets = args
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
-    split = tiles.down_split
-    if (split > 1) != (tickets is not None):
+    split, n_blocks = tiles.down_split, triton.cdiv(dim, tiles.down_n)
+    if (split > 1) != (tickets is not None) or (split > 1 and tickets.shape[1] < n_blocks):
         raise ValueError(f"decode_down with down_split {split} needs decode_up's args for the same tiles")
     y = torch.empty_like(x)
-    part = torch.empty((x.shape[0], split, dim) if split > 1 else (1,), dtype=torch.float32, device=x.device)
-    grid = (x.shape[0], triton.cdiv(dim, tiles.down_n), split)
+    # the split's fp32 parts and tickets; unsplit, the kernel never touches either (y stands in)
+    part = torch.empty((x.shape[0], split, dim), dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (x.shape[0], n_blocks, split)
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_down_kernel[grid](
-        h, ids, weights, d2, s2, ds2, ss2, y, part, tickets if split > 1 else y, n_assign, dim, inter,
-        inter_s, h_width, tickets.shape[1] if split > 1 else 0, BLOCK_N=tiles.down_n, SPLIT=split, PDL=pdl,
+        h, ids, weights, d2, s2, ds2, ss2, y, part, y if tickets is None else tickets, n_assign, dim, inter,
+        inter_s, h_width, 0 if tickets is None else tickets.shape[1], BLOCK_N=tiles.down_n, SPLIT=split, PDL=pdl,
         launch_pdl=pdl,
         **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )

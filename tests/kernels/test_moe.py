@@ -404,6 +404,10 @@ def test_decode_down_split_rejects_bad_values():
     h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0)  # made for one program per row block
     with pytest.raises(ValueError, match="down_split 2 needs decode_up's args for the same tiles"):
         moe_decode.decode_down(h, x, weights, ids, w2, s2, args, moe_decode.DecodeTiles(down_split=2))
+    wide = moe_decode.DecodeTiles(down_n=32, down_split=2)  # 4 tickets a token; 16-row blocks need 6
+    h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0, wide)
+    with pytest.raises(ValueError, match="down_split 2 needs decode_up's args for the same tiles"):
+        moe_decode.decode_down(h, x, weights, ids, w2, s2, args, wide._replace(down_n=16))
 
 
 @needs_triton
