@@ -54,6 +54,20 @@ def weights(dim, inter, n_exp, block, g):
     return [FP8BlockWeight.quantize(w, block) if block else w.bfloat16() for w in out]
 
 
+def routed_tokens(m: int, dim: int, n_exp: int, g):
+    """x [m, D] bf16, routing weights [m, K] fp32 and ids [m, K] int32 (K = TOP_K distinct experts a token)."""
+    x = torch.randn(m, dim, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(m)]).int()
+    return x, torch.rand(m, TOP_K, generator=g, device="cuda") + 0.1, ids
+
+
+def op_bytes(w1, w2, w3, s1, s2, s3, touched: float, m: int, dim: int) -> tuple[float, float]:
+    """Bytes the up and the down kernel must read: `touched` experts of the routed weights (plus scales),
+    the shared expert's, and the m bf16 activations each."""
+    up = nbytes(w1, touched) + nbytes(w3, touched) + nbytes(s1, 1) + nbytes(s3, 1) + m * dim * 2
+    return up, nbytes(w2, touched) + nbytes(s2, 1) + m * dim * 2
+
+
 def nbytes(w, rows: int) -> int:
     """Bytes of `rows` experts of a stacked weight (or the whole of an unstacked one)."""
     parts = [w.data, w.scale] if hasattr(w, "scale") else [w]
@@ -85,12 +99,9 @@ def sweep_layer(name, block, m, g, wide: bool = False, graph: bool = False, fp8_
     dim, inter, n_exp = LAYERS[name]
     fp8 = block is not None
     w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, block, g)
-    x = torch.randn(m, dim, generator=g, device="cuda").bfloat16()
-    ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(m)]).int()
-    wts = torch.rand(m, TOP_K, generator=g, device="cuda") + 0.1
+    x, wts, ids = routed_tokens(m, dim, n_exp, g)
     touched = int(torch.unique(ids).numel())
-    up_bytes = nbytes(w1, touched) + nbytes(w3, touched) + nbytes(s1, 1) + nbytes(s3, 1) + x.numel() * 2
-    down_bytes = nbytes(w2, touched) + nbytes(s2, 1) + x.numel() * 2
+    up_bytes, down_bytes = op_bytes(w1, w2, w3, s1, s2, s3, touched, m, dim)
     default = md.DecodeTiles()
     h_ref, args = md.decode_up(x, ids, w1, w3, s1, s3, 10.0, default)
     y_ref = md.decode_down(h_ref, x, wts, ids, w2, s2, args, default)
@@ -175,14 +186,10 @@ def split_ab(name, block, m, g, splits: tuple, rounds: int = 3) -> dict:
     sets = [weights(dim, inter, n_exp, block, g) for _ in range(CHAIN_SETS[name])]
     calls = []
     for i in range(CHAIN_CALLS):
-        x = torch.randn(m, dim, generator=g, device="cuda").bfloat16()
-        ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(m)]).int()
-        calls.append((x, torch.rand(m, TOP_K, generator=g, device="cuda") + 0.1, ids, sets[i % len(sets)]))
-    w1, w2, w3, s1, s2, s3 = sets[0]
+        calls.append((*routed_tokens(m, dim, n_exp, g), sets[i % len(sets)]))
     touched = sum(int(torch.unique(ids).numel()) for _, _, ids, _ in calls) / len(calls)
-    per_expert = (nbytes(w1, 1) + nbytes(w3, 1) + nbytes(w2, 1)) * touched
-    total = per_expert + sum(nbytes(w, 1) for w in (s1, s2, s3)) + 2 * m * dim * 2  # bytes of one call
-    down_bytes = nbytes(w2, 1) * touched + nbytes(s2, 1) + m * dim * 2
+    up_bytes, down_bytes = op_bytes(*sets[0], touched, m, dim)
+    total = up_bytes + down_bytes  # bytes of one call
     shipped = md.decode_tiles(m, block, dim)
     op = lambda t, c: md.decode_experts(c[0], c[1], c[2], *c[3], 10.0, tiles=t)  # noqa: E731
     want = [op(shipped, c) for c in calls]

@@ -361,11 +361,13 @@ _MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 204
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 
 
-def decode_tiles(n_tok: int, block: int | None, dim: int = 4096) -> DecodeTiles:
+def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6) -> DecodeTiles:
     """The measured launch shape for `n_tok` tokens with expert weights of width `dim`: dense (`block`
-    None) or FP8 with scale blocks of `block` (32: V4.1's own shapes; any other block the 128×128 ones)."""
+    None) or FP8 with scale blocks of `block` (32: V4.1's own shapes; any other block the 128×128 ones).
+    The tables were measured at top-6; a narrower top-k's down kernel splits over at most its K + 1 slots."""
     kind = None if block is None else 32 if block == 32 else 128
-    return _MEASURED[(kind, n_tok <= 1, dim <= _NARROW_DIM)]
+    tiles = _MEASURED[(kind, n_tok <= 1, dim <= _NARROW_DIM)]
+    return tiles if tiles.down_split <= top_k + 1 else tiles._replace(down_split=top_k + 1)
 
 
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
@@ -373,14 +375,12 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
     default: `decode_tiles` for N and the routed weights' kind."""
+    slots = ids.shape[1] + 1
     if tiles is None:
         _, _, fp8, block = _weight_parts(w1)
-        tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1])
-        # a table's split, measured at top-6, over at most the K + 1 slots a narrower top-k has
-        tiles = tiles._replace(down_split=min(tiles.down_split, ids.shape[1] + 1))
+        tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1], slots - 1)
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
-    slots = ids.shape[1] + 1
     if not (isinstance(tiles.down_split, int) and 1 <= tiles.down_split <= slots):
         raise ValueError(f"DecodeTiles.down_split must be an int in 1..{slots} (the shared expert and "
                          f"{slots - 1} routed), got {tiles.down_split!r}")

@@ -453,7 +453,8 @@ def test_decode_experts_default_tiles_follow_size_and_weights(fp8_block, monkeyp
 
     asked = []
     pick = moe_decode.decode_tiles
-    monkeypatch.setattr(moe_decode, "decode_tiles", lambda n, block, dim: asked.append((n, block)) or pick(n, block, dim))
+    monkeypatch.setattr(moe_decode, "decode_tiles",
+                        lambda n, block, dim, top_k: asked.append((n, block)) or pick(n, block, dim, top_k))
     x = router_inputs(1, 96, 8, 3, torch.float32, seed=5)[0]
     w1, w2, w3, _, _, _ = expert_weights(8, 96, 80, torch.float32, seed=6, fp8_block=fp8_block)
     _, _, _, s1, s2, s3 = expert_weights(1, 96, 48, torch.float32, seed=7, fp8_block=fp8_block)
