@@ -154,6 +154,20 @@ class LatentAttention(nn.Module):
         """
         return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight))  # [N, G·R] -> [N, D]
 
+    def attend_and_project(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor) -> torch.Tensor:
+        """The attention core (q [N, H, d] over pool [P, d] rows `index` [N, K]), then `project_out`: [N, D].
+
+        An attention op without the sink in its kernel (flashinfer's, which has `unsunk`) returns its
+        output and the sink's `SinkGate`; `grouped_wo_a` scales each head by it as it loads the output,
+        in place of a pass that reads and writes the whole output once more.
+        """
+        unsunk = getattr(self.attend_op, "unsunk", None)
+        if unsunk is None:
+            return self.project_out(self.attend_op(q, pool, index, self.attn_sink, self.scale), cos, sin)
+        out, gate = unsunk(q, pool, index, self.attn_sink, self.scale)
+        return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight, gate))
+
 
 class Attention(LatentAttention):
     """One attention sublayer; `layer_type` picks SWA, CSA or HCA (spec §8).
@@ -211,8 +225,7 @@ class Attention(LatentAttention):
         elif self.compressor is not None:  # HCA: every complete entry
             index = torch.cat((index, causal_entry_index(batch.positions, layout.max_entries, self.rate,
                                                          layout.entry_offset)), dim=-1)
-        out = self.attend_op(q, layout.pool(), index, self.attn_sink, self.scale)  # [N, H, d]
-        return self.project_out(out, cos, sin)
+        return self.attend_and_project(q, layout.pool(), index, cos, sin)
 
     def _update_caches(self, batch: RaggedBatch, caches: list[LayerCache], kv, compressed, index_inputs) -> None:
         """Append every request's window latents and compressor rows (one multi-tensor copy per kind)

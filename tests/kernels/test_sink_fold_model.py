@@ -1,0 +1,61 @@
+"""The attention sink folded into `grouped_wo_a` inside the models (`LatentAttention.attend_and_project`).
+
+flashinfer's attention has no sink; its op offers `unsunk` (output over the keys alone, and the
+`SinkGate`), and the models hand the gate to `grouped_wo_a`, which scales each head as it loads the
+output. flashinfer needs a GPU, so on the CPU a stand-in op with the same two entry points runs the
+torch references (`sparse_attention_lse_ref`); the GPU test of `unsunk` itself is in
+test_attention_flashinfer.py. Both tiny models, fp32: logits with the fold equal the plain path's.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import dspark
+from dspark.kernels import KernelConfig, attention_ref, triton_available
+from dspark.kernels.attention_sink import SinkGate, sparse_attention_lse_ref
+from dspark.models.deepseek_v4.attention import LatentAttention
+
+from test_kernels_model import greedy, rel_err
+
+
+class UnsunkRef:
+    """`sparse_attention` with flashinfer's `unsunk` entry point, on the torch references; counts
+    the `unsunk` calls."""
+
+    def __init__(self):
+        self.unsunk_calls = 0
+
+    def __call__(self, q, pool, index, sink, scale):
+        return attention_ref.sparse_attention_ref(q, pool, index, sink, scale)
+
+    def unsunk(self, q, pool, index, sink, scale):
+        self.unsunk_calls += 1
+        out, lse = sparse_attention_lse_ref(q, pool, index, scale)
+        return out, SinkGate(lse, sink, (index >= 0).sum(dim=1))
+
+
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+@pytest.mark.parametrize("wo_a", ["ref", pytest.param("triton", marks=pytest.mark.skipif(
+    not triton_available(), reason="triton not installed; pip install -e '.[gpu]'"))])
+def test_sink_folded_into_wo_a_gives_the_models_logits(name, wo_a):
+    kernels = dataclasses.replace(KernelConfig.for_device("cpu"), grouped_wo_a=wo_a)
+    plain, folded = (dspark.init_model(name, seed=0, device="cpu", dtype=torch.float32, kernels=kernels)
+                     for _ in range(2))
+    ops = []
+    for module in folded.layers.modules():  # the MTP head (unused here) keeps its op
+        if isinstance(module, LatentAttention):
+            module.attend_op = UnsunkRef()
+            ops.append(module.attend_op)
+    g = torch.Generator().manual_seed(1)
+    window = plain.config.sliding_window
+    prompts = [torch.randint(0, plain.config.vocab_size, (n,), generator=g) for n in (window + 9, 5)]
+    forced = torch.randint(0, plain.config.vocab_size, (2, 3), generator=g)
+    logits, _ = greedy(folded, prompts, 3, forced)
+    expected, _ = greedy(plain, prompts, 3, forced)
+    assert ops and all(op.unsunk_calls == 4 for op in ops)  # the prefill and 3 decode calls, every layer
+    for got, want in zip(logits, expected):  # V4.1's bounded replay leaves the rows it skips NaN
+        computed = want.isfinite().all(dim=-1)
+        assert torch.equal(got.isfinite().all(dim=-1), computed) and computed.any()
+        assert rel_err(got[computed], want[computed]) < 1e-5
