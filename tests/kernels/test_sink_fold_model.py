@@ -4,7 +4,8 @@ flashinfer's attention has no sink; its op offers `unsunk` (output over the keys
 `SinkGate`), and the models hand the gate to `grouped_wo_a`, which scales each head as it loads the
 output. flashinfer needs a GPU, so on the CPU a stand-in op with the same two entry points runs the
 torch references (`sparse_attention_lse_ref`); the GPU test of `unsunk` itself is in
-test_attention_flashinfer.py. Both tiny models, fp32: logits with the fold equal the plain path's.
+test_attention_flashinfer.py. Both tiny models, fp32: logits with the fold equal the plain path's;
+on a GPU with flashinfer, tiny-v4 at head_dim 512 with the fold against flashinfer's sink pass.
 """
 
 import dataclasses
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 import dspark
-from dspark.kernels import KernelConfig, attention_ref, triton_available
+from dspark.kernels import KernelConfig, attention_flashinfer, attention_ref, triton_available
 from dspark.kernels.attention_sink import SinkGate, sparse_attention_lse_ref
 from dspark.models.deepseek_v4.attention import LatentAttention
 
-from test_kernels_model import greedy, rel_err
+from test_kernels_model import greedy, rel_err, tiny_config
 
 
 class UnsunkRef:
@@ -59,3 +60,32 @@ def test_sink_folded_into_wo_a_gives_the_models_logits(name, wo_a):
         computed = want.isfinite().all(dim=-1)
         assert torch.equal(got.isfinite().all(dim=-1), computed) and computed.any()
         assert rel_err(got[computed], want[computed]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not attention_flashinfer.flashinfer_available(), reason="flashinfer not installed")
+def test_flashinfer_models_fold_equals_its_sink_pass_on_gpu():
+    """tiny-v4 at head_dim 512 (flashinfer's MLA width), bf16, every op fused, attention on flashinfer:
+    with the sink folded into `grouped_wo_a` against the same model running flashinfer's sink pass
+    first. The fold rounds out · factor once, as the pass does, so only the rounding of the factor's
+    exp may differ."""
+    config = tiny_config("tiny-v4.json")
+    config.update(head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
+    kernels = dataclasses.replace(KernelConfig.for_device("cuda"), sparse_attention="flashinfer")
+    plain, folded = (dspark.init_model(config, seed=0, device="cuda", dtype=torch.bfloat16, kernels=kernels)
+                     for _ in range(2))
+    calls = []
+    for module in plain.layers.modules():
+        if isinstance(module, LatentAttention):
+            module.attend_op = module.attend_op.__call__  # the bound call: no `unsunk`, so the sink pass runs
+    for module in folded.layers.modules():
+        if isinstance(module, LatentAttention):
+            unsunk = module.attend_op.unsunk
+            module.attend_op.unsunk = lambda *args, _op=unsunk: calls.append(1) or _op(*args)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in (20, 5)]
+    forced = torch.randint(0, 256, (2, 3), generator=g)
+    logits, _ = greedy(folded, prompts, 3, forced)
+    expected, _ = greedy(plain, prompts, 3, forced)
+    assert len(calls) == 4 * len(folded.layers)
+    assert max(rel_err(a, b) for a, b in zip(logits, expected)) < 1e-3
