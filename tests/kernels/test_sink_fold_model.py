@@ -4,7 +4,8 @@ flashinfer's attention has no sink; its op offers `unsunk` (output over the keys
 `SinkGate`), and the models hand the gate to `grouped_wo_a`, which scales each head as it loads the
 output. flashinfer needs a GPU, so on the CPU a stand-in op with the same two entry points runs the
 torch references (`sparse_attention_lse_ref`); the GPU test of `unsunk` itself is in
-test_attention_flashinfer.py. Both tiny models, fp32: logits with the fold equal the plain path's;
+test_attention_flashinfer.py. Both tiny models and the DSpark stages, fp32: logits with the fold equal
+the plain path's;
 on a GPU with flashinfer, tiny-v4 at head_dim 512 with the fold against flashinfer's sink pass.
 """
 
@@ -14,10 +15,13 @@ import pytest
 import torch
 
 import dspark
+from dspark.draft import DSparkConfig, DSparkDrafter
+from dspark.draft.dspark_v4 import DSparkModel
 from dspark.kernels import KernelConfig, attention_flashinfer, attention_ref, triton_available
 from dspark.kernels.attention_sink import SinkGate, sparse_attention_lse_ref
 from dspark.models.deepseek_v4.attention import LatentAttention
 
+from test_draft_stage_kernels import assert_close_drafts, propose_both
 from test_kernels_model import greedy, rel_err, tiny_config
 
 
@@ -89,3 +93,20 @@ def test_flashinfer_models_fold_equals_its_sink_pass_on_gpu():
     expected, _ = greedy(plain, prompts, 3, forced)
     assert len(calls) == 4 * len(folded.layers)
     assert max(rel_err(a, b) for a, b in zip(logits, expected)) < 1e-3
+
+
+def test_draft_stages_fold_the_sink_too():
+    """The DSpark stages run the same `attend_and_project` with their call's ops: a stand-in attention
+    with `unsunk` in the stages gives the reference drafter's block logits and proposals."""
+    target = dspark.init_model("tiny-v4", seed=0, device="cpu", dtype=torch.float32, kernels=KernelConfig())
+    config = DSparkConfig.for_target(target.config, dspark_markov_rank=32)
+    pair = [DSparkDrafter(target, config, DSparkModel(config, target.config, dtype=torch.float32, device="cpu",
+                                                      kernels=KernelConfig()).init_weights(4).eval())
+            for _ in range(2)]
+    ops = []
+    for stage in pair[0].model.mtp:
+        chosen = stage.stage_kernels.chosen
+        stage.stage_kernels.chosen = chosen._replace(attend=UnsunkRef())
+        ops.append(stage.stage_kernels.chosen.attend)
+    assert_close_drafts(propose_both(pair, target))
+    assert ops and all(op.unsunk_calls > 0 for op in ops)

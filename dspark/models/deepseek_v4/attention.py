@@ -155,18 +155,22 @@ class LatentAttention(nn.Module):
         return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight))  # [N, G·R] -> [N, D]
 
     def attend_and_project(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor) -> torch.Tensor:
+                           sin: torch.Tensor, attend=None, wo_a=None) -> torch.Tensor:
         """The attention core (q [N, H, d] over pool [P, d] rows `index` [N, K]), then `project_out`: [N, D].
 
         An attention op without the sink in its kernel (flashinfer's, which has `unsunk`) returns its
         output and the sink's `SinkGate`; `grouped_wo_a` scales each head by it as it loads the output,
-        in place of a pass that reads and writes the whole output once more.
+        in place of a pass that reads and writes the whole output once more. `attend` and `wo_a`
+        replace the module's two ops (the draft stages pass the ones their call runs).
         """
-        unsunk = getattr(self.attend_op, "unsunk", None)
+        attend = self.attend_op if attend is None else attend
+        wo_a = self.wo_a_op if wo_a is None else wo_a
+        unsunk = getattr(attend, "unsunk", None)
         if unsunk is None:
-            return self.project_out(self.attend_op(q, pool, index, self.attn_sink, self.scale), cos, sin)
-        out, gate = unsunk(q, pool, index, self.attn_sink, self.scale)
-        return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight, gate))
+            out, gate = attend(q, pool, index, self.attn_sink, self.scale), None
+        else:
+            out, gate = unsunk(q, pool, index, self.attn_sink, self.scale)
+        return self.wo_b(wo_a(out, cos, sin, self.wo_a.weight, gate))  # [N, G·R] -> [N, D]
 
 
 class Attention(LatentAttention):
