@@ -6,8 +6,9 @@
 #   (.whl: `pip download --no-deps flashinfer-python==0.6.18.post1 apache-tvm-ffi==0.1.15.post2
 #    --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 -d .whl`)
 #
-# a: the attention sink folded into `grouped_wo_a` (`SinkGate`: each head's channels scaled by
-#    sigmoid(lse − sink) as the kernel loads flashinfer's output, in place of the sink pass over it):
+# a: the attention sink folded into `grouped_wo_a` (`SinkGate`: each head's fp32 part of the projection
+#    scaled by sigmoid(lse − sink), in place of the sink pass over flashinfer's output; the twenty-fourth
+#    session's fold scaled the operand tiles instead and lost 1.3x at 512 rows, fe4735c):
 #    the GPU tests of both ops and of the sink (flashinfer's `unsunk`, real wo_a shapes with the gate),
 #    then `bench/attn_batched.py`'s flashinfer rows at 32K for 64, 256 and 512 requests, each with its
 #    `fold_*` fields: the attention + wo_a with the sink pass, with the fold, and wo_a alone, in turn

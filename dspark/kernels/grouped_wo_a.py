@@ -7,8 +7,8 @@ Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
   the heads into G groups of H/G consecutive heads and project group g with its own row block
   ``weight[g·R:(g+1)·R]`` (block-diagonal `wo_a`). Returns y [N, G·R] token-major: row n is
   [y_0 | y_1 | … | y_{G−1}], `wo_b`'s input. `gate` (an `attention_sink.SinkGate`): out came from
-  an attention kernel without the sink (flashinfer's); each head's channels are scaled by their sink
-  factor as they load, in place of a separate pass over out.
+  an attention kernel without the sink (flashinfer's); each head's part of the projection is scaled
+  by its sink factor, in place of a separate pass over out.
 
 Shape: out [N, H, d] bf16/fp32 (contiguous); cos, sin [N, rd/2] fp32 (`Rope.cos_sin` of the query
 positions: the op negates sin itself); weight [G·R, H·d/G] in out's dtype (V4-Flash [8192, 4096]:
@@ -22,7 +22,9 @@ Rounding: the reference is the models' code op for op (rotation in fp32, rounded
 then the einsum's batched GEMM with fp32 accumulation, rounded once). The fused kernel does the
 same rotation per operand tile, rounds it to out's dtype before the dot (as the reference does)
 and accumulates in fp32, so in bf16 the two differ only by the GEMM's summation order (and cuBLAS's
-optional reduced-precision split-K), i.e. within 1 bf16 ulp per element.
+optional reduced-precision split-K), i.e. within 1 bf16 ulp per element. With `gate` the reference
+rounds out · factor to out's dtype (as the sink pass does); the kernel (V4 layout) scales each head's
+fp32 sum by the factor instead, so it skips that rounding: the two differ by it, in the bf16 bound.
 
 Fused kernel: one program per [BLOCK_M rows × BLOCK_N outputs] tile of one group; it streams the
 group's weight rows and the rows' K activations: first a plain pipelined GEMM over every head's
@@ -105,8 +107,9 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, lse_ptr, sink_ptr, len_p
     PRECISION: "ieee" for fp32 operands (a true fp32 GEMM, like torch's default), ignored for bf16.
     SPLITS > 1 (ALIGNED only): program axis 1 also picks one of SPLITS equal runs of the group's heads
     and y is fp32 partials [SPLITS, N, G·R] that `_sum_splits_kernel` adds up.
-    SINK: each head's channels are scaled by its sink factor (lse [N, H], sink [H], lengths [N];
-    `attention_sink.sink_rows`) as they load, rounded to x's dtype, before the rotation.
+    SINK: each head's contribution is scaled by its sink factor (lse [N, H], sink [H], lengths [N];
+    `attention_sink.sink_rows`): the aligned path scales the head's fp32 sum, the masked one its
+    channels as they load (rounded to x's dtype, before the rotation).
     """
     pdl_prologue(PDL)
     pid_m, pid_ns, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -120,26 +123,42 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, lse_ptr, sink_ptr, len_p
     heads_per_group = width // head_dim
     n_heads = heads_per_group * tl.num_programs(2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if ALIGNED:
+    if ALIGNED and SINK:
+        # Head by head: its nope tiles (a plain pipelined dot, the operand tiles untouched) and its
+        # rotary tile into the head's own fp32 sum, which its sink factor then scales into acc.
+        # (Scaling the operand tiles instead took them off the shared-memory path to the tensor cores:
+        # 1.3x slower at 512 rows on an H100, twenty-fourth session.)
+        nope_tiles = nope // BLOCK_K
+        split_width = width // SPLITS
+        first = split * split_width
+        for head in range(first // head_dim, (first + split_width) // head_dim):
+            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for t in range(0, nope_tiles):
+                offs_k = head * head_dim + t * BLOCK_K + tl.arange(0, BLOCK_K)
+                a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+                b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
+                part = tl.dot(a, b, part, input_precision=PRECISION)
+            offs_k = head * head_dim + nope + tl.arange(0, BLOCK_K)
+            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            a = _rotate_tile(a, cos_ptr, sin_ptr, offs_m, m_mask, stride_cs)
+            b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
+            part = tl.dot(a, b, part, input_precision=PRECISION)
+            factor = sink_rows(lse_ptr, sink_ptr, len_ptr, rows, m_mask, g * heads_per_group + head, n_heads)
+            acc += factor[:, None] * part
+    elif ALIGNED:
         # Two loops, so that the GEMM over the "nope" channels (7/8 of K in V4) stays a plain
         # pipelined dot: first every head's nope tiles, then every head's rotary tile, rotated.
         nope_tiles = nope // BLOCK_K
         split_width = width // SPLITS  # whole heads: the launcher checks that SPLITS divides them
         first = split * split_width
         for t in range(0, (split_width // head_dim) * nope_tiles):
-            head = first // head_dim + t // nope_tiles
-            offs_k = head * head_dim + (t % nope_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+            offs_k = first + (t // nope_tiles) * head_dim + (t % nope_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            if SINK:
-                a = _sunk(a, lse_ptr, sink_ptr, len_ptr, rows, m_mask, g * heads_per_group + head, n_heads)
             b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)  # [K, N] tile
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         for k0 in range(nope, split_width, head_dim):
             offs_k = first + k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            if SINK:
-                head = g * heads_per_group + (first + k0) // head_dim
-                a = _sunk(a, lse_ptr, sink_ptr, len_ptr, rows, m_mask, head, n_heads)
             a = _rotate_tile(a, cos_ptr, sin_ptr, offs_m, m_mask, stride_cs)
             b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -173,13 +192,6 @@ def _sum_splits_kernel(part_ptr, y_ptr, n_elems, SPLITS: tl.constexpr, BLOCK: tl
     for s in tl.static_range(SPLITS):
         acc += tl.load(part_ptr + s * n_elems + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@_jit
-def _sunk(a, lse_ptr, sink_ptr, len_ptr, rows, m_mask, head, n_heads):
-    """a [BLOCK_M, BLOCK_K] (channels of one head) times the head's sink factor per row, rounded to a's dtype."""
-    factor = sink_rows(lse_ptr, sink_ptr, len_ptr, rows, m_mask, head, n_heads)
-    return (a.to(tl.float32) * factor[:, None]).to(a.dtype)
 
 
 @_jit

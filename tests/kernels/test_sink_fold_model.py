@@ -22,7 +22,7 @@ from dspark.kernels.attention_sink import SinkGate, sparse_attention_lse_ref
 from dspark.models.deepseek_v4.attention import LatentAttention
 
 from test_draft_stage_kernels import assert_close_drafts, propose_both
-from test_kernels_model import greedy, rel_err, tiny_config
+from test_kernels_model import LOGIT_TOL, greedy, rel_err, tiny_config
 
 
 class UnsunkRef:
@@ -71,8 +71,8 @@ def test_sink_folded_into_wo_a_gives_the_models_logits(name, wo_a):
 def test_flashinfer_models_fold_equals_its_sink_pass_on_gpu():
     """tiny-v4 at head_dim 512 (flashinfer's MLA width), bf16, every op fused, attention on flashinfer:
     with the sink folded into `grouped_wo_a` against the same model running flashinfer's sink pass
-    first. The fold rounds out · factor once, as the pass does, so only the rounding of the factor's
-    exp may differ."""
+    first. The fold scales each head's fp32 sum where the pass rounds out · factor to bf16 first, so
+    the two differ by that rounding: the bf16 bound of the whole-model tests (LOGIT_TOL)."""
     config = tiny_config("tiny-v4.json")
     config.update(head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
     kernels = dataclasses.replace(KernelConfig.for_device("cuda"), sparse_attention="flashinfer")
@@ -92,7 +92,7 @@ def test_flashinfer_models_fold_equals_its_sink_pass_on_gpu():
     logits, _ = greedy(folded, prompts, 3, forced)
     expected, _ = greedy(plain, prompts, 3, forced)
     assert len(calls) == 4 * len(folded.layers)
-    assert max(rel_err(a, b) for a, b in zip(logits, expected)) < 1e-3
+    assert max(rel_err(a, b) for a, b in zip(logits, expected)) < LOGIT_TOL[torch.bfloat16]
 
 
 def test_draft_stages_fold_the_sink_too():
