@@ -27,13 +27,6 @@ whole-model decode step with the batched attention vs the old per-request loop.
    (kernel + sink epilogue) as above, `kernel_graph_us` flashinfer's kernel alone in a graph.
    `graph_pct_copy` / `kernel_pct_copy`: the same as % of this card's measured device-to-device copy
    bandwidth (`copy_TBps` in the conditions), so a card other than the H200 is judged by its own.
-   The sink folded into the next op (`fold_*`): the layer's inverse RoPE + grouped `wo_a` (random
-   bf16 weight of the layer's shape) after the attention, in one graph each: `sunk_wo_a_us` the
-   planned `run` (kernel + sink pass) then `grouped_wo_a`; `folded_wo_a_us` `run_unsunk` then
-   `grouped_wo_a` with the `SinkGate` (no sink pass); `wo_a_us` `grouped_wo_a` alone. Timed in
-   `FOLD_ROUNDS` interleaved rounds (the first-timed variant runs on cooler clocks), minimum kept.
-   `fold_attention_us` = folded − wo_a alone: what the attention with its sink costs when the sink
-   rides in `wo_a`'s loads; `fold_pct_hbm` / `fold_pct_copy` its bytes over that time.
 """
 
 from __future__ import annotations
@@ -60,8 +53,6 @@ HBM_BYTES_PER_S = 4.4e12  # measured H200 copy bandwidth (bench/README.md)
 HEAD_DIM, WINDOW, CONTEXT = 512, 128, 32768
 LAYERS = {"hca": (128, None), "csa": (4, 512)}  # rate, top-k (None: every entry)
 HEADS = {"v4-mini": 32, "v4-flash": 64}
-WO_A = {"v4-mini": (4, 512), "v4-flash": (8, 1024), "tiny": (2, 16)}  # o_groups, o_lora_rank
-FOLD_ROUNDS = 3
 FULL = dict(batches=(1, 8, 64, 128), sweep_batches=(8, 128), model_batches=(1, 8, 64), contexts=(4096, 32768),
             config="v4-mini", context=CONTEXT, heads=HEADS, steps=5)
 SMOKE = dict(batches=(1, 3), sweep_batches=(3,), model_batches=(1, 3), contexts=(40,), config="tiny-v4",
@@ -215,45 +206,8 @@ def flashinfer_rows(cfg: dict, device, copy_bps: float) -> list[dict]:
         r["kernel_pct_copy"] = 100 * n_bytes / kernel_s / copy_bps
         print(f"  of this card's copy bandwidth: graph {r['graph_pct_copy']:.1f}%, kernel {r['kernel_pct_copy']:.1f}%",
               flush=True)
-        r.update(fold_rows(op, q, pool, sink, WO_A[name], n_bytes, copy_bps))
-        print(f"  sink folded into wo_a: sunk + wo_a {r['sunk_wo_a_us']:.1f} us, folded + wo_a "
-              f"{r['folded_wo_a_us']:.1f} us, wo_a alone {r['wo_a_us']:.1f} us -> attention "
-              f"{r['fold_attention_us']:.1f} us ({r['fold_pct_hbm']:.1f}% HBM, {r['fold_pct_copy']:.1f}% copy), "
-              f"rel err {r['fold_rel_err']:.1e}", flush=True)
         del q, pool, index
     return rows
-
-
-def fold_rows(op, q, pool, sink, wo_a: tuple[int, int], n_bytes: int, copy_bps: float) -> dict:
-    """The `fold_*` fields of one planned flashinfer case (module docstring, part 4)."""
-    from dspark.kernels.grouped_wo_a import grouped_wo_a
-
-    groups, rank = wo_a
-    g = torch.Generator(device=q.device).manual_seed(1)
-    n, heads, _ = q.shape
-    width = heads * HEAD_DIM // groups
-    weight = (torch.randn(groups * rank, width, generator=g, device=q.device) * width**-0.5).to(q.dtype)
-    angles = torch.rand(n, 32, generator=g, device=q.device) * 100
-    cos, sin = angles.cos(), angles.sin()
-    fixed = op.run(q, pool, sink)
-
-    def folded():  # flashinfer's kernel, then wo_a scaling each head by its sink factor as it loads
-        out, gate = op.run_unsunk(q, pool, sink)
-        return grouped_wo_a(out, cos, sin, weight, gate)
-
-    variants = {"sunk_wo_a": lambda: grouped_wo_a(op.run(q, pool, sink), cos, sin, weight), "folded_wo_a": folded,
-                "wo_a": lambda: grouped_wo_a(fixed, cos, sin, weight)}
-    best = {k: float("inf") for k in variants}
-    for _ in range(FOLD_ROUNDS):
-        for k, fn in variants.items():
-            best[k] = min(best[k], graph_timer(fn))
-    want = variants["sunk_wo_a"]().float()
-    err = ((variants["folded_wo_a"]().float() - want).norm() / want.norm()).item()
-    attention_s = max(best["folded_wo_a"] - best["wo_a"], 1e-9)
-    return {"sunk_wo_a_us": best["sunk_wo_a"] * 1e6, "folded_wo_a_us": best["folded_wo_a"] * 1e6,
-            "wo_a_us": best["wo_a"] * 1e6, "fold_attention_us": attention_s * 1e6,
-            "fold_pct_hbm": 100 * n_bytes / attention_s / HBM_BYTES_PER_S,
-            "fold_pct_copy": 100 * n_bytes / attention_s / copy_bps, "fold_rel_err": err}
 
 
 def copy_bytes_per_s(device, n_bytes: int = 1 << 30) -> float:

@@ -158,8 +158,9 @@ class DSparkStage(Block):
         _, q, kv = attn.project_qkv(x, cos, sin)  # [S, H, d] (per-head RMS, as in the target), [S, d] block keys
         pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
         index = torch.cat((ctx_index, rows.own_block(ctx_pool.shape[0])), dim=-1)  # [S, W + γ]
-        # the attention, inverse RoPE (undo the values' rotation) + block-diagonal wo_a -> [S, G·R], then wo_b
-        return attn.attend_and_project(q, pool, index, cos, sin, ops.attend, ops.wo_a)
+        out = ops.attend(q, pool, index, attn.attn_sink, attn.scale)  # [S, H, d]
+        # inverse RoPE (undo the values' rotation) + block-diagonal wo_a -> [S, G·R], then wo_b
+        return attn.wo_b(ops.wo_a(out, cos, sin, attn.wo_a.weight))
 
     # ---------------------------------------------------------------------------------------
     # Output (last stage)

@@ -99,7 +99,8 @@ class DSparkStageV41(Block):
         kv = attn.quant.window(kv)  # block keys, transient, rounded like the window cache
         pool = torch.cat((ctx_pool.to(kv.dtype), kv))  # [P + S, d]
         index = torch.cat((ctx_index, rows.own_block(ctx_pool.shape[0])), dim=-1)
-        return attn.attend_and_project(q, pool, index, cos, sin, ops.attend, ops.wo_a)  # attention, wo_a, wo_b
+        out = ops.attend(q, pool, index, attn.attn_sink, attn.scale)  # [S, H, d]
+        return attn.wo_b(ops.wo_a(out, cos, sin, attn.wo_a.weight))  # inverse RoPE, grouped wo_a, wo_b
 
     def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """The output collapse before `norm` with the last FFN pre: [S, hc, D], [S, hc] -> [S, D]."""

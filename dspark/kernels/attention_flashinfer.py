@@ -9,9 +9,8 @@ softmax denominator only, so it is applied afterwards from the log-sum-exp the k
 
     out_with_sink = out · e^lse / (e^lse + e^sink) = out · sigmoid(lse − sink).
 
-The sink is one Triton pass over the output (`attention_sink.apply_sink`, in place): a chain of torch
-ops there costs more than flashinfer's kernel at decode sizes. `unsunk` skips that pass and returns
-the output with its `SinkGate` instead, for `grouped_wo_a` to apply as it loads the output.
+The sink is one Triton pass over the output (`apply_sink`, in place; `apply_sink_ref` is its torch
+reference): a chain of torch ops there costs more than flashinfer's kernel at decode sizes.
 
 Planning is host work: flashinfer schedules the key lists over the SMs from their lengths, which this
 op reads from `index` (one host sync per call). `plan` and `run` are separate so a caller that knows
@@ -31,8 +30,8 @@ from typing import NamedTuple
 import torch
 
 from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # noqa: F401 (the op's ref)
-from dspark.kernels.attention_sink import SinkGate, apply_sink
-from dspark.kernels.registry import package_available
+from dspark.kernels.registry import package_available, require_triton
+from dspark.kernels.triton_compat import jit as _jit, tl, triton
 
 HEAD_DIM = 512  # the MLA kernels' latent width (flashinfer: head_dim_ckv)
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-KV workspace
@@ -59,6 +58,44 @@ def check_supported(q: torch.Tensor, pool: torch.Tensor) -> None:
                          f"{q.dtype} and {pool.dtype}")
     if q.shape[-1] != HEAD_DIM:
         raise ValueError(f"flashinfer sparse_attention needs head_dim {HEAD_DIM}, got {q.shape[-1]}")
+
+
+@_jit
+def _sink_kernel(out_ptr, lse_ptr, sink_ptr, len_ptr, n_heads, head_dim,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[s, heads of block, :] *= sigmoid(lse − sink), 0 where row s has no keys."""
+    s = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < n_heads
+    lse = tl.load(lse_ptr + s * n_heads + offs_h, mask=h_mask, other=0.0)
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    weight = 1.0 / (1.0 + tl.exp(sink - lse))
+    weight = tl.where(tl.load(len_ptr + s) > 0, weight, 0.0)
+    rows = (s * n_heads + offs_h)[:, None] * head_dim
+    for d0 in range(0, head_dim, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = h_mask[:, None] & (offs_d[None, :] < head_dim)
+        out = tl.load(out_ptr + rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows + offs_d[None, :], (out * weight[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def apply_sink_ref(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """out [S, H, d] (softmax over the keys only), lse [S, H] fp32 natural-log, sink [H], lengths [S]
+    -> out · sigmoid(lse − sink) in out's dtype, 0 for rows without keys (in place, returned)."""
+    weight = torch.sigmoid(lse - sink.float()).masked_fill((lengths == 0).unsqueeze(-1), 0.0)
+    return out.copy_(out.float() * weight.unsqueeze(-1))
+
+
+def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`apply_sink_ref` as one Triton pass (same signature; out contiguous, modified in place)."""
+    require_triton()
+    n_q, n_heads, head_dim = out.shape
+    if n_q:
+        block_h = min(16, triton.next_power_of_2(n_heads))
+        _sink_kernel[(n_q, triton.cdiv(n_heads, block_h))](
+            out, lse.contiguous(), sink.contiguous(), lengths.contiguous(), n_heads, head_dim,
+            BLOCK_H=block_h, BLOCK_D=min(128, triton.next_power_of_2(head_dim)), num_warps=4)
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,18 +165,12 @@ class SparseAttentionFlashinfer:
     def run(self, q: torch.Tensor, pool: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
         """The planned attention of q [S, H, 512] over pool [P, 512], sink [H] applied: [S, H, 512].
         Device work only (no host sync): CUDA-graph capturable once planned."""
-        out, gate = self.run_unsunk(q, pool, sink)
-        # Rows without keys: the reference gives 0 (all mass on the sink); flashinfer leaves them undefined.
-        return apply_sink(out, *gate)
-
-    def run_unsunk(self, q: torch.Tensor, pool: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, SinkGate]:
-        """`run` without the sink pass: (out [S, H, 512] over the keys alone, its `SinkGate`)."""
         plan = self._planned
         if plan is None or (plan.n_q, plan.n_heads, plan.dtype) != (q.shape[0], q.shape[1], q.dtype):
             raise ValueError(f"run: q {tuple(q.shape)} {q.dtype} does not match the plan "
                              f"{plan and (plan.n_q, plan.n_heads, plan.dtype)}")
-        out, lse = self.kernel(q, pool)
-        return out, SinkGate(lse, sink.contiguous(), plan.lengths)
+        # Rows without keys: the reference gives 0 (all mass on the sink); flashinfer leaves them undefined.
+        return apply_sink(*self.kernel(q, pool), sink, plan.lengths)
 
     def kernel(self, q: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """flashinfer's planned kernel alone: (out [S, H, 512] without the sink, lse [S, H] fp32,
@@ -157,15 +188,3 @@ class SparseAttentionFlashinfer:
             return torch.empty_like(q)
         self.plan(index, q.shape[1], scale, q.dtype)
         return self.run(q, pool, sink)
-
-    def unsunk(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, SinkGate]:
-        """`__call__` without the sink pass: (out over the keys alone [S, H, 512], its `SinkGate`), for
-        `grouped_wo_a` to scale as it loads out (`LatentAttention.attend_and_project`)."""
-        _check_args(q, pool, index, sink)
-        check_supported(q, pool)
-        if q.shape[0] == 0:
-            return torch.empty_like(q), SinkGate(q.new_empty((0, q.shape[1]), dtype=torch.float32), sink,
-                                                 index.new_zeros(0, dtype=torch.int32))
-        self.plan(index, q.shape[1], scale, q.dtype)
-        return self.run_unsunk(q, pool, sink)

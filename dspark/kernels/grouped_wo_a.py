@@ -2,13 +2,11 @@
 
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
-* ``grouped_wo_a(out, cos, sin, weight, gate=None) -> y``: undo the rotation that the values carried into the
+* ``grouped_wo_a(out, cos, sin, weight) -> y``: undo the rotation that the values carried into the
   attention output (angle −p·θ on the last rd dims of each head, at the query position p), split
   the heads into G groups of H/G consecutive heads and project group g with its own row block
   ``weight[g·R:(g+1)·R]`` (block-diagonal `wo_a`). Returns y [N, G·R] token-major: row n is
-  [y_0 | y_1 | … | y_{G−1}], `wo_b`'s input. `gate` (an `attention_sink.SinkGate`): out came from
-  an attention kernel without the sink (flashinfer's); each head's part of the projection is scaled
-  by its sink factor, in place of a separate pass over out.
+  [y_0 | y_1 | … | y_{G−1}], `wo_b`'s input.
 
 Shape: out [N, H, d] bf16/fp32 (contiguous); cos, sin [N, rd/2] fp32 (`Rope.cos_sin` of the query
 positions: the op negates sin itself); weight [G·R, H·d/G] in out's dtype (V4-Flash [8192, 4096]:
@@ -22,9 +20,7 @@ Rounding: the reference is the models' code op for op (rotation in fp32, rounded
 then the einsum's batched GEMM with fp32 accumulation, rounded once). The fused kernel does the
 same rotation per operand tile, rounds it to out's dtype before the dot (as the reference does)
 and accumulates in fp32, so in bf16 the two differ only by the GEMM's summation order (and cuBLAS's
-optional reduced-precision split-K), i.e. within 1 bf16 ulp per element. With `gate` the reference
-rounds out · factor to out's dtype (as the sink pass does); the kernel (V4 layout) scales each head's
-fp32 sum by the factor instead, so it skips that rounding: the two differ by it, in the bf16 bound.
+optional reduced-precision split-K), i.e. within 1 bf16 ulp per element.
 
 Fused kernel: one program per [BLOCK_M rows × BLOCK_N outputs] tile of one group; it streams the
 group's weight rows and the rows' K activations: first a plain pipelined GEMM over every head's
@@ -44,13 +40,12 @@ from typing import NamedTuple
 
 import torch
 
-from dspark.kernels.attention_sink import SinkGate, scale_by_sink, sink_rows
 from dspark.kernels.registry import require_triton
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
-def _check_args(out, cos, sin, weight, gate=None) -> int:
+def _check_args(out, cos, sin, weight) -> int:
     """Validate the operands; returns G."""
     if out.dim() != 3:
         raise ValueError(f"out must be [N, H, d], got shape {tuple(out.shape)}")
@@ -66,22 +61,16 @@ def _check_args(out, cos, sin, weight, gate=None) -> int:
         raise ValueError(f"weight rows {weight.shape[0]} are not G={groups} blocks of R rows")
     if weight.dtype != out.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must equal out's dtype {out.dtype}")
-    if gate is not None:
-        gate.check(n, heads)
     return groups
 
 
-def grouped_wo_a_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                     gate: SinkGate | None = None) -> torch.Tensor:
+def grouped_wo_a_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Inverse RoPE, then the block-diagonal `wo_a`: out [N, H, d] -> [N, G·R] (see the module docstring).
 
     The models' own code, op for op: the rotation mirrors `deepseek_v4.rope.apply_rope(out, cos, −sin)`
-    (fp32, cast back to out's dtype) and the projection is the einsum "ngk,grk->ngr". With `gate`,
-    out comes from a kernel without the attention sink: `attention_sink.scale_by_sink` first.
+    (fp32, cast back to out's dtype) and the projection is the einsum "ngk,grk->ngr".
     """
-    groups = _check_args(out, cos, sin, weight, gate)
-    if gate is not None:
-        out = scale_by_sink(out, gate)
+    groups = _check_args(out, cos, sin, weight)
     rd = 2 * cos.shape[-1]
     cos, sin = cos.unsqueeze(-2), -sin.unsqueeze(-2)  # [N, 1, rd/2]: every head of a row, angle −p·θ
     nope, rot = out[..., :-rd], out[..., -rd:].float()
@@ -93,10 +82,9 @@ def grouped_wo_a_ref(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, we
 
 
 @_jit
-def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, lse_ptr, sink_ptr, len_ptr, n_rows, rank, width, head_dim,
-                 nope, stride_cs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ALIGNED: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, SINK: tl.constexpr,
-                 PDL: tl.constexpr):
+def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, head_dim, nope, stride_cs,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
+                 PRECISION: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     """y[m, g·R + r] = Σ_k rot(x)[m, g, k] · w[g·R + r, k] for one [BLOCK_M, BLOCK_N] tile of group g.
 
     x [N, G·K] (= out [N, H, d]), w [G·R, K], y [N, G·R]. ALIGNED (the V4 layout, d 512 = 448 + 64):
@@ -107,9 +95,6 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, lse_ptr, sink_ptr, len_p
     PRECISION: "ieee" for fp32 operands (a true fp32 GEMM, like torch's default), ignored for bf16.
     SPLITS > 1 (ALIGNED only): program axis 1 also picks one of SPLITS equal runs of the group's heads
     and y is fp32 partials [SPLITS, N, G·R] that `_sum_splits_kernel` adds up.
-    SINK: each head's contribution is scaled by its sink factor (lse [N, H], sink [H], lengths [N];
-    `attention_sink.sink_rows`): the aligned path scales the head's fp32 sum, the masked one its
-    channels as they load (rounded to x's dtype, before the rotation).
     """
     pdl_prologue(PDL)
     pid_m, pid_ns, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -119,33 +104,8 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, lse_ptr, sink_ptr, len_p
     m_mask, n_mask = offs_m < n_rows, offs_n < rank
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * (width * tl.num_programs(2)) + g * width
     w_cols = w_ptr + (g * rank + offs_n).to(tl.int64)[None, :] * width
-    rows = offs_m.to(tl.int64)
-    heads_per_group = width // head_dim
-    n_heads = heads_per_group * tl.num_programs(2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if ALIGNED and SINK:
-        # Head by head: its nope tiles (a plain pipelined dot, the operand tiles untouched) and its
-        # rotary tile into the head's own fp32 sum, which its sink factor then scales into acc.
-        # (Scaling the operand tiles instead took them off the shared-memory path to the tensor cores:
-        # 1.3x slower at 512 rows on an H100, twenty-fourth session.)
-        nope_tiles = nope // BLOCK_K
-        split_width = width // SPLITS
-        first = split * split_width
-        for head in range(first // head_dim, (first + split_width) // head_dim):
-            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for t in range(0, nope_tiles):
-                offs_k = head * head_dim + t * BLOCK_K + tl.arange(0, BLOCK_K)
-                a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-                b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
-                part = tl.dot(a, b, part, input_precision=PRECISION)
-            offs_k = head * head_dim + nope + tl.arange(0, BLOCK_K)
-            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            a = _rotate_tile(a, cos_ptr, sin_ptr, offs_m, m_mask, stride_cs)
-            b = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
-            part = tl.dot(a, b, part, input_precision=PRECISION)
-            factor = sink_rows(lse_ptr, sink_ptr, len_ptr, rows, m_mask, g * heads_per_group + head, n_heads)
-            acc += factor[:, None] * part
-    elif ALIGNED:
+    if ALIGNED:
         # Two loops, so that the GEMM over the "nope" channels (7/8 of K in V4) stays a plain
         # pipelined dot: first every head's nope tiles, then every head's rotary tile, rotated.
         nope_tiles = nope // BLOCK_K
@@ -167,12 +127,7 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, lse_ptr, sink_ptr, len_p
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < width
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            factor = tl.full((BLOCK_M, BLOCK_K), 1.0, tl.float32)
-            if SINK:  # per channel: a K tile may span two heads here
-                heads = g * heads_per_group + tl.minimum(offs_k // head_dim, heads_per_group - 1)
-                factor = sink_rows(lse_ptr, sink_ptr, len_ptr, rows[:, None], m_mask[:, None], heads[None, :],
-                                   n_heads)
-            a = _rotate_masked(a, factor, x_rows, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, head_dim, nope,
+            a = _rotate_masked(a, x_rows, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, head_dim, nope,
                                stride_cs)
             b = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -209,16 +164,12 @@ def _rotate_tile(a, cos_ptr, sin_ptr, offs_m, m_mask, stride_cs):
 
 
 @_jit
-def _rotate_masked(a, factor, x_rows, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, head_dim, nope, stride_cs):
+def _rotate_masked(a, x_rows, cos_ptr, sin_ptr, offs_m, offs_k, m_mask, k_mask, head_dim, nope, stride_cs):
     """`_rotate_tile` for a tile [BLOCK_M, BLOCK_K] at any alignment: channels k with k mod d ≥ nope
-    are rotated (partner channel k ^ 1 and cos/sin loaded per element), the others pass unchanged.
-    factor [BLOCK_M, BLOCK_K] fp32 scales a and the partners first (each rounded to a's dtype): the
-    sink factor, or ones."""
-    a = (a.to(tl.float32) * factor).to(a.dtype)
+    are rotated (partner channel k ^ 1 and cos/sin loaded per element), the others pass unchanged."""
     j = offs_k % head_dim - nope  # index inside the head's rotary dims, < 0 for "nope" channels
     mask = m_mask[:, None] & ((j >= 0) & k_mask)[None, :]
-    partner = tl.load(x_rows + (offs_k ^ 1)[None, :], mask=mask, other=0.0)  # the pair's other half (same head)
-    partner = (partner.to(tl.float32) * factor).to(a.dtype).to(tl.float32)
+    partner = tl.load(x_rows + (offs_k ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)  # the pair's other half
     cs = offs_m[:, None] * stride_cs + (tl.maximum(j, 0) // 2)[None, :]
     c = tl.load(cos_ptr + cs, mask=mask, other=1.0)
     s = tl.load(sin_ptr + cs, mask=mask, other=0.0)
@@ -277,21 +228,20 @@ def _tiles(n: int, rows: int, head_dim: int, rd: int, dtype: torch.dtype) -> tup
     return 128, 64, block_k, 8, 3, aligned
 
 
-def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                 gate: SinkGate | None = None) -> torch.Tensor:
+def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Fused `grouped_wo_a_ref` (same signature, shapes and dtypes)."""
-    groups = _check_args(out, cos, sin, weight, gate)
+    groups = _check_args(out, cos, sin, weight)
     n, heads, head_dim = out.shape
     tiles = default_tiles(n, groups, weight.shape[0] // groups, heads // groups, head_dim, 2 * cos.shape[1],
                           out.dtype)
-    return launch_grouped_wo_a(out, cos, sin, weight, tiles, gate)
+    return launch_grouped_wo_a(out, cos, sin, weight, tiles)
 
 
 def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                        tiles: Tiles, gate: SinkGate | None = None) -> torch.Tensor:
+                        tiles: Tiles) -> torch.Tensor:
     """`grouped_wo_a` with an explicit launch shape (tests and `bench/decode_sweep.py` vary it)."""
     require_triton()
-    groups = _check_args(out, cos, sin, weight, gate)
+    groups = _check_args(out, cos, sin, weight)
     n, heads, head_dim = out.shape
     rank, width = weight.shape[0] // groups, weight.shape[1]
     y = torch.empty((n, groups * rank), dtype=out.dtype, device=out.device)
@@ -307,13 +257,10 @@ def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                                      device=out.device)
     grid = (triton.cdiv(n, tiles.block_m), triton.cdiv(rank, tiles.block_n) * tiles.splits, groups)
     pdl = pdl_launch(out.device, math.prod(grid))
-    lse, sink, lengths = (gate.lse.float().contiguous(), gate.sink.contiguous(), gate.lengths.contiguous()) \
-        if gate is not None else (cos, cos, cos)  # unread without SINK
-    _wo_a_kernel[grid](out.contiguous(), cos, sin, weight.contiguous(), target, lse, sink, lengths, n, rank, width,
-                       head_dim, head_dim - rd, cos.shape[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+    _wo_a_kernel[grid](out.contiguous(), cos, sin, weight.contiguous(), target, n, rank, width, head_dim,
+                       head_dim - rd, cos.shape[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                        BLOCK_K=tiles.block_k, ALIGNED=_aligned(head_dim, rd), PRECISION=precision,
-                       SPLITS=tiles.splits, SINK=gate is not None, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps,
-                       num_stages=tiles.stages)
+                       SPLITS=tiles.splits, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps, num_stages=tiles.stages)
     if tiles.splits > 1:
         block = 1024
         programs = triton.cdiv(y.numel(), block)

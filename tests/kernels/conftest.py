@@ -75,7 +75,7 @@ if HAVE_TRITON and INTERPRET:
         _patch_scalar_index(_interpreter)
         _patch_bf16_dot(_interpreter)
         _interpreter._dspark_patched = True
-    for _name in ("dspark.kernels.attention_sink", "dspark.kernels.mhc", "dspark.kernels.mhc_norm", "dspark.kernels.hc_head_norm", "dspark.kernels.mhc_v41", "dspark.kernels.moe", "dspark.kernels.moe_decode",
+    for _name in ("dspark.kernels.mhc", "dspark.kernels.mhc_norm", "dspark.kernels.hc_head_norm", "dspark.kernels.mhc_v41", "dspark.kernels.moe", "dspark.kernels.moe_decode",
                   "dspark.kernels.moe_route_decode",
                   "dspark.kernels.attention_wide", "dspark.kernels.attention", "dspark.kernels.indexer", "dspark.kernels.indexer_pool",
                   "dspark.kernels.compressor", "dspark.kernels.grouped_wo_a", "dspark.kernels.linear", "dspark.kernels.cache_round",

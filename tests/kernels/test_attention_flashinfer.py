@@ -2,17 +2,16 @@
 
 On the CPU: the CSR key lists built from `index`, the argument checks, and the registry's rules for
 the "flashinfer" implementation. On a GPU with flashinfer installed: the op (sink from the LSE, rows
-without keys, −1 holes) against `sparse_attention_ref` at V4 shapes (head_dim 512, bf16), and its
-`unsunk` entry point (output without the sink pass, and the `SinkGate` that gives it).
+without keys, −1 holes) against `sparse_attention_ref` at V4 shapes (head_dim 512, bf16).
 """
 
 import pytest
 import torch
 
-from dspark.kernels import KernelConfig, attention_flashinfer, attention_ref, get_op
+from dspark.kernels import KernelConfig, attention_flashinfer, attention_ref, get_op, triton_available
 from dspark.kernels.attention_flashinfer import KeyLists, SparseAttentionFlashinfer
 
-from test_sparse_attention import make_inputs, rel_err
+from test_sparse_attention import DEVICE, make_inputs, rel_err
 
 needs_flashinfer = pytest.mark.skipif(not attention_flashinfer.flashinfer_available(),
                                       reason="flashinfer not installed; pip install -e '.[flashinfer]'")
@@ -93,19 +92,17 @@ def test_rows_without_keys_give_zero_on_gpu():
     assert rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.gpu
-@needs_flashinfer
-def test_unsunk_output_and_gate_give_the_op_on_gpu():
-    """`unsunk` (flashinfer's output without the sink pass, and its gate) scaled by the gate equals
-    the op; row 2 has no keys (factor 0)."""
-    from dspark.kernels.attention_sink import apply_sink_ref
-
-    q, pool, index, sink = make_inputs(5, 64, 512, 3000, 128, 700, 128, torch.bfloat16, seed=9)
-    index[2] = -1
-    op = SparseAttentionFlashinfer()
-    out, gate = op.unsunk(q, pool, index, sink, 512 ** -0.5)
-    assert gate.lengths.tolist()[2] == 0 and gate.lse.shape == (5, 64)
-    expected = op(q, pool, index, sink, 512 ** -0.5)
-    assert rel_err(apply_sink_ref(out.clone(), *gate), expected) < 1e-6
-    empty, gate = op.unsunk(q[:0], pool, index[:0], sink, 512 ** -0.5)
-    assert empty.shape == (0, 64, 512) and gate.lse.shape == (0, 64)
+@pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
+@pytest.mark.parametrize("n_q,n_heads,head_dim,dtype", [(3, 4, 32, torch.float32), (2, 20, 160, torch.bfloat16),
+                                                        (5, 64, 512, torch.bfloat16)])
+def test_sink_epilogue_matches_its_reference(n_q, n_heads, head_dim, dtype):
+    g = torch.Generator().manual_seed(n_heads)
+    out = torch.randn(n_q, n_heads, head_dim, generator=g).to(DEVICE, dtype)
+    lse = (torch.randn(n_q, n_heads, generator=g) * 3).to(DEVICE)
+    sink = torch.randn(n_heads, generator=g).to(DEVICE)
+    lengths = torch.tensor([7, 0, 3, 1, 9][:n_q], dtype=torch.int32, device=DEVICE)
+    expected = attention_flashinfer.apply_sink_ref(out.clone(), lse, sink, lengths)
+    got = attention_flashinfer.apply_sink(out, lse, sink, lengths)
+    assert got.data_ptr() == out.data_ptr()  # in place
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert rel_err(got, expected) < (1e-6 if dtype == torch.float32 else 1e-2)

@@ -30,7 +30,6 @@ from dspark.kernels import (attention, attention_wide, cache_round, compressor, 
                             hc_head_norm, indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe,
                             moe_decode, moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index,
                             triton_available)
-from dspark.kernels.attention_sink import SinkGate
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -307,8 +306,7 @@ def run_every_tile_class():
                                    out=torch.empty(5, dim, dtype=dtype, device=DEVICE),
                                    out_rows=torch.tensor([4, 1], device=DEVICE))
     # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) decode tiles, and
-    # v4-mini's (G 4, R 512) narrower decode tiles; the middle and prefill tiles; fp32 (ieee dot). The
-    # bf16 ones also with the sink gate.
+    # v4-mini's (G 4, R 512) narrower decode tiles; the middle and prefill tiles; fp32 (ieee dot).
     for n_tok, heads, groups, rank, dtype in ((2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),
                                                (100, 32, 4, 512, torch.bfloat16), (300, 32, 4, 512, torch.bfloat16),
                                                (2, 8, 2, 64, torch.float32), (300, 8, 2, 64, torch.float32)):
@@ -316,10 +314,6 @@ def run_every_tile_class():
         cos, sin = torch.rand(n_tok, 32, generator=g).to(DEVICE), torch.rand(n_tok, 32, generator=g).to(DEVICE)
         weight = torch.randn(groups * rank, heads * 512 // groups, generator=g).to(DEVICE, dtype)
         grouped_wo_a.grouped_wo_a(out, cos, sin, weight)
-        if dtype == torch.bfloat16:  # the attention sink folded into the loads (after flashinfer's kernel)
-            gate = SinkGate(torch.randn(n_tok, heads, generator=g).to(DEVICE), torch.randn(heads, generator=g).to(DEVICE),
-                            torch.ones(n_tok, dtype=torch.int32, device=DEVICE))
-            grouped_wo_a.grouped_wo_a(out, cos, sin, weight, gate)
     # RMSNorm: V4-Flash / v4-mini hidden (weighted, one row per program), V4-Pro's 7168 (the widest
     # register row), the per-head q norm (d 512, several rows per program), a row past the widest
     # tile (two passes), fp32 out (rms_scale).

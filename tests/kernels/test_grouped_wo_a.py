@@ -11,7 +11,6 @@ import torch
 
 from dspark.kernels import grouped_wo_a as op
 from dspark.kernels import triton_available
-from dspark.kernels.attention_sink import SinkGate, apply_sink_ref
 from dspark.models.deepseek_v4.rope import apply_rope
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -30,15 +29,6 @@ def make_inputs(n, heads, head_dim, rd, groups, rank, dtype, seed, device=DEVICE
     width = heads * head_dim // groups
     weight = torch.randn(groups * rank, width, generator=g) * width ** -0.5
     return out.to(device, dtype), angles.cos().to(device), angles.sin().to(device), weight.to(device, dtype)
-
-
-def make_gate(n, heads, seed, device=DEVICE):
-    """lse ~ 3·N(0, 1) and sink ~ N(0, 1) (factors spread over (0, 1)); row 1 has no keys (factor 0)."""
-    g = torch.Generator().manual_seed(seed)
-    lse, sink = torch.randn(n, heads, generator=g) * 3, torch.randn(heads, generator=g)
-    lengths = torch.randint(1, 50, (n,), generator=g, dtype=torch.int32)
-    lengths[1:2] = 0
-    return SinkGate(lse.to(device), sink.to(device), lengths.to(device))
 
 
 def previous_project_out(out, cos, sin, weight, groups, rank):
@@ -135,44 +125,6 @@ def test_no_rows():
     assert op.grouped_wo_a(out, cos, sin, weight).shape == (0, 32)
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,splits", [((4, 40, 8, 24), 1), ((4, 48, 16, 16), 1), ((8, 64, 16, 32), 1),
-                                          ((8, 64, 16, 32), 2), ((8, 64, 16, 32), 4)])
-def test_sink_gate_scales_each_head_as_it_loads(dtype, shape, splits, poisoned):
-    """The sink folded into the operand loads (flashinfer's output has none) equals the sink pass
-    then the op: unaligned heads (a K tile spans two heads), the aligned layout, and its head runs.
-    Row 1 has no keys, so its output is 0; without the gate the result is far off."""
-    heads, head_dim, rd, rank = shape
-    groups = 2
-    out, cos, sin, weight = make_inputs(5, heads, head_dim, rd, groups, rank, dtype, seed=splits + head_dim)
-    gate = make_gate(5, heads, seed=head_dim)
-    tiles = op.Tiles(16, 16, 16, 4, 2, splits)
-    with poisoned():
-        y = op.launch_grouped_wo_a(out, cos, sin, weight, tiles, gate)
-    ref = op.grouped_wo_a_ref(out, cos, sin, weight, gate)
-    assert y.dtype == dtype and not y.isnan().any()
-    assert rel_err(y, ref) < TOL[dtype]
-    assert torch.equal(y[1], torch.zeros_like(y[1]))
-    assert rel_err(op.grouped_wo_a_ref(out, cos, sin, weight), ref) > 0.1
-
-
-def test_sink_gate_reference_is_the_sink_pass_then_the_op():
-    out, cos, sin, weight = make_inputs(4, 8, 32, 8, 4, 16, torch.bfloat16, seed=3, device="cpu")
-    gate = make_gate(4, 8, seed=3, device="cpu")
-    sunk = apply_sink_ref(out.clone(), *gate)
-    assert torch.equal(op.grouped_wo_a_ref(out, cos, sin, weight, gate), op.grouped_wo_a_ref(sunk, cos, sin, weight))
-
-
-def test_sink_gate_of_the_wrong_shape_is_named():
-    out, cos, sin, weight = make_inputs(3, 4, 32, 8, 2, 16, torch.float32, seed=0, device="cpu")
-    gate = make_gate(3, 4, seed=0, device="cpu")
-    for bad in (gate._replace(lse=gate.lse[:, :3]), gate._replace(sink=gate.sink[:2]),
-                gate._replace(lengths=gate.lengths[:2])):
-        with pytest.raises(ValueError, match="sink gate must be lse \\[3, 4\\]"):
-            op.grouped_wo_a_ref(out, cos, sin, weight, bad)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_reference_is_the_previous_model_code_bit_for_bit(dtype, groups):
@@ -214,6 +166,3 @@ def test_real_shapes_on_gpu(n, layer):
     assert not y.isnan().any()
     assert rel_err(y, ref) < TOL[torch.bfloat16]
     assert rel_err(y, exact) < TOL[torch.bfloat16] and rel_err(ref, exact) < TOL[torch.bfloat16]
-    gate = make_gate(n, heads, seed=n)  # the sink folded into the loads (flashinfer's output has none)
-    y = op.grouped_wo_a(out, cos, sin, weight, gate)
-    assert not y.isnan().any() and rel_err(y, op.grouped_wo_a_ref(out, cos, sin, weight, gate)) < TOL[torch.bfloat16]

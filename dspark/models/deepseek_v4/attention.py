@@ -154,24 +154,6 @@ class LatentAttention(nn.Module):
         """
         return self.wo_b(self.wo_a_op(out, cos, sin, self.wo_a.weight))  # [N, G·R] -> [N, D]
 
-    def attend_and_project(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, attend=None, wo_a=None) -> torch.Tensor:
-        """The attention core (q [N, H, d] over pool [P, d] rows `index` [N, K]), then `project_out`: [N, D].
-
-        An attention op without the sink in its kernel (flashinfer's, which has `unsunk`) returns its
-        output and the sink's `SinkGate`; `grouped_wo_a` scales each head by it as it loads the output,
-        in place of a pass that reads and writes the whole output once more. `attend` and `wo_a`
-        replace the module's two ops (the draft stages pass the ones their call runs).
-        """
-        attend = self.attend_op if attend is None else attend
-        wo_a = self.wo_a_op if wo_a is None else wo_a
-        unsunk = getattr(attend, "unsunk", None)
-        if unsunk is None:
-            out, gate = attend(q, pool, index, self.attn_sink, self.scale), None
-        else:
-            out, gate = unsunk(q, pool, index, self.attn_sink, self.scale)
-        return self.wo_b(wo_a(out, cos, sin, self.wo_a.weight, gate))  # [N, G·R] -> [N, D]
-
 
 class Attention(LatentAttention):
     """One attention sublayer; `layer_type` picks SWA, CSA or HCA (spec §8).
@@ -229,7 +211,8 @@ class Attention(LatentAttention):
         elif self.compressor is not None:  # HCA: every complete entry
             index = torch.cat((index, causal_entry_index(batch.positions, layout.max_entries, self.rate,
                                                          layout.entry_offset)), dim=-1)
-        return self.attend_and_project(q, layout.pool(), index, cos, sin)
+        out = self.attend_op(q, layout.pool(), index, self.attn_sink, self.scale)  # [N, H, d]
+        return self.project_out(out, cos, sin)
 
     def _update_caches(self, batch: RaggedBatch, caches: list[LayerCache], kv, compressed, index_inputs) -> None:
         """Append every request's window latents and compressor rows (one multi-tensor copy per kind)

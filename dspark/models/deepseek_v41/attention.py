@@ -112,7 +112,8 @@ class Attention(LatentAttention):
         index = layout.window_index(batch.positions, self.window)  # [N, W]
         if self.ratio:  # the latest index source's picks, same rows in the same call
             index = torch.cat((index, layout.entry_rows(_stack_picks([slot.topk for slot in slots]))), dim=-1)
-        return self.attend_and_project(q, layout.pool(), index, cos, sin)
+        out = self.attend_op(q, layout.pool(), index, self.attn_sink, self.scale)  # [N, H, d]
+        return self.project_out(out, cos, sin)
 
     def forward_per_request(self, x: torch.Tensor, batch: RaggedBatch, windows: list[WindowCache],
                             sources: list[SourceCache | None], slots: list[SharedSlots],
