@@ -255,16 +255,17 @@ def _decode_down_kernel(
     puts the ticket counter back to 0 (zeroed by the up kernel)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     if SPLIT > 1:
         s = tl.program_id(2)
         n_mask = offs_n < dim
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in tl.static_range(TOP_K + 1):
             if s == j % SPLIT:
-                acc += _down_slot(j, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n,
-                                  tl.program_id(1) * BLOCK_N, n_assign, dim, inter, inter_s, h_width, TOP_K, FP8,
-                                  SB, FP8_S, SB_S, BLOCK_K, BLOCK_K_S, DEFER, KB, SUB, KB_S, SUB_S)
+                acc += _down_slot(j, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0,
+                                  n_assign, dim, inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K,
+                                  BLOCK_K_S, DEFER, KB, SUB, KB_S, SUB_S)
         tl.store(part_ptr + (t * SPLIT + s) * dim + offs_n, acc, mask=n_mask)
         tl.debug_barrier()  # every thread's part stored before the ticket releases them (acq_rel, GPU scope)
         counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
@@ -275,23 +276,21 @@ def _decode_down_kernel(
                                  cache_modifier=".cg")
             tl.store(y_ptr + t * dim + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
             tl.store(counter, 0)
-    elif DEFER:
-        n0 = tl.program_id(1) * BLOCK_N
-        acc = _acc_sum(_gemv_acc(tl.zeros((BLOCK_N, KB_S, SUB_S), dtype=tl.float32), h_ptr + (n_assign + t) * h_width,
-                                 sw2_ptr, ss2_ptr, 0, n0, dim, inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
-        routed = tl.zeros((BLOCK_N, KB, SUB), dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            a = t * TOP_K + k
-            e = tl.load(ids_ptr + a).to(tl.int64)
-            routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter, tl.load(wts_ptr + a),
-                               FP8, SB, BLOCK_K, STAGES)
-        acc += _acc_sum(routed)
     else:
-        acc = _gemv(h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, offs_n, dim, inter_s,
-                    FP8_S, SB_S, BLOCK_K_S)
-        acc += _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
-                            TOP_K, FP8, SB, BLOCK_K, STAGES)
-    if SPLIT == 1:
+        acc = _down_slot(0, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0, n_assign, dim,
+                         inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K, BLOCK_K_S, DEFER, KB, SUB,
+                         KB_S, SUB_S)  # the shared expert
+        if DEFER:  # the routed experts in one deferred accumulator, one column sum
+            routed = tl.zeros((BLOCK_N, KB, SUB), dtype=tl.float32)
+            for k in tl.static_range(TOP_K):
+                a = t * TOP_K + k
+                e = tl.load(ids_ptr + a).to(tl.int64)
+                routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter,
+                                   tl.load(wts_ptr + a), FP8, SB, BLOCK_K, STAGES)
+            acc += _acc_sum(routed)
+        else:
+            acc += _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
+                                TOP_K, FP8, SB, BLOCK_K, STAGES)
         tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
 
 
