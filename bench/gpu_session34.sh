@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GPU steps of the thirty-second session, for one H100 or H200 (every JSON names its card):
+#
+#   run(command="bash bench/gpu_session34.sh a", carry=[".ab"])   # ≈ 4 min
+#   (.ab/grouped_wo_a_old.py: `git show <parent>:dspark/kernels/grouped_wo_a.py`, the op before the GEMV)
+#
+# a: `grouped_wo_a` at 1-4 decode rows as one GEMV launch (`_wo_a_gemv_kernel`: each weight tile read
+#    once for every row on the CUDA cores, the rotary channels rotated per element), where the tensor-core
+#    kernel split each group's heads into runs and a second launch added their fp32 partials: its GPU
+#    tests, then the v4-mini graph step at 1 request with the new op and with the old one, two rounds in
+#    alternation (separate processes).
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step, swap
+
+part_a() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests a_tests 150 tests/kernels/test_grouped_wo_a.py tests/kernels/test_kernels_pdl.py
+  local round side
+  for round in 1 2; do
+    for side in new old; do
+      swap "$side" dspark/kernels/grouped_wo_a.py
+      step "a_v4_${side}_$round" 90 --requests 1
+    done
+    swap new dspark/kernels/grouped_wo_a.py
+  done
+}
+
+dispatch session34 "${1:-}"
