@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-second session, for one H100 or H200 (every JSON names its card):
 #
-#   run(command="bash bench/gpu_session34.sh a", carry=[".ab"])   # ≈ 4 min
+#   run(command="bash bench/gpu_session34.sh a", carry=[".ab"])   # ≈ 4 min (SKIP_TESTS=1 ROUNDS=1: ≈ 1.5 min)
 #   (.ab/grouped_wo_a_old.py: `git show <parent>:dspark/kernels/grouped_wo_a.py`, the op before the GEMV)
 #
 # a: `grouped_wo_a` at 1-4 decode rows as one GEMV launch (`_wo_a_gemv_kernel`: each weight tile read
@@ -13,9 +13,9 @@ source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch, step, swap
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests a_tests 150 tests/kernels/test_grouped_wo_a.py tests/kernels/test_kernels_pdl.py
+  [ -n "${SKIP_TESTS:-}" ] || tests a_tests 150 tests/kernels/test_grouped_wo_a.py tests/kernels/test_kernels_pdl.py
   local round side
-  for round in 1 2; do
+  for round in $(seq 1 "${ROUNDS:-2}"); do
     for side in new old; do
       swap "$side" dspark/kernels/grouped_wo_a.py
       step "a_v4_${side}_$round" 90 --requests 1
