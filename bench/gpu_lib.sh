@@ -55,12 +55,13 @@ swap() {  # swap new|old FILE...: the kernel files as this commit has them (kept
 }
 
 ab_steps() {  # ab_steps PART V4_ROUNDS FILE...: two alternating rounds of the v41-mini graph step (and in
-  # the first V4_ROUNDS rounds the v4-mini one) with FILEs as committed ("new") and as .ab has them ("old")
+  # the first V4_ROUNDS rounds the v4-mini one) with FILEs as committed ("new") and as .ab has them ("old");
+  # AB_V41_ROUNDS (default 2) caps the v41-mini rounds, 0 for a short call
   local part=$1 v4_rounds=$2 round side; shift 2
   for round in 1 2; do
     for side in new old; do
       swap "$side" "$@"
-      step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8
+      if [ "$round" -le "${AB_V41_ROUNDS:-2}" ]; then step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8; fi
       if [ "$round" -le "$v4_rounds" ]; then step "${part}_v4_${side}_$round" 80 --requests 1,8; fi
     done
     swap new "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-second session, for one H100 or H200 (every JSON names its card):
 #
-#   run(command="bash bench/gpu_session34.sh a", carry=[".ab"])   # ≈ 7 min (SKIP_TESTS=1: ≈ 6 min)
+#   run(command="bash bench/gpu_session34.sh a", carry=[".ab"])   # ≈ 7 min (SKIP_TESTS=1: ≈ 6 min; AB_V41_ROUNDS=0: v4-mini only)
 #   (.ab/grouped_wo_a_old.py: `git show <parent>:dspark/kernels/grouped_wo_a.py`, the op before the GEMV)
 #
 # a: `grouped_wo_a` at 1-4 decode rows as one GEMV launch (`_wo_a_gemv_kernel`: each weight tile read
