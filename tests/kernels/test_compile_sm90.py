@@ -51,7 +51,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
-           moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
+           moe_route_decode: ("_route_logits_kernel", "_route_select_kernel", "_route_fold_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
            attention_wide: ("_wide_kernel",),
            indexer: ("_score_kernel", "_select_kernel"),
@@ -209,19 +209,28 @@ def run_every_tile_class():
     # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.
     moe._launch_pack(torch.randint(0, 384, (50, 6), generator=g).int().to(DEVICE), 384, 64)
     # Decode router at V4-Flash's E = 256 with the widest select tile (32 splits: S_PAD·E_PAD = 8192),
-    # wide logits tiles, fp32 (3-pass TF32 dot) and hash routing.
+    # wide logits tiles, fp32 (3-pass TF32 dot) and hash routing; each as two launches and as one (tickets).
+    tickets = moe_route_decode.route_tickets(DEVICE)
     for tiles, dtype, hashed in ((moe_route_decode.RouteTiles(programs=256), torch.bfloat16, False),
                                  (moe_route_decode.RouteTiles(block_e=64, block_k=128, warps=8), torch.bfloat16, True),
                                  (moe_route_decode.RouteTiles(), torch.float32, False)):
         x = torch.randn(2, 2048, generator=g).to(DEVICE, dtype)
         gate = (torch.randn(256, 2048, generator=g) / 45).to(DEVICE, dtype)
         hash_args = (torch.randint(0, 256, (10, 6), generator=g).to(DEVICE), torch.tensor([1, 7], device=DEVICE))
-        moe_route_decode.route_decode(x, gate, torch.zeros(256, device=DEVICE), *(hash_args if hashed else (None, None)),
-                                      top_k=6, routed_scaling_factor=1.5, hash_routing=hashed, tiles=tiles)
-    # One selection-bias row per token (`moe_route_rows`, V4.1's image spans): both router epilogues.
+        for route_tickets in (None, tickets):
+            moe_route_decode.route_decode(x, gate, torch.zeros(256, device=DEVICE),
+                                          *(hash_args if hashed else (None, None)), top_k=6, routed_scaling_factor=1.5,
+                                          hash_routing=hashed, tiles=tiles, tickets=route_tickets)
+    # The one launch at v4-mini's router (D 2048, E 64; the default tiles) and the shipped one of V4-Flash's.
+    for n_exp in (64, 256):
+        moe.moe_route(x.bfloat16(), gate[:n_exp].bfloat16(), torch.zeros(n_exp, device=DEVICE), None, None, top_k=6,
+                      routed_scaling_factor=1.5, hash_routing=False, tickets=tickets)
+    # One selection-bias row per token (`moe_route_rows`, V4.1's image spans): both router epilogues, and
+    # the decode router's as one launch.
     x, gate = x.bfloat16(), gate.bfloat16()
     rows = torch.randn(2, 256, generator=g).to(DEVICE)
     moe.moe_route_rows(x, gate, rows, None, None, top_k=6, routed_scaling_factor=1.5)
+    moe.moe_route_rows(x, gate, rows, None, None, top_k=6, routed_scaling_factor=1.5, tickets=tickets)
     moe.route_prefill(x, gate, rows, None, None, top_k=6, routed_scaling_factor=1.5, hash_routing=False, bias_rows=True)
     for n_heads in (64, 32):  # V4-Flash and v4-mini attention: d 512, bf16
         q = torch.randn(2, n_heads, 512, generator=g).bfloat16().to(DEVICE)

@@ -208,6 +208,7 @@ def _every_op(device: str) -> None:
     moe.fused_moe(*router, *experts, **route, swiglu_limit=10.0)  # decode router, packed experts
     moe.route_prefill(*router, **route)
     weights, ids = moe.moe_route(*router, **route)
+    moe.moe_route(router[0][:2], *router[1:], **route, tickets=moe_route_decode.route_tickets(device))  # one launch
     moe_decode.decode_experts(router[0][:1], weights[:1], ids[:1].int(), *experts, 10.0)
     linear.launch_gemv(rand(3, 64), rand(40, 64))
     linear.launch_gemv(rand(1, 64), rand(40, 64), scale=0.5)  # `linear_scaled`'s epilogue
