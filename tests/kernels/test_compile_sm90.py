@@ -347,6 +347,16 @@ def run_every_tile_class():
         for rows in (1, 4):
             x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
             linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, 2048, 132, rows), scale=8192 ** -0.5)
+    # `linear_rms_norm` (the GEMV's NORM mode: the last program normalises the rows): v4-mini and V4-Flash
+    # wq_a + q_norm (q_lora 512, 1024) at 1, 2 and 4 rows, the widest N `gemv_pays` leaves at K 2048, and
+    # an N off the powers of two (masked norm lanes).
+    for n_out, n_in in ((512, 2048), (1024, 4096), (2048, 2048), (1000, 2048)):
+        weight = torch.randn(n_out, n_in, generator=g).to(DEVICE, torch.bfloat16)
+        for rows in (1, 2, 4):
+            x = torch.randn(rows, n_in, generator=g).to(DEVICE, torch.bfloat16)
+            linear.launch_linear_rms_norm(x, weight, torch.ones(n_out, device=DEVICE),
+                                          torch.zeros(1, dtype=torch.int32, device=DEVICE), eps=1e-6,
+                                          tiles=linear.gemv_tiles(n_out, n_in, 132, rows))
     # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256), 1, 4
     # and 8 rows, into fresh outputs and into the static rings.
     for width in (1024, 256):
