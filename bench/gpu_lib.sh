@@ -67,3 +67,18 @@ ab_steps() {  # ab_steps PART V4_ROUNDS FILE...: two alternating rounds of the v
     swap new "$@"
   done
 }
+
+ab_trees() {  # ab_trees PART V41_ROUNDS V4_ROUNDS STEP-ARGS...: two alternating rounds of the v41-mini graph
+  # step (its first V41_ROUNDS rounds) and the v4-mini one (its first V4_ROUNDS) at 1 and 8 requests, with this
+  # tree's dspark ("new") and with the package copied into .ab/main ("old", first on PYTHONPATH): a whole
+  # commit against another, where `ab_steps` swaps single files
+  local part=$1 v41=$2 v4=$3 round side path; shift 3
+  for round in 1 2; do
+    for side in new old; do
+      path=.; [ "$side" = old ] && path=.ab/main:.
+      PYTHONPATH=$path python3 -c "import dspark; print('$side: dspark from', dspark.__file__)"
+      if [ "$round" -le "$v41" ]; then PYTHONPATH=$path step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8 "$@"; fi
+      if [ "$round" -le "$v4" ]; then PYTHONPATH=$path step "${part}_v4_${side}_$round" 80 --requests 1,8 "$@"; fi
+    done
+  done
+}
