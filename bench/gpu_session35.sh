@@ -18,6 +18,7 @@ part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   [ -n "${SKIP_TESTS:-}" ] || tests a_tests 200 tests/kernels/test_grouped_wo_a.py tests/kernels/test_kernels_route_decode.py \
     tests/kernels/test_linear_rms_norm.py tests/kernels/test_kernels_pdl.py tests/models/test_deepseek_v4_static_graph_gpu.py
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null  # back even if the call runs out of time before `pack`
   ab_trees a 1 2 --not-yet
 }
 
