@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-third session, for one H100 or H200 (every JSON names its card):
 #
-#   run(command="bash bench/gpu_session35.sh a", carry=[".ab"])   # ≈ 7 min
+#   run(command="bash bench/gpu_session35.sh a", carry=[".ab"])   # ≈ 7 min (V41_ROUNDS=0: v4-mini only)
 #   (.ab/main: the package of the commit to compare with, without its assets:
 #    `mkdir -p .ab/main && git archive main dspark | tar -x -C .ab/main && rm -rf .ab/main/dspark/assets`)
 #
@@ -19,7 +19,7 @@ part_a() {
   [ -n "${SKIP_TESTS:-}" ] || tests a_tests 200 tests/kernels/test_grouped_wo_a.py tests/kernels/test_kernels_route_decode.py \
     tests/kernels/test_linear_rms_norm.py tests/kernels/test_kernels_pdl.py tests/models/test_deepseek_v4_static_graph_gpu.py
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null  # back even if the call runs out of time before `pack`
-  ab_trees a 1 2 --not-yet
+  ab_trees a "${V41_ROUNDS:-1}" 2 --not-yet
 }
 
 dispatch session35 "${1:-}"
