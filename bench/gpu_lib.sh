@@ -76,7 +76,7 @@ ab_trees() {  # ab_trees PART V41_ROUNDS V4_ROUNDS STEP-ARGS...: two alternating
   for round in 1 2; do
     for side in new old; do
       path=.; [ "$side" = old ] && path=.ab/main:.
-      PYTHONPATH=$path python3 -c "import dspark; print('$side: dspark from', dspark.__file__)"
+      PYTHONPATH=$path python3 -P -c "import dspark; print('$side: dspark from', dspark.__file__)"  # -P: no cwd first, as a script sees it
       if [ "$round" -le "$v41" ]; then PYTHONPATH=$path step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8 "$@"; fi
       if [ "$round" -le "$v4" ]; then PYTHONPATH=$path step "${part}_v4_${side}_$round" 80 --requests 1,8 "$@"; fi
     done
