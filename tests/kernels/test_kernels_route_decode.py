@@ -244,3 +244,193 @@ def test_moe_route_rows_real_shapes_on_gpu(n_tok, dim, n_exp):
     same = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1)
     assert same.float().mean() >= 0.99
     torch.testing.assert_close(weights[same], ref_w[same], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- one launch: ticket counters per tile
+
+
+FOLD_SHAPES = [(n_tok, dim, n_exp) for n_exp, dim in ((64, 256), (256, 512)) for n_tok in (1, 2, 3, 4)]
+
+
+def routing_mode(mode, n_tok, dim, n_exp, dtype):
+    """(args, kwargs of `route_decode`, the registry op with that routing, its reference): score routing
+    with a shared [E] bias, hash routing, or one bias row per token (`moe_route_rows`)."""
+    args = router_inputs(n_tok, dim, n_exp, 6, dtype, seed=n_tok * 7 + n_exp)
+    kwargs = dict(top_k=6, routed_scaling_factor=1.5, hash_routing=mode == "hash")
+    if mode != "rows":
+        return args, kwargs, moe.moe_route, moe.moe_route_ref
+    return token_bias(args, seed=n_tok), dict(kwargs, bias_rows=True), moe.moe_route_rows, moe.moe_route_rows_ref
+
+
+def forbid(monkeypatch, module, name):
+    """Make kernel `name` of `module` fail when launched (which mode ran)."""
+    def launch(grid):
+        raise AssertionError(f"{name} launched")
+
+    monkeypatch.setattr(module, name, type("Forbidden", (), {"__getitem__": lambda self, grid: launch(grid)})())
+
+
+@pytest.mark.parametrize("mode", ["score", "hash", "rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_tok,dim,n_exp", FOLD_SHAPES)
+def test_route_one_launch_equals_two_launches(n_tok, dim, n_exp, dtype, mode, poisoned, monkeypatch):
+    """With a tickets buffer and N <= SELECT_FOLD_MAX_TOKENS the registry ops route in one launch
+    (`_route_fold_kernel`; the select kernel never runs): weights and ids are the two launches' bits,
+    the reference's picks; the buffer is all zero after each call, and a second call on the same
+    buffer (which needs the counters back at 0) gives the same bits again."""
+    from dspark.kernels import moe_route_decode as rd
+
+    args, kwargs, op, ref = routing_mode(mode, n_tok, dim, n_exp, dtype)
+    with poisoned():
+        split_w, split_ids = rd.route_decode(*args, **kwargs)
+    tickets = rd.route_tickets()
+    forbid(monkeypatch, rd, "_route_select_kernel")
+    forbid(monkeypatch, rd, "_route_logits_kernel")
+    op_kwargs = {k: v for k, v in kwargs.items() if k != "bias_rows"}
+    for _ in range(2):
+        with poisoned():
+            weights, ids = op(*args, **op_kwargs, tickets=tickets)
+        assert torch.equal(ids, split_ids) and torch.equal(weights, split_w)
+        assert tickets.shape == (moe.ROUTE_DECODE_MAX_TOKENS // 16,) and not tickets.any()
+    ref_w, ref_ids = ref(*args, **op_kwargs, tickets=tickets)  # the reference takes and ignores it
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tiles", [(16, 16, 4, 4), (64, 32, 1000, 8), (16, 16, 1, 1)])
+def test_route_one_launch_any_tiles(tiles, poisoned):
+    """One split or many, block_e wider than E: the last program of the tile sums the same parts. A
+    buffer of exactly ⌈N/16⌉ counters is enough."""
+    from dspark.kernels import moe_route_decode as rd
+
+    args = router_inputs(rd.SELECT_FOLD_MAX_TOKENS, 200, 72, 6, torch.float32, seed=11)
+    kwargs = dict(top_k=6, routed_scaling_factor=1.5, hash_routing=False, tiles=rd.RouteTiles(*tiles))
+    tickets = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with poisoned():
+        one = rd.route_decode(*args, **kwargs, tickets=tickets)
+        two = rd.route_decode(*args, **kwargs)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1]) and not tickets.any()
+
+
+def test_route_tickets_above_the_fold_run_two_launches(poisoned, monkeypatch):
+    """Above SELECT_FOLD_MAX_TOKENS tokens a tickets buffer changes nothing: the two launches run
+    (the one-launch kernel never does), the same bits, the buffer untouched."""
+    from dspark.kernels import moe_route_decode as rd
+
+    n_tok = rd.SELECT_FOLD_MAX_TOKENS + 1
+    args = router_inputs(n_tok, 256, 64, 6, torch.float32, seed=5)
+    kwargs = dict(top_k=6, routed_scaling_factor=1.5, hash_routing=False)
+    with poisoned():
+        want = rd.route_decode(*args, **kwargs)
+    forbid(monkeypatch, rd, "_route_fold_kernel")
+    tickets = rd.route_tickets()
+    with poisoned():
+        got = moe.moe_route(*args, **kwargs, tickets=tickets)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and not tickets.any()
+
+
+def test_route_tickets_checked():
+    """A tickets buffer of the wrong dtype, too short, not contiguous or not a tensor is a ValueError
+    naming it, from `route_decode` and through the registry op."""
+    from dspark.kernels import moe_route_decode as rd
+
+    args = router_inputs(2, 64, 8, 2, torch.float32, seed=0)
+    kwargs = dict(top_k=2, routed_scaling_factor=1.5, hash_routing=False)
+    bad = ((torch.zeros(16, dtype=torch.int64, device=DEVICE), "int32, got torch.int64"),
+           (torch.zeros(0, dtype=torch.int32, device=DEVICE), ">= 1 counters for N=2 tokens, got 0"),
+           (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE).t(), "contiguous"),
+           ([0], "tensor or None, got list"))
+    for tickets, message in bad:
+        for fn in (rd.route_decode, moe.moe_route):
+            with pytest.raises(ValueError, match=message):
+                fn(*args, **kwargs, tickets=tickets)
+    assert rd.ticket_count(16) == 1 and rd.ticket_count(17) == 2
+    assert rd.route_tickets(max_tokens=33).tolist() == [0, 0, 0]
+
+
+def test_route_ops_and_references_share_their_signature():
+    """Every router op and its reference take the same parameters, `tickets` among them."""
+    import inspect
+
+    for name in ("moe_route", "moe_route_rows", "fused_moe"):
+        op, ref = getattr(moe, name), getattr(moe, f"{name}_ref")
+        assert inspect.signature(op).parameters.keys() == inspect.signature(ref).parameters.keys(), name
+        assert inspect.signature(op).parameters["tickets"].default is None, name
+
+
+def test_model_routes_with_its_tickets_buffer(monkeypatch):
+    """A tiny V4 model with the fused MoE ops: each MoE layer owns a zeroed int32 `route_tickets` buffer
+    (non-persistent: not in the state_dict; it follows `.to`), decode steps route in one launch with
+    it, and the logits are the same bits as with the buffers taken away (two launches per router);
+    every buffer is zero after the steps."""
+    import copy
+
+    import dspark
+    from dspark.kernels import KernelConfig
+    from dspark.kernels import moe_route_decode as rd
+
+    fused = KernelConfig(fused_moe="triton", moe_route="triton", moe_experts="triton")
+    model = dspark.init_model("tiny-v4", seed=0, kernels=fused).to(DEVICE)
+    layers = [layer.ffn for layer in model.layers]
+    assert all(ffn.route_tickets.dtype == torch.int32 and not ffn.route_tickets.any() for ffn in layers)
+    assert not any(key.endswith("route_tickets") for key in model.state_dict())
+    assert copy.deepcopy(layers[0]).to("meta").route_tickets.is_meta
+    folds = []
+    kernel = rd._route_fold_kernel
+    monkeypatch.setattr(rd, "_route_fold_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: folds.append(grid) or kernel[grid]})())
+
+    def run():
+        g = torch.Generator().manual_seed(1)
+        states = [model.new_state() for _ in range(2)]
+        prompt = torch.randint(0, model.config.vocab_size, (9,), generator=g)
+        logits = [model(prompt.to(DEVICE), states, [5, 4]).logits]  # 9 tokens: two launches
+        for _ in range(2):  # 2 tokens, one per request: one launch per router
+            nxt = torch.randint(0, model.config.vocab_size, (2,), generator=g)
+            logits.append(model(nxt.to(DEVICE), states, [1, 1]).logits)
+        return logits
+
+    with torch.no_grad():
+        with_tickets = run()
+        assert len(folds) == 2 * len(layers) and not any(ffn.route_tickets.any() for ffn in layers)
+        for ffn in layers:
+            ffn.route_tickets = None  # the router ops' default: two launches
+        without = run()
+    assert len(folds) == 2 * len(layers)
+    for a, b in zip(with_tickets, without):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim,n_exp", [(2048, 64), (4096, 256)])  # v4-mini, V4-Flash
+def test_route_one_launch_real_shapes_on_gpu(n_tok, dim, n_exp):
+    """bf16 at the real layer sizes on the GPU, where the tile's programs run on many SMs at once: the
+    one launch gives the two launches' bits (at these shapes both selects run at 4 warps, one reduction
+    layout) on every one of many calls on one buffer, which stays zero, and a CUDA-graph replay on new
+    inputs equals the eager call."""
+    from dspark.kernels import moe_route_decode as rd
+
+    x, gate, bias, _, _ = router_inputs(n_tok, dim, n_exp, 6, torch.bfloat16, seed=n_tok)
+    kw = dict(top_k=6, routed_scaling_factor=2.5, hash_routing=False)
+    tickets = rd.route_tickets(x.device)
+    want = rd.route_decode(x, gate, bias, None, None, **kw)
+    for _ in range(50):
+        got = moe.moe_route(x, gate, bias, None, None, **kw, tickets=tickets)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.cuda.synchronize()
+    assert not tickets.any()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe.moe_route(x, gate, bias, None, None, **kw, tickets=tickets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = moe.moe_route(x, gate, bias, None, None, **kw, tickets=tickets)
+    x.copy_(torch.randn_like(x))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    eager = rd.route_decode(x, gate, bias, None, None, **kw)
+    assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1]) and not tickets.any()
