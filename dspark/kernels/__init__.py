@@ -10,8 +10,7 @@ Importing this package imports neither Triton nor the kernel modules (they load 
 it works on machines without the optional ``gpu`` extra. See README.md here for the op table.
 """
 
-from dspark.kernels.registry import (OPS, KernelConfig, get_op, head_norm_op, linear_norm_op, norm_folded_op,
-                                     require_triton, triton_available)
+from dspark.kernels.registry import (OPS, KernelConfig, get_op, head_norm_op, norm_folded_op, require_triton,
+                                     triton_available)
 
-__all__ = ["OPS", "KernelConfig", "get_op", "head_norm_op", "linear_norm_op", "norm_folded_op", "require_triton",
-           "triton_available"]
+__all__ = ["OPS", "KernelConfig", "get_op", "head_norm_op", "norm_folded_op", "require_triton", "triton_available"]

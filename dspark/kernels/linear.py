@@ -23,14 +23,6 @@ Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
   destinations (fp32 [R, W] rings and out_rows [N] long) it stores there, as `compressor_project`.
   The reference is the model's former code: x and both weights cast to fp32 (two weight copies per
   call) and two fp32 matmuls, then two ring copies in the static step.
-* ``linear_rms_norm(x, weight, norm_weight, *, eps, tickets=None) -> y``: `linear`, then the weighted
-  `rms_norm` of its rows, norm_weight [N] fp32 -> y [..., N] in x.dtype: the attention's
-  c_q = q_norm(x·wq_aᵀ). Where `linear` runs `_gemv_kernel` (`gemv_pays`), N fits one norm tile and
-  `tickets` (an int32 zero buffer of >= 1 element on x's device, owned by the caller) is given, ONE
-  launch: every program stores its outputs (rounded to x.dtype, the values `linear` returns) into y,
-  takes a ticket, and the last to take it normalises y's rows in place with `rms_norm`'s own tile
-  helper and puts the counter back to 0 (`_gemv_kernel` NORM). Otherwise the two ops as they are.
-  The reference is `rms_norm_ref(linear_ref(x, weight), ...)`; it ignores `tickets`.
 
 A batch-1 decode step multiplies one row by every dense weight of the model, and its small weights
 are latency-bound: cuBLAS's one-row kernels took 4.4-12.3 µs for the 1-4 MB projections of v4-mini
@@ -56,8 +48,6 @@ import torch.nn.functional as F
 
 from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
-from dspark.kernels.rms_norm import _MAX_TILE, _norm_tile, rms_norm
-from dspark.kernels.rms_norm_ref import rms_norm_ref
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue, prefetch_launch
@@ -101,22 +91,6 @@ def linear_scaled_ref(x: torch.Tensor, weight: torch.Tensor, *, scale: float) ->
     """fp32(x · weightᵀ in x.dtype) · scale -> [..., N] fp32 (the models' former code)."""
     _check_args(x, weight)
     return F.linear(x, weight).float() * scale
-
-
-def _check_norm_args(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
-    """`linear`'s arguments and a norm weight [N] (one per output feature)."""
-    _check_args(x, weight)
-    if not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (weight.shape[0],):
-        shape = tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else norm_weight
-        raise ValueError(f"norm_weight must be [N={weight.shape[0]}], got {shape}")
-
-
-def linear_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, *, eps: float,
-                        tickets: torch.Tensor | None = None) -> torch.Tensor:
-    """rms_norm_ref(x·weightᵀ, norm_weight) -> [..., N] in x.dtype (the models' `q_norm(wq_a(x))`);
-    `tickets` is ignored: the reference has no launches to fold."""
-    _check_norm_args(x, weight, norm_weight)
-    return rms_norm_ref(linear_ref(x, weight), norm_weight, eps=eps, out_dtype=x.dtype)
 
 
 def _check_pair_args(x, wkv, wgate) -> None:
@@ -199,9 +173,7 @@ def _rows_times_tile(acc, x, w_ptr, rows, offs_k, mask):
     fp32. Each (row, n, k) lane of acc adds its own product, so a row's lanes hold the same partial
     sums at every ROWS."""
     w = tl.load(w_ptr + rows + offs_k, mask=mask, other=0.0).to(tl.float32)
-    # one reduction after the loop, not one per tile; an explicit FMA (what contraction made of
-    # acc + w·x), so the launches with contraction off (`linear_rms_norm`) sum the same bits
-    return tl.fma(x, w, acc)
+    return acc + w * x  # one reduction after the loop, not one per tile
 
 
 @_jit
@@ -212,15 +184,12 @@ def _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask):
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, ticket_ptr, n_rows, n_out, n_in, scale, eps, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, scale, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """y[m, n] = Σ_k x[m, k]·w[n, k] for the n_rows (<= ROWS) rows of x and the BLOCK_N weight rows of
     program n, fp32 sums: each weight tile is read once and multiplied with every row of x. SCALED:
-    the sum rounded to x's dtype, then times `scale` in fp32 (y fp32). NORM: then the weighted RMSNorm
-    (weight nw [N] fp32, `eps`) of every row of y, by the last program to take the ticket at
-    ticket_ptr (`_norm_when_last`; BLOCK_D >= N). With PREFETCH the program's weight rows are
-    requested into L2 before it waits for its predecessor."""
+    the sum rounded to x's dtype, then times `scale` in fp32 (y fp32). With PREFETCH the program's
+    weight rows are requested into L2 before it waits for its predecessor."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     if PREFETCH:
@@ -243,26 +212,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, ticket_ptr, n_rows, n_out, n_in, s
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32) * scale
     out = y_ptr + offs_m.to(tl.int64)[:, None] * n_out + offs_n[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    if NORM:
-        _norm_when_last(y_ptr, nw_ptr, ticket_ptr, n_rows, n_out, eps, BLOCK_D)
-
-
-@_jit
-def _norm_when_last(y_ptr, nw_ptr, ticket_ptr, n_rows, n_out, eps, BLOCK_D: tl.constexpr):
-    """After a program stored its columns of y [n_rows, N] (x.dtype, contiguous): take a ticket; the
-    last program to take it reads every row of y back whole and stores w ⊙ row · rsqrt(Σrow²/N + eps)
-    over it (`rms_norm`'s one-tile path on a [1, BLOCK_D] tile, as `rms_norm` tiles one row), then
-    puts the counter back to 0 for the next call. No program waits for another: the others exit."""
-    tl.debug_barrier()  # every thread's columns stored before the ticket releases them (acq_rel, GPU scope)
-    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        cols = tl.arange(0, BLOCK_D)
-        mask = (cols < n_out)[None, :]
-        for m in range(n_rows):
-            row = y_ptr + m * n_out  # M·N <= 8 · 8192: no int32 overflow
-            # from L2 (.cg): the other programs' columns were stored by other SMs
-            x = tl.load(row + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            _norm_tile(x, nw_ptr, row, cols, mask, n_out, eps, True)
-        tl.store(ticket_ptr, 0)
 
 
 @_jit
@@ -357,27 +306,14 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     _check_rows(rows, "launch_gemv")
     require_triton()
     y = torch.empty(rows, n_out, dtype=x.dtype if scale is None else torch.float32, device=x.device)
-    _launch_gemv(x, weight, y, tiles, scale=scale)
-    return y.reshape(*x.shape[:-1], n_out)
-
-
-def _launch_gemv(x, weight, y, tiles, *, scale=None, norm=None) -> None:
-    """One `_gemv_kernel` launch into y [M, N] (arguments checked by the caller). norm: (norm weight [N]
-    fp32, tickets, eps) for the NORM mode, launched with FMA contraction off as `rms_norm` is (its
-    GEMV sums are explicit FMAs: the same bits either way)."""
-    n_out, n_in = weight.shape
-    rows = y.shape[0]
     block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device), rows)
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
     weight = weight.contiguous()
-    norm_weight, tickets, eps = (y, y, 0.0) if norm is None else norm  # dummies: only NORM reads them
-    _gemv_kernel[grid](x.contiguous(), weight, y, norm_weight, tickets, rows, n_out, n_in,
-                       1.0 if scale is None else float(scale), eps, ROWS=triton.next_power_of_2(rows),
-                       BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scale is not None, NORM=norm is not None,
-                       BLOCK_D=1 if norm is None else triton.next_power_of_2(n_out),
-                       PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps,
-                       enable_fp_fusion=norm is None)
+    _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, 1.0 if scale is None else float(scale),
+                       ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scale is not None,
+                       PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+    return y.reshape(*x.shape[:-1], n_out)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -388,57 +324,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not gemv_pays(x.numel() // max(1, n_in), n_out, n_in) or records_grad(x, weight):
         return F.linear(x, weight)
     return launch_gemv(x, weight)
-
-
-def linear_norm_pays(rows: int, n_out: int, n_in: int) -> bool:
-    """Whether `linear_rms_norm` runs its one launch: where `linear` runs `_gemv_kernel` (`gemv_pays`) and
-    a row of N fits one register tile of the norm (as `rms_norm`'s ONE_TILE: N <= 8192)."""
-    return gemv_pays(rows, n_out, n_in) and n_out <= _MAX_TILE
-
-
-def _check_tickets(tickets, device: torch.device) -> None:
-    """The counter of `linear_rms_norm`'s launch: an int32 tensor of >= 1 element on `device`. That it is
-    zero cannot be checked without a host sync: the caller allocates it zeroed, the kernel leaves it so."""
-    ok = (isinstance(tickets, torch.Tensor) and tickets.dtype == torch.int32 and tickets.numel() >= 1
-          and tickets.device == device)
-    if not ok:
-        got = f"{tickets.dtype} {tuple(tickets.shape)} on {tickets.device}" if isinstance(tickets, torch.Tensor) \
-            else repr(tickets)
-        raise ValueError(f"tickets must be an int32 zero buffer of at least 1 element on {device}, got {got}")
-
-
-def launch_linear_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, tickets: torch.Tensor,
-                           *, eps: float, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """`_gemv_kernel` NORM for the M = x.numel() / K rows of x [..., K] (1 <= M <= MAX_ROWS, N <= 8192)
-    whatever `gemv_pays` says (the tests and the bench; the model goes through `linear_rms_norm`):
-    y [..., N] in x.dtype, the counter `tickets` back at 0 when the launch ends. `tiles` as
-    `launch_gemv`'s; at the same tiles the GEMV's outputs are `launch_gemv`'s bit for bit."""
-    _check_norm_args(x, weight, norm_weight)
-    _check_tickets(tickets, x.device)
-    n_out, n_in = weight.shape
-    rows = x.numel() // max(1, n_in)
-    _check_rows(rows, "launch_linear_rms_norm")
-    if n_out > _MAX_TILE:
-        raise ValueError(f"launch_linear_rms_norm keeps a row in one tile: N <= {_MAX_TILE}, got {n_out}")
-    require_triton()
-    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
-    _launch_gemv(x, weight, y, tiles, norm=(norm_weight.float().contiguous(), tickets, float(eps)))
-    return y.reshape(*x.shape[:-1], n_out)
-
-
-def linear_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, *, eps: float,
-                    tickets: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused `linear_rms_norm_ref` (same signature): one `_gemv_kernel` NORM launch where
-    `linear_norm_pays` and `tickets` is given (validated whenever given); elsewhere, and while autograd
-    records, `linear` then `rms_norm` (the two Triton ops, each choosing its own path as it does)."""
-    _check_norm_args(x, weight, norm_weight)
-    if tickets is not None:
-        _check_tickets(tickets, x.device)
-    n_out, n_in = weight.shape
-    if (tickets is None or not linear_norm_pays(x.numel() // max(1, n_in), n_out, n_in)
-            or records_grad(x, weight, norm_weight)):
-        return rms_norm(linear(x, weight), norm_weight, eps=eps, out_dtype=x.dtype)
-    return launch_linear_rms_norm(x, weight, norm_weight, tickets, eps=eps)
 
 
 def linear_scaled(x: torch.Tensor, weight: torch.Tensor, *, scale: float) -> torch.Tensor:

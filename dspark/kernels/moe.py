@@ -3,13 +3,9 @@
 Ops (each `<op>` is Triton, `<op>_ref` is torch, same signature):
 
 * ``moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k, routed_scaling_factor,
-  hash_routing, tickets=None) -> (weights [N, K] fp32, ids [N, K] int32)`` (§11.1)
+  hash_routing) -> (weights [N, K] fp32, ids [N, K] int32)`` (§11.1)
 * ``fused_moe(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_w1, shared_w2,
-  shared_w3, *, top_k, routed_scaling_factor, swiglu_limit, hash_routing, tickets=None) -> y [N, D] x.dtype``
-
-`tickets` (the router ops): None, or the caller's zeroed int32 counters (`moe_route_decode.route_tickets`)
-with which a decode-sized router call runs as one launch instead of two (`moe_route_decode`); the
-references take and ignore it.
+  shared_w3, *, top_k, routed_scaling_factor, swiglu_limit, hash_routing) -> y [N, D] x.dtype``
 
 Shape symbols: N tokens, D hidden, E routed experts, K = top_k, I expert width (I_s for the shared
 expert), V vocabulary, R rows of the packed per-expert list, B quantisation block.
@@ -19,8 +15,7 @@ Fused pipeline (no host sync; CUDA-graph capturable):
 1. router kernel: logits = x·W_gᵀ in fp32, s = sqrt(softplus(logits)), top-k of s + bias by K
    rounds of argmax (or ids = tid2eid[token_ids] for hash layers), weights = s[ids] renormalised
    × routed_scaling_factor (up to ROUTE_DECODE_MAX_TOKENS tokens the logits GEMM is split over the
-   GPU instead, and a second kernel, or with `tickets` at a few tokens the split's last program,
-   runs the same epilogue: `moe_route_decode`);
+   GPU instead, and a second kernel runs the same epilogue: `moe_route_decode`);
 2. packing: the N·K (token, slot) assignments grouped by expert, each group padded to a multiple
    of BLOCK_M, in a buffer sized by the static bound N·K + min(N·K, E)·(BLOCK_M − 1), so that each
    M-block holds one expert; unused blocks are skipped by the kernels. Up to
@@ -114,8 +109,8 @@ def _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3) ->
 
 
 def moe_route_ref(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
-                  routed_scaling_factor: float, hash_routing: bool, bias_rows: bool = False, tickets=None):
-    """Router of spec §11.1. `tickets` is ignored: the reference has no launches to fold.
+                  routed_scaling_factor: float, hash_routing: bool, bias_rows: bool = False):
+    """Router of spec §11.1.
 
     Shape: x [N, D]; gate_weight [E, D]; gate_bias [E] fp32 (score routing; None for hash layers;
     [N, E], one row per token, with `bias_rows`); tid2eid [V, K] int and token_ids [N] int (hash
@@ -181,9 +176,9 @@ def moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
 
 def fused_moe_ref(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_w1, shared_w2,
                   shared_w3, *, top_k: int, routed_scaling_factor: float, swiglu_limit: float,
-                  hash_routing: bool, tickets=None) -> torch.Tensor:
+                  hash_routing: bool) -> torch.Tensor:
     """MoE(x) = Σ_k g_k · Expert_{ids_k}(x) + Shared(x) (spec §11): `moe_route_ref`, then
-    `moe_experts_ref`. `tickets` is ignored: the reference has no launches to fold.
+    `moe_experts_ref`.
 
     Shape: x [N, D] bf16/fp32; router args as in `moe_route_ref`; w1, w3 [E, I, D]; w2 [E, D, I];
     shared_w1, shared_w3 [I_s, D]; shared_w2 [D, I_s]; weights are tensors or `FP8BlockWeight`.
@@ -614,21 +609,18 @@ def _launch_down(h, w2, block_expert, n_rows, tiles):
 
 
 # Router calls of at most this many tokens take `moe_route_decode` (split-K logits over ~128 programs,
-# then a select kernel, or with `tickets` the split's last program) instead of `_moe_route_kernel`,
-# whose grid is one program per 16 tokens, each looping over all of D: up to 256 tokens that is <= 16
-# of the H200's 132 SMs, and its time stays at its serial floor (31-32 µs for v4-mini, 66-69 µs for
-# V4-Flash at 1, 8, 64 and 256 tokens in bench/results/kernels-h200.json). `bench/route_decode.py`
-# times both paths at 1 to 4096 tokens.
+# then a select kernel) instead of `_moe_route_kernel`, whose grid is one program per 16 tokens, each
+# looping over all of D: up to 256 tokens that is <= 16 of the H200's 132 SMs, and its time stays at
+# its serial floor (31-32 µs for v4-mini, 66-69 µs for V4-Flash at 1, 8, 64 and 256 tokens in
+# bench/results/kernels-h200.json). `bench/route_decode.py` times both paths at 1 to 4096 tokens.
 ROUTE_DECODE_MAX_TOKENS = 256
 
 
 def moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
-              routed_scaling_factor: float, hash_routing: bool, bias_rows: bool = False, tickets=None):
-    """Fused `moe_route_ref` (same signature): up to ROUTE_DECODE_MAX_TOKENS tokens the split-K
-    kernels of `moe_route_decode` (two launches, or one with `tickets` at up to its
-    SELECT_FOLD_MAX_TOKENS tokens); above, one kernel whose logits never leave registers (`tickets`
-    unused). `bias_rows`: gate_bias is [N, E] (`moe_route_rows`). tickets: None or int32
-    [>= ⌈N/16⌉], zero (`moe_route_decode.route_tickets`), left zero."""
+              routed_scaling_factor: float, hash_routing: bool, bias_rows: bool = False):
+    """Fused `moe_route_ref` (same signature): up to ROUTE_DECODE_MAX_TOKENS tokens the two
+    split-K kernels of `moe_route_decode`; above, one kernel whose logits never leave registers.
+    `bias_rows`: gate_bias is [N, E] (`moe_route_rows`)."""
     require_triton()
     _check_route_args(x, gate_weight, gate_bias, tid2eid, token_ids, top_k, hash_routing, bias_rows)
     kwargs = dict(top_k=top_k, routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing,
@@ -636,27 +628,23 @@ def moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
     if 0 < x.shape[0] <= ROUTE_DECODE_MAX_TOKENS:
         from dspark.kernels import moe_route_decode  # here, not at the top: it imports this module
 
-        return moe_route_decode.route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, **kwargs,
-                                             tickets=tickets)
+        return moe_route_decode.route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, **kwargs)
     return route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, **kwargs)
 
 
 def moe_route_rows_ref(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
-                       routed_scaling_factor: float, hash_routing: bool = False, tickets=None):
+                       routed_scaling_factor: float, hash_routing: bool = False):
     """`moe_route_ref` with one selection-bias row per token: gate_bias [N, E] fp32 (V4.1's gate,
-    whose image-span tokens select with `bias_vl`), score routing only. Same returns. `tickets` is
-    ignored: the reference has no launches to fold."""
+    whose image-span tokens select with `bias_vl`), score routing only. Same returns."""
     return moe_route_ref(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
                          routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing, bias_rows=True)
 
 
 def moe_route_rows(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
-                   routed_scaling_factor: float, hash_routing: bool = False, tickets=None):
-    """Fused `moe_route_rows_ref`: `moe_route`'s kernels (one launch with `tickets` at a few tokens),
-    each token's bias row loaded in the epilogue."""
+                   routed_scaling_factor: float, hash_routing: bool = False):
+    """Fused `moe_route_rows_ref`: `moe_route`'s kernels, each token's bias row loaded in the epilogue."""
     return moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
-                     routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing, bias_rows=True,
-                     tickets=tickets)
+                     routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing, bias_rows=True)
 
 
 def route_prefill(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int,
@@ -739,11 +727,11 @@ def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
 
 def fused_moe(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_w1, shared_w2,
               shared_w3, *, top_k: int, routed_scaling_factor: float, swiglu_limit: float,
-              hash_routing: bool, tickets=None) -> torch.Tensor:
-    """Fused `fused_moe_ref` (same signature, shapes and dtypes): the router kernel(s) (`moe_route`,
-    with `tickets`), then `moe_experts`."""
+              hash_routing: bool) -> torch.Tensor:
+    """Fused `fused_moe_ref` (same signature, shapes and dtypes): the router kernel, then
+    `moe_experts`."""
     require_triton()
     _check_expert_args(x, gate_weight.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
     weights, ids = moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
-                             routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing, tickets=tickets)
+                             routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
     return moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit=swiglu_limit)

@@ -71,7 +71,6 @@ _OP_MODULES: dict[str, str] = {
     "grouped_wo_a": "grouped_wo_a",
     "linear": "linear",
     "linear_scaled": "linear",
-    "linear_rms_norm": "linear",
     "compressor_project": "linear",
     "compressor_project_fp32": "linear",
     "cache_round": "cache_round",
@@ -88,9 +87,8 @@ NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
 # with an explicit KernelConfig (e.g. `KernelConfig.for_device("cuda")` replaced with
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
-# Empty from the twenty-ninth session (`moe_route_rows` ran on an H100: bench/gpu_session29.sh a) until
-# `linear_rms_norm` (the attention's wq_a + q_norm in one launch), which has only compiled for sm_90 so far.
-NOT_YET_ON_GPU: tuple[str, ...] = ("linear_rms_norm",)
+# Empty since the twenty-ninth session (`moe_route_rows` ran on an H100: bench/gpu_session29.sh a).
+NOT_YET_ON_GPU: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,9 +131,6 @@ class KernelConfig:
     `index_scores_pooled` folds the candidate pool's block maxima into the V4.1 candidate source's
     batched scores: run only when ``"triton"``; at ``"ref"`` the source keeps `index_scores` then
     `indexer_pool` (each as chosen here).
-    `linear_rms_norm` folds the attention's q_norm into wq_a (`linear_norm_op`): run only when it,
-    `linear` and `rms_norm` are all ``"triton"`` (the pair it replaces); otherwise the attention
-    keeps its `Linear` then its `RMSNorm` module.
     """
 
     mhc_pre: Impl = "ref"
@@ -163,7 +158,6 @@ class KernelConfig:
     grouped_wo_a: Impl = "ref"
     linear: Impl = "ref"
     linear_scaled: Impl = "ref"
-    linear_rms_norm: Impl = "ref"
     compressor_project: Impl = "ref"
     compressor_project_fp32: Impl = "ref"
     cache_round: Impl = "ref"
@@ -258,13 +252,3 @@ def head_norm_op(config: KernelConfig) -> Callable[..., Any]:
     if config.hc_head_norm != "ref":
         return get_op(config, "hc_head_norm")
     return importlib.import_module("dspark.kernels.hc_head_norm").hc_head_then(get_op(config, "rms_norm"))
-
-
-def linear_norm_op(config: KernelConfig) -> Callable[..., Any] | None:
-    """`linear_rms_norm` when `config` picks its kernel and the Triton `linear` and `rms_norm` it folds
-    (``(x, weight, norm_weight, *, eps, tickets) -> y``; outside its one-launch range it runs exactly
-    those two); None otherwise: the caller keeps its `Linear` and `RMSNorm` modules, so a config with
-    either op elsewhere ("ref", "deep_gemm") changes no bit and no kernel choice."""
-    if (config.linear_rms_norm, config.linear, config.rms_norm) != ("triton",) * 3:
-        return None
-    return get_op(config, "linear_rms_norm")

@@ -21,9 +21,7 @@ grad mode on and x or weight requiring grad, i.e. training) `rms_norm` runs `rms
 
 Fused kernel: one program per BLOCK_M rows; a row that fits one tile (D ≤ 8192: every norm of the
 V4 models) is read once and kept in registers, wider rows are read twice (Σx², then scale). One
-launch replaces the reference's ~8 elementwise kernels. No host sync: CUDA-graph capturable. The
-one-tile row (`_norm_tile`) is also `linear.linear_rms_norm`'s tail, so the fold normalises with the
-same operations.
+launch replaces the reference's ~8 elementwise kernels. No host sync: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -54,7 +52,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, dim, stride_x, eps, BLOCK_M: t
     if ONE_TILE:
         mask = row_mask[:, None] & (cols < dim)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        _norm_tile(x, w_ptr, y_rows, cols, mask, dim, eps, HAS_WEIGHT)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) / dim + eps)  # [BLOCK_M]
+        _scale_store(x, r, w_ptr, y_rows, cols, cols < dim, mask, HAS_WEIGHT)
     else:
         squares = tl.zeros((BLOCK_M,), tl.float32)
         for d0 in range(0, dim, BLOCK_D):
@@ -66,16 +65,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, dim, stride_x, eps, BLOCK_M: t
             mask = row_mask[:, None] & (d0 + cols < dim)[None, :]
             x = tl.load(x_rows + d0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             _scale_store(x, r, w_ptr + d0, y_rows + d0, cols, d0 + cols < dim, mask, HAS_WEIGHT)
-
-
-@_jit
-def _norm_tile(x, w_ptr, y_rows, cols, mask, dim, eps, HAS_WEIGHT: tl.constexpr):
-    """Store the normalised rows of a tile that holds them whole: x [BLOCK_M, BLOCK_D] fp32 (lanes past
-    D zero), y_rows [BLOCK_M, 1] the rows' output pointers, cols [BLOCK_D], mask [BLOCK_M, BLOCK_D].
-    One helper for `_rms_norm_kernel`'s ONE_TILE path and `linear_rms_norm`'s tail (`linear.py`), so
-    that both run the same operations in the same order."""
-    r = tl.math.rsqrt(tl.sum(x * x, axis=1) / dim + eps)  # [BLOCK_M]
-    _scale_store(x, r, w_ptr, y_rows, cols, cols < dim, mask, HAS_WEIGHT)
 
 
 @_jit

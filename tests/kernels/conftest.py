@@ -78,9 +78,8 @@ if HAVE_TRITON and INTERPRET:
     for _name in ("dspark.kernels.mhc", "dspark.kernels.mhc_norm", "dspark.kernels.hc_head_norm", "dspark.kernels.mhc_v41", "dspark.kernels.moe", "dspark.kernels.moe_decode",
                   "dspark.kernels.moe_route_decode",
                   "dspark.kernels.attention_wide", "dspark.kernels.attention", "dspark.kernels.indexer", "dspark.kernels.indexer_pool",
-                  "dspark.kernels.compressor", "dspark.kernels.grouped_wo_a", "dspark.kernels.rms_norm",
-                  "dspark.kernels.linear", "dspark.kernels.cache_round",  # linear after rms_norm: it takes its tile helper
-                  "dspark.kernels.rope", "dspark.kernels.norm_rope", "dspark.kernels.attention_flashinfer",
+                  "dspark.kernels.compressor", "dspark.kernels.grouped_wo_a", "dspark.kernels.linear", "dspark.kernels.cache_round",
+                  "dspark.kernels.rms_norm", "dspark.kernels.rope", "dspark.kernels.norm_rope", "dspark.kernels.attention_flashinfer",
                   "dspark.kernels.step_index", "dspark.kernels.markov_greedy", "dspark.kernels.slot_noise"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])

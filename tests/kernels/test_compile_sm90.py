@@ -51,13 +51,13 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
-           moe_route_decode: ("_route_logits_kernel", "_route_select_kernel", "_route_fold_kernel"),
+           moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
            attention_wide: ("_wide_kernel",),
            indexer: ("_score_kernel", "_select_kernel"),
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
            compressor: ("_pool_kernel", "_pool_part_kernel", "_norm_kernel"),
-           grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel", "_wo_a_gemv_kernel"),
+           grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel"),
            linear: ("_gemv_kernel", "_project_kernel"),
            cache_round: ("_round_kernel",),
            rms_norm: ("_rms_norm_kernel",),
@@ -209,28 +209,19 @@ def run_every_tile_class():
     # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.
     moe._launch_pack(torch.randint(0, 384, (50, 6), generator=g).int().to(DEVICE), 384, 64)
     # Decode router at V4-Flash's E = 256 with the widest select tile (32 splits: S_PAD·E_PAD = 8192),
-    # wide logits tiles, fp32 (3-pass TF32 dot) and hash routing; each as two launches and as one (tickets).
-    tickets = moe_route_decode.route_tickets(DEVICE)
+    # wide logits tiles, fp32 (3-pass TF32 dot) and hash routing.
     for tiles, dtype, hashed in ((moe_route_decode.RouteTiles(programs=256), torch.bfloat16, False),
                                  (moe_route_decode.RouteTiles(block_e=64, block_k=128, warps=8), torch.bfloat16, True),
                                  (moe_route_decode.RouteTiles(), torch.float32, False)):
         x = torch.randn(2, 2048, generator=g).to(DEVICE, dtype)
         gate = (torch.randn(256, 2048, generator=g) / 45).to(DEVICE, dtype)
         hash_args = (torch.randint(0, 256, (10, 6), generator=g).to(DEVICE), torch.tensor([1, 7], device=DEVICE))
-        for route_tickets in (None, tickets):
-            moe_route_decode.route_decode(x, gate, torch.zeros(256, device=DEVICE),
-                                          *(hash_args if hashed else (None, None)), top_k=6, routed_scaling_factor=1.5,
-                                          hash_routing=hashed, tiles=tiles, tickets=route_tickets)
-    # The one launch at v4-mini's router (D 2048, E 64; the default tiles) and the shipped one of V4-Flash's.
-    for n_exp in (64, 256):
-        moe.moe_route(x.bfloat16(), gate[:n_exp].bfloat16(), torch.zeros(n_exp, device=DEVICE), None, None, top_k=6,
-                      routed_scaling_factor=1.5, hash_routing=False, tickets=tickets)
-    # One selection-bias row per token (`moe_route_rows`, V4.1's image spans): both router epilogues, and
-    # the decode router's as one launch.
+        moe_route_decode.route_decode(x, gate, torch.zeros(256, device=DEVICE), *(hash_args if hashed else (None, None)),
+                                      top_k=6, routed_scaling_factor=1.5, hash_routing=hashed, tiles=tiles)
+    # One selection-bias row per token (`moe_route_rows`, V4.1's image spans): both router epilogues.
     x, gate = x.bfloat16(), gate.bfloat16()
     rows = torch.randn(2, 256, generator=g).to(DEVICE)
     moe.moe_route_rows(x, gate, rows, None, None, top_k=6, routed_scaling_factor=1.5)
-    moe.moe_route_rows(x, gate, rows, None, None, top_k=6, routed_scaling_factor=1.5, tickets=tickets)
     moe.route_prefill(x, gate, rows, None, None, top_k=6, routed_scaling_factor=1.5, hash_routing=False, bias_rows=True)
     for n_heads in (64, 32):  # V4-Flash and v4-mini attention: d 512, bf16
         q = torch.randn(2, n_heads, 512, generator=g).bfloat16().to(DEVICE)
@@ -314,10 +305,9 @@ def run_every_tile_class():
                                    slots, 1e-6, torch.bfloat16, split, cos_sin=(angles.cos(), angles.sin()),
                                    out=torch.empty(5, dim, dtype=dtype, device=DEVICE),
                                    out_rows=torch.tensor([4, 1], device=DEVICE))
-    # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) and v4-mini (G 4,
-    # R 512) at 2 rows (the GEMV) and 8 (the decode tiles, split); the middle and prefill tiles; fp32 (ieee dot).
+    # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) decode tiles, and
+    # v4-mini's (G 4, R 512) narrower decode tiles; the middle and prefill tiles; fp32 (ieee dot).
     for n_tok, heads, groups, rank, dtype in ((2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),
-                                               (8, 64, 8, 1024, torch.bfloat16), (8, 32, 4, 512, torch.bfloat16),
                                                (100, 32, 4, 512, torch.bfloat16), (300, 32, 4, 512, torch.bfloat16),
                                                (2, 8, 2, 64, torch.float32), (300, 8, 2, 64, torch.float32)):
         out = torch.randn(n_tok, heads, 512, generator=g).to(DEVICE, dtype)
@@ -347,16 +337,6 @@ def run_every_tile_class():
         for rows in (1, 4):
             x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
             linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, 2048, 132, rows), scale=8192 ** -0.5)
-    # `linear_rms_norm` (the GEMV's NORM mode: the last program normalises the rows): v4-mini and V4-Flash
-    # wq_a + q_norm (q_lora 512, 1024) at 1, 2 and 4 rows, the widest N `gemv_pays` leaves at K 2048, and
-    # an N off the powers of two (masked norm lanes).
-    for n_out, n_in in ((512, 2048), (1024, 4096), (2048, 2048), (1000, 2048)):
-        weight = torch.randn(n_out, n_in, generator=g).to(DEVICE, torch.bfloat16)
-        for rows in (1, 2, 4):
-            x = torch.randn(rows, n_in, generator=g).to(DEVICE, torch.bfloat16)
-            linear.launch_linear_rms_norm(x, weight, torch.ones(n_out, device=DEVICE),
-                                          torch.zeros(1, dtype=torch.int32, device=DEVICE), eps=1e-6,
-                                          tiles=linear.gemv_tiles(n_out, n_in, 132, rows))
     # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256), 1, 4
     # and 8 rows, into fresh outputs and into the static rings.
     for width in (1024, 256):

@@ -27,7 +27,7 @@ import functools
 import torch
 from torch import nn
 
-from dspark.kernels import KernelConfig, get_op, linear_norm_op
+from dspark.kernels import KernelConfig, get_op
 from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.kernels.norm_rope_ref import norm_then_rope
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
@@ -73,9 +73,7 @@ class LatentAttention(nn.Module):
     per-head unweighted RMS of q (V4.1 dropped it, deepseek_v41 spec §5.1). `kernels` picks the
     attention core (`sparse_attention` of the kernel registry), the inverse RoPE + grouped `wo_a`
     (`grouped_wo_a`), the RoPE of q and kv (`rope`, and `norm_rope`: the per-head q norm / kv_norm
-    and the RoPE after it in one op), every norm (`rms_norm`) and whether q_norm folds into wq_a
-    (`linear_rms_norm`, `project_q_lora`); default the torch references. `q_tickets` [1] int32 is that
-    fold's launch counter (a non-persistent buffer: no checkpoint key; it moves with the module).
+    and the RoPE after it in one op) and every norm (`rms_norm`); default the torch references.
     """
 
     def __init__(self, config, rope: RopeParameters, q_head_norm: bool, dtype=None, device=None,
@@ -107,12 +105,6 @@ class LatentAttention(nn.Module):
         linear = dict(dtype=dtype, device=device, kernels=kernels)
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank, **linear)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, device=device, kernels=kernels)
-        # x [N, D], wq_a [q_lora, D], q_norm [q_lora] fp32 -> c_q [N, q_lora] in one launch at decode sizes;
-        # None (the config keeps linear / rms_norm / the fold off the Triton kernels): the two modules
-        self.q_lora_op = linear_norm_op(kernels)
-        # The fold's ticket counter, zero between calls (its last program puts it back); one per module
-        # so that no state is global, and not in the state dict so that checkpoints are unchanged.
-        self.register_buffer("q_tickets", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, **linear)
         self.wkv = Linear(c.hidden_size, c.head_dim, **linear)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device=device, kernels=kernels)
@@ -136,11 +128,8 @@ class LatentAttention(nn.Module):
         return q_lora, self.project_q_heads(q_lora, cos, sin), self.project_kv(x, cos, sin, kv_out, kv_rows)
 
     def project_q_lora(self, x: torch.Tensor) -> torch.Tensor:
-        """c_q = q_norm(x·wq_aᵀ) [N, q_lora] from x [N, D]: the q half's first step, also the indexer's
-        input; one launch where the config folds the norm in (`q_lora_op`) and the GEMV runs."""
-        if self.q_lora_op is None:
-            return self.q_norm(self.wq_a(x))
-        return self.q_lora_op(x, self.wq_a.weight, self.q_norm.weight, eps=self.q_norm.eps, tickets=self.q_tickets)
+        """c_q = q_norm(x·wq_aᵀ) [N, q_lora]: the q half's first step, also the indexer's input."""
+        return self.q_norm(self.wq_a(x))
 
     def project_q_heads(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): the q half's second step."""

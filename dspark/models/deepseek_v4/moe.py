@@ -106,10 +106,7 @@ class MoE(nn.Module):
     the gate: `Gate.fused_route_args`; else the gate module runs) and `moe_experts` ops. Those read
     the routed experts as stacked [E, I, D] / [E, D, I] tensors: every `experts.{e}.w*.weight` is a
     view into one stacked tensor per projection, so the checkpoint names and the per-expert modules
-    stay as they are, and no weight is copied per call. The fused layer also owns `route_tickets`, the
-    router's ticket counters (int32 [⌈ROUTE_DECODE_MAX_TOKENS/16⌉], zero between calls; a
-    non-persistent buffer: it follows `.to(device)` and is in no checkpoint or state_dict), with which
-    a decode-sized router call runs as one launch (`moe_route_decode`).
+    stay as they are, and no weight is copied per call.
     """
 
     def __init__(self, config: DeepseekV4Config, hashed: bool, dtype=None, device=None, gate: nn.Module | None = None,
@@ -138,11 +135,6 @@ class MoE(nn.Module):
             self._experts_op = get_op(kernels, "moe_experts")
             # gates with one bias row per token (V4.1's image spans): only where that op is picked
             self._route_rows = get_op(kernels, "moe_route_rows") if kernels.moe_route_rows != "ref" else None
-            # the router ops' ticket counters: this layer's own, so no two layers' calls share one. Imported
-            # here, as `get_op` imports the op modules: `dspark.kernels` loads no kernel module at import.
-            from dspark.kernels.moe_route_decode import route_tickets
-
-            self.register_buffer("route_tickets", route_tickets(device), persistent=False)
 
     def _tie(self, name: str, stacked: torch.Tensor) -> None:
         """Make expert e's `name` weight the view stacked[e]."""
@@ -204,4 +196,4 @@ class MoE(nn.Module):
             return gate(x, input_ids)
         bias, tid2eid = fused.pop("gate_bias"), fused.pop("tid2eid")
         route = self._route_rows if bias is not None and bias.dim() == 2 else self._route
-        return route(x, gate.weight, bias, tid2eid, input_ids, **fused, tickets=self.route_tickets)
+        return route(x, gate.weight, bias, tid2eid, input_ids, **fused)
