@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-second session, for one H100 or H200 (every JSON names its card):
+# (The GEMV this part measures was taken out after the thirty-third session's run of gpu_session35.sh;
+#  the merge commit 334ba5f has it: run this part there.)
 #
 #   run(command="bash bench/gpu_session34.sh a", carry=[".ab"])   # ≈ 7 min (SKIP_TESTS=1: ≈ 6 min; AB_V41_ROUNDS=0: v4-mini only)
 #   (.ab/grouped_wo_a_old.py: `git show <parent>:dspark/kernels/grouped_wo_a.py`, the op before the GEMV)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-third session, for one H100 or H200 (every JSON names its card):
+# (Ran in the thirty-third session, V41_ROUNDS=0, on an H100: bench/README.md. The three folds were then
+#  taken out; the merge commit 334ba5f has them: run this part there.)
 #
 #   run(command="bash bench/gpu_session35.sh a", carry=[".ab"])   # ≈ 7 min (V41_ROUNDS=0: v4-mini only)
 #   (.ab/main: the package of the commit to compare with, without its assets:
