@@ -54,31 +54,38 @@ swap() {  # swap new|old FILE...: the kernel files as this commit has them (kept
   done
 }
 
-ab_steps() {  # ab_steps PART V4_ROUNDS FILE...: two alternating rounds of the v41-mini graph step (and in
-  # the first V4_ROUNDS rounds the v4-mini one) with FILEs as committed ("new") and as .ab has them ("old");
-  # AB_V41_ROUNDS (default 2) caps the v41-mini rounds, 0 for a short call
-  local part=$1 v4_rounds=$2 round side; shift 2
+ab_rounds() {  # ab_rounds PART V41_ROUNDS V4_ROUNDS SIDE-FN STEP-ARGS...: two rounds of "new" then "old"
+  # (SIDE-FN new|old puts that side in place), each the v41-mini graph step in its first V41_ROUNDS rounds
+  # and the v4-mini one in its first V4_ROUNDS, at 1 and 8 requests
+  local part=$1 v41=$2 v4=$3 side_fn=$4 round side; shift 4
   for round in 1 2; do
     for side in new old; do
-      swap "$side" "$@"
-      if [ "$round" -le "${AB_V41_ROUNDS:-2}" ]; then step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8; fi
-      if [ "$round" -le "$v4_rounds" ]; then step "${part}_v4_${side}_$round" 80 --requests 1,8; fi
+      "$side_fn" "$side"
+      if [ "$round" -le "$v41" ]; then step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8 "$@"; fi
+      if [ "$round" -le "$v4" ]; then step "${part}_v4_${side}_$round" 80 --requests 1,8 "$@"; fi
     done
-    swap new "$@"
   done
 }
 
-ab_trees() {  # ab_trees PART V41_ROUNDS V4_ROUNDS STEP-ARGS...: two alternating rounds of the v41-mini graph
-  # step (its first V41_ROUNDS rounds) and the v4-mini one (its first V4_ROUNDS) at 1 and 8 requests, with this
-  # tree's dspark ("new") and with the package copied into .ab/main ("old", first on PYTHONPATH): a whole
-  # commit against another, where `ab_steps` swaps single files
-  local part=$1 v41=$2 v4=$3 round side path; shift 3
-  for round in 1 2; do
-    for side in new old; do
-      path=.; [ "$side" = old ] && path=.ab/main:.
-      PYTHONPATH=$path python3 -P -c "import dspark; print('$side: dspark from', dspark.__file__)"  # -P: no cwd first, as a script sees it
-      if [ "$round" -le "$v41" ]; then PYTHONPATH=$path step "${part}_v41_${side}_$round" 100 --config v41-mini --requests 1,8 "$@"; fi
-      if [ "$round" -le "$v4" ]; then PYTHONPATH=$path step "${part}_v4_${side}_$round" 80 --requests 1,8 "$@"; fi
-    done
-  done
+ab_steps() {  # ab_steps PART V4_ROUNDS FILE...: `ab_rounds` with FILEs as committed ("new") and as .ab has
+  # them ("old"); AB_V41_ROUNDS (default 2) caps the v41-mini rounds, 0 for a short call
+  local part=$1 v4_rounds=$2; shift 2
+  AB_FILES=("$@")
+  ab_rounds "$part" "${AB_V41_ROUNDS:-2}" "$v4_rounds" _swap_ab_files
+  swap new "$@"
+}
+
+_swap_ab_files() { swap "$1" "${AB_FILES[@]}"; }
+
+ab_trees() {  # ab_trees PART V41_ROUNDS V4_ROUNDS STEP-ARGS...: `ab_rounds` with this tree's dspark ("new")
+  # and with the package copied into .ab/main ("old", first on PYTHONPATH): a whole commit against
+  # another, where `ab_steps` swaps single files
+  local path=$PYTHONPATH
+  ab_rounds "$1" "$2" "$3" _python_path_ab "${@:4}"
+  export PYTHONPATH=$path
+}
+
+_python_path_ab() {  # the side's package first on PYTHONPATH, and where a script imports it from (-P: not cwd)
+  if [ "$1" = old ]; then export PYTHONPATH=.ab/main:.; else export PYTHONPATH=.; fi
+  python3 -P -c "import dspark; print('$1: dspark from', dspark.__file__)"
 }
