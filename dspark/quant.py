@@ -37,6 +37,8 @@ V4_DENSE_BLOCK = (128, 128)
 V41_DENSE_BLOCK = (32, 32)
 FP4_BLOCK = (1, 32)
 ENGRAM_BLOCK = (1, 32)
+# Activations quantised at inference (FP8 GEMM inputs) take their block max as at least this.
+ACTIVATION_AMAX_FLOOR = 1e-4
 
 # e2m1 code -> value; bit 3 is the sign, so codes 8..15 mirror 0..7 (spec §13.3 table).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -94,12 +96,12 @@ def _ceil_pow2_exponent(ratio: torch.Tensor) -> torch.Tensor:
     return torch.where(mantissa == 0.5, exponent - 1, exponent)
 
 
-def _block_scale_exponent(amax: torch.Tensor, max_element: float) -> torch.Tensor:
-    """Exponent of ``2**ceil(log2(amax / max_element))``, clamped to what UE8M0 can hold.
+def _block_scale_exponent(amax: torch.Tensor, max_element: float, amax_floor: float = 0.0) -> torch.Tensor:
+    """Exponent of ``2**ceil(log2(max(amax, amax_floor) / max_element))``, clamped to what UE8M0 can hold.
 
-    All-zero blocks get the smallest exponent; any scale reproduces zeros exactly.
+    All-zero blocks get the smallest exponent (or the floor's); any scale reproduces zeros exactly.
     """
-    ratio = (amax.to(torch.float32) / max_element).clamp(min=2.0**_MIN_EXPONENT)
+    ratio = (amax.to(torch.float32).clamp(min=amax_floor) / max_element).clamp(min=2.0**_MIN_EXPONENT)
     return _ceil_pow2_exponent(ratio).clamp(_MIN_EXPONENT, _MAX_EXPONENT)
 
 
@@ -166,17 +168,21 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = V4_DENSE_BLOCK) -> tu
     return q, ue8m0_from_exponent(exponent)
 
 
-def quantize_fp8_exponent(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_exponent(x: torch.Tensor, block: tuple[int, int],
+                          amax_floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_fp8` with the scales left as integer exponents (scale = ``2 ** exponent``).
 
     Device work only: `quantize_fp8` range-checks the exponents on the host when it encodes them
     (a sync), which a per-call activation quantiser cannot afford; the exponents here are clamped
     to [-127, 127] already, so every one of them is a valid UE8M0 byte minus 127.
 
+    `amax_floor` raises each block's max before the scale is picked: DeepSeek's inference quantises
+    activations with the floor ACTIVATION_AMAX_FLOOR (deepseek_v4 spec §13.3), weights with none.
+
     x : [..., M, K] floating. Returns q [..., M, K] float8_e4m3fn and exponent [..., Mb, Kb] int32.
     """
     x = x.to(torch.float32)
-    exponent = _block_scale_exponent(_block_amax(x, block), FP8_E4M3_MAX)  # [..., Mb, Kb]
+    exponent = _block_scale_exponent(_block_amax(x, block), FP8_E4M3_MAX, amax_floor)  # [..., Mb, Kb]
     scaled = torch.ldexp(x, -_expand_blocks(exponent, x.shape, block))
     # |scaled| <= 448 by construction; the clamp only guards against e4m3fn's NaN on overflow.
     q = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)

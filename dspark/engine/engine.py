@@ -527,8 +527,9 @@ def static_by_default(model) -> bool:
 
 def host_bound_ops(kernels) -> list[str]:
     """The ops `kernels` runs on an optional backend (`registry.OPTIONAL_BACKENDS`), as "op='impl'":
-    flashinfer's attention plans on the host at each call (a device-to-host copy), and deep_gemm
-    converts each weight on its first call (a host sync) and JIT-compiles; a CUDA graph holds neither."""
+    flashinfer's attention plans on the host at each call (a device-to-host copy), deep_gemm and
+    w8a8 convert each weight on its first call (a host sync; deep_gemm also JIT-compiles); a CUDA
+    graph holds none of them."""
     return [f"{f.name}={getattr(kernels, f.name)!r}" for f in dataclasses.fields(kernels)
             if getattr(kernels, f.name) in OPTIONAL_BACKENDS]
 

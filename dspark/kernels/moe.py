@@ -714,10 +714,18 @@ def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
     shared_tiles = _tiles(n_tok)
     h_shared = _launch_up(x, shared_w1, shared_w3, None, None, n_tok, n_tok, 1, swiglu_limit, shared_tiles)
     shared = _launch_down(h_shared, shared_w2, None, n_tok, shared_tiles)  # [N, D] fp32
-    y = torch.empty_like(x)
+    return launch_finalize(routed, slot, weights, shared, x.dtype)
+
+
+def launch_finalize(routed, slot, weights, shared, dtype: torch.dtype) -> torch.Tensor:
+    """y [N, D] `dtype` = shared + Σ_k weights[:, k] · routed[slot[:, k]]: routed [R, D] and shared
+    [N, D] fp32 rows, slot [N·K] (each assignment's packed row), weights [N, K] fp32."""
+    n_tok, top_k = weights.shape
+    dim = shared.shape[1]
+    y = torch.empty((n_tok, dim), dtype=dtype, device=shared.device)
     block_t, block_d = 4, min(256, triton.next_power_of_2(dim))
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(dim, block_d))
-    pdl = pdl_launch(x.device, math.prod(grid))
+    pdl = pdl_launch(shared.device, math.prod(grid))
     _moe_finalize_kernel[grid](
         routed, slot, weights, shared, y, n_tok, dim, TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d,
         PDL=pdl, launch_pdl=pdl,

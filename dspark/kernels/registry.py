@@ -13,6 +13,9 @@ The model holds a `KernelConfig` (built once at the edge, from the device the mo
   differ by fp8 error: `deep_gemm_path`), never a default. Where deep_gemm cannot run (not installed,
   not Hopper, shapes, autograd) the op runs the Triton / torch op instead and says why
   (``op.fallback_reason`` and one warning per reason): selecting it never fails for lack of it.
+* ``"w8a8"`` -- only where an op has one (`W8A8_OPS`: the MoE experts): Triton e4m3 × e4m3 GEMMs with
+  the activations quantised per token per block as DeepSeek's inference does (`moe_w8a8`), the
+  torch form of the same arithmetic off CUDA; fp8 error, not rounding, so never a default.
 
 Triton is an optional dependency (the ``gpu`` extra): importing this package never imports it;
 asking for a ``"triton"`` op without it raises an ImportError that says how to install it.
@@ -28,8 +31,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-Impl = Literal["ref", "triton", "flashinfer", "deep_gemm"]
-IMPLS: tuple[str, ...] = ("ref", "triton", "flashinfer", "deep_gemm")
+Impl = Literal["ref", "triton", "flashinfer", "deep_gemm", "w8a8"]
+IMPLS: tuple[str, ...] = ("ref", "triton", "flashinfer", "deep_gemm", "w8a8")
 # op name -> (module under dspark.kernels, callable class): a fresh instance per `get_op`, which holds
 # its own flashinfer workspaces (no state shared between models).
 FLASHINFER_OPS: dict[str, tuple[str, str]] = {
@@ -41,8 +44,15 @@ DEEP_GEMM_OPS: dict[str, tuple[str, str]] = {
     "linear": ("deep_gemm_path", "DeepGemmLinear"),
     "moe_experts": ("moe_deep_gemm", "DeepGemmMoeExperts"),
 }
+# op name -> (module, callable class): Triton W8A8 GEMMs (activations quantised as DeepSeek's inference
+# does: `moe_w8a8`), a fresh instance per `get_op` that caches its module's FP8 weights.
+W8A8_OPS: dict[str, tuple[str, str]] = {
+    "moe_experts": ("moe_w8a8", "W8A8MoeExperts"),
+}
 # The optional backends: impl name -> the ops that have it.
-OPTIONAL_BACKENDS: dict[str, dict[str, tuple[str, str]]] = {"flashinfer": FLASHINFER_OPS, "deep_gemm": DEEP_GEMM_OPS}
+OPTIONAL_BACKENDS: dict[str, dict[str, tuple[str, str]]] = {
+    "flashinfer": FLASHINFER_OPS, "deep_gemm": DEEP_GEMM_OPS, "w8a8": W8A8_OPS,
+}
 
 # op name -> module under dspark.kernels that defines `<op>` (Triton) and `<op>_ref` (torch).
 _OP_MODULES: dict[str, str] = {
@@ -118,7 +128,8 @@ def require_triton() -> None:
 @dataclass(frozen=True)
 class KernelConfig:
     """Implementation per fused op: ``"ref"`` or ``"triton"``, or an optional backend where the op has
-    one (``"flashinfer"``: sparse_attention; ``"deep_gemm"``: linear, moe_experts with fused_moe="triton").
+    one (``"flashinfer"``: sparse_attention; ``"deep_gemm"``: linear, moe_experts with fused_moe="triton";
+    ``"w8a8"``: moe_experts with fused_moe="triton").
 
     Build it at the edge with `KernelConfig.for_device(device)` (CUDA with Triton installed ->
     every op ``"triton"``; otherwise ``"ref"``) or explicitly, e.g.
@@ -177,10 +188,10 @@ class KernelConfig:
             if backend_ops is not None and field.name not in backend_ops:
                 raise ValueError(f"KernelConfig.{field.name}={value!r}: no {value} implementation; "
                                  f"ops that have one: {tuple(backend_ops)}")
-        if self.moe_experts == "deep_gemm" and self.fused_moe != "triton":
+        if self.moe_experts in ("deep_gemm", "w8a8") and self.fused_moe != "triton":
             # The MoE module calls `moe_experts` on its fused path only; elsewhere the choice would be ignored.
-            raise ValueError(f"KernelConfig.moe_experts='deep_gemm' needs fused_moe='triton' (the MoE runs "
-                             f"moe_experts on its fused path), got fused_moe={self.fused_moe!r}")
+            raise ValueError(f"KernelConfig.moe_experts={self.moe_experts!r} needs fused_moe='triton' (the MoE "
+                             f"runs moe_experts on its fused path), got fused_moe={self.fused_moe!r}")
 
     @classmethod
     def uniform(cls, impl: Impl) -> KernelConfig:

@@ -11,6 +11,9 @@ right for the GPU):
   rejects, so every `for k in range(0, runtime_value, BLOCK)` fails;
 * `tl.dot` on bf16 operands multiplies their raw uint16 storage. The patch widens bf16 to fp32 first,
   which is what the tensor cores compute (exact bf16 products, fp32 accumulation).
+* fp32 -> e4m3 casts round by adding the first cut-off bit to the mantissa without carrying into the
+  exponent (125.96 becomes 64, not 128). The patch converts with torch, round to nearest even, as the
+  GPU's cvt.rn does for the in-range values the kernels cast.
 
 Known, not patched: the interpreter rounds fp32 -> bf16 casts toward zero (the GPU rounds to nearest
 even), so bf16 outputs differ from the reference by up to 1 ulp; bf16 tolerances allow for it.
@@ -68,14 +71,28 @@ def _patch_bf16_dot(interpreter) -> None:
     builder.create_dot = create_dot
 
 
+def _patch_fp8_cast(interpreter) -> None:
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.float8e4nv:
+            return original(self, src, dst_type, rounding_mode)
+        wide = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+        return interpreter.TensorHandle(wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), dst_type.scalar)
+
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
 if HAVE_TRITON and INTERPRET:
     from triton.runtime import interpreter as _interpreter
 
     if not getattr(_interpreter, "_dspark_patched", False):
         _patch_scalar_index(_interpreter)
         _patch_bf16_dot(_interpreter)
+        _patch_fp8_cast(_interpreter)
         _interpreter._dspark_patched = True
-    for _name in ("dspark.kernels.mhc", "dspark.kernels.mhc_norm", "dspark.kernels.hc_head_norm", "dspark.kernels.mhc_v41", "dspark.kernels.moe", "dspark.kernels.moe_decode",
+    for _name in ("dspark.kernels.mhc", "dspark.kernels.mhc_norm", "dspark.kernels.hc_head_norm", "dspark.kernels.mhc_v41", "dspark.kernels.moe", "dspark.kernels.moe_decode", "dspark.kernels.moe_w8a8",
                   "dspark.kernels.moe_route_decode",
                   "dspark.kernels.attention_wide", "dspark.kernels.attention", "dspark.kernels.indexer", "dspark.kernels.indexer_pool",
                   "dspark.kernels.compressor", "dspark.kernels.grouped_wo_a", "dspark.kernels.linear", "dspark.kernels.cache_round",

@@ -28,7 +28,7 @@ import torch
 
 from dspark.kernels import (attention, attention_wide, cache_round, compressor, engram_gate, engram_rows, grouped_wo_a,
                             hc_head_norm, indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe,
-                            moe_decode, moe_route_decode, norm_rope, rms_norm, rope, slot_noise, step_index,
+                            moe_decode, moe_route_decode, moe_w8a8, norm_rope, rms_norm, rope, slot_noise, step_index,
                             triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
@@ -52,6 +52,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
            moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
+           moe_w8a8: ("_act_quant_kernel", "_w8a8_up_kernel", "_w8a8_down_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
            attention_wide: ("_wide_kernel",),
            indexer: ("_score_kernel", "_select_kernel"),
@@ -206,6 +207,15 @@ def run_every_tile_class():
                                               tiles=tiles._replace(stages=stages, down_split=1))
             if tiles.down_split == 1:  # the down kernel's slots (shared + 2 routed) over 3 programs at every shape
                 moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(down_split=3))
+    # W8A8 experts: decode (16-row) and prefill (64-row) tiles at every FP8 block they take, bf16 and fp32 x.
+    for n_tok, n_exp, dtype in ((3, 8, torch.bfloat16), (40, 2, torch.bfloat16), (40, 2, torch.float32)):
+        x = torch.randn(n_tok, 256, generator=g).to(DEVICE, dtype)
+        ids = torch.stack([torch.randperm(n_exp, generator=g)[:2] for _ in range(n_tok)]).int().to(DEVICE)
+        for block in moe_w8a8.BLOCKS:
+            weights = [FP8BlockWeight(*(t.to(DEVICE) for t in (q.data, q.scale)), block) for s in (
+                (n_exp, 128, 256), (n_exp, 256, 128), (n_exp, 128, 256), (128, 256), (256, 128), (128, 256))
+                for q in [FP8BlockWeight.quantize(torch.randn(*s, generator=g) / 16, block)]]
+            moe_w8a8.moe_experts_w8a8(x, torch.rand(n_tok, 2, device=DEVICE), ids, *weights, swiglu_limit=10.0)
     # The packing kernel (the packed paths above ran it at 32 and 256 bins) at E = 384: its widest tiles.
     moe._launch_pack(torch.randint(0, 384, (50, 6), generator=g).int().to(DEVICE), 384, 64)
     # Decode router at V4-Flash's E = 256 with the widest select tile (32 splits: S_PAD·E_PAD = 8192),

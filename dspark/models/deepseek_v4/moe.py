@@ -133,6 +133,8 @@ class MoE(nn.Module):
         if self.fused:
             self._route = get_op(kernels, "moe_route")
             self._experts_op = get_op(kernels, "moe_experts")
+            # W8A8 experts quantise x on a side stream while the router runs (`moe_w8a8.InputQuant`)
+            self._quantize_input = getattr(self._experts_op, "quantize_input", None)
             # gates with one bias row per token (V4.1's image spans): only where that op is picked
             self._route_rows = get_op(kernels, "moe_route_rows") if kernels.moe_route_rows != "ref" else None
 
@@ -181,10 +183,14 @@ class MoE(nn.Module):
 
     def _forward_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The registry's ops: the fused router where it computes the gate (`_routing`), then the experts."""
-        weights, experts = self._routing(x, input_ids)
         shared = self.shared_experts
-        return self._experts_op(x, weights, experts, *self.stacked_weights(), shared.w1.weight, shared.w2.weight,
-                                shared.w3.weight, swiglu_limit=self.swiglu_limit)
+        parts = (*self.stacked_weights(), shared.w1.weight, shared.w2.weight, shared.w3.weight)
+        if self._quantize_input is not None:
+            early = self._quantize_input(x, *parts)
+            weights, experts = self._routing(x, input_ids)
+            return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_fp8=early)
+        weights, experts = self._routing(x, input_ids)
+        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit)
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU steps of the thirty-fourth session, for one H100 or H200 (every JSON names its card):
+#
+#   run(command="bash bench/gpu_session36.sh a")   # ≈ 6 min
+#
+# a: the W8A8 experts (`dspark/kernels/moe_w8a8.py`, CPU-tested under the interpreter and compiled for
+#    sm_90): their GPU tests (V4-Flash shapes against the W8A8 reference, the side-stream input bit for bit)
+#    with the MoE tests (the finalize launcher moved), then `bench/moe_w8a8.py`: V4-Flash MoE layer at
+#    256 to 8192 tokens, FP8 128×128 and 32×32 weights, W8A8 (x quantised in line, or on a side stream
+#    beside the router) against the weights-only FP8 path, and a sweep of W8A8 launch shapes at 8192.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
+
+card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
+
+part_a() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  [ -n "${SKIP_TESTS:-}" ] || tests a_tests 240 --tb=line tests/kernels/test_moe_w8a8.py tests/kernels/test_moe.py \
+    tests/kernels/test_registry.py
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null  # back even if the call runs out of time before `pack`
+  logged a_bench 330 python3 bench/moe_w8a8.py --out "$OUT/moe-w8a8-$(card)-s34.json" \
+    --tiles 64x128x8x8,64x128x4x4,128x128x8x8,64x256x8x8,128x64x4x4
+  grep -v "^{\"gpu" "$W/logs/a_bench.txt" | cut -c1-400
+}
+
+dispatch session36 "${1:-}"
