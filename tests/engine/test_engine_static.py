@@ -350,6 +350,9 @@ def test_static_decode_refuses_kernels_a_graph_cannot_hold():
     assert not graph_capturable(deep)
     with pytest.raises(ValueError, match="moe_experts='deep_gemm', linear='deep_gemm'|linear='deep_gemm', moe_experts"):
         Engine(dspark.init_model(config, seed=0, kernels=deep), EngineConfig(max_running=2, static_decode=True, **LIMITS))
+    # w8a8 quantises dense expert weights at its first call (host syncs): no graph either
+    w8a8 = KernelConfig(fused_moe="triton", moe_experts="w8a8")
+    assert not graph_capturable(w8a8)
 
 
 @pytest.mark.parametrize("prefill_mode", ["exact", "bounded_replay"])
