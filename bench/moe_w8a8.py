@@ -122,7 +122,7 @@ def main(argv=None) -> int:
             shipped = moe_w8a8._tiles
             for spec in args.tiles.split(","):
                 tiles = tuple(int(v) for v in spec.split("x"))
-                moe_w8a8._tiles = lambda rows, t=tiles: t if rows > 32 else shipped(rows)
+                moe_w8a8._tiles = lambda rows, block, t=tiles: t if rows > 32 else shipped(rows, block)
                 try:
                     row = {"block": block, "M": tokens[-1], "tiles": spec, "w8a8_inline_us": timer(thunks["w8a8_inline"]) * 1e6}
                 except Exception as error:  # noqa: BLE001 (a shape that does not compile is a result too)
