@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-fourth session, for one H100 or H200 (every JSON names its card):
 #
-#   run(command="bash bench/gpu_session36.sh a")   # ≈ 5 min (ran in the thirty-fourth session on an H100:
-#   bench/README.md; its 240 s test limit is short for the W8A8 GPU tests, ~200 s alone)
+#   run(command="bash bench/gpu_session36.sh a")   # ≈ 8 min (ran in the thirty-fourth session on an H100,
+#   bench/README.md, with a 240 s test limit that cut the last W8A8 GPU test; they take ~200 s alone)
 #
 # a: the W8A8 experts (`dspark/kernels/moe_w8a8.py`, CPU-tested under the interpreter and compiled for
 #    sm_90): their GPU tests (V4-Flash shapes against the W8A8 reference, the side-stream input bit for bit)
