@@ -178,6 +178,15 @@ def _act_quant_kernel(x_ptr, q_ptr, e_ptr, n_rows, dim,
 
 
 @_jit
+def _act_tile(q_ptr, e_ptr, rows, mask, k0, width, SB: tl.constexpr):
+    """(a [M, SB] e4m3, its scale [M] fp32) of quantised activation rows `rows` [M] (width columns,
+    one exponent per SB of them) at columns k0..k0+SB; rows outside `mask` read zeros."""
+    offs_k = k0 + tl.arange(0, SB)
+    a = tl.load(q_ptr + rows[:, None] * width + offs_k[None, :], mask=mask[:, None], other=0.0)
+    return a, _pow2(tl.load(e_ptr + rows * (width // SB) + k0 // SB, mask=mask, other=0))
+
+
+@_jit
 def _w8a8_step(acc, a, a_scale, w_ptr, s_ptr, e, offs_n, offs_k, k0, n_out, n_in, SB: tl.constexpr):
     """acc + (a · W[e, offs_n, offs_k]ᵀ) · a_scale ⊗ w_scale for one K step inside one scale block:
     a [M, SB] e4m3, a_scale [M] fp32, the weight tile e4m3 with one UE8M0 byte per row."""
@@ -207,11 +216,9 @@ def _w8a8_up_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_groups = dim // SB
     for k0 in range(0, dim, SB):
         offs_k = k0 + tl.arange(0, SB)
-        a = tl.load(xq_ptr + in_rows[:, None] * dim + offs_k[None, :], mask=in_mask[:, None], other=0.0)
-        a_scale = _pow2(tl.load(xe_ptr + in_rows * x_groups + k0 // SB, mask=in_mask, other=0))
+        a, a_scale = _act_tile(xq_ptr, xe_ptr, in_rows, in_mask, k0, dim, SB)
         acc_g = _w8a8_step(acc_g, a, a_scale, w1_ptr, s1_ptr, e, offs_n, offs_k, k0, inter, dim, SB)
         acc_u = _w8a8_step(acc_u, a, a_scale, w3_ptr, s3_ptr, e, offs_n, offs_k, k0, inter, dim, SB)
     if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
@@ -239,11 +246,9 @@ def _w8a8_down_kernel(
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    h_groups = inter // SB
     for k0 in range(0, inter, SB):
         offs_k = k0 + tl.arange(0, SB)
-        a = tl.load(hq_ptr + rows[:, None] * inter + offs_k[None, :], mask=in_mask[:, None], other=0.0)
-        a_scale = _pow2(tl.load(he_ptr + rows * h_groups + k0 // SB, mask=in_mask, other=0))
+        a, a_scale = _act_tile(hq_ptr, he_ptr, rows, in_mask, k0, inter, SB)
         acc = _w8a8_step(acc, a, a_scale, w2_ptr, s2_ptr, e, offs_n, offs_k, k0, dim, inter, SB)
     tl.store(out_ptr + rows[:, None] * dim + offs_n[None, :], acc,
              mask=out_mask[:, None] & (offs_n[None, :] < dim))
