@@ -9,6 +9,9 @@
 #    with the MoE tests (the finalize launcher moved), then `bench/moe_w8a8.py`: V4-Flash MoE layer at
 #    256 to 8192 tokens, FP8 128×128 and 32×32 weights, W8A8 (x quantised in line, or on a side stream
 #    beside the router) against the weights-only FP8 path, and a sweep of W8A8 launch shapes at 8192.
+# b: after a refactor of the W8A8 kernels (`_act_tile`), their small GPU tests, then whole-model prefill
+#    (`bench/prefill_w8a8.py`): v4-mini with the shipped kernels against moe_experts="w8a8", 4096 and 8192
+#    new tokens, alternating rounds.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
@@ -21,6 +24,14 @@ part_a() {
   logged a_bench 330 python3 bench/moe_w8a8.py --out "$OUT/moe-w8a8-$(card)-s34.json" \
     --tiles 64x128x8x8,64x128x4x4,128x128x8x8,64x256x8x8,128x64x4x4
   grep -v "^{\"gpu" "$W/logs/a_bench.txt" | cut -c1-400
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests b_tests 150 --tb=line tests/kernels/test_moe_w8a8.py -k "model or matches_the_w8a8 or early"
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
+  logged b_prefill 330 python3 bench/prefill_w8a8.py --out "$OUT/prefill-w8a8-$(card)-s34.json"
+  grep -v "^{\"gpu" "$W/logs/b_prefill.txt" | cut -c1-400
 }
 
 dispatch session36 "${1:-}"
