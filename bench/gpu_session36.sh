@@ -12,6 +12,9 @@
 # b: after a refactor of the W8A8 kernels (`_act_tile`), their small GPU tests, then whole-model prefill
 #    (`bench/prefill_w8a8.py`): v4-mini with the shipped kernels against moe_experts="w8a8", 4096 and 8192
 #    new tokens, alternating rounds.
+# c: the v4-mini bf16 one-token decode MoE table entry moved to 8-row down blocks over 4 programs (after
+#    `gpu_session32.sh a` on an H200, moe-split-ab-*-h200-s34.json): the v4-mini graph step with it ("new")
+#    and with .ab/moe_decode_old.py ("old"), one round (carry .ab).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
@@ -32,6 +35,11 @@ part_b() {
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
   logged b_prefill 330 python3 bench/prefill_w8a8.py --out "$OUT/prefill-w8a8-$(card)-s34.json"
   grep -v "^{\"gpu" "$W/logs/b_prefill.txt" | cut -c1-400
+}
+
+part_c() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  AB_V41_ROUNDS=0 ab_steps c "${V4_ROUNDS:-1}" dspark/kernels/moe_decode.py
 }
 
 dispatch session36 "${1:-}"

@@ -337,7 +337,8 @@ _MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 204
     (None, False, False): DecodeTiles(up_n=16, down_n=16, up_k=256, down_k=256, up_warps=4, down_warps=8),
     (128, True, False): DecodeTiles(up_n=8, down_n=16, up_k=2048, down_k=1024, up_warps=4, down_warps=8),
     (128, False, False): DecodeTiles(up_n=32, down_n=32, up_k=1024, down_k=512, up_warps=4, down_warps=4),
-    (None, True, True): DecodeTiles(up_n=4, down_n=4, up_k=1024, down_k=512, up_warps=8, down_warps=4),
+    (None, True, True): DecodeTiles(up_n=4, down_n=8, up_k=1024, down_k=512, up_warps=8, down_warps=4,
+                                    down_split=4),
     (None, False, True): DecodeTiles(up_n=16, down_n=16, up_k=128, down_k=128, up_warps=4, down_warps=4),
     (128, True, True): DecodeTiles(up_n=8, down_n=16, up_k=2048, down_k=256, up_warps=8, down_warps=8,
                                    down_split=4),
@@ -346,7 +347,9 @@ _MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 204
     # one H100, chains of 12 calls over separate weight sets, moe-split-ab-*-h100-s31.json): v4-mini FP8 128×128
     # at one token 16-row blocks over 4 programs, the op 21.8 -> 16.7 µs (down 13.8 -> 8.0); V4-Flash 32×32 at
     # 8 tokens 64-row blocks over 4, 485.1 -> 468.0 µs. No gain at V4-Flash FP8 one token (70.7 vs 72.4 µs
-    # split 2; 32×32 78.1 vs 77.4) or v4-mini bf16 (22.5 vs 21.8), which keep one program per row block.
+    # split 2; 32×32 78.1 vs 77.4). The same bench on one H200 (thirty-fourth session, moe-split-ab-*-h200-s34.json)
+    # took v4-mini bf16 at one token to 8-row blocks over 4 programs: 19.1 -> 17.8 µs there, 22.5 -> 21.9 on
+    # the H100 run above (its best, 21.8 at 4-row blocks over 2, is within 0.5 %).
     # V4.1's 32×32 FP8 blocks: each kernel's best shape of `bench/moe_decode_tiles.py --kinds fp8-32 --graph`
     # (moe-decode-tiles-fp8-32-m{1,8}-h200.json), the whole op timed at it in the same run against the 128×128
     # shapes they ran before: V4-Flash 81.5 -> 76.1 µs at one token, 432.5 -> 424.7 at 8; v4-mini 24.8 -> 20.1
