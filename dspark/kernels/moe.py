@@ -718,8 +718,8 @@ def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
 
 
 def launch_finalize(routed, slot, weights, shared, dtype: torch.dtype) -> torch.Tensor:
-    """y [N, D] `dtype` = shared + Σ_k weights[:, k] · routed[slot[:, k]]: routed [R, D] and shared
-    [N, D] fp32 rows, slot [N·K] (each assignment's packed row), weights [N, K] fp32."""
+    """y [N, D] `dtype`, y[t] = shared[t] + Σ_k weights[t, k] · routed[slot[t·K + k]]: routed [R, D] and
+    shared [N, D] fp32 rows, slot [N·K] (each assignment's packed row), weights [N, K] fp32."""
     n_tok, top_k = weights.shape
     dim = shared.shape[1]
     y = torch.empty((n_tok, dim), dtype=dtype, device=shared.device)

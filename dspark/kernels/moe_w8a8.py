@@ -21,7 +21,8 @@ Ops (same signature as `moe.moe_experts`; weights are `FP8BlockWeight` with one 
 six, or dense tensors, quantised here with V4's 128×128 blocks):
 
 * ``moe_experts_w8a8`` (Triton) and ``moe_experts_w8a8_ref`` (torch: activations quantised and
-  dequantised exactly, fp32 GEMMs on the dequantised weights). The two differ by fp32 summation
+  dequantised exactly, fp32 GEMMs on the dequantised weights); both take ``x_fp8``, x's
+  `act_quant` made earlier by the caller. The two differ by fp32 summation
   order, which can move an element of h across an e4m3 rounding boundary now and then.
 * ``act_quant`` / ``act_quant_ref``: bit-equal (the exponent is read from the fp32 bits, no log2).
 
@@ -103,32 +104,31 @@ def _act_dequant(q: torch.Tensor, exponent: torch.Tensor, block: int) -> torch.T
     return torch.ldexp(q.float(), exponent.repeat_interleave(block, dim=1))
 
 
-def _expert_w8a8_ref(x, w1, w2, w3, block, limit):
-    """One clamped SwiGLU expert with W8A8 GEMMs, fp32: x [T, D] -> [T, D]."""
-    def act(t):
-        return _act_dequant(*act_quant_ref(t, block), block)
-
-    a = act(x)
+def _expert_w8a8_ref(a, w1, w2, w3, block, limit):
+    """One clamped SwiGLU expert with W8A8 GEMMs, fp32: a [T, D] (the input, quantised and
+    dequantised already) -> [T, D]."""
     gate, up = a @ w1.T, a @ w3.T
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return act(F.silu(gate) * up) @ w2.T
+    return _act_dequant(*act_quant_ref(F.silu(gate) * up, block), block) @ w2.T
 
 
 def moe_experts_w8a8_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                         swiglu_limit: float) -> torch.Tensor:
+                         swiglu_limit: float, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`moe.moe_experts_ref` with every GEMM input quantised per token per B columns (module
-    docstring): fp32 math on the exactly dequantised operands, loop over experts. Same shapes."""
+    docstring): fp32 math on the exactly dequantised operands, loop over experts. Same shapes.
+    `x_fp8`: x's (q, exponent) given by the caller (`act_quant_ref(x, B)` otherwise; the
+    quantisation is per row, so each expert's rows of it are its input's)."""
     _check_w8a8_args(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3)
     (w1, w2, w3, sw1, sw2, sw3), block = fp8_weights(w1, w2, w3, shared_w1, shared_w2, shared_w3)
     _check_groups(block, D=x.shape[1], I=w1.shape[1], I_s=sw1.shape[0])
-    xf = x.float()
-    y = _expert_w8a8_ref(xf, sw1.dequantize(), sw2.dequantize(), sw3.dequantize(), block, swiglu_limit)
+    a = _act_dequant(*(act_quant_ref(x, block) if x_fp8 is None else x_fp8), block)
+    y = _expert_w8a8_ref(a, sw1.dequantize(), sw2.dequantize(), sw3.dequantize(), block, swiglu_limit)
     for e in range(w1.shape[0]):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        out = _expert_w8a8_ref(xf[tok], w1.dequantize(e), w2.dequantize(e), w3.dequantize(e), block, swiglu_limit)
+        out = _expert_w8a8_ref(a[tok], w1.dequantize(e), w2.dequantize(e), w3.dequantize(e), block, swiglu_limit)
         y.index_add_(0, tok, weights[tok, slot, None].float() * out)
     return y.to(x.dtype)
 
@@ -420,5 +420,6 @@ class W8A8MoeExperts:
             early = None if x_fp8 is None else self._input_quant.finish(x_fp8)
             return moe_experts_w8a8(x, weights, ids, w1, w2, w3, sw1, sw2, sw3, swiglu_limit=swiglu_limit,
                                     x_fp8=early)
-        return moe_experts_w8a8_ref(x, weights, ids, w1, w2, w3, sw1, sw2, sw3, swiglu_limit=swiglu_limit)
+        return moe_experts_w8a8_ref(x, weights, ids, w1, w2, w3, sw1, sw2, sw3, swiglu_limit=swiglu_limit,
+                                    x_fp8=x_fp8)
 

@@ -144,6 +144,9 @@ def test_moe_experts_w8a8_takes_an_early_quantised_input(poisoned):
     with poisoned():
         got = moe_w8a8.moe_experts_w8a8(x, weights, ids, *ws, swiglu_limit=LIMIT, x_fp8=moe_w8a8.act_quant(x, 32))
     assert torch.equal(got, want)
+    ref = moe_w8a8.moe_experts_w8a8_ref(x, weights, ids, *ws, swiglu_limit=LIMIT)
+    assert torch.equal(moe_w8a8.moe_experts_w8a8_ref(x, weights, ids, *ws, swiglu_limit=LIMIT,
+                                                     x_fp8=moe_w8a8.act_quant_ref(x, 32)), ref)
 
 
 def test_moe_experts_w8a8_rejects_bad_weights():
