@@ -45,19 +45,19 @@ def activations(n_rows, dim, block, dtype, seed):
 
 
 def expert_weights(n_exp, dim, inter, inter_s, seed, block):
-    """(w1, w2, w3, shared_w1, shared_w2, shared_w3): FP8 with `block` (scales that change block by
-    block), or bf16 when block is None."""
-    g = torch.Generator().manual_seed(seed)
+    """(w1, w2, w3, shared_w1, shared_w2, shared_w3) made on DEVICE (the GPU test's V4-Flash sizes
+    would take minutes on the CPU): FP8 with `block` (scales that change block by block), or bf16
+    when block is None."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def make(*shape):
-        w = torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+        w = torch.randn(*shape, generator=g, device=DEVICE) * shape[-1] ** -0.5
         if block is None:
-            return w.to(DEVICE, torch.bfloat16)
+            return w.to(torch.bfloat16)
         rows, cols = -(-shape[-2] // block), -(-shape[-1] // block)
-        spread = torch.exp2(torch.randint(-3, 4, (*shape[:-2], rows, cols), generator=g).float())
+        spread = torch.exp2(torch.randint(-3, 4, (*shape[:-2], rows, cols), generator=g, device=DEVICE).float())
         w = w * spread.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :shape[-2], :shape[-1]]
-        q = FP8BlockWeight.quantize(w, block)
-        return FP8BlockWeight(q.data.to(DEVICE), q.scale.to(DEVICE), block)
+        return FP8BlockWeight.quantize(w, block)
 
     return (make(n_exp, inter, dim), make(n_exp, dim, inter), make(n_exp, inter, dim),
             make(inter_s, dim), make(dim, inter_s), make(inter_s, dim))
