@@ -13,7 +13,7 @@ with `triton.testing.do_bench` (CUDA events, L2 flushed before each run, median)
 TFLOP/s counts the experts' GEMMs, 2·M·(K+1)·3·I·D. Errors: W8A8 against its torch reference, and how
 far the W8A8 arithmetic lies from the weights-only reference (the activations' fp8 error), at the
 smallest M. ``--tiles`` also times the W8A8 experts at other launch shapes (BLOCK_M, BLOCK_N, up
-warps, down warps) at the largest M.
+warps, down warps, optionally Triton's pipeline stages) at the largest M.
 
     python bench/moe_w8a8.py --out bench/results/moe-w8a8.json
     python bench/moe_w8a8.py --tokens 512,4096 --blocks 128 --tiles 64x128x8x8,128x128x8x8
@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="256,1024,4096,8192", help="comma-separated M")
     p.add_argument("--blocks", default="128,32", help="FP8 blocks of the weights")
-    p.add_argument("--tiles", default="", help="extra W8A8 launch shapes BMxBNxUPWxDNW, at the largest M")
+    p.add_argument("--tiles", default="", help="extra W8A8 launch shapes BMxBNxUPWxDNW[xSTAGES], at the largest M")
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--out", default="bench/results/moe-w8a8.json")

@@ -281,8 +281,9 @@ def act_quant_buffers(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
             torch.empty((x.shape[0], x.shape[1] // block), dtype=torch.int32, device=x.device))
 
 
-def _tiles(rows_per_expert: float, block: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, up warps, down warps). Few rows per expert (decode): the 16-row M tile of
+def _tiles(rows_per_expert: float, block: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, up warps, down warps[, pipeline stages]; Triton's default stages when
+    absent, as shipped). Few rows per expert (decode): the 16-row M tile of
     `moe._tiles`; prefill: 64-row tiles with 128-wide N (a multiple of every block in BLOCKS), 8 warps
     for 128-wide blocks and 4 for narrower ones: the fastest of `bench/moe_w8a8.py --tiles` at 8192
     V4-Flash tokens on one H100 (`moe-w8a8-h100-s34.json`: 7.20 / 14.91 ms, against 8.89 / 16.53 ms
@@ -297,7 +298,7 @@ def _launch_up(xq, xe, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, li
     """(hq [n_out_rows, I] e4m3, he [n_out_rows, I/B] int32): clamped SwiGLU of the gate/up GEMMs,
     quantised (rows=None: the shared expert)."""
     n_exp, inter, dim = (1, *w1.shape) if len(w1.shape) == 2 else w1.shape
-    block_m, block_n, warps, _ = tiles
+    block_m, block_n, warps, _, *stages = tiles
     hq = torch.empty((n_out_rows, inter), dtype=torch.float8_e4m3fn, device=xq.device)
     he = torch.empty((n_out_rows, inter // block), dtype=torch.int32, device=xq.device)
     routed = rows is not None
@@ -307,7 +308,7 @@ def _launch_up(xq, xe, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, li
         xq, xe, w1.data, w3.data, w1.scale, w3.scale, rows if routed else xe, block_expert if routed else xe,
         hq, he, n_rows, dim, inter, n_exp, top_k, float(limit),
         ROUTED=routed, SB=block, CLAMP=limit > 0, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
-        num_warps=warps,
+        num_warps=warps, **({"num_stages": stages[0]} if stages else {}),
     )
     return hq, he
 
@@ -315,7 +316,7 @@ def _launch_up(xq, xe, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, li
 def _launch_down(hq, he, w2, block_expert, n_rows, tiles, block):
     """out [rows of hq, D] fp32 = h·W2ᵀ per row's expert (block_expert=None: the shared expert)."""
     n_exp, dim, inter = (1, *w2.shape) if len(w2.shape) == 2 else w2.shape
-    block_m, block_n, _, warps = tiles
+    block_m, block_n, _, warps, *stages = tiles
     out = torch.empty((hq.shape[0], dim), dtype=torch.float32, device=hq.device)
     routed = block_expert is not None
     grid = (triton.cdiv(hq.shape[0], block_m), triton.cdiv(dim, block_n))
@@ -323,6 +324,7 @@ def _launch_down(hq, he, w2, block_expert, n_rows, tiles, block):
     _w8a8_down_kernel[grid](
         hq, he, w2.data, w2.scale, block_expert if routed else he, out, n_rows, dim, inter, n_exp,
         ROUTED=routed, SB=block, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        **({"num_stages": stages[0]} if stages else {}),
     )
     return out
 
