@@ -15,6 +15,8 @@
 # c: the v4-mini bf16 one-token decode MoE table entry moved to 8-row down blocks over 4 programs (after
 #    `gpu_session32.sh a` on an H200, moe-split-ab-*-h200-s34.json): the v4-mini graph step with it ("new")
 #    and with .ab/moe_decode_old.py ("old"), one round (carry .ab).
+# d: (not run yet) the W8A8 GPU tests with their weights made on the device, then a W8A8 launch-shape sweep
+#    at 8192 V4-Flash tokens with Triton's pipeline stages and the unspilled 4-warp 64×64 tile.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
@@ -40,6 +42,15 @@ part_b() {
 part_c() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   AB_V41_ROUNDS=0 ab_steps c "${V4_ROUNDS:-1}" dspark/kernels/moe_decode.py
+}
+
+part_d() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests d_tests 300 --tb=line tests/kernels/test_moe_w8a8.py
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
+  logged d_sweep 300 python3 bench/moe_w8a8.py --tokens 8192 --out "$OUT/moe-w8a8-sweep-$(card)-s35.json" \
+    --tiles 64x128x8x8x2,64x128x8x8x3,64x128x8x8x4,64x64x4x4,64x64x4x4x4,64x64x8x8,128x128x8x8x2
+  grep -v "^{\"gpu" "$W/logs/d_sweep.txt" | cut -c1-300
 }
 
 dispatch session36 "${1:-}"
