@@ -305,6 +305,8 @@ def _launch_up(xq, xe, w1, w3, rows, block_expert, n_rows, n_out_rows, top_k, li
     quantised (rows=None: the shared expert)."""
     n_exp, inter, dim = (1, *w1.shape) if len(w1.shape) == 2 else w1.shape
     block_m, block_n, warps, _, *stages = tiles
+    if block_n % block:  # the epilogue quantises whole B-column groups of h
+        raise ValueError(f"W8A8 gate/up tiles need BLOCK_N a multiple of the block {block}, got {block_n}")
     hq = torch.empty((n_out_rows, inter), dtype=torch.float8_e4m3fn, device=xq.device)
     he = torch.empty((n_out_rows, inter // block), dtype=torch.int32, device=xq.device)
     routed = rows is not None

@@ -149,6 +149,17 @@ def test_moe_experts_w8a8_takes_an_early_quantised_input(poisoned):
                                                      x_fp8=moe_w8a8.act_quant_ref(x, 32)), ref)
 
 
+@needs_triton
+def test_w8a8_tiles_must_cover_whole_groups(monkeypatch):
+    """A gate/up tile narrower than the block cannot quantise h per block: a clear error, not garbage."""
+    x = activations(40, 128, 32, torch.bfloat16, seed=5) / 64
+    weights, ids = routing(40, 2, 1, seed=5)
+    ws = expert_weights(2, 128, 128, 128, seed=5, block=128)
+    monkeypatch.setattr(moe_w8a8, "_tiles", lambda rows, block: (64, 64, 4, 4))
+    with pytest.raises(ValueError, match="BLOCK_N a multiple of the block 128, got 64"):
+        moe_w8a8.moe_experts_w8a8(x, weights, ids, *ws, swiglu_limit=LIMIT)
+
+
 def test_moe_experts_w8a8_rejects_bad_weights():
     x = torch.randn(3, 64)
     weights, ids = torch.rand(3, 2), torch.tensor([[0, 1]] * 3, dtype=torch.int32)
