@@ -311,6 +311,16 @@ def _dot(a, b_t, acc, DOT_FP32: tl.constexpr):
 
 
 @_jit
+def _clamped_swiglu(gate, up, limit, CLAMP: tl.constexpr):
+    """silu(min(gate, L)) · clamp(up, −L, L) in fp32: the SwiGLU clamp of V4 (§11.2) takes the gate from
+    above only and the up projection on both sides; CLAMP False (L <= 0): plain SwiGLU."""
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@_jit
 def _gemm_rows(pid_m, block_expert_ptr, rows_ptr, n_rows, n_exp, top_k,
                ROUTED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr):
     """(expert, rows, input rows, input mask, output mask) of M-block pid_m; expert -1: unused block.
@@ -364,10 +374,7 @@ def _moe_up_kernel(
                      acc_g, DOT_FP32)
         acc_u = _dot(xa, _weight_tile(w3_ptr, s3_ptr, e, offs_n, offs_k, k0, inter, dim, FP8, SB, xa.dtype),
                      acc_u, DOT_FP32)
-    if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
-        acc_g = tl.minimum(acc_g, limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    h = _clamped_swiglu(acc_g, acc_u, limit, CLAMP)
     tl.store(h_ptr + rows[:, None] * inter + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=out_mask[:, None] & (offs_n[None, :] < inter))
 

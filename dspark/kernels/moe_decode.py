@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from dspark.kernels.moe import _block_k, _jit, _weight_parts, _weight_tile, tl, triton
+from dspark.kernels.moe import _block_k, _clamped_swiglu, _jit, _weight_parts, _weight_tile, tl, triton
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _BLOCK_N = 16  # output rows per program: small, so that one token still spreads over the SMs
@@ -146,10 +146,7 @@ def _swiglu_row(x_row_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, offs_n, n_out, dim
     else:
         gate = _gemv(x_row_ptr, w1_ptr, s1_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
         up = _gemv(x_row_ptr, w3_ptr, s3_ptr, e, offs_n, n_out, dim, FP8, SB, BLOCK_K)
-    if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate * tl.sigmoid(gate) * up
+    return _clamped_swiglu(gate, up, limit, CLAMP)
 
 
 @_jit

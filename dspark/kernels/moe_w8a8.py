@@ -52,7 +52,7 @@ from dspark.kernels.autograd import records_grad
 from dspark.kernels.deep_gemm_path import weight_key
 from dspark.kernels.fp8 import FP8BlockWeight
 from dspark.kernels.moe import (
-    _check_expert_args, _check_routing_args, _gemm_rows, _pack_assignments, launch_finalize,
+    _check_expert_args, _check_routing_args, _clamped_swiglu, _gemm_rows, _pack_assignments, launch_finalize,
 )
 from dspark.kernels.registry import require_triton, triton_available
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
@@ -227,10 +227,7 @@ def _w8a8_up_kernel(
         a, a_scale = _act_tile(xq_ptr, xe_ptr, in_rows, in_mask, k0, dim, SB)
         acc_g = _w8a8_step(acc_g, a, a_scale, w1_ptr, s1_ptr, e, offs_n, offs_k, k0, inter, dim, SB)
         acc_u = _w8a8_step(acc_u, a, a_scale, w3_ptr, s3_ptr, e, offs_n, offs_k, k0, inter, dim, SB)
-    if CLAMP:  # the SwiGLU clamp of V4 (§11.2): gate from above only, up on both sides
-        acc_g = tl.minimum(acc_g, limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    hq, he = _quant_groups(acc_g * tl.sigmoid(acc_g) * acc_u, SB)
+    hq, he = _quant_groups(_clamped_swiglu(acc_g, acc_u, limit, CLAMP), SB)
     tl.store(hq_ptr + rows[:, None] * inter + offs_n[None, :], hq,
              mask=out_mask[:, None] & (offs_n[None, :] < inter))
     h_groups = inter // SB
