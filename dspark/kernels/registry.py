@@ -188,7 +188,7 @@ class KernelConfig:
             if backend_ops is not None and field.name not in backend_ops:
                 raise ValueError(f"KernelConfig.{field.name}={value!r}: no {value} implementation; "
                                  f"ops that have one: {tuple(backend_ops)}")
-        if self.moe_experts in ("deep_gemm", "w8a8") and self.fused_moe != "triton":
+        if self.moe_experts in OPTIONAL_BACKENDS and self.fused_moe != "triton":
             # The MoE module calls `moe_experts` on its fused path only; elsewhere the choice would be ignored.
             raise ValueError(f"KernelConfig.moe_experts={self.moe_experts!r} needs fused_moe='triton' (the MoE "
                              f"runs moe_experts on its fused path), got fused_moe={self.fused_moe!r}")
