@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from dspark import quant
 from dspark.kernels.autograd import records_grad
+from dspark.kernels.aside import Aside, join
 from dspark.kernels.deep_gemm_path import weight_key
 from dspark.kernels.fp8 import FP8BlockWeight
 from dspark.kernels.moe import (
@@ -363,31 +364,27 @@ def moe_experts_w8a8(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w
 
 
 class InputQuant:
-    """The routed input's `act_quant` on a CUDA stream beside the caller's, joined before its use.
+    """The routed input's `act_quant` on a CUDA stream beside the caller's (`aside.Aside`), joined
+    before its use.
 
     `start(x, block)` allocates the outputs on the caller's stream (so the caching allocator ties
-    them to it), makes the side stream wait for x, launches the quantisation there and returns a
-    handle; `finish(handle)` makes the caller's stream wait for it and returns (q, exponent). Both
-    capture into a CUDA graph as a fork and a join. One stream per device, owned by this object."""
+    them to it), launches the quantisation on the side stream and returns a handle; `finish(handle)`
+    makes the caller's stream wait for it and returns (q, exponent). Both capture into a CUDA graph
+    as a fork and a join."""
 
     def __init__(self):
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._aside = Aside()
 
     def start(self, x: torch.Tensor, block: int):
-        main = torch.cuda.current_stream(x.device)
-        side = self._streams.get(x.device)
-        if side is None:
-            side = self._streams[x.device] = torch.cuda.Stream(x.device)
         out = act_quant_buffers(x, block)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        with self._aside.fork(x.device) as side:
             act_quant(x, block, out=out)
         return side, out
 
     @staticmethod
     def finish(handle) -> tuple[torch.Tensor, torch.Tensor]:
         side, out = handle
-        torch.cuda.current_stream(side.device).wait_stream(side)
+        join(side)
         return out
 
 

@@ -263,3 +263,14 @@ def head_norm_op(config: KernelConfig) -> Callable[..., Any]:
     if config.hc_head_norm != "ref":
         return get_op(config, "hc_head_norm")
     return importlib.import_module("dspark.kernels.hc_head_norm").hc_head_then(get_op(config, "rms_norm"))
+
+
+def shared_aside(config: KernelConfig):
+    """A `moe_decode.SharedAside` (a decode call's shared expert on a side stream, which
+    `moe_experts(..., shared=)` joins) where `config` runs the Triton `moe_experts` on the MoE's
+    fused path; None elsewhere (the experts op computes the shared expert in line). One per MoE
+    layer: each owns its stream."""
+    if config.fused_moe != "triton" or config.moe_experts != "triton":
+        return None
+    require_triton()
+    return importlib.import_module("dspark.kernels.moe_decode").SharedAside()

@@ -201,6 +201,11 @@ def run_every_tile_class():
                 for q in [FP8BlockWeight.quantize(w, block or 16)]]
             moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(
                 down_split=min(tiles.down_split, 3)))  # top-2: 3 slots
+            # the shared expert apart (`SharedAside`: TOP_K 0 alone) and the routed rows joining it (SHARED_IN)
+            aside = tiles._replace(down_split=min(tiles.down_split, 3))
+            pending = moe_decode.SharedAside().start(x1, weights[0], *weights[3:], top_k=2, swiglu_limit=10.0,
+                                                     tiles=aside)
+            moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=aside, shared=pending)
             if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (off: slower)
                 for stages in (2, 3):
                     moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0,
