@@ -510,10 +510,14 @@ SM90_SHARED_BYTES = 232448  # 227 KB: the opt-in shared memory limit of one bloc
 #   bench/moe_decode_tiles.py (moe-decode-tiles-mini-h200.json).
 # * `_v41_stats_kernel`, the unfused 32 x 64 tiles at 4 warps (more than 8 tokens): 8 B; timed with it
 #   by bench/mhc_v41_site.py (`tiles_64_32_4_32`, mhc-v41-tokens-h200.json), the fastest shape at 256 tokens.
+# * `_decode_down_kernel` joining a shared expert computed aside (`SHARED_IN`) at the 128×128 table's
+#   one-token V4-Flash shape (16 x 1024, 8 warps) with 32-wide blocks: 8 B. No model launches that pair
+#   (32-wide blocks take their own table), the compile sweep crosses every shape with every block.
 KNOWN_SPILLS = (
     ("_v41_stats_kernel", dict(BLOCK_T=32, BLOCK_D=64, FUSE_POST=False), 8),
     ("_wide_kernel", dict(BLOCK_H=64, n_chunks=1), 24),
     ("_decode_down_kernel", dict(FP8=False, BLOCK_N=4, BLOCK_K=512), 8),
+    ("_decode_down_kernel", dict(FP8=True, SB=32, BLOCK_N=16, BLOCK_K=1024, SHARED_IN=True), 8),
     # W8A8 gate/up at blocks under 128: 4 warps hold two 64×128 fp32 accumulators and spill, yet beat
     # the unspilled 8-warp tiles at 8192 V4-Flash tokens (14.9 against 16.5 ms, H100 and H200 alike:
     # moe-w8a8-*-s34.json)
