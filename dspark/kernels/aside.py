@@ -9,7 +9,9 @@ Under CUDA-graph capture the fork and the join become edges of the graph, so a r
 overlap at no host cost. Allocate what the side work writes (and its temporaries) on the caller's
 stream before the fork and keep them alive until the join: the caching allocator then ties their
 memory to the caller's stream, which cannot reuse it before it has waited for the side work.
-Off CUDA `fork` runs the block inline and yields None, which `join` accepts.
+Off CUDA `fork` runs the block inline and yields None, which `join` accepts. torch hands out
+`torch.cuda.Stream()`s from a per-device pool, round-robin: many instances (one per MoE layer) may
+share one underlying stream, which orders their work without changing any result.
 """
 
 from __future__ import annotations
