@@ -20,9 +20,10 @@ card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests a_tests 270 --tb=line tests/kernels/test_moe.py tests/kernels/test_moe_w8a8.py tests/kernels/test_cuda_graphs.py
+  tests a_tests 200 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
+    tests/kernels/test_moe_w8a8.py -k "not test_moe_w8a8.py or early or model"
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null  # back even if the call runs out of time before `pack`
-  logged a_moe 270 python3 bench/kernels.py --configs flash,mini --tokens 1,8,16,64 --model-steps 0 --graph \
+  logged a_moe 300 python3 bench/kernels.py --configs flash,mini --tokens 1,8,16,64 --model-steps 0 --graph \
     --ops fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside,fused_moe_fp8_32,fused_moe_fp8_32_aside \
     --out "$OUT/kernels-moe-aside-$(card)-s35.json"
   grep -h "fused_moe" "$W/logs/a_moe.txt" | cut -c1-200
