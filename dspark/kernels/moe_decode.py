@@ -539,6 +539,9 @@ class SharedAside:
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         with self._aside.fork(x.device) as side:
             decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit, tiles, h=h, out=y)
+        if side is not None:  # their memory is not reused before the side work is done, joined or not
+            for t in (x, h, y):
+                t.record_stream(side)
         return PendingShared(side, y, (x, h))
 
 

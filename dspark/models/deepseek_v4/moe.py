@@ -195,8 +195,8 @@ class MoE(nn.Module):
             return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_fp8=early)
         pending = None
         if self._shared_aside is not None:
-            pending = self._shared_aside.start(x, parts[0], *parts[3:], top_k=self.top_k,
-                                               swiglu_limit=self.swiglu_limit)
+            top_k = getattr(self.gate, "top_k", self.top_k)  # a replaced gate's own K
+            pending = self._shared_aside.start(x, parts[0], *parts[3:], top_k=top_k, swiglu_limit=self.swiglu_limit)
         weights, experts = self._routing(x, input_ids)
         if pending is None:
             return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit)
