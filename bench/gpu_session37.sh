@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-fifth session, for one H200 (an H100 runs them too; every JSON names its card):
 #
-#   run(command="bash bench/gpu_session37.sh a")                  # ≈ 8 min
-#   run(command="bash bench/gpu_session37.sh b", carry=[".ab"])   # ≈ 5 min; .ab/main = the package of c88ae06
+#   run(command="bash bench/gpu_session37.sh a", carry=[".ab"])   # ≈ 9 min; .ab/main = the package of c88ae06
+#   run(command="bash bench/gpu_session37.sh b", carry=[".ab"])   # ≈ 5 min
 #   run(command="bash bench/gpu_session37.sh c")                  # ≈ 7 min
 #
 # a: the decode MoE's shared expert on a side stream (`moe_decode.SharedAside`, CPU-tested under the
 #    interpreter): its GPU tests with the rest of the MoE and W8A8 tests (the W8A8 weights now made on
 #    the device), then `bench/kernels.py`'s MoE rows with and without it (`*_aside`): V4-Flash and
-#    v4-mini layers with the router, bf16 / FP8 128×128 / FP8 32×32, 1, 8, 16 and 64 tokens, CUDA-graph
-#    replays.
-# b: the v4-mini graph step with this tree ("new", the shared expert aside in every MoE layer) against
-#    .ab/main ("old"), separate processes in alternation, two rounds at 1 and 8 requests.
+#    v4-mini layers with the router, bf16 / FP8 128×128 / FP8 32×32, 1, 8 and 64 tokens, CUDA-graph
+#    replays; then the v4-mini graph step with this tree ("new", the shared expert aside in every MoE
+#    layer) against .ab/main ("old"), separate processes, one round at 1 and 8 requests.
+# b: two more rounds of that step A/B.
 # c: issue 7's engine table with the HF eager peer in the same call (`gpu_session24.sh a`'s engine step,
 #    without MTP): batch-1 % of the HBM roofline, × HF, DSpark 3 / none and auto at 1 and 64 requests.
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, ab_trees, pack, dispatch
@@ -20,13 +20,15 @@ card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests a_tests 200 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
+  tests a_tests 150 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
     tests/kernels/test_moe_w8a8.py -k "not test_moe_w8a8.py or early or model"
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null  # back even if the call runs out of time before `pack`
-  logged a_moe 300 python3 bench/kernels.py --configs flash,mini --tokens 1,8,16,64 --model-steps 0 --graph \
+  logged a_moe 230 python3 bench/kernels.py --configs flash,mini --tokens 1,8,64 --model-steps 0 --graph \
     --ops fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside,fused_moe_fp8_32,fused_moe_fp8_32_aside \
     --out "$OUT/kernels-moe-aside-$(card)-s35.json"
   grep -h "fused_moe" "$W/logs/a_moe.txt" | cut -c1-200
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
+  ab_trees a 0 1
 }
 
 part_b() {
