@@ -11,6 +11,7 @@
 #    v4-mini layers with the router, bf16 / FP8 128×128 / FP8 32×32, 1, 8 and 64 tokens, CUDA-graph
 #    replays; then the v4-mini graph step with this tree ("new", the shared expert aside in every MoE
 #    layer) against .ab/main ("old"), separate processes, one round at 1 and 8 requests.
+# q: part a in under 8 minutes (its tests filtered, 1 and 8 tokens) for a short device budget.
 # b: two more rounds of that step A/B.
 # c: issue 7's engine table with the HF eager peer in the same call (`gpu_session24.sh a`'s engine step,
 #    without MTP): batch-1 % of the HBM roofline, × HF, DSpark 3 / none and auto at 1 and 64 requests.
@@ -29,6 +30,19 @@ part_a() {
   grep -h "fused_moe" "$W/logs/a_moe.txt" | cut -c1-200
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
   ab_trees a 0 1
+}
+
+part_q() {  # part a in less time: the aside tests, its kernels rows at 1 and 8 tokens, one step round
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests q_tests 100 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
+    -k "aside or join or decode or fused_moe_replays"
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
+  logged q_moe 170 python3 bench/kernels.py --configs flash,mini --tokens 1,8 --model-steps 0 --graph \
+    --ops fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside,fused_moe_fp8_32,fused_moe_fp8_32_aside \
+    --out "$OUT/kernels-moe-aside-$(card)-s35.json"
+  grep -h "fused_moe" "$W/logs/q_moe.txt" | cut -c1-200
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
+  ab_trees q 0 1
 }
 
 part_b() {
