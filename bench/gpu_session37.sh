@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-fifth session, for one H200 (an H100 runs them too; every JSON names its card):
 #
-#   run(command="bash bench/gpu_session37.sh a", carry=[".ab"])   # ≈ 9 min; .ab/main = the package of c88ae06
-#   run(command="bash bench/gpu_session37.sh b", carry=[".ab"])   # ≈ 5 min
+#   run(command="bash bench/gpu_session37.sh a")   # ≈ 9 min
+#   run(command="bash bench/gpu_session37.sh b")   # ≈ 5 min
 #   run(command="bash bench/gpu_session37.sh c")                  # ≈ 7 min
 #
 # a: the decode MoE's shared expert on a side stream (`moe_decode.SharedAside`, CPU-tested under the
 #    interpreter): its GPU tests with the rest of the MoE and W8A8 tests (the W8A8 weights now made on
 #    the device), then `bench/kernels.py`'s MoE rows with and without it (`*_aside`): V4-Flash and
 #    v4-mini layers with the router, bf16 / FP8 128×128 / FP8 32×32, 1, 8 and 64 tokens, CUDA-graph
-#    replays; then the v4-mini graph step with this tree ("new", the shared expert aside in every MoE
-#    layer) against .ab/main ("old"), separate processes, one round at 1 and 8 requests.
+#    replays; then the v4-mini graph step with `KernelConfig(moe_shared="triton")` (the shared expert
+#    aside in every MoE layer; `registry.NOT_YET_ON_GPU` until this has run) and without, separate
+#    processes in turn, one round at 1 and 8 requests.
 # q: part a in under 8 minutes (its tests filtered, 1 and 8 tokens) for a short device budget.
 # b: two more rounds of that step A/B.
 # c: issue 7's engine table with the HF eager peer in the same call (`gpu_session24.sh a`'s engine step,
 #    without MTP): batch-1 % of the HBM roofline, × HF, DSpark 3 / none and auto at 1 and 64 requests.
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, ab_trees, pack, dispatch
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch
+
+aside_rounds() {  # aside_rounds PART ROUNDS: the v4-mini graph step with moe_shared on ("on") and off, in turn
+  local round
+  for round in $(seq "$2"); do
+    step "$1_v4_on_$round" 80 --requests 1,8 --triton moe_shared
+    step "$1_v4_off_$round" 80 --requests 1,8
+  done
+}
 
 card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
 
@@ -29,7 +38,7 @@ part_a() {
     --out "$OUT/kernels-moe-aside-$(card)-s35.json"
   grep -h "fused_moe" "$W/logs/a_moe.txt" | cut -c1-200
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  ab_trees a 0 1
+  aside_rounds a 1
 }
 
 part_q() {  # part a in less time: the aside tests, its kernels rows at 1 and 8 tokens, one step round
@@ -42,12 +51,12 @@ part_q() {  # part a in less time: the aside tests, its kernels rows at 1 and 8 
     --out "$OUT/kernels-moe-aside-$(card)-s35.json"
   grep -h "fused_moe" "$W/logs/q_moe.txt" | cut -c1-200
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  ab_trees q 0 1
+  aside_rounds q 1
 }
 
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  ab_trees b 0 2
+  aside_rounds b 2
 }
 
 part_c() {

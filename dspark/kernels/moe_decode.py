@@ -35,7 +35,8 @@ import torch
 
 from dspark.kernels.aside import Aside, join
 from dspark.kernels.moe import (
-    DECODE_MAX_ASSIGNMENTS, _block_k, _clamped_swiglu, _jit, _weight_parts, _weight_tile, tl, triton,
+    DECODE_MAX_ASSIGNMENTS, _block_k, _clamped_swiglu, _dense, _expert_ref, _jit, _weight_parts, _weight_tile, tl,
+    triton,
 )
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
@@ -500,6 +501,25 @@ def decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit: float, tiles
         **_common(0, fp8_s, sb_s, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return out
+
+
+def moe_shared_ref(x, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float,
+                   tiles: DecodeTiles | None = None) -> torch.Tensor:
+    """The shared expert alone: y [N, D] fp32 = w2(silu(min(x·w1ᵀ, L)) ⊙ clamp(x·w3ᵀ, −L, L)) in fp32
+    (`tiles`: the kernels' launch shape, unused here). x [N, D]; shared_w1, shared_w3 [I_s, D];
+    shared_w2 [D, I_s] (tensors or `FP8BlockWeight`)."""
+    return _expert_ref(x.float(), _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
+
+
+def moe_shared(x, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float,
+               tiles: DecodeTiles | None = None) -> torch.Tensor:
+    """Fused `moe_shared_ref` (same signature): `decode_shared` at `tiles` (default: the decode table's
+    shape for N tokens and the shared weights' kind). With `KernelConfig(moe_shared="triton")` the MoE
+    layer runs it on a side stream (`SharedAside`, via `registry.shared_aside`) at the routed
+    experts' tiles; at ``"ref"`` the experts op computes the shared expert in line."""
+    x = x.contiguous()
+    return decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit,
+                         _default_tiles(x, shared_w1, 1) if tiles is None else tiles)
 
 
 class PendingShared(NamedTuple):

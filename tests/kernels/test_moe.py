@@ -420,6 +420,21 @@ def test_shared_expert_aside_gives_the_same_bits(tiles, fp8_block, poisoned):
 
 
 @needs_triton
+@pytest.mark.parametrize("fp8_block", [None, 32, 128])
+@pytest.mark.parametrize("n_tok", [1, 5])
+def test_moe_shared_matches_ref(n_tok, fp8_block, poisoned):
+    """The registry op `moe_shared` (the shared expert alone, fp32 out) against `moe_shared_ref`, at
+    the default tiles and at a split, deferred shape (a split becomes one program: a lone slot)."""
+    x, _, _, w1, _, _, s1, s2, s3 = _off_tile_experts(n_tok, fp8_block, seed=29)
+    ref = moe_decode.moe_shared_ref(x, s1, s2, s3, swiglu_limit=10.0)
+    tiles = moe_decode.DecodeTiles(up_n=8, down_n=16, up_k=32, down_k=64, down_defer=True, down_split=3)
+    for t in (None, tiles):
+        with poisoned():
+            y = moe_decode.moe_shared(x, s1, s2, s3, swiglu_limit=10.0, tiles=t)
+        assert y.dtype == torch.float32 and rel_err(y, ref) < TOL[torch.float32]
+
+
+@needs_triton
 @pytest.mark.parametrize("n_tok", [2, 30])
 def test_moe_experts_join_a_started_shared_expert(n_tok, poisoned):
     """`moe_experts(..., shared=)` on both paths and `moe_experts_ref(..., shared=)`: the started
@@ -446,15 +461,17 @@ def test_moe_experts_join_a_started_shared_expert(n_tok, poisoned):
 
 @needs_triton
 def test_moe_layer_starts_its_shared_expert_aside(monkeypatch):
-    """The MoE layer with the Triton experts starts a decode call's shared expert before routing and
-    passes it to the experts op: the same bits as the in-line shared slot; a prefill-sized call and
-    the other experts backends keep it in line (`shared_aside` None)."""
+    """The MoE layer with moe_shared="triton" and the Triton experts starts a decode call's shared
+    expert before routing and passes it to the experts op: the same bits as the in-line shared slot;
+    a prefill-sized call keeps it in line, and so do moe_shared="ref" and the other experts backends
+    (`shared_aside` None)."""
     import dspark
     from dspark.kernels import KernelConfig, shared_aside
 
     assert shared_aside(KernelConfig()) is None
-    assert shared_aside(KernelConfig(fused_moe="triton", moe_experts="ref")) is None
-    fused = KernelConfig(fused_moe="triton", moe_route="triton", moe_experts="triton")
+    assert shared_aside(KernelConfig(fused_moe="triton", moe_experts="ref", moe_shared="triton")) is None
+    assert shared_aside(KernelConfig(fused_moe="triton", moe_experts="triton")) is None  # moe_shared "ref"
+    fused = KernelConfig(fused_moe="triton", moe_route="triton", moe_experts="triton", moe_shared="triton")
     model = dspark.init_model("tiny-v4", seed=0, kernels=fused).to(DEVICE)
     layer = model.layers[-1].ffn
     assert isinstance(layer._shared_aside, moe_decode.SharedAside)
