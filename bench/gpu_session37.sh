@@ -13,6 +13,7 @@
 #    aside in every MoE layer; `registry.NOT_YET_ON_GPU` until this has run) and without, separate
 #    processes in turn, one round at 1 and 8 requests.
 # q: part a in under 8 minutes (its tests filtered, 1 and 8 tokens) for a short device budget.
+# r: less again (about 5 minutes): the aside's tests, bf16 and FP8-128 rows at 1 and 8 tokens, one step pair.
 # b: two more rounds of that step A/B.
 # c: issue 7's engine table with the HF eager peer in the same call (`gpu_session24.sh a`'s engine step,
 #    without MTP): batch-1 % of the HBM roofline, × HF, DSpark 3 / none and auto at 1 and 64 requests.
@@ -52,6 +53,20 @@ part_q() {  # part a in less time: the aside tests, its kernels rows at 1 and 8 
   grep -h "fused_moe" "$W/logs/q_moe.txt" | cut -c1-200
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
   aside_rounds q 1
+}
+
+part_r() {  # the least: the aside's GPU tests, bf16 and FP8-128 rows at 1 and 8 tokens, one step pair
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests r_tests 60 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
+    -k "aside or join or shared or fused_moe_replays"
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
+  logged r_moe 110 python3 bench/kernels.py --configs flash,mini --tokens 1,8 --model-steps 0 --graph \
+    --ops fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside \
+    --out "$OUT/kernels-moe-aside-$(card)-s35.json"
+  grep -h "fused_moe" "$W/logs/r_moe.txt" | cut -c1-200
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
+  step r_v4_on_1 70 --requests 1,8 --triton moe_shared
+  step r_v4_off_1 70 --requests 1,8
 }
 
 part_b() {
