@@ -136,8 +136,8 @@ class MoE(nn.Module):
             self._experts_op = get_op(kernels, "moe_experts")
             # W8A8 experts quantise x on a side stream while the router runs (`moe_w8a8.InputQuant`)
             self._quantize_input = getattr(self._experts_op, "quantize_input", None)
-            # The Triton experts take a decode call's shared expert from a side stream, where it runs
-            # beside the router and the routed up kernel (`moe_decode.SharedAside`)
+            # moe_shared="triton" with the Triton experts: a decode call's shared expert on a side
+            # stream, beside the router and the routed up kernel (`moe_decode.SharedAside`); else None
             self._shared_aside = shared_aside(kernels)
             # gates with one bias row per token (V4.1's image spans): only where that op is picked
             self._route_rows = get_op(kernels, "moe_route_rows") if kernels.moe_route_rows != "ref" else None
