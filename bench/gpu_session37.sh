@@ -14,6 +14,7 @@
 #    processes in turn, one round at 1 and 8 requests.
 # q: part a in under 8 minutes (its tests filtered, 1 and 8 tokens) for a short device budget.
 # r: less again (about 5 minutes): the aside's tests, bf16 and FP8-128 rows at 1 and 8 tokens, one step pair.
+# s: the least of all (about 3 minutes): the aside's GPU tests, V4-Flash FP8-128 at one token with and without.
 # b: two more rounds of that step A/B.
 # c: issue 7's engine table with the HF eager peer in the same call (`gpu_session24.sh a`'s engine step,
 #    without MTP): batch-1 % of the HBM roofline, × HF, DSpark 3 / none and auto at 1 and 64 requests.
@@ -67,6 +68,15 @@ part_r() {  # the least: the aside's GPU tests, bf16 and FP8-128 rows at 1 and 8
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
   step r_v4_on_1 70 --requests 1,8 --triton moe_shared
   step r_v4_off_1 70 --requests 1,8
+}
+
+part_s() {  # a couple of minutes: the aside's GPU tests and V4-Flash FP8-128 at one token with and without it
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests s_tests 70 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py -k "aside or join or shared"
+  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
+  logged s_moe 80 python3 bench/kernels.py --configs flash --tokens 1 --model-steps 0 --graph \
+    --ops fused_moe_fp8_128,fused_moe_fp8_128_aside --out "$OUT/kernels-moe-aside-$(card)-s35.json"
+  grep -h "fused_moe" "$W/logs/s_moe.txt" | cut -c1-200
 }
 
 part_b() {
