@@ -3,11 +3,11 @@
 #
 #   run(command="bash bench/gpu_session37.sh a")   # ≈ 9 min
 #   run(command="bash bench/gpu_session37.sh b")   # ≈ 5 min
-#   run(command="bash bench/gpu_session37.sh c")                  # ≈ 7 min
+#   run(command="bash bench/gpu_session37.sh c")   # ≈ 7 min
 #
 # a: the decode MoE's shared expert on a side stream (`moe_decode.SharedAside`, CPU-tested under the
-#    interpreter): its GPU tests with the rest of the MoE and W8A8 tests (the W8A8 weights now made on
-#    the device), then `bench/kernels.py`'s MoE rows with and without it (`*_aside`): V4-Flash and
+#    interpreter): the W8A8 side-stream tests (its `InputQuant` now runs on `aside.Aside`), the MoE and
+#    graph-replay GPU tests, then `bench/kernels.py`'s MoE rows with and without it (`*_aside`): V4-Flash and
 #    v4-mini layers with the router, bf16 / FP8 128×128 / FP8 32×32, 1, 8 and 64 tokens, CUDA-graph
 #    replays; then the v4-mini graph step with `KernelConfig(moe_shared="triton")` (the shared expert
 #    aside in every MoE layer; `registry.NOT_YET_ON_GPU` until this has run) and without, separate
@@ -30,54 +30,31 @@ aside_rounds() {  # aside_rounds PART ROUNDS: the v4-mini graph step with moe_sh
 
 card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
 
-part_a() {
+aside_call() {  # aside_call PART TEST_LIMIT TEST_FILTER BENCH_LIMIT CONFIGS TOKENS OPS ROUNDS: the GPU tests
+  # (pytest -k TEST_FILTER, empty for all), `bench/kernels.py`'s MoE rows, ROUNDS step pairs
+  local part=$1 filter=$3 ops=$7
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests a_tests 150 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
-    tests/kernels/test_moe_w8a8.py -k "not test_moe_w8a8.py or early or model"
+  tests "${part}_tests" "$2" --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
+    ${filter:+-k "$filter"}
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null  # back even if the call runs out of time before `pack`
-  logged a_moe 230 python3 bench/kernels.py --configs flash,mini --tokens 1,8,64 --model-steps 0 --graph \
-    --ops fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside,fused_moe_fp8_32,fused_moe_fp8_32_aside \
-    --out "$OUT/kernels-moe-aside-$(card)-s35.json"
-  grep -h "fused_moe" "$W/logs/a_moe.txt" | cut -c1-200
+  logged "${part}_moe" "$4" python3 bench/kernels.py --configs "$5" --tokens "$6" --model-steps 0 --graph \
+    --ops "$ops" --out "$OUT/kernels-moe-aside-$(card)-s35.json"
+  grep -h "fused_moe" "$W/logs/${part}_moe.txt" | cut -c1-200
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  aside_rounds a 1
+  aside_rounds "$part" "$8"
 }
 
-part_q() {  # part a in less time: the aside tests, its kernels rows at 1 and 8 tokens, one step round
-  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests q_tests 100 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
-    -k "aside or join or decode or fused_moe_replays"
-  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  logged q_moe 170 python3 bench/kernels.py --configs flash,mini --tokens 1,8 --model-steps 0 --graph \
-    --ops fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside,fused_moe_fp8_32,fused_moe_fp8_32_aside \
-    --out "$OUT/kernels-moe-aside-$(card)-s35.json"
-  grep -h "fused_moe" "$W/logs/q_moe.txt" | cut -c1-200
-  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  aside_rounds q 1
+ALL_MOE=fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside,fused_moe_fp8_32,fused_moe_fp8_32_aside
+part_a() {
+  tests a_w8a8 60 --tb=line tests/kernels/test_moe_w8a8.py -k "early or model"  # InputQuant on `aside.Aside`
+  aside_call a 150 "" 230 flash,mini 1,8,64 "$ALL_MOE" 1
 }
-
-part_r() {  # the least: the aside's GPU tests, bf16 and FP8-128 rows at 1 and 8 tokens, one step pair
-  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests r_tests 60 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py \
-    -k "aside or join or shared or fused_moe_replays"
-  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  logged r_moe 110 python3 bench/kernels.py --configs flash,mini --tokens 1,8 --model-steps 0 --graph \
-    --ops fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside \
-    --out "$OUT/kernels-moe-aside-$(card)-s35.json"
-  grep -h "fused_moe" "$W/logs/r_moe.txt" | cut -c1-200
-  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  step r_v4_on_1 70 --requests 1,8 --triton moe_shared
-  step r_v4_off_1 70 --requests 1,8
+part_q() { aside_call q 100 "aside or join or decode or fused_moe_replays" 170 flash,mini 1,8 "$ALL_MOE" 1; }
+part_r() {
+  aside_call r 60 "aside or join or shared or fused_moe_replays" 110 flash,mini 1,8 \
+    fused_moe,fused_moe_aside,fused_moe_fp8_128,fused_moe_fp8_128_aside 1
 }
-
-part_s() {  # a couple of minutes: the aside's GPU tests and V4-Flash FP8-128 at one token with and without it
-  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests s_tests 70 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py -k "aside or join or shared"
-  cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  logged s_moe 80 python3 bench/kernels.py --configs flash --tokens 1 --model-steps 0 --graph \
-    --ops fused_moe_fp8_128,fused_moe_fp8_128_aside --out "$OUT/kernels-moe-aside-$(card)-s35.json"
-  grep -h "fused_moe" "$W/logs/s_moe.txt" | cut -c1-200
-}
+part_s() { aside_call s 70 "aside or join or shared" 80 flash 1 fused_moe_fp8_128,fused_moe_fp8_128_aside 0; }
 
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1

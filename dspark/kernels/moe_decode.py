@@ -291,9 +291,8 @@ def _decode_down_kernel(
         acc = _down_slot(0, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, sh_ptr, t, offs_n, n0, n_assign,
                          dim, inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K, BLOCK_K_S, DEFER, KB, SUB,
                          KB_S, SUB_S, SHARED_IN)  # the shared expert
-        if TOP_K == 0:  # `decode_shared`: the shared expert alone
-            pass
-        elif DEFER:  # the routed experts in one deferred accumulator, one column sum
+        if DEFER and TOP_K > 0:  # the routed experts in one deferred accumulator, one column sum (TOP_K 0:
+            # `decode_shared`, the shared expert alone)
             routed = tl.zeros((BLOCK_N, KB, SUB), dtype=tl.float32)
             for k in tl.static_range(TOP_K):
                 a = t * TOP_K + k
@@ -301,7 +300,7 @@ def _decode_down_kernel(
                 routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter,
                                    tl.load(wts_ptr + a), FP8, SB, BLOCK_K, STAGES)
             acc += _acc_sum(routed)
-        else:
+        elif TOP_K > 0:
             acc += _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
                                 TOP_K, FP8, SB, BLOCK_K, STAGES)
         tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
@@ -399,8 +398,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     joins it and starts each row's sum from its output (the same bits as computing it here, with the
     same tiles)."""
     slots = ids.shape[1] + 1
-    if tiles is None:
-        tiles = _default_tiles(x, w1, slots - 1)
+    if tiles is None:  # a started shared expert's tiles: the ones its bits were made with
+        tiles = _default_tiles(x, w1, slots - 1) if shared is None else shared.tiles
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
     if not (isinstance(tiles.down_split, int) and 1 <= tiles.down_split <= slots):
@@ -524,10 +523,12 @@ def moe_shared(x, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float,
 
 class PendingShared(NamedTuple):
     """A shared expert started by `SharedAside.start`: its output y [N, D] fp32, written on `stream`
-    (None: written already, in line); `keep` holds its input and hidden rows until the join."""
+    (None: written already, in line) at `tiles` (what `decode_experts` then takes by default); `keep`
+    holds its input and hidden rows until the join."""
 
     stream: torch.cuda.Stream | None
     y: torch.Tensor
+    tiles: DecodeTiles
     keep: tuple
 
     def join(self) -> torch.Tensor:
@@ -562,7 +563,7 @@ class SharedAside:
         if side is not None:  # their memory is not reused before the side work is done, joined or not
             for t in (x, h, y):
                 t.record_stream(side)
-        return PendingShared(side, y, (x, h))
+        return PendingShared(side, y, tiles, (x, h))
 
 
 _MAX_SUB_BLOCKS = 32  # scale blocks per FP8 step: 64 of V4.1's 32-wide blocks spill on sm_90 at 8 warps

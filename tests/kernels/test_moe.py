@@ -448,8 +448,7 @@ def test_moe_experts_join_a_started_shared_expert(n_tok, poisoned):
     if n_tok * 3 > moe.DECODE_MAX_ASSIGNMENTS:
         assert pending is None
         tiles = moe_decode.decode_tiles(8, 32, 96, 3)
-        pending = aside.start(x[:8], w1, s1, s2, s3, top_k=3, swiglu_limit=10.0, tiles=tiles)  # any size if asked
-        pending = moe_decode.PendingShared(None, moe_decode.decode_shared(x, s1, s2, s3, 10.0, tiles), ())
+        pending = moe_decode.PendingShared(None, moe_decode.decode_shared(x, s1, s2, s3, 10.0, tiles), tiles, ())
     with poisoned():
         y = moe.moe_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0, shared=pending)
     assert rel_err(y, want) < TOL[torch.float32]

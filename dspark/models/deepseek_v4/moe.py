@@ -193,14 +193,13 @@ class MoE(nn.Module):
             early = self._quantize_input(x, *parts)
             weights, experts = self._routing(x, input_ids)
             return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_fp8=early)
-        pending = None
-        if self._shared_aside is not None:
+        early = {}
+        if self._shared_aside is not None:  # started before routing, so that the two overlap
             top_k = getattr(self.gate, "top_k", self.top_k)  # a replaced gate's own K
-            pending = self._shared_aside.start(x, parts[0], *parts[3:], top_k=top_k, swiglu_limit=self.swiglu_limit)
+            early["shared"] = self._shared_aside.start(x, parts[0], *parts[3:], top_k=top_k,
+                                                       swiglu_limit=self.swiglu_limit)
         weights, experts = self._routing(x, input_ids)
-        if pending is None:
-            return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit)
-        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, shared=pending)
+        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, **early)
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate
