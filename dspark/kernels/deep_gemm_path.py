@@ -21,7 +21,8 @@ that packing would lose nothing.
 **Numerics: W8A8, not our FP8 path.** dspark's FP8 path is weights-only: FP8BlockWeight tiles are
 dequantised in registers and multiplied with bf16 activations (or the model holds dequantised bf16
 weights). This path also quantises the *activations*: each token's row, per 128 columns, to e4m3 with
-the power-of-two scale 2^⌈log2(amax/448)⌉ (`quant.quantize_fp8_exponent`, block 1×128). That is a
+the power-of-two scale 2^⌈log2(max(amax, 1e-4)/448)⌉ (`quant.quantize_fp8_exponent` with DeepSeek's
+activation floor `quant.ACTIVATION_AMAX_FLOOR`, block 1×128, as `moe_w8a8.py` quantises). That is a
 relative error of up to 2^-4 per activation element (e4m3 keeps 3 mantissa bits; elements far below
 their block's max lose more, down to the subnormal step), on top of the bf16 path's rounding, and the
 output is rounded to bf16 once. Weights lose nothing when they come from a V4 FP8 checkpoint (128×128
@@ -154,9 +155,15 @@ def mn_major_tma_aligned(sf: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8 of x [M, K] (K a multiple of 128): q [M, K] e4m3 and sf [M, Kb] fp32 powers of
-    two, row-major (one block of 1×128 each; no host sync)."""
-    q, exponent = quant.quantize_fp8_exponent(x, (1, BLOCK))
+    two, row-major (one block of 1×128 each, its max floored at `quant.ACTIVATION_AMAX_FLOOR`; no
+    host sync)."""
+    q, exponent = quant.quantize_fp8_exponent(x, (1, BLOCK), amax_floor=quant.ACTIVATION_AMAX_FLOOR)
     return q, torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
+
+
+def dequantize_rows(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """x̂ [M, K] fp32 = q · sf per 1×128 block (`quantize_rows`' pair): the activation deep_gemm multiplies."""
+    return (q.float().unflatten(-1, (-1, BLOCK)) * sf[..., None]).flatten(-2)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,11 +208,9 @@ def gemm_shape_reason(n_out: int, n_in: int) -> str | None:
 
 def w8a8_linear_ref(x: torch.Tensor, weight: DeepGemmWeight) -> torch.Tensor:
     """Torch reference of `fp8_linear`: x [..., K] quantised per token per 128 columns
-    (`quant.quantize_fp8`, block 1×128), times the dequantised weight [N, K]ᵀ in fp32, rounded to
-    bf16, returned in x.dtype [..., N]."""
-    rows = x.reshape(-1, x.shape[-1])
-    q, scale = quant.quantize_fp8(rows, (1, BLOCK))
-    xq = quant.dequantize_fp8(q, scale, (1, BLOCK))
+    (`quantize_rows`), times the dequantised weight [N, K]ᵀ in fp32, rounded to bf16, returned in
+    x.dtype [..., N]."""
+    xq = dequantize_rows(*quantize_rows(x.reshape(-1, x.shape[-1])))
     y = (xq @ weight.dequantize().T).to(torch.bfloat16)
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.data.shape[0])
 

@@ -35,11 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dspark import quant
 from dspark.kernels.autograd import records_grad
 from dspark.kernels.deep_gemm_path import (
     BLOCK, DeepGemmApi, DeepGemmOp, DeepGemmWeight, weight_key, fp8_linear, gemm_shape_reason,
-    mn_major_tma_aligned, quantize_rows,
+    dequantize_rows, mn_major_tma_aligned, quantize_rows,
 )
 from dspark.kernels.fp8 import FP8BlockWeight
 from dspark.kernels.moe import _check_expert_args, _check_routing_args, _pack_by_expert
@@ -135,11 +134,11 @@ def moe_experts_deep_gemm(api: DeepGemmApi, x: torch.Tensor, weights: torch.Tens
 def moe_experts_w8a8_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: DeepGemmExperts,
                          swiglu_limit: float) -> torch.Tensor:
     """Torch reference of `moe_experts_deep_gemm` (same arguments but the API): per expert, x
-    quantised per token per 128 columns (`quant.quantize_fp8`), fp32 GEMMs with the dequantised
+    quantised per token per 128 columns (`deep_gemm_path.quantize_rows`), fp32 GEMMs with the dequantised
     weights, each GEMM output rounded to bf16, SwiGLU in fp32 and quantised again; fp32 sum."""
 
     def act(t):  # the W8A8 activation: quantised and dequantised, per token per 128 columns
-        return quant.dequantize_fp8(*quant.quantize_fp8(t, (1, BLOCK)), (1, BLOCK))
+        return dequantize_rows(*quantize_rows(t))
 
     def gemm(t, w):
         return (act(t) @ w.T).to(torch.bfloat16).float()

@@ -6,6 +6,7 @@ op it replaces bit for bit and say why; with the test double of `deep_gemm_doubl
 its contract requires and reproduce a W8A8 torch reference.
 """
 
+import math
 import sys
 import warnings
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 import deep_gemm_double
 from deep_gemm_double import double  # noqa: F401 (the fixture)
+from dspark import quant
 from dspark.kernels import KernelConfig, get_op
 from dspark.kernels import deep_gemm_path as dg
 from dspark.kernels.fp8 import FP8BlockWeight
@@ -99,6 +101,18 @@ def test_activation_layout_is_mn_major_tma_aligned(m):
     assert bool((mantissa == 0.5).all())  # powers of two: UE8M0-exact
     deq = q.float() * sfa.repeat_interleave(128, dim=1)
     assert (deq - x.float()).abs().le(x.float().abs() * 2.0**-4 + 2.0**-9 * sfa.repeat_interleave(128, 1)).all()
+
+
+def test_activation_scales_take_deepseeks_amax_floor():
+    """Rows far below 1e-4 get the floor's scale (as `moe_w8a8` and DeepSeek's inference quantise), so
+    they keep only what e4m3's subnormals hold; rows above it keep their own."""
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)) * 1e-7
+    x[1, :128] *= 3e7
+    q, sf = dg.quantize_rows(x)
+    floor = 2.0 ** math.ceil(math.log2(quant.ACTIVATION_AMAX_FLOOR / 448))
+    own = 2.0 ** math.ceil(math.log2(x[1, :128].abs().max().item() / 448))
+    assert sf.tolist() == [[floor, floor], [own, floor]]
+    assert torch.equal(dg.dequantize_rows(q, sf), q.float() * sf.repeat_interleave(128, dim=1))
 
 
 def test_wrapper_honours_the_contract_and_matches_w8a8_reference(double):
