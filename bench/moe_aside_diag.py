@@ -14,6 +14,9 @@ variants that separate the causes, in one process:
     aside_side_nopdl the same, the two side-stream kernels launched without PDL
     aside_late       the shared expert forked after the router (beside the routed up kernel only)
     inline_nopdl, aside_nopdl: PDL off for every launch (`triton_compat.PDL`)
+    shared_alone     the two shared-expert kernels alone (`moe_decode.decode_shared` at the op's tiles)
+    routed_alone     the router and the routed kernels with the shared output made before the graph:
+                     with `shared_alone`, what a perfect overlap would take (max(router, shared) + routed)
 
 and, for `inline` and `aside`, each kernel's start and duration within one replay (torch.profiler,
 median over replays) to show what overlaps.
@@ -44,7 +47,8 @@ from dspark.kernels import moe, moe_decode, triton_compat  # noqa: E402
 
 CASES = (("flash", "fp8_128", 1), ("flash", "bf16", 1), ("flash", "fp8_32", 1), ("mini", "bf16", 8),
          ("mini", "fp8_128", 8))
-VARIANTS = ("inline", "aside", "aside_side_nopdl", "aside_late", "inline_nopdl", "aside_nopdl")
+VARIANTS = ("inline", "aside", "aside_side_nopdl", "aside_late", "inline_nopdl", "aside_nopdl", "shared_alone",
+            "routed_alone")
 
 
 @contextlib.contextmanager
@@ -64,6 +68,16 @@ def thunk(variant: str, shape, layer: dict, weights: tuple, x: torch.Tensor):
     route_kw = dict(top_k=shape.top_k, routed_scaling_factor=1.5, hash_routing=False)
     if variant.startswith("inline"):
         return lambda: moe.fused_moe(*router, *weights, **route_kw, swiglu_limit=10.0)
+    tiles = moe_decode._default_tiles(x, weights[0], shape.top_k)  # what SharedAside.start takes
+    if variant == "shared_alone":
+        return lambda: moe_decode.decode_shared(x, *weights[3:], 10.0, tiles)
+    if variant == "routed_alone":
+        made = moe_decode.PendingShared(None, moe_decode.decode_shared(x, *weights[3:], 10.0, tiles), tiles, ())
+
+        def routed():
+            w, i = moe.moe_route(*router, **route_kw)
+            return moe.moe_experts(x, w, i, *weights, swiglu_limit=10.0, shared=made)
+        return routed
     aside = moe_decode.SharedAside()
 
     def start():
