@@ -13,6 +13,9 @@ variants that separate the causes, in one process:
     aside            SharedAside.start before routing, as `KernelConfig(moe_shared="triton")` runs it
     aside_side_nopdl the same, the two side-stream kernels launched without PDL
     aside_late       the shared expert forked after the router (beside the routed up kernel only)
+    aside_light      the side kernels at 512-wide reduction steps (fewer registers per program, so the
+                     router's programs find room beside them; the shared sum's bits then differ from
+                     in line by rounding)
     inline_nopdl, aside_nopdl: PDL off for every launch (`triton_compat.PDL`)
     shared_alone     the two shared-expert kernels alone (`moe_decode.decode_shared` at the op's tiles)
     routed_alone     the router and the routed kernels with the shared output made before the graph:
@@ -47,8 +50,8 @@ from dspark.kernels import moe, moe_decode, triton_compat  # noqa: E402
 
 CASES = (("flash", "fp8_128", 1), ("flash", "bf16", 1), ("flash", "fp8_32", 1), ("mini", "bf16", 8),
          ("mini", "fp8_128", 8))
-VARIANTS = ("inline", "aside", "aside_side_nopdl", "aside_late", "inline_nopdl", "aside_nopdl", "shared_alone",
-            "routed_alone")
+VARIANTS = ("inline", "aside", "aside_side_nopdl", "aside_late", "aside_light", "inline_nopdl", "aside_nopdl",
+            "shared_alone", "routed_alone")
 
 
 @contextlib.contextmanager
@@ -81,6 +84,10 @@ def thunk(variant: str, shape, layer: dict, weights: tuple, x: torch.Tensor):
     aside = moe_decode.SharedAside()
 
     def start():
+        if variant == "aside_light":  # the routed kernels keep the op's tiles
+            light = tiles._replace(up_k=min(tiles.up_k, 512), down_k=min(tiles.down_k, 512))
+            pending = aside.start(x, weights[0], *weights[3:], top_k=shape.top_k, swiglu_limit=10.0, tiles=light)
+            return pending._replace(tiles=tiles)
         if variant == "aside_side_nopdl":
             with pdl_off(moe_decode):
                 return aside.start(x, weights[0], *weights[3:], top_k=shape.top_k, swiglu_limit=10.0)
