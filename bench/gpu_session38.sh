@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps of the thirty-sixth session, for one H200 (an H100 runs them too; every JSON names its card):
 #
-#   run(command="bash bench/gpu_session38.sh a")   # ≈ 4 min
+#   run(command="bash bench/gpu_session38.sh a")   # ≈ 4 min (5 at most)
 #
 # a: the shared expert aside's GPU tests (`gpu_session37.sh a` ran out of its 150 s before them), then
 #    `bench/moe_aside_diag.py`: why the aside timed slower than in line (PDL variants, a kernel timeline).
@@ -11,9 +11,9 @@ card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests a_tests 90 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py -k "aside or join or shared"
+  tests a_tests 60 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py -k "aside or join or shared"
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  logged a_diag 300 python3 bench/moe_aside_diag.py --out "$OUT/moe-aside-diag-$(card)-s36.json"
+  logged a_diag 240 python3 bench/moe_aside_diag.py --out "$OUT/moe-aside-diag-$(card)-s36.json"
   grep -v "^ \"\|^{$\|^}$" "$W/logs/a_diag.txt" | cut -c1-700
 }
 
