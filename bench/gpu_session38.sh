@@ -2,6 +2,7 @@
 # GPU steps of the thirty-sixth session, for one H200 (an H100 runs them too; every JSON names its card):
 #
 #   run(command="bash bench/gpu_session38.sh a")   # ≈ 4 min (5 at most)
+#   run(command="bash bench/gpu_session38.sh b")   # ≈ 3 min: a's diagnosis alone, for a short budget
 #
 # a: the shared expert aside's GPU tests (`gpu_session37.sh a` ran out of its 150 s before them), then
 #    `bench/moe_aside_diag.py`: why the aside timed slower than in line (PDL variants, a kernel timeline).
@@ -9,12 +10,18 @@ source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
 
 card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
 
+diag() {  # diag PART: bench/moe_aside_diag.py, its timings and timelines shown
+  logged "$1_diag" 240 python3 bench/moe_aside_diag.py --out "$OUT/moe-aside-diag-$(card)-s36.json"
+  grep -v "^ \"\|^{$\|^}$" "$W/logs/$1_diag.txt" | cut -c1-700
+}
+
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   tests a_tests 60 --tb=line tests/kernels/test_moe.py tests/kernels/test_cuda_graphs.py -k "aside or join or shared"
   cp "$W"/logs/*.txt "$OUT/" 2>/dev/null
-  logged a_diag 240 python3 bench/moe_aside_diag.py --out "$OUT/moe-aside-diag-$(card)-s36.json"
-  grep -v "^ \"\|^{$\|^}$" "$W/logs/a_diag.txt" | cut -c1-700
+  diag a
 }
+
+part_b() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1; diag b; }
 
 dispatch session38 "${1:-}"
