@@ -98,8 +98,8 @@ NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
 # with an explicit KernelConfig (e.g. `KernelConfig.for_device("cuda")` replaced with
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
-# `moe_shared` (the decode shared expert on a side stream, thirty-fifth session) until
-# bench/gpu_session37.sh has run it.
+# `moe_shared` (the decode shared expert on a side stream, thirty-fifth session): timed slower than in line
+# on the H200 (thirty-sixth session, bench/results/kernels-moe-aside-h200-s36.json); its GPU tests not yet run.
 NOT_YET_ON_GPU: tuple[str, ...] = ("moe_shared",)
 
 
