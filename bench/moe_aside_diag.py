@@ -16,6 +16,7 @@ variants that separate the causes, in one process:
     aside_light      the side kernels at 512-wide reduction steps (fewer registers per program, so the
                      router's programs find room beside them; the shared sum's bits then differ from
                      in line by rounding)
+    aside_light_nopdl both: light side kernels launched without PDL
     inline_nopdl, aside_nopdl: PDL off for every launch (`triton_compat.PDL`)
     shared_alone     the two shared-expert kernels alone (`moe_decode.decode_shared` at the op's tiles)
     routed_alone     the router and the routed kernels with the shared output made before the graph:
@@ -49,7 +50,8 @@ from provenance import git_commit  # noqa: E402
 from dspark.kernels import moe, moe_decode, triton_compat  # noqa: E402
 
 CASES = (("flash", "fp8_128", 1), ("flash", "bf16", 1), ("mini", "bf16", 8))
-VARIANTS = ("inline", "aside", "aside_side_nopdl", "aside_late", "aside_light", "inline_nopdl", "aside_nopdl",
+VARIANTS = ("inline", "aside", "aside_side_nopdl", "aside_late", "aside_light", "aside_light_nopdl", "inline_nopdl",
+            "aside_nopdl",
             "shared_alone", "routed_alone")
 
 
@@ -83,9 +85,10 @@ def thunk(variant: str, shape, layer: dict, weights: tuple, x: torch.Tensor):
     aside = moe_decode.SharedAside()
 
     def start():
-        if variant == "aside_light":  # the routed kernels keep the op's tiles
+        if variant.startswith("aside_light"):  # the routed kernels keep the op's tiles
             light = tiles._replace(up_k=min(tiles.up_k, 512), down_k=min(tiles.down_k, 512))
-            pending = aside.start(x, weights[0], *weights[3:], top_k=shape.top_k, swiglu_limit=10.0, tiles=light)
+            with pdl_off(moe_decode) if variant.endswith("_nopdl") else contextlib.nullcontext():
+                pending = aside.start(x, weights[0], *weights[3:], top_k=shape.top_k, swiglu_limit=10.0, tiles=light)
             return pending._replace(tiles=tiles)
         if variant == "aside_side_nopdl":
             with pdl_off(moe_decode):
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for _ in range(args.rounds):
             for v in VARIANTS:
-                triton_compat.PDL = not v.endswith("_nopdl") or v == "aside_side_nopdl"
+                triton_compat.PDL = v not in ("inline_nopdl", "aside_nopdl")
                 try:
                     times[v].append(graph_timer(thunk(v, shape, layer, weights, x)) * 1e6)
                 finally:
