@@ -117,6 +117,15 @@ def _sm90_backend():
     return make_backend(GPUTarget("cuda", 90, 32))
 
 
+def _empty_weight(block: int | None, *size: int):
+    """Uninitialised expert storage of `size`: bf16 (block None) or FP8 with `block`-wide scale blocks."""
+    if block is None:
+        return torch.empty(*size, dtype=torch.bfloat16, device=DEVICE)
+    grid = tuple(-(-n // block) for n in size[-2:])
+    return FP8BlockWeight(torch.empty(*size, dtype=torch.float8_e4m3fn, device=DEVICE),
+                          torch.zeros(*size[:-2], *grid, dtype=torch.uint8, device=DEVICE), block)
+
+
 def run_every_tile_class():
     """Fused ops on inputs that select each tile class: decode and prefill token counts, bf16, FP8."""
     g = torch.Generator().manual_seed(0)
@@ -212,6 +221,19 @@ def run_every_tile_class():
                                               tiles=tiles._replace(stages=stages, down_split=1))
             if tiles.down_split == 1:  # the down kernel's slots (shared + 2 routed) over 3 programs at every shape
                 moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(down_split=3))
+    # The same at the widths and top-k the tables were measured for (V4-Flash D 4096, I 2048, top-6; v4-mini
+    # D 2048, I 512): the unrolled expert loops and the reduction lengths change register allocation, which
+    # the small shapes above do not show. Storage only (never run): empty weights of 6 experts.
+    for (kind, one, narrow), tiles in moe_decode._MEASURED.items():
+        dim, inter, n_tok = (2048, 512, 1 if one else 8) if narrow else (4096, 2048, 1 if one else 8)
+        weights = [_empty_weight(kind, *size) for size in ((6, inter, dim), (6, dim, inter), (6, inter, dim),
+                                                              (inter, dim), (dim, inter), (inter, dim))]
+        x = torch.empty(n_tok, dim, dtype=torch.bfloat16, device=DEVICE)
+        ids = torch.arange(6, dtype=torch.int32, device=DEVICE).expand(n_tok, 6).contiguous()
+        wts = torch.empty(n_tok, 6, device=DEVICE)
+        moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles)
+        pending = moe_decode.SharedAside().start(x, weights[0], *weights[3:], top_k=6, swiglu_limit=10.0)
+        moe_decode.decode_experts(x, wts, ids, *weights, 10.0, shared=pending)
     # W8A8 experts: decode (16-row) and prefill (64-row) tiles at every FP8 block they take, bf16 and fp32 x.
     for n_tok, n_exp, dtype in ((3, 8, torch.bfloat16), (40, 2, torch.bfloat16), (40, 2, torch.float32)):
         x = torch.randn(n_tok, 256, generator=g).to(DEVICE, dtype)
@@ -511,13 +533,19 @@ SM90_SHARED_BYTES = 232448  # 227 KB: the opt-in shared memory limit of one bloc
 # * `_v41_stats_kernel`, the unfused 32 x 64 tiles at 4 warps (more than 8 tokens): 8 B; timed with it
 #   by bench/mhc_v41_site.py (`tiles_64_32_4_32`, mhc-v41-tokens-h200.json), the fastest shape at 256 tokens.
 # * `_decode_down_kernel` joining a shared expert computed aside (`SHARED_IN`) at the 128×128 table's
-#   one-token V4-Flash shape (16 x 1024, 8 warps) with 32-wide blocks: 8 B. No model launches that pair
-#   (32-wide blocks take their own table), the compile sweep crosses every shape with every block.
+#   one-token V4-Flash shape (16 x 1024, 8 warps): 8 B, at V4-Flash widths and top-6 with 128-wide
+#   blocks, and at the small shapes with 32-wide blocks. Off by default (`moe_shared`, timed slower).
+# * `_decode_down_kernel` at the FP8 tables' 8-token V4-Flash shapes, top-6 at V4-Flash widths: 128×128
+#   blocks 32 x 512 at 4 warps, 32×32 blocks 64 x 256 over 4 split programs at 4 warps: 8 B each. Both
+#   were picked as the fastest by timing at those widths (moe-decode-tiles-fp8-wide-h200.json,
+#   moe-decode-tiles-fp8-32-m8-h200.json, moe-split-ab-flash-m8-h100-s31.json), the spill included.
 KNOWN_SPILLS = (
     ("_v41_stats_kernel", dict(BLOCK_T=32, BLOCK_D=64, FUSE_POST=False), 8),
     ("_wide_kernel", dict(BLOCK_H=64, n_chunks=1), 24),
     ("_decode_down_kernel", dict(FP8=False, BLOCK_N=4, BLOCK_K=512), 8),
-    ("_decode_down_kernel", dict(FP8=True, SB=32, BLOCK_N=16, BLOCK_K=1024, SHARED_IN=True), 8),
+    ("_decode_down_kernel", dict(FP8=True, BLOCK_N=16, BLOCK_K=1024, SHARED_IN=True), 8),
+    ("_decode_down_kernel", dict(TOP_K=6, FP8=True, SB=128, BLOCK_N=32, BLOCK_K=512), 8),
+    ("_decode_down_kernel", dict(TOP_K=6, FP8=True, SB=32, BLOCK_N=64, BLOCK_K=256, SPLIT=4), 8),
     # W8A8 gate/up at blocks under 128: 4 warps hold two 64×128 fp32 accumulators and spill, yet beat
     # the unspilled 8-warp tiles at 8192 V4-Flash tokens (14.9 against 16.5 ms, H100 and H200 alike:
     # moe-w8a8-*-s34.json)
