@@ -322,6 +322,9 @@ class DecodeTiles(NamedTuple):
     down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
     down_split: int = 1  # > 1: the down kernel's expert slots (shared + K routed) over this many programs
     # per row block, their fp32 sums added in a fixed order by the last to finish (stages 1 only)
+    down_maxnreg: int | None = None  # the down kernel's registers per thread (Triton's `maxnreg`, PTX
+    # `.maxnreg`); None: ptxas's choice, which settles the FP8 8-token V4-Flash shapes at 128 with an
+    # 8-byte spill (sm_90 compile, bench/README.md's thirty-sixth session). Changes no bit of the result.
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -407,6 +410,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
                          f"{slots - 1} routed), got {tiles.down_split!r}")
     if tiles.down_split > 1 and tiles.stages > 1:
         raise ValueError(f"DecodeTiles.down_split {tiles.down_split} takes stages 1, got {tiles.stages}")
+    if tiles.down_maxnreg is not None and not (isinstance(tiles.down_maxnreg, int) and 32 <= tiles.down_maxnreg <= 255):
+        raise ValueError(f"DecodeTiles.down_maxnreg must be None or an int in 32..255, got {tiles.down_maxnreg!r}")
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, with_shared=shared is None)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles,
                        shared_y=None if shared is None else shared.join())
@@ -466,7 +471,7 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
         h, ids, weights, d2, s2, ds2, ss2, y if shared_y is None else shared_y, y, part,
         y if tickets is None else tickets, n_assign, dim, inter, inter_s, h_width,
         0 if tickets is None else tickets.shape[1], BLOCK_N=tiles.down_n, SPLIT=split,
-        SHARED_IN=shared_y is not None, PDL=pdl, launch_pdl=pdl,
+        SHARED_IN=shared_y is not None, PDL=pdl, launch_pdl=pdl, maxnreg=tiles.down_maxnreg,
         **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return y
@@ -496,7 +501,7 @@ def decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit: float, tiles
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_down_kernel[grid](  # TOP_K 0: the shared slot alone, unsplit (a split's slot 0 is the same sum)
         h, x, x, ds2, ss2, ds2, ss2, out, out, out, out, 0, dim, inter_s, inter_s, inter_s, 0,
-        BLOCK_N=tiles.down_n, SPLIT=1, SHARED_IN=False, PDL=pdl, launch_pdl=pdl,
+        BLOCK_N=tiles.down_n, SPLIT=1, SHARED_IN=False, PDL=pdl, launch_pdl=pdl, maxnreg=tiles.down_maxnreg,
         **_common(0, fp8_s, sb_s, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return out

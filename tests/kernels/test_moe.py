@@ -510,6 +510,21 @@ def test_decode_down_split_rejects_bad_values():
 
 
 @needs_triton
+def test_decode_down_register_cap_keeps_every_bit(block=128):
+    """`DecodeTiles.down_maxnreg` only caps the down kernel's registers (on the GPU; the interpreter has
+    none): the result is the same bits at every cap; a bad cap is named."""
+    x, weights, ids, *experts = _off_tile_experts(1, block, seed=3)
+    want = moe_decode.decode_experts(x, weights, ids, *experts, 10.0)
+    tiles = moe_decode._default_tiles(x, experts[0], ids.shape[1])
+    for cap in (64, 255):
+        got = moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=tiles._replace(down_maxnreg=cap))
+        assert torch.equal(got, want), cap
+    for cap in (16, 256, 128.0):
+        with pytest.raises(ValueError, match=f"down_maxnreg must be None or an int in 32..255, got {cap!r}"):
+            moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=tiles._replace(down_maxnreg=cap))
+
+
+@needs_triton
 def test_decode_tiles_reject_bad_stages():
 
     x = router_inputs(1, 64, 8, 2, torch.float32, seed=0)[0]
