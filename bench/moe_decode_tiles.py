@@ -176,9 +176,10 @@ def split_ab(name, block, m, g, splits: tuple, rounds: int = 3, regs: tuple = ()
     """The shipped shape (`decode_tiles`) against itself with the down kernel's expert slots split over
     `splits` programs (`DecodeTiles.down_split`) at its row block and at 2 and 4 times it (the split
     brings the programs back), and with the down kernel's registers capped at each of `regs`
-    (`DecodeTiles.down_maxnreg`; ptxas's own choice spills at some shapes). Each variant is timed as a chain of CHAIN_CALLS calls over CHAIN_SETS
-    weight sets (`chain_seconds`: the whole op, and the down kernel alone on the calls' h), the variants
-    in turn for `rounds` rounds (median), every output checked against the shipped op's."""
+    (`DecodeTiles.down_maxnreg`; ptxas's own choice spills at some shapes). Each variant is timed as a
+    chain of CHAIN_CALLS calls over CHAIN_SETS weight sets (`chain_seconds`: the whole op, and the down
+    kernel alone on the calls' h), the variants in turn for `rounds` rounds (median), every output
+    checked against the shipped op's."""
     from triton.runtime.errors import OutOfResources
 
     from dspark.kernels import moe_decode as md
@@ -225,7 +226,8 @@ def split_ab(name, block, m, g, splits: tuple, rounds: int = 3, regs: tuple = ()
               f"{row['down_us']:.1f} us, op {row['op_us']:.1f} us ({row['op_pct_hbm']:.0f} % HBM)", flush=True)
     plain = [r for r in rows if r["down_n"] == shipped.down_n and r["maxnreg"] is None and "op_us" in r]
     # the table's own shape where it is among the rows (--splits with its split), else its unsplit row
-    base = next((r for r in plain if r["split"] == shipped.down_split), None) or next(r for r in plain if r["split"] == 1)
+    base = next((r for r in plain if r["split"] == shipped.down_split), None) or \
+        next(r for r in plain if r["split"] == 1)
     best = min((r for r in rows if "op_us" in r), key=lambda r: r["op_us"])
     return {"layer": name, "fp8_block": block, "M": m, "shipped": shipped._asdict(), "bytes_per_call": total,
             "chain": {"calls": CHAIN_CALLS, "weight_sets": len(sets), "rounds": rounds},
