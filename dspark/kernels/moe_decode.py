@@ -410,8 +410,9 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
                          f"{slots - 1} routed), got {tiles.down_split!r}")
     if tiles.down_split > 1 and tiles.stages > 1:
         raise ValueError(f"DecodeTiles.down_split {tiles.down_split} takes stages 1, got {tiles.stages}")
-    if tiles.down_maxnreg is not None and not (isinstance(tiles.down_maxnreg, int) and 32 <= tiles.down_maxnreg <= 255):
-        raise ValueError(f"DecodeTiles.down_maxnreg must be None or an int in 32..255, got {tiles.down_maxnreg!r}")
+    cap = tiles.down_maxnreg
+    if cap is not None and not (isinstance(cap, int) and 32 <= cap <= 255):
+        raise ValueError(f"DecodeTiles.down_maxnreg must be None or an int in 32..255, got {cap!r}")
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, with_shared=shared is None)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles,
                        shared_y=None if shared is None else shared.join())
