@@ -50,9 +50,8 @@ from provenance import git_commit  # noqa: E402
 from dspark.kernels import moe, moe_decode, triton_compat  # noqa: E402
 
 CASES = (("flash", "fp8_128", 1), ("flash", "bf16", 1), ("mini", "bf16", 8))
-VARIANTS = ("inline", "aside", "aside_side_nopdl", "aside_late", "aside_light", "aside_light_nopdl", "inline_nopdl",
-            "aside_nopdl",
-            "shared_alone", "routed_alone")
+VARIANTS = ("inline", "aside", "aside_side_nopdl", "aside_late", "aside_light", "aside_light_nopdl",
+            "inline_nopdl", "aside_nopdl", "shared_alone", "routed_alone")
 
 
 @contextlib.contextmanager
