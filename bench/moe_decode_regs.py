@@ -7,7 +7,8 @@ CPU only: the launches are recorded under the interpreter (`tests/kernels/test_c
 compile test wants), which reads each cubin's registers and stack. Programs per SM is the register
 file's limit, 65 536 / (registers rounded to 8 · threads), capped by 2048 threads and 32 programs.
 The V4-Flash expert widths (D 4096, I 2048) at one token, FP8 128×128 or dense bf16 weights, at the
-decode table's tiles; the aside's shared-expert kernels also at 512-wide reduction steps ("light").
+decode table's tiles; the aside's shared-expert kernels also at 512-wide reduction steps ("light"), and
+the aside's launches again with the down kernels' registers capped (`DecodeTiles.down_maxnreg`, CAPS).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernels")]
 
 import test_compile_sm90 as sm90  # noqa: E402
 from dspark.kernels import moe_decode  # noqa: E402
-from dspark.kernels.fp8 import FP8BlockWeight  # noqa: E402
 
 DIM, INTER, EXPERTS, TOP_K = 4096, 2048, 16, 6  # V4-Flash widths; 16 experts are enough to compile
+CAPS = (160, 200)  # `DecodeTiles.down_maxnreg` values compiled for the SHARED_IN launch (ptxas alone: 128)
 
 
 def record(kind: str) -> list[tuple[str, dict]]:
@@ -43,28 +44,30 @@ def record(kind: str) -> list[tuple[str, dict]]:
         for name, kernel in kernels.items():
             setattr(moe_decode, name, kernel)
     labels = ("in line: up", "in line: down", "aside: shared up", "aside: shared down", "aside: routed up",
-              "aside: routed down (SHARED_IN)", "light aside: shared up", "light aside: shared down")
+              "aside: routed down (SHARED_IN)", "light aside: shared up", "light aside: shared down",
+              *(f"aside, cap {cap}: {kernel}" for cap in CAPS for kernel in ("shared up", "shared down", "routed up",
+                                                                              "routed down (SHARED_IN)")))
     assert len(log) == len(labels), len(log)
     return list(zip(labels, log))
 
 
 def launch_all(kind: str) -> None:
     """The launches `record` labels, in its order."""
-    g = torch.Generator().manual_seed(0)
-
-    def weight(*size):
-        w = torch.randn(*size, generator=g) * 0.02
-        return FP8BlockWeight.quantize(w, 128) if kind == "fp8_128" else w.bfloat16()
-
-    w1, w2, w3 = weight(EXPERTS, INTER, DIM), weight(EXPERTS, DIM, INTER), weight(EXPERTS, INTER, DIM)
-    shared = weight(INTER, DIM), weight(DIM, INTER), weight(INTER, DIM)
-    x = torch.randn(1, DIM, generator=g).bfloat16()
-    ids, wts = torch.arange(TOP_K, dtype=torch.int32)[None], torch.rand(1, TOP_K, generator=g)
+    block = 128 if kind == "fp8_128" else None  # storage only: the launches are recorded, never run
+    w1, w2, w3 = (sm90._empty_weight(block, *size) for size in ((EXPERTS, INTER, DIM), (EXPERTS, DIM, INTER),
+                                                                (EXPERTS, INTER, DIM)))
+    shared = tuple(sm90._empty_weight(block, *size) for size in ((INTER, DIM), (DIM, INTER), (INTER, DIM)))
+    x = torch.empty(1, DIM, dtype=torch.bfloat16)
+    ids, wts = torch.arange(TOP_K, dtype=torch.int32)[None], torch.empty(1, TOP_K)
     tiles = moe_decode._default_tiles(x, w1, TOP_K)
     moe_decode.decode_experts(x, wts, ids, w1, w2, w3, *shared, 10.0, tiles=tiles)
     pending = moe_decode.SharedAside().start(x, w1, *shared, top_k=TOP_K, swiglu_limit=10.0)
     moe_decode.decode_experts(x, wts, ids, w1, w2, w3, *shared, 10.0, shared=pending)
     moe_decode.decode_shared(x, *shared, 10.0, tiles._replace(up_k=min(tiles.up_k, 512), down_k=min(tiles.down_k, 512)))
+    for cap in CAPS:  # the aside again, both down kernels' registers capped
+        pending = moe_decode.SharedAside().start(x, w1, *shared, top_k=TOP_K, swiglu_limit=10.0,
+                                                 tiles=tiles._replace(down_maxnreg=cap))
+        moe_decode.decode_experts(x, wts, ids, w1, w2, w3, *shared, 10.0, shared=pending)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,8 +35,8 @@ import torch
 
 from dspark.kernels.aside import Aside, join
 from dspark.kernels.moe import (
-    DECODE_MAX_ASSIGNMENTS, _block_k, _clamped_swiglu, _dense, _expert_ref, _jit, _weight_parts, _weight_tile, tl,
-    triton,
+    DECODE_MAX_ASSIGNMENTS, _block_k, _clamped_swiglu, _dense, _expert_ref, _jit, _weight_parts, _weight_tile,
+    tl, triton,
 )
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
