@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU steps of the thirty-sixth session, for one H200 (an H100 runs them too; every JSON names its card):
+# GPU steps of the thirty-sixth session, for one H200 (an H100 runs them too; every JSON names its card).
+# Parts a and c ran in the thirty-seventh session (bench/README.md); the code they time (the shared expert
+# aside, bench/moe_aside_diag.py, DecodeTiles.down_maxnreg) was then taken out: run them at commit 8eb847e.
 #
 #   run(command="bash bench/gpu_session38.sh a")   # ≈ 4 min (5 at most)
 #   run(command="bash bench/gpu_session38.sh b")   # ≈ 3 min: a's diagnosis alone, for a short budget

@@ -16,8 +16,6 @@ effective bandwidth and rate against the floors:
     python bench/kernels.py --dry-run            # list the cases (works without a GPU)
     python bench/kernels.py --configs flash --ops fused_moe_fp8_128,fused_moe_fp8_32,fused_moe --tokens 1,8,16,64 \
         --model-steps 0 --graph                  # fused ops timed as CUDA-graph replays
-    python bench/kernels.py --configs flash,mini --ops fused_moe_fp8_128,fused_moe_fp8_128_aside --tokens 1,8 \
-        --model-steps 0 --graph                  # *_aside: the shared expert on a side stream, as the layer runs it
     python bench/kernels.py --configs flash --ops indexer_csa,indexer_v41 --tokens 1,8,64,256
     python bench/kernels.py --configs flash --ops mhc_v41_pre,mhc_v41_post_pre,indexer_pool --model-steps 0
     python bench/kernels.py --ops grouped_wo_a --model-steps 0 --out bench/results/kernels_wo_a.json
@@ -48,8 +46,7 @@ HBM_BYTES_PER_S = 4.4e12  # measured copy bandwidth of one H200 (peers.md §7.1)
 BF16_FLOP_PER_S = 790e12  # measured 8192³ bf16 GEMM rate (peers.md §7.1)
 TOKENS = (1, 8, 64, 256, 4096)
 OPS = ("mhc_pre", "mhc_post", "mhc_post_pre", "mhc_v41_pre", "mhc_v41_post_pre", "moe_route", "fused_moe", "fused_moe_packed", "fused_moe_fp8_128",
-       "fused_moe_fp8_32", "fused_moe_aside", "fused_moe_fp8_128_aside", "fused_moe_fp8_32_aside", "attn_swa", "attn_hca",
-       "attn_csa", "indexer_csa", "indexer_v41",
+       "fused_moe_fp8_32", "attn_swa", "attn_hca", "attn_csa", "indexer_csa", "indexer_v41",
        "indexer_pool", "compressor_csa", "compressor_hca", "grouped_wo_a", "rms_norm", "rms_norm_q", "rope_q",
        "linear_wkv", "compressor_project", "index_scores")
 DECODE_ONLY = ("indexer_csa", "indexer_v41", "indexer_pool", "index_scores")  # decode / verify ops: M <= 256 rows
@@ -255,8 +252,7 @@ def moe_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
     if op == "moe_route":
         return (lambda: moe.moe_route(*router, **route_kw)), (lambda: moe.moe_route_ref(*router, **route_kw)), \
             route_bytes, route_flop
-    base = op.removesuffix("_aside")  # *_aside: the shared expert on a side stream (the MoE layer's schedule)
-    weights = layer["bf16" if base in ("fused_moe", "fused_moe_packed") else base.replace("fused_moe_", "")]
+    weights = layer["bf16" if op in ("fused_moe", "fused_moe_packed") else op.replace("fused_moe_", "")]
     _, ids = moe.moe_route_ref(*router, **route_kw)
     touched = int(torch.unique(ids).numel())  # host sync here, outside the timed region
     per_expert = sum(weight_bytes(w) for w in weights[:3]) // shape.n_experts
@@ -269,16 +265,6 @@ def moe_case(op: str, shape: LayerShape, layer: dict, m: int, device: str):
             w, i = moe.moe_route(*router, **route_kw)
             return moe._packed_experts(x, w, i, *weights, 10.0)
         return packed, ref, n_bytes, flop
-    if op != base:
-        from dspark.kernels import moe_decode
-
-        aside = moe_decode.SharedAside()
-
-        def beside():
-            pending = aside.start(x, weights[0], *weights[3:], top_k=shape.top_k, swiglu_limit=10.0)
-            w, i = moe.moe_route(*router, **route_kw)
-            return moe.moe_experts(x, w, i, *weights, swiglu_limit=10.0, shared=pending)
-        return beside, ref, n_bytes, flop
     return (lambda: moe.fused_moe(*router, *weights, **kw)), ref, n_bytes, flop
 
 

@@ -11,7 +11,6 @@ it works on machines without the optional ``gpu`` extra. See README.md here for 
 """
 
 from dspark.kernels.registry import (OPS, KernelConfig, get_op, head_norm_op, norm_folded_op, require_triton,
-                                     shared_aside, triton_available)
+                                     triton_available)
 
-__all__ = ["OPS", "KernelConfig", "get_op", "head_norm_op", "norm_folded_op", "require_triton", "shared_aside",
-           "triton_available"]
+__all__ = ["OPS", "KernelConfig", "get_op", "head_norm_op", "norm_folded_op", "require_triton", "triton_available"]

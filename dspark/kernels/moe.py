@@ -150,14 +150,13 @@ def _check_routing_args(x, weights, ids, n_exp) -> None:
 
 
 def moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                    swiglu_limit: float, shared=None) -> torch.Tensor:
+                    swiglu_limit: float) -> torch.Tensor:
     """y = Σ_k weights_k · Expert_{ids_k}(x) + Shared(x) for a routing computed elsewhere (spec §11.2).
 
     Shape: x [N, D] bf16/fp32; weights [N, K] fp32 (final routing weights, scaling included);
     ids [N, K] int in [0, E); w1, w3 [E, I, D]; w2 [E, D, I]; shared_w1, shared_w3 [I_s, D];
     shared_w2 [D, I_s] (tensors or `FP8BlockWeight`). Returns y [N, D] in x.dtype; fp32 math,
-    loop over experts (a host sync per expert: fine in a reference). `shared`: the shared expert
-    computed already (`moe_decode.SharedAside.start`'s handle), whose fp32 output is used instead.
+    loop over experts (a host sync per expert: fine in a reference).
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
@@ -165,10 +164,7 @@ def moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
     _check_routing_args(x, weights, ids, n_exp)
     _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3)
     xf = x.float()
-    if shared is None:
-        y = _expert_ref(xf, _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
-    else:
-        y = shared.join().clone()
+    y = _expert_ref(xf, _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
     for e in range(n_exp):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
@@ -692,11 +688,10 @@ DECODE_MAX_ASSIGNMENTS = 64
 
 
 def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                swiglu_limit: float, shared=None) -> torch.Tensor:
+                swiglu_limit: float) -> torch.Tensor:
     """Fused `moe_experts_ref` (same signature): with at most DECODE_MAX_ASSIGNMENTS assignments,
     the two decode GEMV kernels; otherwise packing, two grouped GEMMs (SwiGLU in the first one's
-    epilogue) for routed and shared experts, and one finalize. `shared`: the shared expert started
-    already on a side stream (`moe_decode.SharedAside.start`), joined just before its output is read."""
+    epilogue) for routed and shared experts, and one finalize."""
     require_triton()
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
@@ -709,16 +704,13 @@ def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
         from dspark.kernels import moe_decode  # here, not at the top: moe_decode imports this module
 
         return moe_decode.decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
-                                         swiglu_limit, shared=shared)
-    return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit,
-                           shared=shared)
+                                         swiglu_limit)
+    return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit)
 
 
-def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, tiles=None,
-                    shared=None):
+def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, tiles=None):
     """The prefill-sized path of `moe_experts` (checked, contiguous inputs; ids int32). `tiles`
-    (`_tiles`' form) overrides the routed experts' launch shapes (tests, benches); `shared` as in
-    `moe_experts`."""
+    (`_tiles`' form) overrides the routed experts' launch shapes (tests, benches)."""
     n_tok, dim = x.shape
     n_exp, top_k = w1.shape[0], ids.shape[1]
     n_assign = n_tok * top_k
@@ -726,13 +718,10 @@ def _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3
     rows, block_expert, slot = _pack_assignments(ids, n_exp, tiles[0])
     h = _launch_up(x, w1, w3, rows, block_expert, n_assign, rows.numel(), top_k, swiglu_limit, tiles)
     routed = _launch_down(h, w2, block_expert, n_assign, tiles)  # [R, D] fp32
-    if shared is None:
-        shared_tiles = _tiles(n_tok)
-        h_shared = _launch_up(x, shared_w1, shared_w3, None, None, n_tok, n_tok, 1, swiglu_limit, shared_tiles)
-        shared_y = _launch_down(h_shared, shared_w2, None, n_tok, shared_tiles)  # [N, D] fp32
-    else:
-        shared_y = shared.join()
-    return launch_finalize(routed, slot, weights, shared_y, x.dtype)
+    shared_tiles = _tiles(n_tok)
+    h_shared = _launch_up(x, shared_w1, shared_w3, None, None, n_tok, n_tok, 1, swiglu_limit, shared_tiles)
+    shared = _launch_down(h_shared, shared_w2, None, n_tok, shared_tiles)  # [N, D] fp32
+    return launch_finalize(routed, slot, weights, shared, x.dtype)
 
 
 def launch_finalize(routed, slot, weights, shared, dtype: torch.dtype) -> torch.Tensor:

@@ -16,12 +16,6 @@ row of work and nothing is packed:
    put back to 0 after) adds the S sums in a fixed order and casts: more programs in flight, the same
    bits on every run.
 
-The shared expert needs x alone, so the MoE layer can start it before routing on a side stream
-(`SharedAside`, the registry's `shared_aside`): `decode_shared` runs the same two kernels over the
-shared rows only (fp32 out), the up kernel then takes the routed rows alone, and the down kernel joins
-the side stream and starts each row's sum from the shared output: the same bits as in line, with
-the shared expert's weights read beside the router's launches instead of after them.
-
 Two launches, no host sync, CUDA-graph capturable. Weights may be dense or `FP8BlockWeight`
 (dequantised per tile in registers, as in the packed kernels). Shape symbols as in `moe.py`.
 """
@@ -33,11 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from dspark.kernels.aside import Aside, join
-from dspark.kernels.moe import (
-    DECODE_MAX_ASSIGNMENTS, _block_k, _clamped_swiglu, _dense, _expert_ref, _jit, _weight_parts, _weight_tile,
-    tl, triton,
-)
+from dspark.kernels.moe import _block_k, _clamped_swiglu, _jit, _weight_parts, _weight_tile, tl, triton
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _BLOCK_N = 16  # output rows per program: small, so that one token still spreads over the SMs
@@ -215,18 +205,14 @@ def _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter,
 
 
 @_jit
-def _down_slot(j: tl.constexpr, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, sh_ptr, t, offs_n, n0,
+def _down_slot(j: tl.constexpr, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0,
                n_assign, dim, inter, inter_s, h_width, TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
                FP8_S: tl.constexpr, SB_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr,
-               DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr,
-               SHARED_IN: tl.constexpr):
-    """fp32 [BLOCK_N]: expert slot j of token t for rows offs_n: j = 0 the shared expert (SHARED_IN: its
-    fp32 output sh[t], computed already by `decode_shared`), j = 1..K the routed ones, weighted (the
-    split down kernel's unit of work)."""
+               DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr):
+    """fp32 [BLOCK_N]: expert slot j of token t for rows offs_n: j = 0 the shared expert, j = 1..K the
+    routed ones, weighted (the split down kernel's unit of work)."""
     if j == 0:
-        if SHARED_IN:
-            out = tl.load(sh_ptr + t * dim + offs_n, mask=offs_n < dim, other=0.0)
-        elif DEFER:
+        if DEFER:
             zero_s = tl.zeros((offs_n.shape[0], KB_S, SUB_S), dtype=tl.float32)
             out = _acc_sum(_gemv_acc(zero_s, h_ptr + (n_assign + t) * h_width, sw2_ptr, ss2_ptr, 0, n0, dim,
                                      inter_s, 1.0, FP8_S, SB_S, BLOCK_K_S))
@@ -248,12 +234,12 @@ def _down_slot(j: tl.constexpr, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr
 
 @_jit
 def _decode_down_kernel(
-    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, sh_ptr, y_ptr, part_ptr, ticket_ptr,
+    h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, part_ptr, ticket_ptr,
     n_assign, dim, inter, inter_s, h_width, ticket_stride,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_S: tl.constexpr, STAGES: tl.constexpr,
     DEFER: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr, KB_S: tl.constexpr, SUB_S: tl.constexpr,
-    SPLIT: tl.constexpr, SHARED_IN: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[t, offs_n] = shared + Σ_k w[t, k] · (h[t·K + k] · W2[ids[t, k]]ᵀ), one cast at the end.
     STAGES > 1: the routed experts' steps in one flat loop, software-pipelined over STAGES steps so
@@ -274,9 +260,9 @@ def _decode_down_kernel(
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in tl.static_range(TOP_K + 1):
             if s == j % SPLIT:
-                acc += _down_slot(j, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, sh_ptr, t, offs_n,
-                                  n0, n_assign, dim, inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K,
-                                  BLOCK_K_S, DEFER, KB, SUB, KB_S, SUB_S, SHARED_IN)
+                acc += _down_slot(j, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0,
+                                  n_assign, dim, inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K,
+                                  BLOCK_K_S, DEFER, KB, SUB, KB_S, SUB_S)
         tl.store(part_ptr + (t * SPLIT + s) * dim + offs_n, acc, mask=n_mask)
         tl.debug_barrier()  # every thread's part stored before the ticket releases them (acq_rel, GPU scope)
         counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
@@ -288,11 +274,10 @@ def _decode_down_kernel(
             tl.store(y_ptr + t * dim + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
             tl.store(counter, 0)
     else:
-        acc = _down_slot(0, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, sh_ptr, t, offs_n, n0, n_assign,
-                         dim, inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K, BLOCK_K_S, DEFER, KB, SUB,
-                         KB_S, SUB_S, SHARED_IN)  # the shared expert
-        if DEFER and TOP_K > 0:  # the routed experts in one deferred accumulator, one column sum (TOP_K 0:
-            # `decode_shared`, the shared expert alone)
+        acc = _down_slot(0, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0, n_assign, dim,
+                         inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K, BLOCK_K_S, DEFER, KB, SUB,
+                         KB_S, SUB_S)  # the shared expert
+        if DEFER:  # the routed experts in one deferred accumulator, one column sum
             routed = tl.zeros((BLOCK_N, KB, SUB), dtype=tl.float32)
             for k in tl.static_range(TOP_K):
                 a = t * TOP_K + k
@@ -300,7 +285,7 @@ def _decode_down_kernel(
                 routed = _gemv_acc(routed, h_ptr + a * h_width, w2_ptr, s2_ptr, e, n0, dim, inter,
                                    tl.load(wts_ptr + a), FP8, SB, BLOCK_K, STAGES)
             acc += _acc_sum(routed)
-        elif TOP_K > 0:
+        else:
             acc += _routed_down(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, t, offs_n, dim, inter, h_width,
                                 TOP_K, FP8, SB, BLOCK_K, STAGES)
         tl.store(y_ptr + t * dim + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < dim)
@@ -322,9 +307,6 @@ class DecodeTiles(NamedTuple):
     down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
     down_split: int = 1  # > 1: the down kernel's expert slots (shared + K routed) over this many programs
     # per row block, their fp32 sums added in a fixed order by the last to finish (stages 1 only)
-    down_maxnreg: int | None = None  # the down kernel's registers per thread (Triton's `maxnreg`, PTX
-    # `.maxnreg`); None: ptxas's choice, which settles the FP8 8-token V4-Flash shapes at 128 with an
-    # 8-byte spill (sm_90 compile, bench/README.md's thirty-sixth session). Changes no bit of the result.
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -387,22 +369,15 @@ def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6)
     return tiles if tiles.down_split <= top_k + 1 else tiles._replace(down_split=top_k + 1)
 
 
-def _default_tiles(x, w1, top_k: int) -> DecodeTiles:
-    _, _, fp8, block = _weight_parts(w1)
-    return decode_tiles(x.shape[0], block if fp8 else None, x.shape[1], top_k)
-
-
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
-                   tiles: DecodeTiles | None = None, shared: PendingShared | None = None):
+                   tiles: DecodeTiles | None = None):
     """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
-    default: `decode_tiles` for N and the routed weights' kind. `shared`: the shared expert started
-    already (`SharedAside.start`): the up kernel takes the routed rows only, and the down kernel
-    joins it and starts each row's sum from its output (the same bits as computing it here, with the
-    same tiles)."""
+    default: `decode_tiles` for N and the routed weights' kind."""
     slots = ids.shape[1] + 1
-    if tiles is None:  # a started shared expert's tiles: the ones its bits were made with
-        tiles = _default_tiles(x, w1, slots - 1) if shared is None else shared.tiles
+    if tiles is None:
+        _, _, fp8, block = _weight_parts(w1)
+        tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1], slots - 1)
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
     if not (isinstance(tiles.down_split, int) and 1 <= tiles.down_split <= slots):
@@ -410,20 +385,15 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
                          f"{slots - 1} routed), got {tiles.down_split!r}")
     if tiles.down_split > 1 and tiles.stages > 1:
         raise ValueError(f"DecodeTiles.down_split {tiles.down_split} takes stages 1, got {tiles.stages}")
-    cap = tiles.down_maxnreg
-    if cap is not None and not (isinstance(cap, int) and 32 <= cap <= 255):
-        raise ValueError(f"DecodeTiles.down_maxnreg must be None or an int in 32..255, got {cap!r}")
-    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, with_shared=shared is None)
-    return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles,
-                       shared_y=None if shared is None else shared.join())
+    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
+    return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
 
-def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles(),
-              with_shared: bool = True):
-    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row; without
-    `with_shared` [N·K, I], the routed rows alone), and the sizes `decode_down` takes; with
-    `tiles.down_split` > 1 also the split down kernel's ticket counters [N, ⌈D/down_n⌉ padded to a
-    power of two] int32, zeroed here (each call's down kernel leaves them 0), else None."""
+def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles()):
+    """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row), and the
+    sizes `decode_down` takes; with `tiles.down_split` > 1 also the split down kernel's ticket counters
+    [N, ⌈D/down_n⌉ padded to a power of two] int32, zeroed here (each call's down kernel leaves them 0),
+    else None."""
     n_tok, dim = x.shape
     top_k = ids.shape[1]
     n_assign = n_tok * top_k
@@ -432,13 +402,12 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     ds1, ss1, fp8_s, sb_s = _weight_parts(shared_w1)
     ds3, ss3, _, _ = _weight_parts(shared_w3)
     inter, inter_s = d1.shape[1], ds1.shape[0]
-    h_width = max(inter, inter_s) if with_shared else inter
-    rows = n_assign + n_tok if with_shared else n_assign
-    h = torch.empty((rows, h_width), dtype=torch.float32, device=x.device)
+    h_width = max(inter, inter_s)
+    h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
     n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
     tickets = torch.empty((n_tok, n_tickets), dtype=torch.int32, device=x.device) if n_tickets else None
     common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
-    grid = (rows, triton.cdiv(h_width, tiles.up_n))
+    grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
         x, ids, d1, d3, s1, s3, ds1, ds3, ss1, ss3, h, h if tickets is None else tickets, n_assign, dim, inter,
@@ -449,18 +418,13 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     return h, (n_assign, dim, inter, inter_s, h_width, tickets)
 
 
-def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles(),
-                shared_y: torch.Tensor | None = None):
+def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):
     """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args`: its sizes and tickets, made for
-    the same `tiles`); `shared_y` [N, D] fp32: the shared expert's output (`decode_shared`), for an h
-    made without its rows."""
+    the same `tiles`)."""
     n_assign, dim, inter, inter_s, h_width, tickets = args
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
     split, n_blocks = tiles.down_split, triton.cdiv(dim, tiles.down_n)
-    if shared_y is None and h.shape[0] < n_assign + x.shape[0]:
-        raise ValueError(f"decode_down without shared_y needs h with the shared rows ({n_assign + x.shape[0]}), "
-                         f"got {h.shape[0]} rows")
     if (split > 1) != (tickets is not None) or (split > 1 and tickets.shape[1] < n_blocks):
         raise ValueError(f"decode_down with down_split {split} needs decode_up's args for the same tiles")
     y = torch.empty_like(x)
@@ -469,107 +433,12 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     grid = (x.shape[0], n_blocks, split)
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_down_kernel[grid](
-        h, ids, weights, d2, s2, ds2, ss2, y if shared_y is None else shared_y, y, part,
-        y if tickets is None else tickets, n_assign, dim, inter, inter_s, h_width,
-        0 if tickets is None else tickets.shape[1], BLOCK_N=tiles.down_n, SPLIT=split,
-        SHARED_IN=shared_y is not None, PDL=pdl, launch_pdl=pdl, maxnreg=tiles.down_maxnreg,
+        h, ids, weights, d2, s2, ds2, ss2, y, part, y if tickets is None else tickets, n_assign, dim, inter,
+        inter_s, h_width, 0 if tickets is None else tickets.shape[1], BLOCK_N=tiles.down_n, SPLIT=split, PDL=pdl,
+        launch_pdl=pdl,
         **_common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
     )
     return y
-
-
-def decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit: float, tiles: DecodeTiles,
-                  h: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The shared expert alone through the same two kernels: out [N, D] fp32, bit for bit the shared
-    slot's sum that `decode_experts` with the same `tiles` computes in line (`h` [N, I_s] fp32 and
-    `out`: buffers to write, else new ones)."""
-    n_tok, dim = x.shape
-    ds1, ss1, fp8_s, sb_s = _weight_parts(shared_w1)
-    ds3, ss3, _, _ = _weight_parts(shared_w3)
-    ds2, ss2, _, _ = _weight_parts(shared_w2)
-    inter_s = ds1.shape[0]
-    h = torch.empty((n_tok, inter_s), dtype=torch.float32, device=x.device) if h is None else h
-    out = torch.empty((n_tok, dim), dtype=torch.float32, device=x.device) if out is None else out
-    # n_assign 0: every row is a shared one; the routed weights' slots and constexprs take the shared ones
-    grid = (n_tok, triton.cdiv(inter_s, tiles.up_n))
-    pdl = pdl_launch(x.device, math.prod(grid))
-    _decode_up_kernel[grid](
-        x, x, ds1, ds3, ss1, ss3, ds1, ds3, ss1, ss3, h, h, 0, dim, inter_s, inter_s, inter_s, float(swiglu_limit),
-        CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, TICKETS=0, PDL=pdl, launch_pdl=pdl,
-        **_common(1, fp8_s, sb_s, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer),
-    )
-    grid = (n_tok, triton.cdiv(dim, tiles.down_n), 1)
-    pdl = pdl_launch(x.device, math.prod(grid))
-    _decode_down_kernel[grid](  # TOP_K 0: the shared slot alone, unsplit (a split's slot 0 is the same sum)
-        h, x, x, ds2, ss2, ds2, ss2, out, out, out, out, 0, dim, inter_s, inter_s, inter_s, 0,
-        BLOCK_N=tiles.down_n, SPLIT=1, SHARED_IN=False, PDL=pdl, launch_pdl=pdl, maxnreg=tiles.down_maxnreg,
-        **_common(0, fp8_s, sb_s, fp8_s, sb_s, tiles.down_k, tiles.down_warps, tiles.stages, tiles.down_defer),
-    )
-    return out
-
-
-def moe_shared_ref(x, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float,
-                   tiles: DecodeTiles | None = None) -> torch.Tensor:
-    """The shared expert alone: y [N, D] fp32 = w2(silu(min(x·w1ᵀ, L)) ⊙ clamp(x·w3ᵀ, −L, L)) in fp32
-    (`tiles`: the kernels' launch shape, unused here). x [N, D]; shared_w1, shared_w3 [I_s, D];
-    shared_w2 [D, I_s] (tensors or `FP8BlockWeight`)."""
-    return _expert_ref(x.float(), _dense(shared_w1), _dense(shared_w2), _dense(shared_w3), swiglu_limit)
-
-
-def moe_shared(x, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float,
-               tiles: DecodeTiles | None = None) -> torch.Tensor:
-    """Fused `moe_shared_ref` (same signature): `decode_shared` at `tiles` (default: the decode table's
-    shape for N tokens and the shared weights' kind). With `KernelConfig(moe_shared="triton")` the MoE
-    layer runs it on a side stream (`SharedAside`, via `registry.shared_aside`) at the routed
-    experts' tiles; at ``"ref"`` the experts op computes the shared expert in line."""
-    x = x.contiguous()
-    return decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit,
-                         _default_tiles(x, shared_w1, 1) if tiles is None else tiles)
-
-
-class PendingShared(NamedTuple):
-    """A shared expert started by `SharedAside.start`: its output y [N, D] fp32, written on `stream`
-    (None: written already, in line) at `tiles` (what `decode_experts` then takes by default); `keep`
-    holds its input and hidden rows until the join."""
-
-    stream: torch.cuda.Stream | None
-    y: torch.Tensor
-    tiles: DecodeTiles
-    keep: tuple
-
-    def join(self) -> torch.Tensor:
-        """y, once the current stream has waited for the side stream's work."""
-        join(self.stream)
-        return self.y
-
-
-class SharedAside:
-    """The shared expert of a decode-sized `moe.moe_experts` call on a side stream (`aside.Aside`, one
-    per instance): it needs x only, so it runs beside the router and the routed up kernel, and the
-    down kernel joins it. The MoE layer starts it before routing; `moe_experts(..., shared=)` takes
-    the handle. Off CUDA it runs in line."""
-
-    def __init__(self):
-        self._aside = Aside()
-
-    def start(self, x, w1, shared_w1, shared_w2, shared_w3, *, top_k: int, swiglu_limit: float,
-              tiles: DecodeTiles | None = None) -> PendingShared | None:
-        """Launch the shared expert of x [N, D] (`moe_experts`' arguments; `w1` picks the tiles, as
-        `decode_experts` does, unless `tiles` is given) on the side stream; None where `moe_experts`
-        would take its packed path (N·K > DECODE_MAX_ASSIGNMENTS), which computes it in line."""
-        if x.dim() != 2 or x.shape[0] * top_k > DECODE_MAX_ASSIGNMENTS:
-            return None
-        x = x.contiguous()
-        tiles = _default_tiles(x, w1, top_k) if tiles is None else tiles
-        inter_s = _weight_parts(shared_w1)[0].shape[0]
-        h = torch.empty((x.shape[0], inter_s), dtype=torch.float32, device=x.device)  # the caller's stream's
-        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        with self._aside.fork(x.device) as side:
-            decode_shared(x, shared_w1, shared_w2, shared_w3, swiglu_limit, tiles, h=h, out=y)
-        if side is not None:  # their memory is not reused before the side work is done, joined or not
-            for t in (x, h, y):
-                t.record_stream(side)
-        return PendingShared(side, y, tiles, (x, h))
 
 
 _MAX_SUB_BLOCKS = 32  # scale blocks per FP8 step: 64 of V4.1's 32-wide blocks spill on sm_90 at 8 warps

@@ -68,7 +68,6 @@ _OP_MODULES: dict[str, str] = {
     "moe_route_rows": "moe",
     "fused_moe": "moe",
     "moe_experts": "moe",
-    "moe_shared": "moe_decode",
     "engram_gate": "engram_gate",
     "engram_rows": "engram_rows",
     "sparse_attention": "attention",
@@ -98,9 +97,8 @@ NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
 # with an explicit KernelConfig (e.g. `KernelConfig.for_device("cuda")` replaced with
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
-# `moe_shared` (the decode shared expert on a side stream, thirty-fifth session): timed slower than in line
-# on the H200 (thirty-sixth session, bench/results/kernels-moe-aside-h200-s36.json); its GPU tests not yet run.
-NOT_YET_ON_GPU: tuple[str, ...] = ("moe_shared",)
+# Empty since the twenty-ninth session (`moe_route_rows` ran on an H100: bench/gpu_session29.sh a).
+NOT_YET_ON_GPU: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,9 +142,6 @@ class KernelConfig:
     `index_scores_pooled` folds the candidate pool's block maxima into the V4.1 candidate source's
     batched scores: run only when ``"triton"``; at ``"ref"`` the source keeps `index_scores` then
     `indexer_pool` (each as chosen here).
-    `moe_shared` likewise moves a decode call's shared expert out of `moe_experts` onto a side stream
-    beside the router (`shared_aside`): run only when ``"triton"`` with the Triton `moe_experts` on the
-    fused MoE; at ``"ref"`` the experts op computes it in line (the same bits either way).
     """
 
     mhc_pre: Impl = "ref"
@@ -161,7 +156,6 @@ class KernelConfig:
     moe_route_rows: Impl = "ref"
     fused_moe: Impl = "ref"
     moe_experts: Impl = "ref"
-    moe_shared: Impl = "ref"
     engram_gate: Impl = "ref"
     engram_rows: Impl = "ref"
     sparse_attention: Impl = "ref"
@@ -269,15 +263,3 @@ def head_norm_op(config: KernelConfig) -> Callable[..., Any]:
     if config.hc_head_norm != "ref":
         return get_op(config, "hc_head_norm")
     return importlib.import_module("dspark.kernels.hc_head_norm").hc_head_then(get_op(config, "rms_norm"))
-
-
-def shared_aside(config: KernelConfig):
-    """A `moe_decode.SharedAside` (a decode call's shared expert, `moe_shared`, on a side stream,
-    which `moe_experts(..., shared=)` joins) where `config` picks ``moe_shared="triton"`` and the MoE's
-    fused path runs the Triton `moe_experts`; None elsewhere (the experts op computes the shared
-    expert in line: what ``"ref"`` means for this op, the same bits). One per MoE layer: each owns its
-    stream."""
-    if config.moe_shared != "triton" or config.fused_moe != "triton" or config.moe_experts != "triton":
-        return None
-    require_triton()
-    return importlib.import_module("dspark.kernels.moe_decode").SharedAside()

@@ -210,11 +210,6 @@ def run_every_tile_class():
                 for q in [FP8BlockWeight.quantize(w, block or 16)]]
             moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=tiles._replace(
                 down_split=min(tiles.down_split, 3)))  # top-2: 3 slots
-            # the shared expert apart (`SharedAside`: TOP_K 0 alone) and the routed rows joining it (SHARED_IN)
-            aside = tiles._replace(down_split=min(tiles.down_split, 3))
-            pending = moe_decode.SharedAside().start(x1, weights[0], *weights[3:], top_k=2, swiglu_limit=10.0,
-                                                     tiles=aside)
-            moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0, tiles=aside, shared=pending)
             if tiles in one_token and block:  # the software-pipelined loops, FP8 one-token shapes (off: slower)
                 for stages in (2, 3):
                     moe_decode.decode_experts(x1, wts1, ids1, *weights, 10.0,
@@ -232,10 +227,6 @@ def run_every_tile_class():
         ids = torch.arange(6, dtype=torch.int32, device=DEVICE).expand(n_tok, 6).contiguous()
         wts = torch.empty(n_tok, 6, device=DEVICE)
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles)
-        pending = moe_decode.SharedAside().start(x, weights[0], *weights[3:], top_k=6, swiglu_limit=10.0)
-        moe_decode.decode_experts(x, wts, ids, *weights, 10.0, shared=pending)
-        if kind and not one and not narrow:  # the spilling FP8 8-token shapes, with the register cap lifted
-            moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles._replace(down_maxnreg=168))
     # W8A8 experts: decode (16-row) and prefill (64-row) tiles at every FP8 block they take, bf16 and fp32 x.
     for n_tok, n_exp, dtype in ((3, 8, torch.bfloat16), (40, 2, torch.bfloat16), (40, 2, torch.float32)):
         x = torch.randn(n_tok, 256, generator=g).to(DEVICE, dtype)
@@ -484,7 +475,7 @@ COMPILE = textwrap.dedent("""
         hinted = [fn.arg_names[i] for (i,), a in attrs.items() if a]
         results.append({"kernel": launch["kernel"], "regs": int(regs), "stack": int(stack),
                         "shared": compiled.metadata.shared, "constexprs": constants,
-                        "divisible_by_16": hinted, "maxnreg": launch["options"].get("maxnreg")})
+                        "divisible_by_16": hinted})
     print(json.dumps(results))
 """)
 
@@ -518,8 +509,6 @@ def test_fused_launches_compile_for_sm90_without_spills(monkeypatch, tmp_path):
     assert len(results) == len(unique)
     spills = [r for r in results if r["stack"] > known_spill(r)]
     assert not spills, f"register spills on sm_90: {spills}"
-    capped = [r for r in results if r["maxnreg"]]
-    assert capped and all(r["stack"] == 0 and r["regs"] <= r["maxnreg"] for r in capped), capped
     too_big = [r for r in results if r["shared"] > SM90_SHARED_BYTES]
     assert not too_big, f"more shared memory than an sm_90 block may have: {too_big}"
 
@@ -536,18 +525,16 @@ SM90_SHARED_BYTES = 232448  # 227 KB: the opt-in shared memory limit of one bloc
 #   bench/moe_decode_tiles.py (moe-decode-tiles-mini-h200.json).
 # * `_v41_stats_kernel`, the unfused 32 x 64 tiles at 4 warps (more than 8 tokens): 8 B; timed with it
 #   by bench/mhc_v41_site.py (`tiles_64_32_4_32`, mhc-v41-tokens-h200.json), the fastest shape at 256 tokens.
-# * `_decode_down_kernel` joining a shared expert computed aside (`SHARED_IN`) at the 128×128 table's
-#   one-token V4-Flash shape (16 x 1024, 8 warps): 8 B, at V4-Flash widths and top-6 with 128-wide
-#   blocks, and at the small shapes with 32-wide blocks. Off by default (`moe_shared`, timed slower).
 # * `_decode_down_kernel` at the FP8 tables' 8-token V4-Flash shapes, top-6 at V4-Flash widths: 128×128
 #   blocks 32 x 512 at 4 warps, 32×32 blocks 64 x 256 over 4 split programs at 4 warps: 8 B each. Both
 #   were picked as the fastest by timing at those widths (moe-decode-tiles-fp8-wide-h200.json,
 #   moe-decode-tiles-fp8-32-m8-h200.json, moe-split-ab-flash-m8-h100-s31.json), the spill included.
+#   Capped at 168 registers they compile with no stack but their down kernel timed slower on an H100
+#   (147 -> 157 µs and 171 -> 178 µs, moe-maxnreg-ab-flash-m8-h100-s37.json), so the cap is not shipped.
 KNOWN_SPILLS = (
     ("_v41_stats_kernel", dict(BLOCK_T=32, BLOCK_D=64, FUSE_POST=False), 8),
     ("_wide_kernel", dict(BLOCK_H=64, n_chunks=1), 24),
     ("_decode_down_kernel", dict(FP8=False, BLOCK_N=4, BLOCK_K=512), 8),
-    ("_decode_down_kernel", dict(FP8=True, BLOCK_N=16, BLOCK_K=1024, SHARED_IN=True), 8),
     ("_decode_down_kernel", dict(TOP_K=6, FP8=True, SB=128, BLOCK_N=32, BLOCK_K=512), 8),
     ("_decode_down_kernel", dict(TOP_K=6, FP8=True, SB=32, BLOCK_N=64, BLOCK_K=256, SPLIT=4), 8),
     # W8A8 gate/up at blocks under 128: 4 warps hold two 64×128 fp32 accumulators and spill, yet beat

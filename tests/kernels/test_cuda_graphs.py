@@ -8,7 +8,7 @@ replay after the inputs are overwritten in place must give exactly the eager res
 import pytest
 import torch
 
-from dspark.kernels import hc_head_norm, indexer_pool, mhc, mhc_norm, mhc_v41, moe, moe_decode, norm_rope, rms_norm, rope
+from dspark.kernels import hc_head_norm, indexer_pool, mhc, mhc_norm, mhc_v41, moe, norm_rope, rms_norm, rope
 from dspark.kernels.fp8 import FP8BlockWeight
 
 EPS = dict(rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
@@ -116,12 +116,9 @@ def test_v41_ops_replay(n_tok):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("aside", [False, True])
 @pytest.mark.parametrize("fp8_block", [None, 128])
 @pytest.mark.parametrize("hash_routing", [False, True])
-def test_fused_moe_replays(hash_routing, fp8_block, aside):
-    """The fused MoE replays from a CUDA graph; `aside`: with the shared expert on its side stream, as
-    the MoE layer runs it (a fork and a join in the graph)."""
+def test_fused_moe_replays(hash_routing, fp8_block):
     n_tok, dim, n_exp, inter = 8, 2048, 64, 512
     x = torch.randn(n_tok, dim, device="cuda").bfloat16()
     gate = (torch.randn(n_exp, dim, device="cuda") * dim ** -0.5).bfloat16()
@@ -133,15 +130,8 @@ def test_fused_moe_replays(hash_routing, fp8_block, aside):
     weights = [w.bfloat16() if fp8_block is None else FP8BlockWeight.quantize(w, fp8_block) for w in weights]
     kw = dict(top_k=6, routed_scaling_factor=1.5, swiglu_limit=10.0, hash_routing=hash_routing)
 
-    shared = moe_decode.SharedAside()
-
     def step():
-        if not aside:
-            return moe.fused_moe(x, gate, bias, tid2eid, token_ids, *weights, **kw)
-        pending = shared.start(x, weights[0], *weights[3:], top_k=6, swiglu_limit=10.0)
-        w, ids = moe.moe_route(x, gate, bias, tid2eid, token_ids, top_k=6, routed_scaling_factor=1.5,
-                               hash_routing=hash_routing)
-        return moe.moe_experts(x, w, ids, *weights, swiglu_limit=10.0, shared=pending)
+        return moe.fused_moe(x, gate, bias, tid2eid, token_ids, *weights, **kw)
 
     graph, out = capture(step)
     refill(x)

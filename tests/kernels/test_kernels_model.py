@@ -15,7 +15,6 @@ small factor of the bf16 reference's own error; greedy splits from the fp32 run 
 the fp32 top-2 margin where they happen.
 """
 
-import dataclasses
 import json
 from importlib import resources
 
@@ -160,21 +159,6 @@ def test_v4_fused_matches_reference():
     assert fused.layers[1].attn.rope_op is rope.rope and fused.layers[1].attn.indexer.rope_op is rope.rope
     assert ref.layers[1].attn.rope_op is rope.rope_ref and ref.layers[1].attn.kv_norm.norm_op is rms_norm.rms_norm_ref
     compare(fused, ref, torch.float32, prompts(config["vocab_size"], lengths=(11, 5)), steps=3)
-
-
-@needs_triton
-def test_v4_shared_expert_aside_changes_no_bit():
-    """moe_shared="triton" (each decode MoE call's shared expert started before routing, joined by the
-    experts' down kernel) against "ref" (in line), the rest on Triton: the same logits bit for bit over
-    a ragged prefill (packed path, in line either way) and two decode steps of two requests."""
-    config = three_layer_v4()
-    aside = build(config, "triton", torch.float32)
-    inline = init_model(config, seed=3, device=DEVICE, dtype=torch.float32,
-                        kernels=dataclasses.replace(KernelConfig.uniform("triton"), moe_shared="ref"))
-    assert aside.layers[1].ffn._shared_aside is not None and inline.layers[1].ffn._shared_aside is None
-    batch = prompts(config["vocab_size"], lengths=(9, 4))
-    (logits, tokens), (want, want_tokens) = greedy(aside, batch, 2), greedy(inline, batch, 2)
-    assert torch.equal(tokens, want_tokens) and all(torch.equal(a, b) for a, b in zip(logits, want))
 
 
 @needs_triton

@@ -393,105 +393,6 @@ def test_decode_down_split_over_programs(split, defer, fp8_block, poisoned):
 
 
 @needs_triton
-@pytest.mark.parametrize("tiles", [moe_decode.DecodeTiles(up_n=16, down_n=16, up_k=64, down_k=64),
-                                   moe_decode.DecodeTiles(up_n=8, down_n=16, up_k=32, down_k=256, up_defer=True,
-                                                          down_defer=True),
-                                   moe_decode.DecodeTiles(up_n=16, down_n=32, up_k=16, down_k=32, stages=2),
-                                   moe_decode.DecodeTiles(up_n=16, down_n=16, up_k=64, down_k=64, down_split=3)])
-@pytest.mark.parametrize("fp8_block", [None, 32])
-def test_shared_expert_aside_gives_the_same_bits(tiles, fp8_block, poisoned):
-    """`SharedAside.start` computes the shared expert apart (on a side stream on CUDA) and
-    `decode_experts(shared=)` starts each row's down sum from it: the same bits as the shared slot
-    computed in line with the same tiles (unsplit, deferred sums, pipelined loops, split over 3
-    programs), and the up kernel writes the routed rows alone."""
-    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, fp8_block, seed=17)
-    inline = moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=tiles)
-    with poisoned():
-        pending = moe_decode.SharedAside().start(x, w1, s1, s2, s3, top_k=3, swiglu_limit=10.0, tiles=tiles)
-        y = moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=tiles, shared=pending)
-    assert pending.y.dtype == torch.float32 and pending.y.shape == x.shape
-    assert torch.equal(y, inline)
-    shared_ref = moe._expert_ref(x.float(), *(moe._dense(w) for w in (s1, s2, s3)), 10.0)
-    assert rel_err(pending.y, shared_ref) < TOL[torch.float32]
-    h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0, tiles, with_shared=False)
-    assert h.shape == (6, 80)  # N·K routed rows of width I: no shared rows
-    with pytest.raises(ValueError, match="needs h with the shared rows \\(8\\), got 6"):
-        moe_decode.decode_down(h, x, weights, ids, w2, s2, args, tiles)
-
-
-@needs_triton
-@pytest.mark.parametrize("fp8_block", [None, 32, 128])
-@pytest.mark.parametrize("n_tok", [1, 5])
-def test_moe_shared_matches_ref(n_tok, fp8_block, poisoned):
-    """The registry op `moe_shared` (the shared expert alone, fp32 out) against `moe_shared_ref`, at
-    the default tiles and at a split, deferred shape (a split becomes one program: a lone slot)."""
-    x, _, _, w1, _, _, s1, s2, s3 = _off_tile_experts(n_tok, fp8_block, seed=29)
-    ref = moe_decode.moe_shared_ref(x, s1, s2, s3, swiglu_limit=10.0)
-    tiles = moe_decode.DecodeTiles(up_n=8, down_n=16, up_k=32, down_k=64, down_defer=True, down_split=3)
-    for t in (None, tiles):
-        with poisoned():
-            y = moe_decode.moe_shared(x, s1, s2, s3, swiglu_limit=10.0, tiles=t)
-        assert y.dtype == torch.float32 and rel_err(y, ref) < TOL[torch.float32]
-
-
-@needs_triton
-@pytest.mark.parametrize("n_tok", [2, 30])
-def test_moe_experts_join_a_started_shared_expert(n_tok, poisoned):
-    """`moe_experts(..., shared=)` on both paths and `moe_experts_ref(..., shared=)`: the started
-    shared expert's output replaces the in-line one (decode path: the same bits; packed path, which
-    `start` leaves to its own kernels above DECODE_MAX_ASSIGNMENTS, with a handle made at a decode
-    size: within fp32 rounding)."""
-    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(n_tok, 32, seed=23)
-    aside = moe_decode.SharedAside()
-    pending = aside.start(x, w1, s1, s2, s3, top_k=3, swiglu_limit=10.0)
-    want = moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)
-    if n_tok * 3 > moe.DECODE_MAX_ASSIGNMENTS:
-        assert pending is None
-        tiles = moe_decode.decode_tiles(8, 32, 96, 3)
-        pending = moe_decode.PendingShared(None, moe_decode.decode_shared(x, s1, s2, s3, 10.0, tiles), tiles, ())
-    with poisoned():
-        y = moe.moe_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0, shared=pending)
-    assert rel_err(y, want) < TOL[torch.float32]
-    if n_tok * 3 <= moe.DECODE_MAX_ASSIGNMENTS:
-        assert torch.equal(y, moe.moe_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0))
-    ref = moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0, shared=pending)
-    assert rel_err(ref, want) < TOL[torch.float32]
-
-
-@needs_triton
-def test_moe_layer_starts_its_shared_expert_aside(monkeypatch):
-    """The MoE layer with moe_shared="triton" and the Triton experts starts a decode call's shared
-    expert before routing and passes it to the experts op: the same bits as the in-line shared slot;
-    a prefill-sized call keeps it in line, and so do moe_shared="ref" and the other experts backends
-    (`shared_aside` None)."""
-    import dspark
-    from dspark.kernels import KernelConfig, shared_aside
-
-    assert shared_aside(KernelConfig()) is None
-    assert shared_aside(KernelConfig(fused_moe="triton", moe_experts="ref", moe_shared="triton")) is None
-    assert shared_aside(KernelConfig(fused_moe="triton", moe_experts="triton")) is None  # moe_shared "ref"
-    fused = KernelConfig(fused_moe="triton", moe_route="triton", moe_experts="triton", moe_shared="triton")
-    model = dspark.init_model("tiny-v4", seed=0, kernels=fused).to(DEVICE)
-    layer = model.layers[-1].ffn
-    assert isinstance(layer._shared_aside, moe_decode.SharedAside)
-    started = []
-    start = layer._shared_aside.start
-    monkeypatch.setattr(layer._shared_aside, "start", lambda *a, **k: started.append(a[0].shape[0]) or start(*a, **k))
-    g = torch.Generator().manual_seed(1)
-    for n_tok in (2, 40):
-        x = torch.randn(n_tok, model.config.hidden_size, generator=g).to(DEVICE, layer.shared_experts.w1.weight.dtype)
-        ids = torch.randint(0, 100, (n_tok,), generator=g).to(DEVICE)
-        with torch.no_grad():
-            y = layer(x, ids)
-            weights, experts = layer._routing(x, ids)
-            s = layer.shared_experts
-            inline = moe.moe_experts(x, weights, experts, *layer.stacked_weights(), s.w1.weight, s.w2.weight,
-                                     s.w3.weight, swiglu_limit=layer.swiglu_limit)
-        assert torch.equal(y, inline)
-    assert started == [2, 40]  # asked both times; the 40-token call (K·N > 64) got None and ran in line
-
-
-@needs_triton
 def test_decode_down_split_rejects_bad_values():
     x, weights, ids, *experts = _off_tile_experts(1, None, seed=0)
     for split in (0, 5, 2.0):
@@ -507,21 +408,6 @@ def test_decode_down_split_rejects_bad_values():
     h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0, wide)
     with pytest.raises(ValueError, match="down_split 2 needs decode_up's args for the same tiles"):
         moe_decode.decode_down(h, x, weights, ids, w2, s2, args, wide._replace(down_n=16))
-
-
-@needs_triton
-def test_decode_down_register_cap_keeps_every_bit(block=128):
-    """`DecodeTiles.down_maxnreg` only caps the down kernel's registers (on the GPU; the interpreter has
-    none): the result is the same bits at every cap; a bad cap is named."""
-    x, weights, ids, *experts = _off_tile_experts(1, block, seed=3)
-    want = moe_decode.decode_experts(x, weights, ids, *experts, 10.0)
-    tiles = moe_decode._default_tiles(x, experts[0], ids.shape[1])
-    for cap in (64, 255):
-        got = moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=tiles._replace(down_maxnreg=cap))
-        assert torch.equal(got, want), cap
-    for cap in (16, 256, 128.0):
-        with pytest.raises(ValueError, match=f"down_maxnreg must be None or an int in 32..255, got {cap!r}"):
-            moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=tiles._replace(down_maxnreg=cap))
 
 
 @needs_triton

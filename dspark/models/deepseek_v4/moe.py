@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.kernels import KernelConfig, get_op, shared_aside
+from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.config import DeepseekV4Config
 
 _EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -129,16 +129,12 @@ class MoE(nn.Module):
             self._tie(name, torch.empty(c.n_routed_experts, *shape, dtype=dtype, device=device))
         self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype=dtype, device=device)
         self.swiglu_limit = c.swiglu_limit
-        self.top_k = c.num_experts_per_tok
         self.fused = kernels.fused_moe == "triton"
         if self.fused:
             self._route = get_op(kernels, "moe_route")
             self._experts_op = get_op(kernels, "moe_experts")
             # W8A8 experts quantise x on a side stream while the router runs (`moe_w8a8.InputQuant`)
             self._quantize_input = getattr(self._experts_op, "quantize_input", None)
-            # moe_shared="triton" with the Triton experts: a decode call's shared expert on a side
-            # stream, beside the router and the routed up kernel (`moe_decode.SharedAside`); else None
-            self._shared_aside = shared_aside(kernels)
             # gates with one bias row per token (V4.1's image spans): only where that op is picked
             self._route_rows = get_op(kernels, "moe_route_rows") if kernels.moe_route_rows != "ref" else None
 
@@ -193,13 +189,8 @@ class MoE(nn.Module):
             early = self._quantize_input(x, *parts)
             weights, experts = self._routing(x, input_ids)
             return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_fp8=early)
-        early = {}
-        if self._shared_aside is not None:  # started before routing, so that the two overlap
-            top_k = getattr(self.gate, "top_k", self.top_k)  # a replaced gate's own K
-            early["shared"] = self._shared_aside.start(x, parts[0], *parts[3:], top_k=top_k,
-                                                       swiglu_limit=self.swiglu_limit)
         weights, experts = self._routing(x, input_ids)
-        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, **early)
+        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit)
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate
