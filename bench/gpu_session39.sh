@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU steps of the thirty-seventh session, for one H200 (an H100 runs them too; every JSON names its card):
+# GPU steps of the thirty-seventh session, for one H200 (an H100 runs them too; every JSON names its card).
+# Part a ran in that session on an H100 (bench/README.md); the select variants it times were then taken out:
+# run it at commit c5312a7.
 #
 #   run(command="bash bench/gpu_session39.sh a")   # ≈ 3 min
 #

@@ -207,13 +207,11 @@ def _sqrt_softplus(logits):
 @_jit
 def _route_pick(logits, offs_t, t_mask, offs_e, e_mask, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
                 scaling, n_exp, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                HASH: tl.constexpr, BIAS_ROWS: tl.constexpr, GATHER_ONCE: tl.constexpr = False):
+                HASH: tl.constexpr, BIAS_ROWS: tl.constexpr):
     """The router's epilogue for fp32 logits [BLOCK_T, E_PAD] of tokens offs_t (shared by the prefill
     kernel and `moe_route_decode`): scores, the K picks and their renormalised, scaled weights, stored.
     Taken and padded experts are masked with -3e38, not -inf: finite, and below any real score.
-    BIAS_ROWS: the selection bias is one row per token ([N, E], `moe_route_rows`), else one [E] row.
-    GATHER_ONCE (one token, BLOCK_T 1): the K picked scores are read in one [K_PAD, E_PAD] reduction
-    after the picks instead of one reduction per pick (each sums one score and zeros: the same bits)."""
+    BIAS_ROWS: the selection bias is one row per token ([N, E], `moe_route_rows`), else one [E] row."""
     scores = _sqrt_softplus(logits)
     if HASH:
         tok = tl.load(tok_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
@@ -233,13 +231,9 @@ def _route_pick(logits, offs_t, t_mask, offs_e, e_mask, bias_ptr, tid2eid_ptr, t
         else:
             idx = tl.argmax(sel, axis=1).to(tl.int32)  # ties: lowest expert id
             sel = tl.where(offs_e[None, :] == idx[:, None], -3.0e38, sel)
-        if not GATHER_ONCE:
-            s_k = tl.sum(tl.where(offs_e[None, :] == idx[:, None], scores, 0.0), axis=1)
-            picked = tl.where(offs_kk[None, :] == k, s_k[:, None], picked)
+        s_k = tl.sum(tl.where(offs_e[None, :] == idx[:, None], scores, 0.0), axis=1)
+        picked = tl.where(offs_kk[None, :] == k, s_k[:, None], picked)
         ids = tl.where(offs_kk[None, :] == k, idx[:, None], ids)
-    if GATHER_ONCE:  # [K_PAD, E_PAD]: row k holds pick k's score; the padded picks' ids are 0, masked here
-        hit = (offs_e[None, :] == tl.reshape(ids, (K_PAD,))[:, None]) & (offs_kk < TOP_K)[:, None]
-        picked = tl.reshape(tl.sum(tl.where(hit, scores, 0.0), axis=1), (1, K_PAD))
     weights = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20) * scaling
     out_off = offs_t[:, None] * TOP_K + offs_kk[None, :]
     out_mask = t_mask[:, None] & (offs_kk[None, :] < TOP_K)

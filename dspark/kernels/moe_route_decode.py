@@ -35,16 +35,12 @@ _MAX_SELECT_TILE = 8192  # fp32 partials one select program sums at once (S_PAD 
 class RouteTiles(NamedTuple):
     """Launch shape of the logits kernel: experts per program (`block_e`, a power of 2 >= 16, as
     tl.dot needs), reduction step (`block_k`, a power of 2 >= 16), the grid size aimed at
-    (`programs`; the H200 has 132 SMs) and warps per program; of the select kernel: its warps
-    (`select_warps`; None: 4, or 8 above 4096 partials) and `gather_once` (`moe._route_pick`'s
-    GATHER_ONCE: the picked scores in one reduction, the same bits)."""
+    (`programs`; the H200 has 132 SMs) and warps per program."""
 
     block_e: int = 32
     block_k: int = 64
     programs: int = 128
     warps: int = 4
-    select_warps: int | None = None
-    gather_once: bool = False
 
 
 class RoutePlan(NamedTuple):
@@ -66,10 +62,8 @@ def _check_tiles(tiles: RouteTiles) -> None:
             raise ValueError(f"RouteTiles.{name} must be a power of 2 >= 16, got {value}")
     if tiles.programs < 1:
         raise ValueError(f"RouteTiles.programs must be >= 1, got {tiles.programs}")
-    for name in ("warps", "select_warps"):
-        value = getattr(tiles, name)
-        if value not in (1, 2, 4, 8, 16) and not (name == "select_warps" and value is None):
-            raise ValueError(f"RouteTiles.{name} must be a power of 2 in [1, 16], got {value}")
+    if tiles.warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"RouteTiles.warps must be a power of 2 in [1, 16], got {tiles.warps}")
 
 
 def plan_route(n_tok: int, dim: int, n_exp: int, tiles: RouteTiles = RouteTiles()) -> RoutePlan:
@@ -116,7 +110,7 @@ def _route_logits_kernel(x_ptr, gw_ptr, part_ptr, n_tok, dim, n_exp, chunk_steps
 def _route_select_kernel(part_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
                          n_tok, n_exp, n_splits, scaling,
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                         HASH: tl.constexpr, BIAS_ROWS: tl.constexpr, GATHER_ONCE: tl.constexpr, PDL: tl.constexpr):
+                         HASH: tl.constexpr, BIAS_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Token t = program 0: logits = Σ_s partial[s, t] over a [S_PAD, E_PAD] tile, then `_route_pick`."""
     pdl_prologue(PDL)
     offs_t = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one token per program
@@ -128,7 +122,7 @@ def _route_select_kernel(part_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id
                    mask=(offs_s[:, None] < n_splits) & e_mask[None, :], other=0.0)
     logits = tl.sum(part, axis=0)[None, :]  # [1, E_PAD]
     _route_pick(logits, offs_t, offs_t < n_tok, offs_e, e_mask, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr,
-                id_out_ptr, scaling, n_exp, TOP_K, K_PAD, 1, HASH, BIAS_ROWS, GATHER_ONCE)
+                id_out_ptr, scaling, n_exp, TOP_K, K_PAD, 1, HASH, BIAS_ROWS)
 
 
 def route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int, routed_scaling_factor: float,
@@ -162,7 +156,7 @@ def route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int, r
         tid2eid.contiguous() if hash_routing else x, token_ids.contiguous() if hash_routing else x,
         weights, ids, n_tok, n_exp, plan.splits, float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=plan.e_pad, S_PAD=plan.s_pad,
-        HASH=bool(hash_routing), GATHER_ONCE=tiles.gather_once, PDL=pdl, launch_pdl=pdl, BIAS_ROWS=bias_rows,
-        num_warps=tiles.select_warps or (4 if plan.s_pad * plan.e_pad <= 4096 else 8),
+        HASH=bool(hash_routing), PDL=pdl, launch_pdl=pdl, num_warps=4 if plan.s_pad * plan.e_pad <= 4096 else 8,
+        BIAS_ROWS=bias_rows,
     )
     return weights, ids
