@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU steps of the thirty-seventh session, for one H200 (an H100 runs them too; every JSON names its card):
+# GPU steps of the thirty-seventh session, for one H200 (an H100 runs them too; every JSON names its card).
+# Part a ran in that session on an H100 (bench/README.md); DecodeTiles.up_stages was then taken out: run it
+# at commit 6e0eb51.
 #
 #   run(command="bash bench/gpu_session40.sh a")   # ≈ 3 min
 #

@@ -172,11 +172,10 @@ def chain_seconds(calls, rounds: int) -> list[float]:
     return [replay_seconds(graph, 20) / len(calls) for _ in range(rounds)]
 
 
-def split_ab(name, block, m, g, splits: tuple, rounds: int = 3, up_stages: tuple = ()) -> dict:
+def split_ab(name, block, m, g, splits: tuple, rounds: int = 3) -> dict:
     """The shipped shape (`decode_tiles`) against itself with the down kernel's expert slots split over
     `splits` programs (`DecodeTiles.down_split`) at its row block and at 2 and 4 times it (the split
-    brings the programs back), and with its gate/up kernel pipelined over each of `up_stages`
-    (`DecodeTiles.up_stages`). Each variant is timed as a chain of CHAIN_CALLS calls over CHAIN_SETS
+    brings the programs back). Each variant is timed as a chain of CHAIN_CALLS calls over CHAIN_SETS
     weight sets (`chain_seconds`: the whole op, and the down kernel alone on the calls' h), the variants
     in turn for `rounds` rounds (median), every output checked against the shipped op's."""
     from triton.runtime.errors import OutOfResources
@@ -196,10 +195,9 @@ def split_ab(name, block, m, g, splits: tuple, rounds: int = 3, up_stages: tuple
     want = [op(shipped, c) for c in calls]
     variants = [shipped._replace(down_n=n, down_split=sp) for n in
                 sorted({shipped.down_n, 2 * shipped.down_n, 4 * shipped.down_n}) for sp in (1, *splits)]
-    variants += [shipped._replace(up_stages=st) for st in up_stages]
     rows, timers = [], []
     for t in variants:
-        shape = {"down_n": t.down_n, "split": t.down_split, "up_stages": t.up_stages}
+        shape = {"down_n": t.down_n, "split": t.down_split}
         try:
             got = [op(t, c) for c in calls]
         except OutOfResources as e:  # recorded, not timed
@@ -220,10 +218,9 @@ def split_ab(name, block, m, g, splits: tuple, rounds: int = 3, up_stages: tuple
         row["down_us"] = statistics.median(row["down_s"]) * 1e6
         row["op_pct_hbm"] = 100 * total / (row["op_us"] * 1e-6) / HBM
         row["down_pct_hbm"] = 100 * down_bytes / (row["down_us"] * 1e-6) / HBM
-        print(f"{name} fp8_block={block} M={m} down_n={row['down_n']} split={row['split']} "
-              f"up_stages={row['up_stages']}: down "
+        print(f"{name} fp8_block={block} M={m} down_n={row['down_n']} split={row['split']}: down "
               f"{row['down_us']:.1f} us, op {row['op_us']:.1f} us ({row['op_pct_hbm']:.0f} % HBM)", flush=True)
-    plain = [r for r in rows if r["down_n"] == shipped.down_n and r["up_stages"] is None and "op_us" in r]
+    plain = [r for r in rows if r["down_n"] == shipped.down_n and "op_us" in r]
     # the table's own shape where it is among the rows (--splits with its split), else its unsplit row
     base = next((r for r in plain if r["split"] == shipped.down_split), None) or \
         next(r for r in plain if r["split"] == 1)
@@ -248,8 +245,6 @@ def main() -> None:
                     "per row, DecodeTiles.up_defer / down_defer)")
     ap.add_argument("--splits", default="1", help="down kernel expert splits to sweep (DecodeTiles.down_split: "
                     "the shared + K routed slots over this many programs per row block)")
-    ap.add_argument("--up-stages", default="", help="with --split-ab: gate/up pipeline depths to try at the "
-                    "shipped shape (DecodeTiles.up_stages), comma list")
     ap.add_argument("--split-ab", action="store_true", help="instead of the sweep: the shipped shapes against "
                     "themselves with --splits programs per down row block, timed as chains of calls over "
                     "several weight sets in interleaved rounds (`split_ab`; --graph does not apply)")
@@ -271,9 +266,7 @@ def main() -> None:
                   "wide": args.wide, "fp8_steps": fp8_steps, "rows": rows_, "stages": stages, "defer": defer, "splits": splits, "split_ab": args.split_ab, "timing": "graph_timer" if args.graph else "triton.testing.do_bench"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.split_ab:
-        up_stages = tuple(int(st) for st in args.up_stages.split(",") if st)
-        split_ab_main(args.out, {**conditions, "up_stages": up_stages}, layers, kinds, tokens, g,
-                      tuple(sp for sp in splits if sp > 1), up_stages)
+        split_ab_main(args.out, conditions, layers, kinds, tokens, g, tuple(sp for sp in splits if sp > 1))
         return
     rows = []
     for name, block, m in itertools.product(layers, kinds, tokens):
@@ -286,15 +279,14 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
 
 
-def split_ab_main(out, conditions, layers, kinds, tokens, g, splits, up_stages=()) -> None:
+def split_ab_main(out, conditions, layers, kinds, tokens, g, splits) -> None:
     """`--split-ab`: `split_ab` per layer, weight kind and token count, the JSON rewritten after each."""
     rows = []
     for name, block, m in itertools.product(layers, kinds, tokens):
-        r = split_ab(name, block, m, g, splits, up_stages=up_stages)
+        r = split_ab(name, block, m, g, splits)
         rows.append(r)
         print(f"{r['layer']} fp8_block={r['fp8_block']} M={r['M']}: shipped {r['shipped_op_us']:.1f} us, best "
               f"{r['best']['op_us']:.1f} us at down_n={r['best']['down_n']} split={r['best']['split']} "
-              f"up_stages={r['best']['up_stages']} "
               f"({r['speedup']:.3f}x, {r['best']['op_pct_hbm']:.0f} % HBM)", flush=True)
         # written after every layer: a run cut by its time limit keeps what it measured
         Path(out).write_text(json.dumps({"conditions": {**conditions, "timing": "chain_seconds"}, "results": rows},

@@ -307,9 +307,6 @@ class DecodeTiles(NamedTuple):
     down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
     down_split: int = 1  # > 1: the down kernel's expert slots (shared + K routed) over this many programs
     # per row block, their fp32 sums added in a fixed order by the last to finish (stages 1 only)
-    up_stages: int | None = None  # the gate/up kernel's pipeline depth where it differs from `stages`
-    # (then `stages` is the down kernel's alone): the one-token H200 sweep found 3 stages faster for the
-    # up kernel and slower for every down shape (bench/README.md, "Two one-token ideas that lost")
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -381,10 +378,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     if tiles is None:
         _, _, fp8, block = _weight_parts(w1)
         tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1], slots - 1)
-    for name in ("stages", "up_stages"):
-        value = getattr(tiles, name)
-        if not (isinstance(value, int) and value >= 1) and not (name == "up_stages" and value is None):
-            raise ValueError(f"DecodeTiles.{name} must be an int >= 1, got {value!r}")
+    if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
+        raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
     if not (isinstance(tiles.down_split, int) and 1 <= tiles.down_split <= slots):
         raise ValueError(f"DecodeTiles.down_split must be an int in 1..{slots} (the shared expert and "
                          f"{slots - 1} routed), got {tiles.down_split!r}")
@@ -411,8 +406,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
     n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
     tickets = torch.empty((n_tok, n_tickets), dtype=torch.int32, device=x.device) if n_tickets else None
-    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.up_stages or tiles.stages,
-                     tiles.up_defer)
+    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](

@@ -418,24 +418,6 @@ def test_decode_tiles_reject_bad_stages():
     experts = expert_weights(8, 64, 32, torch.float32, seed=0)
     with pytest.raises(ValueError, match="stages must be an int >= 1, got 0"):
         moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=moe_decode.DecodeTiles(stages=0))
-    for bad in (0, 2.0):
-        with pytest.raises(ValueError, match=f"up_stages must be an int >= 1, got {bad!r}"):
-            moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=moe_decode.DecodeTiles(up_stages=bad))
-
-
-@needs_triton
-@pytest.mark.parametrize("fp8_block", [None, 32])
-def test_decode_up_stages_apart_from_the_down_kernel(fp8_block, poisoned):
-    """`DecodeTiles.up_stages` pipelines the gate/up kernel alone: with a split down kernel (which
-    takes stages 1) and with deferred sums, the same bits as the unpipelined op."""
-    x, weights, ids, *experts = _off_tile_experts(2, fp8_block, seed=31)
-    for tiles in (moe_decode.DecodeTiles(up_n=16, down_n=16, up_k=32, down_k=32, down_split=2),
-                  moe_decode.DecodeTiles(up_n=8, down_n=16, up_k=16, down_k=64, up_defer=True)):
-        want = moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=tiles)
-        for pipelined in (tiles._replace(up_stages=2), tiles._replace(up_stages=3)):
-            with poisoned():
-                got = moe_decode.decode_experts(x, weights, ids, *experts, 10.0, tiles=pipelined)
-            assert torch.equal(got, want), pipelined
 
 
 @needs_triton
