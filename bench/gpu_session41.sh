@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU steps of the thirty-seventh session, for one H200 (an H100 runs them too; every JSON names its card):
+#
+#   run(command="bash bench/gpu_session41.sh a")   # ≈ 4 min
+#
+# a: the v4-mini batch-1 graph step's kernels on the current tree (`bench/graph_decode.py --profile`, as
+#    `gpu_session30.sh a` did at 284cc41 in the twenty-ninth session), with PDL off (comparable with that
+#    run) and on (as shipped): where issue 7's 1.125 ms step goes now.
+source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch
+
+card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
+
+part_a() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  step "v4-profile-nopdl-$(card)-s37" 150 --requests 1 --profile --no-pdl
+  step "v4-profile-pdl-$(card)-s37" 150 --requests 1 --profile
+}
+
+dispatch session41 "${1:-}"
