@@ -11,15 +11,14 @@ source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch
 
 card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
 
-part_a() {
-  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  step "v4-profile-nopdl-$(card)-s37" 150 --requests 1 --profile --no-pdl
-  step "v4-profile-pdl-$(card)-s37" 150 --requests 1 --profile
-}
-
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   step "v4-profile-pdl-$(card)-s37" 150 --requests 1 --profile
+}
+
+part_a() {
+  part_b
+  step "v4-profile-nopdl-$(card)-s37" 150 --requests 1 --profile --no-pdl
 }
 
 dispatch session41 "${1:-}"

@@ -163,7 +163,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_rows(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     """x̂ [M, K] fp32 = q · sf per 1×128 block (`quantize_rows`' pair): the activation deep_gemm multiplies."""
-    return (q.float().unflatten(-1, (-1, BLOCK)) * sf[..., None]).flatten(-2)
+    return quant.dequantize_fp8(q, sf, (1, BLOCK))
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ import textwrap
 import pytest
 import torch
 
+from dspark import quant
 from dspark.kernels import (attention, attention_wide, cache_round, compressor, engram_gate, engram_rows, grouped_wo_a,
                             hc_head_norm, indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe,
                             moe_decode, moe_route_decode, moe_w8a8, norm_rope, rms_norm, rope, slot_noise, step_index,
@@ -121,9 +122,8 @@ def _empty_weight(block: int | None, *size: int):
     """Uninitialised expert storage of `size`: bf16 (block None) or FP8 with `block`-wide scale blocks."""
     if block is None:
         return torch.empty(*size, dtype=torch.bfloat16, device=DEVICE)
-    grid = tuple(-(-n // block) for n in size[-2:])
-    return FP8BlockWeight(torch.empty(*size, dtype=torch.float8_e4m3fn, device=DEVICE),
-                          torch.zeros(*size[:-2], *grid, dtype=torch.uint8, device=DEVICE), block)
+    scale = torch.zeros(quant.block_grid(size, (block, block)), dtype=torch.uint8, device=DEVICE)
+    return FP8BlockWeight(torch.empty(*size, dtype=torch.float8_e4m3fn, device=DEVICE), scale, block)
 
 
 def run_every_tile_class():
@@ -220,7 +220,8 @@ def run_every_tile_class():
     # D 2048, I 512): the unrolled expert loops and the reduction lengths change register allocation, which
     # the small shapes above do not show. Storage only (never run): empty weights of 6 experts.
     for (kind, one, narrow), tiles in moe_decode._MEASURED.items():
-        dim, inter, n_tok = (2048, 512, 1 if one else 8) if narrow else (4096, 2048, 1 if one else 8)
+        dim, inter = (2048, 512) if narrow else (4096, 2048)
+        n_tok = 1 if one else 8
         weights = [_empty_weight(kind, *size) for size in ((6, inter, dim), (6, dim, inter), (6, inter, dim),
                                                               (inter, dim), (dim, inter), (inter, dim))]
         x = torch.empty(n_tok, dim, dtype=torch.bfloat16, device=DEVICE)
