@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -153,11 +154,54 @@ def op_sites(fn, top: int = 40) -> dict:
     return {"torch_ops_per_step": sum(counter.sites.values()), "top": rows}
 
 
+@contextlib.contextmanager
+def gemv_rule(variant: dict):
+    """`linear`'s rule for rows of `linear.SHORT_K` (v4-mini's `wq_b` and indexer `wq_b`) as `variant`
+    has it while a step is captured (the rule is read then), restored after: its "SHORT_K" /
+    "SHORT_K_MAX_ROWS" replace the module's (SHORT_K -1: torch's matmul there, as shipped before the
+    thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (16 rows of 512, 8 warps)."""
+    from dspark.kernels import linear
+
+    names = ("SHORT_K", "SHORT_K_MAX_ROWS", "gemv_tiles")
+    saved = {name: getattr(linear, name) for name in names}
+
+    def short_k_tiles(n_out, n_in, n_sms, rows=1):
+        if n_in != saved["SHORT_K"]:
+            return saved["gemv_tiles"](n_out, n_in, n_sms, rows)
+        return variant["tiles"][0], n_in, variant["tiles"][1]
+
+    for name in names[:2]:
+        setattr(linear, name, variant.get(name, saved[name]))
+    if "tiles" in variant:
+        linear.gemv_tiles = short_k_tiles
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(linear, name, value)
+
+
+# --gemv-ab: label -> `gemv_rule`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
+# the other way round, before the rule shipped: the shipped graph then ran torch's matmul on these weights,
+# its "gemv" variant `gemv_tiles`' shape and "gemv_n32" / "gemv_n8" the tiles below.
+GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "rows4": dict(SHORT_K_MAX_ROWS=4), "gemv_n8": dict(tiles=(8, 4))}
+
+
+def timed_in_turn(replays: dict, device, args: dict, rounds: int = 3) -> dict:
+    """label -> median ms of `rounds` `timed` runs of each replay, the labels taken in turn every round."""
+    times = {label: [] for label in replays}
+    for _ in range(rounds):
+        for label, replay in replays.items():
+            times[label].append(timed(replay, device, args["warmup"], args["steps"]))
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False,
-         side_ab: bool = False) -> dict:
+         side_ab: bool = False, gemv_ab: bool = False) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context; with `side_ab` also
     the graphs of decoders with 3, 2, 1 and 0 side streams (`side_streams=`; the third lane carries
-    V4.1's mHC mixes) over the same state, timed in turn."""
+    V4.1's mHC mixes) over the same state, timed in turn; with `gemv_ab` the graphs captured under
+    `gemv_rule` (each of GEMV_VARIANTS) and the shipped one, timed in turn."""
     device, context = model.device, args["context"]
     n_tok = args["tokens"]
     shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=n_tok)
@@ -168,6 +212,11 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
     lane_counts = tuple(range(MAX_LANES, -1, -1)) if graphs and side_ab else ()
     others = {lanes: family(model, shape, side_streams=lanes) for lanes in lane_counts}
     other_graphs = {lanes: StepGraph(other, n_tok) for lanes, other in others.items()}
+    gemv_graphs = {}
+    for label, variant in (GEMV_VARIANTS.items() if graphs and gemv_ab else ()):
+        with gemv_rule(variant):
+            others[label] = family(model, shape)
+            gemv_graphs[label] = StepGraph(others[label], n_tok)
     vocab, token_map = model.config.vocab_size, _token_map(model)
     states = [fabricate_state(model.new_state(), context, g, vocab, token_map) for _ in range(n_req)]
     for slot, state in enumerate(states):
@@ -196,14 +245,18 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
         reference_graph = graph.replay(ids, starts).clone()
         row["side_lanes_equal"] = all(torch.equal(g_.replay(ids, starts), reference_graph)
                                       for g_ in other_graphs.values())
-        times = {lanes: [] for lanes in other_graphs}
-        for _ in range(3):
-            for lanes, g_ in other_graphs.items():
-                times[lanes].append(timed(g_.replay, device, args["warmup"], args["steps"]))
+        times = timed_in_turn({lanes: g_.replay for lanes, g_ in other_graphs.items()}, device, args)
         for lanes in other_graphs:
-            row[f"graph_ms_{lanes}_side_streams"] = statistics.median(times[lanes])
+            row[f"graph_ms_{lanes}_side_streams"] = times[lanes]
         row["side_streams_speedup"] = row["graph_ms_0_side_streams"] / row[f"graph_ms_{MAX_LANES}_side_streams"]
         row["mix_lane_speedup"] = row["graph_ms_2_side_streams"] / row["graph_ms_3_side_streams"]
+    if gemv_graphs:  # the shipped graph and each variant's in turn, three rounds
+        row["gemv_max_abs_diff"] = {label: (g_.replay(ids, starts) - reference).abs().max().item()
+                                    for label, g_ in gemv_graphs.items()}
+        times = timed_in_turn({"shipped": graph.replay, **{k: g_.replay for k, g_ in gemv_graphs.items()}},
+                              device, args)
+        row["gemv_ab_ms"] = times
+        row["gemv_ab_speedup"] = {label: times["shipped"] / times[label] for label in gemv_graphs}
     if profile:
         target = graph.replay if graph is not None else (lambda: decoder.step(ids, starts))
         row["profile"] = kernel_profile(target, device, args["steps"])
@@ -248,6 +301,9 @@ def main() -> None:
     ap.add_argument("--side-ab", action="store_true",
                     help="also time the graphs of decoders with 3, 2, 1 and 0 side streams "
                          "(StaticDecoder(side_streams=)), in turn")
+    ap.add_argument("--gemv-ab", action="store_true",
+                    help="also time graphs captured with linear's one-row rule for K = 512 weights changed (gemv_rule: "
+                         "torch's matmul there, or other GEMV tiles) against the shipped graph, in turn")
     ap.add_argument("--image-token-id", type=int, default=None,
                     help="V4.1 configs: set image_token_id (as the released checkpoint does): the gates then select "
                          "with a per-token bias (`moe_route_rows`, or the module with `--ref moe_route_rows`), Engram skips that id")
@@ -318,7 +374,7 @@ def main() -> None:
     with torch.no_grad():
         for n_req in args["requests"]:
             results["cells"].append(cell(model, n_req, args, graphs=not cli.smoke, g=g, profile=cli.profile,
-                                         side_ab=cli.side_ab))
+                                         side_ab=cli.side_ab, gemv_ab=cli.gemv_ab))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     b1 = results["cells"][0]

@@ -28,10 +28,11 @@ A batch-1 decode step multiplies one row by every dense weight of the model, and
 are latency-bound: cuBLAS's one-row kernels took 4.4-12.3 µs for the 1-4 MB projections of v4-mini
 on the H200, where `_gemv_kernel` (program n streams BLOCK_N weight rows in BLOCK_K-wide tiles and
 reduces them against x on the CUDA cores, fp32) takes 2.8-4.1 µs. On larger weights, or short rows
-(K = 512), cuBLAS was faster (`bench/results/linear-decode-h200.json`), so `linear` runs the kernel
-only where it won (`gemv_pays`) and torch's matmul everywhere else: the LM head, the wide q
-projections, and (GEMV_MAX_ROWS) every call of more than four rows (a tensor-core 16-row tile variant
-measured 0.72-1.02× cuBLAS at 8 rows and was dropped).
+(K = 512), cuBLAS was faster timed alone (`bench/results/linear-decode-h200.json`), so `linear` runs
+the kernel where it won there or, for one row of 512, in the graph step (`gemv_pays`), and torch's
+matmul everywhere else: the LM head, V4-Flash's q projections, and (GEMV_MAX_ROWS) every call of
+more than four rows (a tensor-core 16-row tile variant measured 0.72-1.02× cuBLAS at 8 rows and was
+dropped).
 
 A verify step (a few tokens per request) or a decode step of a few requests has 2-8 rows: each
 program then multiplies its weight tile with all M rows (ROWS = M rounded up to a power of two,
@@ -58,6 +59,14 @@ from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue,
 # 0.76-0.86×; 8M+ elements incl. the LM heads: 0.77-0.89×).
 GEMV_MIN_K = 2048
 GEMV_MAX_ELEMENTS = 4 << 20
+# One-row calls on rows of 512 (v4-mini's and v41-mini's `wq_b` [16384, 512] and indexer `wq_b` [8192, 512])
+# run the GEMV too, though cuBLAS won them timed alone (0.76-0.83x above): inside the graph step, behind
+# PDL and the weight prefetch, the step was 1.008x / 1.007x faster with them on the GEMV (one H100,
+# v4-mini / v41-mini batch 1, graphs timed in turn, `bench/graph_decode.py --gemv-ab`,
+# gemv-ab-v4-h100-s38.json). K = 1024 (V4-Flash) was not timed in a step: it stays on cuBLAS.
+SHORT_K = 512
+SHORT_K_MAX_ELEMENTS = 8 << 20
+SHORT_K_MAX_ROWS = 1
 # The most rows the kernels take (ROWS, a power of two: every weight tile multiplies ROWS rows of x
 # on the CUDA cores; from 16 rows a tensor-core tile is the tool).
 MAX_ROWS = 8
@@ -282,7 +291,9 @@ def gemv_tiles(n_out: int, n_in: int, n_sms: int, rows: int = 1) -> tuple[int, i
 
 
 def gemv_pays(rows: int, n_out: int, n_in: int) -> bool:
-    """Whether `linear` runs `_gemv_kernel` for this call (see GEMV_MIN_K, GEMV_MAX_ROWS)."""
+    """Whether `linear` runs `_gemv_kernel` for this call (see GEMV_MIN_K, GEMV_MAX_ROWS, SHORT_K)."""
+    if n_in == SHORT_K:
+        return 1 <= rows <= SHORT_K_MAX_ROWS and n_out * n_in <= SHORT_K_MAX_ELEMENTS
     return 1 <= rows <= GEMV_MAX_ROWS and n_in >= GEMV_MIN_K and n_out * n_in <= GEMV_MAX_ELEMENTS
 
 

@@ -103,6 +103,11 @@ def test_linear_multi_row_routing_follows_gemv_max_rows(max_rows, lead, kernel, 
     ((5,), 33, 2048, False),  # more than GEMV_MAX_ROWS rows
     ((1,), 33, 1024, False),  # K below 2048
     ((1,), 2049, 2048, False),  # more than 4M elements
+    ((1,), 40, 512, True),  # one row of SHORT_K
+    ((1, 1), 16384, 512, True),  # v4-mini's wq_b: 8M elements
+    ((2,), 40, 512, False),  # SHORT_K rows: one row only
+    ((1,), 16385, 512, False),  # more than SHORT_K_MAX_ELEMENTS
+    ((1,), 40, 1024, False),  # K = 1024 (V4-Flash's short rows): not timed in a step
 ])
 def test_linear_runs_the_kernel_where_it_won(lead, n_out, n_in, kernel, monkeypatch):
     x, weight = make_inputs(lead, n_out, n_in, torch.float32, seed=n_out)
