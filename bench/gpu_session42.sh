@@ -3,6 +3,8 @@
 #
 #   run(command="bash bench/gpu_session42.sh a", carry=[".whl"])   # ≈ 7 min (+ ≈ 3 on an H200)
 #   (.whl: the flashinfer wheels, see gpu_session29.sh; without them part a skips the attention step)
+#   run(command="bash bench/gpu_session42.sh b")                   # ≈ 7 min
+#   run(command="bash bench/gpu_session42.sh c", carry=[".whl"])   # ≈ 9 min, an H200 only (else it does nothing)
 #
 # a: 1. the decode GEMV on v4-mini's K = 512 weights (the heads' `wq_b` [16384, 512] and the indexer's
 #       `wq_b` [8192, 512], on torch's matmul as shipped because the GEMV lost to cuBLAS timed alone):
@@ -12,6 +14,15 @@
 #       twenty-ninth session's `v4-profile-h100-s29.json`: where issue 7's step goes now.
 #    3. on an H200 only (the issue's card) with .whl carried: flashinfer's MLA decode attention with the
 #       sink pass at 32K for 256 and 512 requests (issue 6's 70 % row, last measured in the sixth session).
+# (a ran on the tree of 1e308d6 with the first --gemv-ab, whose variants widened the rule; since 814d689
+#  the variants are b's.)
+# b: at the tree with linear's SHORT_K rule shipped (814d689) and `grouped_wo_a` at 1-4 bf16 rows as one GEMV
+#    launch (`_wo_a_gemv_kernel`, first written in the thirty-third session and timed then only together
+#    with two other folds that lost): the GPU tests of both kernels, PDL and V4's / V4.1's static graphs;
+#    then `--gemv-ab` (the shipped graph against torch's matmul on the K = 512 weights, the GEMV there
+#    up to 4 rows, other GEMV tiles, and wo_a's split kernel + sum) at 1, 2 and 4 requests, the batch-1
+#    4-token verify block, and v41-mini at 1 request.
+# c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch, with_flashinfer
 
 card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
@@ -22,11 +33,35 @@ part_a() {
   step "gemv-ab-v41-$(card)-s38" 200 --config v41-mini --requests 1 --gemv-ab
   grep -h "gemv_ab" "$W"/logs/gemv-ab-*.txt | cut -c1-600
   step "v4-profile-nopdl-$(card)-s38" 150 --requests 1 --profile --no-pdl
-  if [ "$(card)" = h200 ] && ls .whl/*.whl > /dev/null 2>&1; then
-    with_flashinfer
-    logged "attn-flashinfer-32k-h200-s38" 300 python3 bench/attn_batched.py --skip-model --skip-sweep \
-      --skip-per-request --batches 256,512 --out "$OUT/attn-flashinfer-32k-h200-s38.json"
-    grep -h "flashinfer\|copy" "$W/logs/attn-flashinfer-32k-h200-s38.txt" | cut -c1-300
+  if [ "$(card)" = h200 ]; then attention_32k; fi
+}
+
+attention_32k() {  # flashinfer's MLA decode attention + the sink pass at 32K (needs .whl carried)
+  ls .whl/*.whl > /dev/null 2>&1 || { echo "no .whl: attention step skipped"; return; }
+  with_flashinfer
+  logged "attn-flashinfer-32k-h200-s38" 300 python3 bench/attn_batched.py --skip-model --skip-sweep \
+    --skip-per-request --batches 256,512 --out "$OUT/attn-flashinfer-32k-h200-s38.json"
+  grep -h "flashinfer\|copy" "$W/logs/attn-flashinfer-32k-h200-s38.txt" | cut -c1-300
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests b_tests 240 tests/kernels/test_linear.py tests/kernels/test_grouped_wo_a.py tests/kernels/test_kernels_pdl.py \
+    tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  step "gemv-wo-a-ab-v4-$(card)-s38" 240 --requests 1,2,4 --gemv-ab
+  step "gemv-wo-a-ab-v4-verify-$(card)-s38" 150 --requests 1 --tokens 4 --gemv-ab
+  step "gemv-wo-a-ab-v41-$(card)-s38" 200 --config v41-mini --requests 1 --gemv-ab
+  grep -h "gemv_ab_ms" "$W"/logs/gemv-wo-a-ab-*.txt | cut -c1-700
+}
+
+part_c() {  # an H200 only (issue 6's and 7's card)
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  if [ "$(card)" = h200 ]; then
+    attention_32k
+    logged engine 420 python3 bench/engine_h200.py --static-decode --overlap --decode-only --peer --steps 8 \
+      --confidence 0.8629 --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async --requests 1,64 \
+      --contexts 4096 --budget-s 300 --out "$OUT/engine-h200-s38.json"
+    tail -n 16 "$W/logs/engine.txt" | cut -c1-300
   fi
 }
 

@@ -159,11 +159,16 @@ def gemv_rule(variant: dict):
     """`linear`'s rule for rows of `linear.SHORT_K` (v4-mini's `wq_b` and indexer `wq_b`) as `variant`
     has it while a step is captured (the rule is read then), restored after: its "SHORT_K" /
     "SHORT_K_MAX_ROWS" replace the module's (SHORT_K -1: torch's matmul there, as shipped before the
-    thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (16 rows of 512, 8 warps)."""
+    thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (16 rows of 512, 8 warps);
+    its "WO_A_GEMV_ROWS" `grouped_wo_a.GEMV_ROWS` (0: the split tensor-core kernel and its sum at every row count)."""
     from dspark.kernels import linear
+
+    from dspark.kernels import grouped_wo_a
 
     names = ("SHORT_K", "SHORT_K_MAX_ROWS", "gemv_tiles")
     saved = {name: getattr(linear, name) for name in names}
+    saved_wo_a = grouped_wo_a.GEMV_ROWS
+    grouped_wo_a.GEMV_ROWS = variant.get("WO_A_GEMV_ROWS", saved_wo_a)
 
     def short_k_tiles(n_out, n_in, n_sms, rows=1):
         if n_in != saved["SHORT_K"]:
@@ -179,12 +184,14 @@ def gemv_rule(variant: dict):
     finally:
         for name, value in saved.items():
             setattr(linear, name, value)
+        grouped_wo_a.GEMV_ROWS = saved_wo_a
 
 
 # --gemv-ab: label -> `gemv_rule`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
 # the other way round, before the rule shipped: the shipped graph then ran torch's matmul on these weights,
 # its "gemv" variant `gemv_tiles`' shape and "gemv_n32" / "gemv_n8" the tiles below.
-GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "rows4": dict(SHORT_K_MAX_ROWS=4), "gemv_n8": dict(tiles=(8, 4))}
+GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "rows4": dict(SHORT_K_MAX_ROWS=4), "gemv_n8": dict(tiles=(8, 4)),
+                 "wo_a_split": dict(WO_A_GEMV_ROWS=0)}
 
 
 def timed_in_turn(replays: dict, device, args: dict, rounds: int = 3) -> dict:

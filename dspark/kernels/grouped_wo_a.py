@@ -29,8 +29,10 @@ of the tile's rows) before its dot; it accumulates in fp32 and writes its tile
 straight into y's token-major layout. This replaces the reference's rotation passes (slice, stack,
 cat), the batched GEMM over a [G, N, K] view and the [G, N, R] -> [N, G·R] transposing copy with one
 launch. At decode sizes each group's heads are split into runs (`decode_splits`): more programs, each
-streaming fewer weight rows, then a second launch adds the runs' fp32 partials in order. No host
-sync: CUDA-graph capturable.
+streaming fewer weight rows, then a second launch adds the runs' fp32 partials in order. At one
+bf16 row (GEMV_ROWS) the op is instead one GEMV launch (`_wo_a_gemv_kernel`: `linear`'s CUDA-core
+accumulators, the rotary channels rotated per element), no partials to add. No host sync:
+CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -42,7 +44,16 @@ import torch
 
 from dspark.kernels.registry import require_triton
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
-from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
+from dspark.kernels.linear import GEMV_MAX_ROWS, _num_sms, _rows_times_tile, gemv_tiles
+from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue, prefetch_launch
+
+
+# The most rows `grouped_wo_a` runs as one GEMV launch (bf16 / fp16; `launch_wo_a_gemv` takes up to
+# linear.GEMV_MAX_ROWS) instead of the split tensor-core kernel and its partial-sum launch. One H100,
+# graph steps timed in turn against the split kernel at every row count (`bench/graph_decode.py --gemv-ab`,
+# gemv-wo-a-ab-*-h100-s38.json): one row 1.012x (v4-mini) / 1.009x (v41-mini) faster; 2 rows 0.981x,
+# 4 rows (4 requests, or one 4-token verify block) 0.86x. So one row only.
+GEMV_ROWS = 1
 
 
 def _check_args(out, cos, sin, weight) -> int:
@@ -135,6 +146,46 @@ def _wo_a_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, hea
     if SPLITS > 1:
         y += split.to(tl.int64) * n_rows * rank * tl.num_programs(2)
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@_jit
+def _wo_a_gemv_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width, head_dim, nope, stride_cs,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                      PDL: tl.constexpr):
+    """`_wo_a_kernel`'s sums for the n_rows (<= ROWS) decode rows and the BLOCK_N weight rows of program
+    (n, g), on the CUDA cores (`linear._gemv_kernel`'s accumulators): each weight tile is read once
+    and multiplied with every row; x's rotary channels are rotated per tile (pair partner and cos/sin
+    loaded per element: x is a few KB, L1-resident) and rounded to x's dtype, as the reference does."""
+    g = tl.program_id(1)
+    first = tl.program_id(0) * BLOCK_N
+    offs_n = first + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < rank
+    if PREFETCH:
+        rows_here = tl.minimum(BLOCK_N, rank - first)
+        pdl_prefetch(w_ptr + (g * rank + first).to(tl.int64) * width,
+                     rows_here * width * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), PDL)
+    pdl_prologue(PDL)
+    offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < n_rows
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None, None] * (width * tl.num_programs(1)) + g * width
+    w_rows = (g * rank + offs_n).to(tl.int64)[None, :, None] * width
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < width
+        j = offs_k % head_dim - nope  # index inside the head's rotary dims, < 0 for "nope" channels
+        rot = m_mask[:, None, None] & ((j >= 0) & k_mask)[None, None, :]
+        x = tl.load(x_rows + offs_k[None, None, :], mask=m_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+        partner = tl.load(x_rows + (offs_k ^ 1)[None, None, :], mask=rot, other=0.0).to(tl.float32)
+        cs = offs_m[:, None, None] * stride_cs + (tl.maximum(j, 0) // 2)[None, None, :]
+        c = tl.load(cos_ptr + cs, mask=rot, other=1.0)
+        sn = tl.load(sin_ptr + cs, mask=rot, other=0.0)
+        sign = tl.where(offs_k % 2 == 0, 1.0, -1.0)[None, None, :]
+        x = (x.to(tl.float32) * c + sign * (partner * sn)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc = _rows_times_tile(acc, x, w_ptr, w_rows, offs_k[None, None, :], n_mask[None, :, None] & k_mask[None, None, :])
+    y = tl.sum(acc, axis=2)
+    out = y_ptr + offs_m.to(tl.int64)[:, None] * (rank * tl.num_programs(1)) + g * rank + offs_n[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @_jit
@@ -232,9 +283,33 @@ def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
     """Fused `grouped_wo_a_ref` (same signature, shapes and dtypes)."""
     groups = _check_args(out, cos, sin, weight)
     n, heads, head_dim = out.shape
+    if 1 <= n <= GEMV_ROWS and out.dtype != torch.float32:
+        return launch_wo_a_gemv(out, cos, sin, weight)
     tiles = default_tiles(n, groups, weight.shape[0] // groups, heads // groups, head_dim, 2 * cos.shape[1],
                           out.dtype)
     return launch_grouped_wo_a(out, cos, sin, weight, tiles)
+
+
+def launch_wo_a_gemv(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """`grouped_wo_a` for 1 to `linear.GEMV_MAX_ROWS` rows as a GEMV (`_wo_a_gemv_kernel`, one launch, no
+    head splits to add up); `tiles` (BLOCK_N, BLOCK_K, warps) overrides `linear.gemv_tiles`."""
+    require_triton()
+    groups = _check_args(out, cos, sin, weight)
+    n, heads, head_dim = out.shape
+    if not 1 <= n <= GEMV_MAX_ROWS:
+        raise ValueError(f"launch_wo_a_gemv takes 1 to {GEMV_MAX_ROWS} rows, got {n}")
+    rank, width = weight.shape[0] // groups, weight.shape[1]
+    y = torch.empty((n, groups * rank), dtype=out.dtype, device=out.device)
+    block_n, block_k, warps = tiles or gemv_tiles(groups * rank, width, _num_sms(out.device), n)
+    grid = (triton.cdiv(rank, block_n), groups)
+    pdl = pdl_launch(out.device, math.prod(grid))
+    weight = weight.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    _wo_a_gemv_kernel[grid](out.contiguous(), cos, sin, weight, y, n, rank, width, head_dim, head_dim - 2 * cos.shape[1],
+                            cos.shape[1], ROWS=triton.next_power_of_2(n), BLOCK_N=block_n, BLOCK_K=block_k,
+                            PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+    return y
 
 
 def launch_grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,

@@ -59,7 +59,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            indexer: ("_score_kernel", "_select_kernel"),
            indexer_pool: ("_block_max_kernel", "_pool_select_kernel"),
            compressor: ("_pool_kernel", "_pool_part_kernel", "_norm_kernel"),
-           grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel"),
+           grouped_wo_a: ("_wo_a_kernel", "_sum_splits_kernel", "_wo_a_gemv_kernel"),
            linear: ("_gemv_kernel", "_project_kernel"),
            cache_round: ("_round_kernel",),
            rms_norm: ("_rms_norm_kernel",),
@@ -336,9 +336,11 @@ def run_every_tile_class():
                                    slots, 1e-6, torch.bfloat16, split, cos_sin=(angles.cos(), angles.sin()),
                                    out=torch.empty(5, dim, dtype=dtype, device=DEVICE),
                                    out_rows=torch.tensor([4, 1], device=DEVICE))
-    # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) decode tiles, and
-    # v4-mini's (G 4, R 512) narrower decode tiles; the middle and prefill tiles; fp32 (ieee dot).
-    for n_tok, heads, groups, rank, dtype in ((2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),
+    # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) and v4-mini (G 4,
+    # R 512) at 1 row (the GEMV), 2 and 8 (the decode tiles, split); the middle and prefill tiles; fp32 (ieee dot).
+    for n_tok, heads, groups, rank, dtype in ((1, 64, 8, 1024, torch.bfloat16), (1, 32, 4, 512, torch.bfloat16),
+                                               (2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),
+                                               (8, 64, 8, 1024, torch.bfloat16), (8, 32, 4, 512, torch.bfloat16),
                                                (100, 32, 4, 512, torch.bfloat16), (300, 32, 4, 512, torch.bfloat16),
                                                (2, 8, 2, 64, torch.float32), (300, 8, 2, 64, torch.float32)):
         out = torch.randn(n_tok, heads, 512, generator=g).to(DEVICE, dtype)

@@ -166,3 +166,43 @@ def test_real_shapes_on_gpu(n, layer):
     assert not y.isnan().any()
     assert rel_err(y, ref) < TOL[torch.bfloat16]
     assert rel_err(y, exact) < TOL[torch.bfloat16] and rel_err(ref, exact) < TOL[torch.bfloat16]
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(4, 32, 8, 24), (4, 48, 16, 16), (8, 128, 16, 32)])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_decode_rows_run_as_a_gemv(n, shape, groups, poisoned):
+    """The GEMV launch (`_wo_a_gemv_kernel`) at 1 to `linear.GEMV_MAX_ROWS` bf16 rows: rotary channels
+    rotated per element, any head width against the K tile (d 32, 48, 128 with K tiles up to 1024 wide
+    span several heads); the op takes it up to GEMV_ROWS rows."""
+    heads, head_dim, rd, rank = shape
+    out, cos, sin, weight = make_inputs(n, heads, head_dim, rd, groups, rank, torch.bfloat16, seed=n + groups)
+    with poisoned():
+        y = op.launch_wo_a_gemv(out, cos, sin, weight)
+    ref = op.grouped_wo_a_ref(out, cos, sin, weight)
+    unrotated = op.grouped_wo_a_ref(out, torch.ones_like(cos), torch.zeros_like(sin), weight)
+    assert y.dtype == torch.bfloat16 and not y.isnan().any()
+    assert rel_err(y, ref) < TOL[torch.bfloat16] and rel_err(unrotated, ref) > 0.05
+
+
+@needs_triton
+@pytest.mark.parametrize("n,dtype,gemv", [(1, torch.bfloat16, True), (2, torch.bfloat16, False),
+                                          (1, torch.float32, False)])
+def test_the_op_takes_the_gemv_at_one_bf16_row(n, dtype, gemv, monkeypatch):
+    """GEMV_ROWS (1): the GEMV lost to the split kernel at 2 and 4 rows in the graph step."""
+    out, cos, sin, weight = make_inputs(n, 8, 64, 16, 2, 32, dtype, seed=n)
+    calls = []
+    launch = op.launch_wo_a_gemv
+    monkeypatch.setattr(op, "launch_wo_a_gemv", lambda *a: calls.append(a) or launch(*a))
+    y = op.grouped_wo_a(out, cos, sin, weight)
+    assert bool(calls) == gemv and rel_err(y, op.grouped_wo_a_ref(out, cos, sin, weight)) < TOL[dtype]
+
+
+@needs_triton
+def test_decode_gemv_takes_small_k_tiles_and_rejects_other_row_counts():
+    out, cos, sin, weight = make_inputs(2, 8, 64, 16, 2, 32, torch.bfloat16, seed=4)
+    y = op.launch_wo_a_gemv(out, cos, sin, weight, tiles=(4, 16, 4))  # 16-wide K tiles: one rotary pair block at a time
+    assert rel_err(y, op.grouped_wo_a_ref(out, cos, sin, weight)) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="1 to 4 rows, got 5"):
+        op.launch_wo_a_gemv(*make_inputs(5, 8, 64, 16, 2, 32, torch.bfloat16, seed=4))

@@ -199,6 +199,7 @@ def _every_op(device: str) -> None:
         indexer_pool.index_scores_pooled(rand(1, 2, 4, 32), rand(1, 2, 4), keys[None], visible[None], block=block)
     out, cs = rand(17, 8, 64), rand(17, 8)
     grouped_wo_a.launch_grouped_wo_a(out, cs, cs, rand(64, 256), grouped_wo_a.Tiles(16, 16, 16, 4, 2, 2))
+    grouped_wo_a.launch_wo_a_gemv(out[:2], cs[:2], cs[:2], rand(64, 256))
     n_exp, dim, inter = 4, 32, 16
     experts = [rand(*s) / 4 for s in ((n_exp, inter, dim), (n_exp, dim, inter), (n_exp, inter, dim),
                                       (inter, dim), (dim, inter), (inter, dim))]
