@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session42.sh a", carry=[".whl"])   # ≈ 7 min (+ ≈ 3 on an H200)
 #   (.whl: the flashinfer wheels, see gpu_session29.sh; without them part a skips the attention step)
 #   run(command="bash bench/gpu_session42.sh b")                   # ≈ 7 min
+#   run(command="bash bench/gpu_session42.sh d")                   # ≈ 6 min
 #   run(command="bash bench/gpu_session42.sh c", carry=[".whl"])   # ≈ 9 min, an H200 only (else it does nothing)
 #
 # a: 1. the decode GEMV on v4-mini's K = 512 weights (the heads' `wq_b` [16384, 512] and the indexer's
@@ -22,6 +23,12 @@
 #    then `--gemv-ab` (the shipped graph against torch's matmul on the K = 512 weights, the GEMV there
 #    up to 4 rows, other GEMV tiles, and wo_a's split kernel + sum) at 1, 2 and 4 requests, the batch-1
 #    4-token verify block, and v41-mini at 1 request.
+# d: `linear_rms_norm` (the attention's wq_a GEMV and q_norm in one launch, the last program to take a
+#    ticket normalising the row; from bc55aed, timed in the thirty-third session only together with two
+#    other folds that lost, registry.NOT_YET_ON_GPU): its GPU tests and linear's, then `--gemv-ab` with
+#    `--triton linear_rms_norm` (its variant "q_norm_apart" the two launches) at 1, 2 and 4 requests and
+#    v41-mini at 1. It ran on the tree of 0405a31 with bc55aed's files and that variant added, uncommitted;
+#    the fold lost (0.990-0.995x) and both were taken out again, so at later commits d fails to start.
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch, with_flashinfer
 
@@ -52,6 +59,14 @@ part_b() {
   step "gemv-wo-a-ab-v4-verify-$(card)-s38" 150 --requests 1 --tokens 4 --gemv-ab
   step "gemv-wo-a-ab-v41-$(card)-s38" 200 --config v41-mini --requests 1 --gemv-ab
   grep -h "gemv_ab_ms" "$W"/logs/gemv-wo-a-ab-*.txt | cut -c1-700
+}
+
+part_d() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests d_tests 200 tests/kernels/test_linear_rms_norm.py tests/kernels/test_linear.py
+  step "lrn-ab-v4-$(card)-s38" 240 --requests 1,2,4 --gemv-ab --triton linear_rms_norm
+  step "lrn-ab-v41-$(card)-s38" 200 --config v41-mini --requests 1 --gemv-ab --triton linear_rms_norm
+  grep -h "gemv_ab_ms" "$W"/logs/lrn-ab-*.txt | cut -c1-800
 }
 
 part_c() {  # an H200 only (issue 6's and 7's card)

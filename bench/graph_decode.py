@@ -189,7 +189,9 @@ def gemv_rule(variant: dict):
 
 # --gemv-ab: label -> `gemv_rule`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
 # the other way round, before the rule shipped: the shipped graph then ran torch's matmul on these weights,
-# its "gemv" variant `gemv_tiles`' shape and "gemv_n32" / "gemv_n8" the tiles below.
+# its "gemv" variant `gemv_tiles`' shape and "gemv_n32" / "gemv_n8" the tiles below. Its part d
+# (lrn-ab-*-s38.json) ran with `linear_rms_norm` (bc55aed) in the tree and a variant "q_norm_apart" that
+# captured the attentions with their `q_lora_op` set to None (wq_a and q_norm as two launches again).
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "rows4": dict(SHORT_K_MAX_ROWS=4), "gemv_n8": dict(tiles=(8, 4)),
                  "wo_a_split": dict(WO_A_GEMV_ROWS=0)}
 
