@@ -5,6 +5,8 @@
 #   (.whl: the flashinfer wheels, see gpu_session29.sh; without them part a skips the attention step)
 #   run(command="bash bench/gpu_session42.sh b")                   # ≈ 7 min
 #   run(command="bash bench/gpu_session42.sh d")                   # ≈ 6 min
+#   run(command="bash bench/gpu_session42.sh e")                   # ≈ 3 min
+#   run(command="bash bench/gpu_session42.sh f")                   # ≈ 5 min
 #   run(command="bash bench/gpu_session42.sh c", carry=[".whl"])   # ≈ 9 min, an H200 only (else it does nothing)
 #
 # a: 1. the decode GEMV on v4-mini's K = 512 weights (the heads' `wq_b` [16384, 512] and the indexer's
@@ -29,6 +31,12 @@
 #    `--triton linear_rms_norm` (its variant "q_norm_apart" the two launches) at 1, 2 and 4 requests and
 #    v41-mini at 1. It ran on the tree of 0405a31 with bc55aed's files and that variant added, uncommitted;
 #    the fold lost (0.990-0.995x) and both were taken out again, so at later commits d fails to start.
+# e: bounds for a compressor change: the v4-mini graph step at 1 and 8 requests captured without every
+#    compressor's pooling, and without every compressor update (wrong logits: what skipping the pooling
+#    of entries not complete yet could save at most), with `--gemv-ab`'s variants again, timed in turn.
+# f: the final tree (SHORT_K_TILE shipped): linear's and grouped_wo_a's GPU tests, then `--gemv-ab` (torch's
+#    matmul on the K = 512 weights, the former 16-row tiles there, wo_a's split kernel) at 1 and 8
+#    requests and v41-mini at 1.
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch, with_flashinfer
 
@@ -67,6 +75,20 @@ part_d() {
   step "lrn-ab-v4-$(card)-s38" 240 --requests 1,2,4 --gemv-ab --triton linear_rms_norm
   step "lrn-ab-v41-$(card)-s38" 200 --config v41-mini --requests 1 --gemv-ab --triton linear_rms_norm
   grep -h "gemv_ab_ms" "$W"/logs/lrn-ab-*.txt | cut -c1-800
+}
+
+part_e() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  step "bounds-v4-$(card)-s38" 240 --requests 1,8 --gemv-ab --bounds
+  grep -h "gemv_ab_ms" "$W"/logs/bounds-*.txt | cut -c1-900
+}
+
+part_f() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests f_tests 150 tests/kernels/test_linear.py tests/kernels/test_grouped_wo_a.py
+  step "final-ab-v4-$(card)-s38" 200 --requests 1,8 --gemv-ab
+  step "final-ab-v41-$(card)-s38" 150 --config v41-mini --requests 1 --gemv-ab
+  grep -h "gemv_ab_ms" "$W"/logs/final-ab-*.txt | cut -c1-700
 }
 
 part_c() {  # an H200 only (issue 6's and 7's card)

@@ -159,16 +159,23 @@ def gemv_rule(variant: dict):
     """`linear`'s rule for rows of `linear.SHORT_K` (v4-mini's `wq_b` and indexer `wq_b`) as `variant`
     has it while a step is captured (the rule is read then), restored after: its "SHORT_K" /
     "SHORT_K_MAX_ROWS" replace the module's (SHORT_K -1: torch's matmul there, as shipped before the
-    thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (16 rows of 512, 8 warps);
-    its "WO_A_GEMV_ROWS" `grouped_wo_a.GEMV_ROWS` (0: the split tensor-core kernel and its sum at every row count)."""
-    from dspark.kernels import linear
-
-    from dspark.kernels import grouped_wo_a
+    thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (8 rows of 512, 4 warps);
+    its "WO_A_GEMV_ROWS" `grouped_wo_a.GEMV_ROWS` (0: the split tensor-core kernel and its sum at every row count).
+    `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
+    save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every compressor
+    update (`static_step.update_compressor`: projections and pooling)."""
+    from dspark.kernels import grouped_wo_a, linear
+    from dspark.models.deepseek_v4 import static_step as v4_step
+    from dspark.models.deepseek_v4.compressor import Compressor
 
     names = ("SHORT_K", "SHORT_K_MAX_ROWS", "gemv_tiles")
     saved = {name: getattr(linear, name) for name in names}
-    saved_wo_a = grouped_wo_a.GEMV_ROWS
+    saved_wo_a, saved_update, saved_pool = grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows
     grouped_wo_a.GEMV_ROWS = variant.get("WO_A_GEMV_ROWS", saved_wo_a)
+    if variant.get("NO_COMPRESS"):
+        v4_step.update_compressor = lambda *args, **kwargs: None
+    if variant.get("NO_POOL"):
+        Compressor.pool_rows = lambda self, *args, **kwargs: None
 
     def short_k_tiles(n_out, n_in, n_sms, rows=1):
         if n_in != saved["SHORT_K"]:
@@ -184,7 +191,7 @@ def gemv_rule(variant: dict):
     finally:
         for name, value in saved.items():
             setattr(linear, name, value)
-        grouped_wo_a.GEMV_ROWS = saved_wo_a
+        grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows = saved_wo_a, saved_update, saved_pool
 
 
 # --gemv-ab: label -> `gemv_rule`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
@@ -192,8 +199,11 @@ def gemv_rule(variant: dict):
 # its "gemv" variant `gemv_tiles`' shape and "gemv_n32" / "gemv_n8" the tiles below. Its part d
 # (lrn-ab-*-s38.json) ran with `linear_rms_norm` (bc55aed) in the tree and a variant "q_norm_apart" that
 # captured the attentions with their `q_lora_op` set to None (wq_a and q_norm as two launches again).
-GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "rows4": dict(SHORT_K_MAX_ROWS=4), "gemv_n8": dict(tiles=(8, 4)),
-                 "wo_a_split": dict(WO_A_GEMV_ROWS=0)}
+# Parts b, d and e also had "rows4" (SHORT_K_MAX_ROWS 4: lost at 4 rows) and "gemv_n8" (tiles (8, 4), since
+# shipped as SHORT_K_TILE); "gemv_n16" is the tile shape before that.
+GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n16": dict(tiles=(16, 8)), "wo_a_split": dict(WO_A_GEMV_ROWS=0)}
+# --bounds (V4 only): label -> `gemv_rule`'s variant that leaves work out (the logits are then wrong)
+BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 
 
 def timed_in_turn(replays: dict, device, args: dict, rounds: int = 3) -> dict:
@@ -206,11 +216,11 @@ def timed_in_turn(replays: dict, device, args: dict, rounds: int = 3) -> dict:
 
 
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False,
-         side_ab: bool = False, gemv_ab: bool = False) -> dict:
+         side_ab: bool = False, gemv_ab: bool = False, bounds: bool = False) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context; with `side_ab` also
     the graphs of decoders with 3, 2, 1 and 0 side streams (`side_streams=`; the third lane carries
     V4.1's mHC mixes) over the same state, timed in turn; with `gemv_ab` the graphs captured under
-    `gemv_rule` (each of GEMV_VARIANTS) and the shipped one, timed in turn."""
+    `gemv_rule` (each of GEMV_VARIANTS; with `bounds` BOUND_VARIANTS too) and the shipped one, timed in turn."""
     device, context = model.device, args["context"]
     n_tok = args["tokens"]
     shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=n_tok)
@@ -222,7 +232,8 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
     others = {lanes: family(model, shape, side_streams=lanes) for lanes in lane_counts}
     other_graphs = {lanes: StepGraph(other, n_tok) for lanes, other in others.items()}
     gemv_graphs = {}
-    for label, variant in (GEMV_VARIANTS.items() if graphs and gemv_ab else ()):
+    variants = {**(GEMV_VARIANTS if gemv_ab else {}), **(BOUND_VARIANTS if bounds else {})}
+    for label, variant in (variants.items() if graphs else ()):
         with gemv_rule(variant):
             others[label] = family(model, shape)
             gemv_graphs[label] = StepGraph(others[label], n_tok)
@@ -313,6 +324,9 @@ def main() -> None:
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time graphs captured with linear's one-row rule for K = 512 weights changed (gemv_rule: "
                          "torch's matmul there, or other GEMV tiles) against the shipped graph, in turn")
+    ap.add_argument("--bounds", action="store_true",
+                    help="V4: also time graphs captured without the compressors' pooling / updates (BOUND_VARIANTS: "
+                         "wrong logits; what a change there could save at most), in turn with the shipped graph")
     ap.add_argument("--image-token-id", type=int, default=None,
                     help="V4.1 configs: set image_token_id (as the released checkpoint does): the gates then select "
                          "with a per-token bias (`moe_route_rows`, or the module with `--ref moe_route_rows`), Engram skips that id")
@@ -383,7 +397,8 @@ def main() -> None:
     with torch.no_grad():
         for n_req in args["requests"]:
             results["cells"].append(cell(model, n_req, args, graphs=not cli.smoke, g=g, profile=cli.profile,
-                                         side_ab=cli.side_ab, gemv_ab=cli.gemv_ab))
+                                         side_ab=cli.side_ab, gemv_ab=cli.gemv_ab,
+                                         bounds=cli.bounds))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     b1 = results["cells"][0]
