@@ -34,9 +34,11 @@
 # e: bounds for a compressor change: the v4-mini graph step at 1 and 8 requests captured without every
 #    compressor's pooling, and without every compressor update (wrong logits: what skipping the pooling
 #    of entries not complete yet could save at most), with `--gemv-ab`'s variants again, timed in turn.
-# f: the final tree (SHORT_K_TILE shipped): linear's and grouped_wo_a's GPU tests, then `--gemv-ab` (torch's
-#    matmul on the K = 512 weights, the former 16-row tiles there, wo_a's split kernel) at 1 and 8
-#    requests and v41-mini at 1.
+# f: the tree of 2790aa1 (linear's SHORT_K_TILE: the (8, 4) tiles at K = 512): linear's and grouped_wo_a's
+#    GPU tests, then `--gemv-ab` (torch's matmul on the K = 512 weights, the (16, 8) tiles there, wo_a's
+#    split kernel) at 1 and 8 requests and v41-mini at 1. The (8, 4) tiles broke the multi-row GEMV's
+#    bit equality with one-row launches at K = 512 and were within noise (0.998x / 1.005x), so the next
+#    commit took SHORT_K_TILE out: at later commits f's "gemv_n8" variant is that shape.
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch, with_flashinfer
 

@@ -159,7 +159,7 @@ def gemv_rule(variant: dict):
     """`linear`'s rule for rows of `linear.SHORT_K` (v4-mini's `wq_b` and indexer `wq_b`) as `variant`
     has it while a step is captured (the rule is read then), restored after: its "SHORT_K" /
     "SHORT_K_MAX_ROWS" replace the module's (SHORT_K -1: torch's matmul there, as shipped before the
-    thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (8 rows of 512, 4 warps);
+    thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (16 rows of 512, 8 warps);
     its "WO_A_GEMV_ROWS" `grouped_wo_a.GEMV_ROWS` (0: the split tensor-core kernel and its sum at every row count).
     `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
     save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every compressor
@@ -199,9 +199,9 @@ def gemv_rule(variant: dict):
 # its "gemv" variant `gemv_tiles`' shape and "gemv_n32" / "gemv_n8" the tiles below. Its part d
 # (lrn-ab-*-s38.json) ran with `linear_rms_norm` (bc55aed) in the tree and a variant "q_norm_apart" that
 # captured the attentions with their `q_lora_op` set to None (wq_a and q_norm as two launches again).
-# Parts b, d and e also had "rows4" (SHORT_K_MAX_ROWS 4: lost at 4 rows) and "gemv_n8" (tiles (8, 4), since
-# shipped as SHORT_K_TILE); "gemv_n16" is the tile shape before that.
-GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n16": dict(tiles=(16, 8)), "wo_a_split": dict(WO_A_GEMV_ROWS=0)}
+# Parts b, d and e also had "rows4" (SHORT_K_MAX_ROWS 4: lost at 4 rows). Part f ran at 2790aa1, where
+# linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles.
+GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0)}
 # --bounds (V4 only): label -> `gemv_rule`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 

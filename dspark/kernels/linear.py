@@ -67,10 +67,6 @@ GEMV_MAX_ELEMENTS = 4 << 20
 SHORT_K = 512
 SHORT_K_MAX_ELEMENTS = 8 << 20
 SHORT_K_MAX_ROWS = 1
-# Weight tiles of SHORT_K rows hold 4096 elements, not 8192 (BLOCK_N 8 at one row, so 4 warps): in the
-# same runs (variant "gemv_n8" against `gemv_tiles`' 16 rows at 8 warps) the v4-mini batch-1 step was
-# 1.003-1.008x faster in all four, v41-mini 0.998-1.010x in three.
-SHORT_K_TILE = 4096
 # The most rows the kernels take (ROWS, a power of two: every weight tile multiplies ROWS rows of x
 # on the CUDA cores; from 16 rows a tensor-core tile is the tool).
 MAX_ROWS = 8
@@ -283,13 +279,12 @@ def _num_sms(device: torch.device) -> int:
 def gemv_tiles(n_out: int, n_in: int, n_sms: int, rows: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of `_gemv_kernel` for `rows` rows of x: K tiles up to 1024 wide,
     8192-element accumulators in all (ROWS·BLOCK_N·BLOCK_K, ROWS = rows rounded up to a power of
-    two: 16 KB of bf16 weights in flight per program and step at one row; SHORT_K_TILE for rows of
-    SHORT_K), and BLOCK_N small enough that the grid has about two programs per SM when N allows.
-    BLOCK_K depends on K alone, and the warps on the weight tile alone, so every row count
-    accumulates a row over the same lanes (see `launch_gemv`)."""
+    two: 16 KB of bf16 weights in flight per program and step at one row), and BLOCK_N small enough
+    that the grid has about two programs per SM when N allows. BLOCK_K depends on K alone, and the
+    warps on the weight tile alone, so every row count accumulates a row over the same lanes (see
+    `launch_gemv`)."""
     block_k = min(1024, max(16, triton.next_power_of_2(n_in)))
-    budget = SHORT_K_TILE if n_in == SHORT_K else 8192
-    block_n = max(1, budget // (block_k * triton.next_power_of_2(rows)))
+    block_n = max(1, 8192 // (block_k * triton.next_power_of_2(rows)))
     while block_n > 1 and triton.cdiv(n_out, block_n) < 2 * n_sms:
         block_n //= 2
     return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
