@@ -7,6 +7,7 @@
 #   run(command="bash bench/gpu_session42.sh d")                   # ≈ 6 min
 #   run(command="bash bench/gpu_session42.sh e")                   # ≈ 3 min
 #   run(command="bash bench/gpu_session42.sh f")                   # ≈ 5 min
+#   run(command="bash bench/gpu_session42.sh g")                   # ≈ 3 min
 #   run(command="bash bench/gpu_session42.sh c", carry=[".whl"])   # ≈ 9 min, an H200 only (else it does nothing)
 #
 # a: 1. the decode GEMV on v4-mini's K = 512 weights (the heads' `wq_b` [16384, 512] and the indexer's
@@ -39,6 +40,8 @@
 #    split kernel) at 1 and 8 requests and v41-mini at 1. The (8, 4) tiles broke the multi-row GEMV's
 #    bit equality with one-row launches at K = 512 and were within noise (0.998x / 1.005x), so the next
 #    commit took SHORT_K_TILE out: at later commits f's "gemv_n8" variant is that shape.
+# g: the multi-row GEMV in the step: `--gemv-ab` (its variant "gemv_one_row": linear's GEMV_MAX_ROWS 1, so
+#    2-4 row calls go to torch's matmul) at 2 and 4 requests and at the batch-1 4-token verify block.
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch, with_flashinfer
 
@@ -91,6 +94,13 @@ part_f() {
   step "final-ab-v4-$(card)-s38" 200 --requests 1,8 --gemv-ab
   step "final-ab-v41-$(card)-s38" 150 --config v41-mini --requests 1 --gemv-ab
   grep -h "gemv_ab_ms" "$W"/logs/final-ab-*.txt | cut -c1-700
+}
+
+part_g() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  step "rows-ab-v4-$(card)-s38" 120 --requests 2,4 --gemv-ab
+  step "rows-ab-v4-verify-$(card)-s38" 100 --requests 1 --tokens 4 --gemv-ab
+  grep -h "gemv_ab_ms" "$W"/logs/rows-ab-*.txt | cut -c1-700
 }
 
 part_c() {  # an H200 only (issue 6's and 7's card)

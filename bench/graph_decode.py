@@ -158,7 +158,7 @@ def op_sites(fn, top: int = 40) -> dict:
 def gemv_rule(variant: dict):
     """`linear`'s rule for rows of `linear.SHORT_K` (v4-mini's `wq_b` and indexer `wq_b`) as `variant`
     has it while a step is captured (the rule is read then), restored after: its "SHORT_K" /
-    "SHORT_K_MAX_ROWS" replace the module's (SHORT_K -1: torch's matmul there, as shipped before the
+    "SHORT_K_MAX_ROWS" / "GEMV_MAX_ROWS" replace the module's (SHORT_K -1: torch's matmul there, as shipped before the
     thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (16 rows of 512, 8 warps);
     its "WO_A_GEMV_ROWS" `grouped_wo_a.GEMV_ROWS` (0: the split tensor-core kernel and its sum at every row count).
     `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
@@ -168,7 +168,7 @@ def gemv_rule(variant: dict):
     from dspark.models.deepseek_v4 import static_step as v4_step
     from dspark.models.deepseek_v4.compressor import Compressor
 
-    names = ("SHORT_K", "SHORT_K_MAX_ROWS", "gemv_tiles")
+    names = ("SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS", "gemv_tiles")
     saved = {name: getattr(linear, name) for name in names}
     saved_wo_a, saved_update, saved_pool = grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows
     grouped_wo_a.GEMV_ROWS = variant.get("WO_A_GEMV_ROWS", saved_wo_a)
@@ -182,7 +182,7 @@ def gemv_rule(variant: dict):
             return saved["gemv_tiles"](n_out, n_in, n_sms, rows)
         return variant["tiles"][0], n_in, variant["tiles"][1]
 
-    for name in names[:2]:
+    for name in names[:3]:
         setattr(linear, name, variant.get(name, saved[name]))
     if "tiles" in variant:
         linear.gemv_tiles = short_k_tiles
@@ -201,7 +201,8 @@ def gemv_rule(variant: dict):
 # captured the attentions with their `q_lora_op` set to None (wq_a and q_norm as two launches again).
 # Parts b, d and e also had "rows4" (SHORT_K_MAX_ROWS 4: lost at 4 rows). Part f ran at 2790aa1, where
 # linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles.
-GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0)}
+GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
+                 "gemv_one_row": dict(GEMV_MAX_ROWS=1)}
 # --bounds (V4 only): label -> `gemv_rule`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 
