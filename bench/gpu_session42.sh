@@ -42,6 +42,7 @@
 #    commit took SHORT_K_TILE out: at later commits f's "gemv_n8" variant is that shape.
 # g: the multi-row GEMV in the step: `--gemv-ab` (its variant "gemv_one_row": linear's GEMV_MAX_ROWS 1, so
 #    2-4 row calls go to torch's matmul) at 2 and 4 requests and at the batch-1 4-token verify block.
+#    (Ran on the tree of 39ca06c with that variant added.)
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch, with_flashinfer
 

@@ -21,6 +21,13 @@ Also the largest |logit| difference of (b) and (c) against (a) on the first step
 batch-1 % of the HBM roofline (active bytes of one token, `engine_h200.active_bytes`, / 4.4 TB/s).
 The smoke run (tiny-v4 or tiny-v41, fp32, torch references, no graph) checks the script on the CPU.
 
+`--gemv-ab` adds, per cell, graphs captured with one of `linear`'s or `grouped_wo_a`'s launch rules
+changed (GEMV_VARIANTS: torch's matmul on the K = 512 weights, other GEMV tiles, `wo_a`'s split kernel,
+the multi-row GEMV off), timed in turn with the shipped graph (three rounds, medians): a rule's worth
+in the step itself, where PDL and the weight prefetch hide what an op timed alone pays. `--bounds`
+(V4) adds graphs captured without the compressors' pooling or updates: wrong logits, an upper bound on
+what a change there can save.
+
 `--profile` adds, per cell, where the step's time goes: `torch.profiler` over `steps` calls of the
 graph replay (CPU: the eager static step), kernel time summed per kernel name (top 25 by time, with
 calls per step), the summed kernel time per step against the wall time per step (what is left is
