@@ -60,10 +60,11 @@ from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue,
 GEMV_MIN_K = 2048
 GEMV_MAX_ELEMENTS = 4 << 20
 # One-row calls on rows of 512 (v4-mini's and v41-mini's `wq_b` [16384, 512] and indexer `wq_b` [8192, 512])
-# run the GEMV too, though cuBLAS won them timed alone (0.76-0.83x above): inside the graph step, behind
-# PDL and the weight prefetch, the step was 1.008x / 1.007x faster with them on the GEMV (one H100,
-# v4-mini / v41-mini batch 1, graphs timed in turn, `bench/graph_decode.py --gemv-ab`,
-# gemv-ab-v4-h100-s38.json). K = 1024 (V4-Flash) was not timed in a step: it stays on cuBLAS.
+# run the GEMV too, though cuBLAS won them timed alone (0.76-0.86x above): inside the graph step, behind
+# PDL and the weight prefetch, the step was 1.008-1.011x faster with them on the GEMV (one H100, v4-mini
+# batch 1, five runs; v41-mini 0.999-1.008x; graphs timed in turn, `bench/graph_decode.py --gemv-ab`,
+# bench/results/*-s38.json). Up to 4 rows it lost (0.95-0.97x): one row only. K = 1024 (V4-Flash) was
+# not timed in a step: it stays on cuBLAS.
 SHORT_K = 512
 SHORT_K_MAX_ELEMENTS = 8 << 20
 SHORT_K_MAX_ROWS = 1
