@@ -30,7 +30,7 @@ straight into y's token-major layout. This replaces the reference's rotation pas
 cat), the batched GEMM over a [G, N, K] view and the [G, N, R] -> [N, G·R] transposing copy with one
 launch. At decode sizes each group's heads are split into runs (`decode_splits`): more programs, each
 streaming fewer weight rows, then a second launch adds the runs' fp32 partials in order. At one
-bf16 row (GEMV_ROWS) the op is instead one GEMV launch (`_wo_a_gemv_kernel`: `linear`'s CUDA-core
+bf16 row (GEMV_ROWS; weights up to GEMV_MAX_ELEMENTS) the op is instead one GEMV launch (`_wo_a_gemv_kernel`: `linear`'s CUDA-core
 accumulators, the rotary channels rotated per element), no partials to add. No host sync:
 CUDA-graph capturable.
 """
@@ -52,8 +52,11 @@ from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue,
 # linear.GEMV_MAX_ROWS) instead of the split tensor-core kernel and its partial-sum launch. One H100,
 # graph steps timed in turn against the split kernel at every row count (`bench/graph_decode.py --gemv-ab`,
 # gemv-wo-a-ab-*-h100-s38.json): one row 1.012x (v4-mini) / 1.009x (v41-mini) faster; 2 rows 0.981x,
-# 4 rows (4 requests, or one 4-token verify block) 0.86x. So one row only.
+# 4 rows (4 requests, or one 4-token verify block) 0.86x. So one row only, and only on weights of at most
+# GEMV_MAX_ELEMENTS (v4-mini's and v41-mini's [2048, 4096]): V4-Flash's [8192, 4096] was not timed in a
+# step, and on weights that large the GEMV streams slower than the tensor cores (`linear`: the LM heads).
 GEMV_ROWS = 1
+GEMV_MAX_ELEMENTS = 8 << 20
 
 
 def _check_args(out, cos, sin, weight) -> int:
@@ -283,7 +286,7 @@ def grouped_wo_a(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
     """Fused `grouped_wo_a_ref` (same signature, shapes and dtypes)."""
     groups = _check_args(out, cos, sin, weight)
     n, heads, head_dim = out.shape
-    if 1 <= n <= GEMV_ROWS and out.dtype != torch.float32:
+    if 1 <= n <= GEMV_ROWS and out.dtype != torch.float32 and weight.numel() <= GEMV_MAX_ELEMENTS:
         return launch_wo_a_gemv(out, cos, sin, weight)
     tiles = default_tiles(n, groups, weight.shape[0] // groups, heads // groups, head_dim, 2 * cos.shape[1],
                           out.dtype)

@@ -337,7 +337,8 @@ def run_every_tile_class():
                                    out=torch.empty(5, dim, dtype=dtype, device=DEVICE),
                                    out_rows=torch.tensor([4, 1], device=DEVICE))
     # Inverse RoPE + grouped wo_a at d 512, rd 64, bf16: V4-Flash (G 8, R 1024, K 4096) and v4-mini (G 4,
-    # R 512) at 1 row (the GEMV), 2 and 8 (the decode tiles, split); the middle and prefill tiles; fp32 (ieee dot).
+    # R 512) at 1 row (v4-mini's: the GEMV), 2 and 8 (the decode tiles, split); the middle and prefill tiles;
+    # fp32 (ieee dot).
     for n_tok, heads, groups, rank, dtype in ((1, 64, 8, 1024, torch.bfloat16), (1, 32, 4, 512, torch.bfloat16),
                                                (2, 64, 8, 1024, torch.bfloat16), (2, 32, 4, 512, torch.bfloat16),
                                                (8, 64, 8, 1024, torch.bfloat16), (8, 32, 4, 512, torch.bfloat16),

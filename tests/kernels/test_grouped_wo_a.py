@@ -187,11 +187,14 @@ def test_decode_rows_run_as_a_gemv(n, shape, groups, poisoned):
 
 
 @needs_triton
-@pytest.mark.parametrize("n,dtype,gemv", [(1, torch.bfloat16, True), (2, torch.bfloat16, False),
-                                          (1, torch.float32, False)])
-def test_the_op_takes_the_gemv_at_one_bf16_row(n, dtype, gemv, monkeypatch):
-    """GEMV_ROWS (1): the GEMV lost to the split kernel at 2 and 4 rows in the graph step."""
+@pytest.mark.parametrize("n,dtype,max_elements,gemv", [(1, torch.bfloat16, 16384, True), (2, torch.bfloat16, 16384, False),
+                                                       (1, torch.float32, 16384, False),
+                                                       (1, torch.bfloat16, 16383, False)])
+def test_the_op_takes_the_gemv_at_one_bf16_row(n, dtype, max_elements, gemv, monkeypatch):
+    """GEMV_ROWS (1): the GEMV lost to the split kernel at 2 and 4 rows in the graph step; weights above
+    GEMV_MAX_ELEMENTS (here lowered to the test weight's 16384, or one less) keep the split kernel."""
     out, cos, sin, weight = make_inputs(n, 8, 64, 16, 2, 32, dtype, seed=n)
+    monkeypatch.setattr(op, "GEMV_MAX_ELEMENTS", max_elements)
     calls = []
     launch = op.launch_wo_a_gemv
     monkeypatch.setattr(op, "launch_wo_a_gemv", lambda *a: calls.append(a) or launch(*a))
