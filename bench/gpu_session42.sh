@@ -8,6 +8,7 @@
 #   run(command="bash bench/gpu_session42.sh e")                   # ≈ 3 min
 #   run(command="bash bench/gpu_session42.sh f")                   # ≈ 5 min
 #   run(command="bash bench/gpu_session42.sh g")                   # ≈ 3 min
+#   run(command="bash bench/gpu_session42.sh h")                   # ≈ 5 min
 #   run(command="bash bench/gpu_session42.sh c", carry=[".whl"])   # ≈ 9 min, an H200 only (else it does nothing)
 #
 # a: 1. the decode GEMV on v4-mini's K = 512 weights (the heads' `wq_b` [16384, 512] and the indexer's
@@ -43,6 +44,9 @@
 # g: the multi-row GEMV in the step: `--gemv-ab` (its variant "gemv_one_row": linear's GEMV_MAX_ROWS 1, so
 #    2-4 row calls go to torch's matmul) at 2 and 4 requests and at the batch-1 4-token verify block.
 #    (Ran on the tree of 39ca06c with that variant added.)
+# h: (written, not yet run) the one-row GEMV on rows of 2048 in one K tile (`--gemv-ab`'s "one_k_tile":
+#    wq_a, wkv, wo_b, weights_proj at BLOCK_K 2048, all of a program's loads in one round trip, where the
+#    shipped tiles take two 1024-wide steps) at 1 request, v4-mini and v41-mini, two processes each.
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
 source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch, with_flashinfer
 
@@ -102,6 +106,16 @@ part_g() {
   step "rows-ab-v4-$(card)-s38" 120 --requests 2,4 --gemv-ab
   step "rows-ab-v4-verify-$(card)-s38" 100 --requests 1 --tokens 4 --gemv-ab
   grep -h "gemv_ab_ms" "$W"/logs/rows-ab-*.txt | cut -c1-700
+}
+
+part_h() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  local round
+  for round in 1 2; do
+    step "one-k-tile-v4-$(card)-s38-$round" 100 --requests 1 --gemv-ab
+    step "one-k-tile-v41-$(card)-s38-$round" 100 --config v41-mini --requests 1 --gemv-ab
+  done
+  grep -h "gemv_ab_ms" "$W"/logs/one-k-tile-*.txt | cut -c1-700
 }
 
 part_c() {  # an H200 only (issue 6's and 7's card)

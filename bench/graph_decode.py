@@ -167,6 +167,8 @@ def gemv_rule(variant: dict):
     has it while a step is captured (the rule is read then), restored after: its "SHORT_K" /
     "SHORT_K_MAX_ROWS" / "GEMV_MAX_ROWS" replace the module's (SHORT_K -1: torch's matmul there, as shipped before the
     thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (16 rows of 512, 8 warps);
+    its "ONE_K_TILE" one-row GEMVs on rows of 1025-4096 in one K tile (BLOCK_K = K: all of a program's loads in
+    one round trip, where `gemv_tiles` takes two or more 1024-wide tiles, as many weight elements per program);
     its "WO_A_GEMV_ROWS" `grouped_wo_a.GEMV_ROWS` (0: the split tensor-core kernel and its sum at every row count).
     `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
     save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every compressor
@@ -184,15 +186,20 @@ def gemv_rule(variant: dict):
     if variant.get("NO_POOL"):
         Compressor.pool_rows = lambda self, *args, **kwargs: None
 
-    def short_k_tiles(n_out, n_in, n_sms, rows=1):
-        if n_in != saved["SHORT_K"]:
-            return saved["gemv_tiles"](n_out, n_in, n_sms, rows)
-        return variant["tiles"][0], n_in, variant["tiles"][1]
+    def tiles(n_out, n_in, n_sms, rows=1):
+        shipped = saved["gemv_tiles"](n_out, n_in, n_sms, rows)
+        if "tiles" in variant and n_in == saved["SHORT_K"]:
+            return variant["tiles"][0], n_in, variant["tiles"][1]
+        if variant.get("ONE_K_TILE") and rows == 1 and 1024 < n_in <= 4096:  # the whole row in one K tile
+            block_k = 1 << (n_in - 1).bit_length()
+            block_n = max(1, shipped[0] * shipped[1] // block_k)
+            return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
+        return shipped
 
     for name in names[:3]:
         setattr(linear, name, variant.get(name, saved[name]))
-    if "tiles" in variant:
-        linear.gemv_tiles = short_k_tiles
+    if "tiles" in variant or "ONE_K_TILE" in variant:
+        linear.gemv_tiles = tiles
     try:
         yield
     finally:
@@ -209,7 +216,7 @@ def gemv_rule(variant: dict):
 # Parts b, d and e also had "rows4" (SHORT_K_MAX_ROWS 4: lost at 4 rows). Part f ran at 2790aa1, where
 # linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles.
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
-                 "gemv_one_row": dict(GEMV_MAX_ROWS=1)}
+                 "gemv_one_row": dict(GEMV_MAX_ROWS=1), "one_k_tile": dict(ONE_K_TILE=True)}
 # --bounds (V4 only): label -> `gemv_rule`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 
