@@ -163,16 +163,18 @@ def op_sites(fn, top: int = 40) -> dict:
 
 @contextlib.contextmanager
 def gemv_rule(variant: dict):
-    """`linear`'s rule for rows of `linear.SHORT_K` (v4-mini's `wq_b` and indexer `wq_b`) as `variant`
-    has it while a step is captured (the rule is read then), restored after: its "SHORT_K" /
-    "SHORT_K_MAX_ROWS" / "GEMV_MAX_ROWS" replace the module's (SHORT_K -1: torch's matmul there, as shipped before the
-    thirty-eighth session), its "tiles" (BLOCK_N, warps) `gemv_tiles`' own there (16 rows of 512, 8 warps);
-    its "ONE_K_TILE" one-row GEMVs on rows of 1025-4096 in one K tile (BLOCK_K = K: all of a program's loads in
-    one round trip, where `gemv_tiles` takes two or more 1024-wide tiles, as many weight elements per program);
-    its "WO_A_GEMV_ROWS" `grouped_wo_a.GEMV_ROWS` (0: the split tensor-core kernel and its sum at every row count).
-    `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
-    save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every compressor
-    update (`static_step.update_compressor`: projections and pooling)."""
+    """`linear`'s and `grouped_wo_a`'s launch rules as `variant` has them while a step is captured (they
+    are read then), restored after. Its keys:
+
+    * "SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS" replace `linear`'s (SHORT_K -1: torch's matmul on the
+      K = 512 weights, v4-mini's `wq_b` and indexer `wq_b`, as shipped before the thirty-eighth session);
+    * "tiles" (BLOCK_N, warps) replaces `gemv_tiles`' choice on the K = 512 rows (16 rows, 8 warps);
+    * "ONE_K_TILE": one-row GEMVs on rows of 1025-4096 in one K tile (BLOCK_K = K, as many weight
+      elements per program: all of a program's loads in one round trip, not two or more 1024-wide steps);
+    * "WO_A_GEMV_ROWS" replaces `grouped_wo_a.GEMV_ROWS` (0: the split kernel and its sum at every row count);
+    * `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
+      save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every
+      compressor update (`static_step.update_compressor`: projections and pooling)."""
     from dspark.kernels import grouped_wo_a, linear
     from dspark.models.deepseek_v4 import static_step as v4_step
     from dspark.models.deepseek_v4.compressor import Compressor
@@ -337,8 +339,8 @@ def main() -> None:
                     help="also time the graphs of decoders with 3, 2, 1 and 0 side streams "
                          "(StaticDecoder(side_streams=)), in turn")
     ap.add_argument("--gemv-ab", action="store_true",
-                    help="also time graphs captured with linear's one-row rule for K = 512 weights changed (gemv_rule: "
-                         "torch's matmul there, or other GEMV tiles) against the shipped graph, in turn")
+                    help="also time graphs captured with one of linear's or grouped_wo_a's launch rules changed "
+                         "(gemv_rule, GEMV_VARIANTS) against the shipped graph, in turn")
     ap.add_argument("--bounds", action="store_true",
                     help="V4: also time graphs captured without the compressors' pooling / updates (BOUND_VARIANTS: "
                          "wrong logits; what a change there could save at most), in turn with the shipped graph")

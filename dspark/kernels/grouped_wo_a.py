@@ -30,9 +30,9 @@ straight into y's token-major layout. This replaces the reference's rotation pas
 cat), the batched GEMM over a [G, N, K] view and the [G, N, R] -> [N, G·R] transposing copy with one
 launch. At decode sizes each group's heads are split into runs (`decode_splits`): more programs, each
 streaming fewer weight rows, then a second launch adds the runs' fp32 partials in order. At one
-bf16 row (GEMV_ROWS; weights up to GEMV_MAX_ELEMENTS) the op is instead one GEMV launch (`_wo_a_gemv_kernel`: `linear`'s CUDA-core
-accumulators, the rotary channels rotated per element), no partials to add. No host sync:
-CUDA-graph capturable.
+bf16 row (GEMV_ROWS; weights up to GEMV_MAX_ELEMENTS) the op is instead one GEMV launch
+(`_wo_a_gemv_kernel`: `linear`'s CUDA-core accumulators, the rotary channels rotated per element), no
+partials to add. No host sync: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ def _wo_a_gemv_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, n_rows, rank, width
         sn = tl.load(sin_ptr + cs, mask=rot, other=0.0)
         sign = tl.where(offs_k % 2 == 0, 1.0, -1.0)[None, None, :]
         x = (x.to(tl.float32) * c + sign * (partner * sn)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc = _rows_times_tile(acc, x, w_ptr, w_rows, offs_k[None, None, :], n_mask[None, :, None] & k_mask[None, None, :])
+        acc = _rows_times_tile(acc, x, w_ptr, w_rows, offs_k[None, None, :],
+                               n_mask[None, :, None] & k_mask[None, None, :])
     y = tl.sum(acc, axis=2)
     out = y_ptr + offs_m.to(tl.int64)[:, None] * (rank * tl.num_programs(1)) + g * rank + offs_n[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -309,9 +310,10 @@ def launch_wo_a_gemv(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, we
     pdl = pdl_launch(out.device, math.prod(grid))
     weight = weight.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    _wo_a_gemv_kernel[grid](out.contiguous(), cos, sin, weight, y, n, rank, width, head_dim, head_dim - 2 * cos.shape[1],
-                            cos.shape[1], ROWS=triton.next_power_of_2(n), BLOCK_N=block_n, BLOCK_K=block_k,
-                            PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+    _wo_a_gemv_kernel[grid](out.contiguous(), cos, sin, weight, y, n, rank, width, head_dim,
+                            head_dim - 2 * cos.shape[1], cos.shape[1], ROWS=triton.next_power_of_2(n), BLOCK_N=block_n,
+                            BLOCK_K=block_k, PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl,
+                            num_warps=warps)
     return y
 
 
