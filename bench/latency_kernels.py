@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,8 +35,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for folder in (REPO, REPO / "bench"):  # dspark, and provenance beside this script (also when imported by path)
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from provenance import git_commit  # noqa: E402
 
 FULL = dict(dtype=torch.bfloat16, rope=((1, 64, 128), (1, 1, 32)), select=((1024, 512), (8192, 512)),
             attention=dict(heads=32, head_dim=512, window=128, cases={"csa_4k": 512, "hca_4k": 32}))
@@ -155,11 +157,7 @@ def run_cells(cells: list[tuple], device, pdl: bool, args) -> list[dict]:
 def conditions(device, args) -> dict:
     info = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "calls": args.calls,
             "reps": args.reps, "smoke": args.smoke, "timing": "CUDA graph of `calls` calls, median replay / calls"}
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=REPO).stdout.strip()
-    except OSError:
-        info["commit"] = "unknown"
+    info["commit"] = git_commit()
     if device.type == "cuda":
         import triton
 
