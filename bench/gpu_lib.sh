@@ -6,6 +6,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 W=${W:-/tmp/gpu-session} && mkdir -p "$W/logs"
 
+card() {  # h100 or h200: the card this call got, for result names
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'
+}
+
 logged() {  # logged NAME TIMEOUT CMD...: run CMD under a timeout into $W/logs/NAME.txt, record rc
   local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$W/logs/$name.txt" 2>&1

@@ -17,9 +17,7 @@
 #    and with .ab/moe_decode_old.py ("old"), one round (carry .ab).
 # d: (not run yet) the W8A8 GPU tests with their weights made on the device, then a W8A8 launch-shape sweep
 #    at 8192 V4-Flash tokens with Triton's pipeline stages and the unspilled 4-warp 64×64 tile.
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
-
-card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1

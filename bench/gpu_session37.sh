@@ -18,7 +18,7 @@
 # b: two more rounds of that step A/B.
 # c: issue 7's engine table with the HF eager peer in the same call (`gpu_session24.sh a`'s engine step,
 #    without MTP): batch-1 % of the HBM roofline, × HF, DSpark 3 / none and auto at 1 and 64 requests.
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch
 
 aside_rounds() {  # aside_rounds PART ROUNDS: the v4-mini graph step with moe_shared on ("on") and off, in turn
   local round
@@ -27,8 +27,6 @@ aside_rounds() {  # aside_rounds PART ROUNDS: the v4-mini graph step with moe_sh
     step "$1_v4_off_$round" 80 --requests 1,8
   done
 }
-
-card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
 
 aside_call() {  # aside_call PART TEST_LIMIT TEST_FILTER BENCH_LIMIT CONFIGS TOKENS OPS ROUNDS: the GPU tests
   # (pytest -k TEST_FILTER, empty for all), `bench/kernels.py`'s MoE rows, ROUNDS step pairs

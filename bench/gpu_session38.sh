@@ -13,9 +13,7 @@
 #    V4-Flash shapes at 128 registers with an 8-byte spill, which a cap of 168 removes in the sm_90
 #    compile): its GPU test, then `bench/moe_decode_tiles.py --split-ab --maxnreg` at those shapes
 #    (issue 6's FP8 32×32 8-token row is at 58 % of HBM, target 60 %).
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
-
-card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
 
 diag() {  # diag PART: bench/moe_aside_diag.py, its timings and timelines shown
   logged "$1_diag" 240 python3 bench/moe_aside_diag.py --out "$OUT/moe-aside-diag-$(card)-s36.json"

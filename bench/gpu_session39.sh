@@ -7,9 +7,7 @@
 #
 # a: the decode router's select kernel variants (`RouteTiles.select_warps`, `gather_once`): the router's GPU
 #    tests, then `bench/route_select.py` (the router alone and the whole MoE op at each variant).
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
-
-card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1

@@ -8,9 +8,7 @@
 # a: the gate/up kernel pipelined apart from the down kernel (`DecodeTiles.up_stages`; the one-token H200
 #    sweep found 3 stages 43.8 -> 41.7 µs for that kernel alone): its GPU tests, then the decode op at the
 #    shipped shapes against up_stages 2 and 3 (`bench/moe_decode_tiles.py --split-ab --up-stages 2,3`).
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, pack, dispatch
-
-card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1

@@ -7,9 +7,7 @@
 # a: the v4-mini batch-1 graph step's kernels on the current tree (`bench/graph_decode.py --profile`, as
 #    `gpu_session30.sh a` did at 284cc41 in the twenty-ninth session), with PDL off (comparable with that
 #    run) and on (as shipped): where issue 7's 1.125 ms step goes now.
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch
-
-card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch
 
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1

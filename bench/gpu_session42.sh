@@ -48,9 +48,7 @@
 #    wq_a, wkv, wo_b, weights_proj at BLOCK_K 2048, all of a program's loads in one round trip, where the
 #    shipped tiles take two 1024-wide steps) at 1 request, v4-mini and v41-mini, two processes each.
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
-source "$(dirname "$0")/gpu_lib.sh"  # logged, tests, step, pack, dispatch, with_flashinfer
-
-card() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[12]00' | tr 'H' 'h'; }
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch, with_flashinfer
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1

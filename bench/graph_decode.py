@@ -162,7 +162,7 @@ def op_sites(fn, top: int = 40) -> dict:
 
 
 @contextlib.contextmanager
-def gemv_rule(variant: dict):
+def captured_with(variant: dict):
     """`linear`'s and `grouped_wo_a`'s launch rules as `variant` has them while a step is captured (they
     are read then), restored after. Its keys:
 
@@ -210,7 +210,7 @@ def gemv_rule(variant: dict):
         grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows = saved_wo_a, saved_update, saved_pool
 
 
-# --gemv-ab: label -> `gemv_rule`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
+# --gemv-ab: label -> `captured_with`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
 # the other way round, before the rule shipped: the shipped graph then ran torch's matmul on these weights,
 # its "gemv" variant `gemv_tiles`' shape and "gemv_n32" / "gemv_n8" the tiles below. Its part d
 # (lrn-ab-*-s38.json) ran with `linear_rms_norm` (bc55aed) in the tree and a variant "q_norm_apart" that
@@ -219,7 +219,7 @@ def gemv_rule(variant: dict):
 # linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles.
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
                  "gemv_one_row": dict(GEMV_MAX_ROWS=1), "one_k_tile": dict(ONE_K_TILE=True)}
-# --bounds (V4 only): label -> `gemv_rule`'s variant that leaves work out (the logits are then wrong)
+# --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 
 
@@ -237,7 +237,7 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
     """The three timings (graph: when `graphs`) for n_req requests at the context; with `side_ab` also
     the graphs of decoders with 3, 2, 1 and 0 side streams (`side_streams=`; the third lane carries
     V4.1's mHC mixes) over the same state, timed in turn; with `gemv_ab` the graphs captured under
-    `gemv_rule` (each of GEMV_VARIANTS; with `bounds` BOUND_VARIANTS too) and the shipped one, timed in turn."""
+    `captured_with` (each of GEMV_VARIANTS; with `bounds` BOUND_VARIANTS too) and the shipped one, timed in turn."""
     device, context = model.device, args["context"]
     n_tok = args["tokens"]
     shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=n_tok)
@@ -248,12 +248,12 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
     lane_counts = tuple(range(MAX_LANES, -1, -1)) if graphs and side_ab else ()
     others = {lanes: family(model, shape, side_streams=lanes) for lanes in lane_counts}
     other_graphs = {lanes: StepGraph(other, n_tok) for lanes, other in others.items()}
-    gemv_graphs = {}
+    variant_graphs = {}
     variants = {**(GEMV_VARIANTS if gemv_ab else {}), **(BOUND_VARIANTS if bounds else {})}
     for label, variant in (variants.items() if graphs else ()):
-        with gemv_rule(variant):
+        with captured_with(variant):
             others[label] = family(model, shape)
-            gemv_graphs[label] = StepGraph(others[label], n_tok)
+            variant_graphs[label] = StepGraph(others[label], n_tok)
     vocab, token_map = model.config.vocab_size, _token_map(model)
     states = [fabricate_state(model.new_state(), context, g, vocab, token_map) for _ in range(n_req)]
     for slot, state in enumerate(states):
@@ -287,13 +287,13 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
             row[f"graph_ms_{lanes}_side_streams"] = times[lanes]
         row["side_streams_speedup"] = row["graph_ms_0_side_streams"] / row[f"graph_ms_{MAX_LANES}_side_streams"]
         row["mix_lane_speedup"] = row["graph_ms_2_side_streams"] / row["graph_ms_3_side_streams"]
-    if gemv_graphs:  # the shipped graph and each variant's in turn, three rounds
+    if variant_graphs:  # the shipped graph and each variant's in turn, three rounds
         row["gemv_max_abs_diff"] = {label: (g_.replay(ids, starts) - reference).abs().max().item()
-                                    for label, g_ in gemv_graphs.items()}
-        times = timed_in_turn({"shipped": graph.replay, **{k: g_.replay for k, g_ in gemv_graphs.items()}},
+                                    for label, g_ in variant_graphs.items()}
+        times = timed_in_turn({"shipped": graph.replay, **{k: g_.replay for k, g_ in variant_graphs.items()}},
                               device, args)
         row["gemv_ab_ms"] = times
-        row["gemv_ab_speedup"] = {label: times["shipped"] / times[label] for label in gemv_graphs}
+        row["gemv_ab_speedup"] = {label: times["shipped"] / times[label] for label in variant_graphs}
     if profile:
         target = graph.replay if graph is not None else (lambda: decoder.step(ids, starts))
         row["profile"] = kernel_profile(target, device, args["steps"])
@@ -340,7 +340,7 @@ def main() -> None:
                          "(StaticDecoder(side_streams=)), in turn")
     ap.add_argument("--gemv-ab", action="store_true",
                     help="also time graphs captured with one of linear's or grouped_wo_a's launch rules changed "
-                         "(gemv_rule, GEMV_VARIANTS) against the shipped graph, in turn")
+                         "(captured_with, GEMV_VARIANTS) against the shipped graph, in turn")
     ap.add_argument("--bounds", action="store_true",
                     help="V4: also time graphs captured without the compressors' pooling / updates (BOUND_VARIANTS: "
                          "wrong logits; what a change there could save at most), in turn with the shipped graph")

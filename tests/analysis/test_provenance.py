@@ -1,16 +1,11 @@
 """bench/provenance.py: the sources' digest on disk equals the digest of the commit that holds them, so a
 result stamped on a device whose `.git` is stale still names the code that ran (`--find`)."""
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
+import provenance  # bench/ is on pytest's pythonpath (pyproject.toml)
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("provenance", ROOT / "bench" / "provenance.py")
-provenance = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(provenance)
 
 
 def git(repo: Path, *args: str) -> str:
