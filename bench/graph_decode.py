@@ -172,17 +172,21 @@ def captured_with(variant: dict):
     * "ONE_K_TILE": one-row GEMVs on rows of 1025-4096 in one K tile (BLOCK_K = K, as many weight
       elements per program: all of a program's loads in one round trip, not two or more 1024-wide steps);
     * "WO_A_GEMV_ROWS" replaces `grouped_wo_a.GEMV_ROWS` (0: the split kernel and its sum at every row count);
+    * "UP_TMA" replaces `moe_decode.UP_TMA` (None: the decode MoE's GEMV gate/up kernel, as before the
+      thirty-ninth session);
     * `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
       save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every
       compressor update (`static_step.update_compressor`: projections and pooling)."""
-    from dspark.kernels import grouped_wo_a, linear
+    from dspark.kernels import grouped_wo_a, linear, moe_decode
     from dspark.models.deepseek_v4 import static_step as v4_step
     from dspark.models.deepseek_v4.compressor import Compressor
 
     names = ("SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS", "gemv_tiles")
     saved = {name: getattr(linear, name) for name in names}
     saved_wo_a, saved_update, saved_pool = grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows
+    saved_up = moe_decode.UP_TMA
     grouped_wo_a.GEMV_ROWS = variant.get("WO_A_GEMV_ROWS", saved_wo_a)
+    moe_decode.UP_TMA = variant.get("UP_TMA", saved_up)
     if variant.get("NO_COMPRESS"):
         v4_step.update_compressor = lambda *args, **kwargs: None
     if variant.get("NO_POOL"):
@@ -208,6 +212,7 @@ def captured_with(variant: dict):
         for name, value in saved.items():
             setattr(linear, name, value)
         grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows = saved_wo_a, saved_update, saved_pool
+        moe_decode.UP_TMA = saved_up
 
 
 # --gemv-ab: label -> `captured_with`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
@@ -218,7 +223,17 @@ def captured_with(variant: dict):
 # Parts b, d and e also had "rows4" (SHORT_K_MAX_ROWS 4: lost at 4 rows). Part f ran at 2790aa1, where
 # linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles.
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
-                 "gemv_one_row": dict(GEMV_MAX_ROWS=1), "one_k_tile": dict(ONE_K_TILE=True)}
+                 "gemv_one_row": dict(GEMV_MAX_ROWS=1), "one_k_tile": dict(ONE_K_TILE=True),
+                 "moe_up_gemv": dict(UP_TMA=None)}
+
+
+def _labels(text: str) -> tuple:
+    """`--gemv-ab`'s comma list -> GEMV_VARIANTS labels (a SystemExit naming an unknown one)."""
+    labels = tuple(label for label in text.split(",") if label)
+    unknown = sorted(set(labels) - set(GEMV_VARIANTS))
+    if unknown:
+        raise SystemExit(f"--gemv-ab: unknown {unknown}; known {sorted(GEMV_VARIANTS)}")
+    return labels
 # --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 
@@ -233,11 +248,12 @@ def timed_in_turn(replays: dict, device, args: dict, rounds: int = 3) -> dict:
 
 
 def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profile: bool = False,
-         side_ab: bool = False, gemv_ab: bool = False, bounds: bool = False) -> dict:
+         side_ab: bool = False, gemv_ab: tuple = (), bounds: bool = False) -> dict:
     """The three timings (graph: when `graphs`) for n_req requests at the context; with `side_ab` also
     the graphs of decoders with 3, 2, 1 and 0 side streams (`side_streams=`; the third lane carries
     V4.1's mHC mixes) over the same state, timed in turn; with `gemv_ab` the graphs captured under
-    `captured_with` (each of GEMV_VARIANTS; with `bounds` BOUND_VARIANTS too) and the shipped one, timed in turn."""
+    `captured_with` (the GEMV_VARIANTS labelled in `gemv_ab`; with `bounds` BOUND_VARIANTS too) and the shipped
+    one, timed in turn."""
     device, context = model.device, args["context"]
     n_tok = args["tokens"]
     shape = StaticShape(slots=n_req, max_context=context + HEADROOM, tokens=n_tok)
@@ -249,7 +265,7 @@ def cell(model, n_req: int, args: dict, graphs: bool, g: torch.Generator, profil
     others = {lanes: family(model, shape, side_streams=lanes) for lanes in lane_counts}
     other_graphs = {lanes: StepGraph(other, n_tok) for lanes, other in others.items()}
     variant_graphs = {}
-    variants = {**(GEMV_VARIANTS if gemv_ab else {}), **(BOUND_VARIANTS if bounds else {})}
+    variants = {**{label: GEMV_VARIANTS[label] for label in gemv_ab}, **(BOUND_VARIANTS if bounds else {})}
     for label, variant in (variants.items() if graphs else ()):
         with captured_with(variant):
             others[label] = family(model, shape)
@@ -338,9 +354,10 @@ def main() -> None:
     ap.add_argument("--side-ab", action="store_true",
                     help="also time the graphs of decoders with 3, 2, 1 and 0 side streams "
                          "(StaticDecoder(side_streams=)), in turn")
-    ap.add_argument("--gemv-ab", action="store_true",
-                    help="also time graphs captured with one of linear's or grouped_wo_a's launch rules changed "
-                         "(captured_with, GEMV_VARIANTS) against the shipped graph, in turn")
+    ap.add_argument("--gemv-ab", nargs="?", const=",".join(GEMV_VARIANTS), default="",
+                    help="also time graphs captured with one of linear's, grouped_wo_a's or moe_decode's launch rules "
+                         "changed (captured_with, GEMV_VARIANTS; a comma list of their labels, default all) against "
+                         "the shipped graph, in turn")
     ap.add_argument("--bounds", action="store_true",
                     help="V4: also time graphs captured without the compressors' pooling / updates (BOUND_VARIANTS: "
                          "wrong logits; what a change there could save at most), in turn with the shipped graph")
@@ -414,7 +431,7 @@ def main() -> None:
     with torch.no_grad():
         for n_req in args["requests"]:
             results["cells"].append(cell(model, n_req, args, graphs=not cli.smoke, g=g, profile=cli.profile,
-                                         side_ab=cli.side_ab, gemv_ab=cli.gemv_ab,
+                                         side_ab=cli.side_ab, gemv_ab=_labels(cli.gemv_ab),
                                          bounds=cli.bounds))
             if device.type == "cuda":
                 torch.cuda.empty_cache()

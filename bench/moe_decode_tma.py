@@ -1,19 +1,19 @@
-"""The decode MoE through TMA (`dspark.kernels.moe_decode_tma`) against the shipped GEMV kernels.
+"""The decode MoE's gate/up launch through TMA (`dspark.kernels.moe_decode_tma`) against the GEMV kernel.
 
-    python bench/moe_decode_tma.py --out $OUT/moe-decode-tma.json           # one H100 / H200, ~4 min
+    python bench/moe_decode_tma.py --out $OUT/moe-decode-tma.json              # the up kernel alone, ~3 min
+    python bench/moe_decode_tma.py --ab --out $OUT/moe-decode-tma-ab.json      # the whole op, ~2 min
 
-Per layer (V4-Flash: D 4096, I 2048, top-6 of 256 plus the shared expert; v4-mini: D 2048, I 512,
-top-6 of 64), weight kind (bf16, FP8 128×128, FP8 32×32) and token count (1, 8), in one process:
+Default (the sweep): per layer (V4-Flash: D 4096, I 2048, top-6 of 256 plus the shared expert; v4-mini:
+D 2048, I 512, top-6 of 64), weight kind (bf16, FP8 128×128, FP8 32×32) and token count (1, 8), the
+gate/up launch alone: the GEMV kernel at its table's shape (`moe_decode.decode_tiles`) and the TMA
+kernel over `TILES` × `STAGES`, outputs checked against the GEMV kernel's.
 
-* the shipped kernels at their table's shape (`moe_decode.decode_tiles`): up alone, down alone, the
-  experts op, and the whole op with the router (`moe.fused_moe`);
-* the TMA kernels over `TILES` × `STAGES` (each kernel alone), then the experts op and the whole op
-  (`moe.moe_route` + `moe_decode_tma.tma_experts`) at the best shape of each kernel.
+`--ab`: issue 6's whole op, router included (`bench/kernels.py`'s `fused_moe*` cases: the same layers,
+inputs and byte counts), captured with `moe_decode.UP_TMA` as shipped and with None (the GEMV gate/up
+kernel), the two timed in turn for `--rounds` rounds (medians).
 
-Every time is a CUDA-graph replay with L2 flushed (`bench.attn_batched.graph_timer`), the median of
-50. % HBM: the bytes the op must read (the picked experts' weights and scales, the activations, and
-for the whole op the router's weights) over the time, against 4.4 TB/s and against this card's own
-measured copy bandwidth (`copy_pct`). Outputs are checked against the shipped op (relative error).
+Every time is a CUDA-graph replay with L2 flushed (`bench.attn_batched.graph_timer`, median of 50).
+% HBM against 4.4 TB/s (issue 6's ceiling) and against this card's own measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -34,85 +35,74 @@ from moe_decode_tiles import KINDS, LAYERS, op_bytes, routed_tokens, weights  # 
 from provenance import git_commit  # noqa: E402
 
 HBM = 4.4e12
-TILES = ((16, 128, 4), (16, 256, 4), (16, 256, 8), (16, 512, 8), (32, 128, 4), (32, 128, 8), (32, 256, 8))
-STAGES = (3, 5)
+TILES = ((8, 256, 4), (16, 128, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4))  # (rows, columns, warps)
+STAGES = (3, 5, 7)
 LIMIT = 10.0
+AB_OPS = {"bf16": "fused_moe", "fp8": "fused_moe_fp8_128", "fp8-32": "fused_moe_fp8_32"}
+AB_LAYERS = {"v4-flash": "flash", "v4-mini": "mini"}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def fits(tiles, block) -> bool:
-    """Rows per program must divide the FP8 block (one scale row per program)."""
-    return block is None or block % tiles[0] == 0
+def rate(n_bytes: float, seconds: float, copy_bps: float) -> dict:
+    return {"us": seconds * 1e6, "pct_hbm": 100 * n_bytes / seconds / HBM,
+            "copy_pct": 100 * n_bytes / seconds / copy_bps}
 
 
-def sweep(name: str, block, m: int, g, copy_bps: float) -> dict:
-    from dspark.kernels import moe, moe_decode as md, moe_decode_tma as mt
+def up_sweep(name: str, block, m: int, g, copy_bps: float) -> dict:
+    """The gate/up launch alone: the GEMV kernel at the table's shape, then the TMA kernel's shapes."""
+    from dspark.kernels import moe_decode as md, moe_decode_tma as mt
 
     dim, inter, n_exp = LAYERS[name]
     w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, block, g)
-    x, wts, ids = routed_tokens(m, dim, n_exp, g)
+    x, _, ids = routed_tokens(m, dim, n_exp, g)
     touched = int(torch.unique(ids).numel())
-    up_bytes, down_bytes = op_bytes(w1, w2, w3, s1, s2, s3, touched, m, dim)
-    shipped = md.decode_tiles(m, block, dim)
-    h_ref, args = md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, shipped)
-    y_ref = md.decode_down(h_ref, x, wts, ids, w2, s2, args, shipped)
-
-    def pct(n_bytes, s):
-        return {"us": s * 1e6, "pct_hbm": 100 * n_bytes / s / HBM, "copy_pct": 100 * n_bytes / s / copy_bps}
-
+    up_bytes, _ = op_bytes(w1, w2, w3, s1, s2, s3, touched, m, dim)
+    gemv = md.decode_tiles(m, block, dim)._replace(up_tma=None)
+    h_ref, _ = md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, gemv)
     row = {"layer": name, "fp8_block": block, "M": m, "touched_experts": touched, "up_bytes": up_bytes,
-           "down_bytes": down_bytes, "shipped_tiles": shipped._asdict(),
-           "shipped_up": pct(up_bytes, graph_timer(lambda: md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, shipped))),
-           "shipped_down": pct(down_bytes, graph_timer(
-               lambda: md.decode_down(h_ref, x, wts, ids, w2, s2, args, shipped))),
-           "shipped_experts": pct(up_bytes + down_bytes, graph_timer(
-               lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, LIMIT, shipped)))}
-    ups, downs = [], []
+           "gemv_tiles": gemv._asdict(),
+           "gemv": rate(up_bytes, graph_timer(lambda: md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, gemv)), copy_bps)}
+    tma = []
     for (n, k, warps), stages in itertools.product(TILES, STAGES):
-        if not fits((n, k), block):
+        if block is not None and block % n:
             continue
-        t = mt.TmaTiles(n, k, warps, n, k, warps, stages)
-        shape = {"n": n, "k": k, "warps": warps, "stages": stages}
-        try:
-            h, sizes = mt.tma_up(x, ids, w1, w3, s1, s3, LIMIT, t)
-            y = mt.tma_down(h_ref, x, wts, ids, w2, s2, sizes, t)
-        except Exception as e:  # noqa: BLE001 (a shape past the SM's resources: recorded, not timed)
-            ups.append({**shape, "skipped": repr(e)[:200]})
-            continue
-        ups.append({**shape, **pct(up_bytes, graph_timer(lambda: mt.tma_up(x, ids, w1, w3, s1, s3, LIMIT, t))),
-                    "rel_err": rel_err(h, h_ref)})
-        downs.append({**shape, **pct(down_bytes, graph_timer(
-            lambda: mt.tma_down(h_ref, x, wts, ids, w2, s2, sizes, t))), "rel_err": rel_err(y, y_ref)})
-    best_up = min((r for r in ups if "us" in r), key=lambda r: r["us"])
-    best_down = min(downs, key=lambda r: r["us"])
-    best = mt.TmaTiles(best_up["n"], best_up["k"], best_up["warps"], best_down["n"], best_down["k"],
-                       best_down["warps"], best_up["stages"])
-    y_tma = mt.tma_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, LIMIT, best)
-    row.update(tma_up=ups, tma_down=downs, best_up=best_up, best_down=best_down, best_tiles=best._asdict(),
-               tma_experts=pct(up_bytes + down_bytes, graph_timer(
-                   lambda: mt.tma_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, LIMIT, best))),
-               tma_rel_err=rel_err(y_tma, y_ref))
-    # The whole op with the router (V4-Flash's sqrt-softplus top-k over E experts).
-    gate = (torch.randn(n_exp, dim, generator=g, device="cuda") * dim ** -0.5).bfloat16()
-    bias = torch.randn(n_exp, generator=g, device="cuda") * 0.01
-    route = dict(top_k=ids.shape[1], routed_scaling_factor=2.5, hash_routing=False)
-    op_bytes_ = up_bytes + down_bytes + gate.numel() * 2
-
-    def shipped_op():
-        return moe.fused_moe(x, gate, bias, x, x, w1, w2, w3, s1, s2, s3, swiglu_limit=LIMIT, **route)
-
-    def tma_op():
-        r_w, r_ids = moe.moe_route(x, gate, bias, x, x, **route)
-        return mt.tma_experts(x, r_w, r_ids, w1, w2, w3, s1, s2, s3, LIMIT, best)
-
-    row.update(shipped_op=pct(op_bytes_, graph_timer(shipped_op)), tma_op=pct(op_bytes_, graph_timer(tma_op)),
-               op_rel_err=rel_err(tma_op(), shipped_op()))
-    row["speedup_experts"] = row["shipped_experts"]["us"] / row["tma_experts"]["us"]
-    row["speedup_op"] = row["shipped_op"]["us"] / row["tma_op"]["us"]
+        t = mt.TmaTiles(n, k, warps, stages)
+        h, _ = mt.tma_up(x, ids, w1, w3, s1, s3, LIMIT, t)
+        seconds = graph_timer(lambda: mt.tma_up(x, ids, w1, w3, s1, s3, LIMIT, t))
+        tma.append({**t._asdict(), **rate(up_bytes, seconds, copy_bps), "rel_err": rel_err(h, h_ref)})
+    shipped = next((r for r in tma if tuple(r[f] for f in mt.TmaTiles._fields) == tuple(md.UP_TMA)), None)
+    row.update(tma=tma, best=min(tma, key=lambda r: r["us"]), shipped=shipped)
     return row
+
+
+def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rounds: int) -> dict:
+    """Issue 6's whole op (router included) with `moe_decode.UP_TMA` as shipped and None, timed in turn."""
+    import kernels as kb
+
+    from dspark.kernels import moe_decode as md
+
+    shape = kb.CONFIGS[AB_LAYERS[layer_name]]
+    if shape.name not in layers:
+        layers[shape.name] = kb.build_layer(shape, "cuda")
+    fused, ref, n_bytes, _ = kb.moe_case(AB_OPS[kind], shape, layers[shape.name], m, "cuda")
+    shipped, times = md.UP_TMA, {"tma": [], "gemv": []}
+    outputs = {}
+    try:
+        for _ in range(rounds):
+            for label, up in (("tma", shipped), ("gemv", None)):
+                md.UP_TMA = up
+                outputs[label] = fused()
+                times[label].append(graph_timer(fused))
+    finally:
+        md.UP_TMA = shipped
+    med = {label: statistics.median(t) for label, t in times.items()}
+    return {"layer": layer_name, "op": AB_OPS[kind], "M": m, "bytes": n_bytes, "rounds": times,
+            "tma": rate(n_bytes, med["tma"], copy_bps), "gemv": rate(n_bytes, med["gemv"], copy_bps),
+            "speedup": med["gemv"] / med["tma"], "rel_err_tma": rel_err(outputs["tma"], ref()),
+            "rel_err_gemv": rel_err(outputs["gemv"], ref())}
 
 
 def main(argv=None) -> int:
@@ -121,24 +111,31 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default="v4-flash,v4-mini")
     ap.add_argument("--kinds", default="fp8,fp8-32,bf16")
     ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--ab", action="store_true", help="the whole op with UP_TMA as shipped and None, in turn")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
+    from dspark.kernels import moe_decode
+
     g = torch.Generator(device="cuda").manual_seed(0)
     copy_bps = copy_bytes_per_s(torch.device("cuda"))
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
-                  "hbm_bytes_per_s": HBM, "copy_bytes_per_s": copy_bps, "tiles": TILES, "stages": STAGES,
+                  "hbm_bytes_per_s": HBM, "copy_bytes_per_s": copy_bps, "up_tma": moe_decode.UP_TMA._asdict(),
+                  "mode": "ab" if args.ab else "sweep", "tiles": TILES, "stages": STAGES, "rounds": args.rounds,
                   "timing": "graph_timer (CUDA-graph replays, L2 flushed, median of 50)"}
-    rows = []
+    rows, layers = [], {}
     for name, kind, m in itertools.product(args.layers.split(","), args.kinds.split(","),
                                            [int(t) for t in args.tokens.split(",")]):
-        r = sweep(name, KINDS[kind], m, g, copy_bps)
+        if args.ab:
+            r = op_ab(name, kind, m, layers, copy_bps, args.rounds)
+            print(f"{name} {r['op']} M={m}: gemv {r['gemv']['us']:.1f} us ({r['gemv']['pct_hbm']:.1f} %) tma "
+                  f"{r['tma']['us']:.1f} us ({r['tma']['pct_hbm']:.1f} %) {r['speedup']:.3f}x; err "
+                  f"{r['rel_err_tma']:.1e} / {r['rel_err_gemv']:.1e}", flush=True)
+        else:
+            r = up_sweep(name, KINDS[kind], m, g, copy_bps)
+            print(f"{name} {kind} M={m}: up gemv {r['gemv']['us']:.1f} us, tma shipped "
+                  f"{r['shipped'] and round(r['shipped']['us'], 1)} best {r['best']['us']:.1f} at "
+                  f"{tuple(r['best'][f] for f in ('n', 'k', 'warps', 'stages'))}", flush=True)
         rows.append(r)
-        print(f"{name} {kind} M={m}: experts shipped {r['shipped_experts']['us']:.1f} us "
-              f"({r['shipped_experts']['pct_hbm']:.1f} %) tma {r['tma_experts']['us']:.1f} us "
-              f"({r['tma_experts']['pct_hbm']:.1f} %) {r['speedup_experts']:.3f}x; op shipped "
-              f"{r['shipped_op']['us']:.1f} tma {r['tma_op']['us']:.1f} ({r['tma_op']['pct_hbm']:.1f} %) "
-              f"{r['speedup_op']:.3f}x; up {r['shipped_up']['us']:.1f} -> {r['best_up']['us']:.1f}, down "
-              f"{r['shipped_down']['us']:.1f} -> {r['best_down']['us']:.1f}; best {tuple(r['best_tiles'].values())}; "
-              f"err {r['tma_rel_err']:.1e}", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
     return 0

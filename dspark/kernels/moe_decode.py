@@ -27,7 +27,9 @@ from typing import NamedTuple
 
 import torch
 
+from dspark.kernels import moe_decode_tma
 from dspark.kernels.moe import _block_k, _clamped_swiglu, _jit, _weight_parts, _weight_tile, tl, triton
+from dspark.kernels.moe_decode_tma import TmaTiles
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 _BLOCK_N = 16  # output rows per program: small, so that one token still spreads over the SMs
@@ -307,6 +309,8 @@ class DecodeTiles(NamedTuple):
     down_defer: bool = False  # its K loops pipelined over `stages`; the routed experts stay apart)
     down_split: int = 1  # > 1: the down kernel's expert slots (shared + K routed) over this many programs
     # per row block, their fp32 sums added in a fixed order by the last to finish (stages 1 only)
+    up_tma: TmaTiles | None = None  # the gate/up launch through TMA at these tiles (`moe_decode_tma`) where
+    # it runs (`moe_decode_tma.supported`); up_n, up_k, up_warps, stages and up_defer are then unused
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -359,13 +363,22 @@ _MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 204
 }
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 
+# The gate/up launch streams its weights through TMA where it runs (Hopper), at one shape for every layer,
+# weight kind and token count of the tables: on one H100 (`bench/moe_decode_tma.py`,
+# moe-decode-tma-h100-s39.json; the up kernel alone, CUDA-graph replays) V4-Flash FP8 128×128 at one token
+# 58.8 -> 52.0 µs, 32×32 63.0 -> 52.9, bf16 98.1 -> 87.9; at 8 tokens 295.8 -> 250.5, 373.3 -> 271.4,
+# 598.1 -> 496.3; v4-mini within -0.3 .. +3.8 µs of the GEMV kernel, never slower. The down kernel keeps
+# its GEMV (a TMA down kernel lost at 8 tokens and won only with dense weights at one). None: the GEMV
+# kernel everywhere.
+UP_TMA: TmaTiles | None = TmaTiles(n=16, k=256, warps=4, stages=5)
+
 
 def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6) -> DecodeTiles:
     """The measured launch shape for `n_tok` tokens with expert weights of width `dim`: dense (`block`
     None) or FP8 with scale blocks of `block` (32: V4.1's own shapes; any other block the 128×128 ones).
     The tables were measured at top-6; a narrower top-k's down kernel splits over at most its K + 1 slots."""
     kind = None if block is None else 32 if block == 32 else 128
-    tiles = _MEASURED[(kind, n_tok <= 1, dim <= _NARROW_DIM)]
+    tiles = _MEASURED[(kind, n_tok <= 1, dim <= _NARROW_DIM)]._replace(up_tma=UP_TMA)
     return tiles if tiles.down_split <= top_k + 1 else tiles._replace(down_split=top_k + 1)
 
 
@@ -393,8 +406,11 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row), and the
     sizes `decode_down` takes; with `tiles.down_split` > 1 also the split down kernel's ticket counters
     [N, ⌈D/down_n⌉ padded to a power of two] int32, zeroed here (each call's down kernel leaves them 0),
-    else None."""
+    else None. With `tiles.up_tma`, `moe_decode_tma.tma_up` where it runs."""
     n_tok, dim = x.shape
+    n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
+    if tiles.up_tma is not None and moe_decode_tma.supported(x, w1, w3, shared_w1, shared_w3):
+        return moe_decode_tma.tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles.up_tma, n_tickets)
     top_k = ids.shape[1]
     n_assign = n_tok * top_k
     d1, s1, fp8, sb = _weight_parts(w1)
@@ -404,7 +420,6 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
-    n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
     tickets = torch.empty((n_tok, n_tickets), dtype=torch.int32, device=x.device) if n_tickets else None
     common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))

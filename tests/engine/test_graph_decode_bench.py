@@ -35,3 +35,21 @@ def test_graph_decode_bench_profile_reports_where_the_step_goes(tmp_path):
     assert profile["of"] == "static eager step" and profile["launches_per_step"] > 0 and profile["top"]
     assert sites["torch_ops_per_step"] >= sum(r["ops"] for r in sites["top"]) > 0
     assert any(r["site"].startswith("models/deepseek_v4/static_") for r in sites["top"])
+
+
+def test_gemv_ab_takes_labels_and_captures_with_the_moe_gemv_up_kernel():
+    """`--gemv-ab moe_up_gemv` picks one variant (an unknown label exits naming it), and `captured_with`
+    swaps `moe_decode.UP_TMA` for the capture and puts it back after."""
+    import pytest
+
+    import graph_decode
+    from dspark.kernels import moe_decode
+
+    assert graph_decode._labels("moe_up_gemv") == ("moe_up_gemv",)
+    assert set(graph_decode._labels(",".join(graph_decode.GEMV_VARIANTS))) == set(graph_decode.GEMV_VARIANTS)
+    with pytest.raises(SystemExit, match="unknown \\['tma'\\]"):
+        graph_decode._labels("cublas,tma")
+    shipped = moe_decode.UP_TMA
+    with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["moe_up_gemv"]):
+        assert moe_decode.UP_TMA is None and moe_decode.decode_tiles(1, 128).up_tma is None
+    assert moe_decode.UP_TMA == shipped is not None

@@ -29,8 +29,8 @@ import torch
 from dspark import quant
 from dspark.kernels import (attention, attention_wide, cache_round, compressor, engram_gate, engram_rows, grouped_wo_a,
                             hc_head_norm, indexer, indexer_pool, linear, markov_greedy, mhc, mhc_norm, mhc_v41, moe,
-                            moe_decode, moe_route_decode, moe_w8a8, norm_rope, rms_norm, rope, slot_noise, step_index,
-                            triton_available)
+                            moe_decode, moe_decode_tma, moe_route_decode, moe_w8a8, norm_rope, rms_norm, rope,
+                            slot_noise, step_index, triton_available)
 from dspark.kernels.fp8 import FP8BlockWeight
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
@@ -52,6 +52,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
+           moe_decode_tma: ("_tma_up_kernel",),
            moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
            moe_w8a8: ("_act_quant_kernel", "_w8a8_up_kernel", "_w8a8_down_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
@@ -228,6 +229,8 @@ def run_every_tile_class():
         ids = torch.arange(6, dtype=torch.int32, device=DEVICE).expand(n_tok, 6).contiguous()
         wts = torch.empty(n_tok, 6, device=DEVICE)
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles)
+        # the gate/up launch through TMA (`UP_TMA`, every table's), the split down kernel's tickets with it
+        moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles._replace(up_tma=moe_decode.UP_TMA))
     # W8A8 experts: decode (16-row) and prefill (64-row) tiles at every FP8 block they take, bf16 and fp32 x.
     for n_tok, n_exp, dtype in ((3, 8, torch.bfloat16), (40, 2, torch.bfloat16), (40, 2, torch.float32)):
         x = torch.randn(n_tok, 256, generator=g).to(DEVICE, dtype)

@@ -26,11 +26,11 @@ import torch
 
 from dspark.kernels import (attention, attention_wide, cache_round, compressor, engram_gate, engram_rows, grouped_wo_a,
                             hc_head_norm, indexer, indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe, moe_decode,
-                            moe_route_decode, norm_rope, rms_norm, rope, step_index, triton_available, triton_compat)
+                            moe_decode_tma, moe_route_decode, norm_rope, rms_norm, rope, step_index, triton_available, triton_compat)
 
 MODULES = (attention, attention_wide, cache_round, compressor, engram_gate, engram_rows, grouped_wo_a, hc_head_norm,
            indexer, indexer_pool, linear, mhc, mhc_norm, mhc_v41, moe,
-           moe_decode, moe_route_decode, norm_rope, rms_norm, rope, step_index)
+           moe_decode, moe_decode_tma, moe_route_decode, norm_rope, rms_norm, rope, step_index)
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
 
@@ -208,7 +208,9 @@ def _every_op(device: str) -> None:
     moe.fused_moe(*router, *experts, **route, swiglu_limit=10.0)  # decode router, packed experts
     moe.route_prefill(*router, **route)
     weights, ids = moe.moe_route(*router, **route)
-    moe_decode.decode_experts(router[0][:1], weights[:1], ids[:1].int(), *experts, 10.0)
+    moe_decode.decode_experts(router[0][:1], weights[:1], ids[:1].int(), *experts, 10.0)  # TMA gate/up
+    moe_decode.decode_experts(router[0][:1], weights[:1], ids[:1].int(), *experts, 10.0,
+                              tiles=moe_decode.DecodeTiles())  # the GEMV gate/up kernel
     linear.launch_gemv(rand(3, 64), rand(40, 64))
     linear.launch_gemv(rand(1, 64), rand(40, 64), scale=0.5)  # `linear_scaled`'s epilogue
     ape, phase = rand(4, 24), torch.tensor([1, 3], device=device)

@@ -1,6 +1,6 @@
-"""Decode MoE through TMA (dspark/kernels/moe_decode_tma.py) against `moe.moe_experts_ref`.
+"""The decode MoE's gate/up launch through TMA (dspark/kernels/moe_decode_tma.py).
 
-On CPU the kernels run in the Triton interpreter (tests/kernels/conftest.py): D = 96, I = 80 (routed),
+On CPU the kernel runs in the Triton interpreter (tests/kernels/conftest.py): D = 96, I = 80 (routed),
 48 (shared) are off every tile and step, so the descriptors' out-of-bounds tiles (zero-filled) and the
 stores' masks are reached; FP8 with 32×32 blocks at steps inside one block and over several.
 """
@@ -9,39 +9,87 @@ import pytest
 import torch
 
 from dspark.kernels import moe, moe_decode, moe_decode_tma, triton_available
-from test_moe import TOL, _off_tile_experts, rel_err  # noqa: E402 (tests/kernels is on sys.path: prepend mode)
+from dspark.kernels.moe_decode_tma import TmaTiles
+from test_moe import TOL, _off_tile_experts, expert_weights, rel_err  # noqa: E402 (tests/kernels is on sys.path)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
+ROUTED, SHARED = 80, 48  # _off_tile_experts' I and I_s
 
-@pytest.mark.parametrize("tiles", [(16, 16, 4, 16, 16, 4, 2), (16, 64, 4, 32, 32, 4, 3), (32, 32, 4, 16, 128, 4, 4)])
+
+@pytest.mark.parametrize("tiles", [(16, 16, 4, 2), (16, 64, 4, 3), (32, 32, 4, 5)])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 @pytest.mark.parametrize("n_tok", [1, 2])
-def test_tma_experts_match_the_reference(tiles, fp8_block, n_tok, poisoned):
-    args = _off_tile_experts(n_tok, fp8_block, seed=21)
+def test_tma_up_rows_are_the_gemv_kernels_rows(tiles, fp8_block, n_tok, poisoned):
+    """h as `moe_decode.decode_up`'s GEMV kernel lays it out (routed rows, then the shared rows), to fp32
+    rounding, so the down kernel reads either; the experts then match the reference."""
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(n_tok, fp8_block, seed=21)
+    n_assign = ids.numel()
     with poisoned():
-        y = moe_decode_tma.tma_experts(*args, 10.0, moe_decode_tma.TmaTiles(*tiles))
+        h, args = moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, TmaTiles(*tiles))
+    h_ref, args_ref = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0)  # DecodeTiles(): the GEMV kernel
+    assert h.shape == h_ref.shape and args == args_ref
+    assert rel_err(h[:n_assign], h_ref[:n_assign]) < TOL[torch.float32]
+    assert rel_err(h[n_assign:, :SHARED], h_ref[n_assign:, :SHARED]) < TOL[torch.float32]
+    y = moe_decode.decode_down(h, x, weights, ids, w2, s2, args)
+    assert rel_err(y, moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)) \
+        < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_tma_up_zeroes_the_split_down_kernels_tickets(split, poisoned):
+    """With the down kernel split over programs, the TMA launch zeroes its ticket counters as the GEMV
+    launch does: the experts match the reference, twice on the same counters."""
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, 32, seed=4)
+    tiles = moe_decode.DecodeTiles(down_n=16, down_k=64, down_split=split, up_tma=TmaTiles(16, 64, 4, 3))
+    ref = moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)
+    with poisoned():
+        h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0, tiles)
+    assert args[-1].shape == (2, 8) and not args[-1].any()  # ⌈96 / 16⌉ = 6 counters, padded to 8
+    y = moe_decode.decode_down(h, x, weights, ids, w2, s2, args, tiles)
+    assert rel_err(y, ref) < TOL[torch.float32]
+    assert torch.equal(moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=tiles), y)
+
+
+def _count_launches(monkeypatch):
+    launches = {"tma": 0, "gemv": 0}
+    for name, module, kernel in (("tma", moe_decode_tma, "_tma_up_kernel"), ("gemv", moe_decode, "_decode_up_kernel")):
+        original = getattr(module, kernel)
+
+        def counted(grid, name=name, original=original):
+            launches[name] += 1
+            return original[grid]
+
+        monkeypatch.setattr(module, kernel, type("Count", (), {"__getitem__": lambda self, grid, c=counted: c(grid)})())
+    return launches
+
+
+@pytest.mark.parametrize("fp8_block", [None, 32, 128])
+def test_the_tables_take_the_tma_launch_where_it_runs(fp8_block, monkeypatch):
+    """`decode_tiles` carries `UP_TMA`, so the default decode path's gate/up launch is the TMA kernel
+    (here: the interpreter); weights whose rows are not 16-byte aligned (FP8 rows of 72 bytes) take the
+    GEMV kernel; `UP_TMA` None takes it everywhere. Each computes the same experts."""
+    assert moe_decode.decode_tiles(1, fp8_block).up_tma == moe_decode.UP_TMA == TmaTiles(16, 256, 4, 5)
+    launches = _count_launches(monkeypatch)
+    args = _off_tile_experts(1, fp8_block, seed=8)
+    y = moe_decode.decode_experts(*args, 10.0)
+    assert launches == {"tma": 1, "gemv": 0}
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
-
-
-@pytest.mark.parametrize("fp8_block", [None, 32])
-def test_tma_up_rows_are_the_gemv_kernels_rows(fp8_block, poisoned):
-    """h (routed rows, then the shared rows) as `moe_decode.decode_up` lays it out, so either down kernel
-    can read either up kernel's output."""
-    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, fp8_block, seed=3)
-    with poisoned():
-        h, sizes = moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0)
-    h_ref, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0)
-    assert h.shape == h_ref.shape and sizes == args[:-1]
-    assert rel_err(h[:6], h_ref[:6]) < TOL[torch.float32]  # 2 tokens × top-3 routed rows, I = 80
-    assert rel_err(h[6:, :48], h_ref[6:, :48]) < TOL[torch.float32]  # the shared rows, I_s = 48
-    y = moe_decode_tma.tma_down(h_ref, x, weights, ids, w2, s2, sizes)
-    assert rel_err(y, moe_decode.decode_down(h_ref, x, weights, ids, w2, s2, args)) < TOL[torch.float32]
+    monkeypatch.setattr(moe_decode, "UP_TMA", None)
+    assert rel_err(moe_decode.decode_experts(*args, 10.0), y) < TOL[torch.float32]
+    assert launches == {"tma": 1, "gemv": 1}
+    if fp8_block:
+        monkeypatch.setattr(moe_decode, "UP_TMA", TmaTiles())
+        w1, w2, w3, s1, s2, s3 = expert_weights(8, 72, ROUTED, torch.float32, seed=1, fp8_block=fp8_block)
+        x = args[0][:, :72].contiguous()
+        assert not moe_decode_tma.supported(x, w1, w3, s1, s3)
+        moe_decode.decode_experts(x, *args[1:3], w1, w2, w3, s1, s2, s3, 10.0)
+        assert launches == {"tma": 1, "gemv": 2}
 
 
 def test_tma_tiles_are_checked():
-    args = _off_tile_experts(1, 32, seed=0)
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(1, 32, seed=0)
     with pytest.raises(ValueError, match="rows 64 must divide the FP8 block 32"):
-        moe_decode_tma.tma_experts(*args, 10.0, moe_decode_tma.TmaTiles(up_n=64))
+        moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, TmaTiles(n=64))
     with pytest.raises(ValueError, match="powers of two .* got 16, 48"):
-        moe_decode_tma.tma_experts(*args, 10.0, moe_decode_tma.TmaTiles(down_k=48))
+        moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, TmaTiles(k=48))
