@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session43.sh a")   # ≈ 3 min
 #   run(command="bash bench/gpu_session43.sh b")   # ≈ 8 min
 #   run(command="bash bench/gpu_session43.sh c")   # ≈ 3 min
+#   run(command="bash bench/gpu_session43.sh d")   # ≈ 7 min
 #
 # a: the decode MoE with its weights streamed by TMA (`dspark/kernels/moe_decode_tma.py`: the same two
 #    launches as `moe_decode`, the weight tiles copied by descriptor loads in a pipelined loop) against the
@@ -15,9 +16,11 @@
 #    of V4's and V4.1's static graphs; issue 6's whole op (router included, `bench/kernels.py`'s cases) with
 #    UP_TMA and with the GEMV kernel, in turn (`bench/moe_decode_tma.py --ab`); the v4-mini graph step at 1
 #    and 8 requests and v41-mini's at 1 captured with the GEMV kernel against the shipped graph
-#    (`bench/graph_decode.py --gemv-ab moe_up_gemv`).
+#    (`bench/graph_decode.py --gemv-ab moe_up_gemv`). (Ran at cf40400; its decode tests were cut by their
+#    120 s limit after 168 passed, none failed.)
 # c: the TMA gate/up kernel alone over more shapes (8-row programs, 3 / 5 / 7 stages) against the GEMV
 #    kernel (`bench/moe_decode_tma.py`).
+# d: the decode MoE's GPU tests in full (test_moe.py's decode cases and test_moe_decode_tma.py), then c.
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -43,6 +46,11 @@ part_c() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   logged "moe-tma-up-$(card)-s39" 400 python3 bench/moe_decode_tma.py --out "$OUT/moe-tma-up-$(card)-s39.json"
   grep -h "up gemv" "$W/logs/moe-tma-up-$(card)-s39.txt" | cut -c1-300
+}
+
+part_d() {
+  tests d_tests 240 tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma"
+  part_c
 }
 
 dispatch session43 "${1:-}"

@@ -363,22 +363,26 @@ _MEASURED = {  # (FP8 scale block or None for dense weights, one token, D <= 204
 }
 _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 
-# The gate/up launch streams its weights through TMA where it runs (Hopper), at one shape for every layer,
-# weight kind and token count of the tables: on one H100 (`bench/moe_decode_tma.py`,
-# moe-decode-tma-h100-s39.json; the up kernel alone, CUDA-graph replays) V4-Flash FP8 128×128 at one token
-# 58.8 -> 52.0 µs, 32×32 63.0 -> 52.9, bf16 98.1 -> 87.9; at 8 tokens 295.8 -> 250.5, 373.3 -> 271.4,
-# 598.1 -> 496.3; v4-mini within -0.3 .. +3.8 µs of the GEMV kernel, never slower. The down kernel keeps
-# its GEMV (a TMA down kernel lost at 8 tokens and won only with dense weights at one). None: the GEMV
-# kernel everywhere.
+# The gate/up launch streams its weights through TMA where it runs (Hopper), at one shape for every table
+# entry but two. On one H100 (thirty-ninth session; CUDA-graph replays, L2 flushed): the kernel alone
+# (`bench/moe_decode_tma.py`, moe-decode-tma-h100-s39.json) V4-Flash FP8 128×128 at one token 58.8 -> 52.0 µs,
+# 32×32 63.0 -> 52.9, bf16 98.1 -> 87.9; at 8 tokens 295.8 -> 250.5, 373.3 -> 271.4, 598.1 -> 496.3. Issue 6's
+# whole op, router included, each with and without, in turn (`--ab`, moe-tma-ab-h100-s39.json, medians of 3):
+# V4-Flash FP8 128×128 1.007× / 1.008× at 1 / 8 tokens, 32×32 1.035× / 1.121×, bf16 0.993× / 1.016×; v4-mini
+# 1.010× / 0.981×, 1.077× / 1.043×, 1.015× / 1.007×. The two that lost in all three rounds (`_UP_GEMV`) keep
+# the GEMV kernel. The v4-mini graph step: 1.010× at 1 request, 1.007× at 8, v41-mini 1.009× at 1
+# (moe-up-ab-*-h100-s39.json). The down kernel keeps its GEMV (a TMA down kernel lost at 8 tokens,
+# moe-decode-tma-h100-s39.json). None: the GEMV kernel everywhere.
 UP_TMA: TmaTiles | None = TmaTiles(n=16, k=256, warps=4, stages=5)
+_UP_GEMV = {(None, True, False), (128, False, True)}  # V4-Flash bf16 at one token, v4-mini FP8 128×128 at 8
 
 
 def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6) -> DecodeTiles:
     """The measured launch shape for `n_tok` tokens with expert weights of width `dim`: dense (`block`
     None) or FP8 with scale blocks of `block` (32: V4.1's own shapes; any other block the 128×128 ones).
     The tables were measured at top-6; a narrower top-k's down kernel splits over at most its K + 1 slots."""
-    kind = None if block is None else 32 if block == 32 else 128
-    tiles = _MEASURED[(kind, n_tok <= 1, dim <= _NARROW_DIM)]._replace(up_tma=UP_TMA)
+    key = (None if block is None else 32 if block == 32 else 128, n_tok <= 1, dim <= _NARROW_DIM)
+    tiles = _MEASURED[key]._replace(up_tma=None if key in _UP_GEMV else UP_TMA)
     return tiles if tiles.down_split <= top_k + 1 else tiles._replace(down_split=top_k + 1)
 
 

@@ -66,10 +66,13 @@ def _count_launches(monkeypatch):
 
 @pytest.mark.parametrize("fp8_block", [None, 32, 128])
 def test_the_tables_take_the_tma_launch_where_it_runs(fp8_block, monkeypatch):
-    """`decode_tiles` carries `UP_TMA`, so the default decode path's gate/up launch is the TMA kernel
-    (here: the interpreter); weights whose rows are not 16-byte aligned (FP8 rows of 72 bytes) take the
-    GEMV kernel; `UP_TMA` None takes it everywhere. Each computes the same experts."""
-    assert moe_decode.decode_tiles(1, fp8_block).up_tma == moe_decode.UP_TMA == TmaTiles(16, 256, 4, 5)
+    """`decode_tiles` carries `UP_TMA` (but for the two table entries where the GEMV kernel won), so the
+    default decode path's gate/up launch is the TMA kernel (here: the interpreter); weights whose rows
+    are not 16-byte aligned (FP8 rows of 72 bytes) take the GEMV kernel; `UP_TMA` None takes it
+    everywhere. Each computes the same experts."""
+    assert moe_decode.decode_tiles(1, fp8_block, 96).up_tma == moe_decode.UP_TMA == TmaTiles(16, 256, 4, 5)
+    assert moe_decode.decode_tiles(1, None, 4096).up_tma is moe_decode.decode_tiles(8, 128, 2048).up_tma is None
+    assert moe_decode.decode_tiles(8, None, 4096).up_tma == moe_decode.decode_tiles(1, 128, 2048).up_tma
     launches = _count_launches(monkeypatch)
     args = _off_tile_experts(1, fp8_block, seed=8)
     y = moe_decode.decode_experts(*args, 10.0)
