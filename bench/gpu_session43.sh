@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session43.sh b")   # ≈ 8 min
 #   run(command="bash bench/gpu_session43.sh c")   # ≈ 3 min
 #   run(command="bash bench/gpu_session43.sh d")   # ≈ 7 min
+#   run(command="bash bench/gpu_session43.sh e")   # ≈ 4 min
 #
 # a: the decode MoE with its weights streamed by TMA (`dspark/kernels/moe_decode_tma.py`: the same two
 #    launches as `moe_decode`, the weight tiles copied by descriptor loads in a pipelined loop) against the
@@ -21,6 +22,7 @@
 # c: the TMA gate/up kernel alone over more shapes (8-row programs, 3 / 5 / 7 stages) against the GEMV
 #    kernel (`bench/moe_decode_tma.py`).
 # d: the decode MoE's GPU tests in full (test_moe.py's decode cases and test_moe_decode_tma.py), then c.
+# e: d's tests alone.
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -49,8 +51,13 @@ part_c() {
 }
 
 part_d() {
-  tests d_tests 240 tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma"
+  part_e
   part_c
+}
+
+part_e() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests moe_tests 240 tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma"
 }
 
 dispatch session43 "${1:-}"
