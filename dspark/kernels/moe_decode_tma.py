@@ -99,6 +99,63 @@ def _tma_up_kernel(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su
     tl.store(h_ptr + a.to(tl.int64) * h_width + offs_n, h, mask=offs_n < n_out)
 
 
+@_jit
+def _tma_down_kernel(h_ptr, ids_ptr, wts_ptr, d_desc, s_ptr, ds_desc, ss_ptr, y_ptr, part_ptr, ticket_ptr, n_assign,
+                     dim, inter, inter_s, h_width, ticket_stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                     FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr,
+                     PDL: tl.constexpr):
+    """y[t, n0 : n0 + BLOCK_N] = h[shared t] · W2_sᵀ + Σ_k w[t, k] · h[t·K + k] · W2[ids[t, k]]ᵀ, as
+    `moe_decode._decode_down_kernel`. Program (t, row block, s) takes the expert slots j ≡ s (mod SPLIT),
+    j = 0 the shared expert and j = 1..K the routed ones (their steps in one flat pipelined loop, the
+    routing weight folded into h; the ids are read before the loop, so no load feeds a descriptor's
+    coordinates inside it). SPLIT > 1: each program stores its fp32 sum in part[t, s] and the last of
+    the SPLIT programs of (t, row block) to take a ticket adds them in order s = 0..SPLIT − 1 and stores y
+    (the GEMV kernel's protocol: counters zeroed by the up launch, put back to 0 here)."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    s = tl.program_id(2)
+    slot = tl.arange(0, K_PAD)
+    ids = tl.load(ids_ptr + t * TOP_K + slot, mask=slot < TOP_K, other=0)
+    wts = tl.load(wts_ptr + t * TOP_K + slot, mask=slot < TOP_K, other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if s == 0:  # slot 0: the shared expert
+        for k0 in tl.range(0, inter_s, BLOCK_K, num_stages=STAGES):
+            w = ds_desc.load([0, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            hv = tl.load(h_ptr + (n_assign + t) * h_width + cols, mask=cols < inter_s, other=0.0)
+            acc += w.to(tl.float32) * _scaled(hv, ss_ptr, 0, n0, k0, dim, inter_s, FP8_S, SB_S, BLOCK_K)[None, :]
+    first = s + SPLIT * (s == 0)  # this program's first routed slot j >= 1
+    n_steps = tl.cdiv(inter, BLOCK_K)
+    for i in tl.range(0, (TOP_K + SPLIT - first) // SPLIT * n_steps, num_stages=STAGES):
+        m = i // n_steps
+        k0 = (i - m * n_steps) * BLOCK_K
+        k = first + m * SPLIT - 1  # routed slot j = k + 1
+        e = tl.sum(tl.where(slot == k, ids, 0))
+        w = d_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        hv = tl.load(h_ptr + (t * TOP_K + k) * h_width + cols, mask=cols < inter, other=0.0)
+        hv = hv * tl.sum(tl.where(slot == k, wts, 0.0))
+        acc += w.to(tl.float32) * _scaled(hv, s_ptr, e, n0, k0, dim, inter, FP8, SB, BLOCK_K)[None, :]
+    out = tl.sum(acc, axis=1)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < dim
+    if SPLIT == 1:
+        tl.store(y_ptr + t * dim + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(part_ptr + (t * SPLIT + s) * dim + offs_n, out, mask=n_mask)
+        tl.debug_barrier()  # every thread's part stored before the ticket releases them (acq_rel, GPU scope)
+        counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):  # from L2 (.cg): other SMs stored these parts
+                total += tl.load(part_ptr + (t * SPLIT + i) * dim + offs_n, mask=n_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptr + t * dim + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
+            tl.store(counter, 0)
+
+
 def _descriptor(data: torch.Tensor, block_n: int, block_k: int):
     """A TMA descriptor over expert weights [E, out, in] (or one expert's [out, in]) with tiles [1, BN, BK]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -152,3 +209,32 @@ def tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: Tma
         TICKETS=tickets, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps,
     )
     return h, (n_assign, dim, inter, inter_s, h_width, counters)
+
+
+def tma_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: TmaTiles = TmaTiles(), split: int = 1):
+    """`moe_decode.decode_down` through TMA (where `supported`): y [N, D] in x.dtype from the up launch's h and
+    args; `split` > 1 spreads each row block's K + 1 expert slots over that many programs (args must carry
+    the up launch's ticket counters for at least ⌈D / tiles.n⌉ row blocks)."""
+    n_assign, dim, inter, inter_s, h_width, tickets = args
+    d2, s2, fp8, sb = _weight_parts(w2)
+    ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
+    _check_tiles(tiles.n, tiles.k, (sb if fp8 else 0, sb_s if fp8_s else 0))
+    top_k = ids.shape[1]
+    n_blocks = triton.cdiv(dim, tiles.n)
+    if not (isinstance(split, int) and 1 <= split <= top_k + 1):
+        raise ValueError(f"tma_down split must be an int in 1..{top_k + 1} (the shared expert and {top_k} routed), "
+                         f"got {split!r}")
+    if split > 1 and (tickets is None or tickets.shape[1] < n_blocks):
+        raise ValueError(f"tma_down with split {split} needs the up launch's tickets for {n_blocks} row blocks")
+    y = torch.empty_like(x)
+    part = torch.empty((x.shape[0], split, dim), dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (x.shape[0], n_blocks, split)
+    pdl = pdl_launch(x.device, math.prod(grid))
+    _tma_down_kernel[grid](
+        h, ids, weights, _descriptor(d2, tiles.n, tiles.k), s2, _descriptor(ds2, tiles.n, tiles.k), ss2, y, part,
+        y if tickets is None else tickets, n_assign, dim, inter, inter_s, h_width,
+        0 if tickets is None else tickets.shape[1], TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), FP8=fp8,
+        SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_N=tiles.n, BLOCK_K=tiles.k, STAGES=tiles.stages, SPLIT=split,
+        PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps,
+    )
+    return y

@@ -96,3 +96,31 @@ def test_tma_tiles_are_checked():
         moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, TmaTiles(n=64))
     with pytest.raises(ValueError, match="powers of two .* got 16, 48"):
         moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, TmaTiles(k=48))
+
+
+@pytest.mark.parametrize("tiles,split", [((16, 16, 4, 2), 1), ((16, 64, 4, 3), 2), ((32, 32, 4, 5), 3), ((16, 32, 4, 3), 4)])
+@pytest.mark.parametrize("fp8_block", [None, 32])
+def test_tma_down_is_the_gemv_down_kernel(tiles, split, fp8_block, poisoned):
+    """`tma_down` (a bench variant, not in the tables) over the K + 1 = 4 expert slots split over 1–4
+    programs per row block (uneven shares at 3), the last program to take its ticket adding the fp32
+    parts: the GEMV down kernel's y to fp32 rounding; again on the same counters, the same bits."""
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, fp8_block, seed=13)
+    gemv = moe_decode.DecodeTiles(down_n=tiles[0], down_split=split)
+    with poisoned():
+        h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0, gemv)
+        y = moe_decode_tma.tma_down(h, x, weights, ids, w2, s2, args, TmaTiles(*tiles), split)
+    assert rel_err(y, moe_decode.decode_down(h, x, weights, ids, w2, s2, args, gemv)) < TOL[torch.float32]
+    assert rel_err(y, moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)) \
+        < TOL[torch.float32]
+    assert args[-1] is None or not args[-1].any()
+    assert torch.equal(moe_decode_tma.tma_down(h, x, weights, ids, w2, s2, args, TmaTiles(*tiles), split), y)
+
+
+def test_tma_down_checks_its_split():
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(1, None, seed=0)
+    h, args = moe_decode.decode_up(x, ids, w1, w3, s1, s3, 10.0)
+    for split in (0, 5, 2.0):
+        with pytest.raises(ValueError, match=f"split must be an int in 1..4 .*got {split!r}"):
+            moe_decode_tma.tma_down(h, x, weights, ids, w2, s2, args, TmaTiles(), split)
+    with pytest.raises(ValueError, match="needs the up launch's tickets for 6 row blocks"):
+        moe_decode_tma.tma_down(h, x, weights, ids, w2, s2, args, TmaTiles(), 2)
