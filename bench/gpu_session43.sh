@@ -6,6 +6,7 @@
 #   run(command="bash bench/gpu_session43.sh c")   # ≈ 3 min
 #   run(command="bash bench/gpu_session43.sh d")   # ≈ 7 min
 #   run(command="bash bench/gpu_session43.sh e")   # ≈ 4 min
+#   run(command="bash bench/gpu_session43.sh f")   # ≈ 7 min
 #
 # a: the decode MoE with its weights streamed by TMA (`dspark/kernels/moe_decode_tma.py`: the same two
 #    launches as `moe_decode`, the weight tiles copied by descriptor loads in a pipelined loop) against the
@@ -23,6 +24,10 @@
 #    kernel (`bench/moe_decode_tma.py`).
 # d: the decode MoE's GPU tests in full (test_moe.py's decode cases and test_moe_decode_tma.py), then c.
 # e: d's tests alone.
+# f: e's tests, then the TMA down kernel (`moe_decode_tma.tma_down`: its expert slots split over programs per
+#    row block, a bench variant outside the tables) over `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs against the
+#    GEMV down kernel, and the experts op with the best of it against the shipped op, in turn
+#    (`bench/moe_decode_tma.py --down`).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -57,7 +62,13 @@ part_d() {
 
 part_e() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests moe_tests 240 tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma"
+  tests moe_tests 170 tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma"
+}
+
+part_f() {
+  part_e
+  logged "moe-tma-down-$(card)-s39" 400 python3 bench/moe_decode_tma.py --down --out "$OUT/moe-tma-down-$(card)-s39.json"
+  grep -h "down gemv" "$W/logs/moe-tma-down-$(card)-s39.txt" | cut -c1-300
 }
 
 dispatch session43 "${1:-}"

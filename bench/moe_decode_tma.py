@@ -2,6 +2,7 @@
 
     python bench/moe_decode_tma.py --out $OUT/moe-decode-tma.json              # the up kernel alone, ~3 min
     python bench/moe_decode_tma.py --ab --out $OUT/moe-decode-tma-ab.json      # the whole op, ~2 min
+    python bench/moe_decode_tma.py --down --out $OUT/moe-decode-tma-down.json  # the TMA down kernel, ~3 min
 
 Default (the sweep): per layer (V4-Flash: D 4096, I 2048, top-6 of 256 plus the shared expert; v4-mini:
 D 2048, I 512, top-6 of 64), weight kind (bf16, FP8 128×128, FP8 32×32) and token count (1, 8), the
@@ -11,6 +12,11 @@ kernel over `TILES` × `STAGES`, outputs checked against the GEMV kernel's.
 `--ab`: issue 6's whole op, router included (`bench/kernels.py`'s `fused_moe*` cases: the same layers,
 inputs and byte counts), captured with `moe_decode.UP_TMA` as shipped and with None (the GEMV gate/up
 kernel), the two timed in turn for `--rounds` rounds (medians).
+
+`--down`: the TMA down kernel (`moe_decode_tma.tma_down`, not in the tables) over `DOWN_SWEEP` × `SPLITS`
+(expert slots per row block over that many programs) against the GEMV down kernel at its table's shape,
+each alone on the same h; then the experts op (the shipped gate/up launch, then either down kernel)
+at the best TMA shape against the shipped op, timed in turn for `--rounds` rounds.
 
 Every time is a CUDA-graph replay with L2 flushed (`bench.attn_batched.graph_timer`, median of 50).
 % HBM against 4.4 TB/s (issue 6's ceiling) and against this card's own measured copy bandwidth.
@@ -38,6 +44,7 @@ HBM = 4.4e12
 TILES = ((8, 256, 4), (16, 128, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4))  # (rows, columns, warps)
 STAGES = (3, 5, 7)
 LIMIT = 10.0
+SPLITS = (1, 2, 4, 7)
 AB_OPS = {"bf16": "fused_moe", "fp8": "fused_moe_fp8_128", "fp8-32": "fused_moe_fp8_32"}
 AB_LAYERS = {"v4-flash": "flash", "v4-mini": "mini"}
 
@@ -78,6 +85,52 @@ def up_sweep(name: str, block, m: int, g, copy_bps: float) -> dict:
     return row
 
 
+def down_sweep(name: str, block, m: int, g, copy_bps: float, rounds: int) -> dict:
+    """The down launch alone: the GEMV kernel at the table's shape, then the TMA kernel's shapes and splits;
+    then the experts op with the best TMA down against the shipped one, in turn."""
+    from dspark.kernels import moe_decode as md, moe_decode_tma as mt
+
+    dim, inter, n_exp = LAYERS[name]
+    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, block, g)
+    x, wts, ids = routed_tokens(m, dim, n_exp, g)
+    touched = int(torch.unique(ids).numel())
+    up_bytes, down_bytes = op_bytes(w1, w2, w3, s1, s2, s3, touched, m, dim)
+    shipped = md.decode_tiles(m, block, dim)
+    # tickets for the narrowest row blocks swept (8 rows), so every split shape can run on the same h
+    h, args = md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, shipped._replace(down_n=8, down_split=2))
+    y_ref = md.decode_down(h, x, wts, ids, w2, s2, args, shipped._replace(down_n=8, down_split=2))
+    gemv_args = md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, shipped)[1]
+    row = {"layer": name, "fp8_block": block, "M": m, "touched_experts": touched, "down_bytes": down_bytes,
+           "gemv_tiles": shipped._asdict(), "gemv": rate(down_bytes, graph_timer(
+               lambda: md.decode_down(h, x, wts, ids, w2, s2, gemv_args, shipped)), copy_bps)}
+    tma = []
+    for t, split in itertools.product(mt.DOWN_SWEEP, SPLITS):
+        if (block is not None and block % t.n) or split > ids.shape[1] + 1:
+            continue
+        y = mt.tma_down(h, x, wts, ids, w2, s2, args, t, split)
+        seconds = graph_timer(lambda: mt.tma_down(h, x, wts, ids, w2, s2, args, t, split))
+        tma.append({**t._asdict(), "split": split, **rate(down_bytes, seconds, copy_bps),
+                    "rel_err": rel_err(y, y_ref)})
+    best = min(tma, key=lambda r: r["us"])
+    best_tiles, best_split = mt.TmaTiles(*(best[f] for f in mt.TmaTiles._fields)), best["split"]
+
+    def tma_op():
+        h_, a_ = md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, shipped._replace(down_n=best_tiles.n,
+                                                                              down_split=best_split))
+        return mt.tma_down(h_, x, wts, ids, w2, s2, a_, best_tiles, best_split)
+
+    ops = {"shipped": lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, LIMIT), "tma_down": tma_op}
+    times = {label: [] for label in ops}
+    for _ in range(rounds):
+        for label, fn in ops.items():
+            times[label].append(graph_timer(fn))
+    med = {label: statistics.median(t) for label, t in times.items()}
+    row.update(tma=tma, best=best, experts_rounds=times,
+               experts={label: rate(up_bytes + down_bytes, sec, copy_bps) for label, sec in med.items()},
+               experts_speedup=med["shipped"] / med["tma_down"], experts_rel_err=rel_err(tma_op(), y_ref))
+    return row
+
+
 def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rounds: int) -> dict:
     """Issue 6's whole op (router included) with `moe_decode.UP_TMA` as shipped and None, timed in turn."""
     import kernels as kb
@@ -112,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="fp8,fp8-32,bf16")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--ab", action="store_true", help="the whole op with UP_TMA as shipped and None, in turn")
+    ap.add_argument("--down", action="store_true", help="the TMA down kernel's shapes, then the experts op with it")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     from dspark.kernels import moe_decode
@@ -120,7 +174,7 @@ def main(argv=None) -> int:
     copy_bps = copy_bytes_per_s(torch.device("cuda"))
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
                   "hbm_bytes_per_s": HBM, "copy_bytes_per_s": copy_bps, "up_tma": moe_decode.UP_TMA._asdict(),
-                  "mode": "ab" if args.ab else "sweep", "tiles": TILES, "stages": STAGES, "rounds": args.rounds,
+                  "mode": "ab" if args.ab else "down" if args.down else "sweep", "splits": SPLITS, "tiles": TILES, "stages": STAGES, "rounds": args.rounds,
                   "timing": "graph_timer (CUDA-graph replays, L2 flushed, median of 50)"}
     rows, layers = [], {}
     for name, kind, m in itertools.product(args.layers.split(","), args.kinds.split(","),
@@ -130,6 +184,12 @@ def main(argv=None) -> int:
             print(f"{name} {r['op']} M={m}: gemv {r['gemv']['us']:.1f} us ({r['gemv']['pct_hbm']:.1f} %) tma "
                   f"{r['tma']['us']:.1f} us ({r['tma']['pct_hbm']:.1f} %) {r['speedup']:.3f}x; err "
                   f"{r['rel_err_tma']:.1e} / {r['rel_err_gemv']:.1e}", flush=True)
+        elif args.down:
+            r = down_sweep(name, KINDS[kind], m, g, copy_bps, args.rounds)
+            print(f"{name} {kind} M={m}: down gemv {r['gemv']['us']:.1f} us, tma best {r['best']['us']:.1f} at "
+                  f"{tuple(r['best'][f] for f in ('n', 'k', 'warps', 'stages', 'split'))}; experts shipped "
+                  f"{r['experts']['shipped']['us']:.1f} us, with the TMA down {r['experts']['tma_down']['us']:.1f} "
+                  f"({r['experts_speedup']:.3f}x)", flush=True)
         else:
             r = up_sweep(name, KINDS[kind], m, g, copy_bps)
             print(f"{name} {kind} M={m}: up gemv {r['gemv']['us']:.1f} us, tma shipped "

@@ -43,6 +43,10 @@ class TmaTiles(NamedTuple):
     stages: int = 5
 
 
+# The down kernel's shapes `bench/moe_decode_tma.py --down` sweeps (it is not in the decode tables).
+DOWN_SWEEP = (TmaTiles(8, 512, 4, 4), TmaTiles(16, 256, 4, 4), TmaTiles(16, 512, 8, 4), TmaTiles(32, 256, 8, 3))
+
+
 @_jit
 def _scaled(v, s_ptr, e, n0, k0, n_out, n_in, FP8: tl.constexpr, SB: tl.constexpr, BLOCK_K: tl.constexpr):
     """v [BLOCK_K] fp32 times each column's UE8M0 factor of scale row n0 // SB of expert e (FP8), else v."""
@@ -149,8 +153,8 @@ def _tma_down_kernel(h_ptr, ids_ptr, wts_ptr, d_desc, s_ptr, ds_desc, ss_ptr, y_
         counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in tl.static_range(SPLIT):  # from L2 (.cg): other SMs stored these parts
-                total += tl.load(part_ptr + (t * SPLIT + i) * dim + offs_n, mask=n_mask, other=0.0,
+            for p in tl.static_range(SPLIT):  # from L2 (.cg): other SMs stored these parts
+                total += tl.load(part_ptr + (t * SPLIT + p) * dim + offs_n, mask=n_mask, other=0.0,
                                  cache_modifier=".cg")
             tl.store(y_ptr + t * dim + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
             tl.store(counter, 0)
