@@ -311,6 +311,23 @@ def _dot(a, b_t, acc, DOT_FP32: tl.constexpr):
 
 
 @_jit
+def _split_store(y_ptr, part_ptr, ticket_ptr, out, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT: tl.constexpr):
+    """A decode down kernel's fp32 row block `out` [BLOCK_N] of token t from program s of SPLIT: store it in
+    part[t, s]; the last of the SPLIT programs of (t, row block) to take a ticket adds the parts in order
+    s = 0..SPLIT − 1 (the same bits whichever arrives last), stores y and puts the counter back to 0
+    (zeroed by the up launch)."""
+    tl.store(part_ptr + (t * SPLIT + s) * dim + offs_n, out, mask=n_mask)
+    tl.debug_barrier()  # every thread's part stored before the ticket releases them (acq_rel, GPU scope)
+    counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        total = tl.zeros(offs_n.shape, dtype=tl.float32)
+        for p in tl.static_range(SPLIT):  # from L2 (.cg): other SMs stored these parts
+            total += tl.load(part_ptr + (t * SPLIT + p) * dim + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + t * dim + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(counter, 0)
+
+
+@_jit
 def _clamped_swiglu(gate, up, limit, CLAMP: tl.constexpr):
     """silu(min(gate, L)) · clamp(up, −L, L) in fp32: the SwiGLU clamp of V4 (§11.2) takes the gate from
     above only and the up projection on both sides; CLAMP False (L <= 0): plain SwiGLU."""

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from dspark.kernels import moe_decode_tma
-from dspark.kernels.moe import _block_k, _clamped_swiglu, _jit, _weight_parts, _weight_tile, tl, triton
+from dspark.kernels.moe import _block_k, _clamped_swiglu, _jit, _split_store, _weight_parts, _weight_tile, tl, triton
 from dspark.kernels.moe_decode_tma import TmaTiles
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
@@ -265,16 +265,7 @@ def _decode_down_kernel(
                 acc += _down_slot(j, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0,
                                   n_assign, dim, inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K,
                                   BLOCK_K_S, DEFER, KB, SUB, KB_S, SUB_S)
-        tl.store(part_ptr + (t * SPLIT + s) * dim + offs_n, acc, mask=n_mask)
-        tl.debug_barrier()  # every thread's part stored before the ticket releases them (acq_rel, GPU scope)
-        counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in tl.static_range(SPLIT):  # from L2 (.cg): other SMs stored these parts
-                total += tl.load(part_ptr + (t * SPLIT + i) * dim + offs_n, mask=n_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(y_ptr + t * dim + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
-            tl.store(counter, 0)
+        _split_store(y_ptr, part_ptr, ticket_ptr, acc, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT)
     else:
         acc = _down_slot(0, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0, n_assign, dim,
                          inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K, BLOCK_K_S, DEFER, KB, SUB,

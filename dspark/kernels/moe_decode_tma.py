@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from dspark.kernels.moe import _clamped_swiglu, _jit, _weight_parts, tl, triton
+from dspark.kernels.moe import _clamped_swiglu, _jit, _split_store, _weight_parts, tl, triton
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
@@ -148,16 +148,7 @@ def _tma_down_kernel(h_ptr, ids_ptr, wts_ptr, d_desc, s_ptr, ds_desc, ss_ptr, y_
     if SPLIT == 1:
         tl.store(y_ptr + t * dim + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:
-        tl.store(part_ptr + (t * SPLIT + s) * dim + offs_n, out, mask=n_mask)
-        tl.debug_barrier()  # every thread's part stored before the ticket releases them (acq_rel, GPU scope)
-        counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for p in tl.static_range(SPLIT):  # from L2 (.cg): other SMs stored these parts
-                total += tl.load(part_ptr + (t * SPLIT + p) * dim + offs_n, mask=n_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(y_ptr + t * dim + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
-            tl.store(counter, 0)
+        _split_store(y_ptr, part_ptr, ticket_ptr, out, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT)
 
 
 def _descriptor(data: torch.Tensor, block_n: int, block_k: int):
