@@ -7,6 +7,7 @@
 #   run(command="bash bench/gpu_session43.sh d")   # ≈ 7 min
 #   run(command="bash bench/gpu_session43.sh e")   # ≈ 4 min
 #   run(command="bash bench/gpu_session43.sh f")   # ≈ 7 min
+#   run(command="bash bench/gpu_session43.sh g")   # ≈ 3 min, an H200 only (else it does nothing)
 #
 # a: the decode MoE with its weights streamed by TMA (`dspark/kernels/moe_decode_tma.py`: the same two
 #    launches as `moe_decode`, the weight tiles copied by descriptor loads in a pipelined loop) against the
@@ -28,6 +29,8 @@
 #    row block, a bench variant outside the tables) over `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs against the
 #    GEMV down kernel, and the experts op with the best of it against the shipped op, in turn
 #    (`bench/moe_decode_tma.py --down`).
+# g: on an H200, issue 6's MoE rows as the thirty-sixth session measured them (`bench/kernels.py --graph`,
+#    V4-Flash, the whole op with the router at 1, 8 and 64 tokens), with the TMA gate/up launch.
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch, with_flashinfer
 
 part_a() {
@@ -69,6 +72,15 @@ part_f() {
   part_e
   logged "moe-tma-down-$(card)-s39" 400 python3 bench/moe_decode_tma.py --down --out "$OUT/moe-tma-down-$(card)-s39.json"
   grep -h "down gemv" "$W/logs/moe-tma-down-$(card)-s39.txt" | cut -c1-300
+}
+
+part_g() {  # an H200 only (issue 6's card)
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  if [ "$(card)" = h200 ]; then
+    logged moe_rows 240 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
+      --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-h200-s39.json"
+    grep -h "fused_moe" "$W/logs/moe_rows.txt" | cut -c1-200
+  fi
 }
 
 dispatch session43 "${1:-}"

@@ -21,9 +21,10 @@ Also the largest |logit| difference of (b) and (c) against (a) on the first step
 batch-1 % of the HBM roofline (active bytes of one token, `engine_h200.active_bytes`, / 4.4 TB/s).
 The smoke run (tiny-v4 or tiny-v41, fp32, torch references, no graph) checks the script on the CPU.
 
-`--gemv-ab` adds, per cell, graphs captured with one of `linear`'s or `grouped_wo_a`'s launch rules
-changed (GEMV_VARIANTS: torch's matmul on the K = 512 weights, other GEMV tiles, `wo_a`'s split kernel,
-the multi-row GEMV off), timed in turn with the shipped graph (three rounds, medians): a rule's worth
+`--gemv-ab [LABELS]` adds, per cell, graphs captured with one of `linear`'s, `grouped_wo_a`'s or
+`moe_decode`'s launch rules changed (GEMV_VARIANTS, all or the labels given: torch's matmul on the K = 512
+weights, other GEMV tiles, `wo_a`'s split kernel, the multi-row GEMV off, the decode MoE's GEMV gate/up
+kernel), timed in turn with the shipped graph (three rounds, medians): a rule's worth
 in the step itself, where PDL and the weight prefetch hide what an op timed alone pays. `--bounds`
 (V4) adds graphs captured without the compressors' pooling or updates: wrong logits, an upper bound on
 what a change there can save.
@@ -225,6 +226,8 @@ def captured_with(variant: dict):
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
                  "gemv_one_row": dict(GEMV_MAX_ROWS=1), "one_k_tile": dict(ONE_K_TILE=True),
                  "moe_up_gemv": dict(UP_TMA=None)}
+# --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
+BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 
 
 def _labels(text: str) -> tuple:
@@ -234,8 +237,6 @@ def _labels(text: str) -> tuple:
     if unknown:
         raise SystemExit(f"--gemv-ab: unknown {unknown}; known {sorted(GEMV_VARIANTS)}")
     return labels
-# --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
-BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 
 
 def timed_in_turn(replays: dict, device, args: dict, rounds: int = 3) -> dict:

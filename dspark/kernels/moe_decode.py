@@ -362,8 +362,9 @@ _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 # V4-Flash FP8 128×128 1.007× / 1.008× at 1 / 8 tokens, 32×32 1.035× / 1.121×, bf16 0.993× / 1.016×; v4-mini
 # 1.010× / 0.981×, 1.077× / 1.043×, 1.015× / 1.007×. The two that lost in all three rounds (`_UP_GEMV`) keep
 # the GEMV kernel. The v4-mini graph step: 1.010× at 1 request, 1.007× at 8, v41-mini 1.009× at 1
-# (moe-up-ab-*-h100-s39.json). The down kernel keeps its GEMV (a TMA down kernel lost at 8 tokens,
-# moe-decode-tma-h100-s39.json). None: the GEMV kernel everywhere.
+# (moe-up-ab-*-h100-s39.json). The down launch keeps its GEMV kernel (a first TMA down kernel lost at 8
+# tokens, moe-decode-tma-h100-s39.json; `moe_decode_tma.tma_down`, split over programs, is not timed yet).
+# None: the GEMV kernel everywhere.
 UP_TMA: TmaTiles | None = TmaTiles(n=16, k=256, warps=4, stages=5)
 _UP_GEMV = {(None, True, False), (128, False, True)}  # V4-Flash bf16 at one token, v4-mini FP8 128×128 at 8
 

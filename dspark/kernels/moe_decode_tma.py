@@ -1,4 +1,4 @@
-"""The decode MoE's gate/up launch with its weights streamed by the Tensor Memory Accelerator (Hopper).
+"""The decode MoE's launches with their weights streamed by the Tensor Memory Accelerator (Hopper).
 
 `moe_decode._decode_up_kernel` loads each weight tile into registers with ordinary loads; at decode
 sizes it is latency-bound (Nsight Compute on the H200: issue slots half idle, 50–66 % of DRAM
@@ -13,8 +13,12 @@ clamp(x·W3ᵀ, −L, L) in fp32, laid out as `decode_up`'s h, so `moe_decode._d
 unchanged (and the split down kernel's ticket counters are zeroed here as there). The fp32 sums run
 in another order than the GEMV kernel's ([BLOCK_N, BLOCK_K] accumulators, summed over columns once).
 
+`_tma_down_kernel` (`tma_down`; a bench variant, not in `moe_decode`'s tables: a first form with one
+program per row block lost at 8 tokens) computes `moe_decode._decode_down_kernel`'s y the same way, each
+row block's K + 1 expert slots spread over SPLIT programs whose fp32 parts the last to finish adds.
+
 FP8 weights (`FP8BlockWeight`): each program's rows lie in one scale row (BLOCK_N divides the block),
-so each column's UE8M0 factor (a power of two: exact) multiplies x instead of the weights.
+so each column's UE8M0 factor (a power of two: exact) multiplies the activations instead of the weights.
 
 Descriptors are made on the host per call (`triton.tools.tensor_descriptor.TensorDescriptor`); no
 host sync, CUDA-graph capturable (the weights do not move). TMA needs compute capability 9 and rows
