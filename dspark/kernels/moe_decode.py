@@ -407,17 +407,10 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
     if tiles.up_tma is not None and moe_decode_tma.supported(x, w1, w3, shared_w1, shared_w3):
         return moe_decode_tma.tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles.up_tma, n_tickets)
-    top_k = ids.shape[1]
-    n_assign = n_tok * top_k
-    d1, s1, fp8, sb = _weight_parts(w1)
-    d3, s3, _, _ = _weight_parts(w3)
-    ds1, ss1, fp8_s, sb_s = _weight_parts(shared_w1)
-    ds3, ss3, _, _ = _weight_parts(shared_w3)
-    inter, inter_s = d1.shape[1], ds1.shape[0]
-    h_width = max(inter, inter_s)
-    h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
-    tickets = torch.empty((n_tok, n_tickets), dtype=torch.int32, device=x.device) if n_tickets else None
-    common = _common(top_k, fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
+    (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, tickets, args = moe_decode_tma.up_operands(
+        x, ids, w1, w3, shared_w1, shared_w3, n_tickets)
+    n_assign, _, inter, inter_s, h_width, _ = args
+    common = _common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_up_kernel[grid](
@@ -426,7 +419,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
         float(swiglu_limit), CLAMP=swiglu_limit > 0, BLOCK_N=tiles.up_n, TICKETS=n_tickets, PDL=pdl,
         launch_pdl=pdl, **common,
     )
-    return h, (n_assign, dim, inter, inter_s, h_width, tickets)
+    return h, args
 
 
 def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):

@@ -182,32 +182,40 @@ def supported(x: torch.Tensor, *weights) -> bool:
     return all(d.data_ptr() % 16 == 0 and d.stride(-2) * d.element_size() % 16 == 0 for d in parts)
 
 
-def tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: TmaTiles = TmaTiles(),
-           tickets: int = 0):
-    """`moe_decode.decode_up` through TMA (where `supported`): (h, args) in its form; `tickets` > 0: the
-    split down kernel's counters [N, tickets] int32 (a power of two) zeroed here, else None."""
+def up_operands(x, ids, w1, w3, shared_w1, shared_w3, tickets: int):
+    """The gate/up launch's operands (either kernel's): ((d1, s1, d3, s3, ds1, ss1, ds3, ss3) kernel arguments,
+    (fp8, sb, fp8_s, sb_s), h [N·K + N, max(I, I_s)] fp32, the split down kernel's counters [N, tickets]
+    int32 or None, and `decode_down`'s args (n_assign, D, I, I_s, h width, counters))."""
     n_tok, dim = x.shape
-    top_k = ids.shape[1]
-    n_assign = n_tok * top_k
-    d1, s1, fp8, sb = _weight_parts(w1)
-    d3, s3, _, _ = _weight_parts(w3)
-    ds1, ss1, fp8_s, sb_s = _weight_parts(shared_w1)
-    ds3, ss3, _, _ = _weight_parts(shared_w3)
-    _check_tiles(tiles.n, tiles.k, (sb if fp8 else 0, sb_s if fp8_s else 0))
+    n_assign = n_tok * ids.shape[1]
+    (d1, s1, fp8, sb), (d3, s3, _, _) = _weight_parts(w1), _weight_parts(w3)
+    (ds1, ss1, fp8_s, sb_s), (ds3, ss3, _, _) = _weight_parts(shared_w1), _weight_parts(shared_w3)
     inter, inter_s = d1.shape[1], ds1.shape[0]
     h_width = max(inter, inter_s)
     h = torch.empty((n_assign + n_tok, h_width), dtype=torch.float32, device=x.device)
     counters = torch.empty((n_tok, tickets), dtype=torch.int32, device=x.device) if tickets else None
-    grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.n))
+    return ((d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, counters,
+            (n_assign, dim, inter, inter_s, h_width, counters))
+
+
+def tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: TmaTiles = TmaTiles(),
+           tickets: int = 0):
+    """`moe_decode.decode_up` through TMA (where `supported`): (h, args) in its form; `tickets` > 0: the
+    split down kernel's counters [N, tickets] int32 (a power of two) zeroed here, else None."""
+    (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, counters, args = up_operands(
+        x, ids, w1, w3, shared_w1, shared_w3, tickets)
+    _check_tiles(tiles.n, tiles.k, (sb if fp8 else 0, sb_s if fp8_s else 0))
+    n_assign, dim, inter, inter_s, h_width, _ = args
+    grid = (n_assign + x.shape[0], triton.cdiv(h_width, tiles.n))
     pdl = pdl_launch(x.device, math.prod(grid))
     descs = [_descriptor(d, tiles.n, tiles.k) for d in (d1, d3, ds1, ds3)]
     _tma_up_kernel[grid](
         x, ids, descs[0], descs[1], s1, s3, descs[2], descs[3], ss1, ss3, h, h if counters is None else counters,
-        n_assign, dim, inter, inter_s, h_width, float(swiglu_limit), TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s,
-        SB_S=sb_s, CLAMP=swiglu_limit > 0, BLOCK_N=tiles.n, BLOCK_K=tiles.k, STAGES=tiles.stages,
+        n_assign, dim, inter, inter_s, h_width, float(swiglu_limit), TOP_K=ids.shape[1], FP8=fp8, SB=sb,
+        FP8_S=fp8_s, SB_S=sb_s, CLAMP=swiglu_limit > 0, BLOCK_N=tiles.n, BLOCK_K=tiles.k, STAGES=tiles.stages,
         TICKETS=tickets, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps,
     )
-    return h, (n_assign, dim, inter, inter_s, h_width, counters)
+    return h, args
 
 
 def tma_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: TmaTiles = TmaTiles(), split: int = 1):
