@@ -25,8 +25,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import torch
-
 from dspark.kernels import moe_decode_tma
 from dspark.kernels.moe import _block_k, _clamped_swiglu, _jit, _split_store, _weight_parts, _weight_tile, tl, triton
 from dspark.kernels.moe_decode_tma import TmaTiles
@@ -405,10 +403,10 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     else None. With `tiles.up_tma`, `moe_decode_tma.tma_up` where it runs."""
     n_tok, dim = x.shape
     n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
-    if tiles.up_tma is not None and moe_decode_tma.supported(x, w1, w3, shared_w1, shared_w3):
-        return moe_decode_tma.tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles.up_tma, n_tickets)
-    (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, tickets, args = moe_decode_tma.up_operands(
-        x, ids, w1, w3, shared_w1, shared_w3, n_tickets)
+    operands = moe_decode_tma.up_operands(x, ids, w1, w3, shared_w1, shared_w3, n_tickets)
+    (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, tickets, args = operands
+    if tiles.up_tma is not None and moe_decode_tma.supported(x, d1, d3, ds1, ds3):
+        return moe_decode_tma.launch_up(x, ids, operands, swiglu_limit, tiles.up_tma, n_tickets)
     n_assign, _, inter, inter_s, h_width, _ = args
     common = _common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))
@@ -431,9 +429,7 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     split, n_blocks = tiles.down_split, triton.cdiv(dim, tiles.down_n)
     if (split > 1) != (tickets is not None) or (split > 1 and tickets.shape[1] < n_blocks):
         raise ValueError(f"decode_down with down_split {split} needs decode_up's args for the same tiles")
-    y = torch.empty_like(x)
-    # the split's fp32 parts and tickets; unsplit, the kernel never touches either (y stands in)
-    part = torch.empty((x.shape[0], split, dim), dtype=torch.float32, device=x.device) if split > 1 else y
+    y, part = moe_decode_tma.down_outputs(x, split)  # tickets: unsplit, the kernel never touches them either
     grid = (x.shape[0], n_blocks, split)
     pdl = pdl_launch(x.device, math.prod(grid))
     _decode_down_kernel[grid](

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from dspark.kernels.moe import _clamped_swiglu, _jit, _split_store, _weight_parts, tl, triton
-from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue, sm90
 
 
 class TmaTiles(NamedTuple):
@@ -176,7 +176,7 @@ def _check_tiles(block_n: int, block_k: int, blocks: tuple) -> None:
 def supported(x: torch.Tensor, *weights) -> bool:
     """Whether `tma_up` runs here: compute capability >= 9 (CPU: the Triton interpreter, tests), and every
     weight's rows and base 16-byte aligned, as a TMA descriptor needs."""
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+    if x.device.type == "cuda" and not sm90(x.device):
         return False
     parts = [_weight_parts(w)[0] for w in weights]
     return all(d.data_ptr() % 16 == 0 and d.stride(-2) * d.element_size() % 16 == 0 for d in parts)
@@ -202,8 +202,13 @@ def tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: Tma
            tickets: int = 0):
     """`moe_decode.decode_up` through TMA (where `supported`): (h, args) in its form; `tickets` > 0: the
     split down kernel's counters [N, tickets] int32 (a power of two) zeroed here, else None."""
-    (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, counters, args = up_operands(
-        x, ids, w1, w3, shared_w1, shared_w3, tickets)
+    return launch_up(x, ids, up_operands(x, ids, w1, w3, shared_w1, shared_w3, tickets), swiglu_limit, tiles,
+                     tickets)
+
+
+def launch_up(x, ids, operands: tuple, swiglu_limit: float, tiles: TmaTiles, tickets: int):
+    """`tma_up` on `up_operands`' result for the same x, ids and `tickets` (made once by `decode_up`)."""
+    (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, counters, args = operands
     _check_tiles(tiles.n, tiles.k, (sb if fp8 else 0, sb_s if fp8_s else 0))
     n_assign, dim, inter, inter_s, h_width, _ = args
     grid = (n_assign + x.shape[0], triton.cdiv(h_width, tiles.n))
@@ -216,6 +221,13 @@ def tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: Tma
         TICKETS=tickets, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps,
     )
     return h, args
+
+
+def down_outputs(x: torch.Tensor, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A down launch's y [N, D] (x's dtype) and, split over programs, its fp32 parts [N, split, D]; unsplit
+    the kernel never touches the parts (y stands in)."""
+    y = torch.empty_like(x)
+    return y, torch.empty((x.shape[0], split, x.shape[1]), dtype=torch.float32, device=x.device) if split > 1 else y
 
 
 def tma_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: TmaTiles = TmaTiles(), split: int = 1):
@@ -233,8 +245,7 @@ def tma_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: TmaTiles = T
                          f"got {split!r}")
     if split > 1 and (tickets is None or tickets.shape[1] < n_blocks):
         raise ValueError(f"tma_down with split {split} needs the up launch's tickets for {n_blocks} row blocks")
-    y = torch.empty_like(x)
-    part = torch.empty((x.shape[0], split, dim), dtype=torch.float32, device=x.device) if split > 1 else y
+    y, part = down_outputs(x, split)
     grid = (x.shape[0], n_blocks, split)
     pdl = pdl_launch(x.device, math.prod(grid))
     _tma_down_kernel[grid](

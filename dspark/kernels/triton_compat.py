@@ -86,6 +86,11 @@ def _pdl_device(index: int) -> tuple[bool, int]:
     return props.major >= 9, props.multi_processor_count
 
 
+def sm90(device: torch.device) -> bool:
+    """Whether CUDA `device` has compute capability >= 9 (Hopper: PDL, TMA); read once per device."""
+    return _pdl_device(torch.cuda.current_device() if device.index is None else device.index)[0]
+
+
 def pdl_launch(device: torch.device, programs: int) -> bool:
     """Whether a launch of `programs` programs on `device` uses PDL: only on CUDA devices of compute
     capability >= 9 and for decode-sized grids (<= 4 programs per SM). A large prefill grid keeps
