@@ -131,8 +131,9 @@ def down_sweep(name: str, block, m: int, g, copy_bps: float, rounds: int) -> dic
     return row
 
 
-def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rounds: int) -> dict:
-    """Issue 6's whole op (router included) with `moe_decode.UP_TMA` as shipped and None, timed in turn."""
+def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rounds: int, sides: dict) -> dict:
+    """Issue 6's whole op (router included) captured with each of `sides` (label -> a function that sets the
+    decode tables for it; the first is the new side, the second the old), timed in turn; the tables restored."""
     import kernels as kb
 
     from dspark.kernels import moe_decode as md
@@ -141,21 +142,43 @@ def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rou
     if shape.name not in layers:
         layers[shape.name] = kb.build_layer(shape, "cuda")
     fused, ref, n_bytes, _ = kb.moe_case(AB_OPS[kind], shape, layers[shape.name], m, "cuda")
-    shipped, times = md.UP_TMA, {"tma": [], "gemv": []}
-    outputs = {}
+    saved_up, saved_down = md.UP_TMA, dict(md.DOWN_TMA)
+    times, outputs = {label: [] for label in sides}, {}
     try:
         for _ in range(rounds):
-            for label, up in (("tma", shipped), ("gemv", None)):
-                md.UP_TMA = up
+            for label, put in sides.items():
+                put()
                 outputs[label] = fused()
                 times[label].append(graph_timer(fused))
     finally:
-        md.UP_TMA = shipped
+        md.UP_TMA = saved_up
+        md.DOWN_TMA.clear()
+        md.DOWN_TMA.update(saved_down)
     med = {label: statistics.median(t) for label, t in times.items()}
+    new, old = sides
     return {"layer": layer_name, "op": AB_OPS[kind], "M": m, "bytes": n_bytes, "rounds": times,
-            "tma": rate(n_bytes, med["tma"], copy_bps), "gemv": rate(n_bytes, med["gemv"], copy_bps),
-            "speedup": med["gemv"] / med["tma"], "rel_err_tma": rel_err(outputs["tma"], ref()),
-            "rel_err_gemv": rel_err(outputs["gemv"], ref())}
+            **{label: rate(n_bytes, med[label], copy_bps) for label in sides}, "speedup": med[old] / med[new],
+            **{f"rel_err_{label}": rel_err(out, ref()) for label, out in outputs.items()}}
+
+
+def up_sides() -> dict:
+    """`--ab`'s sides: the gate/up launch through TMA as shipped (`UP_TMA`), and the GEMV kernel."""
+    from dspark.kernels import moe_decode as md
+
+    shipped = md.UP_TMA
+
+    def put(up):
+        return lambda: setattr(md, "UP_TMA", up)
+
+    return {"tma": put(shipped), "gemv": put(None)}
+
+
+def down_sides(key: tuple, tiles, split: int) -> dict:
+    """The down launch through TMA at (tiles, split) for table key `key`, and without it (the GEMV kernel)."""
+    from dspark.kernels import moe_decode as md
+
+    return {"tma_down": lambda: md.DOWN_TMA.update({key: (tiles, split)}),
+            "gemv_down": lambda: md.DOWN_TMA.pop(key, None)}
 
 
 def main(argv=None) -> int:
@@ -168,7 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--down", action="store_true", help="the TMA down kernel's shapes, then the experts op with it")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    from dspark.kernels import moe_decode
+    from dspark.kernels import moe_decode, moe_decode_tma as mt
 
     g = torch.Generator(device="cuda").manual_seed(0)
     copy_bps = copy_bytes_per_s(torch.device("cuda"))
@@ -180,16 +203,21 @@ def main(argv=None) -> int:
     for name, kind, m in itertools.product(args.layers.split(","), args.kinds.split(","),
                                            [int(t) for t in args.tokens.split(",")]):
         if args.ab:
-            r = op_ab(name, kind, m, layers, copy_bps, args.rounds)
+            r = op_ab(name, kind, m, layers, copy_bps, args.rounds, up_sides())
             print(f"{name} {r['op']} M={m}: gemv {r['gemv']['us']:.1f} us ({r['gemv']['pct_hbm']:.1f} %) tma "
                   f"{r['tma']['us']:.1f} us ({r['tma']['pct_hbm']:.1f} %) {r['speedup']:.3f}x; err "
                   f"{r['rel_err_tma']:.1e} / {r['rel_err_gemv']:.1e}", flush=True)
         elif args.down:
             r = down_sweep(name, KINDS[kind], m, g, copy_bps, args.rounds)
+            best = mt.TmaTiles(*(r["best"][f] for f in mt.TmaTiles._fields))
+            key = moe_decode.table_key(m, KINDS[kind], LAYERS[name][0])
+            r["op_ab"] = op = op_ab(name, kind, m, layers, copy_bps, args.rounds,
+                                    down_sides(key, best, r["best"]["split"]))
             print(f"{name} {kind} M={m}: down gemv {r['gemv']['us']:.1f} us, tma best {r['best']['us']:.1f} at "
                   f"{tuple(r['best'][f] for f in ('n', 'k', 'warps', 'stages', 'split'))}; experts shipped "
                   f"{r['experts']['shipped']['us']:.1f} us, with the TMA down {r['experts']['tma_down']['us']:.1f} "
-                  f"({r['experts_speedup']:.3f}x)", flush=True)
+                  f"({r['experts_speedup']:.3f}x); op {op['gemv_down']['us']:.1f} -> {op['tma_down']['us']:.1f} us "
+                  f"({op['speedup']:.3f}x, {op['tma_down']['pct_hbm']:.1f} %)", flush=True)
         else:
             r = up_sweep(name, KINDS[kind], m, g, copy_bps)
             print(f"{name} {kind} M={m}: up gemv {r['gemv']['us']:.1f} us, tma shipped "

@@ -300,6 +300,8 @@ class DecodeTiles(NamedTuple):
     # per row block, their fp32 sums added in a fixed order by the last to finish (stages 1 only)
     up_tma: TmaTiles | None = None  # the gate/up launch through TMA at these tiles (`moe_decode_tma`) where
     # it runs (`moe_decode_tma.supported`); up_n, up_k, up_warps, stages and up_defer are then unused
+    down_tma: TmaTiles | None = None  # the down launch through TMA at these tiles, its expert slots over
+    # `down_split` programs per row block, where it runs; down_n, down_k, down_warps, down_defer then unused
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -365,14 +367,24 @@ _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 # None: the GEMV kernel everywhere.
 UP_TMA: TmaTiles | None = TmaTiles(n=16, k=256, warps=4, stages=5)
 _UP_GEMV = {(None, True, False), (128, False, True)}  # V4-Flash bf16 at one token, v4-mini FP8 128×128 at 8
+# The down launch through TMA (`moe_decode_tma.tma_down`): table key -> (tiles, programs per row block);
+# keys not here keep the GEMV down kernel.
+DOWN_TMA: dict[tuple[int | None, bool, bool], tuple[TmaTiles, int]] = {}
+
+
+def table_key(n_tok: int, block: int | None, dim: int) -> tuple[int | None, bool, bool]:
+    """The decode tables' key: (FP8 scale block kind or None, one token, width D <= 2048)."""
+    return None if block is None else 32 if block == 32 else 128, n_tok <= 1, dim <= _NARROW_DIM
 
 
 def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6) -> DecodeTiles:
     """The measured launch shape for `n_tok` tokens with expert weights of width `dim`: dense (`block`
     None) or FP8 with scale blocks of `block` (32: V4.1's own shapes; any other block the 128×128 ones).
     The tables were measured at top-6; a narrower top-k's down kernel splits over at most its K + 1 slots."""
-    key = (None if block is None else 32 if block == 32 else 128, n_tok <= 1, dim <= _NARROW_DIM)
+    key = table_key(n_tok, block, dim)
     tiles = _MEASURED[key]._replace(up_tma=None if key in _UP_GEMV else UP_TMA)
+    if key in DOWN_TMA:
+        tiles = tiles._replace(down_tma=DOWN_TMA[key][0], down_split=DOWN_TMA[key][1])
     return tiles if tiles.down_split <= top_k + 1 else tiles._replace(down_split=top_k + 1)
 
 
@@ -402,7 +414,9 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     [N, ⌈D/down_n⌉ padded to a power of two] int32, zeroed here (each call's down kernel leaves them 0),
     else None. With `tiles.up_tma`, `moe_decode_tma.tma_up` where it runs."""
     n_tok, dim = x.shape
-    n_tickets = triton.next_power_of_2(triton.cdiv(dim, tiles.down_n)) if tiles.down_split > 1 else 0
+    # enough counters for the down launch's row blocks, whichever kernel runs it
+    rows = min(tiles.down_n, tiles.down_tma.n) if tiles.down_tma is not None else tiles.down_n
+    n_tickets = triton.next_power_of_2(triton.cdiv(dim, rows)) if tiles.down_split > 1 else 0
     operands = moe_decode_tma.up_operands(x, ids, w1, w3, shared_w1, shared_w3, n_tickets)
     (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, tickets, args = operands
     if tiles.up_tma is not None and moe_decode_tma.supported(x, d1, d3, ds1, ds3):
@@ -422,10 +436,12 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
 
 def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTiles = DecodeTiles()):
     """Second launch: y [N, D] in x.dtype from `decode_up`'s h (`args`: its sizes and tickets, made for
-    the same `tiles`)."""
+    the same `tiles`). With `tiles.down_tma`, `moe_decode_tma.tma_down` where it runs."""
     n_assign, dim, inter, inter_s, h_width, tickets = args
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
+    if tiles.down_tma is not None and moe_decode_tma.supported(x, d2, ds2):
+        return moe_decode_tma.tma_down(h, x, weights, ids, w2, shared_w2, args, tiles.down_tma, tiles.down_split)
     split, n_blocks = tiles.down_split, triton.cdiv(dim, tiles.down_n)
     if (split > 1) != (tickets is not None) or (split > 1 and tickets.shape[1] < n_blocks):
         raise ValueError(f"decode_down with down_split {split} needs decode_up's args for the same tiles")

@@ -51,9 +51,11 @@ def test_tma_up_zeroes_the_split_down_kernels_tickets(split, poisoned):
     assert torch.equal(moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=tiles), y)
 
 
-def _count_launches(monkeypatch):
+def _count_launches(monkeypatch, launch="up"):
+    """Counts of the TMA and GEMV kernels' launches of the gate/up (`launch` "up") or the down launch."""
     launches = {"tma": 0, "gemv": 0}
-    for name, module, kernel in (("tma", moe_decode_tma, "_tma_up_kernel"), ("gemv", moe_decode, "_decode_up_kernel")):
+    for name, module, kernel in (("tma", moe_decode_tma, f"_tma_{launch}_kernel"),
+                                 ("gemv", moe_decode, f"_decode_{launch}_kernel")):
         original = getattr(module, kernel)
 
         def counted(grid, name=name, original=original):
@@ -124,3 +126,42 @@ def test_tma_down_checks_its_split():
             moe_decode_tma.tma_down(h, x, weights, ids, w2, s2, args, TmaTiles(), split)
     with pytest.raises(ValueError, match="needs the up launch's tickets for 6 row blocks"):
         moe_decode_tma.tma_down(h, x, weights, ids, w2, s2, args, TmaTiles(), 2)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("fp8_block", [None, 32])
+def test_down_tma_tiles_take_the_tma_down_launch_where_it_runs(split, fp8_block, monkeypatch, poisoned):
+    """`DecodeTiles.down_tma` sends the down launch to `tma_down` (its slots over `down_split` programs, the
+    up launch's counters sized for its row blocks, finer than `down_n` here): the experts match the reference
+    and the GEMV-only tiles' result; weights whose rows are not 16-byte aligned take the GEMV down kernel."""
+    launches = _count_launches(monkeypatch, "down")
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, fp8_block, seed=17)
+    gemv = moe_decode.DecodeTiles(down_n=32, down_split=split)
+    tiles = gemv._replace(down_tma=TmaTiles(16, 32, 4, 3))
+    with poisoned():
+        y = moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=tiles)
+    assert launches == {"tma": 1, "gemv": 0}
+    ref = moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)
+    assert rel_err(y, ref) < TOL[torch.float32]
+    assert rel_err(y, moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=gemv)) \
+        < TOL[torch.float32]
+    assert launches == {"tma": 1, "gemv": 1}
+    if fp8_block:
+        w1, w2, w3, s1, s2, s3 = expert_weights(8, 96, 72, torch.float32, seed=1, fp8_block=fp8_block)
+        assert not moe_decode_tma.supported(x, w2, s2)  # W2's rows: I = 72 bytes
+        y = moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=tiles)
+        assert launches == {"tma": 1, "gemv": 2}
+        assert rel_err(y, moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)) \
+            < TOL[torch.float32]
+
+
+def test_down_tma_table_entries_reach_decode_tiles(monkeypatch):
+    """A `DOWN_TMA` entry gives its table key's tiles the TMA down launch and its split (clamped to a narrower
+    top-k's K + 1 slots); other keys keep the GEMV down kernel."""
+    key = moe_decode.table_key(1, 128, 4096)
+    assert key == (128, True, False) and moe_decode.table_key(8, 32, 2048) == (32, False, True)
+    monkeypatch.setattr(moe_decode, "DOWN_TMA", {key: (TmaTiles(16, 512, 8, 4), 7)})
+    tiles = moe_decode.decode_tiles(1, 128, 4096)
+    assert tiles.down_tma == TmaTiles(16, 512, 8, 4) and tiles.down_split == 7
+    assert moe_decode.decode_tiles(1, 128, 4096, top_k=2).down_split == 3
+    assert moe_decode.decode_tiles(8, 128, 4096).down_tma is None

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU steps of the fortieth session (one H100 or H200; every JSON names its card):
+#
+#   run(command="bash bench/gpu_session44.sh a")   # ≈ 8 min
+#   run(command="bash bench/gpu_session44.sh b")   # ≈ 4 min
+#   run(command="bash bench/gpu_session44.sh c")   # ≈ 3 min, an H200 only (else it does nothing)
+#
+# a: the split TMA down kernel (`moe_decode_tma.tma_down`, a bench variant outside the tables) over
+#    `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block against the GEMV down kernel, each alone, then the
+#    experts op with the best of it against the shipped op, and issue 6's whole op (router included) with
+#    it in the tables (`moe_decode.DOWN_TMA`) and without, each pair in turn (`bench/moe_decode_tma.py
+#    --down`); then the TMA kernels' GPU tests (test_moe_decode_tma.py).
+# b: the TMA gate/up kernel alone over more shapes (8-row programs, 3 / 5 / 7 stages) against the GEMV
+#    kernel (`bench/moe_decode_tma.py`).
+# c: on an H200, issue 6's MoE rows as the thirty-sixth session measured them (`bench/kernels.py --graph`,
+#    V4-Flash, the whole op with the router at 1, 8 and 64 tokens), with the decode tables of this commit.
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch
+
+part_a() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  logged "moe-tma-down-$(card)-s40" 450 python3 bench/moe_decode_tma.py --down --out "$OUT/moe-tma-down-$(card)-s40.json"
+  grep -h "down gemv" "$W/logs/moe-tma-down-$(card)-s40.txt" | cut -c1-420
+  tail -n 2 "$W/logs/moe-tma-down-$(card)-s40.txt" | cut -c1-300
+  tests tma_tests 100 tests/kernels/test_moe_decode_tma.py
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  logged "moe-tma-up-$(card)-s40" 400 python3 bench/moe_decode_tma.py --out "$OUT/moe-tma-up-$(card)-s40.json"
+  grep -h "up gemv" "$W/logs/moe-tma-up-$(card)-s40.txt" | cut -c1-300
+}
+
+part_c() {  # an H200 only (issue 6's card)
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  if [ "$(card)" = h200 ]; then
+    logged moe_rows 240 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
+      --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-h200-s40.json"
+    grep -h "fused_moe" "$W/logs/moe_rows.txt" | cut -c1-200
+  fi
+}
+
+dispatch session44 "${1:-}"
