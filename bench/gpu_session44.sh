@@ -2,15 +2,20 @@
 # GPU steps of the fortieth session (one H100 or H200; every JSON names its card):
 #
 #   run(command="bash bench/gpu_session44.sh a")   # ≈ 8 min
-#   run(command="bash bench/gpu_session44.sh b")   # ≈ 4 min
+#   run(command="bash bench/gpu_session44.sh b")   # ≈ 7 min
 #   run(command="bash bench/gpu_session44.sh c")   # ≈ 3 min, an H200 only (else it does nothing)
+#   run(command="bash bench/gpu_session44.sh d")   # ≈ 4 min
 #
 # a: the split TMA down kernel (`moe_decode_tma.tma_down`, a bench variant outside the tables) over
 #    `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block against the GEMV down kernel, each alone, then the
 #    experts op with the best of it against the shipped op, and issue 6's whole op (router included) with
 #    it in the tables (`moe_decode.DOWN_TMA`) and without, each pair in turn (`bench/moe_decode_tma.py
 #    --down`); then the TMA kernels' GPU tests (test_moe_decode_tma.py).
-# b: the TMA gate/up kernel alone over more shapes (8-row programs, 3 / 5 / 7 stages) against the GEMV
+# b: the experts in one launch (`moe_decode_tma.tma_fused`: gate/up items first, then down items, each of
+#    which waits for its own row's h; a bench variant outside the tables): its GPU tests, then against the
+#    shipped two launches at `FUSED_DOWN`'s shapes, and issue 6's whole op with it in `decode_experts`'
+#    place and as shipped, each in turn (`bench/moe_decode_tma.py --fused`).
+# d: the TMA gate/up kernel alone over more shapes (8-row programs, 3 / 5 / 7 stages) against the GEMV
 #    kernel (`bench/moe_decode_tma.py`).
 # c: on an H200, issue 6's MoE rows as the thirty-sixth session measured them (`bench/kernels.py --graph`,
 #    V4-Flash, the whole op with the router at 1, 8 and 64 tokens), with the decode tables of this commit.
@@ -25,6 +30,14 @@ part_a() {
 }
 
 part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests fused_tests 120 tests/kernels/test_moe_decode_tma.py -k fused
+  logged "moe-fused-$(card)-s40" 420 python3 bench/moe_decode_tma.py --fused --out "$OUT/moe-fused-$(card)-s40.json"
+  grep -h "fused best" "$W/logs/moe-fused-$(card)-s40.txt" | cut -c1-420
+  tail -n 2 "$W/logs/moe-fused-$(card)-s40.txt" | cut -c1-300
+}
+
+part_d() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   logged "moe-tma-up-$(card)-s40" 400 python3 bench/moe_decode_tma.py --out "$OUT/moe-tma-up-$(card)-s40.json"
   grep -h "up gemv" "$W/logs/moe-tma-up-$(card)-s40.txt" | cut -c1-300

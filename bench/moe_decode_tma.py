@@ -2,7 +2,8 @@
 
     python bench/moe_decode_tma.py --out $OUT/moe-decode-tma.json              # the up kernel alone, ~3 min
     python bench/moe_decode_tma.py --ab --out $OUT/moe-decode-tma-ab.json      # the whole op, ~2 min
-    python bench/moe_decode_tma.py --down --out $OUT/moe-decode-tma-down.json  # the TMA down kernel, ~3 min
+    python bench/moe_decode_tma.py --down --out $OUT/moe-decode-tma-down.json  # the TMA down kernel, ~5 min
+    python bench/moe_decode_tma.py --fused --out $OUT/moe-decode-fused.json    # the experts in one launch, ~5 min
 
 Default (the sweep): per layer (V4-Flash: D 4096, I 2048, top-6 of 256 plus the shared expert; v4-mini:
 D 2048, I 512, top-6 of 64), weight kind (bf16, FP8 128×128, FP8 32×32) and token count (1, 8), the
@@ -16,7 +17,12 @@ kernel), the two timed in turn for `--rounds` rounds (medians).
 `--down`: the TMA down kernel (`moe_decode_tma.tma_down`, not in the tables) over `DOWN_SWEEP` × `SPLITS`
 (expert slots per row block over that many programs) against the GEMV down kernel at its table's shape,
 each alone on the same h; then the experts op (the shipped gate/up launch, then either down kernel)
-at the best TMA shape against the shipped op, timed in turn for `--rounds` rounds.
+at the best TMA shape against the shipped op, timed in turn for `--rounds` rounds; then issue 6's whole op
+with that shape in the tables (`moe_decode.DOWN_TMA`) and without, in turn.
+
+`--fused`: the experts in one launch (`moe_decode_tma.tma_fused`: gate/up items, then down items that wait
+for their own row's h) at `UP_TMA` and each of `FUSED_DOWN` against the shipped two launches, timed in turn;
+then issue 6's whole op with the best of it in `decode_experts`' place and as shipped, in turn.
 
 Every time is a CUDA-graph replay with L2 flushed (`bench.attn_batched.graph_timer`, median of 50).
 % HBM against 4.4 TB/s (issue 6's ceiling) and against this card's own measured copy bandwidth.
@@ -131,6 +137,46 @@ def down_sweep(name: str, block, m: int, g, copy_bps: float, rounds: int) -> dic
     return row
 
 
+def fused_sweep(name: str, kind: str, m: int, g, copy_bps: float, rounds: int, layers: dict) -> dict:
+    """The experts in one launch (`moe_decode_tma.tma_fused` at `UP_TMA` and each of `FUSED_DOWN`) against the
+    shipped two launches (`decode_experts`), timed in turn; then issue 6's whole op (router included) with the
+    best of it in `decode_experts`' place and as shipped, in turn."""
+    from dspark.kernels import moe_decode as md, moe_decode_tma as mt
+
+    dim, inter, n_exp = LAYERS[name]
+    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, KINDS[kind], g)
+    x, wts, ids = routed_tokens(m, dim, n_exp, g)
+    touched = int(torch.unique(ids).numel())
+    n_bytes = sum(op_bytes(w1, w2, w3, s1, s2, s3, touched, m, dim))
+    experts = (x, wts, ids, w1, w2, w3, s1, s2, s3, LIMIT)
+    y_ref = md.decode_experts(*experts)
+    ops = {"shipped": lambda: md.decode_experts(*experts)}
+    for t in mt.FUSED_DOWN:
+        ops[f"fused_{t.n}x{t.k}_w{t.warps}_s{t.stages}"] = lambda t=t: mt.tma_fused(*experts, md.UP_TMA, t)
+    times = {label: [] for label in ops}
+    for _ in range(rounds):
+        for label, fn in ops.items():
+            times[label].append(graph_timer(fn))
+    med = {label: statistics.median(t) for label, t in times.items()}
+    best = min((label for label in ops if label != "shipped"), key=med.get)
+    best_tiles = mt.FUSED_DOWN[list(ops).index(best) - 1]
+    row = {"layer": name, "kind": kind, "M": m, "touched_experts": touched, "bytes": n_bytes, "rounds": times,
+           "experts": {label: rate(n_bytes, sec, copy_bps) for label, sec in med.items()}, "best": best,
+           "speedup": med["shipped"] / med[best], "rel_err": {label: rel_err(fn(), y_ref) for label, fn in ops.items()}}
+    shipped = md.decode_experts
+
+    def fused_experts(x, weights, ids, w1, w2, w3, sw1, sw2, sw3, swiglu_limit, tiles=None):
+        return mt.tma_fused(x, weights, ids, w1, w2, w3, sw1, sw2, sw3, swiglu_limit, md.UP_TMA, best_tiles)
+
+    try:
+        row["op_ab"] = op_ab(name, kind, m, layers, copy_bps, rounds, {
+            "fused": lambda: setattr(md, "decode_experts", fused_experts),
+            "shipped": lambda: setattr(md, "decode_experts", shipped)})
+    finally:
+        md.decode_experts = shipped
+    return row
+
+
 def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rounds: int, sides: dict) -> dict:
     """Issue 6's whole op (router included) captured with each of `sides` (label -> a function that sets the
     decode tables for it; the first is the new side, the second the old), timed in turn; the tables restored."""
@@ -189,6 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--ab", action="store_true", help="the whole op with UP_TMA as shipped and None, in turn")
     ap.add_argument("--down", action="store_true", help="the TMA down kernel's shapes, then the experts op with it")
+    ap.add_argument("--fused", action="store_true", help="the experts in one launch, then the op with it")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     from dspark.kernels import moe_decode, moe_decode_tma as mt
@@ -197,7 +244,9 @@ def main(argv=None) -> int:
     copy_bps = copy_bytes_per_s(torch.device("cuda"))
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
                   "hbm_bytes_per_s": HBM, "copy_bytes_per_s": copy_bps, "up_tma": moe_decode.UP_TMA._asdict(),
-                  "mode": "ab" if args.ab else "down" if args.down else "sweep", "splits": SPLITS, "tiles": TILES, "stages": STAGES, "rounds": args.rounds,
+                  "mode": "ab" if args.ab else "down" if args.down else "fused" if args.fused else "sweep",
+                  "fused_down": mt.FUSED_DOWN, "splits": SPLITS, "tiles": TILES, "stages": STAGES,
+                  "rounds": args.rounds,
                   "timing": "graph_timer (CUDA-graph replays, L2 flushed, median of 50)"}
     rows, layers = [], {}
     for name, kind, m in itertools.product(args.layers.split(","), args.kinds.split(","),
@@ -207,6 +256,13 @@ def main(argv=None) -> int:
             print(f"{name} {r['op']} M={m}: gemv {r['gemv']['us']:.1f} us ({r['gemv']['pct_hbm']:.1f} %) tma "
                   f"{r['tma']['us']:.1f} us ({r['tma']['pct_hbm']:.1f} %) {r['speedup']:.3f}x; err "
                   f"{r['rel_err_tma']:.1e} / {r['rel_err_gemv']:.1e}", flush=True)
+        elif args.fused:
+            r = fused_sweep(name, kind, m, g, copy_bps, args.rounds, layers)
+            op = r["op_ab"]
+            print(f"{name} {kind} M={m}: experts shipped {r['experts']['shipped']['us']:.1f} us, fused best "
+                  f"{r['experts'][r['best']]['us']:.1f} ({r['best']}, {r['speedup']:.3f}x, err "
+                  f"{r['rel_err'][r['best']]:.1e}); op {op['shipped']['us']:.1f} -> {op['fused']['us']:.1f} us "
+                  f"({op['speedup']:.3f}x, {op['fused']['pct_hbm']:.1f} %)", flush=True)
         elif args.down:
             r = down_sweep(name, KINDS[kind], m, g, copy_bps, args.rounds)
             best = mt.TmaTiles(*(r["best"][f] for f in mt.TmaTiles._fields))

@@ -311,14 +311,15 @@ def _dot(a, b_t, acc, DOT_FP32: tl.constexpr):
 
 
 @_jit
-def _split_store(y_ptr, part_ptr, ticket_ptr, out, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT: tl.constexpr):
-    """A decode down kernel's fp32 row block `out` [BLOCK_N] of token t from program s of SPLIT: store it in
-    part[t, s]; the last of the SPLIT programs of (t, row block) to take a ticket adds the parts in order
-    s = 0..SPLIT − 1 (the same bits whichever arrives last), stores y and puts the counter back to 0
-    (zeroed by the up launch)."""
+def _split_store(y_ptr, part_ptr, ticket_ptr, out, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT: tl.constexpr,
+                 block):
+    """A decode down kernel's fp32 row block `out` [BLOCK_N] (row block number `block`) of token t from
+    program s of SPLIT: store it in part[t, s]; the last of the SPLIT programs of (t, row block) to take a
+    ticket adds the parts in order s = 0..SPLIT − 1 (the same bits whichever arrives last), stores y and
+    puts the counter back to 0 (zeroed by the up launch)."""
     tl.store(part_ptr + (t * SPLIT + s) * dim + offs_n, out, mask=n_mask)
     tl.debug_barrier()  # every thread's part stored before the ticket releases them (acq_rel, GPU scope)
-    counter = ticket_ptr + t * ticket_stride + tl.program_id(1)
+    counter = ticket_ptr + t * ticket_stride + block
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
         total = tl.zeros(offs_n.shape, dtype=tl.float32)
         for p in tl.static_range(SPLIT):  # from L2 (.cg): other SMs stored these parts

@@ -263,7 +263,8 @@ def _decode_down_kernel(
                 acc += _down_slot(j, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0,
                                   n_assign, dim, inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K,
                                   BLOCK_K_S, DEFER, KB, SUB, KB_S, SUB_S)
-        _split_store(y_ptr, part_ptr, ticket_ptr, acc, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT)
+        _split_store(y_ptr, part_ptr, ticket_ptr, acc, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT,
+                     tl.program_id(1))
     else:
         acc = _down_slot(0, h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, t, offs_n, n0, n_assign, dim,
                          inter, inter_s, h_width, TOP_K, FP8, SB, FP8_S, SB_S, BLOCK_K, BLOCK_K_S, DEFER, KB, SUB,

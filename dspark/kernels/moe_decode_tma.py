@@ -49,6 +49,8 @@ class TmaTiles(NamedTuple):
 
 # The down kernel's shapes `bench/moe_decode_tma.py --down` sweeps (it is not in the decode tables).
 DOWN_SWEEP = (TmaTiles(8, 512, 4, 4), TmaTiles(16, 256, 4, 4), TmaTiles(16, 512, 8, 4), TmaTiles(32, 256, 8, 3))
+# The down items' shapes `bench/moe_decode_tma.py --fused` sweeps for `tma_fused` (not in the tables either).
+FUSED_DOWN = (TmaTiles(16, 256, 4, 4), TmaTiles(16, 512, 4, 3), TmaTiles(32, 256, 4, 4))
 
 
 @_jit
@@ -94,6 +96,18 @@ def _tma_up_kernel(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su
     if TICKETS > 0:
         if (a < n_assign // TOP_K) & (tl.program_id(1) == 0):
             tl.store(ticket_ptr + a * TICKETS + tl.arange(0, TICKETS), tl.zeros((TICKETS,), dtype=tl.int32))
+    _up_rows(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr, h_ptr, a, n0,
+             n_assign, dim, inter, inter_s, h_width, limit, TOP_K, FP8, SB, FP8_S, SB_S, CLAMP, BLOCK_N, BLOCK_K,
+             STAGES)
+
+
+@_jit
+def _up_rows(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr, h_ptr, a, n0,
+             n_assign, dim, inter, inter_s, h_width, limit, TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
+             FP8_S: tl.constexpr, SB_S: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Stores h[a, n0 : n0 + BLOCK_N] of work row a: routed assignment a < N·K, else token a − N·K's shared
+    expert."""
     if a < n_assign:
         e = tl.load(ids_ptr + a)
         h = _swiglu_tma(x_ptr + (a // TOP_K).to(tl.int64) * dim, g_desc, u_desc, sg_ptr, su_ptr, e, n0, inter, dim,
@@ -152,7 +166,71 @@ def _tma_down_kernel(h_ptr, ids_ptr, wts_ptr, d_desc, s_ptr, ds_desc, ss_ptr, y_
     if SPLIT == 1:
         tl.store(y_ptr + t * dim + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:
-        _split_store(y_ptr, part_ptr, ticket_ptr, out, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT)
+        _split_store(y_ptr, part_ptr, ticket_ptr, out, t, s, offs_n, n_mask, dim, ticket_stride, SPLIT,
+                     tl.program_id(1))
+
+
+@_jit
+def _down_row_tma(h_row_ptr, d_desc, s_ptr, e, weight, n0, n_out, n_in, FP8: tl.constexpr, SB: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """fp32 [BLOCK_N]: weight · W2[e, n0 : n0 + BLOCK_N] · h_row, h read from L2 (`.cg`: other SMs wrote it)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
+        w = d_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        hv = tl.load(h_row_ptr + cols, mask=cols < n_in, other=0.0, cache_modifier=".cg") * weight
+        acc += w.to(tl.float32) * _scaled(hv, s_ptr, e, n0, k0, n_out, n_in, FP8, SB, BLOCK_K)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@_jit
+def _tma_fused_kernel(x_ptr, ids_ptr, wts_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr,
+                      d_desc, s2_ptr, ds_desc, ss2_ptr, h_ptr, y_ptr, part_ptr, sync_ptr, ticket_ptr, n_assign, dim,
+                      inter, inter_s, h_width, limit, up_blocks, down_blocks, TOP_K: tl.constexpr, FP8: tl.constexpr,
+                      SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr, FP8_D: tl.constexpr,
+                      SB_D: tl.constexpr, FP8_DS: tl.constexpr, SB_DS: tl.constexpr, CLAMP: tl.constexpr,
+                      UP_N: tl.constexpr, UP_K: tl.constexpr, UP_STAGES: tl.constexpr, DOWN_N: tl.constexpr,
+                      DOWN_K: tl.constexpr, DOWN_STAGES: tl.constexpr, PDL: tl.constexpr):
+    """The experts in one launch. Each program takes the next work item from a counter (sync[0]), so items
+    start in order: first the gate/up items (work row a, row block; a-major, `_up_rows`), each of which
+    then counts itself done in sync[1 + a] (release, GPU scope); then the down items (work row a, row
+    block of D), each of which waits until all ⌈h width / UP_N⌉ up items of its row are done (acquire)
+    and adds its routing-weighted slot to y through `_split_store` (slot j = 0 the shared expert, k + 1
+    routed slot k; the last of the K + 1 adds them in order). No deadlock: an item waits only on items
+    taken before it, by programs already running that wait on nothing. A down item starts as soon as
+    its own row's h is complete, while later rows' gate/up items still stream."""
+    pdl_prologue(PDL)
+    item = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    n_rows = n_assign + n_assign // TOP_K
+    n_up = n_rows * up_blocks
+    if item < n_up:
+        a = item // up_blocks
+        _up_rows(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr, h_ptr, a,
+                 (item - a * up_blocks) * UP_N, n_assign, dim, inter, inter_s, h_width, limit, TOP_K, FP8, SB, FP8_S,
+                 SB_S, CLAMP, UP_N, UP_K, UP_STAGES)
+        tl.debug_barrier()  # every thread's h stored before the count releases them
+        tl.atomic_add(sync_ptr + 1 + a, 1, sem="release", scope="gpu")
+    else:
+        a = (item - n_up) // down_blocks
+        block = item - n_up - a * down_blocks
+        n0 = block * DOWN_N
+        done = tl.atomic_add(sync_ptr + 1 + a, 0, sem="acquire", scope="gpu")
+        while done < up_blocks:
+            done = tl.atomic_add(sync_ptr + 1 + a, 0, sem="acquire", scope="gpu")
+        h_row = h_ptr + a.to(tl.int64) * h_width
+        if a < n_assign:
+            t = a // TOP_K
+            slot = a - t * TOP_K + 1
+            out = _down_row_tma(h_row, d_desc, s2_ptr, tl.load(ids_ptr + a), tl.load(wts_ptr + a), n0, dim, inter,
+                                FP8_D, SB_D, DOWN_N, DOWN_K, DOWN_STAGES)
+        else:
+            t = a - n_assign
+            slot = 0
+            out = _down_row_tma(h_row, ds_desc, ss2_ptr, 0, 1.0, n0, dim, inter_s, FP8_DS, SB_DS, DOWN_N, DOWN_K,
+                                DOWN_STAGES)
+        offs_n = n0 + tl.arange(0, DOWN_N)
+        _split_store(y_ptr, part_ptr, ticket_ptr, out, t.to(tl.int64), slot, offs_n, offs_n < dim, dim, down_blocks,
+                     TOP_K + 1, block)
 
 
 def _descriptor(data: torch.Tensor, block_n: int, block_k: int):
@@ -254,5 +332,37 @@ def tma_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: TmaTiles = T
         0 if tickets is None else tickets.shape[1], TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), FP8=fp8,
         SB=sb, FP8_S=fp8_s, SB_S=sb_s, BLOCK_N=tiles.n, BLOCK_K=tiles.k, STAGES=tiles.stages, SPLIT=split,
         PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps,
+    )
+    return y
+
+
+def tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
+              up: TmaTiles = TmaTiles(), down: TmaTiles = TmaTiles(16, 256, 4, 4)):
+    """`moe_decode.decode_experts` as one launch (`_tma_fused_kernel`, where `supported`): y [N, D] in x.dtype.
+    `up` / `down`: the gate/up and down items' tiles; the launch runs max(up.warps, down.warps) warps."""
+    operands = up_operands(x, ids, w1, w3, shared_w1, shared_w3, 0)
+    (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, _, args = operands
+    n_assign, dim, inter, inter_s, h_width, _ = args
+    d2, s2, fp8_d, sb_d = _weight_parts(w2)
+    ds2, ss2, fp8_ds, sb_ds = _weight_parts(shared_w2)
+    _check_tiles(up.n, up.k, (sb if fp8 else 0, sb_s if fp8_s else 0))
+    _check_tiles(down.n, down.k, (sb_d if fp8_d else 0, sb_ds if fp8_ds else 0))
+    n_tok, top_k = ids.shape
+    up_blocks, down_blocks = triton.cdiv(h_width, up.n), triton.cdiv(dim, down.n)
+    n_rows = n_assign + n_tok
+    # the item counter, each work row's done count and the tickets of every (token, row block): zeroed per call
+    sync = torch.zeros(1 + n_rows + n_tok * down_blocks, dtype=torch.int32, device=x.device)
+    y = torch.empty_like(x)
+    part = torch.empty((n_tok, top_k + 1, dim), dtype=torch.float32, device=x.device)
+    grid = (n_rows * (up_blocks + down_blocks),)
+    pdl = pdl_launch(x.device, math.prod(grid))
+    descs = [_descriptor(d, up.n, up.k) for d in (d1, d3, ds1, ds3)]
+    _tma_fused_kernel[grid](
+        x, ids, weights, descs[0], descs[1], s1, s3, descs[2], descs[3], ss1, ss3, _descriptor(d2, down.n, down.k),
+        s2, _descriptor(ds2, down.n, down.k), ss2, h, y, part, sync, sync[1 + n_rows:], n_assign, dim, inter, inter_s,
+        h_width, float(swiglu_limit), up_blocks, down_blocks, TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s,
+        FP8_D=fp8_d, SB_D=sb_d, FP8_DS=fp8_ds, SB_DS=sb_ds, CLAMP=swiglu_limit > 0, UP_N=up.n, UP_K=up.k,
+        UP_STAGES=up.stages, DOWN_N=down.n, DOWN_K=down.k, DOWN_STAGES=down.stages, PDL=pdl, launch_pdl=pdl,
+        num_warps=max(up.warps, down.warps),
     )
     return y

@@ -53,7 +53,7 @@ KERNELS = {mhc: ("_mhc_stats_kernel", "_mhc_epilogue_kernel", "_mhc_post_kernel"
            mhc_v41: ("_v41_stats_kernel", "_v41_epilogue_kernel"),
            moe: ("_moe_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_finalize_kernel", "_pack_kernel"),
            moe_decode: ("_decode_up_kernel", "_decode_down_kernel"),
-           moe_decode_tma: ("_tma_up_kernel", "_tma_down_kernel"),
+           moe_decode_tma: ("_tma_up_kernel", "_tma_down_kernel", "_tma_fused_kernel"),
            moe_route_decode: ("_route_logits_kernel", "_route_select_kernel"),
            moe_w8a8: ("_act_quant_kernel", "_w8a8_up_kernel", "_w8a8_down_kernel"),
            attention: ("_partial_kernel", "_combine_kernel"),
@@ -237,6 +237,8 @@ def run_every_tile_class():
                                        tiles._replace(down_n=8, down_split=4))
         for tma_tiles, split in itertools.product(moe_decode_tma.DOWN_SWEEP, (1, 4)):
             moe_decode_tma.tma_down(h, x, wts, ids, weights[1], weights[4], args, tma_tiles, split)
+        for down in moe_decode_tma.FUSED_DOWN:  # the experts in one launch (a bench variant) at its swept shapes
+            moe_decode_tma.tma_fused(x, wts, ids, *weights, 10.0, moe_decode.UP_TMA, down)
     # W8A8 experts: decode (16-row) and prefill (64-row) tiles at every FP8 block they take, bf16 and fp32 x.
     for n_tok, n_exp, dtype in ((3, 8, torch.bfloat16), (40, 2, torch.bfloat16), (40, 2, torch.float32)):
         x = torch.randn(n_tok, 256, generator=g).to(DEVICE, dtype)

@@ -165,3 +165,27 @@ def test_down_tma_table_entries_reach_decode_tiles(monkeypatch):
     assert tiles.down_tma == TmaTiles(16, 512, 8, 4) and tiles.down_split == 7
     assert moe_decode.decode_tiles(1, 128, 4096, top_k=2).down_split == 3
     assert moe_decode.decode_tiles(8, 128, 4096).down_tma is None
+
+
+@pytest.mark.parametrize("up,down", [((16, 16, 4, 2), (16, 16, 4, 2)), ((32, 32, 4, 3), (16, 64, 4, 3))])
+@pytest.mark.parametrize("fp8_block", [None, 32])
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_tma_fused_is_the_two_launches(up, down, fp8_block, n_tok, poisoned):
+    """The experts as one launch (gate/up items, then down items that wait for their row's h and add their
+    slot through the tickets): the two launches' y to fp32 rounding, the reference's; twice, the same bits."""
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(n_tok, fp8_block, seed=23)
+    with poisoned():
+        y = moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, TmaTiles(*up), TmaTiles(*down))
+    assert rel_err(y, moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0)) < TOL[torch.float32]
+    assert rel_err(y, moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)) \
+        < TOL[torch.float32]
+    assert torch.equal(moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, TmaTiles(*up),
+                                                TmaTiles(*down)), y)
+
+
+def test_tma_fused_checks_its_tiles():
+    args = _off_tile_experts(1, 32, seed=0)
+    with pytest.raises(ValueError, match="rows 64 must divide the FP8 block 32"):
+        moe_decode_tma.tma_fused(*args, 10.0, down=TmaTiles(n=64))
+    with pytest.raises(ValueError, match="powers of two .* got 16, 48"):
+        moe_decode_tma.tma_fused(*args, 10.0, up=TmaTiles(k=48))
