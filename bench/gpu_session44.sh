@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session44.sh b")   # ≈ 7 min
 #   run(command="bash bench/gpu_session44.sh c")   # ≈ 3 min, an H200 only (else it does nothing)
 #   run(command="bash bench/gpu_session44.sh d")   # ≈ 4 min
+#   run(command="bash bench/gpu_session44.sh e")   # ≈ 6 min
 #
 # a: the split TMA down kernel (`moe_decode_tma.tma_down`, a bench variant outside the tables) over
 #    `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block against the GEMV down kernel, each alone, then the
@@ -15,6 +16,10 @@
 #    which waits for its own row's h; a bench variant outside the tables): its GPU tests, then against the
 #    shipped two launches at `FUSED_DOWN`'s shapes, and issue 6's whole op with it in `decode_experts`'
 #    place and as shipped, each in turn (`bench/moe_decode_tma.py --fused`).
+# e: the TMA down launch shipped for dense weights at 8 tokens (`moe_decode.DOWN_TMA`): the decode MoE's GPU
+#    tests and V4's and V4.1's static graphs (bit for bit against the dynamic path), then the v4-mini graph
+#    step at 1 and 8 requests and v41-mini's at 8, each captured with the GEMV down kernel against the shipped
+#    graph, in turn (`bench/graph_decode.py --gemv-ab moe_down_gemv`).
 # d: the TMA gate/up kernel alone over more shapes (8-row programs, 3 / 5 / 7 stages) against the GEMV
 #    kernel (`bench/moe_decode_tma.py`).
 # c: on an H200, issue 6's MoE rows as the thirty-sixth session measured them (`bench/kernels.py --graph`,
@@ -51,6 +56,15 @@ part_c() {  # an H200 only (issue 6's card)
       --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-h200-s40.json"
     grep -h "fused_moe" "$W/logs/moe_rows.txt" | cut -c1-200
   fi
+}
+
+part_e() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests e_tests 120 tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma"
+  tests e_graphs 120 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  step "moe-down-ab-v4-$(card)-s40" 150 --requests 1,8 --gemv-ab moe_down_gemv
+  step "moe-down-ab-v41-$(card)-s40" 120 --config v41-mini --requests 8 --gemv-ab moe_down_gemv
+  grep -h "gemv_ab_ms" "$W"/logs/moe-down-ab-*.txt | cut -c1-500
 }
 
 dispatch session44 "${1:-}"

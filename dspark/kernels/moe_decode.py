@@ -364,13 +364,22 @@ _NARROW_DIM = 2048  # widths up to this take the v4-mini-measured shapes
 # 1.010× / 0.981×, 1.077× / 1.043×, 1.015× / 1.007×. The two that lost in all three rounds (`_UP_GEMV`) keep
 # the GEMV kernel. The v4-mini graph step: 1.010× at 1 request, 1.007× at 8, v41-mini 1.009× at 1
 # (moe-up-ab-*-h100-s39.json). The down launch keeps its GEMV kernel (a first TMA down kernel lost at 8
-# tokens, moe-decode-tma-h100-s39.json; `moe_decode_tma.tma_down`, split over programs, is not timed yet).
+# tokens, moe-decode-tma-h100-s39.json; the split `moe_decode_tma.tma_down` runs it for dense weights at 8
+# tokens since the fortieth session, `DOWN_TMA`).
 # None: the GEMV kernel everywhere.
 UP_TMA: TmaTiles | None = TmaTiles(n=16, k=256, warps=4, stages=5)
 _UP_GEMV = {(None, True, False), (128, False, True)}  # V4-Flash bf16 at one token, v4-mini FP8 128×128 at 8
-# The down launch through TMA (`moe_decode_tma.tma_down`): table key -> (tiles, programs per row block);
-# keys not here keep the GEMV down kernel.
-DOWN_TMA: dict[tuple[int | None, bool, bool], tuple[TmaTiles, int]] = {}
+# The down launch through TMA (`moe_decode_tma.tma_down`): table key -> (tiles, programs per row block); keys
+# not here keep the GEMV down kernel. On one H100 (fortieth session; `bench/moe_decode_tma.py --down`,
+# moe-tma-down-h100-s40.json: the kernel over `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block alone, then
+# issue 6's whole op, router included, with the best shape in the tables and without, in turn, 3 rounds) it
+# won for dense weights at 8 tokens only: V4-Flash down kernel 335.9 -> 272.7 µs, the op 735.2 -> 713.6 µs
+# (1.030×); v4-mini 41.3 -> 39.9 µs, the op 100.8 -> 97.3 (1.036×), every round. It lost at one token (op
+# 0.92-0.98×) and for FP8 weights (0.83-0.94×).
+DOWN_TMA: dict[tuple[int | None, bool, bool], tuple[TmaTiles, int]] = {
+    (None, False, False): (TmaTiles(n=8, k=512, warps=4, stages=4), 1),
+    (None, False, True): (TmaTiles(n=8, k=512, warps=4, stages=4), 1),
+}
 
 
 def table_key(n_tok: int, block: int | None, dim: int) -> tuple[int | None, bool, bool]:

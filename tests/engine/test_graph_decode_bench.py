@@ -37,9 +37,10 @@ def test_graph_decode_bench_profile_reports_where_the_step_goes(tmp_path):
     assert any(r["site"].startswith("models/deepseek_v4/static_") for r in sites["top"])
 
 
-def test_gemv_ab_takes_labels_and_captures_with_the_moe_gemv_up_kernel():
+def test_gemv_ab_takes_labels_and_captures_with_the_moe_gemv_kernels():
     """`--gemv-ab moe_up_gemv` picks one variant (an unknown label exits naming it), and `captured_with`
-    swaps `moe_decode.UP_TMA` for the capture and puts it back after."""
+    swaps `moe_decode.UP_TMA` for the capture and puts it back after; `moe_down_gemv` the same with
+    `DOWN_TMA`."""
     import pytest
 
     import graph_decode
@@ -53,3 +54,8 @@ def test_gemv_ab_takes_labels_and_captures_with_the_moe_gemv_up_kernel():
     with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["moe_up_gemv"]):
         assert moe_decode.UP_TMA is None and moe_decode.decode_tiles(1, 128).up_tma is None
     assert moe_decode.UP_TMA == shipped is not None
+    shipped_down = moe_decode.DOWN_TMA
+    assert moe_decode.decode_tiles(8, None).down_tma is not None
+    with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["moe_down_gemv"]):
+        assert moe_decode.decode_tiles(8, None).down_tma is None and moe_decode.UP_TMA == shipped
+    assert moe_decode.DOWN_TMA is shipped_down and moe_decode.decode_tiles(8, None).down_tma is not None

@@ -167,6 +167,22 @@ def test_down_tma_table_entries_reach_decode_tiles(monkeypatch):
     assert moe_decode.decode_tiles(8, 128, 4096).down_tma is None
 
 
+def test_the_tables_take_the_tma_down_launch_for_dense_weights_at_several_tokens(monkeypatch):
+    """The shipped `DOWN_TMA`: dense weights at 8 tokens (both widths) take the TMA down launch, unsplit; one
+    token and FP8 weights keep the GEMV down kernel. The default path at 2 tokens runs it and computes the
+    reference's experts."""
+    for dim in (4096, 2048):
+        assert moe_decode.decode_tiles(8, None, dim).down_tma == TmaTiles(8, 512, 4, 4)
+        assert moe_decode.decode_tiles(8, None, dim).down_split == 1
+        assert moe_decode.decode_tiles(1, None, dim).down_tma is None
+        assert all(moe_decode.decode_tiles(m, b, dim).down_tma is None for m in (1, 8) for b in (32, 128))
+    launches = _count_launches(monkeypatch, "down")
+    args = _off_tile_experts(2, None, seed=6)
+    y = moe_decode.decode_experts(*args, 10.0)
+    assert launches == {"tma": 1, "gemv": 0}
+    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("up,down", [((16, 16, 4, 2), (16, 16, 4, 2)), ((32, 32, 4, 3), (16, 64, 4, 3))])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 @pytest.mark.parametrize("n_tok", [1, 3])
