@@ -7,13 +7,13 @@
 #   run(command="bash bench/gpu_session44.sh d")   # ≈ 4 min
 #   run(command="bash bench/gpu_session44.sh e")   # ≈ 6 min
 #
-# a: the split TMA down kernel (`moe_decode_tma.tma_down`, a bench variant outside the tables) over
+# a: the split TMA down kernel (`moe_decode_tma.tma_down`, then outside the tables) over
 #    `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block against the GEMV down kernel, each alone, then the
 #    experts op with the best of it against the shipped op, and issue 6's whole op (router included) with
 #    it in the tables (`moe_decode.DOWN_TMA`) and without, each pair in turn (`bench/moe_decode_tma.py
 #    --down`); then the TMA kernels' GPU tests (test_moe_decode_tma.py).
 # b: the experts in one launch (`moe_decode_tma.tma_fused`: gate/up items first, then down items, each of
-#    which waits for its own row's h; a bench variant outside the tables): its GPU tests, then against the
+#    which waits for its own row's h; then outside the tables): its GPU tests, then against the
 #    shipped two launches at `FUSED_DOWN`'s shapes, and issue 6's whole op with it in `decode_experts`'
 #    place and as shipped, each in turn (`bench/moe_decode_tma.py --fused`).
 # e: the TMA down launch shipped for dense weights at 8 tokens (`moe_decode.DOWN_TMA`): the decode MoE's GPU

@@ -21,8 +21,9 @@ at the best TMA shape against the shipped op, timed in turn for `--rounds` round
 with that shape in the tables (`moe_decode.DOWN_TMA`) and without, in turn.
 
 `--fused`: the experts in one launch (`moe_decode_tma.tma_fused`: gate/up items, then down items that wait
-for their own row's h) at `UP_TMA` and each of `FUSED_DOWN` against the shipped two launches, timed in turn;
-then issue 6's whole op with the best of it in `decode_experts`' place and as shipped, in turn.
+for their own row's h) at `UP_TMA` and each of `FUSED_DOWN` against the two launches, timed in turn; then
+issue 6's whole op with the best of it in the tables (`moe_decode.FUSED`) and without, in turn. (The
+fortieth session's run put it in `decode_experts`' place instead, before the table existed: the same op.)
 
 Every time is a CUDA-graph replay with L2 flushed (`bench.attn_batched.graph_timer`, median of 50).
 % HBM against 4.4 TB/s (issue 6's ceiling) and against this card's own measured copy bandwidth.
@@ -139,18 +140,20 @@ def down_sweep(name: str, block, m: int, g, copy_bps: float, rounds: int) -> dic
 
 def fused_sweep(name: str, kind: str, m: int, g, copy_bps: float, rounds: int, layers: dict) -> dict:
     """The experts in one launch (`moe_decode_tma.tma_fused` at `UP_TMA` and each of `FUSED_DOWN`) against the
-    shipped two launches (`decode_experts`), timed in turn; then issue 6's whole op (router included) with the
-    best of it in `decode_experts`' place and as shipped, in turn."""
+    two launches (`decode_experts` without `fused`), timed in turn; then issue 6's whole op (router included)
+    with the best of it in the tables (`moe_decode.FUSED`) and without, in turn."""
     from dspark.kernels import moe_decode as md, moe_decode_tma as mt
 
     dim, inter, n_exp = LAYERS[name]
-    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, KINDS[kind], g)
+    block = KINDS[kind]
+    w1, w2, w3, s1, s2, s3 = weights(dim, inter, n_exp, block, g)
     x, wts, ids = routed_tokens(m, dim, n_exp, g)
     touched = int(torch.unique(ids).numel())
     n_bytes = sum(op_bytes(w1, w2, w3, s1, s2, s3, touched, m, dim))
     experts = (x, wts, ids, w1, w2, w3, s1, s2, s3, LIMIT)
-    y_ref = md.decode_experts(*experts)
-    ops = {"shipped": lambda: md.decode_experts(*experts)}
+    two = md.decode_tiles(m, block, dim)._replace(fused=None)
+    y_ref = md.decode_experts(*experts, tiles=two)
+    ops = {"shipped": lambda: md.decode_experts(*experts, tiles=two)}  # the two launches
     for t in mt.FUSED_DOWN:
         ops[f"fused_{t.n}x{t.k}_w{t.warps}_s{t.stages}"] = lambda t=t: mt.tma_fused(*experts, md.UP_TMA, t)
     times = {label: [] for label in ops}
@@ -160,21 +163,14 @@ def fused_sweep(name: str, kind: str, m: int, g, copy_bps: float, rounds: int, l
     med = {label: statistics.median(t) for label, t in times.items()}
     best = min((label for label in ops if label != "shipped"), key=med.get)
     best_tiles = mt.FUSED_DOWN[list(ops).index(best) - 1]
-    row = {"layer": name, "kind": kind, "M": m, "touched_experts": touched, "bytes": n_bytes, "rounds": times,
-           "experts": {label: rate(n_bytes, sec, copy_bps) for label, sec in med.items()}, "best": best,
-           "speedup": med["shipped"] / med[best], "rel_err": {label: rel_err(fn(), y_ref) for label, fn in ops.items()}}
-    shipped = md.decode_experts
-
-    def fused_experts(x, weights, ids, w1, w2, w3, sw1, sw2, sw3, swiglu_limit, tiles=None):
-        return mt.tma_fused(x, weights, ids, w1, w2, w3, sw1, sw2, sw3, swiglu_limit, md.UP_TMA, best_tiles)
-
-    try:
-        row["op_ab"] = op_ab(name, kind, m, layers, copy_bps, rounds, {
-            "fused": lambda: setattr(md, "decode_experts", fused_experts),
-            "shipped": lambda: setattr(md, "decode_experts", shipped)})
-    finally:
-        md.decode_experts = shipped
-    return row
+    key = md.table_key(m, block, dim)
+    op = op_ab(name, kind, m, layers, copy_bps, rounds, {
+        "fused": lambda: md.FUSED.update({key: (md.UP_TMA, best_tiles)}),
+        "shipped": lambda: md.FUSED.pop(key, None)})
+    return {"layer": name, "kind": kind, "M": m, "touched_experts": touched, "bytes": n_bytes, "rounds": times,
+            "experts": {label: rate(n_bytes, sec, copy_bps) for label, sec in med.items()}, "best": best,
+            "speedup": med["shipped"] / med[best], "op_ab": op,
+            "rel_err": {label: rel_err(fn(), y_ref) for label, fn in ops.items()}}
 
 
 def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rounds: int, sides: dict) -> dict:
@@ -188,7 +184,7 @@ def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rou
     if shape.name not in layers:
         layers[shape.name] = kb.build_layer(shape, "cuda")
     fused, ref, n_bytes, _ = kb.moe_case(AB_OPS[kind], shape, layers[shape.name], m, "cuda")
-    saved_up, saved_down = md.UP_TMA, dict(md.DOWN_TMA)
+    saved_up, saved_down, saved_fused = md.UP_TMA, dict(md.DOWN_TMA), dict(md.FUSED)
     times, outputs = {label: [] for label in sides}, {}
     try:
         for _ in range(rounds):
@@ -200,6 +196,8 @@ def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rou
         md.UP_TMA = saved_up
         md.DOWN_TMA.clear()
         md.DOWN_TMA.update(saved_down)
+        md.FUSED.clear()
+        md.FUSED.update(saved_fused)
     med = {label: statistics.median(t) for label, t in times.items()}
     new, old = sides
     return {"layer": layer_name, "op": AB_OPS[kind], "M": m, "bytes": n_bytes, "rounds": times,

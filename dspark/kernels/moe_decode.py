@@ -16,7 +16,8 @@ row of work and nothing is packed:
    put back to 0 after) adds the S sums in a fixed order and casts: more programs in flight, the same
    bits on every run.
 
-Two launches, no host sync, CUDA-graph capturable. Weights may be dense or `FP8BlockWeight`
+Two launches, no host sync, CUDA-graph capturable. On Hopper the tables send either launch through TMA
+(`moe_decode_tma`: `UP_TMA`, `DOWN_TMA`) or, where it won, both through one (`FUSED`). Weights may be dense or `FP8BlockWeight`
 (dequantised per tile in registers, as in the packed kernels). Shape symbols as in `moe.py`.
 """
 
@@ -303,6 +304,8 @@ class DecodeTiles(NamedTuple):
     # it runs (`moe_decode_tma.supported`); up_n, up_k, up_warps, stages and up_defer are then unused
     down_tma: TmaTiles | None = None  # the down launch through TMA at these tiles, its expert slots over
     # `down_split` programs per row block, where it runs; down_n, down_k, down_warps, down_defer then unused
+    fused: tuple[TmaTiles, TmaTiles] | None = None  # the experts in one launch (`moe_decode_tma.tma_fused`) at
+    # these (gate/up, down) tiles where it runs; every other field is then unused
 
 
 # Picked per kernel from `bench/moe_decode_tiles.py` on one H200, per layer width. V4-Flash-like layers
@@ -382,6 +385,18 @@ DOWN_TMA: dict[tuple[int | None, bool, bool], tuple[TmaTiles, int]] = {
 }
 
 
+# The experts in one launch (`moe_decode_tma.tma_fused`): table key -> (gate/up, down) tiles. On one H100
+# (fortieth session; `bench/moe_decode_tma.py --fused`, moe-fused-h100-s40.json: against the shipped two
+# launches alone, then issue 6's whole op, router included, with it in `decode_experts`' place and without,
+# in turn, 3 rounds) it won at one token on V4-Flash widths for FP8 32×32 weights (the op 89.5 -> 86.3 µs,
+# 1.037×) and dense ones (136.0 -> 134.8 µs, 1.010×), every round; it lost at 8 tokens (0.86-0.92×), for
+# v4-mini's widths (0.79-0.90×) and at FP8 128×128 (0.997×).
+FUSED: dict[tuple[int | None, bool, bool], tuple[TmaTiles, TmaTiles]] = {
+    (32, True, False): (TmaTiles(n=16, k=256, warps=4, stages=5), TmaTiles(n=32, k=256, warps=4, stages=4)),
+    (None, True, False): (TmaTiles(n=16, k=256, warps=4, stages=5), TmaTiles(n=16, k=512, warps=4, stages=3)),
+}
+
+
 def table_key(n_tok: int, block: int | None, dim: int) -> tuple[int | None, bool, bool]:
     """The decode tables' key: (FP8 scale block kind or None, one token, width D <= 2048)."""
     return None if block is None else 32 if block == 32 else 128, n_tok <= 1, dim <= _NARROW_DIM
@@ -395,6 +410,8 @@ def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6)
     tiles = _MEASURED[key]._replace(up_tma=None if key in _UP_GEMV else UP_TMA)
     if key in DOWN_TMA:
         tiles = tiles._replace(down_tma=DOWN_TMA[key][0], down_split=DOWN_TMA[key][1])
+    if key in FUSED:
+        tiles = tiles._replace(fused=FUSED[key])
     return tiles if tiles.down_split <= top_k + 1 else tiles._replace(down_split=top_k + 1)
 
 
@@ -414,6 +431,9 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
                          f"{slots - 1} routed), got {tiles.down_split!r}")
     if tiles.down_split > 1 and tiles.stages > 1:
         raise ValueError(f"DecodeTiles.down_split {tiles.down_split} takes stages 1, got {tiles.stages}")
+    if tiles.fused is not None and moe_decode_tma.supported(x, w1, w2, w3, shared_w1, shared_w2, shared_w3):
+        return moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit,
+                                        *tiles.fused)
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 

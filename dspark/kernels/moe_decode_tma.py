@@ -13,9 +13,15 @@ clamp(x·W3ᵀ, −L, L) in fp32, laid out as `decode_up`'s h, so `moe_decode._d
 unchanged (and the split down kernel's ticket counters are zeroed here as there). The fp32 sums run
 in another order than the GEMV kernel's ([BLOCK_N, BLOCK_K] accumulators, summed over columns once).
 
-`_tma_down_kernel` (`tma_down`; a bench variant, not in `moe_decode`'s tables: a first form with one
-program per row block lost at 8 tokens) computes `moe_decode._decode_down_kernel`'s y the same way, each
+`_tma_down_kernel` (`tma_down`; in `moe_decode`'s tables for dense weights at several tokens,
+`DOWN_TMA`; a first form with one program per row block lost at 8 tokens) computes `moe_decode._decode_down_kernel`'s y the same way, each
 row block's K + 1 expert slots spread over SPLIT programs whose fp32 parts the last to finish adds.
+
+`_tma_fused_kernel` (`tma_fused`) runs both in one launch: each program takes the next work item from a
+counter, gate/up items first (a-major), then down items, one expert slot of one row block each; a down
+item waits for its own work row's h (a done count per row), so it starts while later rows still stream,
+and the last of a row block's K + 1 slots adds them (the ticket protocol). The tables use it where it won
+(`moe_decode.FUSED`: one token, V4-Flash widths, FP8 32×32 and dense weights).
 
 FP8 weights (`FP8BlockWeight`): each program's rows lie in one scale row (BLOCK_N divides the block),
 so each column's UE8M0 factor (a power of two: exact) multiplies the activations instead of the weights.
@@ -47,9 +53,9 @@ class TmaTiles(NamedTuple):
     stages: int = 5
 
 
-# The down kernel's shapes `bench/moe_decode_tma.py --down` sweeps (it is not in the decode tables).
+# The down kernel's shapes `bench/moe_decode_tma.py --down` sweeps (`moe_decode.DOWN_TMA` picks from them).
 DOWN_SWEEP = (TmaTiles(8, 512, 4, 4), TmaTiles(16, 256, 4, 4), TmaTiles(16, 512, 8, 4), TmaTiles(32, 256, 8, 3))
-# The down items' shapes `bench/moe_decode_tma.py --fused` sweeps for `tma_fused` (not in the tables either).
+# The down items' shapes `bench/moe_decode_tma.py --fused` sweeps for `tma_fused` (`moe_decode.FUSED` picks).
 FUSED_DOWN = (TmaTiles(16, 256, 4, 4), TmaTiles(16, 512, 4, 3), TmaTiles(32, 256, 4, 4))
 
 

@@ -234,12 +234,12 @@ def run_every_tile_class():
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=moe_decode.decode_tiles(n_tok, kind, dim))
         # the gate/up launch through TMA (`UP_TMA`, every table's), the split down kernel's tickets with it
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles._replace(up_tma=moe_decode.UP_TMA))
-        # the TMA down kernel (a bench variant) at the shapes `bench/moe_decode_tma.py --down` sweeps
+        # the TMA down kernel at the shapes `bench/moe_decode_tma.py --down` sweeps
         h, args = moe_decode.decode_up(x, ids, *weights[0:3:2], *weights[3:6:2], 10.0,
                                        tiles._replace(down_n=8, down_split=4))
         for tma_tiles, split in itertools.product(moe_decode_tma.DOWN_SWEEP, (1, 4)):
             moe_decode_tma.tma_down(h, x, wts, ids, weights[1], weights[4], args, tma_tiles, split)
-        for down in moe_decode_tma.FUSED_DOWN:  # the experts in one launch (a bench variant) at its swept shapes
+        for down in moe_decode_tma.FUSED_DOWN:  # the experts in one launch at its swept shapes
             moe_decode_tma.tma_fused(x, wts, ids, *weights, 10.0, moe_decode.UP_TMA, down)
     # W8A8 experts: decode (16-row) and prefill (64-row) tiles at every FP8 block they take, bf16 and fp32 x.
     for n_tok, n_exp, dtype in ((3, 8, torch.bfloat16), (40, 2, torch.bfloat16), (40, 2, torch.float32)):

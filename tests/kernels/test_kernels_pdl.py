@@ -214,7 +214,7 @@ def _every_op(device: str) -> None:
     h, args = moe_decode.decode_up(router[0][:1], ids[:1].int(), *experts[0:3:2], *experts[3:6:2], 10.0,
                                    moe_decode.DecodeTiles(down_split=2))
     moe_decode_tma.tma_down(h, router[0][:1], weights[:1], ids[:1].int(), experts[1], experts[4], args,
-                            moe_decode_tma.TmaTiles(16, 16, 4, 2), 2)  # the TMA down kernel (a bench variant)
+                            moe_decode_tma.TmaTiles(16, 16, 4, 2), 2)  # the split TMA down kernel
     moe_decode_tma.tma_fused(router[0][:1], weights[:1], ids[:1].int(), *experts, 10.0,
                              moe_decode_tma.TmaTiles(16, 16, 4, 2), moe_decode_tma.TmaTiles(16, 16, 4, 2))  # one launch
     linear.launch_gemv(rand(3, 64), rand(40, 64))

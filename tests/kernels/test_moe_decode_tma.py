@@ -52,10 +52,13 @@ def test_tma_up_zeroes_the_split_down_kernels_tickets(split, poisoned):
 
 
 def _count_launches(monkeypatch, launch="up"):
-    """Counts of the TMA and GEMV kernels' launches of the gate/up (`launch` "up") or the down launch."""
+    """Counts of the TMA and GEMV kernels' launches of the gate/up (`launch` "up") or the down launch, or of
+    the one-launch experts ("fused": "tma" only)."""
     launches = {"tma": 0, "gemv": 0}
-    for name, module, kernel in (("tma", moe_decode_tma, f"_tma_{launch}_kernel"),
-                                 ("gemv", moe_decode, f"_decode_{launch}_kernel")):
+    kernels = [("tma", moe_decode_tma, f"_tma_{launch}_kernel")]
+    if launch != "fused":
+        kernels.append(("gemv", moe_decode, f"_decode_{launch}_kernel"))
+    for name, module, kernel in kernels:
         original = getattr(module, kernel)
 
         def counted(grid, name=name, original=original):
@@ -103,7 +106,7 @@ def test_tma_tiles_are_checked():
 @pytest.mark.parametrize("tiles,split", [((16, 16, 4, 2), 1), ((16, 64, 4, 3), 2), ((32, 32, 4, 5), 3), ((16, 32, 4, 3), 4)])
 @pytest.mark.parametrize("fp8_block", [None, 32])
 def test_tma_down_is_the_gemv_down_kernel(tiles, split, fp8_block, poisoned):
-    """`tma_down` (a bench variant, not in the tables) over the K + 1 = 4 expert slots split over 1–4
+    """`tma_down` over the K + 1 = 4 expert slots split over 1–4
     programs per row block (uneven shares at 3), the last program to take its ticket adding the fp32
     parts: the GEMV down kernel's y to fp32 rounding; again on the same counters, the same bits."""
     x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, fp8_block, seed=13)
@@ -205,3 +208,26 @@ def test_tma_fused_checks_its_tiles():
         moe_decode_tma.tma_fused(*args, 10.0, down=TmaTiles(n=64))
     with pytest.raises(ValueError, match="powers of two .* got 16, 48"):
         moe_decode_tma.tma_fused(*args, 10.0, up=TmaTiles(k=48))
+
+
+def test_the_tables_take_the_one_launch_experts_where_they_won(monkeypatch):
+    """The shipped `FUSED`: one token on V4-Flash widths, FP8 32×32 and dense weights; elsewhere two launches.
+    A `FUSED` entry sends `decode_experts` to `tma_fused` (one launch, the reference's experts); weights whose
+    rows are not 16-byte aligned take the two launches."""
+    assert moe_decode.decode_tiles(1, 32, 4096).fused == (TmaTiles(16, 256, 4, 5), TmaTiles(32, 256, 4, 4))
+    assert moe_decode.decode_tiles(1, None, 4096).fused == (TmaTiles(16, 256, 4, 5), TmaTiles(16, 512, 4, 3))
+    assert all(moe_decode.decode_tiles(m, b, d).fused is None for m, b, d in
+               ((1, 128, 4096), (8, 32, 4096), (8, None, 4096), (1, 32, 2048), (1, None, 2048)))
+    fused = (TmaTiles(16, 32, 4, 3), TmaTiles(16, 64, 4, 2))
+    monkeypatch.setattr(moe_decode, "FUSED", {moe_decode.table_key(1, 32, 96): fused})
+    launches = _count_launches(monkeypatch, "fused")
+    args = _off_tile_experts(1, 32, seed=9)
+    y = moe_decode.decode_experts(*args, 10.0)
+    assert launches["tma"] == 1
+    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.float32]
+    w1, w2, w3, s1, s2, s3 = expert_weights(8, 96, 72, torch.float32, seed=1, fp8_block=32)  # rows of 72 bytes
+    x, weights, ids = args[:3]
+    y = moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0)
+    assert launches["tma"] == 1
+    assert rel_err(y, moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)) \
+        < TOL[torch.float32]
