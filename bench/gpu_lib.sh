@@ -93,3 +93,13 @@ _python_path_ab() {  # the side's package first on PYTHONPATH, and where a scrip
   if [ "$1" = old ]; then export PYTHONPATH=.ab/main:.; else export PYTHONPATH=.; fi
   python3 -P -c "import dspark; print('$1: dspark from', dspark.__file__)"
 }
+
+moe_rows_h200() {  # moe_rows_h200 SESSION: on an H200 only (issue 6's card), issue 6's V4-Flash MoE rows (the
+  # whole op with the router at 1, 8 and 64 tokens, graphed) into $OUT/kernels-moe-graph-h200-SESSION.json
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  if [ "$(card)" = h200 ]; then
+    logged moe_rows 240 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
+      --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-h200-$1.json"
+    grep -h "fused_moe" "$W/logs/moe_rows.txt" | cut -c1-200
+  fi
+}

@@ -24,7 +24,7 @@
 #    kernel (`bench/moe_decode_tma.py`).
 # c: on an H200, issue 6's MoE rows as the thirty-sixth session measured them (`bench/kernels.py --graph`,
 #    V4-Flash, the whole op with the router at 1, 8 and 64 tokens), with the decode tables of this commit.
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch, moe_rows_h200
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
@@ -50,12 +50,7 @@ part_d() {
 }
 
 part_c() {  # an H200 only (issue 6's card)
-  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  if [ "$(card)" = h200 ]; then
-    logged moe_rows 240 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
-      --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-h200-s40.json"
-    grep -h "fused_moe" "$W/logs/moe_rows.txt" | cut -c1-200
-  fi
+  moe_rows_h200 s40
 }
 
 part_e() {
