@@ -17,8 +17,9 @@ row of work and nothing is packed:
    bits on every run.
 
 Two launches, no host sync, CUDA-graph capturable. On Hopper the tables send either launch through TMA
-(`moe_decode_tma`: `UP_TMA`, `DOWN_TMA`) or, where it won, both through one (`FUSED`). Weights may be dense or `FP8BlockWeight`
-(dequantised per tile in registers, as in the packed kernels). Shape symbols as in `moe.py`.
+(`moe_decode_tma`: `UP_TMA`, `DOWN_TMA`) or, where it won, both through one (`FUSED`). Weights may be dense
+or `FP8BlockWeight` (dequantised per tile in registers, as in the packed kernels). Shape symbols as in
+`moe.py`.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ clamp(x·W3ᵀ, −L, L) in fp32, laid out as `decode_up`'s h, so `moe_decode._d
 unchanged (and the split down kernel's ticket counters are zeroed here as there). The fp32 sums run
 in another order than the GEMV kernel's ([BLOCK_N, BLOCK_K] accumulators, summed over columns once).
 
-`_tma_down_kernel` (`tma_down`; in `moe_decode`'s tables for dense weights at several tokens,
-`DOWN_TMA`; a first form with one program per row block lost at 8 tokens) computes `moe_decode._decode_down_kernel`'s y the same way, each
-row block's K + 1 expert slots spread over SPLIT programs whose fp32 parts the last to finish adds.
+`_tma_down_kernel` (`tma_down`; in `moe_decode`'s tables for dense weights at several tokens, `DOWN_TMA`;
+a first form with one program per row block lost at 8 tokens) computes `moe_decode._decode_down_kernel`'s
+y the same way, each row block's K + 1 expert slots spread over SPLIT programs whose fp32 parts the last
+to finish adds.
 
 `_tma_fused_kernel` (`tma_fused`) runs both in one launch: each program takes the next work item from a
 counter, gate/up items first (a-major), then down items, one expert slot of one row block each; a down
