@@ -6,6 +6,7 @@
 #   run(command="bash bench/gpu_session44.sh c")   # ≈ 3 min, an H200 only (else it does nothing)
 #   run(command="bash bench/gpu_session44.sh d")   # ≈ 4 min
 #   run(command="bash bench/gpu_session44.sh e")   # ≈ 6 min
+#   run(command="bash bench/gpu_session44.sh f")   # ≈ 6 min: c + the v4-mini step A/B on an H200, else e
 #
 # a: the split TMA down kernel (`moe_decode_tma.tma_down`, then outside the tables) over
 #    `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block against the GEMV down kernel, each alone, then the
@@ -60,6 +61,17 @@ part_e() {
   step "moe-down-ab-v4-$(card)-s40" 150 --requests 1,8 --gemv-ab moe_down_gemv
   step "moe-down-ab-v41-$(card)-s40" 120 --config v41-mini --requests 8 --gemv-ab moe_down_gemv
   grep -h "gemv_ab_ms" "$W"/logs/moe-down-ab-*.txt | cut -c1-500
+}
+
+part_f() {  # whichever card comes: on an H200 part c, then the v4-mini step at 8 requests with and without the
+  # TMA down launch, in turn; elsewhere part e
+  if [ "$(card)" = h200 ]; then
+    part_c
+    step "moe-down-ab-v4-h200-s40" 150 --requests 8 --gemv-ab moe_down_gemv
+    grep -h "gemv_ab_ms" "$W"/logs/moe-down-ab-*.txt | cut -c1-500
+  else
+    part_e
+  fi
 }
 
 dispatch session44 "${1:-}"
