@@ -7,6 +7,7 @@
 #   run(command="bash bench/gpu_session44.sh d")   # ≈ 4 min
 #   run(command="bash bench/gpu_session44.sh e")   # ≈ 6 min
 #   run(command="bash bench/gpu_session44.sh f")   # ≈ 6 min: c + the v4-mini step A/B on an H200, else e
+#   run(command="bash bench/gpu_session44.sh g")   # ≈ 5 min: c or the static graph tests, + the step A/B
 #
 # a: the split TMA down kernel (`moe_decode_tma.tma_down`, then outside the tables) over
 #    `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block against the GEMV down kernel, each alone, then the
@@ -72,6 +73,17 @@ part_f() {  # whichever card comes: on an H200 part c, then the v4-mini step at 
   else
     part_e
   fi
+}
+
+part_g() {  # f in under 7 min: on an H200 part c, else V4's and V4.1's static graph tests; then the v4-mini
+  # step at 8 requests with and without the TMA down launch, in turn
+  if [ "$(card)" = h200 ]; then
+    part_c
+  else
+    tests g_graphs 120 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  fi
+  step "moe-down-ab-v4-$(card)-s40" 150 --requests 8 --gemv-ab moe_down_gemv
+  grep -h "gemv_ab_ms" "$W"/logs/moe-down-ab-*.txt | cut -c1-500
 }
 
 dispatch session44 "${1:-}"
