@@ -378,8 +378,9 @@ _UP_GEMV = {(None, True, False), (128, False, True)}  # V4-Flash bf16 at one tok
 # moe-tma-down-h100-s40.json: the kernel over `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block alone, then
 # issue 6's whole op, router included, with the best shape in the tables and without, in turn, 3 rounds) it
 # won for dense weights at 8 tokens only: V4-Flash down kernel 335.9 -> 272.7 µs, the op 735.2 -> 713.6 µs
-# (1.030×); v4-mini 41.3 -> 39.9 µs, the op 100.8 -> 97.3 (1.036×), every round. It lost at one token (op
-# 0.92-0.98×) and for FP8 weights (0.83-0.94×).
+# (1.030×); v4-mini 41.3 -> 39.9 µs, the op 100.8 -> 97.3 (1.036×), every round; the v4-mini graph step at 8
+# requests 1.007× / 1.008× in two A/Bs, v41-mini 1.005× (moe-down-ab-*-h100-s40*.json). It lost at one token
+# (op 0.92-0.98×) and for FP8 weights (0.83-0.94×).
 DOWN_TMA: dict[tuple[int | None, bool, bool], tuple[TmaTiles, int]] = {
     (None, False, False): (TmaTiles(n=8, k=512, warps=4, stages=4), 1),
     (None, False, True): (TmaTiles(n=8, k=512, warps=4, stages=4), 1),
