@@ -14,7 +14,7 @@ kernel over `TILES` × `STAGES`, outputs checked against the GEMV kernel's.
 inputs and byte counts), captured with `moe_decode.UP_TMA` as shipped and with None (the GEMV gate/up
 kernel), the two timed in turn for `--rounds` rounds (medians).
 
-`--down`: the TMA down kernel (`moe_decode_tma.tma_down`, not in the tables) over `DOWN_SWEEP` × `SPLITS`
+`--down`: the TMA down kernel (`moe_decode_tma.tma_down`; `moe_decode.DOWN_TMA` entries) over `DOWN_SWEEP` × `SPLITS`
 (expert slots per row block over that many programs) against the GEMV down kernel at its table's shape,
 each alone on the same h; then the experts op (the shipped gate/up launch, then either down kernel)
 at the best TMA shape against the shipped op, timed in turn for `--rounds` rounds; then issue 6's whole op
@@ -102,7 +102,8 @@ def down_sweep(name: str, block, m: int, g, copy_bps: float, rounds: int) -> dic
     x, wts, ids = routed_tokens(m, dim, n_exp, g)
     touched = int(torch.unique(ids).numel())
     up_bytes, down_bytes = op_bytes(w1, w2, w3, s1, s2, s3, touched, m, dim)
-    shipped = md.decode_tiles(m, block, dim)
+    # the GEMV down kernel at the table's shape (`DOWN_TMA`'s entries keep the tables' unsplit down launch)
+    shipped = md.decode_tiles(m, block, dim)._replace(down_tma=None, fused=None)
     # tickets for the narrowest row blocks swept (8 rows), so every split shape can run on the same h
     h, args = md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, shipped._replace(down_n=8, down_split=2))
     y_ref = md.decode_down(h, x, wts, ids, w2, s2, args, shipped._replace(down_n=8, down_split=2))
@@ -126,7 +127,8 @@ def down_sweep(name: str, block, m: int, g, copy_bps: float, rounds: int) -> dic
                                                                               down_split=best_split))
         return mt.tma_down(h_, x, wts, ids, w2, s2, a_, best_tiles, best_split)
 
-    ops = {"shipped": lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, LIMIT), "tma_down": tma_op}
+    ops = {"shipped": lambda: md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, LIMIT, tiles=shipped),
+           "tma_down": tma_op}  # "shipped": the table's gate/up launch, then the GEMV down kernel
     times = {label: [] for label in ops}
     for _ in range(rounds):
         for label, fn in ops.items():
