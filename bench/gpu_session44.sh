@@ -8,6 +8,7 @@
 #   run(command="bash bench/gpu_session44.sh e")   # ≈ 6 min
 #   run(command="bash bench/gpu_session44.sh f")   # ≈ 6 min: c + the v4-mini step A/B on an H200, else e
 #   run(command="bash bench/gpu_session44.sh g")   # ≈ 5 min: c or the static graph tests, + the step A/B
+#   run(command="bash bench/gpu_session44.sh h")   # ≈ 2 min: e's tests alone
 #
 # a: the split TMA down kernel (`moe_decode_tma.tma_down`, then outside the tables) over
 #    `DOWN_SWEEP` × 1 / 2 / 4 / 7 programs per row block against the GEMV down kernel, each alone, then the
@@ -84,6 +85,11 @@ part_g() {  # f in under 7 min: on an H200 part c, else V4's and V4.1's static g
   fi
   step "moe-down-ab-v4-$(card)-s40" 150 --requests 8 --gemv-ab moe_down_gemv
   grep -h "gemv_ab_ms" "$W"/logs/moe-down-ab-*.txt | cut -c1-500
+}
+
+part_h() {  # e's tests alone
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests h_tests 150 tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma"
 }
 
 dispatch session44 "${1:-}"
