@@ -10,7 +10,7 @@ import torch
 
 from dspark.kernels import moe, moe_decode, moe_decode_tma, triton_available
 from dspark.kernels.moe_decode_tma import TmaTiles
-from test_moe import TOL, _off_tile_experts, expert_weights, rel_err  # noqa: E402 (tests/kernels is on sys.path)
+from test_moe import TOL, _expert_case, _off_tile_experts, expert_weights, rel_err  # noqa: E402 (on sys.path)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 
@@ -231,3 +231,19 @@ def test_the_tables_take_the_one_launch_experts_where_they_won(monkeypatch):
     assert launches["tma"] == 1
     assert rel_err(y, moe.moe_experts_ref(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)) \
         < TOL[torch.float32]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the tables' TMA entries at V4-Flash widths")
+@pytest.mark.parametrize("n_tok,fp8_block", [(1, 32), (1, None), (8, None)])
+def test_the_tables_tma_entries_at_v4_flash_widths(n_tok, fp8_block, poisoned):
+    """On the GPU at the widths the entries were measured for (D 4096, I 2048, top-6 of 8 experts, bf16 x):
+    the shipped tables (`FUSED` at one token, `DOWN_TMA` at 8) against the same tiles without them, and the
+    reference, within bf16's bound."""
+    args = _expert_case(n_tok, 4096, 8, 6, 2048, 2048, fp8_block, torch.bfloat16)
+    tiles = moe_decode.decode_tiles(n_tok, fp8_block, 4096)
+    assert (tiles.fused is not None) == (n_tok == 1) and (tiles.down_tma is not None) == (n_tok == 8)
+    with poisoned():
+        y = moe_decode.decode_experts(*args, 10.0)
+    two = moe_decode.decode_experts(*args, 10.0, tiles=tiles._replace(fused=None, down_tma=None))
+    assert rel_err(y, two) < TOL[torch.bfloat16]
+    assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.bfloat16]
