@@ -230,7 +230,7 @@ def run_every_tile_class():
         ids = torch.arange(6, dtype=torch.int32, device=DEVICE).expand(n_tok, 6).contiguous()
         wts = torch.empty(n_tok, 6, device=DEVICE)
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles)
-        # the shipped tables (`decode_tiles`: the TMA gate/up launch, and the TMA down launch where `DOWN_TMA` has it)
+        # the shipped tables (`decode_tiles`: the TMA gate/up launch; `DOWN_TMA`'s and `FUSED`'s entries)
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=moe_decode.decode_tiles(n_tok, kind, dim))
         # the gate/up launch through TMA (`UP_TMA`, every table's), the split down kernel's tickets with it
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles._replace(up_tma=moe_decode.UP_TMA))
