@@ -473,7 +473,8 @@ def decode_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: DecodeTil
     d2, s2, fp8, sb = _weight_parts(w2)
     ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
     if tiles.down_tma is not None and moe_decode_tma.supported(x, d2, ds2):
-        return moe_decode_tma.tma_down(h, x, weights, ids, w2, shared_w2, args, tiles.down_tma, tiles.down_split)
+        return moe_decode_tma.launch_down(h, x, weights, ids, ((d2, s2, fp8, sb), (ds2, ss2, fp8_s, sb_s)), args,
+                                          tiles.down_tma, tiles.down_split)
     split, n_blocks = tiles.down_split, triton.cdiv(dim, tiles.down_n)
     if (split > 1) != (tickets is not None) or (split > 1 and tickets.shape[1] < n_blocks):
         raise ValueError(f"decode_down with down_split {split} needs decode_up's args for the same tiles")

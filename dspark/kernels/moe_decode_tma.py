@@ -319,9 +319,13 @@ def tma_down(h, x, weights, ids, w2, shared_w2, args: tuple, tiles: TmaTiles = T
     """`moe_decode.decode_down` through TMA (where `supported`): y [N, D] in x.dtype from the up launch's h and
     args; `split` > 1 spreads each row block's K + 1 expert slots over that many programs (args must carry
     the up launch's ticket counters for at least ⌈D / tiles.n⌉ row blocks)."""
+    return launch_down(h, x, weights, ids, (_weight_parts(w2), _weight_parts(shared_w2)), args, tiles, split)
+
+
+def launch_down(h, x, weights, ids, parts: tuple, args: tuple, tiles: TmaTiles, split: int):
+    """`tma_down` on the down weights' `_weight_parts` (W2's, then the shared W2's; `decode_down` has them)."""
+    (d2, s2, fp8, sb), (ds2, ss2, fp8_s, sb_s) = parts
     n_assign, dim, inter, inter_s, h_width, tickets = args
-    d2, s2, fp8, sb = _weight_parts(w2)
-    ds2, ss2, fp8_s, sb_s = _weight_parts(shared_w2)
     _check_tiles(tiles.n, tiles.k, (sb if fp8 else 0, sb_s if fp8_s else 0))
     top_k = ids.shape[1]
     n_blocks = triton.cdiv(dim, tiles.n)
@@ -359,8 +363,7 @@ def tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swig
     n_rows = n_assign + n_tok
     # the item counter, each work row's done count and the tickets of every (token, row block): zeroed per call
     sync = torch.zeros(1 + n_rows + n_tok * down_blocks, dtype=torch.int32, device=x.device)
-    y = torch.empty_like(x)
-    part = torch.empty((n_tok, top_k + 1, dim), dtype=torch.float32, device=x.device)
+    y, part = down_outputs(x, top_k + 1)
     grid = (n_rows * (up_blocks + down_blocks),)
     pdl = pdl_launch(x.device, math.prod(grid))
     descs = [_descriptor(d, up.n, up.k) for d in (d1, d3, ds1, ds3)]
