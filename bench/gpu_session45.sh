@@ -2,11 +2,17 @@
 # GPU steps of the forty-first session (one H100 or H200; every JSON names its card):
 #
 #   run(command="bash bench/gpu_session45.sh a")   # ≈ 6 min (≈ 9 on an H200)
+#   run(command="bash bench/gpu_session45.sh b")   # ≈ 8 min
 #
 # a: where the decode MoE op's time goes at 1 and 8 tokens (`bench/moe_op_profile.py`: each kernel's
 #    duration and the gaps, shipped tables and the GEMV kernels alone); then the decode MoE's GPU tests in
 #    full with the shipped `DOWN_TMA` / `FUSED` entries (the fortieth session's unrun part h, including the
 #    CUDA test at V4-Flash widths); on an H200 also issue 6's MoE rows (`gpu_lib.moe_rows_h200`).
+# b: the shared experts' gate/up rows started while the router's last launch runs (`fused_moe`'s `x_ready`,
+#    the TMA gate/up kernel's EARLY): issue 6's whole op with it and without, in turn (`bench/moe_decode_tma.py
+#    --early`), the profile again, then the GPU tests: the TMA kernels' file in full (the new early test
+#    among them; part a's run of it and test_moe.py's decode tests passed every test, then hung at exit
+#    until the timeout, so each file runs alone here, with the GPU's state shown after), and PDL's.
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, moe_rows_h200
 
 part_a() {
@@ -16,6 +22,20 @@ part_a() {
   tail -n 2 "$W/logs/moe-op-profile-$(card)-s41.txt" | cut -c1-300
   tests a_tests 150 tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma"
   moe_rows_h200 s41
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  logged "moe-early-$(card)-s41" 200 python3 bench/moe_decode_tma.py --early --out "$OUT/moe-early-$(card)-s41.json"
+  grep -h "early" "$W/logs/moe-early-$(card)-s41.txt" | cut -c1-300
+  logged "moe-op-profile-early-$(card)-s41" 200 python3 bench/moe_op_profile.py --layers v4-flash --kinds fp8,fp8-32 \
+    --out "$OUT/moe-op-profile-early-$(card)-s41.json"
+  grep -h "graph" "$W/logs/moe-op-profile-early-$(card)-s41.txt" | cut -c1-600
+  tests b_tma 150 tests/kernels/test_moe_decode_tma.py
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  tests b_moe 120 tests/kernels/test_moe.py -k "decode or tma"
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  tests b_pdl 100 tests/kernels/test_kernels_pdl.py
 }
 
 dispatch session45 "${1:-}"

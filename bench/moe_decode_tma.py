@@ -4,6 +4,7 @@
     python bench/moe_decode_tma.py --ab --out $OUT/moe-decode-tma-ab.json      # the whole op, ~2 min
     python bench/moe_decode_tma.py --down --out $OUT/moe-decode-tma-down.json  # the TMA down kernel, ~5 min
     python bench/moe_decode_tma.py --fused --out $OUT/moe-decode-fused.json    # the experts in one launch, ~5 min
+    python bench/moe_decode_tma.py --early --out $OUT/moe-early.json           # the shared rows early, ~2 min
 
 Default (the sweep): per layer (V4-Flash: D 4096, I 2048, top-6 of 256 plus the shared expert; v4-mini:
 D 2048, I 512, top-6 of 64), weight kind (bf16, FP8 128×128, FP8 32×32) and token count (1, 8), the
@@ -19,6 +20,10 @@ kernel), the two timed in turn for `--rounds` rounds (medians).
 each alone on the same h; then the experts op (the shipped gate/up launch, then either down kernel)
 at the best TMA shape against the shipped op, timed in turn for `--rounds` rounds; then issue 6's whole op
 with that shape in the tables (`moe_decode.DOWN_TMA`) and without, in turn.
+
+`--early`: issue 6's whole op as shipped (`fused_moe` promises `x_ready`: the TMA gate/up launch starts the
+shared experts' rows while the router's last launch runs) against the same op with the promise withheld,
+in turn.
 
 `--fused`: the experts in one launch (`moe_decode_tma.tma_fused`: gate/up items, then down items that wait
 for their own row's h) at `UP_TMA` and each of `FUSED_DOWN` against the two launches, timed in turn; then
@@ -186,7 +191,7 @@ def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rou
     if shape.name not in layers:
         layers[shape.name] = kb.build_layer(shape, "cuda")
     fused, ref, n_bytes, _ = kb.moe_case(AB_OPS[kind], shape, layers[shape.name], m, "cuda")
-    saved_up, saved_down, saved_fused = md.UP_TMA, dict(md.DOWN_TMA), dict(md.FUSED)
+    saved_up, saved_down, saved_fused, saved_experts = md.UP_TMA, dict(md.DOWN_TMA), dict(md.FUSED), md.decode_experts
     times, outputs = {label: [] for label in sides}, {}
     try:
         for _ in range(rounds):
@@ -195,7 +200,7 @@ def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rou
                 outputs[label] = fused()
                 times[label].append(graph_timer(fused))
     finally:
-        md.UP_TMA = saved_up
+        md.UP_TMA, md.decode_experts = saved_up, saved_experts
         md.DOWN_TMA.clear()
         md.DOWN_TMA.update(saved_down)
         md.FUSED.clear()
@@ -227,6 +232,20 @@ def down_sides(key: tuple, tiles, split: int) -> dict:
             "gemv_down": lambda: md.DOWN_TMA.pop(key, None)}
 
 
+def early_sides() -> dict:
+    """`--early`'s sides: `fused_moe` as shipped (its gate/up launch starts the shared rows while the router's
+    last launch runs: `x_ready`), and with that promise withheld (every program waits for the router)."""
+    from dspark.kernels import moe_decode as md
+
+    shipped = md.decode_experts
+
+    def late(*args, x_ready=False, **kw):
+        return shipped(*args, **kw)
+
+    return {"early": lambda: setattr(md, "decode_experts", shipped),
+            "late": lambda: setattr(md, "decode_experts", late)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/moe-decode-tma.json")
@@ -236,6 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", action="store_true", help="the whole op with UP_TMA as shipped and None, in turn")
     ap.add_argument("--down", action="store_true", help="the TMA down kernel's shapes, then the experts op with it")
     ap.add_argument("--fused", action="store_true", help="the experts in one launch, then the op with it")
+    ap.add_argument("--early", action="store_true", help="the whole op with the shared rows started early and not")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     from dspark.kernels import moe_decode, moe_decode_tma as mt
@@ -244,14 +264,20 @@ def main(argv=None) -> int:
     copy_bps = copy_bytes_per_s(torch.device("cuda"))
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
                   "hbm_bytes_per_s": HBM, "copy_bytes_per_s": copy_bps, "up_tma": moe_decode.UP_TMA._asdict(),
-                  "mode": "ab" if args.ab else "down" if args.down else "fused" if args.fused else "sweep",
+                  "mode": "ab" if args.ab else "down" if args.down else "fused" if args.fused else
+                  "early" if args.early else "sweep",
                   "fused_down": mt.FUSED_DOWN, "splits": SPLITS, "tiles": TILES, "stages": STAGES,
                   "rounds": args.rounds,
                   "timing": "graph_timer (CUDA-graph replays, L2 flushed, median of 50)"}
     rows, layers = [], {}
     for name, kind, m in itertools.product(args.layers.split(","), args.kinds.split(","),
                                            [int(t) for t in args.tokens.split(",")]):
-        if args.ab:
+        if args.early:
+            r = op_ab(name, kind, m, layers, copy_bps, args.rounds, early_sides())
+            print(f"{name} {r['op']} M={m}: late {r['late']['us']:.1f} us early {r['early']['us']:.1f} us "
+                  f"({r['early']['pct_hbm']:.1f} %) {r['speedup']:.3f}x; err {r['rel_err_early']:.1e} / "
+                  f"{r['rel_err_late']:.1e}", flush=True)
+        elif args.ab:
             r = op_ab(name, kind, m, layers, copy_bps, args.rounds, up_sides())
             print(f"{name} {r['op']} M={m}: gemv {r['gemv']['us']:.1f} us ({r['gemv']['pct_hbm']:.1f} %) tma "
                   f"{r['tma']['us']:.1f} us ({r['tma']['pct_hbm']:.1f} %) {r['speedup']:.3f}x; err "

@@ -710,19 +710,25 @@ def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
     """Fused `moe_experts_ref` (same signature): with at most DECODE_MAX_ASSIGNMENTS assignments,
     the two decode GEMV kernels; otherwise packing, two grouped GEMMs (SwiGLU in the first one's
     epilogue) for routed and shared experts, and one finalize."""
+    return _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, False)
+
+
+def _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, x_ready: bool):
+    """`moe_experts`; `x_ready`: the router launched last (`moe_decode.decode_experts`' promise)."""
     require_triton()
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
     n_exp = w1.shape[0]
     _check_routing_args(x, weights, ids, n_exp)
     _check_expert_args(x, n_exp, w1, w2, w3, shared_w1, shared_w2, shared_w3)
+    x_ready = x_ready and x.is_contiguous()  # else the copy below is the launch right before the experts
     x = x.contiguous()
     weights, ids = weights.float().contiguous(), ids.to(torch.int32).contiguous()
     if ids.numel() <= DECODE_MAX_ASSIGNMENTS:
         from dspark.kernels import moe_decode  # here, not at the top: moe_decode imports this module
 
         return moe_decode.decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
-                                         swiglu_limit)
+                                         swiglu_limit, x_ready=x_ready)
     return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit)
 
 
@@ -762,9 +768,10 @@ def fused_moe(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_
               shared_w3, *, top_k: int, routed_scaling_factor: float, swiglu_limit: float,
               hash_routing: bool) -> torch.Tensor:
     """Fused `fused_moe_ref` (same signature, shapes and dtypes): the router kernel, then
-    `moe_experts`."""
+    `moe_experts`, told that x was written before the router ran (`x_ready`: its shared expert may start
+    while the router's last launch runs)."""
     require_triton()
     _check_expert_args(x, gate_weight.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
     weights, ids = moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
                              routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
-    return moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit=swiglu_limit)
+    return _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, True)

@@ -418,10 +418,13 @@ def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6)
 
 
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
-                   tiles: DecodeTiles | None = None):
+                   tiles: DecodeTiles | None = None, x_ready: bool = False):
     """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
-    default: `decode_tiles` for N and the routed weights' kind."""
+    default: `decode_tiles` for N and the routed weights' kind. `x_ready`: the caller's promise that
+    the launch before this call (the router's) did not write x, nor anything else the shared expert
+    reads; the TMA gate/up launch then starts the shared expert's rows while that launch still runs
+    (PDL; `moe_decode_tma.tma_up`'s `early`)."""
     slots = ids.shape[1] + 1
     if tiles is None:
         _, _, fp8, block = _weight_parts(w1)
@@ -436,11 +439,12 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     if tiles.fused is not None and moe_decode_tma.supported(x, w1, w2, w3, shared_w1, shared_w2, shared_w3):
         return moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit,
                                         *tiles.fused)
-    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles)
+    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, x_ready)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
 
-def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles()):
+def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles(),
+              x_ready: bool = False):
     """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row), and the
     sizes `decode_down` takes; with `tiles.down_split` > 1 also the split down kernel's ticket counters
     [N, ⌈D/down_n⌉ padded to a power of two] int32, zeroed here (each call's down kernel leaves them 0),
@@ -452,7 +456,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     operands = moe_decode_tma.up_operands(x, ids, w1, w3, shared_w1, shared_w3, n_tickets)
     (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, tickets, args = operands
     if tiles.up_tma is not None and moe_decode_tma.supported(x, d1, d3, ds1, ds3):
-        return moe_decode_tma.launch_up(x, ids, operands, swiglu_limit, tiles.up_tma, n_tickets)
+        return moe_decode_tma.launch_up(x, ids, operands, swiglu_limit, tiles.up_tma, n_tickets, x_ready)
     n_assign, _, inter, inter_s, h_width, _ = args
     common = _common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from dspark.kernels.moe import _clamped_swiglu, _jit, _split_store, _weight_parts, tl, triton
-from dspark.kernels.triton_compat import pdl_launch, pdl_prologue, sm90
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue, pdl_prologue_unless, pdl_wait_if, sm90
 
 
 class TmaTiles(NamedTuple):
@@ -94,27 +94,36 @@ def _tma_up_kernel(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su
                    ticket_ptr, n_assign, dim, inter, inter_s, h_width, limit, TOP_K: tl.constexpr,
                    FP8: tl.constexpr, SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr,
                    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                   TICKETS: tl.constexpr, PDL: tl.constexpr):
+                   TICKETS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """h[a, n0 : n0 + BLOCK_N] for work row a: routed assignment a < N·K, else token a − N·K's shared
-    expert. TICKETS > 0: programs (t < N, 0) also zero token t's counters of the split down kernel."""
-    pdl_prologue(PDL)
-    a = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
+    expert. TICKETS > 0: programs (t < N, 0) also zero token t's counters of the split down kernel.
+    EARLY: grid (row blocks, N + N·K), its first N rows the shared experts', which do not wait for the
+    predecessor (the router: the shared expert reads only x and its own weights), so they stream while
+    it runs; the routed rows follow and wait for the ids."""
+    n_tok = n_assign // TOP_K
+    if EARLY:
+        a = tl.where(tl.program_id(1) < n_tok, n_assign + tl.program_id(1), tl.program_id(1) - n_tok)
+        n0 = tl.program_id(0) * BLOCK_N
+    else:
+        a = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+    early = a >= n_assign + (0 if EARLY else n_tok)  # EARLY: the shared rows load at once, store after the wait
+    pdl_prologue_unless(early, PDL)
     if TICKETS > 0:
-        if (a < n_assign // TOP_K) & (tl.program_id(1) == 0):
+        if (a < n_tok) & (n0 == 0):
             tl.store(ticket_ptr + a * TICKETS + tl.arange(0, TICKETS), tl.zeros((TICKETS,), dtype=tl.int32))
     _up_rows(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr, h_ptr, a, n0,
              n_assign, dim, inter, inter_s, h_width, limit, TOP_K, FP8, SB, FP8_S, SB_S, CLAMP, BLOCK_N, BLOCK_K,
-             STAGES)
+             STAGES, early, PDL)
 
 
 @_jit
 def _up_rows(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr, h_ptr, a, n0,
              n_assign, dim, inter, inter_s, h_width, limit, TOP_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
              FP8_S: tl.constexpr, SB_S: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+             BLOCK_K: tl.constexpr, STAGES: tl.constexpr, early, PDL: tl.constexpr):
     """Stores h[a, n0 : n0 + BLOCK_N] of work row a: routed assignment a < N·K, else token a − N·K's shared
-    expert."""
+    expert. `early`: a program that skipped the PDL wait (`pdl_prologue_unless`) waits before the store."""
     if a < n_assign:
         e = tl.load(ids_ptr + a)
         h = _swiglu_tma(x_ptr + (a // TOP_K).to(tl.int64) * dim, g_desc, u_desc, sg_ptr, su_ptr, e, n0, inter, dim,
@@ -125,6 +134,7 @@ def _up_rows(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_des
                         inter_s, dim, limit, FP8_S, SB_S, CLAMP, BLOCK_N, BLOCK_K, STAGES)
         n_out = inter_s
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    pdl_wait_if(early, PDL)
     tl.store(h_ptr + a.to(tl.int64) * h_width + offs_n, h, mask=offs_n < n_out)
 
 
@@ -214,7 +224,7 @@ def _tma_fused_kernel(x_ptr, ids_ptr, wts_ptr, g_desc, u_desc, sg_ptr, su_ptr, s
         a = item // up_blocks
         _up_rows(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr, h_ptr, a,
                  (item - a * up_blocks) * UP_N, n_assign, dim, inter, inter_s, h_width, limit, TOP_K, FP8, SB, FP8_S,
-                 SB_S, CLAMP, UP_N, UP_K, UP_STAGES)
+                 SB_S, CLAMP, UP_N, UP_K, UP_STAGES, False, PDL)  # every program waited in its prologue
         tl.debug_barrier()  # every thread's h stored before the count releases them
         tl.atomic_add(sync_ptr + 1 + a, 1, sem="release", scope="gpu")
     else:
@@ -284,26 +294,29 @@ def up_operands(x, ids, w1, w3, shared_w1, shared_w3, tickets: int):
 
 
 def tma_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: TmaTiles = TmaTiles(),
-           tickets: int = 0):
+           tickets: int = 0, early: bool = False):
     """`moe_decode.decode_up` through TMA (where `supported`): (h, args) in its form; `tickets` > 0: the
-    split down kernel's counters [N, tickets] int32 (a power of two) zeroed here, else None."""
+    split down kernel's counters [N, tickets] int32 (a power of two) zeroed here, else None. `early`: the
+    shared experts' rows start before the previous launch ends (`_tma_up_kernel`'s EARLY; only where that
+    launch is the router's, so that x was written before it: `moe_decode.decode_experts`' `x_ready`)."""
     return launch_up(x, ids, up_operands(x, ids, w1, w3, shared_w1, shared_w3, tickets), swiglu_limit, tiles,
-                     tickets)
+                     tickets, early)
 
 
-def launch_up(x, ids, operands: tuple, swiglu_limit: float, tiles: TmaTiles, tickets: int):
+def launch_up(x, ids, operands: tuple, swiglu_limit: float, tiles: TmaTiles, tickets: int, early: bool = False):
     """`tma_up` on `up_operands`' result for the same x, ids and `tickets` (made once by `decode_up`)."""
     (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, counters, args = operands
     _check_tiles(tiles.n, tiles.k, (sb if fp8 else 0, sb_s if fp8_s else 0))
     n_assign, dim, inter, inter_s, h_width, _ = args
     grid = (n_assign + x.shape[0], triton.cdiv(h_width, tiles.n))
-    pdl = pdl_launch(x.device, math.prod(grid))
+    grid = grid[::-1] if early else grid
+    pdl = pdl_launch(x.device, math.prod(grid), early)
     descs = [_descriptor(d, tiles.n, tiles.k) for d in (d1, d3, ds1, ds3)]
     _tma_up_kernel[grid](
         x, ids, descs[0], descs[1], s1, s3, descs[2], descs[3], ss1, ss3, h, h if counters is None else counters,
         n_assign, dim, inter, inter_s, h_width, float(swiglu_limit), TOP_K=ids.shape[1], FP8=fp8, SB=sb,
         FP8_S=fp8_s, SB_S=sb_s, CLAMP=swiglu_limit > 0, BLOCK_N=tiles.n, BLOCK_K=tiles.k, STAGES=tiles.stages,
-        TICKETS=tickets, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps,
+        TICKETS=tickets, EARLY=early, PDL=pdl, launch_pdl=pdl, num_warps=tiles.warps,
     )
     return h, args
 

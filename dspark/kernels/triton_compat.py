@@ -44,6 +44,27 @@ def pdl_prologue(PDL: tl.constexpr):
 
 
 @jit
+def pdl_prologue_unless(early, PDL: tl.constexpr):
+    """`pdl_prologue` for a kernel whose programs with `early` true load nothing its predecessor grid
+    writes (the launcher guarantees it, and launches with `pdl_launch(..., early=True)`): those start
+    their loads at once, while the predecessor still runs, and call `pdl_wait_if(early, PDL)` before
+    their first store (the predecessor may still read memory this grid's outputs reuse); the others
+    wait here. Every program then releases the successor, as in `pdl_prologue`."""
+    if PDL:
+        if not early:
+            _cuda.gdc_wait()
+        _cuda.gdc_launch_dependents()
+
+
+@jit
+def pdl_wait_if(early, PDL: tl.constexpr):
+    """The wait that `pdl_prologue_unless` skipped, for the early programs, before they store."""
+    if PDL:
+        if early:
+            _cuda.gdc_wait()
+
+
+@jit
 def pdl_prefetch(ptr, nbytes, PDL: tl.constexpr):
     """Before `pdl_prologue`: ask L2 for the `nbytes` bytes at `ptr` (a scalar pointer; 16-byte aligned,
     nbytes a multiple of 16: the launcher checks), for operands no predecessor writes (weights). While
@@ -91,12 +112,14 @@ def sm90(device: torch.device) -> bool:
     return _pdl_device(torch.cuda.current_device() if device.index is None else device.index)[0]
 
 
-def pdl_launch(device: torch.device, programs: int) -> bool:
+def pdl_launch(device: torch.device, programs: int, early: bool = False) -> bool:
     """Whether a launch of `programs` programs on `device` uses PDL: only on CUDA devices of compute
     capability >= 9 and for decode-sized grids (<= 4 programs per SM). A large prefill grid keeps
     the plain launch: its early-scheduled successor would hold SM slots while it still has waves to
-    run. Never on CPU, where the Triton interpreter has no `gdc_*`."""
+    run. `early`: a kernel with `pdl_prologue_unless` whose predecessor is one short wave (the decode
+    router's last launch) takes PDL at any size, since its early programs are the point. Never on
+    CPU, where the Triton interpreter has no `gdc_*`."""
     if not PDL or device.type != "cuda":
         return False
     capable, sms = _pdl_device(torch.cuda.current_device() if device.index is None else device.index)
-    return capable and programs <= _WAVES * sms
+    return capable and (early or programs <= _WAVES * sms)

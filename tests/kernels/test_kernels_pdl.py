@@ -73,6 +73,33 @@ def test_pdl_launch_needs_hopper_and_a_decode_sized_grid(monkeypatch):
     assert not triton_compat.pdl_launch(cuda, 1)
 
 
+def test_pdl_launch_early_takes_any_grid_size_on_hopper_only(monkeypatch):
+    """`early` (a kernel whose first programs work before the wait) lifts the grid-size limit, nothing else."""
+    cuda = torch.device("cuda", 0)
+    assert triton_compat.pdl_launch(torch.device("cpu"), 1, early=True) is False
+    monkeypatch.setattr(triton_compat, "_pdl_device", lambda index: (True, 132))
+    assert triton_compat.pdl_launch(cuda, 10_000, early=True) and not triton_compat.pdl_launch(cuda, 10_000)
+    monkeypatch.setattr(triton_compat, "_pdl_device", lambda index: (False, 132))
+    assert not triton_compat.pdl_launch(cuda, 1, early=True)
+    monkeypatch.setattr(triton_compat, "_pdl_device", lambda index: (True, 132))
+    monkeypatch.setattr(triton_compat, "PDL", False)
+    assert not triton_compat.pdl_launch(cuda, 1, early=True)
+
+
+def test_early_programs_wait_before_they_store():
+    """An `EARLY_LOADS` kernel's early programs skip the prologue's wait; the row helper they store through
+    waits (`pdl_wait_if`) before its store. (The kernel's own ticket store is made by routed programs only,
+    which waited in the prologue: a < N <= N·K.)"""
+    defs = {n.name: n for n in _tree(moe_decode_tma).body if isinstance(n, ast.FunctionDef)}
+    assert set(EARLY_LOADS) == {"_tma_up_kernel"}
+    kernel = [ast.unparse(stmt) for stmt in defs["_tma_up_kernel"].body]
+    assert any(line.startswith("_up_rows(") and line.endswith("early, PDL)") for line in kernel)
+    assert any("if (a < n_tok) & (n0 == 0):" in line for line in kernel)
+    rows = ast.unparse(defs["_up_rows"])
+    assert 0 < rows.index("pdl_wait_if(early, PDL)") < rows.index("tl.store(")
+    assert rows.count("tl.store(") == 1
+
+
 def test_pdl_device_reads_capability_and_sms_once_per_index(monkeypatch):
     asked = []
 
@@ -97,6 +124,13 @@ def test_pdl_device_reads_capability_and_sms_once_per_index(monkeypatch):
 BEFORE_WAIT = {
     "_prefetch_fn_share": "index arithmetic and an L2 prefetch of the mHC site's weights (fn), nothing else",
 }
+# Kernels whose `early` programs load before the wait (`pdl_prologue_unless(early, PDL)`, launched with
+# `pdl_launch(..., early)`), and why those loads read nothing the predecessor writes. They store only after
+# `pdl_wait_if` (test_early_programs_wait_before_they_store).
+EARLY_LOADS = {
+    "_tma_up_kernel": "EARLY: the shared experts' rows load x and the shared weights; fused_moe passes x_ready "
+                      "(the router, launched after x was written, is the predecessor)",
+}
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
@@ -112,10 +146,11 @@ def test_every_kernel_takes_pdl_and_waits_before_touching_memory(module):
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
         lines = [ast.unparse(stmt) for stmt in body]
-        assert "pdl_prologue(PDL)" in lines, f"{module.__name__}.{name} has no top-level pdl_prologue(PDL)"
+        prologue = "pdl_prologue_unless(early, PDL)" if name in EARLY_LOADS else "pdl_prologue(PDL)"
+        assert prologue in lines, f"{module.__name__}.{name} has no top-level {prologue}"
         # Before the wait only index arithmetic and `pdl_prefetch` of weights: no load, store or atomic
         # may touch memory a predecessor could still be writing.
-        before = "\n".join(lines[:lines.index("pdl_prologue(PDL)")])
+        before = "\n".join(lines[:lines.index(prologue)])
         for access in ("tl.load", "tl.store", "tl.atomic", "tl.make_tensor_descriptor"):
             assert access not in before, f"{module.__name__}.{name} runs {access} before pdl_prologue(PDL)"
         for helper in re.findall(r"\b(_\w+)\(", before):  # a module helper before the wait: its reads argued
@@ -233,7 +268,7 @@ def test_each_launch_asks_pdl_launch_for_its_own_grid(monkeypatch):
     launch_pdl=True, right after one `pdl_launch` call for its device and its grid's program count."""
     log = []
 
-    def pdl_launch(device, programs):
+    def pdl_launch(device, programs, early=False):
         log.append(("ask", device, programs))
         return True
 

@@ -51,6 +51,47 @@ def test_tma_up_zeroes_the_split_down_kernels_tickets(split, poisoned):
     assert torch.equal(moe_decode.decode_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, tiles=tiles), y)
 
 
+@pytest.mark.parametrize("fp8_block", [None, 32])
+def test_tma_up_early_is_the_same_launch_reordered(fp8_block, poisoned):
+    """`early` (the shared rows first, grid transposed; on the GPU they load before the PDL wait): the same
+    h bit for bit, and the split down kernel's tickets still zeroed."""
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, fp8_block, seed=13)
+    tiles = TmaTiles(16, 32, 4, 3)
+    with poisoned():
+        h, args = moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, tiles, tickets=8, early=True)
+    h_ref, args_ref = moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, tiles, tickets=8)
+    n_assign = ids.numel()
+    assert torch.equal(h[:n_assign], h_ref[:n_assign])
+    assert torch.equal(h[n_assign:, :SHARED], h_ref[n_assign:, :SHARED])
+    assert args[-1].shape == (2, 8) and not args[-1].any()
+
+
+def test_fused_moe_promises_x_is_ready_and_moe_experts_does_not(monkeypatch):
+    """`fused_moe` launches the router after x exists, so its experts may start the shared rows early
+    (`x_ready`); `moe_experts` alone cannot know what its caller launched last; a non-contiguous x (copied
+    right before the experts) never is."""
+    seen = []
+    original = moe_decode.decode_experts
+
+    def record(*args, x_ready=False, **kw):
+        seen.append(x_ready)
+        return original(*args, x_ready=x_ready, **kw)
+
+    monkeypatch.setattr(moe_decode, "decode_experts", record)
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(1, None, seed=3)
+    gate = torch.randn(w1.shape[0], x.shape[1], generator=torch.Generator().manual_seed(1)) / 4
+    route = dict(top_k=ids.shape[1], routed_scaling_factor=1.5, hash_routing=False)
+    y = moe.fused_moe(x, gate, torch.zeros(w1.shape[0]), None, None, w1, w2, w3, s1, s2, s3, **route,
+                      swiglu_limit=10.0)
+    assert rel_err(y, moe.fused_moe_ref(x, gate, torch.zeros(w1.shape[0]), None, None, w1, w2, w3, s1, s2, s3,
+                                        **route, swiglu_limit=10.0)) < TOL[torch.float32]
+    moe.moe_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)
+    wide = torch.cat((x, x), dim=1)[:, ::2]  # x's values, not contiguous
+    moe.fused_moe(wide, gate, torch.zeros(w1.shape[0]), None, None, w1, w2, w3, s1, s2, s3, **route,
+                  swiglu_limit=10.0)
+    assert seen == [True, False, False]
+
+
 def _count_launches(monkeypatch, launch="up"):
     """Counts of the TMA and GEMV kernels' launches of the gate/up (`launch` "up") or the down launch, or of
     the one-launch experts ("fused": "tma" only)."""
@@ -247,3 +288,22 @@ def test_the_tables_tma_entries_at_v4_flash_widths(n_tok, fp8_block, poisoned):
     two = moe_decode.decode_experts(*args, 10.0, tiles=tiles._replace(fused=None, down_tma=None))
     assert rel_err(y, two) < TOL[torch.bfloat16]
     assert rel_err(y, moe.moe_experts_ref(*args, swiglu_limit=10.0)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the early shared rows under PDL, against the router")
+@pytest.mark.parametrize("n_tok,fp8_block", [(1, 128), (8, 32)])
+def test_fused_moe_early_shared_rows_on_the_gpu(n_tok, fp8_block):
+    """On the GPU (PDL on Hopper) at V4-Flash widths: `fused_moe`, whose gate/up launch starts the shared
+    rows while the router's select kernel runs, equals the router then the experts without the promise, bit
+    for bit, 20 times over (a shared row stored before the router finished, or x read early, would show)."""
+    x, _, _, w1, w2, w3, s1, s2, s3 = _expert_case(n_tok, 4096, 16, 6, 2048, 2048, fp8_block, torch.bfloat16)
+    gate = torch.randn(16, 4096, generator=torch.Generator().manual_seed(5)).to(x.device, torch.bfloat16) / 64
+    bias = torch.zeros(16, device=x.device)
+    route = dict(top_k=6, routed_scaling_factor=1.5, hash_routing=False)
+    tiles = moe_decode.decode_tiles(n_tok, fp8_block, 4096)
+    assert tiles.up_tma is not None and tiles.fused is None  # the TMA gate/up launch runs the early rows
+    weights, ids = moe.moe_route(x, gate, bias, None, None, **route)
+    late = moe_decode.decode_experts(x, weights, ids.int(), w1, w2, w3, s1, s2, s3, 10.0)
+    for _ in range(20):
+        assert torch.equal(moe.fused_moe(x, gate, bias, None, None, w1, w2, w3, s1, s2, s3, **route,
+                                         swiglu_limit=10.0), late)
