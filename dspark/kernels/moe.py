@@ -150,13 +150,15 @@ def _check_routing_args(x, weights, ids, n_exp) -> None:
 
 
 def moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                    swiglu_limit: float) -> torch.Tensor:
+                    swiglu_limit: float, x_ready: bool = False) -> torch.Tensor:
     """y = Σ_k weights_k · Expert_{ids_k}(x) + Shared(x) for a routing computed elsewhere (spec §11.2).
 
     Shape: x [N, D] bf16/fp32; weights [N, K] fp32 (final routing weights, scaling included);
     ids [N, K] int in [0, E); w1, w3 [E, I, D]; w2 [E, D, I]; shared_w1, shared_w3 [I_s, D];
     shared_w2 [D, I_s] (tensors or `FP8BlockWeight`). Returns y [N, D] in x.dtype; fp32 math,
-    loop over experts (a host sync per expert: fine in a reference).
+    loop over experts (a host sync per expert: fine in a reference). `x_ready`: a promise about launch
+    order that the fused op may use (`moe_experts`); it never changes the result, and the reference
+    ignores it.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
@@ -706,11 +708,14 @@ DECODE_MAX_ASSIGNMENTS = 64
 
 
 def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                swiglu_limit: float) -> torch.Tensor:
+                swiglu_limit: float, x_ready: bool = False) -> torch.Tensor:
     """Fused `moe_experts_ref` (same signature): with at most DECODE_MAX_ASSIGNMENTS assignments,
     the two decode GEMV kernels; otherwise packing, two grouped GEMMs (SwiGLU in the first one's
-    epilogue) for routed and shared experts, and one finalize."""
-    return _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, False)
+    epilogue) for routed and shared experts, and one finalize. `x_ready`: the caller's promise that
+    its last launch before this call (the router's) did not write x (nor anything else the shared
+    expert reads); the decode path then starts the shared expert while that launch still runs
+    (`moe_decode.decode_experts`). The same result either way."""
+    return _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, x_ready)
 
 
 def _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, x_ready: bool):

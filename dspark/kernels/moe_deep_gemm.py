@@ -160,7 +160,8 @@ class DeepGemmMoeExperts(DeepGemmOp):
     op_name = "moe_experts"
     fallback_module = "moe"
 
-    def __call__(self, x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float):
+    def __call__(self, x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float,
+                 x_ready: bool = False):
         if x.dim() != 2:
             raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
         _check_routing_args(x, weights, ids, w1.shape[0])
@@ -169,8 +170,8 @@ class DeepGemmMoeExperts(DeepGemmOp):
         api = self._api(x.device)
         reason = api if isinstance(api, str) else self._call_reason(*args)
         if reason is not None:
-            return self._fall_back(reason, x.device)(*args, swiglu_limit=swiglu_limit)
-        self.fallback_reason = None
+            return self._fall_back(reason, x.device)(*args, swiglu_limit=swiglu_limit, x_ready=x_ready)
+        self.fallback_reason = None  # x_ready (moe.moe_experts' launch-order promise): deep_gemm does not use it
         parts = (w1, w2, w3, shared_w1, shared_w2, shared_w3)
         key = sum((weight_key(w) for w in parts), ())
         experts = self._converted(key, lambda: DeepGemmExperts.from_weights(*parts))

@@ -121,11 +121,13 @@ def _expert_w8a8_ref(a, w1, w2, w3, block, limit):
 
 
 def moe_experts_w8a8_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                         swiglu_limit: float, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         swiglu_limit: float, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         x_ready: bool = False) -> torch.Tensor:
     """`moe.moe_experts_ref` with every GEMM input quantised per token per B columns (module
     docstring): fp32 math on the exactly dequantised operands, loop over experts. Same shapes.
     `x_fp8`: x's (q, exponent) given by the caller (`act_quant_ref(x, B)` otherwise; the
-    quantisation is per row, so each expert's rows of it are its input's)."""
+    quantisation is per row, so each expert's rows of it are its input's). `x_ready` (`moe.moe_experts`'
+    launch-order promise) is not used."""
     _check_w8a8_args(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3)
     (w1, w2, w3, sw1, sw2, sw3), block = fp8_weights(w1, w2, w3, shared_w1, shared_w2, shared_w3)
     _check_groups(block, D=x.shape[1], I=w1.shape[1], I_s=sw1.shape[0])
@@ -336,9 +338,10 @@ def _launch_down(hq, he, w2, block_expert, n_rows, tiles, block):
 
 
 def moe_experts_w8a8(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                     swiglu_limit: float, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     swiglu_limit: float, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     x_ready: bool = False) -> torch.Tensor:
     """Fused `moe_experts_w8a8_ref` (same signature and shapes; module docstring for the pipeline).
-    `x_fp8`: `act_quant(x, B)` computed already (on a side stream, `InputQuant`)."""
+    `x_fp8`: `act_quant(x, B)` computed already (on a side stream, `InputQuant`). `x_ready` is not used."""
     require_triton()
     _check_w8a8_args(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3)
     (w1, w2, w3, sw1, sw2, sw3), block = fp8_weights(w1, w2, w3, shared_w1, shared_w2, shared_w3)
@@ -418,7 +421,7 @@ class W8A8MoeExperts:
         return self._input_quant.start(x, self.block(*weights))
 
     def __call__(self, x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *, swiglu_limit: float,
-                 x_fp8=None):
+                 x_fp8=None, x_ready: bool = False):  # x_ready: moe.moe_experts' promise, not used here
         (w1, w2, w3, sw1, sw2, sw3), _ = self._fp8((w1, w2, w3, shared_w1, shared_w2, shared_w3))
         if x.device.type == "cuda" and triton_available():
             early = None if x_fp8 is None else self._input_quant.finish(x_fp8)

@@ -92,6 +92,32 @@ def test_fused_moe_promises_x_is_ready_and_moe_experts_does_not(monkeypatch):
     assert seen == [True, False, False]
 
 
+def test_the_model_moe_promises_x_ready_to_its_experts(monkeypatch):
+    """A V4 model's fused MoE layer routes x, then calls its experts op with `x_ready` (the routing's launches
+    came last), and gives the reference experts of its own routing."""
+    import json
+    from importlib import resources
+
+    from dspark.api import init_model
+    from dspark.kernels import KernelConfig
+
+    config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
+    kernels = KernelConfig(moe_route="triton", fused_moe="triton", moe_experts="triton")
+    layer = init_model(config, device="cpu", kernels=kernels).layers[-1].ffn
+    seen = []
+    op = layer._experts_op
+    layer._experts_op = lambda *a, **kw: seen.append(kw.get("x_ready")) or op(*a, **kw)
+    x = torch.randn(2, config["hidden_size"]).to(layer.shared_experts.w1.weight.dtype)
+    ids = torch.randint(0, config["vocab_size"], (2,))
+    with torch.no_grad():
+        out = layer(x, ids)
+        weights, experts = layer._routing(x, ids)
+        s = layer.shared_experts
+        want = moe.moe_experts_ref(x, weights, experts, *layer.stacked_weights(), s.w1.weight, s.w2.weight,
+                                   s.w3.weight, swiglu_limit=layer.swiglu_limit, x_ready=True)
+    assert seen == [True] and rel_err(out, want) < TOL[x.dtype]
+
+
 def _count_launches(monkeypatch, launch="up"):
     """Counts of the TMA and GEMV kernels' launches of the gate/up (`launch` "up") or the down launch, or of
     the one-launch experts ("fused": "tma" only)."""

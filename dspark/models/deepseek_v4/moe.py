@@ -182,15 +182,18 @@ class MoE(nn.Module):
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
     def _forward_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """The registry's ops: the fused router where it computes the gate (`_routing`), then the experts."""
+        """The registry's ops: the fused router where it computes the gate (`_routing`), then the experts.
+        The routing's launches come after x was written and right before the experts', so the experts op
+        may start the shared expert while they run (`x_ready`)."""
         shared = self.shared_experts
         parts = (*self.stacked_weights(), shared.w1.weight, shared.w2.weight, shared.w3.weight)
         if self._quantize_input is not None:
             early = self._quantize_input(x, *parts)
             weights, experts = self._routing(x, input_ids)
-            return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_fp8=early)
+            return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_fp8=early,
+                                    x_ready=True)
         weights, experts = self._routing(x, input_ids)
-        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit)
+        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_ready=True)
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate
