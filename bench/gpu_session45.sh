@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session45.sh a")   # ≈ 6 min (≈ 9 on an H200)
 #   run(command="bash bench/gpu_session45.sh b")   # ≈ 8 min
+#   run(command="bash bench/gpu_session45.sh c")   # ≈ 7 min
 #
 # a: where the decode MoE op's time goes at 1 and 8 tokens (`bench/moe_op_profile.py`: each kernel's
 #    duration and the gaps, shipped tables and the GEMV kernels alone); then the decode MoE's GPU tests in
@@ -10,10 +11,12 @@
 #    CUDA test at V4-Flash widths); on an H200 also issue 6's MoE rows (`gpu_lib.moe_rows_h200`).
 # b: the shared experts' gate/up rows started while the router's last launch runs (`fused_moe`'s `x_ready`,
 #    the TMA gate/up kernel's EARLY): issue 6's whole op with it and without, in turn (`bench/moe_decode_tma.py
-#    --early`), the profile again, then the GPU tests: the TMA kernels' file in full (the new early test
-#    among them; part a's run of it and test_moe.py's decode tests passed every test, then hung at exit
-#    until the timeout, so each file runs alone here, with the GPU's state shown after), and PDL's.
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, moe_rows_h200
+#    --early`), the profile again, the v4-mini graph step at 1 and 8 requests captured with the promise
+#    withheld against the shipped graph, in turn (`bench/graph_decode.py --gemv-ab moe_late`), then the TMA
+#    kernels' GPU tests (the new early test among them; part a's run of that file with test_moe.py's decode
+#    tests passed every test, then hung at exit until the timeout, so each file runs alone, the GPU's
+#    state shown after).
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, pack, dispatch, moe_rows_h200
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
@@ -28,14 +31,24 @@ part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   logged "moe-early-$(card)-s41" 200 python3 bench/moe_decode_tma.py --early --out "$OUT/moe-early-$(card)-s41.json"
   grep -h "early" "$W/logs/moe-early-$(card)-s41.txt" | cut -c1-300
-  logged "moe-op-profile-early-$(card)-s41" 200 python3 bench/moe_op_profile.py --layers v4-flash --kinds fp8,fp8-32 \
+  logged "moe-op-profile-early-$(card)-s41" 150 python3 bench/moe_op_profile.py --layers v4-flash --kinds fp8,fp8-32 \
     --out "$OUT/moe-op-profile-early-$(card)-s41.json"
   grep -h "graph" "$W/logs/moe-op-profile-early-$(card)-s41.txt" | cut -c1-600
+  step "moe-late-ab-v4-$(card)-s41" 150 --requests 1,8 --gemv-ab moe_late
+  grep -h "gemv_ab_ms" "$W"/logs/moe-late-ab-*.txt | cut -c1-500
   tests b_tma 150 tests/kernels/test_moe_decode_tma.py
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-  tests b_moe 120 tests/kernels/test_moe.py -k "decode or tma"
+}
+
+part_c() {  # the rest of b's checks: the decode MoE tests of test_moe.py, PDL's, V4's and V4.1's static graphs
+  # (bit for bit against the dynamic path, both with the early shared rows), and v41-mini's step A/B
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests c_moe 120 tests/kernels/test_moe.py -k "decode or tma"
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-  tests b_pdl 100 tests/kernels/test_kernels_pdl.py
+  tests c_pdl 100 tests/kernels/test_kernels_pdl.py
+  tests c_graphs 150 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  step "moe-late-ab-v41-$(card)-s41" 150 --config v41-mini --requests 1 --gemv-ab moe_late
+  grep -h "gemv_ab_ms" "$W"/logs/moe-late-ab-v41*.txt | cut -c1-500
 }
 
 dispatch session45 "${1:-}"

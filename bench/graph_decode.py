@@ -175,7 +175,8 @@ def captured_with(variant: dict):
     * "WO_A_GEMV_ROWS" replaces `grouped_wo_a.GEMV_ROWS` (0: the split kernel and its sum at every row count);
     * "UP_TMA" replaces `moe_decode.UP_TMA` (None: the decode MoE's GEMV gate/up kernel, as before the
       thirty-ninth session); "DOWN_TMA" replaces `moe_decode.DOWN_TMA` ({}: the GEMV down kernel everywhere,
-      as before the fortieth session);
+      as before the fortieth session); "MOE_LATE" withholds the MoE layers' `x_ready` (every gate/up program
+      waits for the router, as before the forty-first session);
     * `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
       save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every
       compressor update (`static_step.update_compressor`: projections and pooling)."""
@@ -186,8 +187,10 @@ def captured_with(variant: dict):
     names = ("SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS", "gemv_tiles")
     saved = {name: getattr(linear, name) for name in names}
     saved_wo_a, saved_update, saved_pool = grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows
-    saved_up, saved_down = moe_decode.UP_TMA, moe_decode.DOWN_TMA
+    saved_up, saved_down, saved_experts = moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts
     grouped_wo_a.GEMV_ROWS = variant.get("WO_A_GEMV_ROWS", saved_wo_a)
+    if variant.get("MOE_LATE"):
+        moe_decode.decode_experts = lambda *args, x_ready=False, **kwargs: saved_experts(*args, **kwargs)
     moe_decode.UP_TMA = variant.get("UP_TMA", saved_up)
     moe_decode.DOWN_TMA = variant.get("DOWN_TMA", saved_down)
     if variant.get("NO_COMPRESS"):
@@ -215,7 +218,7 @@ def captured_with(variant: dict):
         for name, value in saved.items():
             setattr(linear, name, value)
         grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows = saved_wo_a, saved_update, saved_pool
-        moe_decode.UP_TMA, moe_decode.DOWN_TMA = saved_up, saved_down
+        moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts = saved_up, saved_down, saved_experts
 
 
 # --gemv-ab: label -> `captured_with`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
@@ -227,7 +230,7 @@ def captured_with(variant: dict):
 # linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles.
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
                  "gemv_one_row": dict(GEMV_MAX_ROWS=1), "one_k_tile": dict(ONE_K_TILE=True),
-                 "moe_up_gemv": dict(UP_TMA=None), "moe_down_gemv": dict(DOWN_TMA={})}
+                 "moe_up_gemv": dict(UP_TMA=None), "moe_down_gemv": dict(DOWN_TMA={}), "moe_late": dict(MOE_LATE=True)}
 # --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 

@@ -59,3 +59,17 @@ def test_gemv_ab_takes_labels_and_captures_with_the_moe_gemv_kernels():
     with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["moe_down_gemv"]):
         assert moe_decode.decode_tiles(8, None).down_tma is None and moe_decode.UP_TMA == shipped
     assert moe_decode.DOWN_TMA is shipped_down and moe_decode.decode_tiles(8, None).down_tma is not None
+
+
+def test_moe_late_withholds_x_ready_while_captured(monkeypatch):
+    """`--gemv-ab moe_late`: while captured, the decode MoE's experts get `x_ready` False whatever the layer
+    promised; after it, the promise goes through again."""
+    import graph_decode
+    from dspark.kernels import moe_decode
+
+    seen = []
+    monkeypatch.setattr(moe_decode, "decode_experts", lambda *a, x_ready=False, **kw: seen.append(x_ready))
+    with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["moe_late"]):
+        moe_decode.decode_experts(1, x_ready=True)
+    moe_decode.decode_experts(1, x_ready=True)
+    assert seen == [False, True]
