@@ -175,12 +175,13 @@ def captured_with(variant: dict):
     * "WO_A_GEMV_ROWS" replaces `grouped_wo_a.GEMV_ROWS` (0: the split kernel and its sum at every row count);
     * "UP_TMA" replaces `moe_decode.UP_TMA` (None: the decode MoE's GEMV gate/up kernel, as before the
       thirty-ninth session); "DOWN_TMA" replaces `moe_decode.DOWN_TMA` ({}: the GEMV down kernel everywhere,
-      as before the fortieth session); "MOE_LATE" withholds the MoE layers' `x_ready` (every gate/up program
-      waits for the router, as before the forty-first session);
+      as before the fortieth session); "MOE_LATE" withholds the MoE layers' `x_ready` and the router's early
+      release (`moe_route_decode.RELEASE_FIRST`): every gate/up program waits for the router, as before the
+      forty-first session;
     * `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
       save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every
       compressor update (`static_step.update_compressor`: projections and pooling)."""
-    from dspark.kernels import grouped_wo_a, linear, moe_decode
+    from dspark.kernels import grouped_wo_a, linear, moe_decode, moe_route_decode
     from dspark.models.deepseek_v4 import static_step as v4_step
     from dspark.models.deepseek_v4.compressor import Compressor
 
@@ -189,8 +190,10 @@ def captured_with(variant: dict):
     saved_wo_a, saved_update, saved_pool = grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows
     saved_up, saved_down, saved_experts = moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts
     grouped_wo_a.GEMV_ROWS = variant.get("WO_A_GEMV_ROWS", saved_wo_a)
+    saved_release = moe_route_decode.RELEASE_FIRST
     if variant.get("MOE_LATE"):
         moe_decode.decode_experts = lambda *args, x_ready=False, **kwargs: saved_experts(*args, **kwargs)
+        moe_route_decode.RELEASE_FIRST = False
     moe_decode.UP_TMA = variant.get("UP_TMA", saved_up)
     moe_decode.DOWN_TMA = variant.get("DOWN_TMA", saved_down)
     if variant.get("NO_COMPRESS"):
@@ -219,6 +222,7 @@ def captured_with(variant: dict):
             setattr(linear, name, value)
         grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows = saved_wo_a, saved_update, saved_pool
         moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts = saved_up, saved_down, saved_experts
+        moe_route_decode.RELEASE_FIRST = saved_release
 
 
 # --gemv-ab: label -> `captured_with`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was

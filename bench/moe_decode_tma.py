@@ -182,16 +182,18 @@ def fused_sweep(name: str, kind: str, m: int, g, copy_bps: float, rounds: int, l
 
 def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rounds: int, sides: dict) -> dict:
     """Issue 6's whole op (router included) captured with each of `sides` (label -> a function that sets the
-    decode tables for it; the first is the new side, the second the old), timed in turn; the tables restored."""
+    decode tables for it; the first is the new side, the second the old, any more are timed too), timed in
+    turn; the tables restored."""
     import kernels as kb
 
-    from dspark.kernels import moe_decode as md
+    from dspark.kernels import moe_decode as md, moe_route_decode as mr
 
     shape = kb.CONFIGS[AB_LAYERS[layer_name]]
     if shape.name not in layers:
         layers[shape.name] = kb.build_layer(shape, "cuda")
     fused, ref, n_bytes, _ = kb.moe_case(AB_OPS[kind], shape, layers[shape.name], m, "cuda")
     saved_up, saved_down, saved_fused, saved_experts = md.UP_TMA, dict(md.DOWN_TMA), dict(md.FUSED), md.decode_experts
+    saved_release = mr.RELEASE_FIRST
     times, outputs = {label: [] for label in sides}, {}
     try:
         for _ in range(rounds):
@@ -200,13 +202,13 @@ def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rou
                 outputs[label] = fused()
                 times[label].append(graph_timer(fused))
     finally:
-        md.UP_TMA, md.decode_experts = saved_up, saved_experts
+        md.UP_TMA, md.decode_experts, mr.RELEASE_FIRST = saved_up, saved_experts, saved_release
         md.DOWN_TMA.clear()
         md.DOWN_TMA.update(saved_down)
         md.FUSED.clear()
         md.FUSED.update(saved_fused)
     med = {label: statistics.median(t) for label, t in times.items()}
-    new, old = sides
+    new, old = list(sides)[:2]
     return {"layer": layer_name, "op": AB_OPS[kind], "M": m, "bytes": n_bytes, "rounds": times,
             **{label: rate(n_bytes, med[label], copy_bps) for label in sides}, "speedup": med[old] / med[new],
             **{f"rel_err_{label}": rel_err(out, ref()) for label, out in outputs.items()}}
@@ -233,17 +235,23 @@ def down_sides(key: tuple, tiles, split: int) -> dict:
 
 
 def early_sides() -> dict:
-    """`--early`'s sides: `fused_moe` as shipped (its gate/up launch starts the shared rows while the router's
-    last launch runs: `x_ready`), and with that promise withheld (every program waits for the router)."""
-    from dspark.kernels import moe_decode as md
+    """`--early`'s sides: `fused_moe` as shipped (its gate/up launch starts the shared rows while the router
+    runs: `x_ready`, the select kernel releasing it before its wait, `RELEASE_FIRST`); with neither (every
+    gate/up program waits for the router, as before); and "early_wait": x_ready, but the select kernel waits
+    for the logits before it releases the gate/up launch."""
+    from dspark.kernels import moe_decode as md, moe_route_decode as mr
 
-    shipped = md.decode_experts
+    shipped, release = md.decode_experts, mr.RELEASE_FIRST
 
     def late(*args, x_ready=False, **kw):
         return shipped(*args, **kw)
 
-    return {"early": lambda: setattr(md, "decode_experts", shipped),
-            "late": lambda: setattr(md, "decode_experts", late)}
+    def put(experts, release_first):
+        def side():
+            md.decode_experts, mr.RELEASE_FIRST = experts, release_first
+        return side
+
+    return {"early": put(shipped, release), "late": put(late, False), "early_wait": put(shipped, False)}
 
 
 def main(argv=None) -> int:
@@ -275,8 +283,8 @@ def main(argv=None) -> int:
         if args.early:
             r = op_ab(name, kind, m, layers, copy_bps, args.rounds, early_sides())
             print(f"{name} {r['op']} M={m}: late {r['late']['us']:.1f} us early {r['early']['us']:.1f} us "
-                  f"({r['early']['pct_hbm']:.1f} %) {r['speedup']:.3f}x; err {r['rel_err_early']:.1e} / "
-                  f"{r['rel_err_late']:.1e}", flush=True)
+                  f"({r['early']['pct_hbm']:.1f} %) {r['speedup']:.3f}x, early_wait {r['early_wait']['us']:.1f} us; "
+                  f"err {r['rel_err_early']:.1e} / {r['rel_err_late']:.1e}", flush=True)
         elif args.ab:
             r = op_ab(name, kind, m, layers, copy_bps, args.rounds, up_sides())
             print(f"{name} {r['op']} M={m}: gemv {r['gemv']['us']:.1f} us ({r['gemv']['pct_hbm']:.1f} %) tma "

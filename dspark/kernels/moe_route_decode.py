@@ -26,9 +26,12 @@ import torch
 
 from dspark.kernels.moe import _check_route_args, _dot, _jit, _route_pick, tl, triton
 from dspark.kernels.registry import require_triton
-from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
+from dspark.kernels.triton_compat import pdl_launch, pdl_prologue, pdl_prologue_release
 
 _BLOCK_T = 16  # tokens per logits program: tl.dot's minimum M (one decode token wastes rows, not bytes)
+# The select kernel releases its successor before it waits for the logits (`pdl_prologue_release`): the decode
+# MoE's early shared-expert rows (`moe_decode.decode_experts`' x_ready) then overlap both router launches.
+RELEASE_FIRST = True
 _MAX_SELECT_TILE = 8192  # fp32 partials one select program sums at once (S_PAD · E_PAD): 32 regs/thread at 8 warps
 
 
@@ -110,9 +113,12 @@ def _route_logits_kernel(x_ptr, gw_ptr, part_ptr, n_tok, dim, n_exp, chunk_steps
 def _route_select_kernel(part_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_out_ptr, id_out_ptr,
                          n_tok, n_exp, n_splits, scaling,
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                         HASH: tl.constexpr, BIAS_ROWS: tl.constexpr, PDL: tl.constexpr):
-    """Token t = program 0: logits = Σ_s partial[s, t] over a [S_PAD, E_PAD] tile, then `_route_pick`."""
-    pdl_prologue(PDL)
+                         HASH: tl.constexpr, BIAS_ROWS: tl.constexpr, RELEASE_FIRST: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Token t = program 0: logits = Σ_s partial[s, t] over a [S_PAD, E_PAD] tile, then `_route_pick`.
+    RELEASE_FIRST: the successor (the decode MoE's gate/up launch) is released before the wait for the logits,
+    so that its early shared-expert rows overlap the logits kernel too."""
+    pdl_prologue_release(RELEASE_FIRST, PDL)
     offs_t = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one token per program
     offs_s = tl.arange(0, S_PAD).to(tl.int64)
     offs_e = tl.arange(0, E_PAD)
@@ -156,7 +162,7 @@ def route_decode(x, gate_weight, gate_bias, tid2eid, token_ids, *, top_k: int, r
         tid2eid.contiguous() if hash_routing else x, token_ids.contiguous() if hash_routing else x,
         weights, ids, n_tok, n_exp, plan.splits, float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=plan.e_pad, S_PAD=plan.s_pad,
-        HASH=bool(hash_routing), PDL=pdl, launch_pdl=pdl, num_warps=4 if plan.s_pad * plan.e_pad <= 4096 else 8,
-        BIAS_ROWS=bias_rows,
+        HASH=bool(hash_routing), RELEASE_FIRST=RELEASE_FIRST, PDL=pdl, launch_pdl=pdl,
+        num_warps=4 if plan.s_pad * plan.e_pad <= 4096 else 8, BIAS_ROWS=bias_rows,
     )
     return weights, ids

@@ -57,6 +57,22 @@ def pdl_prologue_unless(early, PDL: tl.constexpr):
 
 
 @jit
+def pdl_prologue_release(RELEASE_FIRST: tl.constexpr, PDL: tl.constexpr):
+    """`pdl_prologue`, or with RELEASE_FIRST the other way round: release the successor, then wait. For a
+    one-wave kernel whose successor has early programs (`pdl_prologue_unless`), which then start while this
+    kernel still waits for its own predecessor. Safe for any successor: one that waits waits for this grid's
+    end, which comes after this grid's wait; early programs load only data written before this grid's
+    predecessor passed its own wait (the decode router: x, read by the logits kernel before this one)."""
+    if PDL:
+        if RELEASE_FIRST:
+            _cuda.gdc_launch_dependents()
+            _cuda.gdc_wait()
+        else:
+            _cuda.gdc_wait()
+            _cuda.gdc_launch_dependents()
+
+
+@jit
 def pdl_wait_if(early, PDL: tl.constexpr):
     """The wait that `pdl_prologue_unless` skipped, for the early programs, before they store."""
     if PDL:

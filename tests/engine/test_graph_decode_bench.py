@@ -63,13 +63,14 @@ def test_gemv_ab_takes_labels_and_captures_with_the_moe_gemv_kernels():
 
 def test_moe_late_withholds_x_ready_while_captured(monkeypatch):
     """`--gemv-ab moe_late`: while captured, the decode MoE's experts get `x_ready` False whatever the layer
-    promised; after it, the promise goes through again."""
+    promised, and the router's select kernel waits before it releases; after it, both as shipped."""
     import graph_decode
-    from dspark.kernels import moe_decode
+    from dspark.kernels import moe_decode, moe_route_decode
 
     seen = []
     monkeypatch.setattr(moe_decode, "decode_experts", lambda *a, x_ready=False, **kw: seen.append(x_ready))
     with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["moe_late"]):
         moe_decode.decode_experts(1, x_ready=True)
+        assert moe_route_decode.RELEASE_FIRST is False
     moe_decode.decode_experts(1, x_ready=True)
-    assert seen == [False, True]
+    assert seen == [False, True] and moe_route_decode.RELEASE_FIRST is True

@@ -2,15 +2,18 @@
 
 import moe_decode_tma as bench  # bench/ is on pytest's pythonpath
 
-from dspark.kernels import moe_decode
+from dspark.kernels import moe_decode, moe_route_decode
 
 
-def test_early_sides_withhold_x_ready_and_restore(monkeypatch):
+def test_early_sides_withhold_x_ready_and_the_early_release(monkeypatch):
     seen = []
     monkeypatch.setattr(moe_decode, "decode_experts", lambda *a, x_ready=False, **kw: seen.append(x_ready))
+    assert moe_route_decode.RELEASE_FIRST is True
+    monkeypatch.setattr(moe_route_decode, "RELEASE_FIRST", True)  # put back after, whatever the sides leave
     sides = bench.early_sides()
-    sides["late"]()
-    moe_decode.decode_experts(1, 2, x_ready=True)
-    sides["early"]()
-    moe_decode.decode_experts(1, 2, x_ready=True)
-    assert seen == [False, True]
+    assert list(sides) == ["early", "late", "early_wait"]  # op_ab: new, old, then the rest
+    for label in ("late", "early_wait", "early"):
+        sides[label]()
+        moe_decode.decode_experts(1, 2, x_ready=True)
+        seen.append(moe_route_decode.RELEASE_FIRST)
+    assert seen == [False, False, True, False, True, True]
