@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session45.sh a")   # ≈ 6 min (≈ 9 on an H200)
 #   run(command="bash bench/gpu_session45.sh b")   # ≈ 8 min
 #   run(command="bash bench/gpu_session45.sh c")   # ≈ 7 min
+#   run(command="bash bench/gpu_session45.sh d")   # ≈ 9 min: b and c's essentials in one call
 #
 # a: where the decode MoE op's time goes at 1 and 8 tokens (`bench/moe_op_profile.py`: each kernel's
 #    duration and the gaps, shipped tables and the GEMV kernels alone); then the decode MoE's GPU tests in
@@ -49,6 +50,19 @@ part_c() {  # the rest of b's checks: the decode MoE tests of test_moe.py, PDL's
   tests c_graphs 150 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
   step "moe-late-ab-v41-$(card)-s41" 150 --config v41-mini --requests 1 --gemv-ab moe_late
   grep -h "gemv_ab_ms" "$W"/logs/moe-late-ab-v41*.txt | cut -c1-500
+}
+
+part_d() {  # b and c in one call (≈ 9 min): the op A/B, the v4-mini step A/B at 1 and 8 requests, the TMA
+  # kernels' GPU tests, the static graphs (bit for bit), PDL's GPU test
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  logged "moe-early-$(card)-s41" 170 python3 bench/moe_decode_tma.py --early --out "$OUT/moe-early-$(card)-s41.json"
+  grep -h "early" "$W/logs/moe-early-$(card)-s41.txt" | cut -c1-300
+  step "moe-late-ab-v4-$(card)-s41" 130 --requests 1,8 --gemv-ab moe_late
+  grep -h "gemv_ab_ms" "$W"/logs/moe-late-ab-*.txt | cut -c1-500
+  tests d_tma 110 tests/kernels/test_moe_decode_tma.py -k "early or gpu or v4_flash or fused_is"
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  tests d_graphs 120 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
+  tests d_pdl 45 tests/kernels/test_kernels_pdl.py -k gpu
 }
 
 dispatch session45 "${1:-}"
