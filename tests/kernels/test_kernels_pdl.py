@@ -345,6 +345,39 @@ def test_sm90_code_waits_before_it_releases_and_reads():
     assert found["False"][:2] == [-1, -1] and found["False"][2] >= 0, found
 
 
+AOT_RELEASE = textwrap.dedent("""
+    import json, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dspark.kernels import moe_route_decode
+
+    fn = moe_route_decode._route_select_kernel
+    types = dict(part_ptr="*fp32", bias_ptr="*fp32", tid2eid_ptr="*fp32", tok_ptr="*fp32", w_out_ptr="*fp32",
+                 id_out_ptr="*i32", n_tok="i32", n_exp="i32", n_splits="i32", scaling="fp32")
+    found = {}
+    for first in (False, True):
+        constexprs = dict(TOP_K=6, K_PAD=8, E_PAD=256, S_PAD=16, HASH=False, BIAS_ROWS=False, RELEASE_FIRST=first,
+                          PDL=True)
+        signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                             options=dict(launch_pdl=True)).asm["ptx"]
+        found[str(first)] = [ptx.find(s) for s in ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
+                                                   "ld.global")]
+    print(json.dumps(found))
+""")
+
+
+@needs_triton
+def test_sm90_router_select_releases_before_it_waits_with_release_first():
+    """AOT for sm_90: RELEASE_FIRST puts the release before the wait (both before the first load); without it
+    the usual order."""
+    found = _aot(AOT_RELEASE)
+    release, wait, load = found["True"]
+    assert 0 <= release < wait < load, found
+    release, wait, load = found["False"]
+    assert 0 <= wait < release and wait < load, found
+
+
 AOT_PREFETCH = textwrap.dedent("""
     import json, triton
     from triton.backends.compiler import GPUTarget
