@@ -237,21 +237,25 @@ def down_sides(key: tuple, tiles, split: int) -> dict:
 def early_sides() -> dict:
     """`--early`'s sides: `fused_moe` as shipped (its gate/up launch starts the shared rows while the router
     runs: `x_ready`, the select kernel releasing it before its wait, `RELEASE_FIRST`); with neither (every
-    gate/up program waits for the router, as before); and "early_wait": x_ready, but the select kernel waits
-    for the logits before it releases the gate/up launch."""
+    gate/up program waits for the router, as before); "early_wait": x_ready, but the select kernel waits
+    for the logits before it releases the gate/up launch; "early_two": as shipped without the `FUSED` entries
+    (where one launch runs the experts, the two launches with the early shared rows instead)."""
     from dspark.kernels import moe_decode as md, moe_route_decode as mr
 
-    shipped, release = md.decode_experts, mr.RELEASE_FIRST
+    shipped, release, fused = md.decode_experts, mr.RELEASE_FIRST, dict(md.FUSED)
 
     def late(*args, x_ready=False, **kw):
         return shipped(*args, **kw)
 
-    def put(experts, release_first):
+    def put(experts, release_first, one_launch=True):
         def side():
             md.decode_experts, mr.RELEASE_FIRST = experts, release_first
+            md.FUSED.clear()
+            md.FUSED.update(fused if one_launch else {})
         return side
 
-    return {"early": put(shipped, release), "late": put(late, False), "early_wait": put(shipped, False)}
+    return {"early": put(shipped, release), "late": put(late, False), "early_wait": put(shipped, False),
+            "early_two": put(shipped, release, one_launch=False)}
 
 
 def main(argv=None) -> int:
@@ -283,7 +287,8 @@ def main(argv=None) -> int:
         if args.early:
             r = op_ab(name, kind, m, layers, copy_bps, args.rounds, early_sides())
             print(f"{name} {r['op']} M={m}: late {r['late']['us']:.1f} us early {r['early']['us']:.1f} us "
-                  f"({r['early']['pct_hbm']:.1f} %) {r['speedup']:.3f}x, early_wait {r['early_wait']['us']:.1f} us; "
+                  f"({r['early']['pct_hbm']:.1f} %) {r['speedup']:.3f}x, early_wait {r['early_wait']['us']:.1f} us, "
+                  f"early_two {r['early_two']['us']:.1f} us; "
                   f"err {r['rel_err_early']:.1e} / {r['rel_err_late']:.1e}", flush=True)
         elif args.ab:
             r = op_ab(name, kind, m, layers, copy_bps, args.rounds, up_sides())

@@ -10,10 +10,13 @@ def test_early_sides_withhold_x_ready_and_the_early_release(monkeypatch):
     monkeypatch.setattr(moe_decode, "decode_experts", lambda *a, x_ready=False, **kw: seen.append(x_ready))
     assert moe_route_decode.RELEASE_FIRST is True
     monkeypatch.setattr(moe_route_decode, "RELEASE_FIRST", True)  # put back after, whatever the sides leave
+    monkeypatch.setattr(moe_decode, "FUSED", dict(moe_decode.FUSED))  # the sides' changes stay in this copy
+    fused = dict(moe_decode.FUSED)
+    assert fused
     sides = bench.early_sides()
-    assert list(sides) == ["early", "late", "early_wait"]  # op_ab: new, old, then the rest
-    for label in ("late", "early_wait", "early"):
+    assert list(sides) == ["early", "late", "early_wait", "early_two"]  # op_ab: new, old, then the rest
+    for label in ("late", "early_wait", "early_two", "early"):
         sides[label]()
         moe_decode.decode_experts(1, 2, x_ready=True)
-        seen.append(moe_route_decode.RELEASE_FIRST)
-    assert seen == [False, False, True, False, True, True]
+        seen.append((moe_route_decode.RELEASE_FIRST, moe_decode.FUSED == fused))
+    assert seen == [False, (False, True), True, (False, True), True, (True, False), True, (True, True)]
