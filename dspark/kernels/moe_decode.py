@@ -399,6 +399,17 @@ FUSED: dict[tuple[int | None, bool, bool], tuple[TmaTiles, TmaTiles]] = {
 }
 
 
+# `decode_experts`' x_ready (the shared expert's gate/up rows started while the router's select kernel runs,
+# which releases them before it waits for the logits: `moe_route_decode.RELEASE_FIRST`) applies up to this many
+# tokens. On one H100 (forty-first session; `bench/moe_decode_tma.py --early`, moe-early-h100-s41.json: issue 6's
+# whole op as shipped, with neither, and with x_ready alone, in turn, 3 rounds) it won at one token wherever the
+# TMA gate/up launch runs: V4-Flash FP8 128×128 84.9 -> 80.2 µs (1.058×; 81.2 without the early release),
+# v4-mini FP8 128×128 1.046×, 32×32 1.036×, bf16 1.038× (`FUSED`'s cells, one launch, are unchanged). At 8
+# tokens, where its grid (shared rows first) is large, it lost 10-12 % (V4-Flash FP8 128×128 0.893×, bf16
+# 0.877×; v4-mini bf16 0.895×) and the v4-mini graph step at 8 requests 1/1.066, so it stays off there.
+EARLY_MAX_TOKENS = 1
+
+
 def table_key(n_tok: int, block: int | None, dim: int) -> tuple[int | None, bool, bool]:
     """The decode tables' key: (FP8 scale block kind or None, one token, width D <= 2048)."""
     return None if block is None else 32 if block == 32 else 128, n_tok <= 1, dim <= _NARROW_DIM
@@ -423,8 +434,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
     default: `decode_tiles` for N and the routed weights' kind. `x_ready`: the caller's promise that
     the launch before this call (the router's) did not write x, nor anything else the shared expert
-    reads; the TMA gate/up launch then starts the shared expert's rows while that launch still runs
-    (PDL; `moe_decode_tma.tma_up`'s `early`)."""
+    reads; at one token (`EARLY_MAX_TOKENS`) the TMA gate/up launch then starts the shared expert's rows
+    while that launch still runs (PDL; `moe_decode_tma.tma_up`'s `early`)."""
     slots = ids.shape[1] + 1
     if tiles is None:
         _, _, fp8, block = _weight_parts(w1)
@@ -439,7 +450,8 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     if tiles.fused is not None and moe_decode_tma.supported(x, w1, w2, w3, shared_w1, shared_w2, shared_w3):
         return moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit,
                                         *tiles.fused)
-    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, x_ready)
+    early = x_ready and x.shape[0] <= EARLY_MAX_TOKENS
+    h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, early)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
 
 

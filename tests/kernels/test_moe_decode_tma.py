@@ -92,6 +92,27 @@ def test_fused_moe_promises_x_is_ready_and_moe_experts_does_not(monkeypatch):
     assert seen == [True, False, False]
 
 
+def test_decode_experts_starts_early_at_one_token_only(monkeypatch):
+    """`x_ready` reaches the TMA gate/up launch as `early` at one token (`EARLY_MAX_TOKENS`), where it won; at
+    2 tokens the launch is the usual one; without the promise never."""
+    seen = []
+    original = moe_decode_tma.launch_up
+
+    def record(*args):
+        seen.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(moe_decode_tma, "launch_up", record)
+    assert moe_decode.EARLY_MAX_TOKENS == 1
+    args = _off_tile_experts(2, None, seed=6)
+    one = (args[0][:1], args[1][:1], args[2][:1], *args[3:])
+    tiles = moe_decode.DecodeTiles(up_tma=TmaTiles(16, 32, 4, 3))
+    y1 = moe_decode.decode_experts(*one, 10.0, tiles=tiles, x_ready=True)
+    moe_decode.decode_experts(*args, 10.0, tiles=tiles, x_ready=True)
+    assert torch.equal(moe_decode.decode_experts(*one, 10.0, tiles=tiles), y1)
+    assert seen == [True, False, False]
+
+
 def test_the_model_moe_promises_x_ready_to_its_experts(monkeypatch):
     """A V4 model's fused MoE layer routes x, then calls its experts op with `x_ready` (the routing's launches
     came last), and gives the reference experts of its own routing."""
@@ -320,8 +341,9 @@ def test_the_tables_tma_entries_at_v4_flash_widths(n_tok, fp8_block, poisoned):
 @pytest.mark.parametrize("n_tok,fp8_block", [(1, 128), (8, 32)])
 def test_fused_moe_early_shared_rows_on_the_gpu(n_tok, fp8_block):
     """On the GPU (PDL on Hopper) at V4-Flash widths: `fused_moe`, whose gate/up launch starts the shared
-    rows while the router's select kernel runs, equals the router then the experts without the promise, bit
-    for bit, 20 times over (a shared row stored before the router finished, or x read early, would show)."""
+    rows while the router's select kernel runs (one token; at 8 tokens, past `EARLY_MAX_TOKENS`, the usual
+    launch), equals the router then the experts without the promise, bit for bit, 20 times over (a shared
+    row stored before the router finished, or x read early, would show)."""
     x, _, _, w1, w2, w3, s1, s2, s3 = _expert_case(n_tok, 4096, 16, 6, 2048, 2048, fp8_block, torch.bfloat16)
     gate = torch.randn(16, 4096, generator=torch.Generator().manual_seed(5)).to(x.device, torch.bfloat16) / 64
     bias = torch.zeros(16, device=x.device)
