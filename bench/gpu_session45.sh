@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session45.sh b")   # ≈ 8 min
 #   run(command="bash bench/gpu_session45.sh c")   # ≈ 7 min
 #   run(command="bash bench/gpu_session45.sh d")   # ≈ 9 min: b and c's essentials in one call
+#   run(command="bash bench/gpu_session45.sh e")   # ≤ 4 min: part a's hang at exit, with stacks
 #
 # a: where the decode MoE op's time goes at 1 and 8 tokens (`bench/moe_op_profile.py`: each kernel's
 #    duration and the gaps, shipped tables and the GEMV kernels alone); then the decode MoE's GPU tests in
@@ -63,6 +64,17 @@ part_d() {  # b and c in one call (≈ 9 min): the op A/B, the v4-mini step A/B 
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
   tests d_graphs 120 tests/models/test_deepseek_v4_static_graph_gpu.py tests/models_v41/test_deepseek_v41_static_graph_gpu.py
   tests d_pdl 45 tests/kernels/test_kernels_pdl.py -k gpu
+}
+
+part_e() {  # part a's test run again (it passed every test, then hung until the timeout): the same files and
+  # filter, SIGABRT at 200 s so that faulthandler prints every thread's stack, the GPU's load shown at 190 s
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  (sleep 190; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader > "$W/logs/e_gpu_at_190s.txt") &
+  timeout -s ABRT 200 python3 -X faulthandler -m pytest -q -p no:cacheprovider -rs --durations=8 \
+    tests/kernels/test_moe_decode_tma.py tests/kernels/test_moe.py -k "decode or tma" > "$W/logs/e_tests.txt" 2>&1
+  echo "e_tests rc=$?" | tee -a "$W/logs/e_tests.txt"
+  grep -v "^\.\+ *\[" "$W/logs/e_tests.txt" | tail -n 40 | cut -c1-200
+  wait; cat "$W/logs/e_gpu_at_190s.txt" 2>/dev/null
 }
 
 dispatch session45 "${1:-}"
