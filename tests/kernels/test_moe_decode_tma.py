@@ -79,16 +79,15 @@ def test_fused_moe_promises_x_is_ready_and_moe_experts_does_not(monkeypatch):
 
     monkeypatch.setattr(moe_decode, "decode_experts", record)
     x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(1, None, seed=3)
-    gate = torch.randn(w1.shape[0], x.shape[1], generator=torch.Generator().manual_seed(1)) / 4
+    gate = (torch.randn(w1.shape[0], x.shape[1], generator=torch.Generator().manual_seed(1)) / 4).to(x.device)
+    bias = torch.zeros(w1.shape[0], device=x.device)
     route = dict(top_k=ids.shape[1], routed_scaling_factor=1.5, hash_routing=False)
-    y = moe.fused_moe(x, gate, torch.zeros(w1.shape[0]), None, None, w1, w2, w3, s1, s2, s3, **route,
-                      swiglu_limit=10.0)
-    assert rel_err(y, moe.fused_moe_ref(x, gate, torch.zeros(w1.shape[0]), None, None, w1, w2, w3, s1, s2, s3,
-                                        **route, swiglu_limit=10.0)) < TOL[torch.float32]
+    y = moe.fused_moe(x, gate, bias, None, None, w1, w2, w3, s1, s2, s3, **route, swiglu_limit=10.0)
+    assert rel_err(y, moe.fused_moe_ref(x, gate, bias, None, None, w1, w2, w3, s1, s2, s3, **route,
+                                        swiglu_limit=10.0)) < TOL[torch.float32]
     moe.moe_experts(x, weights, ids, w1, w2, w3, s1, s2, s3, swiglu_limit=10.0)
     wide = torch.cat((x, x), dim=1)[:, ::2]  # x's values, not contiguous
-    moe.fused_moe(wide, gate, torch.zeros(w1.shape[0]), None, None, w1, w2, w3, s1, s2, s3, **route,
-                  swiglu_limit=10.0)
+    moe.fused_moe(wide, gate, bias, None, None, w1, w2, w3, s1, s2, s3, **route, swiglu_limit=10.0)
     assert seen == [True, False, False]
 
 
@@ -124,12 +123,13 @@ def test_the_model_moe_promises_x_ready_to_its_experts(monkeypatch):
 
     config = json.loads(resources.files("dspark.configs").joinpath("tiny-v4.json").read_text())
     kernels = KernelConfig(moe_route="triton", fused_moe="triton", moe_experts="triton")
-    layer = init_model(config, device="cpu", kernels=kernels).layers[-1].ffn
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = init_model(config, device=device, kernels=kernels).layers[-1].ffn
     seen = []
     op = layer._experts_op
     layer._experts_op = lambda *a, **kw: seen.append(kw.get("x_ready")) or op(*a, **kw)
-    x = torch.randn(2, config["hidden_size"]).to(layer.shared_experts.w1.weight.dtype)
-    ids = torch.randint(0, config["vocab_size"], (2,))
+    x = torch.randn(2, config["hidden_size"], device=device).to(layer.shared_experts.w1.weight.dtype)
+    ids = torch.randint(0, config["vocab_size"], (2,), device=device)
     with torch.no_grad():
         out = layer(x, ids)
         weights, experts = layer._routing(x, ids)
