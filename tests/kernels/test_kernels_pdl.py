@@ -310,24 +310,27 @@ AOT = textwrap.dedent("""
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from dspark.kernels import rms_norm
+    from dspark.kernels import {module}
 
-    fn = rms_norm._rms_norm_kernel
-    types = dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*bf16", n_rows="i32", dim="i32", stride_x="i32", eps="fp32")
-    found = {}
-    for pdl in (False, True):
-        constexprs = dict(BLOCK_M=1, BLOCK_D=2048, ONE_TILE=True, HAS_WEIGHT=True, PDL=pdl)
-        signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+    fn = {module}.{kernel}
+    types = {types!r}
+    found = {{}}
+    for flag in (False, True):
+        constexprs = dict({constexprs!r}, {flag}=flag)
+        signature = {{n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}}
         ptx = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                             options=dict(launch_pdl=pdl)).asm["ptx"]
-        found[str(pdl)] = [ptx.find(s) for s in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
-                                                 "ld.global")]
+                             options=dict(launch_pdl=constexprs["PDL"], num_warps={warps})).asm["ptx"]
+        found[str(flag)] = [ptx.find(s) for s in {needles!r}]
     print(json.dumps(found))
 """)
 
 
-def _aot(script: str) -> dict:
-    """Run an AOT-compile script in a subprocess with the interpreter off; its last line's JSON."""
+def _aot(module: str, kernel: str, types: dict, constexprs: dict, flag: str, needles: tuple, warps: int = 4) -> dict:
+    """AOT-compile dspark.kernels.`module`.`kernel` for sm_90 with the constexpr `flag` False and True (the others
+    `constexprs`; PDL among them or the flag) in a subprocess with the interpreter off: "False" / "True" -> where
+    each of `needles` first appears in the PTX (-1: nowhere)."""
+    script = AOT.format(module=module, kernel=kernel, types=types, constexprs=constexprs, flag=flag, needles=needles,
+                        warps=warps)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
@@ -339,70 +342,38 @@ def _aot(script: str) -> dict:
 def test_sm90_code_waits_before_it_releases_and_reads():
     """AOT for sm_90 (no GPU needed): with PDL the wait precedes the release and the first global
     load; without PDL neither instruction is emitted."""
-    found = _aot(AOT)
+    found = _aot("rms_norm", "_rms_norm_kernel",
+                 dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*bf16", n_rows="i32", dim="i32", stride_x="i32", eps="fp32"),
+                 dict(BLOCK_M=1, BLOCK_D=2048, ONE_TILE=True, HAS_WEIGHT=True), "PDL",
+                 ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global"))
     wait, release, load = found["True"]
     assert 0 <= wait < release < load, found
     assert found["False"][:2] == [-1, -1] and found["False"][2] >= 0, found
-
-
-AOT_RELEASE = textwrap.dedent("""
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from dspark.kernels import moe_route_decode
-
-    fn = moe_route_decode._route_select_kernel
-    types = dict(part_ptr="*fp32", bias_ptr="*fp32", tid2eid_ptr="*fp32", tok_ptr="*fp32", w_out_ptr="*fp32",
-                 id_out_ptr="*i32", n_tok="i32", n_exp="i32", n_splits="i32", scaling="fp32")
-    found = {}
-    for first in (False, True):
-        constexprs = dict(TOP_K=6, K_PAD=8, E_PAD=256, S_PAD=16, HASH=False, BIAS_ROWS=False, RELEASE_FIRST=first,
-                          PDL=True)
-        signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
-        ptx = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                             options=dict(launch_pdl=True)).asm["ptx"]
-        found[str(first)] = [ptx.find(s) for s in ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
-                                                   "ld.global")]
-    print(json.dumps(found))
-""")
 
 
 @needs_triton
 def test_sm90_router_select_releases_before_it_waits_with_release_first():
     """AOT for sm_90: RELEASE_FIRST puts the release before the wait (both before the first load); without it
     the usual order."""
-    found = _aot(AOT_RELEASE)
+    found = _aot("moe_route_decode", "_route_select_kernel",
+                 dict(part_ptr="*fp32", bias_ptr="*fp32", tid2eid_ptr="*fp32", tok_ptr="*fp32", w_out_ptr="*fp32",
+                      id_out_ptr="*i32", n_tok="i32", n_exp="i32", n_splits="i32", scaling="fp32"),
+                 dict(TOP_K=6, K_PAD=8, E_PAD=256, S_PAD=16, HASH=False, BIAS_ROWS=False, PDL=True), "RELEASE_FIRST",
+                 ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global"))
     release, wait, load = found["True"]
     assert 0 <= release < wait < load, found
     release, wait, load = found["False"]
     assert 0 <= wait < release and wait < load, found
 
 
-AOT_PREFETCH = textwrap.dedent("""
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from dspark.kernels import linear
-
-    fn = linear._gemv_kernel
-    types = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows="i32", n_out="i32", n_in="i32", scale="fp32")
-    found = {}
-    for prefetch in (False, True):
-        constexprs = dict(ROWS=4, BLOCK_N=8, BLOCK_K=1024, SCALED=False, PREFETCH=prefetch, PDL=True)
-        signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
-        ptx = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                             options=dict(launch_pdl=True, num_warps=8)).asm["ptx"]
-        found[str(prefetch)] = [ptx.find(s) for s in ("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait",
-                                                      "ld.global")]
-    print(json.dumps(found))
-""")
-
-
 @needs_triton
 def test_sm90_code_prefetches_weights_before_the_wait():
     """AOT for sm_90: with PREFETCH the GEMV issues its L2 bulk prefetch before `griddepcontrol.wait`
     and loads nothing before it; without PREFETCH no prefetch is emitted."""
-    found = _aot(AOT_PREFETCH)
+    found = _aot("linear", "_gemv_kernel",
+                 dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows="i32", n_out="i32", n_in="i32", scale="fp32"),
+                 dict(ROWS=4, BLOCK_N=8, BLOCK_K=1024, SCALED=False, PDL=True), "PREFETCH",
+                 ("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait", "ld.global"), warps=8)
     prefetch, wait, load = found["True"]
     assert 0 <= prefetch < wait < load, found
     assert found["False"][0] == -1 and 0 <= found["False"][1] < found["False"][2], found
