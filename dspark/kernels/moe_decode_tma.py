@@ -24,6 +24,11 @@ item waits for its own work row's h (a done count per row), so it starts while l
 and the last of a row block's K + 1 slots adds them (the ticket protocol). The tables use it where it won
 (`moe_decode.FUSED`: one token, V4-Flash widths, FP8 32×32 and dense weights).
 
+`tma_up(..., early=True)` (`moe_decode.decode_experts`' `x_ready`, at one token) launches `_tma_up_kernel`'s
+EARLY grid: the shared experts' rows first, their programs streaming before the PDL wait (they read only x and
+the shared weights) and waiting only before they store, so that they overlap the router; the routed rows wait
+for the ids as usual.
+
 FP8 weights (`FP8BlockWeight`): each program's rows lie in one scale row (BLOCK_N divides the block),
 so each column's UE8M0 factor (a power of two: exact) multiplies the activations instead of the weights.
 
