@@ -715,11 +715,6 @@ def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
     its last launch before this call (the router's) did not write x (nor anything else the shared
     expert reads); the decode path then starts the shared expert while that launch still runs
     (`moe_decode.decode_experts`). The same result either way."""
-    return _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, x_ready)
-
-
-def _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, x_ready: bool):
-    """`moe_experts`; `x_ready`: the router launched last (`moe_decode.decode_experts`' promise)."""
     require_triton()
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
@@ -779,4 +774,5 @@ def fused_moe(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_
     _check_expert_args(x, gate_weight.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
     weights, ids = moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
                              routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
-    return _experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit, True)
+    return moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit=swiglu_limit,
+                       x_ready=True)

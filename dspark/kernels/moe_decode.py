@@ -456,11 +456,12 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
 
 
 def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles(),
-              x_ready: bool = False):
+              early: bool = False):
     """First launch: h [N·K + N, max(I, I_s)] fp32 (routed rows, then each token's shared row), and the
     sizes `decode_down` takes; with `tiles.down_split` > 1 also the split down kernel's ticket counters
     [N, ⌈D/down_n⌉ padded to a power of two] int32, zeroed here (each call's down kernel leaves them 0),
-    else None. With `tiles.up_tma`, `moe_decode_tma.tma_up` where it runs."""
+    else None. With `tiles.up_tma`, `moe_decode_tma.tma_up` where it runs (`early`: its EARLY launch, as
+    `decode_experts` decides it from `x_ready`)."""
     n_tok, dim = x.shape
     # enough counters for the down launch's row blocks, whichever kernel runs it
     rows = min(tiles.down_n, tiles.down_tma.n) if tiles.down_tma is not None else tiles.down_n
@@ -468,7 +469,7 @@ def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: 
     operands = moe_decode_tma.up_operands(x, ids, w1, w3, shared_w1, shared_w3, n_tickets)
     (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, tickets, args = operands
     if tiles.up_tma is not None and moe_decode_tma.supported(x, d1, d3, ds1, ds3):
-        return moe_decode_tma.launch_up(x, ids, operands, swiglu_limit, tiles.up_tma, n_tickets, x_ready)
+        return moe_decode_tma.launch_up(x, ids, operands, swiglu_limit, tiles.up_tma, n_tickets, early)
     n_assign, _, inter, inter_s, h_width, _ = args
     common = _common(ids.shape[1], fp8, sb, fp8_s, sb_s, tiles.up_k, tiles.up_warps, tiles.stages, tiles.up_defer)
     grid = (n_assign + n_tok, triton.cdiv(h_width, tiles.up_n))

@@ -112,7 +112,8 @@ def _tma_up_kernel(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su
     else:
         a = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
-    early = a >= n_assign + (0 if EARLY else n_tok)  # EARLY: the shared rows load at once, store after the wait
+    # the shared rows with EARLY (they load at once and store after the wait); none without (a < N·K + N)
+    early = a >= n_assign + (0 if EARLY else n_tok)
     pdl_prologue_unless(early, PDL)
     if TICKETS > 0:
         if (a < n_tok) & (n0 == 0):
