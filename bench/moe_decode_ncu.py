@@ -7,12 +7,14 @@
         python3 bench/moe_decode_ncu.py [--layer v4-flash] [--block 128] [--tokens 1] > ncu.csv
 
 A V4-Flash-like layer (D 4096, I 2048, top-6 of 256 plus the shared expert; `moe_decode_tiles.LAYERS`)
-with FP8 weights: `decode_experts` at the shipped shape (`decode_tiles`), then at the same shape with
-the column sums deferred (`DecodeTiles(up_defer=True, down_defer=True)`), each compiled and run once
-before the profiled range, then once inside it (`cudaProfilerStart` / `Stop`): four kernel launches
-per run, named in the CSV by kernel and in launch order (up, down; shipped first). Without ncu it
-only runs. Its first run (`bench/gpu_session17.sh a`, bench/results/moe-decode-ncu-*-h200.csv) had
-the bit-placed FP8 reads of commit 44af5c8 as the second variant, since removed.
+with FP8 weights: `decode_experts` at the shipped shape (`decode_tiles`), first as `moe_experts` alone
+calls it, then with `x_ready` (as `fused_moe` calls it: at one token the TMA gate/up launch's EARLY grid,
+shared rows first), each compiled and run once before the profiled range, then once inside it
+(`cudaProfilerStart` / `Stop`): the kernel launches of both runs, named in the CSV by kernel and in launch
+order. Without ncu it only runs. Its first run (`bench/gpu_session17.sh a`,
+bench/results/moe-decode-ncu-*-h200.csv) profiled the GEMV kernels against the bit-placed FP8 reads of
+commit 44af5c8, since removed; later runs until the forty-second session's, against the same shape with
+the column sums deferred (`DecodeTiles.up_defer` / `down_defer`).
 """
 
 from __future__ import annotations
@@ -44,18 +46,17 @@ def main() -> None:
     ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(args.tokens)]).int()
     wts = torch.rand(args.tokens, TOP_K, generator=g, device="cuda") + 0.1
     shipped = md.decode_tiles(args.tokens, args.block, dim)
-    variants = (shipped, shipped._replace(up_defer=True, down_defer=True))
-    outs = [md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, t) for t in variants]  # compile
+    experts = (x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped)
+    outs = [md.decode_experts(*experts, x_ready=ready) for ready in (False, True)]  # compile
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    for t in variants:
-        md.decode_experts(x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, t)
+    for ready in (False, True):
+        md.decode_experts(*experts, x_ready=ready)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     err = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
     print(f"# {args.layer} fp8 block {args.block}, {args.tokens} token(s), tiles {tuple(shipped)}; "
-          f"deferred vs per-step column sums: relative difference {err:.2e}", file=sys.stderr)
-
+          f"x_ready vs not: relative difference {err:.2e}", file=sys.stderr)
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,8 @@
 Default (the sweep): per layer (V4-Flash: D 4096, I 2048, top-6 of 256 plus the shared expert; v4-mini:
 D 2048, I 512, top-6 of 64), weight kind (bf16, FP8 128×128, FP8 32×32) and token count (1, 8), the
 gate/up launch alone: the GEMV kernel at its table's shape (`moe_decode.decode_tiles`) and the TMA
-kernel over `TILES` × `STAGES`, outputs checked against the GEMV kernel's.
+kernel over `TILES` × `STAGES` (or `--tiles` × `--stages`; `--sweep-early`: on its EARLY grid, as
+`fused_moe` launches it at one token), outputs checked against the GEMV kernel's.
 
 `--ab`: issue 6's whole op, router included (`bench/kernels.py`'s `fused_moe*` cases: the same layers,
 inputs and byte counts), captured with `moe_decode.UP_TMA` as shipped and with None (the GEMV gate/up
@@ -70,8 +71,21 @@ def rate(n_bytes: float, seconds: float, copy_bps: float) -> dict:
             "copy_pct": 100 * n_bytes / seconds / copy_bps}
 
 
-def up_sweep(name: str, block, m: int, g, copy_bps: float) -> dict:
-    """The gate/up launch alone: the GEMV kernel at the table's shape, then the TMA kernel's shapes."""
+def parse_tiles(text: str) -> tuple:
+    """`--tiles` "16x256x4,8x512x4" -> ((16, 256, 4), (8, 512, 4)): (rows, columns, warps) each; a ValueError
+    naming an entry that is not three positive integers."""
+    out = []
+    for entry in text.split(","):
+        parts = entry.strip().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--tiles entries are ROWSxCOLUMNSxWARPS, got {entry!r}")
+        out.append(tuple(int(p) for p in parts))
+    return tuple(out)
+
+
+def up_sweep(name: str, block, m: int, g, copy_bps: float, tiles=TILES, stages=STAGES, early: bool = False) -> dict:
+    """The gate/up launch alone: the GEMV kernel at the table's shape, then the TMA kernel's shapes
+    (`tiles` × `stages`; `early`: its EARLY grid, shared rows first, as `fused_moe` launches it at one token)."""
     from dspark.kernels import moe_decode as md, moe_decode_tma as mt
 
     dim, inter, n_exp = LAYERS[name]
@@ -85,15 +99,15 @@ def up_sweep(name: str, block, m: int, g, copy_bps: float) -> dict:
            "gemv_tiles": gemv._asdict(),
            "gemv": rate(up_bytes, graph_timer(lambda: md.decode_up(x, ids, w1, w3, s1, s3, LIMIT, gemv)), copy_bps)}
     tma = []
-    for (n, k, warps), stages in itertools.product(TILES, STAGES):
-        if block is not None and block % n:
+    for (n, k, warps), depth in itertools.product(tiles, stages):
+        if block is not None and (block % n or k % block and block % k):
             continue
-        t = mt.TmaTiles(n, k, warps, stages)
-        h, _ = mt.tma_up(x, ids, w1, w3, s1, s3, LIMIT, t)
-        seconds = graph_timer(lambda: mt.tma_up(x, ids, w1, w3, s1, s3, LIMIT, t))
+        t = mt.TmaTiles(n, k, warps, depth)
+        h, _ = mt.tma_up(x, ids, w1, w3, s1, s3, LIMIT, t, early=early)
+        seconds = graph_timer(lambda: mt.tma_up(x, ids, w1, w3, s1, s3, LIMIT, t, early=early))
         tma.append({**t._asdict(), **rate(up_bytes, seconds, copy_bps), "rel_err": rel_err(h, h_ref)})
     shipped = next((r for r in tma if tuple(r[f] for f in mt.TmaTiles._fields) == tuple(md.UP_TMA)), None)
-    row.update(tma=tma, best=min(tma, key=lambda r: r["us"]), shipped=shipped)
+    row.update(tma=tma, best=min(tma, key=lambda r: r["us"]), shipped=shipped, early_grid=early)
     return row
 
 
@@ -269,6 +283,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", action="store_true", help="the experts in one launch, then the op with it")
     ap.add_argument("--early", action="store_true", help="the whole op with the shared rows started early and not")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tiles", type=parse_tiles, default=TILES, help="the sweep's ROWSxCOLUMNSxWARPS list")
+    ap.add_argument("--stages", type=lambda t: tuple(int(v) for v in t.split(",")), default=STAGES,
+                    help="the sweep's pipeline depths, e.g. 3,5")
+    ap.add_argument("--sweep-early", action="store_true", help="the sweep on the EARLY grid (shared rows first)")
     args = ap.parse_args(argv)
     from dspark.kernels import moe_decode, moe_decode_tma as mt
 
@@ -278,7 +296,8 @@ def main(argv=None) -> int:
                   "hbm_bytes_per_s": HBM, "copy_bytes_per_s": copy_bps, "up_tma": moe_decode.UP_TMA._asdict(),
                   "mode": "ab" if args.ab else "down" if args.down else "fused" if args.fused else
                   "early" if args.early else "sweep",
-                  "fused_down": mt.FUSED_DOWN, "splits": SPLITS, "tiles": TILES, "stages": STAGES,
+                  "fused_down": mt.FUSED_DOWN, "splits": SPLITS, "tiles": args.tiles, "stages": args.stages,
+                  "sweep_early": args.sweep_early,
                   "rounds": args.rounds,
                   "timing": "graph_timer (CUDA-graph replays, L2 flushed, median of 50)"}
     rows, layers = [], {}
@@ -314,7 +333,7 @@ def main(argv=None) -> int:
                   f"({r['experts_speedup']:.3f}x); op {op['gemv_down']['us']:.1f} -> {op['tma_down']['us']:.1f} us "
                   f"({op['speedup']:.3f}x, {op['tma_down']['pct_hbm']:.1f} %)", flush=True)
         else:
-            r = up_sweep(name, KINDS[kind], m, g, copy_bps)
+            r = up_sweep(name, KINDS[kind], m, g, copy_bps, args.tiles, args.stages, args.sweep_early)
             print(f"{name} {kind} M={m}: up gemv {r['gemv']['us']:.1f} us, tma shipped "
                   f"{r['shipped'] and round(r['shipped']['us'], 1)} best {r['best']['us']:.1f} at "
                   f"{tuple(r['best'][f] for f in ('n', 'k', 'warps', 'stages'))}", flush=True)

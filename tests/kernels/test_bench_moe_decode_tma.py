@@ -1,4 +1,6 @@
-"""bench/moe_decode_tma.py --early: its two sides of issue 6's op, on CPU."""
+"""bench/moe_decode_tma.py on CPU: --early's sides of issue 6's op, the --tiles option."""
+
+import pytest
 
 import moe_decode_tma as bench  # bench/ is on pytest's pythonpath
 
@@ -20,3 +22,10 @@ def test_early_sides_withhold_x_ready_and_the_early_release(monkeypatch):
         moe_decode.decode_experts(1, 2, x_ready=True)
         seen.append((moe_route_decode.RELEASE_FIRST, moe_decode.FUSED == fused))
     assert seen == [False, (False, True), True, (False, True), True, (True, False), True, (True, True)]
+
+
+def test_tiles_option_parses_and_names_a_bad_entry():
+    assert bench.parse_tiles("16x256x4, 8x512x2") == ((16, 256, 4), (8, 512, 2))
+    for bad in ("16x256", "16x256x0", "ax256x4"):
+        with pytest.raises(ValueError, match=bad):
+            bench.parse_tiles(bad)

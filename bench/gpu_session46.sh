@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# GPU steps of the forty-second session (one H100 or H200; every JSON names its card):
+#
+#   run(command="bash bench/gpu_session46.sh a")   # ≈ 6 min (≈ 9 on an H200)
+#
+# a: why the one-token FP8 gate/up launch streams at about 74 % of the copy bandwidth when the same kernel
+#    reaches about 97 % at 8 tokens. On an H200 first issue 6's MoE rows (`gpu_lib.moe_rows_h200`). Then
+#    Nsight Compute on the decode experts (V4-Flash FP8 128×128, shipped shapes, late and EARLY grids) at 1
+#    and 8 tokens (`bench/moe_decode_ncu.py`: occupancy, waves, warp stalls, DRAM throughput); the TMA
+#    gate/up kernel alone at 1, 2, 4 and 8 tokens at the shipped shape on both grids (the rate against the
+#    number of programs); and at one token over smaller and wider programs on the EARLY grid
+#    (`bench/moe_decode_tma.py --tiles ... --sweep-early`).
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, moe_rows_h200
+
+ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
+
+ncu_experts() {  # ncu_experts TOKENS: the shipped decode experts under Nsight Compute into $W/logs/ncu_TOKENS.txt
+  local ncu; ncu=$(ncu_bin)
+  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 0; }
+  logged "ncu_$1" 150 "$ncu" --clock-control none --profile-from-start off --csv --page details \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    python3 bench/moe_decode_ncu.py --block 128 --tokens "$1"
+  grep -h "\"Duration\"\|DRAM Throughput\|Achieved Occupancy\|Theoretical Occupancy\|Waves Per SM\|Block Limit\|Registers Per\|No Eligible\|Warp Cycles Per Issued\|relative difference" \
+    "$W/logs/ncu_$1.txt" | awk -F'","' '{print $5, "|", $13, "|", $15}' | cut -c1-160 | head -n 60
+}
+
+part_a() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  moe_rows_h200 s42
+  ncu_experts 1
+  [ "$(card)" = h200 ] || ncu_experts 8
+  for grid in late early; do
+    logged "tma-scale-$grid-$(card)-s42" 120 python3 bench/moe_decode_tma.py --layers v4-flash --kinds fp8 \
+      --tokens 1,2,4,8 --tiles 16x256x4 --stages 5 $([ $grid = early ] && echo --sweep-early) \
+      --out "$OUT/moe-tma-scale-$grid-$(card)-s42.json"
+    grep -h "up gemv" "$W/logs/tma-scale-$grid-$(card)-s42.txt" | cut -c1-200
+  done
+  logged "tma-tiles-$(card)-s42" 240 python3 bench/moe_decode_tma.py --layers v4-flash --kinds fp8,fp8-32 --tokens 1 \
+    --tiles 4x512x4,4x1024x4,8x256x4,8x512x4,8x1024x4,16x256x4,16x512x4,32x256x4 --stages 3,5 --sweep-early \
+    --out "$OUT/moe-tma-tiles-$(card)-s42.json"
+  grep -h "up gemv" "$W/logs/tma-tiles-$(card)-s42.txt" | cut -c1-200
+  tail -n 2 "$W/logs/tma-tiles-$(card)-s42.txt" | cut -c1-300
+}
+
+dispatch session46 "${1:-}"
