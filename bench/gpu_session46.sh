@@ -9,7 +9,8 @@
 #    and 8 tokens (`bench/moe_decode_ncu.py`: occupancy, waves, warp stalls, DRAM throughput); the TMA
 #    gate/up kernel alone at 1, 2, 4 and 8 tokens at the shipped shape on both grids (the rate against the
 #    number of programs); and at one token over smaller and wider programs on the EARLY grid
-#    (`bench/moe_decode_tma.py --tiles ... --sweep-early`).
+#    (`bench/moe_decode_tma.py --tiles ... --sweep-early`); then issue 6's whole op with each kind's best of
+#    those shapes against the op as shipped, in turn (`--up-ab-from`).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, moe_rows_h200
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
@@ -41,6 +42,9 @@ part_a() {
     --out "$OUT/moe-tma-tiles-$(card)-s42.json"
   grep -h "up gemv" "$W/logs/tma-tiles-$(card)-s42.txt" | cut -c1-200
   tail -n 2 "$W/logs/tma-tiles-$(card)-s42.txt" | cut -c1-300
+  logged "tma-tiles-ab-$(card)-s42" 120 python3 bench/moe_decode_tma.py --up-ab-from "$OUT/moe-tma-tiles-$(card)-s42.json" \
+    --out "$OUT/moe-tma-tiles-ab-$(card)-s42.json"
+  grep -h "op " "$W/logs/tma-tiles-ab-$(card)-s42.txt" | cut -c1-200
 }
 
 dispatch session46 "${1:-}"

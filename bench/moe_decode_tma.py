@@ -22,6 +22,9 @@ each alone on the same h; then the experts op (the shipped gate/up launch, then 
 at the best TMA shape against the shipped op, timed in turn for `--rounds` rounds; then issue 6's whole op
 with that shape in the tables (`moe_decode.DOWN_TMA`) and without, in turn.
 
+`--up-ab-from SWEEP_JSON`: issue 6's whole op with each row's best gate/up shape of an earlier sweep (as
+`UP_TMA`, and as `FUSED`'s up half where one launch runs the experts) against the op as shipped, in turn.
+
 `--early`: issue 6's whole op as shipped (`fused_moe` promises `x_ready`: the TMA gate/up launch starts the
 shared experts' rows while the router's last launch runs) against the same op with the promise withheld,
 in turn.
@@ -248,6 +251,32 @@ def down_sides(key: tuple, tiles, split: int) -> dict:
             "gemv_down": lambda: md.DOWN_TMA.pop(key, None)}
 
 
+def up_tile_sides(key: tuple, tiles) -> dict:
+    """The gate/up launch at `tiles` (as `UP_TMA`, and as the up half of `FUSED[key]` where one launch runs the
+    experts), and as shipped."""
+    from dspark.kernels import moe_decode as md
+
+    shipped, fused = md.UP_TMA, md.FUSED.get(key)
+
+    def put(up, one):
+        def side():
+            md.UP_TMA = up
+            if fused is not None:
+                md.FUSED[key] = one
+        return side
+
+    return {"candidate": put(tiles, fused and (tiles, fused[1])), "shipped": put(shipped, fused)}
+
+
+def sweep_bests(path: str) -> list[tuple[str, str, int, object]]:
+    """(layer, kind, tokens, best TmaTiles) of each row of an up sweep's JSON (this script's default mode)."""
+    from dspark.kernels import moe_decode_tma as mt
+
+    kinds = {block: kind for kind, block in KINDS.items()}
+    return [(r["layer"], kinds[r["fp8_block"]], r["M"], mt.TmaTiles(*(r["best"][f] for f in mt.TmaTiles._fields)))
+            for r in json.loads(Path(path).read_text())["results"]]
+
+
 def early_sides() -> dict:
     """`--early`'s sides: `fused_moe` as shipped (its gate/up launch starts the shared rows while the router
     runs: `x_ready`, the select kernel releasing it before its wait, `RELEASE_FIRST`); with neither (every
@@ -287,6 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=lambda t: tuple(int(v) for v in t.split(",")), default=STAGES,
                     help="the sweep's pipeline depths, e.g. 3,5")
     ap.add_argument("--sweep-early", action="store_true", help="the sweep on the EARLY grid (shared rows first)")
+    ap.add_argument("--up-ab-from", metavar="SWEEP_JSON",
+                    help="the whole op with each row's best gate/up tiles of that sweep and as shipped, in turn")
     args = ap.parse_args(argv)
     from dspark.kernels import moe_decode, moe_decode_tma as mt
 
@@ -294,13 +325,25 @@ def main(argv=None) -> int:
     copy_bps = copy_bytes_per_s(torch.device("cuda"))
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
                   "hbm_bytes_per_s": HBM, "copy_bytes_per_s": copy_bps, "up_tma": moe_decode.UP_TMA._asdict(),
-                  "mode": "ab" if args.ab else "down" if args.down else "fused" if args.fused else
+                  "mode": "up_ab" if args.up_ab_from else "ab" if args.ab else "down" if args.down else "fused" if args.fused else
                   "early" if args.early else "sweep",
                   "fused_down": mt.FUSED_DOWN, "splits": SPLITS, "tiles": args.tiles, "stages": args.stages,
                   "sweep_early": args.sweep_early,
                   "rounds": args.rounds,
                   "timing": "graph_timer (CUDA-graph replays, L2 flushed, median of 50)"}
     rows, layers = [], {}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.up_ab_from:
+        for name, kind, m, tiles in sweep_bests(args.up_ab_from):
+            key = moe_decode.table_key(m, KINDS[kind], LAYERS[name][0])
+            r = {**op_ab(name, kind, m, layers, copy_bps, args.rounds, up_tile_sides(key, tiles)),
+                 "tiles": tiles._asdict()}
+            print(f"{name} {kind} M={m}: up {tuple(tiles)} op {r['shipped']['us']:.1f} -> {r['candidate']['us']:.1f} us "
+                  f"({r['speedup']:.3f}x, {r['candidate']['pct_hbm']:.1f} %); err {r['rel_err_candidate']:.1e}",
+                  flush=True)
+            rows.append(r)
+            Path(args.out).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
+        return 0
     for name, kind, m in itertools.product(args.layers.split(","), args.kinds.split(","),
                                            [int(t) for t in args.tokens.split(",")]):
         if args.early:
