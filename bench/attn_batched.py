@@ -27,6 +27,8 @@ whole-model decode step with the batched attention vs the old per-request loop.
    (kernel + sink epilogue) as above, `kernel_graph_us` flashinfer's kernel alone in a graph.
    `graph_pct_copy` / `kernel_pct_copy`: the same as % of this card's measured device-to-device copy
    bandwidth (`copy_TBps` in the conditions), so a card other than the H200 is judged by its own.
+   `graph_read_*` / `kernel_read_*`: the same two after a read flush instead of the write
+   (`graph_timer`'s `flush`: no dirty L2 lines left for the op to write back).
 """
 
 from __future__ import annotations
@@ -146,15 +148,29 @@ def gpu_timer(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e-3  # median, L2 flushed, seconds
 
 
-def graph_timer(fn, reps: int = 50) -> float:
-    """Seconds per call of fn() replayed from a CUDA graph, L2 flushed first: a graph of (256 MB
-    write, fn) and one of the write alone are each replayed `reps` times (CUDA events around each
-    replay, median) and the second is subtracted. What the op costs once the launches are captured,
-    as in the graph-captured decode step."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+FLUSHES = ("write", "read")
 
-    both = capture(lambda: (flush.zero_(), fn()))
-    alone = capture(flush.zero_)
+
+def graph_timer(fn, reps: int = 50, flush: str = "write") -> float:
+    """Seconds per call of fn() replayed from a CUDA graph, L2 flushed first: a graph of (flush, fn) and
+    one of the flush alone are each replayed `reps` times (CUDA events around each replay, median) and
+    the second is subtracted. What the op costs once the launches are captured, as in the graph-captured
+    decode step. `flush`:
+
+    * "write" zeroes a 256 MB buffer (as `triton.testing.do_bench` does). That leaves the L2 full of
+      dirty lines (50 MB on the H100, 60 on the H200), which fn's own reads then evict: fn pays for
+      writing them back, up to a third more DRAM traffic for a 150 MB op, which the flush alone, timed
+      without fn, does not.
+    * "read" reads a 256 MB buffer (a max over it). Earlier dirty lines are written back during the
+      flush, and fn starts from an L2 of clean lines that are not its own, as in a decode step, whose
+      earlier kernels read weights and write only small activations.
+    """
+    if flush not in FLUSHES:
+        raise ValueError(f"graph_timer flush must be one of {FLUSHES}, got {flush!r}")
+    buf = torch.zeros(256 << 20, dtype=torch.int8, device="cuda")
+    clear = buf.zero_ if flush == "write" else buf.max
+    both = capture(lambda: (clear(), fn()))
+    alone = capture(clear)
     return max(replay_seconds(both, reps) - replay_seconds(alone, reps), 1e-9)
 
 
@@ -185,6 +201,9 @@ def flashinfer_rows(cfg: dict, device, copy_bps: float) -> list[dict]:
             run_s = gpu_timer(lambda: op.run(q, pool, sink))
             graph_s = graph_timer(lambda: op.run(q, pool, sink))
             kernel_s = graph_timer(lambda: op.kernel(q, pool))
+            # the same after a read flush (graph_timer: no dirty L2 lines left for the op to write back)
+            read_s = {part: graph_timer(fn, flush="read") for part, fn in
+                      (("graph", lambda: op.run(q, pool, sink)), ("kernel", lambda: op.kernel(q, pool)))}
         except Exception as exc:  # no nvcc, a shape flashinfer rejects: record, go on
             rows.append({"case": "attn_flashinfer", "layer": name, "kind": kind, "B": batch,
                          "error": repr(exc)[:400]})
@@ -206,6 +225,12 @@ def flashinfer_rows(cfg: dict, device, copy_bps: float) -> list[dict]:
         r["kernel_pct_copy"] = 100 * n_bytes / kernel_s / copy_bps
         print(f"  of this card's copy bandwidth: graph {r['graph_pct_copy']:.1f}%, kernel {r['kernel_pct_copy']:.1f}%",
               flush=True)
+        for part, sec in read_s.items():
+            r.update({f"{part}_read_us": sec * 1e6, f"{part}_read_pct_hbm": 100 * n_bytes / sec / HBM_BYTES_PER_S,
+                      f"{part}_read_pct_copy": 100 * n_bytes / sec / copy_bps})
+        print(f"  after a read flush: graph {r['graph_read_us']:.1f} us ({r['graph_read_pct_hbm']:.1f}% HBM, "
+              f"{r['graph_read_pct_copy']:.1f}% copy), kernel {r['kernel_read_us']:.1f} us "
+              f"({r['kernel_read_pct_hbm']:.1f}% HBM)", flush=True)
         del q, pool, index
     return rows
 

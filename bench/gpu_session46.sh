@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # GPU steps of the forty-second session (one H100 or H200; every JSON names its card):
 #
-#   run(command="bash bench/gpu_session46.sh a")   # ≈ 6 min (≈ 9 on an H200)
+#   run(command="bash bench/gpu_session46.sh a")   # ≈ 6 min (≈ 8 on an H200)
+#   run(command="bash bench/gpu_session46.sh b")   # ≈ 4 min
 #
 # a: why the one-token FP8 gate/up launch streams at about 74 % of the copy bandwidth when the same kernel
-#    reaches about 97 % at 8 tokens. On an H200 first issue 6's MoE rows (`gpu_lib.moe_rows_h200`). Then
-#    Nsight Compute on the decode experts (V4-Flash FP8 128×128, shipped shapes, late and EARLY grids) at 1
-#    and 8 tokens (`bench/moe_decode_ncu.py`: occupancy, waves, warp stalls, DRAM throughput); the TMA
-#    gate/up kernel alone at 1, 2, 4 and 8 tokens at the shipped shape on both grids (the rate against the
-#    number of programs); and at one token over smaller and wider programs on the EARLY grid
+#    reaches about 97 % at 8 tokens. First the L2 flush of every timing (`bench/l2_flush.py`: issue 6's MoE
+#    ops and a plain read of as many bytes, each after `graph_timer`'s 256 MB write flush and after a 256 MB
+#    read, in turn: the write leaves dirty lines that the op then writes back). On an H200 issue 6's MoE rows
+#    after either flush (`bench/kernels.py --graph --flush write|read`). Then Nsight Compute on the decode
+#    experts (V4-Flash FP8 128×128, shipped shapes, late and EARLY grids) at 1 and 8 tokens
+#    (`bench/moe_decode_ncu.py`: occupancy, waves, warp stalls, DRAM throughput), and the TMA gate/up kernel
+#    alone at 1, 2, 4 and 8 tokens at the shipped shape on the EARLY grid (the rate against the number of
+#    programs).
+# b: the TMA gate/up kernel at one token over smaller and wider programs on the EARLY grid
 #    (`bench/moe_decode_tma.py --tiles ... --sweep-early`); then issue 6's whole op with each kind's best of
 #    those shapes against the op as shipped, in turn (`--up-ab-from`).
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, moe_rows_h200
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
 
@@ -26,17 +31,30 @@ ncu_experts() {  # ncu_experts TOKENS: the shipped decode experts under Nsight C
     "$W/logs/ncu_$1.txt" | awk -F'","' '{print $5, "|", $13, "|", $15}' | cut -c1-160 | head -n 60
 }
 
+moe_rows_both_flushes() {  # on an H200 only: issue 6's V4-Flash MoE rows after either flush
+  [ "$(card)" = h200 ] || return 0
+  for flush in write read; do
+    logged "moe_rows_$flush" 200 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
+      --flush "$flush" --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-$flush-h200-s42.json"
+    grep -h "fused_moe" "$W/logs/moe_rows_$flush.txt" | cut -c1-200
+  done
+}
+
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  moe_rows_h200 s42
+  logged "l2-flush-$(card)-s42" 200 python3 bench/l2_flush.py --out "$OUT/l2-flush-$(card)-s42.json"
+  grep -h "flush" "$W/logs/l2-flush-$(card)-s42.txt" | cut -c1-220
+  tail -n 2 "$W/logs/l2-flush-$(card)-s42.txt" | cut -c1-300
+  moe_rows_both_flushes
   ncu_experts 1
   [ "$(card)" = h200 ] || ncu_experts 8
-  for grid in late early; do
-    logged "tma-scale-$grid-$(card)-s42" 120 python3 bench/moe_decode_tma.py --layers v4-flash --kinds fp8 \
-      --tokens 1,2,4,8 --tiles 16x256x4 --stages 5 $([ $grid = early ] && echo --sweep-early) \
-      --out "$OUT/moe-tma-scale-$grid-$(card)-s42.json"
-    grep -h "up gemv" "$W/logs/tma-scale-$grid-$(card)-s42.txt" | cut -c1-200
-  done
+  logged "tma-scale-$(card)-s42" 100 python3 bench/moe_decode_tma.py --layers v4-flash --kinds fp8 \
+    --tokens 1,2,4,8 --tiles 16x256x4 --stages 5 --sweep-early --out "$OUT/moe-tma-scale-$(card)-s42.json"
+  grep -h "up gemv" "$W/logs/tma-scale-$(card)-s42.txt" | cut -c1-200
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   logged "tma-tiles-$(card)-s42" 240 python3 bench/moe_decode_tma.py --layers v4-flash --kinds fp8,fp8-32 --tokens 1 \
     --tiles 4x512x4,4x1024x4,8x256x4,8x512x4,8x1024x4,16x256x4,16x512x4,32x256x4 --stages 3,5 --sweep-early \
     --out "$OUT/moe-tma-tiles-$(card)-s42.json"

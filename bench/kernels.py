@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -98,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph", action="store_true",
                    help="time the fused op by CUDA-graph replays, L2 flushed (bench.attn_batched.graph_timer): "
                         "what it costs in a captured step, without the eager launch overhead")
+    p.add_argument("--flush", default="write", choices=("write", "read"),
+                   help="--graph's L2 flush before each replay (bench.attn_batched.graph_timer): a 256 MB write, "
+                        "whose dirty lines the op then writes back, or a 256 MB read")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.ops = [o for o in args.ops.split(",") if o]
@@ -589,13 +593,16 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/kernels.py needs a CUDA GPU (use --dry-run to list the cases)", file=sys.stderr)
         return 2
     cond = conditions(args.commit or git_commit())
+    cond.update(graph=args.graph, flush=args.flush if args.graph else "write (triton.testing.do_bench)")
     print(json.dumps(cond, indent=1), flush=True)
     rows, layers, start = [], {}, time.time()
     timer, ref_timer = cuda_timer(args), slow_timer(args)
     if args.graph:
         if str(REPO) not in sys.path:
             sys.path.insert(0, str(REPO))
-        from bench.attn_batched import graph_timer as timer
+        from bench.attn_batched import graph_timer
+
+        timer = functools.partial(graph_timer, flush=args.flush)
     for shape, op, m in cases:
         if shape.name not in layers:
             layers.clear()  # one layer's weights on the GPU at a time
