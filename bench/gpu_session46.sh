@@ -3,6 +3,8 @@
 #
 #   run(command="bash bench/gpu_session46.sh a")   # ≈ 6 min (≈ 8 on an H200)
 #   run(command="bash bench/gpu_session46.sh b")   # ≈ 4 min
+#   run(command="bash bench/gpu_session46.sh c", carry=[".whl"])   # ≈ 5 min (the drafter's weights moved out
+#                                               # of the tree for the call: the carry limit)
 #
 # a: why the one-token FP8 gate/up launch streams at about 74 % of the copy bandwidth when the same kernel
 #    reaches about 97 % at 8 tokens. First the L2 flush of every timing (`bench/l2_flush.py`: issue 6's MoE
@@ -16,6 +18,8 @@
 # b: the TMA gate/up kernel at one token over smaller and wider programs on the EARLY grid
 #    (`bench/moe_decode_tma.py --tiles ... --sweep-early`); then issue 6's whole op with each kind's best of
 #    those shapes against the op as shipped, in turn (`--up-ab-from`).
+# c: issue 6's decode attention at 32K on flashinfer (`bench/attn_batched.py --batches 256,512`; the graph with
+#    the sink pass and the kernel alone, each after the write flush and after the read flush).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
@@ -63,6 +67,15 @@ part_b() {
   logged "tma-tiles-ab-$(card)-s42" 120 python3 bench/moe_decode_tma.py --up-ab-from "$OUT/moe-tma-tiles-$(card)-s42.json" \
     --out "$OUT/moe-tma-tiles-ab-$(card)-s42.json"
   grep -h "op " "$W/logs/tma-tiles-ab-$(card)-s42.txt" | cut -c1-200
+}
+
+part_c() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  ls .whl/*.whl > /dev/null 2>&1 || { echo "no .whl: attention step skipped"; return; }
+  with_flashinfer
+  logged "attn-flashinfer-32k-$(card)-s42" 330 python3 bench/attn_batched.py --skip-model --skip-sweep \
+    --skip-per-request --batches 256,512 --out "$OUT/attn-flashinfer-32k-$(card)-s42.json"
+  grep -h "flashinfer\|copy\|read flush" "$W/logs/attn-flashinfer-32k-$(card)-s42.txt" | cut -c1-300
 }
 
 dispatch session46 "${1:-}"
