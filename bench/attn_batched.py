@@ -11,7 +11,8 @@ whole-model decode step with the batched attention vs the old per-request loop.
    512, bf16, v4-mini (32 heads) and V4-Flash (64 heads). Timed with `triton.testing.do_bench`
    (L2 flushed before each run, median); `per_request_us` times the old layout (B launches, one
    per request) the same way; `graph_us` the one launch replayed from a CUDA graph (L2 flushed by a
-   captured 256 MB write, timed alone and subtracted): the op without its launch overhead. bytes = the key rows the queries touch (each once) + q + out + index;
+   captured 256 MB read, timed alone and subtracted; a write until the forty-second session): the op
+   without its launch overhead. bytes = the key rows the queries touch (each once) + q + out + index;
    GB/s = bytes / time; % of the 4.4 TB/s H200 copy bandwidth.
 2. `model_decode`: v4-mini (`dspark/configs/v4-mini.json`) with random bf16 weights and the fused
    kernels; B ∈ {1, 8, 64} requests with decode state fabricated at 4K and 32K tokens
@@ -151,7 +152,7 @@ def gpu_timer(fn) -> float:
 FLUSHES = ("write", "read")
 
 
-def graph_timer(fn, reps: int = 50, flush: str = "write") -> float:
+def graph_timer(fn, reps: int = 50, flush: str = "read") -> float:
     """Seconds per call of fn() replayed from a CUDA graph, L2 flushed first: a graph of (flush, fn) and
     one of the flush alone are each replayed `reps` times (CUDA events around each replay, median) and
     the second is subtracted. What the op costs once the launches are captured, as in the graph-captured
@@ -161,9 +162,12 @@ def graph_timer(fn, reps: int = 50, flush: str = "write") -> float:
       dirty lines (50 MB on the H100, 60 on the H200), which fn's own reads then evict: fn pays for
       writing them back, up to a third more DRAM traffic for a 150 MB op, which the flush alone, timed
       without fn, does not.
-    * "read" reads a 256 MB buffer (a max over it). Earlier dirty lines are written back during the
-      flush, and fn starts from an L2 of clean lines that are not its own, as in a decode step, whose
-      earlier kernels read weights and write only small activations.
+    * "read" (the default since the forty-second session) reads a 256 MB buffer (a max over it). Earlier
+      dirty lines are written back during the flush, and fn starts from an L2 of clean lines that are
+      not its own, as in a decode step, whose earlier kernels read weights and write only small
+      activations. On one H100 (`bench/l2_flush.py`, l2-flush-h100-s42.json) the write flush added
+      about 7 µs to every op it preceded: issue 6's one-token MoE ops 1.08-1.10× slower, 1.02× at 8
+      tokens, 1.004× at 64.
     """
     if flush not in FLUSHES:
         raise ValueError(f"graph_timer flush must be one of {FLUSHES}, got {flush!r}")
@@ -199,8 +203,8 @@ def flashinfer_rows(cfg: dict, device, copy_bps: float) -> list[dict]:
             expected = sparse_attention_ref(q[check], pool, index[check], sink, scale).float()
             err = ((out[check].float() - expected).norm() / expected.norm()).item()
             run_s = gpu_timer(lambda: op.run(q, pool, sink))
-            graph_s = graph_timer(lambda: op.run(q, pool, sink))
-            kernel_s = graph_timer(lambda: op.kernel(q, pool))
+            graph_s = graph_timer(lambda: op.run(q, pool, sink), flush="write")  # as measured before
+            kernel_s = graph_timer(lambda: op.kernel(q, pool), flush="write")
             # the same after a read flush (graph_timer: no dirty L2 lines left for the op to write back)
             read_s = {part: graph_timer(fn, flush="read") for part, fn in
                       (("graph", lambda: op.run(q, pool, sink)), ("kernel", lambda: op.kernel(q, pool)))}

@@ -9,8 +9,8 @@ one launch over one pool (`bench/attn_batched.py::decode_inputs`): v4-mini CSA (
 entries = 384 keys); head_dim 512, bf16.
 
 Each `VARIANTS` entry is a `Tiles` launch shape (`current` = `sparse_attention` as shipped). Times are
-CUDA-graph replays with L2 flushed (`attn_batched.graph_timer`: a captured 256 MB write before the
-op, the write alone subtracted, median of 50 replays). `pct_hbm` counts the key rows read once + q +
+CUDA-graph replays with L2 flushed (`attn_batched.graph_timer`: a captured 256 MB read before the
+op, a write before the forty-second session; the flush alone subtracted, median of 50 replays). `pct_hbm` counts the key rows read once + q +
 out + index over the 4.4 TB/s H200 copy bandwidth, as `attn_batched.py` does. Every variant is checked
 against the reference on the first 8 queries (`rel_err_ref`) and against `current` on every query
 (`rel_err_current`), its output memory poisoned with NaN first; a variant that fails to compile or

@@ -3,6 +3,8 @@
 #
 #   run(command="bash bench/gpu_session46.sh a")   # ≈ 6 min (≈ 8 on an H200)
 #   run(command="bash bench/gpu_session46.sh b")   # ≈ 4 min
+#   run(command="bash bench/gpu_session46.sh d", carry=[".whl"])   # ≈ 8 min: on an H200 a's MoE rows and c,
+#                                               # elsewhere c alone
 #   run(command="bash bench/gpu_session46.sh c", carry=[".whl"])   # ≈ 5 min (the drafter's weights moved out
 #                                               # of the tree for the call: the carry limit)
 #
@@ -18,6 +20,7 @@
 # b: the TMA gate/up kernel at one token over smaller and wider programs on the EARLY grid
 #    (`bench/moe_decode_tma.py --tiles ... --sweep-early`); then issue 6's whole op with each kind's best of
 #    those shapes against the op as shipped, in turn (`--up-ab-from`).
+# d: on an H200 issue 6's MoE rows after either flush, then c; on an H100 c alone.
 # c: issue 6's decode attention at 32K on flashinfer (`bench/attn_batched.py --batches 256,512`; the graph with
 #    the sink pass and the kernel alone, each after the write flush and after the read flush).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
@@ -76,6 +79,11 @@ part_c() {
   logged "attn-flashinfer-32k-$(card)-s42" 330 python3 bench/attn_batched.py --skip-model --skip-sweep \
     --skip-per-request --batches 256,512 --out "$OUT/attn-flashinfer-32k-$(card)-s42.json"
   grep -h "flashinfer\|copy\|read flush" "$W/logs/attn-flashinfer-32k-$(card)-s42.txt" | cut -c1-300
+}
+
+part_d() {
+  moe_rows_both_flushes
+  part_c
 }
 
 dispatch session46 "${1:-}"
