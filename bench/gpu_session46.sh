@@ -5,6 +5,7 @@
 #   run(command="bash bench/gpu_session46.sh b")   # ≈ 4 min
 #   run(command="bash bench/gpu_session46.sh d", carry=[".whl"])   # ≈ 8 min: on an H200 a's MoE rows and c,
 #                                               # elsewhere c alone
+#   run(command="bash bench/gpu_session46.sh e", carry=[".whl"])   # ≈ 6 min on an H200, else nothing
 #   run(command="bash bench/gpu_session46.sh c", carry=[".whl"])   # ≈ 5 min (the drafter's weights moved out
 #                                               # of the tree for the call: the carry limit)
 #
@@ -21,6 +22,7 @@
 #    (`bench/moe_decode_tma.py --tiles ... --sweep-early`); then issue 6's whole op with each kind's best of
 #    those shapes against the op as shipped, in turn (`--up-ab-from`).
 # d: on an H200 issue 6's MoE rows after either flush, then c; on an H100 c alone.
+# e: part d on an H200 only (an H100 ran c in the forty-second session and `bench/l2_flush.py` has the MoE ops).
 # c: issue 6's decode attention at 32K on flashinfer (`bench/attn_batched.py --batches 256,512`; the graph with
 #    the sink pass and the kernel alone, each after the write flush and after the read flush).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
@@ -84,6 +86,12 @@ part_c() {
 part_d() {
   moe_rows_both_flushes
   part_c
+}
+
+part_e() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  [ "$(card)" = h200 ] || { echo "not an H200: nothing to run"; return 0; }
+  part_d
 }
 
 dispatch session46 "${1:-}"
