@@ -103,3 +103,13 @@ moe_rows_h200() {  # moe_rows_h200 SESSION: on an H200 only (issue 6's card), is
     grep -h "fused_moe" "$W/logs/moe_rows.txt" | cut -c1-200
   fi
 }
+
+attention_32k() {  # attention_32k TAG: flashinfer's MLA decode attention + the sink pass at 32K, 256 and 512 requests
+  # (needs .whl carried), into $OUT/attn-flashinfer-32k-CARD-TAG.json
+  ls .whl/*.whl > /dev/null 2>&1 || { echo "no .whl: attention step skipped"; return; }
+  with_flashinfer
+  local name; name="attn-flashinfer-32k-$(card)-$1"
+  logged "$name" 330 python3 bench/attn_batched.py --skip-model --skip-sweep --skip-per-request --batches 256,512 \
+    --out "$OUT/$name.json"
+  grep -h "flashinfer\|copy\|read flush" "$W/logs/$name.txt" | cut -c1-300
+}

@@ -48,7 +48,7 @@
 #    wq_a, wkv, wo_b, weights_proj at BLOCK_K 2048, all of a program's loads in one round trip, where the
 #    shipped tiles take two 1024-wide steps) at 1 request, v4-mini and v41-mini, two processes each.
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch, with_flashinfer
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, step, pack, dispatch, attention_32k
 
 part_a() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
@@ -56,15 +56,7 @@ part_a() {
   step "gemv-ab-v41-$(card)-s38" 200 --config v41-mini --requests 1 --gemv-ab
   grep -h "gemv_ab" "$W"/logs/gemv-ab-*.txt | cut -c1-600
   step "v4-profile-nopdl-$(card)-s38" 150 --requests 1 --profile --no-pdl
-  if [ "$(card)" = h200 ]; then attention_32k; fi
-}
-
-attention_32k() {  # flashinfer's MLA decode attention + the sink pass at 32K (needs .whl carried)
-  ls .whl/*.whl > /dev/null 2>&1 || { echo "no .whl: attention step skipped"; return; }
-  with_flashinfer
-  logged "attn-flashinfer-32k-h200-s38" 300 python3 bench/attn_batched.py --skip-model --skip-sweep \
-    --skip-per-request --batches 256,512 --out "$OUT/attn-flashinfer-32k-h200-s38.json"
-  grep -h "flashinfer\|copy" "$W/logs/attn-flashinfer-32k-h200-s38.txt" | cut -c1-300
+  if [ "$(card)" = h200 ]; then attention_32k s38; fi
 }
 
 part_b() {
@@ -119,7 +111,7 @@ part_h() {
 part_c() {  # an H200 only (issue 6's and 7's card)
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   if [ "$(card)" = h200 ]; then
-    attention_32k
+    attention_32k s38
     logged engine 420 python3 bench/engine_h200.py --static-decode --overlap --decode-only --peer --steps 8 \
       --confidence 0.8629 --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async --requests 1,64 \
       --contexts 4096 --budget-s 300 --out "$OUT/engine-h200-s38.json"

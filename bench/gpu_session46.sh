@@ -25,7 +25,7 @@
 # e: part d on an H200 only (an H100 ran c in the forty-second session and `bench/l2_flush.py` has the MoE ops).
 # c: issue 6's decode attention at 32K on flashinfer (`bench/attn_batched.py --batches 256,512`; the graph with
 #    the sink pass and the kernel alone, each after the write flush and after the read flush).
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, attention_32k
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
 
@@ -76,11 +76,7 @@ part_b() {
 
 part_c() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  ls .whl/*.whl > /dev/null 2>&1 || { echo "no .whl: attention step skipped"; return; }
-  with_flashinfer
-  logged "attn-flashinfer-32k-$(card)-s42" 330 python3 bench/attn_batched.py --skip-model --skip-sweep \
-    --skip-per-request --batches 256,512 --out "$OUT/attn-flashinfer-32k-$(card)-s42.json"
-  grep -h "flashinfer\|copy\|read flush" "$W/logs/attn-flashinfer-32k-$(card)-s42.txt" | cut -c1-300
+  attention_32k s42
 }
 
 part_d() {
