@@ -58,9 +58,10 @@ def case_row(case: str, m: int, n_bytes: int, fn, rounds: int, copy_bps: float) 
     times = timed(fn, rounds)
     r = {"case": case, "M": m, "bytes": n_bytes, "rounds_s": times, **rates(n_bytes, times, copy_bps)}
     r["write_over_read"] = r["write"]["us"] / r["read"]["us"]
-    print(f"{case} M={m} ({n_bytes / 1e6:.1f} MB): write flush {r['write']['us']:.1f} us ({r['write']['pct_hbm']:.1f} % "
-          f"HBM), read flush {r['read']['us']:.1f} us ({r['read']['pct_hbm']:.1f} % HBM, {r['read']['copy_pct']:.1f} % "
-          f"copy); {r['write_over_read']:.3f}x", flush=True)
+    write, read = r["write"], r["read"]
+    print(f"{case} M={m} ({n_bytes / 1e6:.1f} MB): write flush {write['us']:.1f} us ({write['pct_hbm']:.1f} % HBM), "
+          f"read flush {read['us']:.1f} us ({read['pct_hbm']:.1f} % HBM, {read['copy_pct']:.1f} % copy); "
+          f"{r['write_over_read']:.3f}x", flush=True)
     return r
 
 
