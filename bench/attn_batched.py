@@ -158,10 +158,9 @@ def graph_timer(fn, reps: int = 50, flush: str = "read") -> float:
     the second is subtracted. What the op costs once the launches are captured, as in the graph-captured
     decode step. `flush`:
 
-    * "write" zeroes a 256 MB buffer (as `triton.testing.do_bench` does). That leaves the L2 full of
-      dirty lines (50 MB on the H100, 60 on the H200), which fn's own reads then evict: fn pays for
-      writing them back, up to a third more DRAM traffic for a 150 MB op, which the flush alone, timed
-      without fn, does not.
+    * "write" zeroes a 256 MB buffer (as `triton.testing.do_bench` does). That leaves the L2 (50 MB on
+      the H100, 60 on the H200) full of dirty lines, which fn's own reads then evict: fn pays for
+      writing them back, and the flush alone, timed without fn, does not.
     * "read" (the default since the forty-second session) reads a 256 MB buffer (a max over it). Earlier
       dirty lines are written back during the flush, and fn starts from an L2 of clean lines that are
       not its own, as in a decode step, whose earlier kernels read weights and write only small

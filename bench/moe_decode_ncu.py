@@ -58,5 +58,6 @@ def main() -> None:
     print(f"# {args.layer} fp8 block {args.block}, {args.tokens} token(s), tiles {tuple(shipped)}; "
           f"x_ready vs not: relative difference {err:.2e}", file=sys.stderr)
 
+
 if __name__ == "__main__":
     main()
