@@ -27,7 +27,7 @@ and the last of a row block's K + 1 slots adds them (the ticket protocol). The t
 `tma_up(..., early=True)` (`moe_decode.decode_experts`' `x_ready`, at one token) launches `_tma_up_kernel`'s
 EARLY grid: the shared experts' rows first, their programs streaming before the PDL wait (they read only x and
 the shared weights) and waiting only before they store, so that they overlap the router; the routed rows wait
-for the ids as usual.
+for the ids as usual, and run in the usual grid's order (row block by row block).
 
 FP8 weights (`FP8BlockWeight`): each program's rows lie in one scale row (BLOCK_N divides the block),
 so each column's UE8M0 factor (a power of two: exact) multiplies the activations instead of the weights.
@@ -102,13 +102,21 @@ def _tma_up_kernel(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su
                    TICKETS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """h[a, n0 : n0 + BLOCK_N] for work row a: routed assignment a < N·K, else token a − N·K's shared
     expert. TICKETS > 0: programs (t < N, 0) also zero token t's counters of the split down kernel.
-    EARLY: grid (row blocks, N + N·K), its first N rows the shared experts', which do not wait for the
-    predecessor (the router: the shared expert reads only x and its own weights), so they stream while
-    it runs; the routed rows follow and wait for the ids."""
+    EARLY: a 1-D grid whose first N·⌈h width / BLOCK_N⌉ programs take the shared experts' rows, which do
+    not wait for the predecessor (the router: the shared expert reads only x and its own weights), so
+    they stream while it runs; the routed rows follow and wait for the ids. Both parts run row block by
+    row block, every work row's block b before any row's block b + 1, as the usual grid does, so that the
+    programs in flight read all the experts at once. (The first EARLY grid, one expert after another,
+    took 48.6 µs against the usual grid's 46.0 at one token under Nsight Compute on an H100.)"""
     n_tok = n_assign // TOP_K
     if EARLY:
-        a = tl.where(tl.program_id(1) < n_tok, n_assign + tl.program_id(1), tl.program_id(1) - n_tok)
-        n0 = tl.program_id(0) * BLOCK_N
+        pid = tl.program_id(0)
+        n_shared = n_tok * tl.cdiv(h_width, BLOCK_N)
+        shared = pid < n_shared
+        r = tl.where(shared, pid, pid - n_shared)  # the program's place within its part
+        width = tl.where(shared, n_tok, n_assign)  # work rows of its part
+        a = tl.where(shared, n_assign, 0) + r % width
+        n0 = (r // width) * BLOCK_N
     else:
         a = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
@@ -315,7 +323,7 @@ def launch_up(x, ids, operands: tuple, swiglu_limit: float, tiles: TmaTiles, tic
     _check_tiles(tiles.n, tiles.k, (sb if fp8 else 0, sb_s if fp8_s else 0))
     n_assign, dim, inter, inter_s, h_width, _ = args
     grid = (n_assign + x.shape[0], triton.cdiv(h_width, tiles.n))
-    grid = grid[::-1] if early else grid
+    grid = (math.prod(grid),) if early else grid
     pdl = pdl_launch(x.device, math.prod(grid), early)
     descs = [_descriptor(d, tiles.n, tiles.k) for d in (d1, d3, ds1, ds3)]
     _tma_up_kernel[grid](

@@ -52,14 +52,25 @@ def test_tma_up_zeroes_the_split_down_kernels_tickets(split, poisoned):
 
 
 @pytest.mark.parametrize("fp8_block", [None, 32])
-def test_tma_up_early_is_the_same_launch_reordered(fp8_block, poisoned):
-    """`early` (the shared rows first, grid transposed; on the GPU they load before the PDL wait): the same
-    h bit for bit, and the split down kernel's tickets still zeroed."""
+def test_tma_up_early_is_the_same_launch_reordered(fp8_block, poisoned, monkeypatch):
+    """`early` (the shared rows' programs first, then the routed ones, each part row block by row block, in
+    one 1-D grid; on the GPU the shared ones load before the PDL wait): the same h bit for bit, so every
+    (work row, row block) is computed once, and the split down kernel's tickets still zeroed."""
     x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(2, fp8_block, seed=13)
     tiles = TmaTiles(16, 32, 4, 3)
+    grids, launcher = [], moe_decode_tma._tma_up_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return launcher[grid]
+
+    monkeypatch.setattr(moe_decode_tma, "_tma_up_kernel", Recorded())
     with poisoned():
         h, args = moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, tiles, tickets=8, early=True)
     h_ref, args_ref = moe_decode_tma.tma_up(x, ids, w1, w3, s1, s3, 10.0, tiles, tickets=8)
+    rows, blocks = ids.numel() + 2, -(-h.shape[1] // tiles.n)
+    assert grids == [(rows * blocks,), (rows, blocks)]
     n_assign = ids.numel()
     assert torch.equal(h[:n_assign], h_ref[:n_assign])
     assert torch.equal(h[n_assign:, :SHARED], h_ref[n_assign:, :SHARED])
