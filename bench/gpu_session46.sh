@@ -6,6 +6,8 @@
 #   run(command="bash bench/gpu_session46.sh d", carry=[".whl"])   # ≈ 8 min: on an H200 a's MoE rows and c,
 #                                               # elsewhere c alone
 #   run(command="bash bench/gpu_session46.sh e", carry=[".whl"])   # ≈ 6 min on an H200, else nothing
+#   run(command="bash bench/gpu_session46.sh f", carry=[".ab"])    # ≈ 5 min; .ab/moe_decode_tma_old.py is
+#                                               # `git show <commit before the 1-D EARLY grid>:dspark/kernels/moe_decode_tma.py`
 #   run(command="bash bench/gpu_session46.sh c", carry=[".whl"])   # ≈ 5 min (the drafter's weights moved out
 #                                               # of the tree for the call: the carry limit)
 #
@@ -23,9 +25,13 @@
 #    those shapes against the op as shipped, in turn (`--up-ab-from`).
 # d: on an H200 issue 6's MoE rows after either flush, then c; on an H100 c alone.
 # e: part d on an H200 only (an H100 ran c in the forty-second session and `bench/l2_flush.py` has the MoE ops).
+# f: the EARLY gate/up grid in the usual grid's order (row block by row block, the shared rows' programs
+#    first) against the transposed one it replaced (.ab): issue 6's whole op as shipped against the op with the
+#    promise withheld (`bench/moe_decode_tma.py --early`, V4-Flash, 1 and 8 tokens) with either file in place,
+#    one after the other; then the TMA kernels' early and GPU tests.
 # c: issue 6's decode attention at 32K on flashinfer (`bench/attn_batched.py --batches 256,512`; the graph with
 #    the sink pass and the kernel alone, each after the write flush and after the read flush).
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, attention_32k
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, attention_32k, swap
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
 
@@ -88,6 +94,17 @@ part_e() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   [ "$(card)" = h200 ] || { echo "not an H200: nothing to run"; return 0; }
   part_d
+}
+
+part_f() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  for side in old new; do
+    swap "$side" dspark/kernels/moe_decode_tma.py
+    logged "early-$side-$(card)-s42" 150 python3 bench/moe_decode_tma.py --early --layers v4-flash --tokens 1,8 \
+      --out "$OUT/moe-early-$side-$(card)-s42.json"
+    grep -h "early" "$W/logs/early-$side-$(card)-s42.txt" | cut -c1-300
+  done
+  tests f_tma 110 tests/kernels/test_moe_decode_tma.py -k "early or gpu or v4_flash or fused_is"
 }
 
 dispatch session46 "${1:-}"
