@@ -6,7 +6,7 @@
 #   run(command="bash bench/gpu_session46.sh d", carry=[".whl"])   # ≈ 8 min: on an H200 a's MoE rows and c,
 #                                               # elsewhere c alone
 #   run(command="bash bench/gpu_session46.sh e", carry=[".whl"])   # ≈ 6 min on an H200, else nothing
-#   run(command="bash bench/gpu_session46.sh f", carry=[".ab"])    # ≈ 5 min; .ab/moe_decode_tma_old.py is
+#   run(command="bash bench/gpu_session46.sh f", carry=[".ab"])    # ≈ 3 min; .ab/moe_decode_tma_old.py is
 #                                               # `git show <commit before the 1-D EARLY grid>:dspark/kernels/moe_decode_tma.py`
 #   run(command="bash bench/gpu_session46.sh c", carry=[".whl"])   # ≈ 5 min (the drafter's weights moved out
 #                                               # of the tree for the call: the carry limit)
@@ -27,8 +27,8 @@
 # e: part d on an H200 only (an H100 ran c in the forty-second session and `bench/l2_flush.py` has the MoE ops).
 # f: the EARLY gate/up grid in the usual grid's order (row block by row block, the shared rows' programs
 #    first) against the transposed one it replaced (.ab): issue 6's whole op as shipped against the op with the
-#    promise withheld (`bench/moe_decode_tma.py --early`, V4-Flash, 1 and 8 tokens) with either file in place,
-#    one after the other; then the TMA kernels' early and GPU tests.
+#    promise withheld (`bench/moe_decode_tma.py --early --early-max-tokens 8`, V4-Flash FP8 128×128, 1 and 8
+#    tokens) with either file in place, one after the other; then the TMA kernels' early and GPU tests.
 # c: issue 6's decode attention at 32K on flashinfer (`bench/attn_batched.py --batches 256,512`; the graph with
 #    the sink pass and the kernel alone, each after the write flush and after the read flush).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, attention_32k, swap
@@ -100,11 +100,11 @@ part_f() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   for side in old new; do
     swap "$side" dspark/kernels/moe_decode_tma.py
-    logged "early-$side-$(card)-s42" 150 python3 bench/moe_decode_tma.py --early --layers v4-flash --tokens 1,8 \
-      --out "$OUT/moe-early-$side-$(card)-s42.json"
+    logged "early-$side-$(card)-s42" 100 python3 bench/moe_decode_tma.py --early --layers v4-flash --kinds fp8 \
+      --tokens 1,8 --early-max-tokens 8 --out "$OUT/moe-early-$side-$(card)-s42.json"
     grep -h "early" "$W/logs/early-$side-$(card)-s42.txt" | cut -c1-300
   done
-  tests f_tma 110 tests/kernels/test_moe_decode_tma.py -k "early or gpu or v4_flash or fused_is"
+  tests f_tma 90 tests/kernels/test_moe_decode_tma.py -k "early or gpu"
 }
 
 dispatch session46 "${1:-}"

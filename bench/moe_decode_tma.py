@@ -316,11 +316,16 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=lambda t: tuple(int(v) for v in t.split(",")), default=STAGES,
                     help="the sweep's pipeline depths, e.g. 3,5")
     ap.add_argument("--sweep-early", action="store_true", help="the sweep on the EARLY grid (shared rows first)")
+    ap.add_argument("--early-max-tokens", type=int, default=None,
+                    help="--early: start the shared rows early up to this many tokens (default: "
+                         "moe_decode.EARLY_MAX_TOKENS as shipped)")
     ap.add_argument("--up-ab-from", metavar="SWEEP_JSON",
                     help="the whole op with each row's best gate/up tiles of that sweep and as shipped, in turn")
     args = ap.parse_args(argv)
     from dspark.kernels import moe_decode, moe_decode_tma as mt
 
+    if args.early_max_tokens is not None:
+        moe_decode.EARLY_MAX_TOKENS = args.early_max_tokens
     g = torch.Generator(device="cuda").manual_seed(0)
     copy_bps = copy_bytes_per_s(torch.device("cuda"))
     conditions = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
@@ -328,7 +333,7 @@ def main(argv=None) -> int:
                   "mode": "up_ab" if args.up_ab_from else "ab" if args.ab else "down" if args.down else
                   "fused" if args.fused else "early" if args.early else "sweep",
                   "fused_down": mt.FUSED_DOWN, "splits": SPLITS, "tiles": args.tiles, "stages": args.stages,
-                  "sweep_early": args.sweep_early,
+                  "sweep_early": args.sweep_early, "early_max_tokens": moe_decode.EARLY_MAX_TOKENS,
                   "rounds": args.rounds,
                   "timing": "graph_timer (CUDA-graph replays after its default L2 flush, median of 50)"}
     rows, layers = [], {}
