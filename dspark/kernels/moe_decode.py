@@ -407,6 +407,9 @@ FUSED: dict[tuple[int | None, bool, bool], tuple[TmaTiles, TmaTiles]] = {
 # v4-mini FP8 128×128 1.046×, 32×32 1.036×, bf16 1.038× (`FUSED`'s cells, one launch, are unchanged). At 8
 # tokens, where its grid (shared rows first) is large, it lost 10-12 % (V4-Flash FP8 128×128 0.893×, bf16
 # 0.877×; v4-mini bf16 0.895×) and the v4-mini graph step at 8 requests 1/1.066, so it stays off there.
+# That grid ran one expert after another; in the usual grid's order (forty-second session, one H100, read
+# flush, moe-early-{old,new}-h100-s42.json) the 8-token loss is 3.3 % (405.3 against 391.9 µs; it was 11.1 %
+# in the same call with the transposed grid) and one token is unchanged within noise (74.2 against 75.1 µs).
 EARLY_MAX_TOKENS = 1
 
 
