@@ -9,6 +9,7 @@
 #   run(command="bash bench/gpu_session46.sh f", carry=[".ab"])    # ≈ 3 min; .ab/moe_decode_tma_old.py is
 #                                               # `git show <commit before the 1-D EARLY grid>:dspark/kernels/moe_decode_tma.py`
 #   run(command="bash bench/gpu_session46.sh g", carry=[".ab"])    # ≈ 3 min (≈ 5 on an H200)
+#   run(command="bash bench/gpu_session46.sh h", carry=[".whl"])   # ≈ 4 min on an H200, else nothing
 #   run(command="bash bench/gpu_session46.sh c", carry=[".whl"])   # ≈ 5 min (the drafter's weights moved out
 #                                               # of the tree for the call: the carry limit)
 #
@@ -31,6 +32,7 @@
 #    promise withheld (`bench/moe_decode_tma.py --early --early-max-tokens 8`, V4-Flash FP8 128×128, 1 and 8
 #    tokens) with either file in place, one after the other; then the TMA kernels' early and GPU tests.
 # g: on an H200 first issue 6's MoE rows after the read flush; then f.
+# h: on an H200 only, issue 6's MoE rows after the read flush, then c (e without the write-flushed MoE rows).
 # c: issue 6's decode attention at 32K on flashinfer (`bench/attn_batched.py --batches 256,512`; the graph with
 #    the sink pass and the kernel alone, each after the write flush and after the read flush).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, attention_32k, swap
@@ -110,12 +112,21 @@ part_f() {
 }
 
 part_g() {
-  if [ "$(card)" = h200 ]; then
-    logged moe_rows_read 170 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
-      --flush read --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-read-h200-s42.json"
-    grep -h "fused_moe" "$W/logs/moe_rows_read.txt" | cut -c1-200
-  fi
+  if [ "$(card)" = h200 ]; then moe_rows_read; fi
   part_f
+}
+
+moe_rows_read() {  # moe_rows_read: issue 6's V4-Flash MoE rows after the read flush (the card's name in the file)
+  logged moe_rows_read 170 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
+    --flush read --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-read-$(card)-s42.json"
+  grep -h "fused_moe" "$W/logs/moe_rows_read.txt" | cut -c1-200
+}
+
+part_h() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  [ "$(card)" = h200 ] || { echo "not an H200: nothing to run"; return 0; }
+  moe_rows_read
+  part_c
 }
 
 dispatch session46 "${1:-}"
