@@ -96,3 +96,12 @@ def test_case_pipeline_on_a_tiny_layer(bench, op, monkeypatch):
         assert row["flop"] == 2 * 3 * 64 * 1024 * 128
     else:
         assert row["flop"] == 2 * 3 * 4 * 64 + 2 * 3 * 3 * 3 * 64 * 64
+
+
+def test_graph_timings_flush_by_a_read_unless_asked(bench):
+    """`--graph` times after `graph_timer`'s read flush by default (the write flush left dirty L2 lines that
+    the op wrote back); `--flush write` keeps the older timing; anything else is refused by name."""
+    assert bench.parse_args([]).flush == "read"
+    assert bench.parse_args(["--graph", "--flush", "write"]).flush == "write"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--flush", "evict"])
