@@ -30,19 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attn_batched import FLUSHES, copy_bytes_per_s, graph_timer  # noqa: E402
+from moe_decode_tma import HBM, rate  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
-HBM = 4.4e12
 OPS = ("fused_moe_fp8_128", "fused_moe_fp8_32", "fused_moe")
 
 
 def rates(n_bytes: int, times: dict, copy_bps: float) -> dict:
     """flush -> {us, pct_hbm, copy_pct} of the median of each flush's rounds."""
-    out = {}
-    for flush, seconds in times.items():
-        sec = statistics.median(seconds)
-        out[flush] = {"us": sec * 1e6, "pct_hbm": 100 * n_bytes / sec / HBM, "copy_pct": 100 * n_bytes / sec / copy_bps}
-    return out
+    return {flush: rate(n_bytes, statistics.median(seconds), copy_bps) for flush, seconds in times.items()}
 
 
 def timed(fn, rounds: int) -> dict:

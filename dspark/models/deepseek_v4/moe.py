@@ -187,13 +187,11 @@ class MoE(nn.Module):
         may start the shared expert while they run (`x_ready`)."""
         shared = self.shared_experts
         parts = (*self.stacked_weights(), shared.w1.weight, shared.w2.weight, shared.w3.weight)
-        if self._quantize_input is not None:
-            early = self._quantize_input(x, *parts)
-            weights, experts = self._routing(x, input_ids)
-            return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_fp8=early,
-                                    x_ready=True)
+        # W8A8 experts: x's quantisation starts (on its side stream) before the routing
+        quantized = {} if self._quantize_input is None else {"x_fp8": self._quantize_input(x, *parts)}
         weights, experts = self._routing(x, input_ids)
-        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_ready=True)
+        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_ready=True,
+                                **quantized)
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate
