@@ -11,10 +11,11 @@ with FP8 weights: `decode_experts` at the shipped shape (`decode_tiles`), first 
 calls it, then with `x_ready` (as `fused_moe` calls it: at one token the TMA gate/up launch's EARLY grid,
 shared rows first), each compiled and run once before the profiled range, then once inside it
 (`cudaProfilerStart` / `Stop`): the kernel launches of both runs, named in the CSV by kernel and in launch
-order. Without ncu it only runs. Its first run (`bench/gpu_session17.sh a`,
-bench/results/moe-decode-ncu-*-h200.csv) profiled the GEMV kernels against the bit-placed FP8 reads of
-commit 44af5c8, since removed; later runs until the forty-second session's, against the same shape with
-the column sums deferred (`DecodeTiles.up_defer` / `down_defer`).
+order. `--no-fused`: the two launches where the tables pick `moe_decode.FUSED`'s one. Without ncu it only
+runs. Its first run (`bench/gpu_session17.sh a`, bench/results/moe-decode-ncu-*-h200.csv) profiled the
+GEMV kernels against the bit-placed FP8 reads of commit 44af5c8, since removed; later runs until the
+forty-second session's, against the same shape with the column sums deferred (`DecodeTiles.up_defer` /
+`down_defer`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--layer", default="v4-flash", choices=tuple(LAYERS))
     ap.add_argument("--block", type=int, default=128, help="FP8 scale block (128 or 32)")
     ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--no-fused", action="store_true",
+                    help="the two launches where the tables pick the one-launch kernel (`moe_decode.FUSED`)")
     args = ap.parse_args()
     dim, inter, n_exp = LAYERS[args.layer]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -46,6 +49,7 @@ def main() -> None:
     ids = torch.stack([torch.randperm(n_exp, device="cuda")[:TOP_K] for _ in range(args.tokens)]).int()
     wts = torch.rand(args.tokens, TOP_K, generator=g, device="cuda") + 0.1
     shipped = md.decode_tiles(args.tokens, args.block, dim)
+    shipped = shipped._replace(fused=None) if args.no_fused else shipped
     experts = (x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped)
     outs = [md.decode_experts(*experts, x_ready=ready) for ready in (False, True)]  # compile
     torch.cuda.synchronize()

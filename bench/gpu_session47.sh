@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU steps of the forty-third session (one H100 or H200; every JSON names its card):
+#
+#   run(command="bash bench/gpu_session47.sh a", carry=[".whl"])   # ≈ 7 min on an H200, ≈ 2 on an H100 (the
+#                                               # drafter's weights moved out of the tree for the carry limit)
+#
+# a: on an H200, issue 6's figures after the read flush, the ones that decide its MoE and attention targets:
+#    the V4-Flash MoE rows (`bench/kernels.py --graph`, the whole op with its router at 1, 8 and 64 tokens)
+#    after the read flush and then the write flush, and the 32K decode attention on flashinfer (the graph with
+#    the sink pass and the kernel alone, after either flush). On an H100, Nsight Compute on the one-token
+#    FP8 32×32 experts, the cell furthest from issue 6's 60 %: the one launch the tables ship (`FUSED`) and the
+#    two launches it replaced (`bench/moe_decode_ncu.py --block 32 [--no-fused]`).
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k
+
+ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
+
+ncu_experts() {  # ncu_experts NAME ARGS...: bench/moe_decode_ncu.py ARGS under Nsight Compute into $OUT/NAME.csv
+  local name=$1 ncu; shift
+  ncu=$(ncu_bin)
+  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 0; }
+  logged "$name" 150 "$ncu" --clock-control none --profile-from-start off --csv --page details \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis python3 bench/moe_decode_ncu.py "$@"
+  grep -h "\"Duration\"\|DRAM Throughput\|Achieved Occupancy\|Theoretical Occupancy\|Waves Per SM\|Block Limit\|Registers Per\|No Eligible\|Warp Cycles Per Issued\|relative difference" \
+    "$W/logs/$name.txt" | awk -F'","' '{print $5, "|", $13, "|", $15}' | cut -c1-160 | head -n 40
+  mv "$W/logs/$name.txt" "$OUT/$name.csv"
+}
+
+part_a() {
+  if [ "$(card)" = h200 ]; then
+    moe_rows_h200 s43  # the read flush, `bench/kernels.py`'s default
+    logged moe_rows_write 200 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
+      --flush write --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-write-h200-s43.json"
+    grep -h "fused_moe" "$W/logs/moe_rows_write.txt" | cut -c1-200
+    attention_32k s43
+  else
+    nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+    ncu_experts "moe-decode-ncu-fp8-32-m1-fused-$(card)-s43" --block 32 --tokens 1
+    ncu_experts "moe-decode-ncu-fp8-32-m1-two-$(card)-s43" --block 32 --tokens 1 --no-fused
+  fi
+}
+
+dispatch session47 "${1:-}"
