@@ -3,6 +3,7 @@
 #
 #   run(command="bash bench/gpu_session47.sh a", carry=[".whl"])   # ≈ 7 min on an H200, ≈ 2 on an H100 (the
 #                                               # drafter's weights moved out of the tree for the carry limit)
+#   run(command="bash bench/gpu_session47.sh b")   # ≈ 8 min on an H200, else nothing
 #
 # a: on an H200, issue 6's figures after the read flush, the ones that decide its MoE and attention targets:
 #    the V4-Flash MoE rows (`bench/kernels.py --graph`, the whole op with its router at 1, 8 and 64 tokens)
@@ -10,6 +11,12 @@
 #    the sink pass and the kernel alone, after either flush). On an H100, Nsight Compute on the one-token
 #    FP8 32×32 experts, the cell furthest from issue 6's 60 %: the one launch the tables ship (`FUSED`) and the
 #    two launches it replaced (`bench/moe_decode_ncu.py --block 32 [--no-fused]`).
+# b: on an H200 only, the one-token launch forms that lost on an H100 but were never timed on the H200, where
+#    the one-token op is further from the copy bandwidth (more bytes must be in flight per SM): the TMA down
+#    kernel (`bench/moe_decode_tma.py --down`: its shapes alone, then issue 6's whole op with the best in the
+#    tables against the op as shipped, in turn) and the experts in one launch (`--fused`), V4-Flash FP8
+#    128×128; then for FP8 32×32 the shipped one launch against the two launches with the shared rows started
+#    early (`--early`'s "early" and "early_two" sides).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
@@ -38,6 +45,20 @@ part_a() {
     ncu_experts "moe-decode-ncu-fp8-32-m1-fused-$(card)-s43" --block 32 --tokens 1
     ncu_experts "moe-decode-ncu-fp8-32-m1-two-$(card)-s43" --block 32 --tokens 1 --no-fused
   fi
+}
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  [ "$(card)" = h200 ] || { echo "not an H200: nothing to run"; return 0; }
+  logged moe-tma-down-h200-s43 200 python3 bench/moe_decode_tma.py --down --layers v4-flash --kinds fp8 --tokens 1 \
+    --out "$OUT/moe-tma-down-h200-s43.json"
+  grep -h "down\|op " "$W/logs/moe-tma-down-h200-s43.txt" | cut -c1-220 | tail -n 20
+  logged moe-fused-h200-s43 200 python3 bench/moe_decode_tma.py --fused --layers v4-flash --kinds fp8 --tokens 1 \
+    --out "$OUT/moe-fused-h200-s43.json"
+  grep -h "fused\|op " "$W/logs/moe-fused-h200-s43.txt" | cut -c1-220 | tail -n 20
+  logged moe-early-h200-s43 150 python3 bench/moe_decode_tma.py --early --layers v4-flash --kinds fp8-32 --tokens 1 \
+    --out "$OUT/moe-early-h200-s43.json"
+  grep -h "early" "$W/logs/moe-early-h200-s43.txt" | cut -c1-300 | tail -n 5
 }
 
 dispatch session47 "${1:-}"
