@@ -4,6 +4,7 @@
 #   run(command="bash bench/gpu_session47.sh a", carry=[".whl"])   # ≈ 7 min on an H200, ≈ 2 on an H100 (the
 #                                               # drafter's weights moved out of the tree for the carry limit)
 #   run(command="bash bench/gpu_session47.sh b")   # ≈ 8 min on an H200, else nothing
+#   run(command="bash bench/gpu_session47.sh c")   # ≈ 6 min
 #
 # a: on an H200, issue 6's figures after the read flush, the ones that decide its MoE and attention targets:
 #    the V4-Flash MoE rows (`bench/kernels.py --graph`, the whole op with its router at 1, 8 and 64 tokens)
@@ -17,6 +18,12 @@
 #    tables against the op as shipped, in turn) and the experts in one launch (`--fused`), V4-Flash FP8
 #    128×128; then for FP8 32×32 the shipped one launch against the two launches with the shared rows started
 #    early (`--early`'s "early" and "early_two" sides).
+# c: the one launch's EARLY form (`FUSED`: FP8 32×32 and bf16 at one token, V4-Flash widths; its counters
+#    zeroed before the router, the shared rows' gate/up items streaming while the router runs): the TMA
+#    kernels' GPU tests (bit for bit against the late launch, 20 times), then issue 6's whole op as shipped
+#    against the op with none of the early starts and against the two launches with theirs
+#    (`bench/moe_decode_tma.py --early`: "early", "late", "early_two"); then for FP8 128×128 the one launch,
+#    now early, against the two launches as shipped (`--fused`).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
@@ -59,6 +66,17 @@ part_b() {
   logged moe-early-h200-s43 150 python3 bench/moe_decode_tma.py --early --layers v4-flash --kinds fp8-32 --tokens 1 \
     --out "$OUT/moe-early-h200-s43.json"
   grep -h "early" "$W/logs/moe-early-h200-s43.txt" | cut -c1-300 | tail -n 5
+}
+
+part_c() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests "gpu-tests-fused-early-$(card)-s43" 240 tests/kernels/test_moe_decode_tma.py
+  logged "moe-early-fused-$(card)-s43" 150 python3 bench/moe_decode_tma.py --early --layers v4-flash \
+    --kinds fp8-32,bf16 --tokens 1 --out "$OUT/moe-early-fused-$(card)-s43.json"
+  grep -h "early" "$W/logs/moe-early-fused-$(card)-s43.txt" | cut -c1-300 | tail -n 4
+  logged "moe-fused-early-$(card)-s43" 150 python3 bench/moe_decode_tma.py --fused --layers v4-flash --kinds fp8 \
+    --tokens 1 --out "$OUT/moe-fused-early-$(card)-s43.json"
+  grep -h "fused\|op " "$W/logs/moe-fused-early-$(card)-s43.txt" | cut -c1-300 | tail -n 4
 }
 
 dispatch session47 "${1:-}"

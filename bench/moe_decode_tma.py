@@ -278,21 +278,24 @@ def sweep_bests(path: str) -> list[tuple[str, str, int, object]]:
 
 
 def early_sides() -> dict:
-    """`--early`'s sides: `fused_moe` as shipped (its gate/up launch starts the shared rows while the router
-    runs: `x_ready`, the select kernel releasing it before its wait, `RELEASE_FIRST`); with neither (every
-    gate/up program waits for the router, as before); "early_wait": x_ready, but the select kernel waits
-    for the logits before it releases the gate/up launch; "early_two": as shipped without the `FUSED` entries
-    (where one launch runs the experts, the two launches with the early shared rows instead)."""
-    from dspark.kernels import moe_decode as md, moe_route_decode as mr
+    """`--early`'s sides: `fused_moe` as shipped (its gate/up launch, or its one launch where `FUSED` has one,
+    starts the shared rows while the router runs: `x_ready`, the select kernel releasing it before its wait,
+    `RELEASE_FIRST`; the one launch's counters zeroed before the router); with none of these (every gate/up
+    program waits for the router, as before, and the one launch zeroes its counters after the router);
+    "early_wait": x_ready, but the select kernel waits for the logits before it releases the gate/up launch;
+    "early_two": as shipped without the `FUSED` entries (where one launch runs the experts, the two launches
+    with the early shared rows instead)."""
+    from dspark.kernels import moe, moe_decode as md, moe_route_decode as mr
 
-    shipped, release, fused = md.decode_experts, mr.RELEASE_FIRST, dict(md.FUSED)
+    shipped, release, fused, counters = md.decode_experts, mr.RELEASE_FIRST, dict(md.FUSED), moe.experts_counters
 
-    def late(*args, x_ready=False, **kw):
+    def late(*args, x_ready=False, counters=None, **kw):
         return shipped(*args, **kw)
 
     def put(experts, release_first, one_launch=True):
         def side():
             md.decode_experts, mr.RELEASE_FIRST = experts, release_first
+            moe.experts_counters = counters if experts is shipped else lambda *a: None
             md.FUSED.clear()
             md.FUSED.update(fused if one_launch else {})
         return side

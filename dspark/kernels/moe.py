@@ -150,15 +150,15 @@ def _check_routing_args(x, weights, ids, n_exp) -> None:
 
 
 def moe_experts_ref(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                    swiglu_limit: float, x_ready: bool = False) -> torch.Tensor:
+                    swiglu_limit: float, x_ready: bool = False, counters=None) -> torch.Tensor:
     """y = Σ_k weights_k · Expert_{ids_k}(x) + Shared(x) for a routing computed elsewhere (spec §11.2).
 
     Shape: x [N, D] bf16/fp32; weights [N, K] fp32 (final routing weights, scaling included);
     ids [N, K] int in [0, E); w1, w3 [E, I, D]; w2 [E, D, I]; shared_w1, shared_w3 [I_s, D];
     shared_w2 [D, I_s] (tensors or `FP8BlockWeight`). Returns y [N, D] in x.dtype; fp32 math,
     loop over experts (a host sync per expert: fine in a reference). `x_ready`: a promise about launch
-    order that the fused op may use (`moe_experts`); it never changes the result, and the reference
-    ignores it.
+    order that the fused op may use (`moe_experts`), as it may `counters` (`experts_counters`); neither
+    changes the result, and the reference ignores both.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
@@ -708,13 +708,14 @@ DECODE_MAX_ASSIGNMENTS = 64
 
 
 def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
-                swiglu_limit: float, x_ready: bool = False) -> torch.Tensor:
+                swiglu_limit: float, x_ready: bool = False, counters=None) -> torch.Tensor:
     """Fused `moe_experts_ref` (same signature): with at most DECODE_MAX_ASSIGNMENTS assignments,
     the two decode GEMV kernels; otherwise packing, two grouped GEMMs (SwiGLU in the first one's
     epilogue) for routed and shared experts, and one finalize. `x_ready`: the caller's promise that
     its last launch before this call (the router's) did not write x (nor anything else the shared
     expert reads); the decode path then starts the shared expert while that launch still runs
-    (`moe_decode.decode_experts`). The same result either way."""
+    (`moe_decode.decode_experts`; where it runs the experts as one launch, only given `counters`, the
+    caller's `experts_counters` made before the router). The same result either way."""
     require_triton()
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
@@ -728,7 +729,7 @@ def moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, *,
         from dspark.kernels import moe_decode  # here, not at the top: moe_decode imports this module
 
         return moe_decode.decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
-                                         swiglu_limit, x_ready=x_ready)
+                                         swiglu_limit, x_ready=x_ready, counters=counters)
     return _packed_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit)
 
 
@@ -764,15 +765,28 @@ def launch_finalize(routed, slot, weights, shared, dtype: torch.dtype) -> torch.
     return y
 
 
+def experts_counters(x, w1, w2, w3, shared_w1, shared_w2, shared_w3, top_k: int):
+    """`moe_experts`' `counters` for a call on x [N, D] with top-k routing (checked weights), made before the
+    router launches: zeroed counters where the decode path runs the experts as one launch that may start
+    early (`moe_decode.fused_counters`), else None."""
+    if x.dim() != 2 or x.shape[0] * top_k > DECODE_MAX_ASSIGNMENTS:
+        return None
+    from dspark.kernels import moe_decode  # here, not at the top: moe_decode imports this module
+
+    return moe_decode.fused_counters(x, w1, w2, w3, shared_w1, shared_w2, shared_w3, top_k)
+
+
 def fused_moe(x, gate_weight, gate_bias, tid2eid, token_ids, w1, w2, w3, shared_w1, shared_w2,
               shared_w3, *, top_k: int, routed_scaling_factor: float, swiglu_limit: float,
               hash_routing: bool) -> torch.Tensor:
     """Fused `fused_moe_ref` (same signature, shapes and dtypes): the router kernel, then
     `moe_experts`, told that x was written before the router ran (`x_ready`: its shared expert may start
-    while the router's last launch runs)."""
+    while the router's last launch runs; the counters of a one-launch experts call are zeroed before the
+    router, `experts_counters`)."""
     require_triton()
     _check_expert_args(x, gate_weight.shape[0], w1, w2, w3, shared_w1, shared_w2, shared_w3)
+    counters = experts_counters(x, w1, w2, w3, shared_w1, shared_w2, shared_w3, top_k)
     weights, ids = moe_route(x, gate_weight, gate_bias, tid2eid, token_ids, top_k=top_k,
                              routed_scaling_factor=routed_scaling_factor, hash_routing=hash_routing)
     return moe_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit=swiglu_limit,
-                       x_ready=True)
+                       x_ready=True, counters=counters)

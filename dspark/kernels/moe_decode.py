@@ -432,13 +432,14 @@ def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6)
 
 
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
-                   tiles: DecodeTiles | None = None, x_ready: bool = False):
+                   tiles: DecodeTiles | None = None, x_ready: bool = False, counters=None):
     """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
     int32 (checked by the caller); weights dense or FP8. Returns y [N, D] in x.dtype. `tiles`
     default: `decode_tiles` for N and the routed weights' kind. `x_ready`: the caller's promise that
     the launch before this call (the router's) did not write x, nor anything else the shared expert
     reads; at one token (`EARLY_MAX_TOKENS`) the TMA gate/up launch then starts the shared expert's rows
-    while that launch still runs (PDL; `moe_decode_tma.tma_up`'s `early`)."""
+    while that launch still runs (PDL; `moe_decode_tma.tma_up`'s `early`), and so does the one launch
+    (`FUSED`) given `counters` (`fused_counters`, made before the router launched), else it starts late."""
     slots = ids.shape[1] + 1
     if tiles is None:
         _, _, fp8, block = _weight_parts(w1)
@@ -450,12 +451,28 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
                          f"{slots - 1} routed), got {tiles.down_split!r}")
     if tiles.down_split > 1 and tiles.stages > 1:
         raise ValueError(f"DecodeTiles.down_split {tiles.down_split} takes stages 1, got {tiles.stages}")
+    early = x_ready and x.shape[0] <= EARLY_MAX_TOKENS
     if tiles.fused is not None and moe_decode_tma.supported(x, w1, w2, w3, shared_w1, shared_w2, shared_w3):
         return moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit,
-                                        *tiles.fused)
-    early = x_ready and x.shape[0] <= EARLY_MAX_TOKENS
+                                        *tiles.fused, counters=counters if early else None)
     h, args = decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit, tiles, early)
     return decode_down(h, x, weights, ids, w2, shared_w2, args, tiles)
+
+
+def fused_counters(x, w1, w2, w3, shared_w1, shared_w2, shared_w3, top_k: int):
+    """For a `decode_experts` call on x [N, D] with top-k routing and these weights, made before its router
+    launches: where the call runs the experts as one launch (`FUSED`) and may start it early (N <=
+    `EARLY_MAX_TOKENS`), that launch's counters, zeroed (`moe_decode_tma.fused_counters`; the call's
+    `counters`); else None. Zeroing them here, not after the router, keeps a memset out of the PDL chain
+    from the router to the experts."""
+    n_tok = x.shape[0]
+    if not 1 <= n_tok <= EARLY_MAX_TOKENS:
+        return None
+    _, _, fp8, block = _weight_parts(w1)
+    tiles = decode_tiles(n_tok, block if fp8 else None, x.shape[1], top_k)
+    if tiles.fused is None or not moe_decode_tma.supported(x, w1, w2, w3, shared_w1, shared_w2, shared_w3):
+        return None
+    return moe_decode_tma.fused_counters(x, top_k, tiles.fused[1])
 
 
 def decode_up(x, ids, w1, w3, shared_w1, shared_w3, swiglu_limit: float, tiles: DecodeTiles = DecodeTiles(),

@@ -22,7 +22,9 @@ to finish adds.
 counter, gate/up items first (a-major), then down items, one expert slot of one row block each; a down
 item waits for its own work row's h (a done count per row), so it starts while later rows still stream,
 and the last of a row block's K + 1 slots adds them (the ticket protocol). The tables use it where it won
-(`moe_decode.FUSED`: one token, V4-Flash widths, FP8 32×32 and dense weights).
+(`moe_decode.FUSED`: one token, V4-Flash widths, FP8 32×32 and dense weights). Given counters zeroed before the
+router launched (`fused_counters`; `fused_moe` makes them), its EARLY form runs the shared rows' gate/up items
+first and before the PDL wait, as `_tma_up_kernel`'s EARLY grid does.
 
 `tma_up(..., early=True)` (`moe_decode.decode_experts`' `x_ready`, at one token) launches `_tma_up_kernel`'s
 EARLY grid: the shared experts' rows first, their programs streaming before the PDL wait (they read only x and
@@ -215,35 +217,55 @@ def _down_row_tma(h_row_ptr, d_desc, s_ptr, e, weight, n0, n_out, n_in, FP8: tl.
 
 
 @_jit
+def _next_item(sync_ptr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """`_tma_fused_kernel`'s next work item from its counter (sync[0]). Without EARLY the counter was zeroed
+    by the launch before (`tma_fused`'s own buffer), so the program waits for it first; with EARLY it was
+    zeroed before the router's launches (`fused_counters`), so it is read at once."""
+    if not EARLY:
+        pdl_wait_if(True, PDL)
+    return tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@_jit
 def _tma_fused_kernel(x_ptr, ids_ptr, wts_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr,
                       d_desc, s2_ptr, ds_desc, ss2_ptr, h_ptr, y_ptr, part_ptr, sync_ptr, ticket_ptr, n_assign, dim,
                       inter, inter_s, h_width, limit, up_blocks, down_blocks, TOP_K: tl.constexpr, FP8: tl.constexpr,
                       SB: tl.constexpr, FP8_S: tl.constexpr, SB_S: tl.constexpr, FP8_D: tl.constexpr,
                       SB_D: tl.constexpr, FP8_DS: tl.constexpr, SB_DS: tl.constexpr, CLAMP: tl.constexpr,
                       UP_N: tl.constexpr, UP_K: tl.constexpr, UP_STAGES: tl.constexpr, DOWN_N: tl.constexpr,
-                      DOWN_K: tl.constexpr, DOWN_STAGES: tl.constexpr, PDL: tl.constexpr):
+                      DOWN_K: tl.constexpr, DOWN_STAGES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """The experts in one launch. Each program takes the next work item from a counter (sync[0]), so items
-    start in order: first the gate/up items (work row a, row block; a-major, `_up_rows`), each of which
-    then counts itself done in sync[1 + a] (release, GPU scope); then the down items (work row a, row
-    block of D), each of which waits until all ⌈h width / UP_N⌉ up items of its row are done (acquire)
-    and adds its routing-weighted slot to y through `_split_store` (slot j = 0 the shared expert, k + 1
-    routed slot k; the last of the K + 1 adds them in order). No deadlock: an item waits only on items
-    taken before it, by programs already running that wait on nothing. A down item starts as soon as
-    its own row's h is complete, while later rows' gate/up items still stream."""
-    pdl_prologue(PDL)
-    item = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    n_rows = n_assign + n_assign // TOP_K
-    n_up = n_rows * up_blocks
+    start in order: first the gate/up items (work row, row block; row-major, `_up_rows`), each of which
+    then counts itself done in sync[1 + a] (release, GPU scope) for its work row a; then the down items (work
+    row, row block of D), each of which waits until all ⌈h width / UP_N⌉ up items of its row are done
+    (acquire) and adds its routing-weighted slot to y through `_split_store` (slot j = 0 the shared expert,
+    k + 1 routed slot k; the last of the K + 1 adds them in order). No deadlock: an item waits only on items
+    taken before it, by programs already running that wait on nothing but the predecessor grid. A down item
+    starts as soon as its own row's h is complete, while later rows' gate/up items still stream.
+    Rows in item order: the routed rows, then the shared ones; EARLY (`tma_fused`'s `counters`, made before
+    the router launched): the shared rows first, and their gate/up items load (x and the shared weights only)
+    before the PDL wait, storing h after it, so that they overlap the router, as `_tma_up_kernel`'s EARLY grid."""
+    item = _next_item(sync_ptr, EARLY, PDL)
+    n_tok = n_assign // TOP_K
+    n_up = (n_assign + n_tok) * up_blocks
+    if EARLY:
+        early = item < n_tok * up_blocks  # the shared rows' gate/up items
+    else:
+        early = item < 0
+    pdl_prologue_unless(early, PDL)
+    r = tl.where(item < n_up, item // up_blocks, (item - n_up) // down_blocks)  # the item's row in item order
+    if EARLY:
+        a = tl.where(r < n_tok, n_assign + r, r - n_tok)
+    else:
+        a = r
     if item < n_up:
-        a = item // up_blocks
         _up_rows(x_ptr, ids_ptr, g_desc, u_desc, sg_ptr, su_ptr, sg_s_desc, su_s_desc, sgs_ptr, sus_ptr, h_ptr, a,
-                 (item - a * up_blocks) * UP_N, n_assign, dim, inter, inter_s, h_width, limit, TOP_K, FP8, SB, FP8_S,
-                 SB_S, CLAMP, UP_N, UP_K, UP_STAGES, False, PDL)  # every program waited in its prologue
+                 (item - r * up_blocks) * UP_N, n_assign, dim, inter, inter_s, h_width, limit, TOP_K, FP8, SB, FP8_S,
+                 SB_S, CLAMP, UP_N, UP_K, UP_STAGES, early, PDL)
         tl.debug_barrier()  # every thread's h stored before the count releases them
         tl.atomic_add(sync_ptr + 1 + a, 1, sem="release", scope="gpu")
     else:
-        a = (item - n_up) // down_blocks
-        block = item - n_up - a * down_blocks
+        block = item - n_up - r * down_blocks
         n0 = block * DOWN_N
         done = tl.atomic_add(sync_ptr + 1 + a, 0, sem="acquire", scope="gpu")
         while done < up_blocks:
@@ -374,10 +396,21 @@ def launch_down(h, x, weights, ids, parts: tuple, args: tuple, tiles: TmaTiles, 
     return y
 
 
+def fused_counters(x: torch.Tensor, top_k: int, down: TmaTiles) -> torch.Tensor:
+    """`tma_fused`'s counters for x [N, D] with top-k routing and down items of `down.n` rows, zeroed: the item
+    counter, each work row's done count and the tickets of every (token, row block of D). [1 + N·(K + 1) +
+    N·⌈D / down.n⌉] int32."""
+    n_tok, dim = x.shape
+    return torch.zeros(1 + n_tok * (top_k + 1) + n_tok * triton.cdiv(dim, down.n), dtype=torch.int32, device=x.device)
+
+
 def tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
-              up: TmaTiles = TmaTiles(), down: TmaTiles = TmaTiles(16, 256, 4, 4)):
+              up: TmaTiles = TmaTiles(), down: TmaTiles = TmaTiles(16, 256, 4, 4), counters=None):
     """`moe_decode.decode_experts` as one launch (`_tma_fused_kernel`, where `supported`): y [N, D] in x.dtype.
-    `up` / `down`: the gate/up and down items' tiles; the launch runs max(up.warps, down.warps) warps."""
+    `up` / `down`: the gate/up and down items' tiles; the launch runs max(up.warps, down.warps) warps.
+    `counters`: `fused_counters(x, K, down)`, made (zeroed) before the launch before this call, which must be
+    the router's, launched after x was written (`moe_decode.decode_experts`' `x_ready`): the launch's EARLY
+    form, the shared rows' gate/up items streaming while the router runs. None: counters made here, no EARLY."""
     operands = up_operands(x, ids, w1, w3, shared_w1, shared_w3, 0)
     (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, _, args = operands
     n_assign, dim, inter, inter_s, h_width, _ = args
@@ -388,18 +421,23 @@ def tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swig
     n_tok, top_k = ids.shape
     up_blocks, down_blocks = triton.cdiv(h_width, up.n), triton.cdiv(dim, down.n)
     n_rows = n_assign + n_tok
-    # the item counter, each work row's done count and the tickets of every (token, row block): zeroed per call
-    sync = torch.zeros(1 + n_rows + n_tok * down_blocks, dtype=torch.int32, device=x.device)
+    early = counters is not None
+    sync = counters if early else fused_counters(x, top_k, down)  # zeroed for this call (the kernel uses them up)
+    if early and (sync.dtype != torch.int32 or sync.shape != (1 + n_rows + n_tok * down_blocks,)
+                  or sync.device != x.device):
+        raise ValueError(f"tma_fused counters must be fused_counters(x, {top_k}, down): int32 "
+                         f"[{1 + n_rows + n_tok * down_blocks}] on {x.device}, got {sync.dtype} "
+                         f"{list(sync.shape)} on {sync.device}")
     y, part = down_outputs(x, top_k + 1)
     grid = (n_rows * (up_blocks + down_blocks),)
-    pdl = pdl_launch(x.device, math.prod(grid))
+    pdl = pdl_launch(x.device, math.prod(grid), early)
     descs = [_descriptor(d, up.n, up.k) for d in (d1, d3, ds1, ds3)]
     _tma_fused_kernel[grid](
         x, ids, weights, descs[0], descs[1], s1, s3, descs[2], descs[3], ss1, ss3, _descriptor(d2, down.n, down.k),
         s2, _descriptor(ds2, down.n, down.k), ss2, h, y, part, sync, sync[1 + n_rows:], n_assign, dim, inter, inter_s,
         h_width, float(swiglu_limit), up_blocks, down_blocks, TOP_K=top_k, FP8=fp8, SB=sb, FP8_S=fp8_s, SB_S=sb_s,
         FP8_D=fp8_d, SB_D=sb_d, FP8_DS=fp8_ds, SB_DS=sb_ds, CLAMP=swiglu_limit > 0, UP_N=up.n, UP_K=up.k,
-        UP_STAGES=up.stages, DOWN_N=down.n, DOWN_K=down.k, DOWN_STAGES=down.stages, PDL=pdl, launch_pdl=pdl,
-        num_warps=max(up.warps, down.warps),
+        UP_STAGES=up.stages, DOWN_N=down.n, DOWN_K=down.k, DOWN_STAGES=down.stages, EARLY=early, PDL=pdl,
+        launch_pdl=pdl, num_warps=max(up.warps, down.warps),
     )
     return y

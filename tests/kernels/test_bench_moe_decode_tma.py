@@ -6,15 +6,22 @@ import pytest
 
 import moe_decode_tma as bench  # bench/ is on pytest's pythonpath
 
-from dspark.kernels import moe_decode, moe_route_decode
+from dspark.kernels import moe, moe_decode, moe_route_decode
 
 
 def test_early_sides_withhold_x_ready_and_the_early_release(monkeypatch):
+    """The "late" side withholds x_ready, the early release and the one launch's counters made before the
+    router; "early_wait" only the release; "early_two" the `FUSED` entries."""
     seen = []
     monkeypatch.setattr(moe_decode, "decode_experts", lambda *a, x_ready=False, **kw: seen.append(x_ready))
     assert moe_route_decode.RELEASE_FIRST is True
     monkeypatch.setattr(moe_route_decode, "RELEASE_FIRST", True)  # put back after, whatever the sides leave
     monkeypatch.setattr(moe_decode, "FUSED", dict(moe_decode.FUSED))  # the sides' changes stay in this copy
+
+    def counters(*a):
+        return "counters"
+
+    monkeypatch.setattr(moe, "experts_counters", counters)
     fused = dict(moe_decode.FUSED)
     assert fused
     sides = bench.early_sides()
@@ -22,8 +29,9 @@ def test_early_sides_withhold_x_ready_and_the_early_release(monkeypatch):
     for label in ("late", "early_wait", "early_two", "early"):
         sides[label]()
         moe_decode.decode_experts(1, 2, x_ready=True)
-        seen.append((moe_route_decode.RELEASE_FIRST, moe_decode.FUSED == fused))
-    assert seen == [False, (False, True), True, (False, True), True, (True, False), True, (True, True)]
+        seen.append((moe_route_decode.RELEASE_FIRST, moe_decode.FUSED == fused, moe.experts_counters(1)))
+    assert seen == [False, (False, True, None), True, (False, True, "counters"), True, (True, False, "counters"),
+                    True, (True, True, "counters")]
 
 
 def test_tiles_option_parses_and_names_a_bad_entry():

@@ -232,6 +232,9 @@ def run_every_tile_class():
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles)
         # the shipped tables (`decode_tiles`: the TMA gate/up launch; `DOWN_TMA`'s and `FUSED`'s entries)
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=moe_decode.decode_tiles(n_tok, kind, dim))
+        counters = moe_decode.fused_counters(x, *weights, 6)  # and the one launch's EARLY form, where it runs
+        if counters is not None:
+            moe_decode.decode_experts(x, wts, ids, *weights, 10.0, x_ready=True, counters=counters)
         # the gate/up launch through TMA (`UP_TMA`, every table's), the split down kernel's tickets with it
         moe_decode.decode_experts(x, wts, ids, *weights, 10.0, tiles=tiles._replace(up_tma=moe_decode.UP_TMA))
         # the TMA down kernel at the shapes `bench/moe_decode_tma.py --down` sweeps

@@ -88,13 +88,18 @@ def test_pdl_launch_early_takes_any_grid_size_on_hopper_only(monkeypatch):
 
 def test_early_programs_wait_before_they_store():
     """An `EARLY_LOADS` kernel's early programs skip the prologue's wait; the row helper they store through
-    waits (`pdl_wait_if`) before its store. (The kernel's own ticket store is made by routed programs only,
-    which waited in the prologue: a < N <= N·K.)"""
+    waits (`pdl_wait_if`) before its store. (`_tma_up_kernel`'s own ticket store is made by routed programs
+    only, which waited in the prologue: a < N <= N·K. `_tma_fused_kernel`'s early items are gate/up items:
+    after `_up_rows` they count themselves done with an atomic, and only down items, which waited, store y.)"""
     defs = {n.name: n for n in _tree(moe_decode_tma).body if isinstance(n, ast.FunctionDef)}
-    assert set(EARLY_LOADS) == {"_tma_up_kernel"}
+    assert set(EARLY_LOADS) == {"_tma_up_kernel", "_tma_fused_kernel"}
     kernel = [ast.unparse(stmt) for stmt in defs["_tma_up_kernel"].body]
     assert any(line.startswith("_up_rows(") and line.endswith("early, PDL)") for line in kernel)
     assert any("if (a < n_tok) & (n0 == 0):" in line for line in kernel)
+    fused = ast.unparse(defs["_tma_fused_kernel"])
+    up_branch = fused[fused.index("if item < n_up:"):fused.index("else:\n        block = ")]
+    assert "early, PDL)" in up_branch and "tl.store(" not in up_branch
+    assert fused.index("early = item < n_tok * up_blocks") < fused.index("pdl_prologue_unless(early, PDL)")
     rows = ast.unparse(defs["_up_rows"])
     assert 0 < rows.index("pdl_wait_if(early, PDL)") < rows.index("tl.store(")
     assert rows.count("tl.store(") == 1
@@ -123,6 +128,8 @@ def test_pdl_device_reads_capability_and_sms_once_per_index(monkeypatch):
 # (the test below reads only each kernel's own body, so a helper it calls there is argued here).
 BEFORE_WAIT = {
     "_prefetch_fn_share": "index arithmetic and an L2 prefetch of the mHC site's weights (fn), nothing else",
+    "_next_item": "the one-launch experts' item counter: without EARLY it waits first (its own memset came right "
+                  "before); with EARLY the counters were zeroed before the router's launches (fused_counters)",
 }
 # Kernels whose `early` programs load before the wait (`pdl_prologue_unless(early, PDL)`, launched with
 # `pdl_launch(..., early)`), and why those loads read nothing the predecessor writes. They store only after
@@ -134,6 +141,8 @@ RELEASE_FIRST = {"_route_select_kernel": "the decode MoE's gate/up launch, whose
 EARLY_LOADS = {
     "_tma_up_kernel": "EARLY: the shared experts' rows load x and the shared weights; fused_moe passes x_ready "
                       "(the router, launched after x was written, is the predecessor)",
+    "_tma_fused_kernel": "EARLY: the shared rows' gate/up items load x and the shared weights, as _tma_up_kernel's; "
+                         "fused_moe and the MoE layer pass x_ready and counters made before the router",
 }
 
 

@@ -125,7 +125,8 @@ def test_decode_experts_starts_early_at_one_token_only(monkeypatch):
 
 def test_the_model_moe_promises_x_ready_to_its_experts(monkeypatch):
     """A V4 model's fused MoE layer routes x, then calls its experts op with `x_ready` (the routing's launches
-    came last), and gives the reference experts of its own routing."""
+    came last) and the counters it made before the routing (`moe.experts_counters`), and gives the reference
+    experts of its own routing."""
     import json
     from importlib import resources
 
@@ -138,7 +139,7 @@ def test_the_model_moe_promises_x_ready_to_its_experts(monkeypatch):
     layer = init_model(config, device=device, kernels=kernels).layers[-1].ffn
     seen = []
     op = layer._experts_op
-    layer._experts_op = lambda *a, **kw: seen.append(kw.get("x_ready")) or op(*a, **kw)
+    layer._experts_op = lambda *a, **kw: seen.append((kw.get("x_ready"), "counters" in kw)) or op(*a, **kw)
     x = torch.randn(2, config["hidden_size"], device=device).to(layer.shared_experts.w1.weight.dtype)
     ids = torch.randint(0, config["vocab_size"], (2,), device=device)
     with torch.no_grad():
@@ -147,7 +148,7 @@ def test_the_model_moe_promises_x_ready_to_its_experts(monkeypatch):
         s = layer.shared_experts
         want = moe.moe_experts_ref(x, weights, experts, *layer.stacked_weights(), s.w1.weight, s.w2.weight,
                                    s.w3.weight, swiglu_limit=layer.swiglu_limit, x_ready=True)
-    assert seen == [True] and rel_err(out, want) < TOL[x.dtype]
+    assert seen == [(True, True)] and rel_err(out, want) < TOL[x.dtype]
 
 
 def _count_launches(monkeypatch, launch="up"):
@@ -301,6 +302,86 @@ def test_tma_fused_is_the_two_launches(up, down, fp8_block, n_tok, poisoned):
                                                 TmaTiles(*down)), y)
 
 
+@pytest.mark.parametrize("fp8_block", [None, 32])
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_tma_fused_early_is_the_same_launch_reordered(fp8_block, n_tok, poisoned):
+    """Given counters made beforehand (`fused_counters`), the one launch's EARLY form (the shared rows' items
+    first; on the GPU their gate/up items load before the PDL wait): the same y bit for bit as without,
+    and the counters used (so the launch counted its items in them, not in a buffer of its own)."""
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(n_tok, fp8_block, seed=27)
+    up, down = TmaTiles(16, 32, 4, 3), TmaTiles(16, 64, 4, 2)
+    counters = moe_decode_tma.fused_counters(x, ids.shape[1], down)
+    n_rows, blocks = n_tok * (ids.shape[1] + 1), -(-x.shape[1] // down.n)
+    assert counters.dtype == torch.int32 and counters.shape == (1 + n_rows + n_tok * blocks,)
+    assert not counters.any()
+    with poisoned():
+        y = moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, up, down, counters=counters)
+    up_items = n_rows * -(-max(ROUTED, SHARED) // up.n)
+    assert counters[0] == up_items + n_rows * blocks  # every item taken once
+    assert torch.equal(counters[1:1 + n_rows], torch.full((n_rows,), up_items // n_rows, dtype=torch.int32))
+    assert not counters[1 + n_rows:].any()  # the tickets put back to 0
+    assert torch.equal(moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, up, down), y)
+
+
+def test_tma_fused_checks_its_counters():
+    x, weights, ids, w1, w2, w3, s1, s2, s3 = _off_tile_experts(1, 32, seed=0)
+    down = TmaTiles(16, 256, 4, 4)
+    top_k = ids.shape[1]  # 3: the item counter, 4 rows' done counts, ⌈96 / 16⌉ tickets = 11 counters
+    wrong = moe_decode_tma.fused_counters(x, top_k + 1, down)
+    with pytest.raises(ValueError, match=r"counters must be fused_counters\(x, 3, down\): int32 \[11\] on cpu, "
+                                         r"got torch.int32 \[12\]"):
+        moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, down=down, counters=wrong)
+    with pytest.raises(ValueError, match="got torch.int64"):
+        moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, down=down,
+                                 counters=moe_decode_tma.fused_counters(x, top_k, down).long())
+
+
+def test_fused_counters_only_where_the_one_launch_may_start_early(monkeypatch):
+    """`moe_decode.fused_counters`: zeroed counters for the decode call's one launch (`FUSED`) at up to
+    `EARLY_MAX_TOKENS` tokens, None elsewhere; `decode_experts` takes them only with `x_ready` (and so
+    `moe.experts_counters` past the decode path's size gives None)."""
+    fused = (TmaTiles(16, 32, 4, 3), TmaTiles(16, 64, 4, 2))
+    monkeypatch.setattr(moe_decode, "FUSED", {moe_decode.table_key(1, 32, 96): fused})
+    args = _off_tile_experts(2, 32, seed=9)
+    x, weights, ids, w = args[0], args[1], args[2], args[3:]
+    top_k = ids.shape[1]  # 3
+    counters = moe_decode.fused_counters(x[:1], *w, top_k)
+    assert counters.shape == (1 + 4 + 6,) and not counters.any()  # the item, 4 rows' counts, ⌈96 / 16⌉ tickets
+    assert moe_decode.fused_counters(x, *w, top_k) is None  # 2 tokens: two launches
+    assert moe_decode.fused_counters(x[:1], *_off_tile_experts(1, None, seed=9)[3:], top_k) is None  # no entry
+    assert moe.experts_counters(x[:1], *w, top_k).shape == counters.shape
+    assert moe.experts_counters(x[:1], *w, 65) is None  # 65 assignments: the packed path
+    seen = []
+    original = moe_decode_tma.tma_fused
+    monkeypatch.setattr(moe_decode_tma, "tma_fused",
+                        lambda *a, counters=None, **kw: seen.append(counters) or original(*a, counters=counters, **kw))
+    one = (x[:1], weights[:1], ids[:1], *w)
+    y = moe_decode.decode_experts(*one, 10.0, x_ready=True, counters=counters)
+    assert torch.equal(moe_decode.decode_experts(*one, 10.0, counters=moe_decode.fused_counters(x[:1], *w, top_k)), y)
+    assert seen[0] is counters and seen[1] is None
+    assert rel_err(y, moe.moe_experts_ref(*one, swiglu_limit=10.0)) < TOL[torch.float32]
+
+
+def test_fused_moe_zeroes_the_counters_before_its_router(monkeypatch):
+    """`fused_moe` makes the one launch's counters before the router's launches (so no memset sits between
+    the router and the experts) and hands them to its experts with `x_ready`."""
+    fused = (TmaTiles(16, 32, 4, 3), TmaTiles(16, 64, 4, 2))
+    monkeypatch.setattr(moe_decode, "FUSED", {moe_decode.table_key(1, 32, 96): fused})
+    order, got = [], {}
+    make, route, experts = moe.experts_counters, moe.moe_route, moe.moe_experts
+    monkeypatch.setattr(moe, "experts_counters", lambda *a: order.append("counters") or make(*a))
+    monkeypatch.setattr(moe, "moe_route", lambda *a, **kw: order.append("route") or route(*a, **kw))
+    monkeypatch.setattr(moe, "moe_experts", lambda *a, **kw: got.update(kw) or experts(*a, **kw))
+    x, _, _, w1, w2, w3, s1, s2, s3 = _off_tile_experts(1, 32, seed=3)
+    gate = (torch.randn(w1.shape[0], x.shape[1], generator=torch.Generator().manual_seed(1)) / 4).to(x.device)
+    bias = torch.zeros(w1.shape[0], device=x.device)
+    route_args = dict(top_k=3, routed_scaling_factor=1.5, hash_routing=False)
+    y = moe.fused_moe(x, gate, bias, None, None, w1, w2, w3, s1, s2, s3, **route_args, swiglu_limit=10.0)
+    assert order == ["counters", "route"] and got["x_ready"] and got["counters"] is not None
+    assert rel_err(y, moe.fused_moe_ref(x, gate, bias, None, None, w1, w2, w3, s1, s2, s3, **route_args,
+                                        swiglu_limit=10.0)) < TOL[torch.float32]
+
+
 def test_tma_fused_checks_its_tiles():
     args = _off_tile_experts(1, 32, seed=0)
     with pytest.raises(ValueError, match="rows 64 must divide the FP8 block 32"):
@@ -349,18 +430,19 @@ def test_the_tables_tma_entries_at_v4_flash_widths(n_tok, fp8_block, poisoned):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the early shared rows under PDL, against the router")
-@pytest.mark.parametrize("n_tok,fp8_block", [(1, 128), (8, 32)])
+@pytest.mark.parametrize("n_tok,fp8_block", [(1, 128), (1, 32), (1, None), (8, 32)])
 def test_fused_moe_early_shared_rows_on_the_gpu(n_tok, fp8_block):
-    """On the GPU (PDL on Hopper) at V4-Flash widths: `fused_moe`, whose gate/up launch starts the shared
-    rows while the router's select kernel runs (one token; at 8 tokens, past `EARLY_MAX_TOKENS`, the usual
-    launch), equals the router then the experts without the promise, bit for bit, 20 times over (a shared
-    row stored before the router finished, or x read early, would show)."""
+    """On the GPU (PDL on Hopper) at V4-Flash widths: `fused_moe`, whose gate/up launch (FP8 128×128) or one
+    launch (`FUSED`: FP8 32×32, bf16; its counters made before the router) starts the shared rows while the
+    router's select kernel runs (one token; at 8 tokens, past `EARLY_MAX_TOKENS`, the usual launch), equals
+    the router then the experts without the promise, bit for bit, 20 times over (a shared row stored before
+    the router finished, x read early, or a counter not zeroed in time would show)."""
     x, _, _, w1, w2, w3, s1, s2, s3 = _expert_case(n_tok, 4096, 16, 6, 2048, 2048, fp8_block, torch.bfloat16)
     gate = torch.randn(16, 4096, generator=torch.Generator().manual_seed(5)).to(x.device, torch.bfloat16) / 64
     bias = torch.zeros(16, device=x.device)
     route = dict(top_k=6, routed_scaling_factor=1.5, hash_routing=False)
     tiles = moe_decode.decode_tiles(n_tok, fp8_block, 4096)
-    assert tiles.up_tma is not None and tiles.fused is None  # the TMA gate/up launch runs the early rows
+    assert tiles.up_tma is not None and (tiles.fused is not None) == (n_tok == 1 and fp8_block != 128)
     weights, ids = moe.moe_route(x, gate, bias, None, None, **route)
     late = moe_decode.decode_experts(x, weights, ids.int(), w1, w2, w3, s1, s2, s3, 10.0)
     for _ in range(20):

@@ -135,6 +135,9 @@ class MoE(nn.Module):
             self._experts_op = get_op(kernels, "moe_experts")
             # W8A8 experts quantise x on a side stream while the router runs (`moe_w8a8.InputQuant`)
             self._quantize_input = getattr(self._experts_op, "quantize_input", None)
+            # the Triton experts' one-launch counters are zeroed before the router (`moe.experts_counters`)
+            self._counters = kernels.moe_experts == "triton"
+            self._top_k = c.num_experts_per_tok
             # gates with one bias row per token (V4.1's image spans): only where that op is picked
             self._route_rows = get_op(kernels, "moe_route_rows") if kernels.moe_route_rows != "ref" else None
 
@@ -187,11 +190,16 @@ class MoE(nn.Module):
         may start the shared expert while they run (`x_ready`)."""
         shared = self.shared_experts
         parts = (*self.stacked_weights(), shared.w1.weight, shared.w2.weight, shared.w3.weight)
-        # W8A8 experts: x's quantisation starts (on its side stream) before the routing
-        quantized = {} if self._quantize_input is None else {"x_fp8": self._quantize_input(x, *parts)}
+        # Work for the experts op that must precede the routing: W8A8 experts start x's quantisation (on its
+        # side stream); the Triton experts' one launch takes counters zeroed before the router, so that no
+        # memset sits between the router and it
+        early = {} if self._quantize_input is None else {"x_fp8": self._quantize_input(x, *parts)}
+        if self._counters:
+            from dspark.kernels.moe import experts_counters  # Triton's module, imported only where it runs
+
+            early["counters"] = experts_counters(x, *parts, self._top_k)
         weights, experts = self._routing(x, input_ids)
-        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_ready=True,
-                                **quantized)
+        return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_ready=True, **early)
 
     def _routing(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, expert ids [N, K]): the fused router where it computes the gate
