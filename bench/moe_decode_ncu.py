@@ -9,13 +9,13 @@
 A V4-Flash-like layer (D 4096, I 2048, top-6 of 256 plus the shared expert; `moe_decode_tiles.LAYERS`)
 with FP8 weights: `decode_experts` at the shipped shape (`decode_tiles`), first as `moe_experts` alone
 calls it, then with `x_ready` (as `fused_moe` calls it: at one token the TMA gate/up launch's EARLY grid,
-shared rows first), each compiled and run once before the profiled range, then once inside it
-(`cudaProfilerStart` / `Stop`): the kernel launches of both runs, named in the CSV by kernel and in launch
-order. `--no-fused`: the two launches where the tables pick `moe_decode.FUSED`'s one. Without ncu it only
-runs. Its first run (`bench/gpu_session17.sh a`, bench/results/moe-decode-ncu-*-h200.csv) profiled the
-GEMV kernels against the bit-placed FP8 reads of commit 44af5c8, since removed; later runs until the
-forty-second session's, against the same shape with the column sums deferred (`DecodeTiles.up_defer` /
-`down_defer`).
+shared rows first, or the one launch's EARLY form with its counters), each compiled and run once before
+the profiled range, then once inside it (`cudaProfilerStart` / `Stop`): the kernel launches of both runs,
+named in the CSV by kernel and in launch order. `--no-fused`: the two launches where the tables pick
+`moe_decode.FUSED`'s one. Without ncu it only runs. Its first run (`bench/gpu_session17.sh a`,
+bench/results/moe-decode-ncu-*-h200.csv) profiled the GEMV kernels against the bit-placed FP8 reads of
+commit 44af5c8, since removed; later runs until the forty-second session's, against the same shape with
+the column sums deferred (`DecodeTiles.up_defer` / `down_defer`).
 """
 
 from __future__ import annotations
@@ -51,11 +51,16 @@ def main() -> None:
     shipped = md.decode_tiles(args.tokens, args.block, dim)
     shipped = shipped._replace(fused=None) if args.no_fused else shipped
     experts = (x, wts, ids, w1, w2, w3, s1, s2, s3, 10.0, shipped)
-    outs = [md.decode_experts(*experts, x_ready=ready) for ready in (False, True)]  # compile
+
+    def run(ready):  # with x_ready, as fused_moe: the one launch's counters made first (`fused_counters`)
+        counters = md.fused_counters(x, w1, w2, w3, s1, s2, s3, TOP_K) if ready and shipped.fused else None
+        return md.decode_experts(*experts, x_ready=ready, counters=counters)
+
+    outs = [run(ready) for ready in (False, True)]  # compile
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     for ready in (False, True):
-        md.decode_experts(*experts, x_ready=ready)
+        run(ready)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     err = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
