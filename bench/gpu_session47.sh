@@ -44,7 +44,8 @@ part_a() {
   if [ "$(card)" = h200 ]; then
     moe_rows_h200 s43  # the read flush, `bench/kernels.py`'s default
     logged moe_rows_write 200 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
-      --flush write --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-write-h200-s43.json"
+      --flush write --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 \
+      --out "$OUT/kernels-moe-graph-write-h200-s43.json"
     grep -h "fused_moe" "$W/logs/moe_rows_write.txt" | cut -c1-200
     attention_32k s43
   else
