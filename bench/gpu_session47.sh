@@ -5,6 +5,7 @@
 #                                               # drafter's weights moved out of the tree for the carry limit)
 #   run(command="bash bench/gpu_session47.sh b")   # ≈ 8 min on an H200, else nothing
 #   run(command="bash bench/gpu_session47.sh c")   # ≈ 6 min
+#   run(command="bash bench/gpu_session47.sh d")   # ≈ 5 min
 #
 # a: on an H200, issue 6's figures after the read flush, the ones that decide its MoE and attention targets:
 #    the V4-Flash MoE rows (`bench/kernels.py --graph`, the whole op with its router at 1, 8 and 64 tokens)
@@ -24,6 +25,9 @@
 #    against the op with none of the early starts and against the two launches with theirs
 #    (`bench/moe_decode_tma.py --early`: "early", "late", "early_two"); then for FP8 128×128 the one launch,
 #    now early, against the two launches as shipped (`--fused`).
+# d: after c, with the one launch for FP8 128×128 too (`FUSED`) and c's GPU-test fixes: the TMA kernels'
+#    GPU tests again, then issue 6's whole op at one token, V4-Flash FP8 128×128, 32×32 and bf16, as shipped
+#    against the op with none of the early starts and against the two launches with theirs (`--early`).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
@@ -78,6 +82,14 @@ part_c() {
   logged "moe-fused-early-$(card)-s43" 150 python3 bench/moe_decode_tma.py --fused --layers v4-flash --kinds fp8 \
     --tokens 1 --out "$OUT/moe-fused-early-$(card)-s43.json"
   grep -h "fused\|op " "$W/logs/moe-fused-early-$(card)-s43.txt" | cut -c1-300 | tail -n 4
+}
+
+part_d() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests "gpu-tests-fused-early-d-$(card)-s43" 240 tests/kernels/test_moe_decode_tma.py
+  logged "moe-early-fused-d-$(card)-s43" 200 python3 bench/moe_decode_tma.py --early --layers v4-flash \
+    --kinds fp8,fp8-32,bf16 --tokens 1 --out "$OUT/moe-early-fused-d-$(card)-s43.json"
+  grep -h "early" "$W/logs/moe-early-fused-d-$(card)-s43.txt" | cut -c1-300 | tail -n 4
 }
 
 dispatch session47 "${1:-}"

@@ -392,10 +392,16 @@ DOWN_TMA: dict[tuple[int | None, bool, bool], tuple[TmaTiles, int]] = {
 # launches alone, then issue 6's whole op, router included, with it in `decode_experts`' place and without,
 # in turn, 3 rounds) it won at one token on V4-Flash widths for FP8 32×32 weights (the op 89.5 -> 86.3 µs,
 # 1.037×) and dense ones (136.0 -> 134.8 µs, 1.010×), every round; it lost at 8 tokens (0.86-0.92×), for
-# v4-mini's widths (0.79-0.90×) and at FP8 128×128 (0.997×).
+# v4-mini's widths (0.79-0.90×) and at FP8 128×128 (0.997×). Its EARLY form (forty-third session, one H100:
+# the counters zeroed before the router, the shared rows' gate/up items streaming while the router runs;
+# `bench/moe_decode_tma.py --early`, moe-early-fused-h100-s43.json, read flush, medians of 3 rounds) took the op
+# from 78.7 to 73.1 µs at FP8 32×32 (1.078×; the two launches with their early rows: 79.4) and from 126.3 to
+# 121.6 at bf16 (1.039×), and won at FP8 128×128 too against the two launches with their early rows (`--fused`,
+# moe-fused-early-h100-s43.json: 74.4 -> 72.7 µs, 1.024×, at the down items' 32×256 shape), which it now takes.
 FUSED: dict[tuple[int | None, bool, bool], tuple[TmaTiles, TmaTiles]] = {
     (32, True, False): (TmaTiles(n=16, k=256, warps=4, stages=5), TmaTiles(n=32, k=256, warps=4, stages=4)),
     (None, True, False): (TmaTiles(n=16, k=256, warps=4, stages=5), TmaTiles(n=16, k=512, warps=4, stages=3)),
+    (128, True, False): (TmaTiles(n=16, k=256, warps=4, stages=5), TmaTiles(n=32, k=256, warps=4, stages=4)),
 }
 
 

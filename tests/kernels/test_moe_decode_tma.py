@@ -318,7 +318,8 @@ def test_tma_fused_early_is_the_same_launch_reordered(fp8_block, n_tok, poisoned
         y = moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, up, down, counters=counters)
     up_items = n_rows * -(-max(ROUTED, SHARED) // up.n)
     assert counters[0] == up_items + n_rows * blocks  # every item taken once
-    assert torch.equal(counters[1:1 + n_rows], torch.full((n_rows,), up_items // n_rows, dtype=torch.int32))
+    assert torch.equal(counters[1:1 + n_rows], torch.full((n_rows,), up_items // n_rows, dtype=torch.int32,
+                                                          device=x.device))
     assert not counters[1 + n_rows:].any()  # the tickets put back to 0
     assert torch.equal(moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, up, down), y)
 
@@ -328,8 +329,8 @@ def test_tma_fused_checks_its_counters():
     down = TmaTiles(16, 256, 4, 4)
     top_k = ids.shape[1]  # 3: the item counter, 4 rows' done counts, ⌈96 / 16⌉ tickets = 11 counters
     wrong = moe_decode_tma.fused_counters(x, top_k + 1, down)
-    with pytest.raises(ValueError, match=r"counters must be fused_counters\(x, 3, down\): int32 \[11\] on cpu, "
-                                         r"got torch.int32 \[12\]"):
+    with pytest.raises(ValueError, match=rf"counters must be fused_counters\(x, 3, down\): int32 \[11\] on "
+                                         rf"{x.device}, got torch.int32 \[12\]"):
         moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, down=down, counters=wrong)
     with pytest.raises(ValueError, match="got torch.int64"):
         moe_decode_tma.tma_fused(x, weights, ids, w1, w2, w3, s1, s2, s3, 10.0, down=down,
@@ -391,13 +392,15 @@ def test_tma_fused_checks_its_tiles():
 
 
 def test_the_tables_take_the_one_launch_experts_where_they_won(monkeypatch):
-    """The shipped `FUSED`: one token on V4-Flash widths, FP8 32×32 and dense weights; elsewhere two launches.
+    """The shipped `FUSED`: one token on V4-Flash widths, FP8 (32×32, 128×128) and dense weights; elsewhere two
+    launches.
     A `FUSED` entry sends `decode_experts` to `tma_fused` (one launch, the reference's experts); weights whose
     rows are not 16-byte aligned take the two launches."""
     assert moe_decode.decode_tiles(1, 32, 4096).fused == (TmaTiles(16, 256, 4, 5), TmaTiles(32, 256, 4, 4))
     assert moe_decode.decode_tiles(1, None, 4096).fused == (TmaTiles(16, 256, 4, 5), TmaTiles(16, 512, 4, 3))
+    assert moe_decode.decode_tiles(1, 128, 4096).fused == (TmaTiles(16, 256, 4, 5), TmaTiles(32, 256, 4, 4))
     assert all(moe_decode.decode_tiles(m, b, d).fused is None for m, b, d in
-               ((1, 128, 4096), (8, 32, 4096), (8, None, 4096), (1, 32, 2048), (1, None, 2048)))
+               ((8, 128, 4096), (8, 32, 4096), (8, None, 4096), (1, 32, 2048), (1, None, 2048), (1, 128, 2048)))
     fused = (TmaTiles(16, 32, 4, 3), TmaTiles(16, 64, 4, 2))
     monkeypatch.setattr(moe_decode, "FUSED", {moe_decode.table_key(1, 32, 96): fused})
     launches = _count_launches(monkeypatch, "fused")
@@ -414,7 +417,7 @@ def test_the_tables_take_the_one_launch_experts_where_they_won(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the tables' TMA entries at V4-Flash widths")
-@pytest.mark.parametrize("n_tok,fp8_block", [(1, 32), (1, None), (8, None)])
+@pytest.mark.parametrize("n_tok,fp8_block", [(1, 32), (1, 128), (1, None), (8, None)])
 def test_the_tables_tma_entries_at_v4_flash_widths(n_tok, fp8_block, poisoned):
     """On the GPU at the widths the entries were measured for (D 4096, I 2048, top-6 of 8 experts, bf16 x):
     the shipped tables (`FUSED` at one token, `DOWN_TMA` at 8) against the same tiles without them, and the
@@ -430,11 +433,11 @@ def test_the_tables_tma_entries_at_v4_flash_widths(n_tok, fp8_block, poisoned):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the early shared rows under PDL, against the router")
-@pytest.mark.parametrize("n_tok,fp8_block", [(1, 128), (1, 32), (1, None), (8, 32)])
+@pytest.mark.parametrize("n_tok,fp8_block", [(1, 128), (1, 32), (1, None), (8, 32), (8, 128)])
 def test_fused_moe_early_shared_rows_on_the_gpu(n_tok, fp8_block):
-    """On the GPU (PDL on Hopper) at V4-Flash widths: `fused_moe`, whose gate/up launch (FP8 128×128) or one
-    launch (`FUSED`: FP8 32×32, bf16; its counters made before the router) starts the shared rows while the
-    router's select kernel runs (one token; at 8 tokens, past `EARLY_MAX_TOKENS`, the usual launch), equals
+    """On the GPU (PDL on Hopper) at V4-Flash widths: `fused_moe`, whose one launch (`FUSED`; its counters made
+    before the router) or gate/up launch (8 tokens) starts the shared rows while the router's select kernel
+    runs (one token; at 8 tokens, past `EARLY_MAX_TOKENS`, the usual launch), equals
     the router then the experts without the promise, bit for bit, 20 times over (a shared row stored before
     the router finished, x read early, or a counter not zeroed in time would show)."""
     x, _, _, w1, w2, w3, s1, s2, s3 = _expert_case(n_tok, 4096, 16, 6, 2048, 2048, fp8_block, torch.bfloat16)
@@ -442,7 +445,7 @@ def test_fused_moe_early_shared_rows_on_the_gpu(n_tok, fp8_block):
     bias = torch.zeros(16, device=x.device)
     route = dict(top_k=6, routed_scaling_factor=1.5, hash_routing=False)
     tiles = moe_decode.decode_tiles(n_tok, fp8_block, 4096)
-    assert tiles.up_tma is not None and (tiles.fused is not None) == (n_tok == 1 and fp8_block != 128)
+    assert (tiles.fused is not None) == (n_tok == 1)
     weights, ids = moe.moe_route(x, gate, bias, None, None, **route)
     late = moe_decode.decode_experts(x, weights, ids.int(), w1, w2, w3, s1, s2, s3, 10.0)
     for _ in range(20):
