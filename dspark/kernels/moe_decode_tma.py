@@ -408,9 +408,10 @@ def tma_fused(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swig
               up: TmaTiles = TmaTiles(), down: TmaTiles = TmaTiles(16, 256, 4, 4), counters=None):
     """`moe_decode.decode_experts` as one launch (`_tma_fused_kernel`, where `supported`): y [N, D] in x.dtype.
     `up` / `down`: the gate/up and down items' tiles; the launch runs max(up.warps, down.warps) warps.
-    `counters`: `fused_counters(x, K, down)`, made (zeroed) before the launch before this call, which must be
-    the router's, launched after x was written (`moe_decode.decode_experts`' `x_ready`): the launch's EARLY
-    form, the shared rows' gate/up items streaming while the router runs. None: counters made here, no EARLY."""
+    `counters`: `fused_counters(x, K, down)`, zeroed before the router launched, the router being the launch
+    right before this one and launched after x was written (`moe_decode.decode_experts`' `x_ready`): the
+    EARLY form, the shared rows' gate/up items streaming while the router runs. None: counters made here
+    (a memset right before the launch), no EARLY."""
     operands = up_operands(x, ids, w1, w3, shared_w1, shared_w3, 0)
     (d1, s1, d3, s3, ds1, ss1, ds3, ss3), (fp8, sb, fp8_s, sb_s), h, _, args = operands
     n_assign, dim, inter, inter_s, h_width, _ = args
