@@ -29,8 +29,8 @@
 # d: after c, with the one launch for FP8 128×128 too (`FUSED`) and c's GPU-test fixes: the TMA kernels'
 #    GPU tests again, then issue 6's whole op at one token, V4-Flash FP8 128×128, 32×32 and bf16, as shipped
 #    against the op with none of the early starts and against the two launches with theirs (`--early`).
-# e: d's GPU tests; then on an H200 issue 6's MoE rows after the read flush and the 32K attention (a without the
-#    write-flushed rows), on an H100 d's op timings.
+# e: on an H200 issue 6's MoE rows after the read flush and the 32K attention (a without the write-flushed
+#    rows); on an H100 part d (its GPU tests and op timings).
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
@@ -97,11 +97,11 @@ part_d() {
 
 part_e() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests "gpu-tests-fused-early-e-$(card)-s43" 240 tests/kernels/test_moe_decode_tma.py
   if [ "$(card)" = h200 ]; then
     moe_rows_h200 s43
     attention_32k s43
   else
+    tests "gpu-tests-fused-early-e-$(card)-s43" 240 tests/kernels/test_moe_decode_tma.py
     logged "moe-early-fused-e-$(card)-s43" 200 python3 bench/moe_decode_tma.py --early --layers v4-flash \
       --kinds fp8,fp8-32,bf16 --tokens 1 --out "$OUT/moe-early-fused-e-$(card)-s43.json"
     grep -h "early" "$W/logs/moe-early-fused-e-$(card)-s43.txt" | cut -c1-300 | tail -n 4
