@@ -7,6 +7,7 @@
 #   run(command="bash bench/gpu_session47.sh c")   # ≈ 6 min
 #   run(command="bash bench/gpu_session47.sh d")   # ≈ 5 min
 #   run(command="bash bench/gpu_session47.sh e", carry=[".whl"])   # ≈ 8 min on an H200, ≈ 5 on an H100
+#   run(command="bash bench/gpu_session47.sh f")   # ≈ 4 min
 #
 # a: on an H200, issue 6's figures after the read flush, the ones that decide its MoE and attention targets:
 #    the V4-Flash MoE rows (`bench/kernels.py --graph`, the whole op with its router at 1, 8 and 64 tokens)
@@ -31,6 +32,7 @@
 #    against the op with none of the early starts and against the two launches with theirs (`--early`).
 # e: on an H200 issue 6's MoE rows after the read flush and the 32K attention (a without the write-flushed
 #    rows); on an H100 part d (its GPU tests and op timings).
+# f: the shortest of e: on an H200 issue 6's MoE rows after the read flush; on an H100 d's GPU tests.
 source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k
 
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
@@ -105,6 +107,15 @@ part_e() {
     logged "moe-early-fused-e-$(card)-s43" 200 python3 bench/moe_decode_tma.py --early --layers v4-flash \
       --kinds fp8,fp8-32,bf16 --tokens 1 --out "$OUT/moe-early-fused-e-$(card)-s43.json"
     grep -h "early" "$W/logs/moe-early-fused-e-$(card)-s43.txt" | cut -c1-300 | tail -n 4
+  fi
+}
+
+part_f() {
+  if [ "$(card)" = h200 ]; then
+    moe_rows_h200 s43
+  else
+    nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+    tests "gpu-tests-fused-early-f-$(card)-s43" 240 tests/kernels/test_moe_decode_tma.py
   fi
 }
 
