@@ -94,14 +94,30 @@ _python_path_ab() {  # the side's package first on PYTHONPATH, and where a scrip
   python3 -P -c "import dspark; print('$1: dspark from', dspark.__file__)"
 }
 
-moe_rows_h200() {  # moe_rows_h200 SESSION: on an H200 only (issue 6's card), issue 6's V4-Flash MoE rows (the
-  # whole op with the router at 1, 8 and 64 tokens, graphed) into $OUT/kernels-moe-graph-h200-SESSION.json
+moe_rows_h200() {  # moe_rows_h200 SESSION [FLUSH]: on an H200 only (issue 6's card), issue 6's V4-Flash MoE rows
+  # (the whole op with the router at 1, 8 and 64 tokens, graphed) into $OUT/kernels-moe-graph-h200-SESSION.json,
+  # or with FLUSH (`bench/kernels.py --flush`: read, the default, or write) $OUT/kernels-moe-graph-FLUSH-h200-SESSION.json
+  local name=moe_rows${2:+_$2} out=kernels-moe-graph${2:+-$2}-h200-$1.json
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   if [ "$(card)" = h200 ]; then
-    logged moe_rows 240 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
-      --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-h200-$1.json"
-    grep -h "fused_moe" "$W/logs/moe_rows.txt" | cut -c1-200
+    logged "$name" 240 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
+      ${2:+--flush "$2"} --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/$out"
+    grep -h "fused_moe" "$W/logs/$name.txt" | cut -c1-200
   fi
+}
+
+ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
+
+ncu_experts() {  # ncu_experts NAME ARGS...: bench/moe_decode_ncu.py ARGS under Nsight Compute into $OUT/NAME.csv
+  local name=$1 ncu; shift
+  ncu=$(ncu_bin)
+  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 0; }
+  logged "$name" 150 "$ncu" --clock-control none --profile-from-start off --csv --page details \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis python3 bench/moe_decode_ncu.py "$@"
+  grep -h "\"Duration\"\|DRAM Throughput\|Achieved Occupancy\|Theoretical Occupancy\|Waves Per SM\|Block Limit\|Registers Per\|No Eligible\|Warp Cycles Per Issued\|relative difference" \
+    "$W/logs/$name.txt" | awk -F'","' '{print $5, "|", $13, "|", $15}' | cut -c1-160 | head -n 40
+  mv "$W/logs/$name.txt" "$OUT/$name.csv"
 }
 
 attention_32k() {  # attention_32k TAG: flashinfer's MLA decode attention + the sink pass at 32K, 256 and 512 requests

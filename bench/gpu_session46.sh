@@ -35,28 +35,10 @@
 # h: on an H200 only, issue 6's MoE rows after the read flush, then c (e without the write-flushed MoE rows).
 # c: issue 6's decode attention at 32K on flashinfer (`bench/attn_batched.py --batches 256,512`; the graph with
 #    the sink pass and the kernel alone, each after the write flush and after the read flush).
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, attention_32k, swap
-
-ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
-
-ncu_experts() {  # ncu_experts TOKENS: the shipped decode experts under Nsight Compute into $W/logs/ncu_TOKENS.txt
-  local ncu; ncu=$(ncu_bin)
-  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 0; }
-  logged "ncu_$1" 150 "$ncu" --clock-control none --profile-from-start off --csv --page details \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis \
-    python3 bench/moe_decode_ncu.py --block 128 --tokens "$1"
-  grep -h "\"Duration\"\|DRAM Throughput\|Achieved Occupancy\|Theoretical Occupancy\|Waves Per SM\|Block Limit\|Registers Per\|No Eligible\|Warp Cycles Per Issued\|relative difference" \
-    "$W/logs/ncu_$1.txt" | awk -F'","' '{print $5, "|", $13, "|", $15}' | cut -c1-160 | head -n 60
-}
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, tests, pack, dispatch, attention_32k, swap, moe_rows_h200, ncu_experts
 
 moe_rows_both_flushes() {  # on an H200 only: issue 6's V4-Flash MoE rows after either flush
-  [ "$(card)" = h200 ] || return 0
-  for flush in write read; do
-    logged "moe_rows_$flush" 200 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
-      --flush "$flush" --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-$flush-h200-s42.json"
-    grep -h "fused_moe" "$W/logs/moe_rows_$flush.txt" | cut -c1-200
-  done
+  for flush in write read; do moe_rows_h200 s42 "$flush"; done
 }
 
 part_a() {
@@ -65,8 +47,8 @@ part_a() {
   grep -h "flush" "$W/logs/l2-flush-$(card)-s42.txt" | cut -c1-220
   tail -n 2 "$W/logs/l2-flush-$(card)-s42.txt" | cut -c1-300
   moe_rows_both_flushes
-  ncu_experts 1
-  [ "$(card)" = h200 ] || ncu_experts 8
+  ncu_experts "moe-decode-ncu-fp8-128-m1-$(card)-s42" --block 128 --tokens 1
+  [ "$(card)" = h200 ] || ncu_experts "moe-decode-ncu-fp8-128-m8-$(card)-s42" --block 128 --tokens 8
   logged "tma-scale-$(card)-s42" 100 python3 bench/moe_decode_tma.py --layers v4-flash --kinds fp8 \
     --tokens 1,2,4,8 --tiles 16x256x4 --stages 5 --sweep-early --out "$OUT/moe-tma-scale-$(card)-s42.json"
   grep -h "up gemv" "$W/logs/tma-scale-$(card)-s42.txt" | cut -c1-200
@@ -112,20 +94,14 @@ part_f() {
 }
 
 part_g() {
-  if [ "$(card)" = h200 ]; then moe_rows_read; fi
+  moe_rows_h200 s42 read
   part_f
-}
-
-moe_rows_read() {  # moe_rows_read: issue 6's V4-Flash MoE rows after the read flush (the card's name in the file)
-  logged moe_rows_read 170 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
-    --flush read --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 --out "$OUT/kernels-moe-graph-read-$(card)-s42.json"
-  grep -h "fused_moe" "$W/logs/moe_rows_read.txt" | cut -c1-200
 }
 
 part_h() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   [ "$(card)" = h200 ] || { echo "not an H200: nothing to run"; return 0; }
-  moe_rows_read
+  moe_rows_h200 s42 read
   part_c
 }
 

@@ -33,29 +33,12 @@
 # e: on an H200 issue 6's MoE rows after the read flush and the 32K attention (a without the write-flushed
 #    rows); on an H100 part d (its GPU tests and op timings).
 # f: the shortest of e: on an H200 issue 6's MoE rows after the read flush; on an H100 d's GPU tests.
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k
-
-ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
-
-ncu_experts() {  # ncu_experts NAME ARGS...: bench/moe_decode_ncu.py ARGS under Nsight Compute into $OUT/NAME.csv
-  local name=$1 ncu; shift
-  ncu=$(ncu_bin)
-  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 0; }
-  logged "$name" 150 "$ncu" --clock-control none --profile-from-start off --csv --page details \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis python3 bench/moe_decode_ncu.py "$@"
-  grep -h "\"Duration\"\|DRAM Throughput\|Achieved Occupancy\|Theoretical Occupancy\|Waves Per SM\|Block Limit\|Registers Per\|No Eligible\|Warp Cycles Per Issued\|relative difference" \
-    "$W/logs/$name.txt" | awk -F'","' '{print $5, "|", $13, "|", $15}' | cut -c1-160 | head -n 40
-  mv "$W/logs/$name.txt" "$OUT/$name.csv"
-}
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k, ncu_experts
 
 part_a() {
   if [ "$(card)" = h200 ]; then
     moe_rows_h200 s43  # the read flush, `bench/kernels.py`'s default
-    logged moe_rows_write 200 python3 bench/kernels.py --configs flash --tokens 1,8,64 --model-steps 0 --graph \
-      --flush write --ops fused_moe,fused_moe_fp8_128,fused_moe_fp8_32 \
-      --out "$OUT/kernels-moe-graph-write-h200-s43.json"
-    grep -h "fused_moe" "$W/logs/moe_rows_write.txt" | cut -c1-200
+    moe_rows_h200 s43 write
     attention_32k s43
   else
     nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1

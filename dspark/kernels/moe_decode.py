@@ -437,6 +437,12 @@ def decode_tiles(n_tok: int, block: int | None, dim: int = 4096, top_k: int = 6)
     return tiles if tiles.down_split <= top_k + 1 else tiles._replace(down_split=top_k + 1)
 
 
+def _shipped_tiles(x, w1, top_k: int) -> DecodeTiles:
+    """`decode_tiles` for x [N, D] and the routed weights w1's kind (dense, or FP8 of its scale block)."""
+    _, _, fp8, block = _weight_parts(w1)
+    return decode_tiles(x.shape[0], block if fp8 else None, x.shape[1], top_k)
+
+
 def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3, swiglu_limit: float,
                    tiles: DecodeTiles | None = None, x_ready: bool = False, counters=None):
     """`moe.moe_experts` for few assignments: x [N, D] contiguous, weights [N, K] fp32, ids [N, K]
@@ -447,9 +453,7 @@ def decode_experts(x, weights, ids, w1, w2, w3, shared_w1, shared_w2, shared_w3,
     while that launch still runs (PDL; `moe_decode_tma.tma_up`'s `early`), and so does the one launch
     (`FUSED`) given `counters` (`fused_counters`, made before the router launched), else it starts late."""
     slots = ids.shape[1] + 1
-    if tiles is None:
-        _, _, fp8, block = _weight_parts(w1)
-        tiles = decode_tiles(x.shape[0], block if fp8 else None, x.shape[1], slots - 1)
+    tiles = _shipped_tiles(x, w1, slots - 1) if tiles is None else tiles
     if not (isinstance(tiles.stages, int) and tiles.stages >= 1):
         raise ValueError(f"DecodeTiles.stages must be an int >= 1, got {tiles.stages!r}")
     if not (isinstance(tiles.down_split, int) and 1 <= tiles.down_split <= slots):
@@ -471,11 +475,9 @@ def fused_counters(x, w1, w2, w3, shared_w1, shared_w2, shared_w3, top_k: int):
     `EARLY_MAX_TOKENS`), that launch's counters, zeroed (`moe_decode_tma.fused_counters`; the call's
     `counters`); else None. Zeroing them here, not after the router, keeps a memset out of the PDL chain
     from the router to the experts."""
-    n_tok = x.shape[0]
-    if not 1 <= n_tok <= EARLY_MAX_TOKENS:
+    if not 1 <= x.shape[0] <= EARLY_MAX_TOKENS:
         return None
-    _, _, fp8, block = _weight_parts(w1)
-    tiles = decode_tiles(n_tok, block if fp8 else None, x.shape[1], top_k)
+    tiles = _shipped_tiles(x, w1, top_k)
     if tiles.fused is None or not moe_decode_tma.supported(x, w1, w2, w3, shared_w1, shared_w2, shared_w3):
         return None
     return moe_decode_tma.fused_counters(x, top_k, tiles.fused[1])
