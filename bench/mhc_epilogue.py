@@ -1,20 +1,20 @@
-"""Old vs new mHC epilogue at decode sizes: the folded V4 site epilogue (`mhc_norm._mhc_norm_epilogue_kernel`)
+"""The mHC epilogues at decode sizes: the folded V4 site epilogue (`mhc_norm._mhc_norm_epilogue_kernel`)
 and the unfused one (`mhc._mhc_epilogue_kernel`), alone and inside whole sites, on one GPU.
 
-Variants of the folded epilogue (`mhc_norm._launch_norm_epilogue(variant=...)`): "legacy" (the kernel
-before this change: every program runs the Sinkhorn, then walks the row twice, partial loads behind
-reductions), "walk" (same walks, loads first, Sinkhorn in one program), "row" (shipped: the row in
-registers, one walk, Sinkhorn on a second program), and "row" at other warp counts. The unfused
-epilogue: legacy=True vs the shipped order.
+Variants of the folded epilogue (`mhc_norm._launch_norm_epilogue(variant=...)`): "walk" (token blocks
+that walk the row twice, Sinkhorn in one program), "row" (shipped: the row in registers, one walk,
+Sinkhorn on a second program), and "row" at other warp counts. The kernels' former orders, which earlier
+runs of this script timed as "legacy" (`bench/results/mhc-epilogue-h200.json`), left the library in the
+forty-fourth session (git history has them).
 
 Per (N, D) in {1, 4} x {2048, 4096}, bf16:
-* check: every variant's (post, comb, h) against the legacy kernel's (bit-equal or the largest
-  difference) and against the torch references (‖Δ‖/‖ref‖);
+* check: every variant's (post, comb, h) against the walk's (bit-equal or the largest difference)
+  and against the torch references (‖Δ‖/‖ref‖);
 * epilogue_us: µs per launch in a CUDA graph of 24 epilogues, each on its own site's statistics
   partials (written once before the capture), median of replays;
 * site_us: µs per site in a graph of 12 x (pre, post_pre) folded sites (`mhc_norm_site.site_us`,
   statistics pass + epilogue per site), per variant; the unfused pair (mhc_pre / mhc_post_pre then
-  rms_norm) with each unfused epilogue for reference.
+  rms_norm) for reference.
 
     PYTHONPATH=. python bench/mhc_epilogue.py                      # H200: ~1-2 min, writes $OUT/mhc-epilogue-h200.json
     PYTHONPATH=. python bench/mhc_epilogue.py --smoke --out /tmp/e.json   # CPU interpreter: checks the script
@@ -53,7 +53,7 @@ def variants(dim: int, warps: list[int]) -> dict:
     """name -> keyword arguments of `mhc_norm._launch_norm_epilogue`."""
     from dspark.kernels import mhc_norm
 
-    out = {"legacy": dict(variant="legacy"), "walk": dict(variant="walk"), "row": dict(variant="row")}
+    out = {"walk": dict(variant="walk"), "row": dict(variant="row")}
     shipped = mhc_norm.row_tiles(1, dim)
     for w in warps:
         if shipped is not None and w != shipped[1]:
@@ -88,7 +88,7 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def check(n: int, dim: int, one, kinds: dict) -> dict:
-    """Each folded variant and the unfused epilogues vs the legacy kernels and the references."""
+    """Each folded variant vs the walk and the references."""
     from mhc_norm_site import EPS, NORM_EPS, rel
 
     from dspark.kernels import mhc, mhc_norm
@@ -96,15 +96,14 @@ def check(n: int, dim: int, one, kinds: dict) -> dict:
     x, fn, base, scale, w, dpart, sqpart = one
     eps = dict(**EPS, norm_eps=NORM_EPS)
     ref = mhc_norm.mhc_pre_norm_ref(x, fn, base, scale, w, **EPS, norm_eps=NORM_EPS)
-    legacy = mhc_norm._launch_norm_epilogue(x, dpart, sqpart, base, scale, w, eps, variant="legacy")
+    walk = mhc_norm._launch_norm_epilogue(x, dpart, sqpart, base, scale, w, eps, variant="walk")
     row = dict(n=n, dim=dim, folded={})
     for name, kw in kinds.items():
         got = mhc_norm._launch_norm_epilogue(x, dpart, sqpart, base, scale, w, eps, **kw)
-        row["folded"][name] = {k: diff(a, b) for k, a, b in zip(("post", "comb", "h"), got, legacy)}
+        row["folded"][name] = {k: diff(a, b) for k, a, b in zip(("post", "comb", "h"), got, walk)}
         row["folded"][name]["rel_err_vs_ref"] = max(rel(a, b) for a, b in zip(got, ref))
-    old = mhc._launch_epilogue(x, dpart, sqpart, base, scale, *EPS.values(), legacy=True)
-    new = mhc._launch_epilogue(x, dpart, sqpart, base, scale, *EPS.values())
-    row["unfused"] = {k: diff(a, b) for k, a, b in zip(("post", "comb", "u"), new, old)}
+    unfused = mhc._launch_epilogue(x, dpart, sqpart, base, scale, *EPS.values())
+    row["unfused_rel_err_vs_ref"] = max(rel(a, b) for a, b in zip(unfused, mhc.mhc_pre_ref(x, fn, base, scale, **EPS)))
     return row
 
 
@@ -127,19 +126,18 @@ def epilogue_us(batch, kw: dict, reps: int, unfused: bool = False) -> float:
     return replay_seconds(capture(step), reps) * 1e6 / len(batch)
 
 
-def site_us(path: str, n: int, dim: int, g: torch.Generator, reps: int, folded_kw: dict, unfused_legacy: bool):
-    """µs per site of `mhc_norm_site.site_us` with the epilogue launchers bound to one variant."""
+def site_us(path: str, n: int, dim: int, g: torch.Generator, reps: int, folded_kw: dict):
+    """µs per site of `mhc_norm_site.site_us` with the folded epilogue's launcher bound to one variant."""
     import mhc_norm_site
 
-    from dspark.kernels import mhc, mhc_norm
+    from dspark.kernels import mhc_norm
 
-    launch_norm, launch_epi = mhc_norm._launch_norm_epilogue, mhc._launch_epilogue
+    launch_norm = mhc_norm._launch_norm_epilogue
     mhc_norm._launch_norm_epilogue = functools.partial(launch_norm, **folded_kw)  # this process only
-    mhc._launch_epilogue = functools.partial(launch_epi, legacy=unfused_legacy)
     try:
         return mhc_norm_site.site_us(path, n, dim, g, reps)
     finally:
-        mhc_norm._launch_norm_epilogue, mhc._launch_epilogue = launch_norm, launch_epi
+        mhc_norm._launch_norm_epilogue = launch_norm
 
 
 def run(args) -> dict:
@@ -165,16 +163,13 @@ def run(args) -> dict:
             if args.smoke:
                 continue
             times = dict(n=n, dim=dim, **{name: round(epilogue_us(batch, kw, args.reps), 2) for name, kw in kinds.items()})
-            times["unfused_legacy"] = round(epilogue_us(batch, dict(legacy=True), args.reps, unfused=True), 2)
             times["unfused"] = round(epilogue_us(batch, {}, args.reps, unfused=True), 2)
             result["epilogue_us"].append(times)
             print(json.dumps(times), flush=True)
             sites_row = dict(n=n, dim=dim)
-            for name in ("legacy", "walk", "row"):
-                sites_row[f"folded_{name}"] = round(site_us("fused", n, dim, g, args.reps, kinds[name], name == "legacy"), 2)
-            for legacy in (True, False):
-                sites_row["unfused_legacy" if legacy else "unfused"] = round(
-                    site_us("unfused", n, dim, g, args.reps, {}, legacy), 2)
+            for name in ("walk", "row"):
+                sites_row[f"folded_{name}"] = round(site_us("fused", n, dim, g, args.reps, kinds[name]), 2)
+            sites_row["unfused"] = round(site_us("unfused", n, dim, g, args.reps, {}), 2)
             result["site_us"].append(sites_row)
             print(json.dumps(sites_row), flush=True)
     return result

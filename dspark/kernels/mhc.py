@@ -264,37 +264,28 @@ def _mhc_stats_kernel(
 
 
 @_jit
-def _sinkhorn(logits, valid, hc_eps, sinkhorn_iters, RECIP: tl.constexpr = True):
+def _sinkhorn(logits, valid, hc_eps, sinkhorn_iters):
     """Row softmax + hc_eps, one column norm, then (iters-1) × (row norm, column norm).
 
     logits, valid: [BT, HC_PAD (j), HC_PAD (k)]; padded entries stay exactly 0.
 
     Each thread holds the whole 4 × 4 matrix (the compiler replicates it), so the sums are register
     adds; the cost is instructions. `a / b` is PTX div.full.f32, which ptxas expands per ELEMENT into
-    range checks, two predicated rescales of a and b, then a · rcp(b). With RECIP each normalisation
-    takes one reciprocal per row or column and multiplies: for a divisor in [2^-126, 2^126] -- every
-    sum + hc_eps here -- div.full is exactly a · rcp(b), so the bits are the same with ~half the
-    instructions (the loop is the epilogue's longest dependent chain). RECIP=False: the former
-    per-element division, kept for `bench/mhc_epilogue.py`.
+    range checks, two predicated rescales of a and b, then a · rcp(b). So each normalisation takes one
+    reciprocal per row or column and multiplies: for a divisor in [2^-126, 2^126] -- every sum + hc_eps
+    here -- div.full is exactly a · rcp(b), so the bits are those of the division with ~half the
+    instructions (the loop is the epilogue's longest dependent chain).
     """
     logits = tl.where(valid, logits, -1.0e30)  # finite: padded rows must not produce inf - inf
     e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    if RECIP:
-        # tl.fma(a, r, 0.0), not a * r: a plain product would be contracted into the next sum's adds
-        # (an FFMA, one rounding fewer), changing the bits; a·r + 0 rounds as the product (values >= 0).
-        comb = tl.fma(e, (1.0 / tl.sum(e, axis=2))[:, :, None], 0.0)
-        comb = tl.where(valid, comb + hc_eps, 0.0)
+    # tl.fma(a, r, 0.0), not a * r: a plain product would be contracted into the next sum's adds
+    # (an FFMA, one rounding fewer), changing the bits; a·r + 0 rounds as the product (values >= 0).
+    comb = tl.fma(e, (1.0 / tl.sum(e, axis=2))[:, :, None], 0.0)
+    comb = tl.where(valid, comb + hc_eps, 0.0)
+    comb = tl.fma(comb, (1.0 / (tl.sum(comb, axis=1) + hc_eps))[:, None, :], 0.0)
+    for _ in range(sinkhorn_iters - 1):
+        comb = tl.fma(comb, (1.0 / (tl.sum(comb, axis=2) + hc_eps))[:, :, None], 0.0)
         comb = tl.fma(comb, (1.0 / (tl.sum(comb, axis=1) + hc_eps))[:, None, :], 0.0)
-        for _ in range(sinkhorn_iters - 1):
-            comb = tl.fma(comb, (1.0 / (tl.sum(comb, axis=2) + hc_eps))[:, :, None], 0.0)
-            comb = tl.fma(comb, (1.0 / (tl.sum(comb, axis=1) + hc_eps))[:, None, :], 0.0)
-    else:
-        comb = e / tl.sum(e, axis=2)[:, :, None]
-        comb = tl.where(valid, comb + hc_eps, 0.0)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-        for _ in range(sinkhorn_iters - 1):
-            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
     return comb
 
 
@@ -379,67 +370,16 @@ def _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mas
 def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
                 rms_eps, hc_eps, sinkhorn_iters,
                 HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                SPLIT_BLOCK: tl.constexpr = 8, LEGACY: tl.constexpr = False):
+                SPLIT_BLOCK: tl.constexpr = 8):
     """Reduce the statistics partials of tokens `offs_t` [BT] -> (pre [BT, HC_PAD] (0 on padded
-    streams), post [BT, HC_PAD], comb [BT, HC_PAD, HC_PAD]), fp32, in the order of spec §6.2.
-    LEGACY: the former order (each partial load behind the previous reduction, base and scale
-    after all of them, per-element division in the Sinkhorn) -- same values, kept for the bench."""
-    if LEGACY:
-        pre, post, comb = _site_mixes_legacy(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim,
-                                             splits, rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T,
-                                             SPLIT_BLOCK)
-    else:
-        s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
-        sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
-                                                        HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True, True)
-        rho = _rho(sq, dim, rms_eps, HC)
-        post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
-                                   sinkhorn_iters, HC, HC_PAD)
-        pre = _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD)
-    return pre, post, comb
-
-
-@_jit
-def _site_mixes_legacy(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                       rms_eps, hc_eps, sinkhorn_iters,
-                       HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                       SPLIT_BLOCK: tl.constexpr):
-    """`_site_mixes` as it was before the load reordering (`bench/mhc_epilogue.py`'s baseline)."""
-    offs_j = tl.arange(0, HC_PAD)
-    j_ok = offs_j < HC
-    jk_ok = j_ok[:, None] & j_ok[None, :]
-    jk = 2 * HC + offs_j[:, None] * HC + offs_j[None, :]
-    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    pre_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
-    post_mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
-    comb_mix = tl.zeros((BLOCK_T, HC_PAD, HC_PAD), dtype=tl.float32)
-    for s0 in range(0, splits, SPLIT_BLOCK):
-        offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
-        s_ok = offs_s < splits
-        rows = offs_s[:, None] * n_tok + offs_t[None, :]  # [SB, BT]
-        st_mask = s_ok[:, None] & t_mask[None, :]
-        sq += tl.sum(tl.load(sqpart_ptr + rows, mask=st_mask, other=0.0), axis=0)
-        part = rows * MIX_PAD
-        stj_mask = st_mask[:, :, None] & j_ok[None, None, :]
-        pre_mix += tl.sum(tl.load(dpart_ptr + part[:, :, None] + offs_j[None, None, :], mask=stj_mask, other=0.0),
-                          axis=0)
-        post_mix += tl.sum(tl.load(dpart_ptr + part[:, :, None] + HC + offs_j[None, None, :], mask=stj_mask,
-                                   other=0.0), axis=0)
-        comb_mix += tl.sum(tl.load(dpart_ptr + part[:, :, None, None] + jk[None, None, :, :],
-                                   mask=st_mask[:, :, None, None] & jk_ok[None, None, :, :], other=0.0), axis=0)
-    rho = tl.rsqrt(sq / (HC * dim) + rms_eps)  # [BT]
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
-    b_pre = tl.load(base_ptr + offs_j, mask=j_ok, other=0.0)
-    b_post = tl.load(base_ptr + HC + offs_j, mask=j_ok, other=0.0)
-    b_comb = tl.load(base_ptr + jk, mask=jk_ok, other=0.0)
-    pre = tl.sigmoid(pre_mix * rho[:, None] * s_pre + b_pre[None, :]) + hc_eps
-    pre = tl.where(j_ok[None, :], pre, 0.0)
-    post = 2.0 * tl.sigmoid(post_mix * rho[:, None] * s_post + b_post[None, :])
-    comb = _sinkhorn(comb_mix * rho[:, None, None] * s_comb + b_comb[None, :, :],
-                     t_mask[:, None, None] & jk_ok[None, :, :], hc_eps, sinkhorn_iters, False)
-    return pre, post, comb
+    streams), post [BT, HC_PAD], comb [BT, HC_PAD, HC_PAD]), fp32, in the order of spec §6.2."""
+    s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+    sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                    HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True, True)
+    rho = _rho(sq, dim, rms_eps, HC)
+    post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
+                               sinkhorn_iters, HC, HC_PAD)
+    return _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD), post, comb
 
 
 @_jit
@@ -455,14 +395,14 @@ def _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC: tl.constexp
 @_jit
 def _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, n_tok, dim, splits, rms_eps, hc_eps,
                  sinkhorn_iters, store, HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-                 BLOCK_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr, LEGACY: tl.constexpr = False):
+                 BLOCK_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """An epilogue program's token block (program_id(0)): (offs_t [BT], t_mask [BT], tj_mask [BT, HC_PAD],
     pre [BT, HC_PAD]) from the statistics partials; post and comb are stored where `store`."""
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
     tj_mask = t_mask[:, None] & (tl.arange(0, HC_PAD) < HC)[None, :]
     pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, LEGACY)
+                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
     if store:
         _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
     return offs_t, t_mask, tj_mask, pre
@@ -473,8 +413,8 @@ def _mhc_epilogue_kernel(
     x_ptr, dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, u_ptr,
     n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, LEGACY: tl.constexpr,
-    ROLE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, ROLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t-block, d-block): reduce the partials -> pre (every D-block: H values per token,
     cheaper than another launch) and store its slice of u; D-block 0 then runs the Sinkhorn and
@@ -482,47 +422,36 @@ def _mhc_epilogue_kernel(
     the partials' reductions, so one memory round trip precedes the arithmetic.
     ROLE 1: the collapse alone (every D-block; no post / comb partials loaded); ROLE 2 (grid
     [t-blocks, 1]): the mixes alone (no x tile, no u): two launches that may run on two streams, so
-    that the Sinkhorn leaves the launch the sublayer waits for (`_launch_epilogue`); ROLE 0 both.
-    LEGACY: the former order (every D-block runs the Sinkhorn before its collapse) for the bench."""
+    that the Sinkhorn leaves the launch the sublayer waits for (`_launch_epilogue`); ROLE 0 both."""
     pdl_prologue(PDL)
     pid_d = tl.program_id(1)
     offs_j = tl.arange(0, HC_PAD)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < dim
-    if LEGACY:
-        offs_t, t_mask, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr,
-                                                    n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters, pid_d == 0,
-                                                    HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True)
-        x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim + offs_d[None, None, :],
-                     mask=tj_mask[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
+    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = offs_t < n_tok
+    tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
+    if ROLE != 2:
+        x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim
+                     + offs_d[None, None, :], mask=tj_mask[:, :, None] & d_mask[None, None, :],
+                     other=0.0).to(tl.float32)
+    s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+    sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                    HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, ROLE != 2, ROLE != 1)
+    rho = _rho(sq, dim, rms_eps, HC)
+    if ROLE != 2:
+        pre = _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD)
         u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
         tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
                  mask=t_mask[:, None] & d_mask[None, :])
+    if ROLE == 0:
+        mixes = pid_d == 0  # both parts in one launch: D-block 0 also runs the Sinkhorn
     else:
-        offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        t_mask = offs_t < n_tok
-        tj_mask = t_mask[:, None] & (offs_j < HC)[None, :]
-        if ROLE != 2:
-            x3 = tl.load(x_ptr + offs_t[:, None, None] * (HC * dim) + offs_j[None, :, None] * dim
-                         + offs_d[None, None, :], mask=tj_mask[:, :, None] & d_mask[None, None, :],
-                         other=0.0).to(tl.float32)
-        s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
-        sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
-                                                        HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, ROLE != 2, ROLE != 1)
-        rho = _rho(sq, dim, rms_eps, HC)
-        if ROLE != 2:
-            pre = _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD)
-            u = tl.sum(pre[:, :, None] * x3, axis=1)  # [BT, BD]
-            tl.store(u_ptr + offs_t[:, None] * dim + offs_d[None, :], u.to(u_ptr.dtype.element_ty),
-                     mask=t_mask[:, None] & d_mask[None, :])
-        if ROLE == 0:
-            mixes = pid_d == 0  # both parts in one launch: D-block 0 also runs the Sinkhorn
-        else:
-            mixes = ROLE == 2  # one part per launch: a constant, so the other part is not compiled
-        if mixes:
-            post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
-                                       sinkhorn_iters, HC, HC_PAD)
-            _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
+        mixes = ROLE == 2  # one part per launch: a constant, so the other part is not compiled
+    if mixes:
+        post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
+                                   sinkhorn_iters, HC, HC_PAD)
+        _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
 
 
 @_jit
@@ -638,10 +567,8 @@ def launch_epilogue_parts(mixes_on, whole, mixes, rest, *partials: torch.Tensor)
     rest()
 
 
-def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters, legacy=False,
-                     mixes_on=None):
+def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_eps, sinkhorn_iters, mixes_on=None):
     """post [N, H] fp32, comb [N, H, H] fp32, u [N, D] x.dtype from the statistics partials.
-    `legacy` launches the former kernel order (`_mhc_epilogue_kernel` LEGACY; bench/mhc_epilogue.py).
     `mixes_on` (a context-manager factory, e.g. a side stream's fork): the mixes (post, comb) are a
     launch of their own under `mixes_on()` and u one on the current stream, the same bits; the
     caller joins that stream before it reads post or comb."""
@@ -660,10 +587,10 @@ def _launch_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, rms_eps, hc_ep
             float(rms_eps), float(hc_eps), int(sinkhorn_iters),
             HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
             BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t),
-            LEGACY=bool(legacy), ROLE=role, PDL=pdl, launch_pdl=pdl,
+            ROLE=role, PDL=pdl, launch_pdl=pdl,
         )
 
-    launch_epilogue_parts(None if legacy else mixes_on, lambda: launch(grid, 0), lambda: launch((grid[0], 1), 2),
+    launch_epilogue_parts(mixes_on, lambda: launch(grid, 0), lambda: launch((grid[0], 1), 2),
                           lambda: launch(grid, 1), dpart, sqpart)
     return post, comb, u
 

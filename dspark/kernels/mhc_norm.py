@@ -41,7 +41,7 @@ import math
 import torch
 
 from dspark.kernels.mhc import (
-    _block_mixes, _check_post_args, _check_pre_args, _launch_stats, _num_sms, _partial_sums, _post_comb_of, _pre_of,
+    _check_post_args, _check_pre_args, _launch_stats, _num_sms, _partial_sums, _post_comb_of, _pre_of,
     _rho, _site_params, _store_mixes, launch_epilogue_parts, mhc_post_pre, mhc_post_pre_ref, mhc_pre, mhc_pre_ref,
     split_block,
 )
@@ -195,7 +195,7 @@ def _mhc_norm_epilogue_kernel(
     n_tok, dim, splits, n_dblocks, iters, rms_eps, hc_eps, norm_eps, sinkhorn_iters,
     HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, ROW: tl.constexpr,
-    LEGACY: tl.constexpr, ROLE: tl.constexpr, PDL: tl.constexpr,
+    ROLE: tl.constexpr, PDL: tl.constexpr,
 ):
     """ROW > 0 (one token per program row, grid [N, 2]): program (t, 0) loads token t's whole row
     (ROW >= D wide) and the pre partials, then pre -> u -> Σu² -> h in registers, one walk over x;
@@ -206,17 +206,10 @@ def _mhc_norm_epilogue_kernel(
 
     ROW = 0 (token blocks of BLOCK_T, grid [t-blocks, P]): program p reduces the partials -> pre,
     walks the whole row for Σu², then stores h on the D-blocks p, p + P, ... (`iters` of them);
-    p = 0 then runs the Sinkhorn and stores post and comb. LEGACY: the former kernel (every program
-    runs the Sinkhorn before its walks, partial loads behind reductions), kept for the bench."""
+    p = 0 then runs the Sinkhorn and stores post and comb."""
     pdl_prologue(PDL)
     pid_p = tl.program_id(1)
-    if LEGACY:
-        offs_t, t_mask, tj_mask, pre = _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr,
-                                                    n_tok, dim, splits, rms_eps, hc_eps, sinkhorn_iters, pid_p == 0,
-                                                    HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True)
-        _store_normed_collapse(x_ptr, w_ptr, h_ptr, pre, offs_t, t_mask, tj_mask, dim, n_dblocks, iters, norm_eps,
-                               pid_p, tl.num_programs(1), HC, HC_PAD, BLOCK_T, BLOCK_D)
-    elif ROW > 0:
+    if ROW > 0:
         t = tl.program_id(0).to(tl.int64)
         offs_t = t + tl.arange(0, 1)
         t_mask = offs_t < n_tok
@@ -299,15 +292,15 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
                           variant: str = "row", mixes_on=None):
     """post [N, H] fp32, comb [N, H, H] fp32, h [N, D] x.dtype from the statistics partials over x.
 
-    `variant`: "row" (the shipped choice: `row_tiles` where they apply, else the walk), "walk" (token
-    blocks that walk the row, Sinkhorn once per block), "legacy" (the former kernel; benches).
+    `variant`: "row" (the shipped choice: `row_tiles` where they apply, else the walk) or "walk" (token
+    blocks that walk the row, Sinkhorn once per block; benches).
     `tiles` (BLOCK_T, BLOCK_D) overrides `_norm_tiles` of the walks, or (ROW, num_warps) the row
     tiles of "row" (benches). `mixes_on` (a context-manager factory, e.g. a side stream's fork): on
     the row tiles, the mixes (post, comb) are a launch of their own under `mixes_on()` and h one on
     the current stream, the same bits; the caller joins that stream before it reads post or comb.
     The walks run everything in one launch."""
-    if variant not in ("row", "walk", "legacy"):
-        raise ValueError(f"variant must be 'row', 'walk' or 'legacy', got {variant!r}")
+    if variant not in ("row", "walk"):
+        raise ValueError(f"variant must be 'row' or 'walk', got {variant!r}")
     n_tok, n_hc, dim = x.shape
     post = torch.empty((n_tok, n_hc), device=x.device, dtype=torch.float32)
     comb = torch.empty((n_tok, n_hc, n_hc), device=x.device, dtype=torch.float32)
@@ -329,7 +322,7 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
             triton.cdiv(n_dblocks, grid[1]), float(eps["rms_eps"]), float(eps["hc_eps"]), float(eps["norm_eps"]),
             int(eps["sinkhorn_iters"]), HC=n_hc, HC_PAD=triton.next_power_of_2(n_hc), MIX_PAD=dpart.shape[2],
             BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BLOCK=split_block(dpart.shape[0], block_t), PDL=pdl,
-            ROW=row_width, LEGACY=variant == "legacy", ROLE=role, launch_pdl=pdl, num_warps=warps,
+            ROW=row_width, ROLE=role, launch_pdl=pdl, num_warps=warps,
         )
 
     launch_epilogue_parts(None if row is None else mixes_on, lambda: launch(grid, 0), lambda: launch((n_tok, 1), 2),
