@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
+from dspark.kernels.registry import linear_norm_op
 from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.kernels.norm_rope_ref import norm_then_rope
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
@@ -94,6 +95,8 @@ class LatentAttention(nn.Module):
         # rms_norm and rope ops run in sequence instead: the op's reference would replace fused ones.
         self.norm_rope_op = (get_op(kernels, "norm_rope") if kernels.norm_rope != "ref"
                              else functools.partial(norm_then_rope, self.norm_op, self.rope_op))
+        # x [N, q_lora], q_norm weight, wq_b weight -> wq_b(q_norm(x)) in one launch at decode; None: not configured
+        self.q_norm_fold = linear_norm_op(kernels)
         self.n_heads = c.num_attention_heads
         self.head_dim = c.head_dim
         self.window = c.sliding_window
@@ -131,9 +134,21 @@ class LatentAttention(nn.Module):
         """c_q = q_norm(x·wq_aᵀ) [N, q_lora]: the q half's first step, also the indexer's input."""
         return self.q_norm(self.wq_a(x))
 
-    def project_q_heads(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): the q half's second step."""
-        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
+    def folds_q_norm(self) -> bool:
+        """Whether `project_q_heads` can take c_q before its norm (normed=False): `linear_norm` configured
+        (`registry.linear_norm_op`) and wq_b this module's own Linear (not a parallel or quantised one)."""
+        return self.q_norm_fold is not None and type(self.wq_b) is Linear
+
+    def project_q_heads(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        normed: bool = True) -> torch.Tensor:
+        """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): the q half's second step.
+        normed=False (where `folds_q_norm`): q_lora is x·wq_aᵀ before q_norm, which runs folded into wq_b's
+        launch (`linear_norm`), one launch fewer than `project_q_lora` then this."""
+        if normed:
+            q = self.wq_b(q_lora)
+        else:
+            q = self.q_norm_fold(q_lora, self.q_norm.weight, self.wq_b.weight, eps=self.q_norm.eps)
+        q = q.unflatten(-1, (self.n_heads, self.head_dim))
         q_cos, q_sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [N, 1, rd/2]: one row for all heads
         if self.q_head_norm:  # per-head unweighted RMS (spec §5), then RoPE
             return self.norm_rope_op(q, None, q_cos, q_sin, eps=self.eps)  # [N, H, d]
