@@ -106,6 +106,15 @@ moe_rows_h200() {  # moe_rows_h200 SESSION [FLUSH]: on an H200 only (issue 6's c
   fi
 }
 
+tma_tests_then_early() {  # tma_tests_then_early TESTS EARLY: the TMA kernels' GPU tests (log TESTS), then issue 6's
+  # whole op at one token for the three weight kinds, V4-Flash, as shipped, late and as two launches with their early
+  # rows (`bench/moe_decode_tma.py --early`) into $OUT/EARLY.json
+  tests "$1" 240 tests/kernels/test_moe_decode_tma.py
+  logged "$2" 200 python3 bench/moe_decode_tma.py --early --layers v4-flash --kinds fp8,fp8-32,bf16 --tokens 1 \
+    --out "$OUT/$2.json"
+  grep -h "early" "$W/logs/$2.txt" | cut -c1-300 | tail -n 4
+}
+
 ncu_bin() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1; }
 
 ncu_experts() {  # ncu_experts NAME ARGS...: bench/moe_decode_ncu.py ARGS under Nsight Compute into $OUT/NAME.csv

@@ -33,7 +33,8 @@
 # e: on an H200 issue 6's MoE rows after the read flush and the 32K attention (a without the write-flushed
 #    rows); on an H100 part d (its GPU tests and op timings).
 # f: the shortest of e: on an H200 issue 6's MoE rows after the read flush; on an H100 d's GPU tests.
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k, ncu_experts
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, pack, dispatch, moe_rows_h200, attention_32k, ncu_experts,
+# tma_tests_then_early
 
 part_a() {
   if [ "$(card)" = h200 ]; then
@@ -74,10 +75,7 @@ part_c() {
 
 part_d() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests "gpu-tests-fused-early-d-$(card)-s43" 240 tests/kernels/test_moe_decode_tma.py
-  logged "moe-early-fused-d-$(card)-s43" 200 python3 bench/moe_decode_tma.py --early --layers v4-flash \
-    --kinds fp8,fp8-32,bf16 --tokens 1 --out "$OUT/moe-early-fused-d-$(card)-s43.json"
-  grep -h "early" "$W/logs/moe-early-fused-d-$(card)-s43.txt" | cut -c1-300 | tail -n 4
+  tma_tests_then_early "gpu-tests-fused-early-d-$(card)-s43" "moe-early-fused-d-$(card)-s43"
 }
 
 part_e() {
@@ -86,10 +84,7 @@ part_e() {
     moe_rows_h200 s43
     attention_32k s43
   else
-    tests "gpu-tests-fused-early-e-$(card)-s43" 240 tests/kernels/test_moe_decode_tma.py
-    logged "moe-early-fused-e-$(card)-s43" 200 python3 bench/moe_decode_tma.py --early --layers v4-flash \
-      --kinds fp8,fp8-32,bf16 --tokens 1 --out "$OUT/moe-early-fused-e-$(card)-s43.json"
-    grep -h "early" "$W/logs/moe-early-fused-e-$(card)-s43.txt" | cut -c1-300 | tail -n 4
+    tma_tests_then_early "gpu-tests-fused-early-e-$(card)-s43" "moe-early-fused-e-$(card)-s43"
   fi
 }
 

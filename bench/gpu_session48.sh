@@ -22,7 +22,8 @@
 #    and V4.1 static steps with and without it), then the v4-mini and v41-mini graph steps at 1 and 8 requests
 #    captured with it against the shipped graph, in turn (`bench/graph_decode.py --gemv-ab q_norm_fold`; at
 #    8 requests the K = 512 wq_b takes no GEMV, so nothing folds: the control).
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, pack, dispatch, moe_rows_h200, attention_32k
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, pack, dispatch, moe_rows_h200, attention_32k,
+# tma_tests_then_early
 
 part_a() {
   if [ "$(card)" = h200 ]; then
@@ -36,10 +37,7 @@ part_a() {
 
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests "gpu-tests-tma-$(card)-s44" 240 tests/kernels/test_moe_decode_tma.py
-  logged "moe-early-kinds-$(card)-s44" 200 python3 bench/moe_decode_tma.py --early --layers v4-flash \
-    --kinds fp8,fp8-32,bf16 --tokens 1 --out "$OUT/moe-early-kinds-$(card)-s44.json"
-  grep -h "early" "$W/logs/moe-early-kinds-$(card)-s44.txt" | cut -c1-300 | tail -n 4
+  tma_tests_then_early "gpu-tests-tma-$(card)-s44" "moe-early-kinds-$(card)-s44"
   logged "moe-fused-mini-$(card)-s44" 150 python3 bench/moe_decode_tma.py --fused --layers v4-mini \
     --kinds bf16,fp8-32,fp8 --tokens 1 --out "$OUT/moe-fused-mini-$(card)-s44.json"
   grep -h "fused\|op " "$W/logs/moe-fused-mini-$(card)-s44.txt" | cut -c1-300 | tail -n 4
