@@ -179,7 +179,7 @@ def captured_with(variant: dict):
       release (`moe_route_decode.RELEASE_FIRST`): every gate/up program waits for the router, as before the
       forty-first session;
     * "Q_NORM_FOLD": V4's and V4.1's q_norm folded into wq_b's GEMV (`linear.linear_norm`, which the device's
-      kernel config keeps off until this timing: `registry.NOT_YET_ON_GPU`) in every attention;
+      kernel config keeps off until this timing: `registry.NOT_YET_ON_GPU`) in every attention and indexer;
     * `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
       save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every
       compressor update (`static_step.update_compressor`: projections and pooling)."""
@@ -206,9 +206,10 @@ def captured_with(variant: dict):
     saved_folds, folded = LatentAttention.folds_q_norm, []
     if variant.get("Q_NORM_FOLD"):
         def folds_q_norm(attn):  # the op as `registry.linear_norm_op` would give it, until the capture ends
-            if attn.q_norm_fold is None:
-                attn.q_norm_fold = linear.linear_norm
-                folded.append(attn)
+            for module in (attn, getattr(attn, "indexer", None)):
+                if module is not None and module.q_norm_fold is None:
+                    module.q_norm_fold = linear.linear_norm
+                    folded.append(module)
             return saved_folds(attn)
 
         LatentAttention.folds_q_norm = folds_q_norm
@@ -236,8 +237,8 @@ def captured_with(variant: dict):
         moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts = saved_up, saved_down, saved_experts
         moe_route_decode.RELEASE_FIRST = saved_release
         LatentAttention.folds_q_norm = saved_folds
-        for attn in folded:
-            attn.q_norm_fold = None
+        for module in folded:
+            module.q_norm_fold = None
 
 
 # --gemv-ab: label -> `captured_with`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was

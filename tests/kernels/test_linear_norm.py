@@ -139,7 +139,8 @@ def static_logits(name: str, fold: bool, slots: int, tokens: int, monkeypatch) -
 def test_static_steps_with_the_fold_follow_the_unfolded_model(name, slots, tokens, monkeypatch):
     """The static step (batch-1 decode; 2 slots × 2-token verify blocks) with q_norm folded into wq_b against
     the same weights with the fold off (RMSNorm, then Linear): the same logits to fp32 summation order,
-    and every layer's wq_b launch took its q_norm (the tiny models' K is widened into the GEMV's range)."""
+    and every layer's wq_b launch and every indexer's took the attention's q_norm (the tiny models' K is
+    widened into the GEMV's range)."""
     monkeypatch.setattr(op, "gemv_pays", lambda rows, n_out, n_in: 1 <= rows <= op.GEMV_MAX_ROWS)
     off, unfolded = static_logits(name, False, slots, tokens, monkeypatch)
     on, folded = static_logits(name, True, slots, tokens, monkeypatch)
@@ -147,4 +148,5 @@ def test_static_steps_with_the_fold_follow_the_unfolded_model(name, slots, token
     assert not unfolded
     model = dspark.init_model(name, seed=0, dtype=torch.float32)
     q_norms = {layer.attn.q_norm.weight.shape for layer in model.layers}
-    assert len(folded) == 3 * len(model.layers) and {w.shape for w in folded} == q_norms
+    indexers = sum(layer.attn.indexer is not None for layer in model.layers)
+    assert indexers and len(folded) == 3 * (len(model.layers) + indexers) and {w.shape for w in folded} == q_norms

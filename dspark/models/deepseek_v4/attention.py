@@ -33,7 +33,7 @@ from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.kernels.norm_rope_ref import norm_then_rope
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
-from dspark.models.deepseek_v4.linear import Linear
+from dspark.models.deepseek_v4.linear import Linear, project_normed
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.pool import RequestPool
 from dspark.models.deepseek_v4.rope import Rope
@@ -135,19 +135,16 @@ class LatentAttention(nn.Module):
         return self.q_norm(self.wq_a(x))
 
     def folds_q_norm(self) -> bool:
-        """Whether `project_q_heads` can take c_q before its norm (normed=False): `linear_norm` configured
-        (`registry.linear_norm_op`) and wq_b this module's own Linear (not a parallel or quantised one)."""
-        return self.q_norm_fold is not None and type(self.wq_b) is Linear
+        """Whether the static steps take c_q before its norm (`project_q_heads(normed=False)`, the indexer's
+        `queries(q_norm=)`): `linear_norm` configured (`registry.linear_norm_op`)."""
+        return self.q_norm_fold is not None
 
     def project_q_heads(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         normed: bool = True) -> torch.Tensor:
         """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): the q half's second step.
         normed=False (where `folds_q_norm`): q_lora is x·wq_aᵀ before q_norm, which runs folded into wq_b's
         launch (`linear_norm`), one launch fewer than `project_q_lora` then this."""
-        if normed:
-            q = self.wq_b(q_lora)
-        else:
-            q = self.q_norm_fold(q_lora, self.q_norm.weight, self.wq_b.weight, eps=self.q_norm.eps)
+        q = project_normed(self.wq_b, q_lora, None if normed else self.q_norm, self.q_norm_fold)
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
         q_cos, q_sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [N, 1, rd/2]: one row for all heads
         if self.q_head_norm:  # per-head unweighted RMS (spec §5), then RoPE

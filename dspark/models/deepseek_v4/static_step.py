@@ -229,7 +229,7 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
     q_lora = attn.wq_a(x) if fold else attn.project_q_lora(x)
     if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
         with side.fork(KV):
-            q_index, weights = attn.indexer.queries(x, attn.q_norm(q_lora) if fold else q_lora, cos, sin)
+            q_index, weights = attn.indexer.queries(x, q_lora, cos, sin, q_norm=attn.q_norm if fold else None)
     q = attn.project_q_heads(q_lora, cos, sin, normed=not fold)
     if attn.compressor is None:  # SWA: the window alone
         keys = index.window_keys(attn.window, state.window)  # [N, W]

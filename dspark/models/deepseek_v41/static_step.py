@@ -181,7 +181,7 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
     q_lora = attn.wq_a(x) if fold else attn.project_q_lora(x)
     if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
         with side.fork(KV):
-            queries = attn.indexer.queries(x, attn.q_norm(q_lora) if fold else q_lora, cos, sin)
+            queries = attn.indexer.queries(x, q_lora, cos, sin, q_norm=attn.q_norm if fold else None)
     q = attn.project_q_heads(q_lora, cos, sin, normed=not fold)
     # The attention reads the pool from the layer's window on (`pool_from`): the window keys are rows of
     # its ring as they are, and the entries (after every window) rows past it: no per-layer offset ops.
