@@ -107,10 +107,14 @@ def test_the_model_folds_only_with_all_three_kernels():
     assert KernelConfig.for_device("cuda").linear_norm == "ref"  # registry.NOT_YET_ON_GPU
 
 
-def static_logits(name: str, fold: bool, slots: int, tokens: int, monkeypatch) -> tuple[torch.Tensor, list]:
+def static_logits(name: str, fold: bool, slots: int, tokens: int, monkeypatch) -> tuple[torch.Tensor, list, int]:
     """Three static decode steps of `name` (fp32, seed 0) after prefills, with the linear and rms_norm
-    kernels and `linear_norm` on Triton (fold) or its reference (no fold): their logits, and the
-    `launch_gemv` calls' norm weights."""
+    kernels and `linear_norm` on Triton (fold) or its reference (no fold): their logits, the
+    `launch_gemv` calls' norm weights, and how many `rms_norm` launches normalised with a q_norm weight."""
+    from dspark.kernels import rms_norm as norm_module
+
+    normed, launch_norm = [], norm_module.rms_norm
+    monkeypatch.setattr(norm_module, "rms_norm", lambda x, w, **kw: normed.append(w) or launch_norm(x, w, **kw))
     kernels = dataclasses.replace(KernelConfig.for_device(DEVICE), linear="triton", rms_norm="triton",
                                   linear_norm="triton" if fold else "ref")
     options = dict(prefill_mode="exact", cache_qat=False) if name == "tiny-v41" else {}
@@ -125,11 +129,14 @@ def static_logits(name: str, fold: bool, slots: int, tokens: int, monkeypatch) -
         starts.append(decoder.load(slot, state))
     starts = torch.tensor(starts)
     launches = record(monkeypatch, "launch_gemv")
+    normed.clear()
     outs = []
     for _ in range(3):
         outs.append(decoder.step(*decoder.plan(torch.randint(0, 256, (slots, tokens), generator=g), starts)))
         starts = starts + tokens
-    return torch.stack(outs), [k["norm"][0] for k in launches if k.get("norm") is not None]
+    q_norms = {id(layer.attn.q_norm.weight) for layer in model.layers}
+    return (torch.stack(outs), [k["norm"][0] for k in launches if k.get("norm") is not None],
+            sum(id(w) in q_norms for w in normed))
 
 
 @needs_triton
@@ -142,11 +149,12 @@ def test_static_steps_with_the_fold_follow_the_unfolded_model(name, slots, token
     and every layer's wq_b launch and every indexer's took the attention's q_norm (the tiny models' K is
     widened into the GEMV's range)."""
     monkeypatch.setattr(op, "gemv_pays", lambda rows, n_out, n_in: 1 <= rows <= op.GEMV_MAX_ROWS)
-    off, unfolded = static_logits(name, False, slots, tokens, monkeypatch)
-    on, folded = static_logits(name, True, slots, tokens, monkeypatch)
+    off, unfolded, q_norm_launches = static_logits(name, False, slots, tokens, monkeypatch)
+    on, folded, q_norm_launches_folded = static_logits(name, True, slots, tokens, monkeypatch)
     torch.testing.assert_close(on, off, atol=2e-4, rtol=1e-4)
-    assert not unfolded
+    assert not unfolded and q_norm_launches_folded == 0  # the q_norm launches left the step
     model = dspark.init_model(name, seed=0, dtype=torch.float32)
     q_norms = {layer.attn.q_norm.weight.shape for layer in model.layers}
     indexers = sum(layer.attn.indexer is not None for layer in model.layers)
     assert indexers and len(folded) == 3 * (len(model.layers) + indexers) and {w.shape for w in folded} == q_norms
+    assert q_norm_launches == 3 * len(model.layers)  # unfolded: once a step per layer, shared with its indexer
