@@ -378,7 +378,8 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     nw, eps = (y, 0.0) if norm is None else (norm[0].float().contiguous(), float(norm[1]))  # y: a dummy pointer
     _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, 1.0 if scale is None else float(scale), nw, eps,
                        ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scale is not None,
-                       NORM=norm is not None, PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+                       NORM=norm is not None, PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl,
+                       num_warps=warps)
     return y.reshape(*x.shape[:-1], n_out)
 
 
