@@ -178,14 +178,11 @@ def captured_with(variant: dict):
       as before the fortieth session); "MOE_LATE" withholds the MoE layers' `x_ready` and the router's early
       release (`moe_route_decode.RELEASE_FIRST`): every gate/up program waits for the router, as before the
       forty-first session;
-    * "Q_NORM_FOLD": V4's and V4.1's q_norm folded into wq_b's GEMV (`linear.linear_norm`, which the device's
-      kernel config keeps off until this timing: `registry.NOT_YET_ON_GPU`) in every attention and indexer;
     * `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
       save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every
       compressor update (`static_step.update_compressor`: projections and pooling)."""
     from dspark.kernels import grouped_wo_a, linear, moe_decode, moe_route_decode
     from dspark.models.deepseek_v4 import static_step as v4_step
-    from dspark.models.deepseek_v4.attention import LatentAttention
     from dspark.models.deepseek_v4.compressor import Compressor
 
     names = ("SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS", "gemv_tiles")
@@ -203,16 +200,6 @@ def captured_with(variant: dict):
         v4_step.update_compressor = lambda *args, **kwargs: None
     if variant.get("NO_POOL"):
         Compressor.pool_rows = lambda self, *args, **kwargs: None
-    saved_folds, folded = LatentAttention.folds_q_norm, []
-    if variant.get("Q_NORM_FOLD"):
-        def folds_q_norm(attn):  # the op as `registry.linear_norm_op` would give it, until the capture ends
-            for module in (attn, getattr(attn, "indexer", None)):
-                if module is not None and module.q_norm_fold is None:
-                    module.q_norm_fold = linear.linear_norm
-                    folded.append(module)
-            return saved_folds(attn)
-
-        LatentAttention.folds_q_norm = folds_q_norm
 
     def tiles(n_out, n_in, n_sms, rows=1):
         shipped = saved["gemv_tiles"](n_out, n_in, n_sms, rows)
@@ -236,9 +223,6 @@ def captured_with(variant: dict):
         grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows = saved_wo_a, saved_update, saved_pool
         moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts = saved_up, saved_down, saved_experts
         moe_route_decode.RELEASE_FIRST = saved_release
-        LatentAttention.folds_q_norm = saved_folds
-        for module in folded:
-            module.q_norm_fold = None
 
 
 # --gemv-ab: label -> `captured_with`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
@@ -250,8 +234,7 @@ def captured_with(variant: dict):
 # linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles.
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
                  "gemv_one_row": dict(GEMV_MAX_ROWS=1), "one_k_tile": dict(ONE_K_TILE=True),
-                 "moe_up_gemv": dict(UP_TMA=None), "moe_down_gemv": dict(DOWN_TMA={}), "moe_late": dict(MOE_LATE=True),
-                 "q_norm_fold": dict(Q_NORM_FOLD=True)}
+                 "moe_up_gemv": dict(UP_TMA=None), "moe_down_gemv": dict(DOWN_TMA={}), "moe_late": dict(MOE_LATE=True)}
 # --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}
 

@@ -3,13 +3,6 @@
 Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 
 * ``linear(x, weight) -> y``: x [..., K], weight [N, K] (no bias) -> y [..., N] in x.dtype.
-* ``linear_norm(x, norm_weight, weight, *, eps) -> y``: `linear` of the RMS-normalised x, y =
-  (norm_weight ⊙ x · rsqrt(mean(x²) + eps), rounded to x.dtype)·weightᵀ: V4's `wq_b` after `q_norm`.
-  Where the GEMV runs (`gemv_pays`) one launch: every program takes the rows' statistic in a first
-  pass over x (K values per row, from L2) and normalises each x tile before its products, so the
-  norm's own launch and its round trip through memory leave the step; elsewhere `rms_norm`, then
-  `linear`. It differs from that pair only where Σx² is reduced in another order (`rms_norm`'s
-  tolerance: at most 1 ulp of x.dtype per normalised element, then the GEMV's sums).
 * ``linear_scaled(x, weight, *, scale) -> y``: `linear` rounded to x.dtype as it returns it, then
   times `scale` in fp32 -> y [..., N] fp32: the indexers' head weights, weights_proj(x).float() · s,
   in one launch where the GEMV runs (three before: the GEMV, the cast, the product).
@@ -56,8 +49,6 @@ import torch.nn.functional as F
 
 from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
-from dspark.kernels.rms_norm import rms_norm
-from dspark.kernels.rms_norm_ref import rms_norm_ref
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue, prefetch_launch
@@ -104,20 +95,6 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] · weight [N, K]ᵀ -> [..., N] (torch's matmul)."""
     _check_args(x, weight)
     return F.linear(x, weight)
-
-
-def _check_norm_weight(x: torch.Tensor, norm_weight: torch.Tensor) -> None:
-    if norm_weight.shape != (x.shape[-1],) or not norm_weight.is_floating_point():
-        raise ValueError(f"norm_weight must be a float [K] = [{x.shape[-1]}] tensor, got {tuple(norm_weight.shape)} "
-                         f"{norm_weight.dtype}")
-
-
-def linear_norm_ref(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """x [..., K] RMS-normalised with norm_weight [K] (fp32 math; rounded to x.dtype, as `RMSNorm` returns it),
-    then · weight [N, K]ᵀ -> [..., N] in x.dtype: `rms_norm_ref`, then `linear_ref`."""
-    _check_args(x, weight)
-    _check_norm_weight(x, norm_weight)
-    return F.linear(rms_norm_ref(x, norm_weight, eps=eps, out_dtype=x.dtype), weight)
 
 
 def linear_scaled_ref(x: torch.Tensor, weight: torch.Tensor, *, scale: float) -> torch.Tensor:
@@ -217,34 +194,11 @@ def _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask):
 
 
 @_jit
-def _rows_rms(x_ptr, offs_m, m_mask, n_in, eps, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """r = rsqrt(Σ_k x[m, k]² / K + eps) [ROWS, 1, 1] fp32 of rows offs_m of x [M, K] (`rms_norm`'s
-    statistic): one pass over the rows, in the GEMV's K tiles."""
-    squares = tl.zeros((ROWS, 1), dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, offs_k < n_in)
-        squares += tl.sum(x * x, axis=2)
-    return tl.math.rsqrt(squares / n_in + eps)[:, :, None]
-
-
-@_jit
-def _normed_tile(x, r, nw_ptr, offs_k, k_mask, out_ty):
-    """An x tile [ROWS, 1, BLOCK_K] fp32 RMS-normalised as `rms_norm` stores it: nw ⊙ (x · r) in its
-    order (x · r first), rounded to out_ty, returned in fp32 (0 on masked columns)."""
-    nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)[None, None, :]
-    return (nw * (x * r)).to(out_ty).to(tl.float32)
-
-
-@_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, scale, nw_ptr, eps, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, scale, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """y[m, n] = Σ_k x[m, k]·w[n, k] for the n_rows (<= ROWS) rows of x and the BLOCK_N weight rows of
     program n, fp32 sums: each weight tile is read once and multiplied with every row of x. SCALED:
-    the sum rounded to x's dtype, then times `scale` in fp32 (y fp32). NORM: x RMS-normalised first
-    with the weight at nw_ptr [K] fp32 and `eps` (`linear_norm`; the statistic from a first pass over
-    x, each tile normalised and rounded to x's dtype before its products). With PREFETCH the program's
+    the sum rounded to x's dtype, then times `scale` in fp32 (y fp32). With PREFETCH the program's
     weight rows are requested into L2 before it waits for its predecessor."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
@@ -257,15 +211,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, scale, nw_ptr, eps, R
     offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < n_rows
     rows = offs_n.to(tl.int64)[None, :, None] * n_in
-    if NORM:
-        r = _rows_rms(x_ptr, offs_m, m_mask, n_in, eps, ROWS, BLOCK_K)
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < n_in
         x = _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask)
-        if NORM:
-            x = _normed_tile(x, r, nw_ptr, offs_k, k_mask, x_ptr.dtype.element_ty)
         acc = _rows_times_tile(acc, x, w_ptr, rows, offs_k[None, None, :], n_mask[None, :, None] & k_mask[None, None, :])
     y = tl.sum(acc, axis=2)
     if SCALED:
@@ -354,18 +304,15 @@ def _check_rows(rows: int, launcher: str) -> None:
 
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None, *,
-                scale: float | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                scale: float | None = None) -> torch.Tensor:
     """`_gemv_kernel` for the M = x.numel() / K rows of x [..., K] (1 <= M <= MAX_ROWS) whatever the
     weight; `tiles` overrides `gemv_tiles` (the bench compares it with torch on every shape; the model
     goes through `linear`). At the default tiles each row's result is bit-identical to a one-row launch
     on that row (on the H200 not for fp32 with a masked K tail, K = 1500: ulps apart, FMA contraction): BLOCK_K depends on K alone and the accumulator takes the weight tile's layout (8
     consecutive k per thread, 32 lanes and BLOCK_K / 256 warps along K, the other warps along N), so
     every row count sums a row's products in the same lanes, the same K-tile order and the same
-    reduction tree. With `scale`: `linear_scaled`'s fp32 output from the same sums. With `norm`
-    (norm_weight [K], eps): `linear_norm`'s, x RMS-normalised in the kernel."""
+    reduction tree. With `scale`: `linear_scaled`'s fp32 output from the same sums."""
     _check_args(x, weight)
-    if norm is not None:
-        _check_norm_weight(x, norm[0])
     n_out, n_in = weight.shape
     rows = x.numel() // max(1, n_in)
     _check_rows(rows, "launch_gemv")
@@ -375,11 +322,9 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
     weight = weight.contiguous()
-    nw, eps = (y, 0.0) if norm is None else (norm[0].float().contiguous(), float(norm[1]))  # y: a dummy pointer
-    _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, 1.0 if scale is None else float(scale), nw, eps,
+    _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, 1.0 if scale is None else float(scale),
                        ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scale is not None,
-                       NORM=norm is not None, PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl,
-                       num_warps=warps)
+                       PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -391,17 +336,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not gemv_pays(x.numel() // max(1, n_in), n_out, n_in) or records_grad(x, weight):
         return F.linear(x, weight)
     return launch_gemv(x, weight)
-
-
-def linear_norm(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """Fused `linear_norm_ref` (same signature): one `_gemv_kernel` launch with the norm folded in where
-    `gemv_pays`; elsewhere, and while autograd records, `rms_norm` then `linear` (each its own launch)."""
-    _check_args(x, weight)
-    _check_norm_weight(x, norm_weight)
-    n_out, n_in = weight.shape
-    if not gemv_pays(x.numel() // max(1, n_in), n_out, n_in) or records_grad(x, weight, norm_weight):
-        return linear(rms_norm(x, norm_weight, eps=eps, out_dtype=x.dtype), weight)
-    return launch_gemv(x, weight, norm=(norm_weight, eps))
 
 
 def linear_scaled(x: torch.Tensor, weight: torch.Tensor, *, scale: float) -> torch.Tensor:

@@ -81,7 +81,6 @@ _OP_MODULES: dict[str, str] = {
     "grouped_wo_a": "grouped_wo_a",
     "linear": "linear",
     "linear_scaled": "linear",
-    "linear_norm": "linear",
     "compressor_project": "linear",
     "compressor_project_fp32": "linear",
     "cache_round": "cache_round",
@@ -98,9 +97,8 @@ NORM_FOLDED: dict[str, str] = {"mhc_pre_norm": "mhc_pre", "mhc_post_pre_norm": "
 # Kernels checked only under the Triton interpreter and by the sm_90 compile test: a model picks them
 # with an explicit KernelConfig (e.g. `KernelConfig.for_device("cuda")` replaced with
 # grouped_wo_a="triton"), never by default, until a GPU run has compared them with their references.
-# Empty from the twenty-ninth session (`moe_route_rows` ran on an H100: bench/gpu_session29.sh a) to the
-# forty-fourth, which wrote `linear_norm` with no GPU lent (its GPU run: bench/gpu_session48.sh c).
-NOT_YET_ON_GPU: tuple[str, ...] = ("linear_norm",)
+# Empty since the twenty-ninth session (`moe_route_rows` ran on an H100: bench/gpu_session29.sh a).
+NOT_YET_ON_GPU: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,8 +139,6 @@ class KernelConfig:
     runs them only when they are ``"triton"``; at ``"ref"`` it keeps the unfused pair (`mhc_pre` /
     `mhc_post_pre`, then `rms_norm`, each as chosen here), of which their references are the torch form.
     `hc_head_norm` likewise folds the final `norm` into V4's output collapse (`head_norm_op`).
-    `linear_norm` folds V4's `q_norm` into `wq_b` at decode (`linear_norm_op`): run only when it,
-    `linear` and `rms_norm` are ``"triton"``; otherwise the model keeps `rms_norm` then `linear`.
     `index_scores_pooled` folds the candidate pool's block maxima into the V4.1 candidate source's
     batched scores: run only when ``"triton"``; at ``"ref"`` the source keeps `index_scores` then
     `indexer_pool` (each as chosen here).
@@ -173,7 +169,6 @@ class KernelConfig:
     grouped_wo_a: Impl = "ref"
     linear: Impl = "ref"
     linear_scaled: Impl = "ref"
-    linear_norm: Impl = "ref"
     compressor_project: Impl = "ref"
     compressor_project_fp32: Impl = "ref"
     cache_round: Impl = "ref"
@@ -268,12 +263,3 @@ def head_norm_op(config: KernelConfig) -> Callable[..., Any]:
     if config.hc_head_norm != "ref":
         return get_op(config, "hc_head_norm")
     return importlib.import_module("dspark.kernels.hc_head_norm").hc_head_then(get_op(config, "rms_norm"))
-
-
-def linear_norm_op(config: KernelConfig) -> Callable[..., Any] | None:
-    """The `linear_norm` kernel where `config` picks it together with the Triton `linear` and `rms_norm`
-    (so that where it does not fold, at shapes its GEMV does not take, it runs the same pair as the
-    unfused model); else None: the model calls its RMSNorm, then its Linear, as before."""
-    if (config.linear_norm, config.linear, config.rms_norm) != ("triton", "triton", "triton"):
-        return None
-    return get_op(config, "linear_norm")

@@ -74,24 +74,3 @@ def test_moe_late_withholds_x_ready_while_captured(monkeypatch):
         assert moe_route_decode.RELEASE_FIRST is False
     moe_decode.decode_experts(1, x_ready=True)
     assert seen == [False, True] and moe_route_decode.RELEASE_FIRST is True
-
-
-def test_q_norm_fold_folds_only_while_captured():
-    """`--gemv-ab q_norm_fold`: while captured, every V4 / V4.1 attention whose config keeps `linear_norm` off
-    folds its q_norm into wq_b (`linear.linear_norm`), and so does its indexer; after it, none does, as built."""
-    import torch
-
-    import dspark
-    import graph_decode
-    from dspark.kernels import linear
-
-    for name in ("tiny-v4", "tiny-v41"):
-        model = dspark.init_model(name, seed=0, dtype=torch.float32)
-        attns = [layer.attn for layer in model.layers]
-        indexers = [a.indexer for a in attns if a.indexer is not None]
-        assert indexers and not any(a.folds_q_norm() for a in attns)
-        with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["q_norm_fold"]):
-            assert all(a.folds_q_norm() and a.q_norm_fold is linear.linear_norm for a in attns)
-            assert all(i.q_norm_fold is linear.linear_norm for i in indexers)
-        assert not any(a.folds_q_norm() for a in attns)
-        assert all(m.q_norm_fold is None for m in attns + indexers)

@@ -387,14 +387,6 @@ def run_every_tile_class():
         for rows in (1, 4):
             x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
             linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, 2048, 132, rows), scale=8192 ** -0.5)
-    # `linear_norm` (q_norm folded into wq_b): v4-mini's wq_b [16384, 512] at one row, V4-Flash-wide K 1024
-    # and a K over two tiles (1500) at 1 and 4 rows.
-    for n_out, n_in in ((16384, 512), (2048, 1024), (64, 1500)):
-        weight = torch.randn(n_out, n_in, generator=g).to(DEVICE, torch.bfloat16)
-        for rows in (1, 4):
-            x = torch.randn(rows, n_in, generator=g).to(DEVICE, torch.bfloat16)
-            linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, n_in, 132, rows),
-                               norm=(torch.rand(n_in, device=DEVICE) + 0.5, 1e-6))
     # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256), 1, 4
     # and 8 rows, into fresh outputs and into the static rings.
     for width in (1024, 256):

@@ -380,9 +380,8 @@ def test_sm90_code_prefetches_weights_before_the_wait():
     """AOT for sm_90: with PREFETCH the GEMV issues its L2 bulk prefetch before `griddepcontrol.wait`
     and loads nothing before it; without PREFETCH no prefetch is emitted."""
     found = _aot("linear", "_gemv_kernel",
-                 dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows="i32", n_out="i32", n_in="i32", scale="fp32",
-                      nw_ptr="*fp32", eps="fp32"),
-                 dict(ROWS=4, BLOCK_N=8, BLOCK_K=1024, SCALED=False, NORM=True, PDL=True), "PREFETCH",
+                 dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows="i32", n_out="i32", n_in="i32", scale="fp32"),
+                 dict(ROWS=4, BLOCK_N=8, BLOCK_K=1024, SCALED=False, PDL=True), "PREFETCH",
                  ("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait", "ld.global"), warps=8)
     prefetch, wait, load = found["True"]
     assert 0 <= prefetch < wait < load, found

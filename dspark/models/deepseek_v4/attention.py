@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
-from dspark.kernels.registry import linear_norm_op
 from dspark.kernels.attention_ref import sparse_attention_ref
 from dspark.kernels.norm_rope_ref import norm_then_rope
 from dspark.models.deepseek_v4.compressor import Compressor, Indexer
 from dspark.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeParameters
-from dspark.models.deepseek_v4.linear import Linear, project_normed
+from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.pool import RequestPool
 from dspark.models.deepseek_v4.rope import Rope
@@ -95,8 +94,6 @@ class LatentAttention(nn.Module):
         # rms_norm and rope ops run in sequence instead: the op's reference would replace fused ones.
         self.norm_rope_op = (get_op(kernels, "norm_rope") if kernels.norm_rope != "ref"
                              else functools.partial(norm_then_rope, self.norm_op, self.rope_op))
-        # x [N, q_lora], q_norm weight, wq_b weight -> wq_b(q_norm(x)) in one launch at decode; None: not configured
-        self.q_norm_fold = linear_norm_op(kernels)
         self.n_heads = c.num_attention_heads
         self.head_dim = c.head_dim
         self.window = c.sliding_window
@@ -134,18 +131,9 @@ class LatentAttention(nn.Module):
         """c_q = q_norm(x·wq_aᵀ) [N, q_lora]: the q half's first step, also the indexer's input."""
         return self.q_norm(self.wq_a(x))
 
-    def folds_q_norm(self) -> bool:
-        """Whether the static steps take c_q before its norm (`project_q_heads(normed=False)`, the indexer's
-        `queries(q_norm=)`): `linear_norm` configured (`registry.linear_norm_op`)."""
-        return self.q_norm_fold is not None
-
-    def project_q_heads(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        normed: bool = True) -> torch.Tensor:
-        """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): the q half's second step.
-        normed=False (where `folds_q_norm`): q_lora is x·wq_aᵀ before q_norm, which runs folded into wq_b's
-        launch (`linear_norm`), one launch fewer than `project_q_lora` then this."""
-        q = project_normed(self.wq_b, q_lora, None if normed else self.q_norm, self.q_norm_fold)
-        q = q.unflatten(-1, (self.n_heads, self.head_dim))
+    def project_q_heads(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """c_q [N, q_lora] -> q [N, H, d] (wq_b, then the per-head norm and RoPE): the q half's second step."""
+        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q_cos, q_sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [N, 1, rd/2]: one row for all heads
         if self.q_head_norm:  # per-head unweighted RMS (spec §5), then RoPE
             return self.norm_rope_op(q, None, q_cos, q_sin, eps=self.eps)  # [N, H, d]

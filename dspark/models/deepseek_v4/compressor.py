@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
-from dspark.kernels.registry import linear_norm_op
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
-from dspark.models.deepseek_v4.linear import Linear, project_normed
+from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v4.rope import Rope
 from dspark.models.deepseek_v4.state import CompressorCache, RaggedBatch, copy_rows
@@ -242,8 +241,6 @@ class Indexer(nn.Module):
         self.scores_op = get_op(kernels, "index_scores")  # the static steps' scores of every slot at once
         self.rope_op = get_op(kernels, "rope")  # q [N, Hi, di], cos/sin [N, 1, rd/2] -> q rotated
         self.weights_op = get_op(kernels, "linear_scaled")
-        # c_q before q_norm, q_norm weight, wq_b weight -> wq_b(q_norm(c_q)) in one launch (`queries(q_norm=)`)
-        self.q_norm_fold = linear_norm_op(kernels)
         self.wq_b = Linear(q_lora_rank, n_heads * head_dim, dtype=dtype, device=device, kernels=kernels)
         self.weights_proj = Linear(dim, n_heads, dtype=dtype, device=device, kernels=kernels)
         self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device,
@@ -257,13 +254,10 @@ class Indexer(nn.Module):
         kv, score = self.compressor.project(x, positions, phase)
         return IndexerQueries(q, weights, kv, score)
 
-    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos, sin,
-                q_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """The query side of `project`: (rotated q [N, Hi, di] model dtype, head weights [N, Hi] fp32)
-        (the static step writes the compressor rows itself, `Compressor.project_rows`). With `q_norm` (the
-        attention's RMSNorm) q_lora is c_q before it, normalised inside wq_b's launch where `linear_norm`
-        is configured (`project_normed`)."""
-        q = project_normed(self.wq_b, q_lora, q_norm, self.q_norm_fold).unflatten(-1, (self.n_heads, self.head_dim))
+        (the static step writes the compressor rows itself, `Compressor.project_rows`)."""
+        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         weights = head_weights(self, x)
         return q, weights

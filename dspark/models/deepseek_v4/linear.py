@@ -23,14 +23,3 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_op(x, self.weight)
-
-
-def project_normed(linear: Linear, x: torch.Tensor, norm: nn.Module | None, fold=None) -> torch.Tensor:
-    """linear(norm(x)) for x [..., in] (linear(x) when `norm` is None): one launch where `fold` (the registry's
-    `linear_norm`, `registry.linear_norm_op`) is given and `linear` is this class itself (not a parallel or
-    quantised replacement), else the norm's launch, then the projection's. `norm` an `RMSNorm`."""
-    if norm is None:
-        return linear(x)
-    if fold is not None and type(linear) is Linear:
-        return fold(x, norm.weight, linear.weight, eps=norm.eps)
-    return linear(norm(x))

@@ -225,12 +225,11 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
                 update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
     with side.fork(KV):  # the new window latents go straight to their ring rows from the norm + RoPE op
         attn.project_kv(x, cos, sin, kv_out=state.window.flat(), kv_rows=index.ring_rows(state.window).reshape(-1))
-    fold = attn.folds_q_norm()  # q_norm inside wq_b's launch: c_q before its norm on this stream
-    q_lora = attn.wq_a(x) if fold else attn.project_q_lora(x)
+    q_lora = attn.project_q_lora(x)
     if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
         with side.fork(KV):
-            q_index, weights = attn.indexer.queries(x, q_lora, cos, sin, q_norm=attn.q_norm if fold else None)
-    q = attn.project_q_heads(q_lora, cos, sin, normed=not fold)
+            q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
+    q = attn.project_q_heads(q_lora, cos, sin)
     if attn.compressor is None:  # SWA: the window alone
         keys = index.window_keys(attn.window, state.window)  # [N, W]
     else:

@@ -32,12 +32,11 @@ import torch
 from torch import nn
 
 from dspark.kernels import KernelConfig, get_op
-from dspark.kernels.registry import linear_norm_op
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v41.qat import CacheQuant
 from dspark.models.deepseek_v4.compressor import head_weights
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
-from dspark.models.deepseek_v4.linear import Linear, project_normed
+from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
 from dspark.models.deepseek_v41.state import SourceCache
 
@@ -150,8 +149,6 @@ class Indexer(nn.Module):
         # x [..., di], cos/sin broadcastable to [..., rd/2] -> x rotated (index keys and queries)
         self.rope_op = get_op(kernels, "rope")
         self.weights_op = get_op(kernels, "linear_scaled")  # see `head_weights`
-        # c_q before q_norm, q_norm weight, wq_b weight -> wq_b(q_norm(c_q)) in one launch (`queries(q_norm=)`)
-        self.q_norm_fold = linear_norm_op(kernels)
         self.n_heads = c.index_n_heads
         self.head_dim = c.index_head_dim
         self.topk = c.index_topk
@@ -172,11 +169,9 @@ class Indexer(nn.Module):
         """Pre-RoPE latents [n, d] with the entries' cos/sin [n, rd/2] -> index keys [n, di]."""
         return self.quant.index(self.rope_op(self.k_norm(self.wk(latents)), cos, sin))
 
-    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                q_norm: nn.Module | None = None):
-        """Dense part for all N tokens -> (q [N, Hi, di] rotated + FP4, weights [N, Hi] fp32); `q_norm` as
-        V4's `Indexer.queries`."""
-        q = project_normed(self.wq_b, q_lora, q_norm, self.q_norm_fold).unflatten(-1, (self.n_heads, self.head_dim))
+    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Dense part for all N tokens -> (q [N, Hi, di] rotated + FP4, weights [N, Hi] fp32)."""
+        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.quant.index(self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
         weights = head_weights(self, x)
         return q, weights

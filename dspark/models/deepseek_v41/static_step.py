@@ -177,12 +177,11 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
         kv = attn.project_kv(x, cos, sin)
         # the window cache is FP8 (QAT): rounded into its ring rows by one launch
         attn.quant.window_rows(kv, window.flat(), index.ring_rows(window).reshape(-1))
-    fold = attn.folds_q_norm()  # q_norm inside wq_b's launch, as V4's static step
-    q_lora = attn.wq_a(x) if fold else attn.project_q_lora(x)
+    q_lora = attn.project_q_lora(x)
     if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
         with side.fork(KV):
-            queries = attn.indexer.queries(x, q_lora, cos, sin, q_norm=attn.q_norm if fold else None)
-    q = attn.project_q_heads(q_lora, cos, sin, normed=not fold)
+            queries = attn.indexer.queries(x, q_lora, cos, sin)
+    q = attn.project_q_heads(q_lora, cos, sin)
     # The attention reads the pool from the layer's window on (`pool_from`): the window keys are rows of
     # its ring as they are, and the entries (after every window) rows past it: no per-layer offset ops.
     pool_from = state.window_offsets[layer]
