@@ -293,7 +293,7 @@ def _launch_norm_epilogue(x: torch.Tensor, dpart, sqpart, base, scale, norm_weig
     """post [N, H] fp32, comb [N, H, H] fp32, h [N, D] x.dtype from the statistics partials over x.
 
     `variant`: "row" (the shipped choice: `row_tiles` where they apply, else the walk) or "walk" (token
-    blocks that walk the row, Sinkhorn once per block; benches).
+    blocks that walk the row, Sinkhorn once per block, at every size: the benches' comparison).
     `tiles` (BLOCK_T, BLOCK_D) overrides `_norm_tiles` of the walks, or (ROW, num_warps) the row
     tiles of "row" (benches). `mixes_on` (a context-manager factory, e.g. a side stream's fork): on
     the row tiles, the mixes (post, comb) are a launch of their own under `mixes_on()` and h one on
