@@ -203,14 +203,14 @@ def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rou
     turn; the tables restored."""
     import kernels as kb
 
-    from dspark.kernels import moe_decode as md, moe_route_decode as mr
+    from dspark.kernels import moe, moe_decode as md, moe_route_decode as mr
 
     shape = kb.CONFIGS[AB_LAYERS[layer_name]]
     if shape.name not in layers:
         layers[shape.name] = kb.build_layer(shape, "cuda")
     fused, ref, n_bytes, _ = kb.moe_case(AB_OPS[kind], shape, layers[shape.name], m, "cuda")
     saved_up, saved_down, saved_fused, saved_experts = md.UP_TMA, dict(md.DOWN_TMA), dict(md.FUSED), md.decode_experts
-    saved_release = mr.RELEASE_FIRST
+    saved_release, saved_counters = mr.RELEASE_FIRST, moe.experts_counters
     times, outputs = {label: [] for label in sides}, {}
     try:
         for _ in range(rounds):
@@ -220,6 +220,7 @@ def op_ab(layer_name: str, kind: str, m: int, layers: dict, copy_bps: float, rou
                 times[label].append(graph_timer(fused))
     finally:
         md.UP_TMA, md.decode_experts, mr.RELEASE_FIRST = saved_up, saved_experts, saved_release
+        moe.experts_counters = saved_counters
         md.DOWN_TMA.clear()
         md.DOWN_TMA.update(saved_down)
         md.FUSED.clear()

@@ -14,6 +14,8 @@ Shape symbols: N tokens, D hidden, E routed experts, K experts per token, I expe
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,8 +137,10 @@ class MoE(nn.Module):
             self._experts_op = get_op(kernels, "moe_experts")
             # W8A8 experts quantise x on a side stream while the router runs (`moe_w8a8.InputQuant`)
             self._quantize_input = getattr(self._experts_op, "quantize_input", None)
-            # the Triton experts' one-launch counters are zeroed before the router (`moe.experts_counters`)
-            self._counters = kernels.moe_experts == "triton"
+            # the Triton experts' one-launch counters are zeroed before the router (`moe.experts_counters`;
+            # Triton's module, imported here only where that op was picked: get_op above required Triton)
+            self._experts_counters = (importlib.import_module("dspark.kernels.moe").experts_counters
+                                      if kernels.moe_experts == "triton" else None)
             self._top_k = c.num_experts_per_tok
             # gates with one bias row per token (V4.1's image spans): only where that op is picked
             self._route_rows = get_op(kernels, "moe_route_rows") if kernels.moe_route_rows != "ref" else None
@@ -194,10 +198,8 @@ class MoE(nn.Module):
         # side stream); the Triton experts' one launch takes counters zeroed before the router, so that no
         # memset sits between the router and it
         early = {} if self._quantize_input is None else {"x_fp8": self._quantize_input(x, *parts)}
-        if self._counters:
-            from dspark.kernels.moe import experts_counters  # Triton's module, imported only where it runs
-
-            early["counters"] = experts_counters(x, *parts, self._top_k)
+        if self._experts_counters is not None:
+            early["counters"] = self._experts_counters(x, *parts, self._top_k)
         weights, experts = self._routing(x, input_ids)
         return self._experts_op(x, weights, experts, *parts, swiglu_limit=self.swiglu_limit, x_ready=True, **early)
 
