@@ -44,7 +44,7 @@
 # g: the multi-row GEMV in the step: `--gemv-ab` (its variant "gemv_one_row": linear's GEMV_MAX_ROWS 1, so
 #    2-4 row calls go to torch's matmul) at 2 and 4 requests and at the batch-1 4-token verify block.
 #    (Ran on the tree of 39ca06c with that variant added.)
-# h: (written, not yet run) the one-row GEMV on rows of 2048 in one K tile (`--gemv-ab`'s "one_k_tile":
+# h: (ran in the forty-fifth session on an H100: 1.009-1.011x, bench README) the one-row GEMV on rows of 2048 in one K tile (`--gemv-ab`'s "one_k_tile":
 #    wq_a, wkv, wo_b, weights_proj at BLOCK_K 2048, all of a program's loads in one round trip, where the
 #    shipped tiles take two 1024-wide steps) at 1 request, v4-mini and v41-mini, two processes each.
 # c: on an H200: a's attention step and the engine bench of issue 7 (`gpu_session37.sh c`'s command).

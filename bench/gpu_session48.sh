@@ -5,12 +5,12 @@
 #                                               # drafter's weights moved out of the tree for the carry limit)
 #   run(command="bash bench/gpu_session48.sh b")   # ≈ 6 min
 #
-# a: on an H200, issue 6's deciding figures with the forty-third session's early one launch: the V4-Flash MoE
+# a: (gpu_session49.sh a replaces it) on an H200, issue 6's deciding figures with the forty-third session's early one launch: the V4-Flash MoE
 #    rows (`bench/kernels.py --graph`, the whole op with its router at 1, 8 and 64 tokens) after the read flush,
 #    the 32K decode attention on flashinfer (graph with the sink pass, and the kernel alone, after either
 #    flush), then the MoE rows after the write flush (the figures before the forty-second session were
 #    write-flushed). On an H100, part b.
-# b: the TMA kernels' GPU tests with the forty-third session's fixes (41dfd23), issue 6's whole op at one token
+# b: (ran in the forty-fifth session on an H100, through part a; bench README) the TMA kernels' GPU tests with the forty-third session's fixes (41dfd23), issue 6's whole op at one token
 #    for the three weight kinds (V4-Flash: as shipped, with none of the early starts, and the two launches with
 #    theirs; `bench/moe_decode_tma.py --early`); the one launch, now early, at v4-mini widths (one token; it lost
 #    there late, fortieth session: a short gate/up phase leaves little to overlap) against the two launches
