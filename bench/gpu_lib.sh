@@ -106,6 +106,17 @@ moe_rows_h200() {  # moe_rows_h200 SESSION [FLUSH]: on an H200 only (issue 6's c
   fi
 }
 
+issue6_h200_or() {  # issue6_h200_or TAG FALLBACK: on an H200, issue 6's deciding figures (the MoE rows after the read
+  # flush, the 32K decode attention on flashinfer, the MoE rows after the write flush); on an H100, FALLBACK
+  if [ "$(card)" = h200 ]; then
+    moe_rows_h200 "$1"
+    attention_32k "$1"
+    moe_rows_h200 "$1" write
+  else
+    "$2"
+  fi
+}
+
 tma_tests_then_early() {  # tma_tests_then_early TESTS EARLY: the TMA kernels' GPU tests (log TESTS), then issue 6's
   # whole op at one token for the three weight kinds, V4-Flash, as shipped, late and as two launches with their early
   # rows (`bench/moe_decode_tma.py --early`) into $OUT/EARLY.json

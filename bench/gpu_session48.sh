@@ -20,18 +20,10 @@
 # c (ran once, at baf6157, on one H100; its code is gone): `linear.linear_norm`, q_norm folded into wq_b's GEMV,
 #    its GPU tests and `bench/graph_decode.py --requests 1,8 --gemv-ab q_norm_fold` on v4-mini and v41-mini. It
 #    lost (bench README, forty-fourth session), so the op, its tests and the variant left the tree after it.
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, pack, dispatch, moe_rows_h200, attention_32k,
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, pack, dispatch, issue6_h200_or,
 # tma_tests_then_early
 
-part_a() {
-  if [ "$(card)" = h200 ]; then
-    moe_rows_h200 s44  # the read flush, `bench/kernels.py`'s default
-    attention_32k s44
-    moe_rows_h200 s44 write
-  else
-    part_b
-  fi
-}
+part_a() { issue6_h200_or s44 part_b; }
 
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1

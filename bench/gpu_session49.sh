@@ -3,37 +3,26 @@
 #
 #   run(command="bash bench/gpu_session49.sh a", carry=[".whl"])   # ≈ 7 min on an H200, ≈ 5 on an H100 (the
 #                                               # drafter's weights moved out of the tree for the carry limit)
-#   run(command="bash bench/gpu_session49.sh b")   # ≈ 5 min: then the part a did not run
+#   run(command="bash bench/gpu_session49.sh b")   # ≈ 4 min
 #
 # a: on an H200, `gpu_session48.sh a` (issue 6's MoE rows after the read and the write flush, the 32K decode
 #    attention on flashinfer); on an H100, part b.
 # b: the GEMVs' 2048-wide K tiles (`linear.GEMV_K_TILE`, every row count, `grouped_wo_a`'s GEMV too): the GPU tests
 #    of `linear`, `grouped_wo_a` and PDL (rows of multi-row launches bit-equal to one-row launches), then the
-#    v4-mini graph step at 1, 2 and 4 requests and the batch-1 4-token verify block, and v41-mini at one request,
-#    against the 1024-wide tiles (`bench/graph_decode.py --gemv-ab k_tile_1024`), in two processes each.
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, dispatch, moe_rows_h200, attention_32k
+#    v4-mini graph step at 1, 2 and 4 requests (two processes) and v41-mini at one request, against the
+#    1024-wide tiles (`bench/graph_decode.py --gemv-ab k_tile_1024`).
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, dispatch, issue6_h200_or
 
-part_a() {
-  if [ "$(card)" = h200 ]; then
-    moe_rows_h200 s45
-    attention_32k s45
-    moe_rows_h200 s45 write
-  else
-    part_b
-  fi
-}
+part_a() { issue6_h200_or s45 part_b; }
 
 part_b() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  tests "gpu-tests-k-tile-$(card)-s45" 200 tests/kernels/test_linear.py tests/kernels/test_grouped_wo_a.py \
+  tests "gpu-tests-k-tile-$(card)-s45" 100 -m gpu tests/kernels/test_linear.py tests/kernels/test_grouped_wo_a.py \
     tests/kernels/test_kernels_pdl.py
-  local round
-  for round in 1 2; do
-    step "k-tile-ab-v4-$(card)-s45-$round" 120 --requests 1,2,4 --gemv-ab k_tile_1024
-    step "k-tile-ab-v41-$(card)-s45-$round" 100 --config v41-mini --requests 1 --gemv-ab k_tile_1024
-  done
-  step "k-tile-ab-v4-verify-$(card)-s45" 100 --requests 1 --tokens 4 --gemv-ab k_tile_1024
-  grep -h "gemv_ab_speedup" "$W"/logs/k-tile-ab-*.txt | grep -o '"k_tile_1024": [0-9.]*' 
+  step "k-tile-ab-v4-$(card)-s45-1" 100 --requests 1,2,4 --gemv-ab k_tile_1024
+  step "k-tile-ab-v41-$(card)-s45" 70 --config v41-mini --requests 1 --gemv-ab k_tile_1024
+  step "k-tile-ab-v4-$(card)-s45-2" 100 --requests 1,2,4 --gemv-ab k_tile_1024
+  grep -h "gemv_ab_speedup" "$W"/logs/k-tile-ab-*.txt | grep -o '"k_tile_1024": [0-9.]*'
 }
 
 dispatch session49 "${1:-}"
