@@ -170,8 +170,7 @@ def captured_with(variant: dict):
     * "SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS" replace `linear`'s (SHORT_K -1: torch's matmul on the
       K = 512 weights, v4-mini's `wq_b` and indexer `wq_b`, as shipped before the thirty-eighth session);
     * "tiles" (BLOCK_N, warps) replaces `gemv_tiles`' choice on the K = 512 rows (16 rows, 8 warps);
-    * "ONE_K_TILE": one-row GEMVs on rows of 1025-4096 in one K tile (BLOCK_K = K, as many weight
-      elements per program: all of a program's loads in one round trip, not two or more 1024-wide steps);
+    * "GEMV_K_TILE" replaces `linear`'s (2048: rows of more than 1024 in 2048-wide K tiles at every row count);
     * "WO_A_GEMV_ROWS" replaces `grouped_wo_a.GEMV_ROWS` (0: the split kernel and its sum at every row count);
     * "UP_TMA" replaces `moe_decode.UP_TMA` (None: the decode MoE's GEMV gate/up kernel, as before the
       thirty-ninth session); "DOWN_TMA" replaces `moe_decode.DOWN_TMA` ({}: the GEMV down kernel everywhere,
@@ -185,7 +184,7 @@ def captured_with(variant: dict):
     from dspark.models.deepseek_v4 import static_step as v4_step
     from dspark.models.deepseek_v4.compressor import Compressor
 
-    names = ("SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS", "gemv_tiles")
+    names = ("SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS", "GEMV_K_TILE", "gemv_tiles")
     saved = {name: getattr(linear, name) for name in names}
     saved_wo_a, saved_update, saved_pool = grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows
     saved_up, saved_down, saved_experts = moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts
@@ -205,15 +204,11 @@ def captured_with(variant: dict):
         shipped = saved["gemv_tiles"](n_out, n_in, n_sms, rows)
         if "tiles" in variant and n_in == saved["SHORT_K"]:
             return variant["tiles"][0], n_in, variant["tiles"][1]
-        if variant.get("ONE_K_TILE") and rows == 1 and 1024 < n_in <= 4096:  # the whole row in one K tile
-            block_k = 1 << (n_in - 1).bit_length()
-            block_n = max(1, shipped[0] * shipped[1] // block_k)
-            return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
         return shipped
 
-    for name in names[:3]:
+    for name in names[:4]:
         setattr(linear, name, variant.get(name, saved[name]))
-    if "tiles" in variant or "ONE_K_TILE" in variant:
+    if "tiles" in variant:
         linear.gemv_tiles = tiles
     try:
         yield
@@ -231,9 +226,11 @@ def captured_with(variant: dict):
 # (lrn-ab-*-s38.json) ran with `linear_rms_norm` (bc55aed) in the tree and a variant "q_norm_apart" that
 # captured the attentions with their `q_lora_op` set to None (wq_a and q_norm as two launches again).
 # Parts b, d and e also had "rows4" (SHORT_K_MAX_ROWS 4: lost at 4 rows). Part f ran at 2790aa1, where
-# linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles.
+# linear's SHORT_K_TILE made (8, 4) the shipped tiles, with a variant "gemv_n16" = the (16, 8) tiles. The
+# forty-fifth session's first run (one-k-tile-*-h100-s45-*.json) had "one_k_tile": one-row launches only on
+# rows of 1025-4096 in one K tile (BLOCK_K = K, the grid and warps of the 1024-wide tiles).
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
-                 "gemv_one_row": dict(GEMV_MAX_ROWS=1), "one_k_tile": dict(ONE_K_TILE=True),
+                 "gemv_one_row": dict(GEMV_MAX_ROWS=1), "k_tile_2048": dict(GEMV_K_TILE=2048),
                  "moe_up_gemv": dict(UP_TMA=None), "moe_down_gemv": dict(DOWN_TMA={}), "moe_late": dict(MOE_LATE=True)}
 # --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}

@@ -68,6 +68,13 @@ GEMV_MAX_ELEMENTS = 4 << 20
 SHORT_K = 512
 SHORT_K_MAX_ELEMENTS = 8 << 20
 SHORT_K_MAX_ROWS = 1
+# The widest K tile of the GEMVs (`gemv_tiles`). 2048 is a candidate, not yet timed: rows of 2048 (v4-mini's
+# wq_a, wkv, wo_b, weights_proj and compressor projections; `grouped_wo_a`'s GEMV in two steps of its 4096)
+# would load in one K step instead of two, at every row count, with 8 warps. Its one-row-only form was
+# 1.009-1.011x in the v4-mini and v41-mini graph steps (one H100, forty-fifth session, `one-k-tile-*-s45-*.json`)
+# but broke the rows' bit equality with one-row launches; `bench/graph_decode.py --gemv-ab k_tile_2048` times this
+# form (`bench/gpu_session49.sh b`).
+GEMV_K_TILE = 1024
 # The most rows the kernels take (ROWS, a power of two: every weight tile multiplies ROWS rows of x
 # on the CUDA cores; from 16 rows a tensor-core tile is the tool).
 MAX_ROWS = 8
@@ -278,16 +285,21 @@ def _num_sms(device: torch.device) -> int:
 
 
 def gemv_tiles(n_out: int, n_in: int, n_sms: int, rows: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) of `_gemv_kernel` for `rows` rows of x: K tiles up to 1024 wide,
-    8192-element accumulators in all (ROWS·BLOCK_N·BLOCK_K, ROWS = rows rounded up to a power of
-    two: 16 KB of bf16 weights in flight per program and step at one row), and BLOCK_N small enough
-    that the grid has about two programs per SM when N allows. BLOCK_K depends on K alone, and the
-    warps on the weight tile alone, so every row count accumulates a row over the same lanes (see
+    """(BLOCK_N, BLOCK_K, warps) of `_gemv_kernel` for `rows` rows of x. The grid: 1024-wide K tiles,
+    8192-element accumulators in all (ROWS·BLOCK_N·BLOCK_K, ROWS = rows rounded up to a power of two:
+    16 KB of bf16 weights in flight per program and step at one row), and BLOCK_N small enough that
+    the grid has about two programs per SM when N allows. With GEMV_K_TILE above 1024, longer rows then
+    take tiles that wide on that grid (BLOCK_N shrunk to match, at least 1) and 8 warps: all of a row of
+    2048 in one round trip. BLOCK_K depends on K alone, and the warps on the weight tile (K tiles up to
+    1024) or on K alone (wider), so every row count accumulates a row over the same lanes (see
     `launch_gemv`)."""
     block_k = min(1024, max(16, triton.next_power_of_2(n_in)))
     block_n = max(1, 8192 // (block_k * triton.next_power_of_2(rows)))
     while block_n > 1 and triton.cdiv(n_out, block_n) < 2 * n_sms:
         block_n //= 2
+    wide = min(GEMV_K_TILE, triton.next_power_of_2(n_in))
+    if wide > block_k:  # 8 warps: 32 lanes × 8 k each × 8 warps span a 2048-wide tile along K
+        return max(1, block_n * block_k // wide), wide, 8
     return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
 
 

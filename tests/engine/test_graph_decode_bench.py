@@ -74,3 +74,16 @@ def test_moe_late_withholds_x_ready_while_captured(monkeypatch):
         assert moe_route_decode.RELEASE_FIRST is False
     moe_decode.decode_experts(1, x_ready=True)
     assert seen == [False, True] and moe_route_decode.RELEASE_FIRST is True
+
+
+def test_k_tile_2048_widens_the_gemv_tiles_while_captured():
+    """`--gemv-ab k_tile_2048`: while captured, `linear.gemv_tiles` (and so `grouped_wo_a`'s GEMV, which
+    imports it) gives rows of 2048 one 2048-wide K tile; after it, the shipped 1024-wide tiles."""
+    import graph_decode
+    from dspark.kernels import grouped_wo_a, linear
+
+    shipped = linear.gemv_tiles(512, 2048, 132, 1)
+    with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["k_tile_2048"]):
+        assert linear.GEMV_K_TILE == 2048
+        assert grouped_wo_a.gemv_tiles(2048, 4096, 132, 1)[1] == linear.gemv_tiles(512, 2048, 132, 4)[1] == 2048
+    assert linear.GEMV_K_TILE == 1024 and linear.gemv_tiles(512, 2048, 132, 1) == shipped and shipped[1] == 1024

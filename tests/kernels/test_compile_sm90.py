@@ -373,41 +373,7 @@ def run_every_tile_class():
         x = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
         weight = torch.ones(shape[-1], device=DEVICE) if weighted else None
         rms_norm.rms_norm(x, weight, eps=1e-6, out_dtype=out_dtype)
-    # GEMV at the launch shapes of the H200's grid (132 SMs): v4-mini wq_a / wo_b (8-row tiles shrunk
-    # to fill the grid), V4-Flash wq_a (1024-wide K, 8 rows), a short row (K 130); 1, 2, 3 (ROWS 4) and 8
-    # rows of x (a verify block, a few requests).
-    for n_out, n_in in ((512, 2048), (2048, 2048), (1024, 4096), (7, 130)):
-        weight = torch.randn(n_out, n_in, generator=g).to(DEVICE, torch.bfloat16)
-        for rows in (1, 2, 3, 8):
-            x = torch.randn(rows, n_in, generator=g).to(DEVICE, torch.bfloat16)
-            linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, n_in, 132, rows))
-    # `linear_scaled`'s epilogue (the indexers' head weights: v4-mini 64, V4.1 32 heads), 1 and 4 rows.
-    for n_out in (64, 32):
-        weight = torch.randn(n_out, 2048, generator=g).to(DEVICE, torch.bfloat16)
-        for rows in (1, 4):
-            x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
-            linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, 2048, 132, rows), scale=8192 ** -0.5)
-    # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256), 1, 4
-    # and 8 rows, into fresh outputs and into the static rings.
-    for width in (1024, 256):
-        wkv, wgate = (torch.randn(width, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-        ape = torch.randn(4, width, device=DEVICE)
-        rings = (torch.empty(11, width, dtype=torch.bfloat16, device=DEVICE), torch.empty(11, width, device=DEVICE))
-        for rows in (1, 4, 8):
-            x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
-            phase, tiles = torch.arange(rows, device=DEVICE) % 4, linear.project_tiles(width, 2048, 132, rows)
-            linear.launch_project(x, wkv, wgate, ape, phase, tiles)
-            linear.launch_project(x, wkv, wgate, ape, phase, tiles, kv_out=rings[0], score_out=rings[1],
-                                  out_rows=torch.arange(rows, device=DEVICE) + 2)
-    # V4.1's fp32 pair (no bias): v41-mini's ratio-2 compressors (W 512), 1 and 8 rows, into its fp32 rings.
-    wkv, wgate = (torch.randn(512, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    rings = [torch.empty(11, 512, device=DEVICE) for _ in range(2)]
-    for rows in (1, 8):
-        x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
-        tiles = linear.project_tiles(512, 2048, 132, rows)
-        linear.launch_project_fp32(x, wkv, wgate, tiles)
-        linear.launch_project_fp32(x, wkv, wgate, tiles, kv_out=rings[0], gate_out=rings[1],
-                                   out_rows=torch.arange(rows, device=DEVICE) + 2)
+    run_gemv_tile_classes(g)
     # V4.1 cache QAT rounding, every format, bf16 window latents / fp32 rows.
     for fmt, dtype in (("fp8_ue8m0", torch.bfloat16), ("fp4_ue8m0", torch.bfloat16), ("fp4_e4m3", torch.float32)):
         cache_round.cache_round(torch.randn(2, 512, generator=g).to(DEVICE, dtype), fmt=fmt)
@@ -463,6 +429,49 @@ def run_every_tile_class():
                                 torch.randint(1, 1 << 40, (2, 4)).to(DEVICE), primes,
                                 torch.zeros(2, 24, dtype=torch.long, device=DEVICE), pad_id=2, image_token_id=image)
 
+def run_gemv_tile_classes(g: torch.Generator):
+    """The launches that take their tiles from `linear.gemv_tiles` (GEMV, its scaled epilogue, the compressor
+    projections, `grouped_wo_a`'s one-row GEMV); the test runs them again with the candidate K tile."""
+    # GEMV at the launch shapes of the H200's grid (132 SMs): v4-mini wq_a / wo_b (8-row tiles shrunk
+    # to fill the grid), V4-Flash wq_a (1024-wide K, 8 rows), a short row (K 130); 1, 2, 3 (ROWS 4) and 8
+    # rows of x (a verify block, a few requests).
+    for n_out, n_in in ((512, 2048), (2048, 2048), (1024, 4096), (7, 130)):
+        weight = torch.randn(n_out, n_in, generator=g).to(DEVICE, torch.bfloat16)
+        for rows in (1, 2, 3, 8):
+            x = torch.randn(rows, n_in, generator=g).to(DEVICE, torch.bfloat16)
+            linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, n_in, 132, rows))
+    # `linear_scaled`'s epilogue (the indexers' head weights: v4-mini 64, V4.1 32 heads), 1 and 4 rows.
+    for n_out in (64, 32):
+        weight = torch.randn(n_out, 2048, generator=g).to(DEVICE, torch.bfloat16)
+        for rows in (1, 4):
+            x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
+            linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, 2048, 132, rows), scale=8192 ** -0.5)
+    # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256), 1, 4
+    # and 8 rows, into fresh outputs and into the static rings.
+    for width in (1024, 256):
+        wkv, wgate = (torch.randn(width, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+        ape = torch.randn(4, width, device=DEVICE)
+        rings = (torch.empty(11, width, dtype=torch.bfloat16, device=DEVICE), torch.empty(11, width, device=DEVICE))
+        for rows in (1, 4, 8):
+            x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
+            phase, tiles = torch.arange(rows, device=DEVICE) % 4, linear.project_tiles(width, 2048, 132, rows)
+            linear.launch_project(x, wkv, wgate, ape, phase, tiles)
+            linear.launch_project(x, wkv, wgate, ape, phase, tiles, kv_out=rings[0], score_out=rings[1],
+                                  out_rows=torch.arange(rows, device=DEVICE) + 2)
+    # V4.1's fp32 pair (no bias): v41-mini's ratio-2 compressors (W 512), 1 and 8 rows, into its fp32 rings.
+    wkv, wgate = (torch.randn(512, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    rings = [torch.empty(11, 512, device=DEVICE) for _ in range(2)]
+    for rows in (1, 8):
+        x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
+        tiles = linear.project_tiles(512, 2048, 132, rows)
+        linear.launch_project_fp32(x, wkv, wgate, tiles)
+        linear.launch_project_fp32(x, wkv, wgate, tiles, kv_out=rings[0], gate_out=rings[1],
+                                   out_rows=torch.arange(rows, device=DEVICE) + 2)
+    # `grouped_wo_a`'s one-row GEMV (v4-mini: G 4, R 512, K 4096).
+    out = torch.randn(1, 32, 512, generator=g).to(DEVICE, torch.bfloat16)
+    cos, sin = torch.rand(1, 32, generator=g).to(DEVICE), torch.rand(1, 32, generator=g).to(DEVICE)
+    grouped_wo_a.grouped_wo_a(out, cos, sin, torch.randn(2048, 4096, generator=g).to(DEVICE, torch.bfloat16))
+
 
 COMPILE = textwrap.dedent("""
     import importlib, json, os, re, subprocess, sys
@@ -508,6 +517,8 @@ def test_fused_launches_compile_for_sm90_without_spills(monkeypatch, tmp_path):
         for name in names:
             monkeypatch.setattr(module, name, Recorder(getattr(module, name), module.__name__, name, log))
     run_every_tile_class()
+    monkeypatch.setattr(linear, "GEMV_K_TILE", 2048)  # the bench's candidate K tile (`bench/gpu_session49.sh b`)
+    run_gemv_tile_classes(torch.Generator().manual_seed(1))
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in log}.values())
     assert {launch["kernel"] for launch in unique} == {n for names in KERNELS.values() for n in names}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

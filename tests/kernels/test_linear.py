@@ -123,10 +123,25 @@ def test_linear_runs_the_kernel_where_it_won(lead, n_out, n_in, kernel, monkeypa
 @pytest.mark.parametrize("n_out,n_in,n_sms", [(512, 2048, 132), (16384, 512, 132), (64, 2048, 132),
                                               (129280, 2048, 132), (5, 3, 2)])
 def test_gemv_tiles_cover_the_grid_they_claim(n_out, n_in, n_sms):
-    """8192-element weight tiles at most, K tiles up to 1024, BLOCK_N shrinks until ~2 programs per SM."""
+    """8192-element weight tiles at most, K tiles up to GEMV_K_TILE, BLOCK_N shrinks until ~2 programs per SM."""
     block_n, block_k, _ = op.gemv_tiles(n_out, n_in, n_sms)
-    assert block_n * block_k <= 8192 and block_k <= 1024
+    assert block_n * block_k <= 8192 and block_k <= op.GEMV_K_TILE
     assert block_n == 1 or -(-n_out // block_n) >= 2 * n_sms or block_n * block_k == 8192
+
+
+@needs_triton
+@pytest.mark.parametrize("n_out,n_in", [(512, 2048), (2048, 2048), (64, 2048), (1024, 4096), (33, 1500)])
+def test_gemv_rows_past_1024_take_one_wide_k_tile_at_every_row_count(n_out, n_in, monkeypatch):
+    """With GEMV_K_TILE 2048 (the candidate the bench times), rows of more than 1024 load in 2048-wide
+    steps (all of a row of 2048 in one) on the grid of the 1024-wide tiles (BLOCK_N halved, at least 1),
+    and BLOCK_K and the warps (so a row's lanes and reduction order) are the same for 1 to 8 rows of x."""
+    narrow = {rows: op.gemv_tiles(n_out, n_in, 132, rows) for rows in range(1, op.MAX_ROWS + 1)}
+    monkeypatch.setattr(op, "GEMV_K_TILE", 2048)
+    wide = {rows: op.gemv_tiles(n_out, n_in, 132, rows) for rows in range(1, op.MAX_ROWS + 1)}
+    assert {(block_k, warps) for _, block_k, warps in wide.values()} == {(2048, 8)}
+    assert {block_k for _, block_k, _ in narrow.values()} == {1024}
+    assert all(wide[rows][0] == max(1, narrow[rows][0] // 2) for rows in wide)
+
 
 
 @needs_triton
@@ -513,11 +528,13 @@ def test_compressor_project_into_rings_model_shapes_on_gpu(width, n_in):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k_tile", [1024, 2048])  # GEMV_K_TILE as shipped and as the bench's candidate
 @pytest.mark.parametrize("rows", [2, 4, 8])
 @pytest.mark.parametrize("n_out,n_in", [(512, 2048), (2048, 2048), (64, 2048), (1024, 4096), (16384, 512)])
-def test_multi_row_gemv_model_shapes_on_gpu(rows, n_out, n_in):
+def test_multi_row_gemv_model_shapes_on_gpu(rows, n_out, n_in, k_tile, monkeypatch):
     """v4-mini wq_a / wo_b / weights_proj, V4-Flash wq_a, v4-mini wq_b (K 512), bf16, 2-8 rows: within
     tolerance of torch and each row bit-identical to the one-row launch on it."""
+    monkeypatch.setattr(op, "GEMV_K_TILE", k_tile)
     x, weight = make_inputs((rows,), n_out, n_in, torch.bfloat16, seed=n_out + rows)
     y = op.launch_gemv(x, weight)
     assert rel_err(y, op.linear_ref(x, weight)) < TOL[torch.bfloat16]
