@@ -87,3 +87,12 @@ def test_k_tile_2048_widens_the_gemv_tiles_while_captured():
         assert linear.GEMV_K_TILE == 2048
         assert grouped_wo_a.gemv_tiles(2048, 4096, 132, 1)[1] == linear.gemv_tiles(512, 2048, 132, 4)[1] == 2048
     assert linear.GEMV_K_TILE == 1024 and linear.gemv_tiles(512, 2048, 132, 1) == shipped and shipped[1] == 1024
+
+
+def test_head_weights_early_is_on_only_while_captured():
+    import graph_decode
+    from dspark.models.deepseek_v4 import side_stream
+
+    with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["head_weights_early"]):
+        assert side_stream.HEAD_WEIGHTS_EARLY is True
+    assert side_stream.HEAD_WEIGHTS_EARLY is False

@@ -152,3 +152,25 @@ def check_graph_replay(model, decoder_cls, capture=(), lengths=(3, 9, 17, 30), d
         for state, n in zip(states, accept.tolist()):
             state.truncate(state.length - tokens + n)
         starts = starts + accept
+
+
+def check_head_weights_early(decoder_cls, model, monkeypatch):
+    """`side_stream.HEAD_WEIGHTS_EARLY`: every indexer's head weights are made before its layer's c_q (on the
+    KV lane, before it waits for c_q) and the verify rounds' logits are the same bits as with it off."""
+    from dspark.models.deepseek_v4 import side_stream
+
+    order = []
+    for layer in model.layers:
+        attn = layer.attn
+        if getattr(attn, "indexer", None) is not None:
+            indexer, project_q_lora = attn.indexer, attn.project_q_lora
+            monkeypatch.setattr(indexer, "weights_op",
+                                lambda *a, op=indexer.weights_op, **kw: order.append("weights") or op(*a, **kw))
+            monkeypatch.setattr(attn, "project_q_lora", lambda x, f=project_q_lora: order.append("c_q") or f(x))
+    shipped = run_rounds(decoder_cls, model, None, rounds=2)  # the prefill's dynamic path, then static steps
+    assert order and set(zip(order[::2], order[1::2])) == {("c_q", "weights")}
+    order.clear()
+    monkeypatch.setattr(side_stream, "HEAD_WEIGHTS_EARLY", True)
+    early = run_rounds(decoder_cls, model, None, rounds=2)
+    assert set(zip(order[::2], order[1::2])) == {("c_q", "weights"), ("weights", "c_q")}  # static: weights first
+    assert all(torch.equal(a, b) for a, b in zip(early, shipped))

@@ -13,7 +13,7 @@ import torch
 import dspark
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v4.static_step import StaticDecoder
-from static_step_checks import TOL, check_bad_inputs, check_rollback, check_unused_slot, prefilled, row_independent_moe  # noqa: F401 (fixture)
+from static_step_checks import TOL, check_bad_inputs, check_head_weights_early, check_rollback, check_unused_slot, prefilled, row_independent_moe  # noqa: F401 (fixture)
 
 
 
@@ -133,3 +133,7 @@ def test_position_indices_are_built_once_per_step_not_per_layer(model, monkeypat
     tables = len(decoder.index_tables.ropes)
     assert n_layers >= 4 and calls["rows"] <= 6 < 2 * n_layers  # per layer it was >= 2 (window write + keys)
     assert calls["cos_sin"] <= 2 * tables < n_layers  # token positions + group positions per table
+
+
+def test_head_weights_early_changes_the_order_not_the_bits(model, monkeypatch):
+    check_head_weights_early(StaticDecoder, model, monkeypatch)

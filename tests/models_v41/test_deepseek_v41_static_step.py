@@ -21,7 +21,7 @@ import dspark
 from dspark.models.deepseek_v4.static_state import StaticShape
 from dspark.models.deepseek_v41.static_step import StaticDecoderV41
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the V4 checks, shared
-from static_step_checks import TOL, check_bad_inputs, check_rollback, check_unused_slot, prefilled, row_independent_moe  # noqa: E402,F401,F811
+from static_step_checks import TOL, check_bad_inputs, check_head_weights_early, check_rollback, check_unused_slot, prefilled, row_independent_moe  # noqa: E402,F401,F811
 
 
 
@@ -149,3 +149,7 @@ def test_static_v41_picks_go_straight_into_the_planned_key_list(model, monkeypat
     sharing = sum(1 for layer in model.layers if layer.attn.ratio and layer.attn.indexer is None)
     assert 0 < sharing and len(shifts) == 3 * sharing
     assert any(before != after for before, after in shifts)  # the in-place shift is exercised
+
+
+def test_head_weights_early_changes_the_order_not_the_bits(model, monkeypatch):
+    check_head_weights_early(StaticDecoderV41, model, monkeypatch)

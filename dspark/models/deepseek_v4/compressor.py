@@ -257,10 +257,12 @@ class Indexer(nn.Module):
     def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """The query side of `project`: (rotated q [N, Hi, di] model dtype, head weights [N, Hi] fp32)
         (the static step writes the compressor rows itself, `Compressor.project_rows`)."""
+        return self.rotated(q_lora, cos, sin), head_weights(self, x)
+
+    def rotated(self, q_lora: torch.Tensor, cos, sin) -> torch.Tensor:
+        """The queries alone: q_lora [N, q_lora_rank] -> rotated q [N, Hi, di] model dtype."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
-        q = self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        weights = head_weights(self, x)
-        return q, weights
+        return self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
 
     def forward(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:

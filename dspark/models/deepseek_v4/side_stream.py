@@ -50,6 +50,8 @@ from collections.abc import Iterator
 
 import torch
 
+from dspark.models.deepseek_v4.compressor import head_weights
+
 COMPRESS, KV, MIX = 0, 1, 2  # the static steps' lanes (MIX: the mHC sites' mixes beside the sublayer)
 MAX_LANES = 3
 # The static decoders' default: every lane. One H100 (`bench/gpu_session23.sh b`,
@@ -57,6 +59,26 @@ MAX_LANES = 3
 # none at one request (1.10x); 1.09x at 8 requests, 1.08x for the 4-token verify block, 1.07x on v41-mini;
 # logits and state equal bit for bit in every case.
 DEFAULT_LANES = 3
+
+
+# Whether the static steps compute a CSA layer's indexer head weights (weights_proj, which reads x alone) on the
+# KV lane before that lane waits for c_q, leaving the indexer's queries (wq_b, RoPE) after it: one launch fewer
+# between c_q and the selection, the same bits. A candidate, not yet timed (`bench/graph_decode.py --gemv-ab
+# head_weights_early`); off.
+HEAD_WEIGHTS_EARLY = False
+
+
+def early_head_weights(indexer, x: torch.Tensor) -> torch.Tensor | None:
+    """`head_weights(indexer, x)` [N, Hi] fp32 where HEAD_WEIGHTS_EARLY and the layer has an indexer, else None."""
+    return None if indexer is None or not HEAD_WEIGHTS_EARLY else head_weights(indexer, x)
+
+
+def index_queries(indexer, x: torch.Tensor, q_lora: torch.Tensor, cos, sin, weights: torch.Tensor | None):
+    """The indexer's (queries, head weights): `indexer.queries`, or with `weights` from `early_head_weights`
+    the queries alone beside them."""
+    if weights is None:
+        return indexer.queries(x, q_lora, cos, sin)
+    return indexer.rotated(q_lora, cos, sin), weights
 
 
 def check_lanes(lanes) -> int:

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, MIX, SideStreams, check_lanes
+from dspark.models.deepseek_v4.side_stream import (COMPRESS, DEFAULT_LANES, KV, MIX, SideStreams, check_lanes,
+                                                   early_head_weights, index_queries)
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex, StepTables
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -225,10 +226,11 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
                 update_compressor(attn.indexer.compressor, state.indexer, index, x, attn.rope)
     with side.fork(KV):  # the new window latents go straight to their ring rows from the norm + RoPE op
         attn.project_kv(x, cos, sin, kv_out=state.window.flat(), kv_rows=index.ring_rows(state.window).reshape(-1))
+        weights = early_head_weights(attn.indexer, x)
     q_lora = attn.project_q_lora(x)
     if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
         with side.fork(KV):
-            q_index, weights = attn.indexer.queries(x, q_lora, cos, sin)
+            q_index, weights = index_queries(attn.indexer, x, q_lora, cos, sin, weights)
     q = attn.project_q_heads(q_lora, cos, sin)
     if attn.compressor is None:  # SWA: the window alone
         keys = index.window_keys(attn.window, state.window)  # [N, W]

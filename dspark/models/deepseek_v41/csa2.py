@@ -171,10 +171,12 @@ class Indexer(nn.Module):
 
     def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Dense part for all N tokens -> (q [N, Hi, di] rotated + FP4, weights [N, Hi] fp32)."""
+        return self.rotated(q_lora, cos, sin), head_weights(self, x)
+
+    def rotated(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The queries alone: q_lora [N, q_lora_rank] -> q [N, Hi, di] rotated + FP4."""
         q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
-        q = self.quant.index(self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
-        weights = head_weights(self, x)
-        return q, weights
+        return self.quant.index(self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                slots: SharedSlots) -> torch.Tensor:

@@ -41,7 +41,8 @@ import torch
 
 from dspark.kernels import get_op
 from dspark.models.deepseek_v4.mhc import collapse
-from dspark.models.deepseek_v4.side_stream import COMPRESS, DEFAULT_LANES, KV, MIX, SideStreams
+from dspark.models.deepseek_v4.side_stream import (COMPRESS, DEFAULT_LANES, KV, MIX, SideStreams, early_head_weights,
+                                                   index_queries)
 from dspark.models.deepseek_v4.state import check_capture
 from dspark.models.deepseek_v4.static_index import StepIndex
 from dspark.models.deepseek_v4.static_plan import StepPlan
@@ -177,10 +178,11 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticState
         kv = attn.project_kv(x, cos, sin)
         # the window cache is FP8 (QAT): rounded into its ring rows by one launch
         attn.quant.window_rows(kv, window.flat(), index.ring_rows(window).reshape(-1))
+        weights = early_head_weights(attn.indexer, x)
     q_lora = attn.project_q_lora(x)
     if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
         with side.fork(KV):
-            queries = attn.indexer.queries(x, q_lora, cos, sin)
+            queries = index_queries(attn.indexer, x, q_lora, cos, sin, weights)
     q = attn.project_q_heads(q_lora, cos, sin)
     # The attention reads the pool from the layer's window on (`pool_from`): the window keys are rows of
     # its ring as they are, and the entries (after every window) rows past it: no per-layer offset ops.
