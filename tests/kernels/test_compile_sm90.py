@@ -429,6 +429,7 @@ def run_every_tile_class():
                                 torch.randint(1, 1 << 40, (2, 4)).to(DEVICE), primes,
                                 torch.zeros(2, 24, dtype=torch.long, device=DEVICE), pad_id=2, image_token_id=image)
 
+
 def run_gemv_tile_classes(g: torch.Generator):
     """The launches that take their tiles from `linear.gemv_tiles` (GEMV, its scaled epilogue, the compressor
     projections, `grouped_wo_a`'s one-row GEMV); the test runs them again with the candidate K tile."""
