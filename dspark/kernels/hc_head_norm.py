@@ -113,12 +113,12 @@ def _head_pre(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok,
               HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
               SPLIT_BLOCK: tl.constexpr = 8):
     """Reduce the statistics partials of tokens `offs_t` [BT] -> pre [BT, HC_PAD] fp32 (0 on padded
-    streams): σ(d · ρ · scale + base) + hc_eps, ρ = rsqrt(Σx̂²/(H·D) + rms_eps), as `mhc._site_mixes`."""
+    streams): σ(d · ρ · scale + base) + hc_eps, ρ = rsqrt(Σx̂²/(H·D) + rms_eps), as `mhc._block_mixes`."""
     offs_j = tl.arange(0, HC_PAD)
     j_ok = offs_j < HC
     sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     mix = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
-    for s0 in range(0, splits, SPLIT_BLOCK):  # SPLIT_BLOCK partials per step, as `mhc._site_mixes`
+    for s0 in range(0, splits, SPLIT_BLOCK):  # SPLIT_BLOCK partials per step, as `mhc._block_mixes`
         offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
         rows = offs_s[:, None] * n_tok + offs_t[None, :]  # [SB, BT]
         st_mask = (offs_s < splits)[:, None] & t_mask[None, :]

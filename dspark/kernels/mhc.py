@@ -367,22 +367,6 @@ def _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mas
 
 
 @_jit
-def _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                rms_eps, hc_eps, sinkhorn_iters,
-                HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                SPLIT_BLOCK: tl.constexpr = 8):
-    """Reduce the statistics partials of tokens `offs_t` [BT] -> (pre [BT, HC_PAD] (0 on padded
-    streams), post [BT, HC_PAD], comb [BT, HC_PAD, HC_PAD]), fp32, in the order of spec §6.2."""
-    s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
-    sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
-                                                    HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True, True)
-    rho = _rho(sq, dim, rms_eps, HC)
-    post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
-                               sinkhorn_iters, HC, HC_PAD)
-    return _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD), post, comb
-
-
-@_jit
 def _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC: tl.constexpr, HC_PAD: tl.constexpr):
     """Store post [BT, HC_PAD] and comb [BT, HC_PAD, HC_PAD] of tokens `offs_t` (padding dropped)."""
     offs_j = tl.arange(0, HC_PAD)
@@ -397,12 +381,18 @@ def _block_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr,
                  sinkhorn_iters, store, HC: tl.constexpr, HC_PAD: tl.constexpr, MIX_PAD: tl.constexpr,
                  BLOCK_T: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """An epilogue program's token block (program_id(0)): (offs_t [BT], t_mask [BT], tj_mask [BT, HC_PAD],
-    pre [BT, HC_PAD]) from the statistics partials; post and comb are stored where `store`."""
+    pre [BT, HC_PAD] (0 on padded streams)) from the statistics partials, in the order of spec §6.2; post
+    [BT, HC_PAD] and comb [BT, HC_PAD, HC_PAD] (fp32) are stored where `store`."""
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < n_tok
     tj_mask = t_mask[:, None] & (tl.arange(0, HC_PAD) < HC)[None, :]
-    pre, post, comb = _site_mixes(dpart_ptr, sqpart_ptr, base_ptr, scale_ptr, offs_t, t_mask, n_tok, dim, splits,
-                                  rms_eps, hc_eps, sinkhorn_iters, HC, HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK)
+    s_pre, s_post, s_comb, b_pre, b_post, b_comb = _site_params(base_ptr, scale_ptr, HC, HC_PAD)
+    sq, pre_mix, post_mix, comb_mix = _partial_sums(dpart_ptr, sqpart_ptr, offs_t, t_mask, n_tok, splits, HC,
+                                                    HC_PAD, MIX_PAD, BLOCK_T, SPLIT_BLOCK, True, True)
+    rho = _rho(sq, dim, rms_eps, HC)
+    post, comb = _post_comb_of(post_mix, comb_mix, rho, s_post, s_comb, b_post, b_comb, t_mask, hc_eps,
+                               sinkhorn_iters, HC, HC_PAD)
+    pre = _pre_of(pre_mix, rho, s_pre, b_pre, hc_eps, HC, HC_PAD)
     if store:
         _store_mixes(post_ptr, comb_ptr, post, comb, offs_t, t_mask, HC, HC_PAD)
     return offs_t, t_mask, tj_mask, pre
@@ -544,7 +534,7 @@ def _launch_stats(src: torch.Tensor, fn: torch.Tensor, n_hc: int, dim: int, fuse
 
 
 def split_block(n_partials: int, block_t: int) -> int:
-    """Partials an epilogue reduces per step (`_site_mixes`' SPLIT_BLOCK): all of them in one load
+    """Partials an epilogue reduces per step (`_partial_sums`' SPLIT_BLOCK): all of them in one load
     round for one-token tiles (up to 256: at most a few thousand fp32 values per program), 8 per
     step for the 4-token tiles, whose [8, 4, 4, 4] comb loads already fill their registers."""
     return min(256, triton.next_power_of_2(n_partials)) if block_t == 1 else 8

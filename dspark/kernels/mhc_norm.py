@@ -26,7 +26,7 @@ twice instead of writing and re-reading u (18·D instead of 14·D bytes per toke
 Rounding: u is rounded to x.dtype before its square is summed and before it is normalised (what the
 unfused path stores and RMSNorm reads); then r = rsqrt(Σu²/D + norm_eps) and h = w ⊙ (u · r), in
 `rms_norm.py`'s order. post, comb and u come from `mhc_pre`'s statistics kernel and its epilogue's
-code (`mhc._site_mixes`, the same collapse); the epilogue's tiles differ at decode sizes, so sums of
+code (`mhc._block_mixes`, the same collapse); the epilogue's tiles differ at decode sizes, so sums of
 4 streams or of the split partials may associate differently (an fp32 ulp). h differs from
 `rms_norm(u)` where Σu² is reduced in another order: ~1 fp32 ulp of r, at most 1 ulp of x.dtype per
 element (rms_norm's own tolerance).

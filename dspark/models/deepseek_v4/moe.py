@@ -14,8 +14,6 @@ Shape symbols: N tokens, D hidden, E routed experts, K experts per token, I expe
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -137,10 +135,11 @@ class MoE(nn.Module):
             self._experts_op = get_op(kernels, "moe_experts")
             # W8A8 experts quantise x on a side stream while the router runs (`moe_w8a8.InputQuant`)
             self._quantize_input = getattr(self._experts_op, "quantize_input", None)
-            # the Triton experts' one-launch counters are zeroed before the router (`moe.experts_counters`;
-            # Triton's module, imported here only where that op was picked: get_op above required Triton)
-            self._experts_counters = (importlib.import_module("dspark.kernels.moe").experts_counters
-                                      if kernels.moe_experts == "triton" else None)
+            # the Triton experts' one-launch counters are zeroed before the router (`moe.experts_counters`)
+            self._experts_counters = None
+            if kernels.moe_experts == "triton":  # Triton's module: get_op above required Triton
+                from dspark.kernels.moe import experts_counters
+                self._experts_counters = experts_counters
             self._top_k = c.num_experts_per_tok
             # gates with one bias row per token (V4.1's image spans): only where that op is picked
             self._route_rows = get_op(kernels, "moe_route_rows") if kernels.moe_route_rows != "ref" else None
