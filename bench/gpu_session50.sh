@@ -1,31 +1,45 @@
 #!/usr/bin/env bash
 # GPU steps of the forty-sixth session (every JSON names its card):
 #
-#   run(command="bash bench/gpu_session50.sh a")   # ≈ 7 min, an H200 only (on an H100 it runs part b)
+#   run(command="bash bench/gpu_session50.sh a", carry=[".whl"])   # ≈ 7 min on an H200, ≈ 6 on an H100 (the
+#                                               # drafter's weights moved out of the tree for the carry limit)
+#   run(command="bash bench/gpu_session50.sh b")   # ≈ 6 min
+#   run(command="bash bench/gpu_session50.sh c")   # ≈ 7 min, an H200 only (else it does nothing)
 #
-# a: issue 7's engine grid on its card (v4-mini, 4K, 1 and 64 requests: none, DSpark 1-3 and the async auto
-#    planner, HF eager `generate` as the peer in the same call), last timed on an H200 in the thirty-sixth session;
-#    every step change since then was timed on an H100 only. On an H100: part b.
-# b: `gpu_session49.sh c`'s candidates (the GEMVs' 2048-wide K tiles, a CSA layer's indexer head weights before
-#    it waits for c_q) in the v4-mini graph step at 1, 2 and 4 requests, one process, tagged s46.
-source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, dispatch
+# a: on an H200, issue 6's deciding figures (`gpu_lib.issue6_h200_or`: the MoE rows after the read and the write
+#    flush, the 32K decode attention on flashinfer), last measured there in the thirty-sixth session; on an H100,
+#    part b.
+# b: the GPU tests of `linear` (with `linear_rope`), `grouped_wo_a` and PDL, then three step candidates against
+#    the shipped step (`bench/graph_decode.py --gemv-ab`): `k_tile_2048` (`linear.GEMV_K_TILE` 2048),
+#    `head_weights_early` (`side_stream.HEAD_WEIGHTS_EARLY`) and `rope_epilogue` (`linear.ROPE_EPILOGUE`: the
+#    indexers' queries rotated in their GEMV's epilogue, one launch fewer per CSA layer), v4-mini at 1, 2 and 4
+#    requests in two processes and v41-mini at one.
+# c: issue 7's engine grid on its card (v4-mini, 4K, 1 and 64 requests: none, DSpark 1-3 and the async auto
+#    planner, HF eager `generate` as the peer in the same call), last timed on an H200 in the thirty-sixth session.
+source "$(dirname "$0")/gpu_lib.sh"  # card, logged, step, tests, dispatch, issue6_h200_or
 
-part_a() {
+VARIANTS=k_tile_2048,head_weights_early,rope_epilogue
+
+part_a() { issue6_h200_or s46 part_b; }
+
+part_b() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
+  tests "gpu-tests-candidates-$(card)-s46" 100 -m gpu tests/kernels/test_linear.py tests/kernels/test_linear_rope.py \
+    tests/kernels/test_grouped_wo_a.py tests/kernels/test_kernels_pdl.py
+  step "candidates-ab-v4-$(card)-s46-1" 160 --requests 1,2,4 --gemv-ab "$VARIANTS"
+  step "candidates-ab-v41-$(card)-s46" 120 --config v41-mini --requests 1 --gemv-ab "$VARIANTS"
+  step "candidates-ab-v4-$(card)-s46-2" 160 --requests 1,2,4 --gemv-ab "$VARIANTS"
+  grep -h "gemv_ab_speedup" "$W"/logs/candidates-ab-*.txt | grep -o '"\(k_tile_2048\|head_weights_early\|rope_epilogue\)": [0-9.]*'
+}
+
+part_c() {
   nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
   if [ "$(card)" = h200 ]; then
     logged engine 420 python3 bench/engine_h200.py --static-decode --overlap --decode-only --peer --steps 8 \
       --confidence 0.8629 --table-from-cells --modes none,dspark1,dspark2,dspark3,auto_async --requests 1,64 \
       --contexts 4096 --budget-s 300 --out "$OUT/engine-h200-s46.json"
     tail -n 16 "$W/logs/engine.txt" | cut -c1-300
-  else
-    part_b
   fi
-}
-
-part_b() {
-  nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1
-  step "k-tile-ab-v4-$(card)-s46" 130 --requests 1,2,4 --gemv-ab k_tile_2048,head_weights_early
-  grep -h "gemv_ab_speedup" "$W"/logs/k-tile-ab-*.txt | grep -o '"\(k_tile_2048\|head_weights_early\)": [0-9.]*'
 }
 
 dispatch session50 "${1:-}"

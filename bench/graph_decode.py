@@ -171,6 +171,8 @@ def captured_with(variant: dict):
       K = 512 weights, v4-mini's `wq_b` and indexer `wq_b`, as shipped before the thirty-eighth session);
     * "tiles" (BLOCK_N, warps) replaces `gemv_tiles`' choice on the K = 512 rows (16 rows, 8 warps);
     * "GEMV_K_TILE" replaces `linear`'s (2048: rows of more than 1024 in 2048-wide K tiles at every row count);
+    * "ROPE_EPILOGUE" replaces `linear`'s (True: the indexers' queries rotated in their GEMV's epilogue, one
+      launch instead of the GEMV and the rope kernel);
     * "HEAD_WEIGHTS_EARLY" replaces `side_stream`'s (True: a CSA layer's indexer head weights on the KV lane
       before it waits for c_q);
     * "WO_A_GEMV_ROWS" replaces `grouped_wo_a.GEMV_ROWS` (0: the split kernel and its sum at every row count);
@@ -186,7 +188,7 @@ def captured_with(variant: dict):
     from dspark.models.deepseek_v4 import side_stream, static_step as v4_step
     from dspark.models.deepseek_v4.compressor import Compressor
 
-    names = ("SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS", "GEMV_K_TILE", "gemv_tiles")
+    names = ("SHORT_K", "SHORT_K_MAX_ROWS", "GEMV_MAX_ROWS", "GEMV_K_TILE", "ROPE_EPILOGUE", "gemv_tiles")
     saved = {name: getattr(linear, name) for name in names}
     saved_wo_a, saved_update, saved_pool = grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows
     saved_up, saved_down, saved_experts = moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts
@@ -209,7 +211,7 @@ def captured_with(variant: dict):
             return variant["tiles"][0], n_in, variant["tiles"][1]
         return shipped
 
-    for name in names[:4]:
+    for name in names[:-1]:
         setattr(linear, name, variant.get(name, saved[name]))
     if "tiles" in variant:
         linear.gemv_tiles = tiles
@@ -234,7 +236,7 @@ def captured_with(variant: dict):
 # rows of 1025-4096 in one K tile (BLOCK_K = K, the grid and warps of the 1024-wide tiles).
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
                  "gemv_one_row": dict(GEMV_MAX_ROWS=1), "k_tile_2048": dict(GEMV_K_TILE=2048),
-                 "head_weights_early": dict(HEAD_WEIGHTS_EARLY=True),
+                 "head_weights_early": dict(HEAD_WEIGHTS_EARLY=True), "rope_epilogue": dict(ROPE_EPILOGUE=True),
                  "moe_up_gemv": dict(UP_TMA=None), "moe_down_gemv": dict(DOWN_TMA={}), "moe_late": dict(MOE_LATE=True)}
 # --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}

@@ -6,6 +6,11 @@ Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 * ``linear_scaled(x, weight, *, scale) -> y``: `linear` rounded to x.dtype as it returns it, then
   times `scale` in fp32 -> y [..., N] fp32: the indexers' head weights, weights_proj(x).float() · s,
   in one launch where the GEMV runs (three before: the GEMV, the cast, the product).
+* ``linear_rope(x, weight, cos, sin, *, head_dim) -> q``: `linear`, its rows split into heads of `head_dim`
+  and each head's trailing 2·cos.shape[-1] dims rotated as the `rope` op does; x [N, K], weight [H·d, K],
+  cos / sin [N, rd/2] fp32 -> q [N, H, d] in x.dtype: the indexers' queries, rope(wq_b(q_lora)). With
+  ROPE_EPILOGUE (a candidate, off) the rotation runs in `_gemv_kernel`'s epilogue where the GEMV runs (one
+  launch instead of two); elsewhere the two ops, as the models called them before.
 * ``compressor_project(x, wkv, wgate, ape, phase, *, kv_out=None, score_out=None, out_rows=None)
   -> (kv, score)``: a compressor's two projections and its position bias (deepseek_v4 spec §8.2): kv = x·wkvᵀ, score = x·wgateᵀ (rounded to x.dtype,
   as the model's linear returns it) + ape[phase] in fp32; x [N, K], wkv / wgate [W, K], ape
@@ -49,6 +54,8 @@ import torch.nn.functional as F
 
 from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
+from dspark.kernels.rope import launch_rope
+from dspark.kernels.rope_ref import rope_ref
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 from dspark.kernels.triton_compat import pdl_launch, pdl_prefetch, pdl_prologue, prefetch_launch
@@ -75,6 +82,10 @@ SHORT_K_MAX_ROWS = 1
 # but broke the rows' bit equality with one-row launches; `bench/graph_decode.py --gemv-ab k_tile_2048` times this
 # form (`bench/gpu_session49.sh b`).
 GEMV_K_TILE = 1024
+# Whether `linear_rope` rotates in the GEMV's epilogue (one launch) where the GEMV runs: the indexers' queries at
+# one decode row (K = 512: `SHORT_K`), on a CSA layer's KV lane between c_q and the selection. A candidate, not yet
+# timed (`bench/graph_decode.py --gemv-ab rope_epilogue`); the same bits as the two launches (`_rope_pairs`).
+ROPE_EPILOGUE = False
 # The most rows the kernels take (ROWS, a power of two: every weight tile multiplies ROWS rows of x
 # on the CUDA cores; from 16 rows a tensor-core tile is the tool).
 MAX_ROWS = 8
@@ -108,6 +119,24 @@ def linear_scaled_ref(x: torch.Tensor, weight: torch.Tensor, *, scale: float) ->
     """fp32(x · weightᵀ in x.dtype) · scale -> [..., N] fp32 (the models' former code)."""
     _check_args(x, weight)
     return F.linear(x, weight).float() * scale
+
+
+def _check_rope_args(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    _check_args(x, weight)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, K], got shape {tuple(x.shape)}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or weight.shape[0] % head_dim:
+        raise ValueError(f"head_dim must be a positive int dividing weight's {weight.shape[0]} rows, got {head_dim!r}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0] or not 0 < 2 * cos.shape[1] <= head_dim:
+        raise ValueError(f"cos / sin must both be [N, rd/2] with N = {x.shape[0]} and 0 < rd <= head_dim = {head_dim}, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+
+
+def linear_rope_ref(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                    head_dim: int) -> torch.Tensor:
+    """rope(x·weightᵀ as [N, H, d], cos, sin) -> [N, H, d] in x.dtype (the models' former code)."""
+    _check_rope_args(x, weight, cos, sin, head_dim)
+    return rope_ref(F.linear(x, weight).unflatten(-1, (-1, head_dim)), cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
 def _check_pair_args(x, wkv, wgate) -> None:
@@ -201,12 +230,37 @@ def _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask):
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, scale, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+def _rope_pairs(y, cos_ptr, sin_ptr, offs_m, m_mask, head_dim, half, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y [ROWS, BLOCK_N] (program n's columns, rounded to the output dtype, fp32) with each head's trailing
+    2·half columns rotated pairwise by row m's cos / sin [M, half] (fp32, contiguous) as the `rope` op does.
+
+    BLOCK_N is even and a program's first column is too, so a pair (even, odd column) never straddles
+    programs; the pairs are split in registers. The `rope` kernel runs without FMA contraction, this one
+    with it (the GEMV's sums): each product is therefore an fma(a, b, +0), which rounds as the product
+    (the sign of a zero aside: a pair whose two products are both zero may give +0 where `rope` gives -0)
+    and cannot be contracted into the difference or the sum after it."""
+    e, o = tl.split(tl.reshape(y, (ROWS, BLOCK_N // 2, 2)))  # [ROWS, BLOCK_N / 2] each
+    col = tl.program_id(0) * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # each pair's even column
+    j = col % head_dim - (head_dim - 2 * half)  # index inside the head's rotary dims, < 0 for "nope" columns
+    rot = j >= 0
+    cs = offs_m.to(tl.int64)[:, None] * half + (tl.maximum(j, 0) // 2)[None, :]
+    mask = m_mask[:, None] & rot[None, :]
+    c = tl.load(cos_ptr + cs, mask=mask, other=1.0)
+    s = tl.load(sin_ptr + cs, mask=mask, other=0.0)
+    e_rot = tl.fma(e, c, 0.0) - tl.fma(o, s, 0.0)
+    o_rot = tl.fma(e, s, 0.0) + tl.fma(o, c, 0.0)
+    return tl.reshape(tl.join(tl.where(rot[None, :], e_rot, e), tl.where(rot[None, :], o_rot, o)), (ROWS, BLOCK_N))
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, scale, cos_ptr, sin_ptr, head_dim, half,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                 ROPE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """y[m, n] = Σ_k x[m, k]·w[n, k] for the n_rows (<= ROWS) rows of x and the BLOCK_N weight rows of
     program n, fp32 sums: each weight tile is read once and multiplied with every row of x. SCALED:
-    the sum rounded to x's dtype, then times `scale` in fp32 (y fp32). With PREFETCH the program's
-    weight rows are requested into L2 before it waits for its predecessor."""
+    the sum rounded to x's dtype, then times `scale` in fp32 (y fp32). ROPE: the sum rounded to x's
+    dtype, then each head's rotary columns rotated (`_rope_pairs`; cos_ptr, sin_ptr, head_dim, half).
+    With PREFETCH the program's weight rows are requested into L2 before it waits for its predecessor."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     if PREFETCH:
@@ -227,6 +281,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_out, n_in, scale, ROWS: tl.const
     y = tl.sum(acc, axis=2)
     if SCALED:
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32) * scale
+    if ROPE:
+        y = _rope_pairs(y.to(x_ptr.dtype.element_ty).to(tl.float32), cos_ptr, sin_ptr, offs_m, m_mask, head_dim, half,
+                        ROWS, BLOCK_N)
     out = y_ptr + offs_m.to(tl.int64)[:, None] * n_out + offs_n[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -316,28 +373,48 @@ def _check_rows(rows: int, launcher: str) -> None:
 
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None, *,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """`_gemv_kernel` for the M = x.numel() / K rows of x [..., K] (1 <= M <= MAX_ROWS) whatever the
     weight; `tiles` overrides `gemv_tiles` (the bench compares it with torch on every shape; the model
     goes through `linear`). At the default tiles each row's result is bit-identical to a one-row launch
     on that row (on the H200 not for fp32 with a masked K tail, K = 1500: ulps apart, FMA contraction): BLOCK_K depends on K alone and the accumulator takes the weight tile's layout (8
     consecutive k per thread, 32 lanes and BLOCK_K / 256 warps along K, the other warps along N), so
     every row count sums a row's products in the same lanes, the same K-tile order and the same
-    reduction tree. With `scale`: `linear_scaled`'s fp32 output from the same sums."""
+    reduction tree. With `scale`: `linear_scaled`'s fp32 output from the same sums. With `rope` = (cos,
+    sin, head_dim) (x [M, K], cos / sin [M, rd/2]): `linear_rope`'s rotated rows from the same sums (tiles
+    with an even BLOCK_N, `rope_tiles`)."""
     _check_args(x, weight)
     n_out, n_in = weight.shape
     rows = x.numel() // max(1, n_in)
     _check_rows(rows, "launch_gemv")
     require_triton()
+    if scale is not None and rope is not None:
+        raise ValueError("launch_gemv takes a scale or a rope, not both")
     y = torch.empty(rows, n_out, dtype=x.dtype if scale is None else torch.float32, device=x.device)
     block_n, block_k, warps = tiles or gemv_tiles(n_out, n_in, _num_sms(x.device), rows)
+    cos, sin, head_dim = rope if rope is not None else (y, y, 2)  # unread without ROPE
+    if rope is not None:
+        _check_rope_args(x.reshape(rows, n_in), weight, cos, sin, head_dim)
+        if not rope_tiles(block_n, head_dim, cos.shape[1]):
+            raise ValueError(f"launch_gemv's rope needs an even BLOCK_N and an even count of unrotated columns, "
+                             f"got BLOCK_N {block_n}, head_dim {head_dim}, rd {2 * cos.shape[1]}")
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
     weight = weight.contiguous()
     _gemv_kernel[grid](x.contiguous(), weight, y, rows, n_out, n_in, 1.0 if scale is None else float(scale),
+                       cos, sin, head_dim, cos.shape[-1] if rope is not None else 1,
                        ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scale is not None,
-                       PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+                       ROPE=rope is not None, PREFETCH=prefetch_launch(pdl, weight), PDL=pdl, launch_pdl=pdl,
+                       num_warps=warps)
     return y.reshape(*x.shape[:-1], n_out)
+
+
+def rope_tiles(block_n: int, head_dim: int, half: int) -> bool:
+    """Whether `_gemv_kernel` can rotate in its epilogue at this BLOCK_N: whole pairs per program (BLOCK_N
+    even, and every pair starting on an even column: head_dim even, so its unrotated columns too, the rotary
+    ones being 2·half)."""
+    return block_n >= 2 and block_n % 2 == 0 and head_dim % 2 == 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -358,6 +435,22 @@ def linear_scaled(x: torch.Tensor, weight: torch.Tensor, *, scale: float) -> tor
     if not gemv_pays(x.numel() // max(1, n_in), n_out, n_in) or records_grad(x, weight):
         return linear_scaled_ref(x, weight, scale=scale)
     return launch_gemv(x, weight, scale=scale)
+
+
+def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                head_dim: int) -> torch.Tensor:
+    """Fused `linear_rope_ref` (same signature): with ROPE_EPILOGUE, one `_gemv_kernel` launch that rotates in
+    its epilogue where `gemv_pays` (and `rope_tiles` holds); otherwise `linear` then the `rope` kernel (the
+    reference while autograd records)."""
+    _check_rope_args(x, weight, cos, sin, head_dim)
+    n_out, n_in = weight.shape
+    if records_grad(x, weight, cos, sin):
+        return linear_rope_ref(x, weight, cos, sin, head_dim=head_dim)
+    rows = x.shape[0]
+    if ROPE_EPILOGUE and gemv_pays(rows, n_out, n_in) and \
+            rope_tiles(gemv_tiles(n_out, n_in, _num_sms(x.device), rows)[0], head_dim, cos.shape[1]):
+        return launch_gemv(x, weight, rope=(cos, sin, head_dim)).unflatten(-1, (-1, head_dim))
+    return launch_rope(linear(x, weight).unflatten(-1, (-1, head_dim)), cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
 def project_tiles(n_out: int, n_in: int, n_sms: int, rows: int = 1) -> tuple[int, int, int]:

@@ -81,6 +81,7 @@ _OP_MODULES: dict[str, str] = {
     "grouped_wo_a": "grouped_wo_a",
     "linear": "linear",
     "linear_scaled": "linear",
+    "linear_rope": "linear",
     "compressor_project": "linear",
     "compressor_project_fp32": "linear",
     "cache_round": "cache_round",
@@ -169,6 +170,7 @@ class KernelConfig:
     grouped_wo_a: Impl = "ref"
     linear: Impl = "ref"
     linear_scaled: Impl = "ref"
+    linear_rope: Impl = "ref"
     compressor_project: Impl = "ref"
     compressor_project_fp32: Impl = "ref"
     cache_round: Impl = "ref"

@@ -89,6 +89,15 @@ def test_k_tile_2048_widens_the_gemv_tiles_while_captured():
     assert linear.GEMV_K_TILE == 1024 and linear.gemv_tiles(512, 2048, 132, 1) == shipped and shipped[1] == 1024
 
 
+def test_rope_epilogue_is_on_only_while_captured():
+    import graph_decode
+    from dspark.kernels import linear
+
+    with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["rope_epilogue"]):
+        assert linear.ROPE_EPILOGUE is True
+    assert linear.ROPE_EPILOGUE is False
+
+
 def test_head_weights_early_is_on_only_while_captured():
     import graph_decode
     from dspark.models.deepseek_v4 import side_stream

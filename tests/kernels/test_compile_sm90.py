@@ -431,7 +431,7 @@ def run_every_tile_class():
 
 
 def run_gemv_tile_classes(g: torch.Generator):
-    """The launches that take their tiles from `linear.gemv_tiles` (GEMV, its scaled epilogue, the compressor
+    """The launches that take their tiles from `linear.gemv_tiles` (GEMV, its scaled and rope epilogues, the compressor
     projections, `grouped_wo_a`'s one-row GEMV); the test runs them again with the candidate K tile."""
     # GEMV at the launch shapes of the H200's grid (132 SMs): v4-mini wq_a / wo_b (8-row tiles shrunk
     # to fill the grid), V4-Flash wq_a (1024-wide K, 8 rows), a short row (K 130); 1, 2, 3 (ROWS 4) and 8
@@ -447,6 +447,15 @@ def run_gemv_tile_classes(g: torch.Generator):
         for rows in (1, 4):
             x = torch.randn(rows, 2048, generator=g).to(DEVICE, torch.bfloat16)
             linear.launch_gemv(x, weight, linear.gemv_tiles(n_out, 2048, 132, rows), scale=8192 ** -0.5)
+    # `linear_rope`'s epilogue (the indexers' queries: v4-mini 64, v41-mini 32 heads of 128, rd 64, K 512), 1 and
+    # 2 rows.
+    for n_heads in (64, 32):
+        weight = torch.randn(n_heads * 128, 512, generator=g).to(DEVICE, torch.bfloat16)
+        for rows in (1, 2):
+            x = torch.randn(rows, 512, generator=g).to(DEVICE, torch.bfloat16)
+            angles = torch.rand(rows, 32, generator=g).to(DEVICE)
+            linear.launch_gemv(x, weight, linear.gemv_tiles(n_heads * 128, 512, 132, rows),
+                               rope=(angles.cos(), angles.sin(), 128))
     # The compressor projection (two weights, the ape bias): v4-mini CSA (W 1024) and indexer (W 256), 1, 4
     # and 8 rows, into fresh outputs and into the static rings.
     for width in (1024, 256):

@@ -268,6 +268,7 @@ def _every_op(device: str) -> None:
                              moe_decode_tma.TmaTiles(16, 16, 4, 2), moe_decode_tma.TmaTiles(16, 16, 4, 2))  # one launch
     linear.launch_gemv(rand(3, 64), rand(40, 64))
     linear.launch_gemv(rand(1, 64), rand(40, 64), scale=0.5)  # `linear_scaled`'s epilogue
+    linear.launch_gemv(rand(1, 64), rand(32, 64), rope=(rand(1, 4), rand(1, 4), 16))  # `linear_rope`'s epilogue
     ape, phase = rand(4, 24), torch.tensor([1, 3], device=device)
     linear.launch_project(rand(2, 64), rand(24, 64), rand(24, 64), ape, phase)
     linear.launch_project_fp32(rand(2, 64), rand(24, 64), rand(24, 64))  # V4.1's pair: no bias
@@ -380,8 +381,9 @@ def test_sm90_code_prefetches_weights_before_the_wait():
     """AOT for sm_90: with PREFETCH the GEMV issues its L2 bulk prefetch before `griddepcontrol.wait`
     and loads nothing before it; without PREFETCH no prefetch is emitted."""
     found = _aot("linear", "_gemv_kernel",
-                 dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows="i32", n_out="i32", n_in="i32", scale="fp32"),
-                 dict(ROWS=4, BLOCK_N=8, BLOCK_K=1024, SCALED=False, PDL=True), "PREFETCH",
+                 dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows="i32", n_out="i32", n_in="i32", scale="fp32",
+                      cos_ptr="*fp32", sin_ptr="*fp32", head_dim="i32", half="i32"),
+                 dict(ROWS=4, BLOCK_N=8, BLOCK_K=1024, SCALED=False, ROPE=False, PDL=True), "PREFETCH",
                  ("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait", "ld.global"), warps=8)
     prefetch, wait, load = found["True"]
     assert 0 <= prefetch < wait < load, found

@@ -218,6 +218,22 @@ def head_weights(indexer, x: torch.Tensor) -> torch.Tensor:
     return indexer.weights_op(x, indexer.weights_proj.weight, scale=scale)
 
 
+def linear_rope_op(kernels: KernelConfig):
+    """The registry's `linear_rope` where both it and `linear` are Triton (the GEMV it extends), else None:
+    an indexer then keeps its `wq_b` module's op and the `rope` op."""
+    return get_op(kernels, "linear_rope") if kernels.linear_rope == kernels.linear == "triton" else None
+
+
+def rotated_queries(indexer, q_lora: torch.Tensor, cos, sin) -> torch.Tensor:
+    """q_lora [N, q_lora_rank], cos / sin [N, rd/2] -> rope(wq_b(q_lora)) [N, Hi, di] model dtype: one
+    `linear_rope` op where the indexer has it (`linear_rope_op`), else its `wq_b` then its `rope_op`.
+    `indexer` has wq_b, rope_op, linear_rope_op, n_heads and head_dim (V4's `Indexer`, V4.1's `csa2.Indexer`)."""
+    if indexer.linear_rope_op is not None:
+        return indexer.linear_rope_op(q_lora, indexer.wq_b.weight, cos, sin, head_dim=indexer.head_dim)
+    q = indexer.wq_b(q_lora).unflatten(-1, (indexer.n_heads, indexer.head_dim))
+    return indexer.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: `wq_b` [Hi·di, q_lora], `weights_proj` [Hi, D], `compressor`.
 
@@ -241,6 +257,7 @@ class Indexer(nn.Module):
         self.scores_op = get_op(kernels, "index_scores")  # the static steps' scores of every slot at once
         self.rope_op = get_op(kernels, "rope")  # q [N, Hi, di], cos/sin [N, 1, rd/2] -> q rotated
         self.weights_op = get_op(kernels, "linear_scaled")
+        self.linear_rope_op = linear_rope_op(kernels)
         self.wq_b = Linear(q_lora_rank, n_heads * head_dim, dtype=dtype, device=device, kernels=kernels)
         self.weights_proj = Linear(dim, n_heads, dtype=dtype, device=device, kernels=kernels)
         self.compressor = Compressor(dim, head_dim, rate, overlap=True, eps=eps, dtype=dtype, device=device,
@@ -261,8 +278,7 @@ class Indexer(nn.Module):
 
     def rotated(self, q_lora: torch.Tensor, cos, sin) -> torch.Tensor:
         """The queries alone: q_lora [N, q_lora_rank] -> rotated q [N, Hi, di] model dtype."""
-        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
-        return self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        return rotated_queries(self, q_lora, cos, sin)
 
     def forward(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:

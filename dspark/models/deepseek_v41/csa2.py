@@ -34,7 +34,7 @@ from torch import nn
 from dspark.kernels import KernelConfig, get_op
 from dspark.models.deepseek_v4.norm import RMSNorm
 from dspark.models.deepseek_v41.qat import CacheQuant
-from dspark.models.deepseek_v4.compressor import head_weights
+from dspark.models.deepseek_v4.compressor import head_weights, linear_rope_op, rotated_queries
 from dspark.models.deepseek_v4.index_batch import padded_index_scores, pads_well
 from dspark.models.deepseek_v4.linear import Linear
 from dspark.models.deepseek_v4.state import RaggedBatch, copy_rows
@@ -149,6 +149,7 @@ class Indexer(nn.Module):
         # x [..., di], cos/sin broadcastable to [..., rd/2] -> x rotated (index keys and queries)
         self.rope_op = get_op(kernels, "rope")
         self.weights_op = get_op(kernels, "linear_scaled")  # see `head_weights`
+        self.linear_rope_op = linear_rope_op(kernels)  # see `rotated_queries`
         self.n_heads = c.index_n_heads
         self.head_dim = c.index_head_dim
         self.topk = c.index_topk
@@ -175,8 +176,7 @@ class Indexer(nn.Module):
 
     def rotated(self, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The queries alone: q_lora [N, q_lora_rank] -> q [N, Hi, di] rotated + FP4."""
-        q = self.wq_b(q_lora).unflatten(-1, (self.n_heads, self.head_dim))
-        return self.quant.index(self.rope_op(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+        return self.quant.index(rotated_queries(self, q_lora, cos, sin))
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                slots: SharedSlots) -> torch.Tensor:
