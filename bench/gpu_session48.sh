@@ -5,7 +5,7 @@
 #                                               # drafter's weights moved out of the tree for the carry limit)
 #   run(command="bash bench/gpu_session48.sh b")   # ≈ 6 min
 #
-# a: (gpu_session49.sh a replaces it) on an H200, issue 6's deciding figures with the forty-third session's early one launch: the V4-Flash MoE
+# a: (gpu_session49.sh a, then gpu_session50.sh a, replace it) on an H200, issue 6's deciding figures with the forty-third session's early one launch: the V4-Flash MoE
 #    rows (`bench/kernels.py --graph`, the whole op with its router at 1, 8 and 64 tokens) after the read flush,
 #    the 32K decode attention on flashinfer (graph with the sink pass, and the kernel alone, after either
 #    flush), then the MoE rows after the write flush (the figures before the forty-second session were

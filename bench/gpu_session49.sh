@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU steps of the forty-fifth session (every JSON names its card):
+# GPU steps of the forty-fifth session (every JSON names its card; gpu_session50.sh a and b replace a and b):
 #
 #   run(command="bash bench/gpu_session49.sh a", carry=[".whl"])   # ≈ 7 min on an H200, ≈ 5 on an H100 (the
 #                                               # drafter's weights moved out of the tree for the carry limit)

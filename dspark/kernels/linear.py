@@ -80,7 +80,7 @@ SHORT_K_MAX_ROWS = 1
 # would load in one K step instead of two, at every row count, with 8 warps. Its one-row-only form was
 # 1.009-1.011x in the v4-mini and v41-mini graph steps (one H100, forty-fifth session, `one-k-tile-*-s45-*.json`)
 # but broke the rows' bit equality with one-row launches; `bench/graph_decode.py --gemv-ab k_tile_2048` times this
-# form (`bench/gpu_session49.sh b`).
+# form (`bench/gpu_session50.sh b`).
 GEMV_K_TILE = 1024
 # Whether `linear_rope` rotates in the GEMV's epilogue (one launch) where the GEMV runs: the indexers' queries at
 # one decode row (K = 512: `SHORT_K`), on a CSA layer's KV lane between c_q and the selection. A candidate, not yet
@@ -395,9 +395,9 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     cos, sin, head_dim = rope if rope is not None else (y, y, 2)  # unread without ROPE
     if rope is not None:
         _check_rope_args(x.reshape(rows, n_in), weight, cos, sin, head_dim)
-        if not rope_tiles(block_n, head_dim, cos.shape[1]):
-            raise ValueError(f"launch_gemv's rope needs an even BLOCK_N and an even count of unrotated columns, "
-                             f"got BLOCK_N {block_n}, head_dim {head_dim}, rd {2 * cos.shape[1]}")
+        if not rope_tiles(block_n, head_dim):
+            raise ValueError(f"launch_gemv's rope needs an even BLOCK_N and an even head_dim, got BLOCK_N {block_n}, "
+                             f"head_dim {head_dim}")
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
     grid = (triton.cdiv(n_out, block_n),)
     pdl = pdl_launch(x.device, grid[0])
@@ -410,10 +410,10 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, in
     return y.reshape(*x.shape[:-1], n_out)
 
 
-def rope_tiles(block_n: int, head_dim: int, half: int) -> bool:
+def rope_tiles(block_n: int, head_dim: int) -> bool:
     """Whether `_gemv_kernel` can rotate in its epilogue at this BLOCK_N: whole pairs per program (BLOCK_N
     even, and every pair starting on an even column: head_dim even, so its unrotated columns too, the rotary
-    ones being 2·half)."""
+    ones being an even 2·half)."""
     return block_n >= 2 and block_n % 2 == 0 and head_dim % 2 == 0
 
 
@@ -448,7 +448,7 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
         return linear_rope_ref(x, weight, cos, sin, head_dim=head_dim)
     rows = x.shape[0]
     if ROPE_EPILOGUE and gemv_pays(rows, n_out, n_in) and \
-            rope_tiles(gemv_tiles(n_out, n_in, _num_sms(x.device), rows)[0], head_dim, cos.shape[1]):
+            rope_tiles(gemv_tiles(n_out, n_in, _num_sms(x.device), rows)[0], head_dim):
         return launch_gemv(x, weight, rope=(cos, sin, head_dim)).unflatten(-1, (-1, head_dim))
     return launch_rope(linear(x, weight).unflatten(-1, (-1, head_dim)), cos.unsqueeze(-2), sin.unsqueeze(-2))
 

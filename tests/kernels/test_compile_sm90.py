@@ -527,7 +527,7 @@ def test_fused_launches_compile_for_sm90_without_spills(monkeypatch, tmp_path):
         for name in names:
             monkeypatch.setattr(module, name, Recorder(getattr(module, name), module.__name__, name, log))
     run_every_tile_class()
-    monkeypatch.setattr(linear, "GEMV_K_TILE", 2048)  # the bench's candidate K tile (`bench/gpu_session49.sh b`)
+    monkeypatch.setattr(linear, "GEMV_K_TILE", 2048)  # the bench's candidate K tile (`bench/gpu_session50.sh b`)
     run_gemv_tile_classes(torch.Generator().manual_seed(1))
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in log}.values())
     assert {launch["kernel"] for launch in unique} == {n for names in KERNELS.values() for n in names}

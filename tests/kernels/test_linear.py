@@ -214,29 +214,44 @@ def test_indexers_on_linear_scaled_give_the_same_logits(name, monkeypatch):
     replaced (the registry's `linear` GEMV, then the cast and the product, swapped in as each indexer's
     `weights_op`): the same sums, so the same logits bit for bit, over a prefill and decode steps
     (the GEMV's range widened to the tiny model's K)."""
-    import dspark
-
     monkeypatch.setattr(op, "gemv_pays", lambda rows, n_out, n_in: 1 <= rows <= op.GEMV_MAX_ROWS)
     calls = record_launches(monkeypatch, "launch_gemv")
     kernels = dataclasses.replace(KernelConfig.for_device(DEVICE), linear="triton", linear_scaled="triton")
+    former, fused = indexer_logits_both_ways(
+        name, kernels, "weights_op", op.linear_scaled, lambda x, weight, *, scale: op.linear(x, weight).float() * scale,
+        calls, lambda calls: any(k.get("scale") is not None for k in calls))
+    assert torch.equal(former, fused)
+
+
+def indexer_logits_both_ways(name, kernels, attr, fused_op, former_op, calls, fused_ran) -> tuple:
+    """(former, fused) `prefill_and_decode_logits` of tiny `name` (fp32, `kernels`): every indexer's op `attr`
+    first swapped for `former_op`, then as the registry picked it (`fused_op`); `fused_ran(calls)` (the
+    launches recorded meanwhile) must hold in the second run only."""
+    import dspark
+
     options = dict(prefill_mode="exact", cache_qat=False) if name == "tiny-v41" else {}
     logits = []
-    for impl in ("former", "triton"):
+    for former in (True, False):
         model = dspark.init_model(name, seed=0, device=DEVICE, dtype=torch.float32, **options, kernels=kernels)
-        indexers = [m for m in model.modules() if hasattr(m, "weights_op")]
-        assert indexers and all(m.weights_op is op.linear_scaled for m in indexers)
-        if impl == "former":
+        indexers = [m for m in model.modules() if hasattr(m, attr)]
+        assert indexers and all(getattr(m, attr) is fused_op for m in indexers)
+        if former:
             for m in indexers:
-                m.weights_op = lambda x, weight, *, scale: op.linear(x, weight).float() * scale
+                setattr(m, attr, former_op)
         calls.clear()
-        state = model.new_state()
-        ids = torch.arange(3, 12, device=DEVICE)
-        steps = [model(ids, [state], [len(ids)]).logits[-1]]
-        for token in (5, 9):
-            steps.append(model(torch.tensor([token], device=DEVICE), [state], [1]).logits[-1])
-        assert any("scale" in k and k["scale"] is not None for k in calls) == (impl == "triton")
-        logits.append(torch.stack(steps))
-    assert torch.equal(logits[0], logits[1])
+        logits.append(prefill_and_decode_logits(model))
+        assert fused_ran(calls) != former
+    return tuple(logits)
+
+
+def prefill_and_decode_logits(model) -> torch.Tensor:
+    """[3, V]: the last row's logits of a 9-token prefill, then of two decode steps after it (one request)."""
+    state = model.new_state()
+    ids = torch.arange(3, 12, device=DEVICE)
+    steps = [model(ids, [state], [len(ids)]).logits[-1]]
+    for token in (5, 9):
+        steps.append(model(torch.tensor([token], device=DEVICE), [state], [1]).logits[-1])
+    return torch.stack(steps)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ import torch
 from dspark.kernels import KernelConfig, triton_available
 from dspark.kernels import linear as op
 from dspark.kernels.rope import launch_rope
+from test_linear import indexer_logits_both_ways, record_launches  # tests/kernels is on sys.path (prepend mode)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed; pip install -e '.[gpu]'")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,8 +67,7 @@ def test_rope_epilogue_is_the_two_launches_bit_for_bit(dtype, rows, n_heads, hea
 def test_linear_rope_takes_one_launch_where_the_gemv_pays(epilogue, rows, n_in, one_launch, monkeypatch):
     monkeypatch.setattr(op, "ROPE_EPILOGUE", epilogue)
     x, weight, cos, sin = rope_inputs(rows, 2, 32, 16, n_in, torch.float32, seed=rows + n_in)
-    calls, launch = [], op.launch_gemv
-    monkeypatch.setattr(op, "launch_gemv", lambda *a, **k: calls.append(k) or launch(*a, **k))
+    calls = record_launches(monkeypatch, "launch_gemv")
     q = op.linear_rope(x, weight, cos, sin, head_dim=32)
     assert q.shape == (rows, 2, 32)
     assert any(k.get("rope") is not None for k in calls) == one_launch
@@ -84,10 +84,10 @@ def test_linear_rope_under_autograd_runs_the_reference():
 
 
 def test_rope_tiles_need_whole_pairs():
-    assert op.rope_tiles(16, 128, 32)  # v4-mini's indexer queries: BLOCK_N 16, 64 unrotated columns
-    assert op.rope_tiles(2, 8, 4)  # no unrotated columns, one pair a program
-    assert not op.rope_tiles(1, 128, 32)  # one column a program splits every pair
-    assert not op.rope_tiles(16, 127, 32)  # an odd head_dim starts every other head's pairs on an odd column
+    assert op.rope_tiles(16, 128)  # v4-mini's indexer queries at one row: BLOCK_N 16
+    assert op.rope_tiles(2, 8)  # one pair a program
+    assert not op.rope_tiles(1, 128)  # one column a program splits every pair
+    assert not op.rope_tiles(16, 127)  # an odd head_dim starts every other head's pairs on an odd column
 
 
 def test_bad_arguments_name_the_values():
@@ -118,32 +118,14 @@ def test_indexers_on_linear_rope_give_the_same_logits(name, monkeypatch):
     """The V4 and V4.1 indexers' queries through `linear_rope` with the rotation in the GEMV's epilogue (one
     launch) against the path it replaces (each indexer's `wq_b` GEMV, then its `rope_op`): the same bits, so
     the same logits, over a prefill and decode steps (the GEMV's one-row range widened to the tiny K)."""
-    import dspark
-
     monkeypatch.setattr(op, "ROPE_EPILOGUE", True)
     monkeypatch.setattr(op, "gemv_pays", lambda rows, n_out, n_in: 1 <= rows <= op.GEMV_MAX_ROWS)
-    calls, launch = [], op.launch_gemv
-    monkeypatch.setattr(op, "launch_gemv", lambda *a, **k: calls.append(k) or launch(*a, **k))
+    calls = record_launches(monkeypatch, "launch_gemv")
     kernels = dataclasses.replace(KernelConfig.for_device(DEVICE), linear="triton", rope="triton",
                                   linear_rope="triton")
-    options = dict(prefill_mode="exact", cache_qat=False) if name == "tiny-v41" else {}
-    logits = []
-    for impl in ("two launches", "epilogue"):
-        model = dspark.init_model(name, seed=0, device=DEVICE, dtype=torch.float32, **options, kernels=kernels)
-        indexers = [m for m in model.modules() if hasattr(m, "linear_rope_op")]
-        assert indexers and all(m.linear_rope_op is op.linear_rope for m in indexers)
-        if impl == "two launches":
-            for m in indexers:
-                m.linear_rope_op = None
-        calls.clear()
-        state = model.new_state()
-        ids = torch.arange(3, 12, device=DEVICE)
-        steps = [model(ids, [state], [len(ids)]).logits[-1]]
-        for token in (5, 9):
-            steps.append(model(torch.tensor([token], device=DEVICE), [state], [1]).logits[-1])
-        assert any(k.get("rope") is not None for k in calls) == (impl == "epilogue")
-        logits.append(torch.stack(steps))
-    assert torch.equal(logits[0], logits[1])
+    former, fused = indexer_logits_both_ways(name, kernels, "linear_rope_op", op.linear_rope, None, calls,
+                                             lambda calls: any(k.get("rope") is not None for k in calls))
+    assert torch.equal(former, fused)
 
 
 def test_indexers_keep_two_ops_unless_linear_and_linear_rope_are_triton():
