@@ -171,6 +171,8 @@ def captured_with(variant: dict):
       K = 512 weights, v4-mini's `wq_b` and indexer `wq_b`, as shipped before the thirty-eighth session);
     * "tiles" (BLOCK_N, warps) replaces `gemv_tiles`' choice on the K = 512 rows (16 rows, 8 warps);
     * "GEMV_K_TILE" replaces `linear`'s (2048: rows of more than 1024 in 2048-wide K tiles at every row count);
+    * "Q_NORM_FOLD" replaces `attention`'s (True: V4's per-head q norm and RoPE inside the attention's partial
+      kernel, one launch fewer per layer);
     * "ROPE_EPILOGUE" replaces `linear`'s (True: the indexers' queries rotated in their GEMV's epilogue, one
       launch instead of the GEMV and the rope kernel);
     * "HEAD_WEIGHTS_EARLY" replaces `side_stream`'s (True: a CSA layer's indexer head weights on the KV lane
@@ -184,7 +186,7 @@ def captured_with(variant: dict):
     * `BOUND_VARIANTS`' keys leave work out of V4's step (wrong logits: bounds on what a change there can
       save): "NO_POOL" every compressor's pooling (`Compressor.pool_rows`), "NO_COMPRESS" every
       compressor update (`static_step.update_compressor`: projections and pooling)."""
-    from dspark.kernels import grouped_wo_a, linear, moe_decode, moe_route_decode
+    from dspark.kernels import attention, grouped_wo_a, linear, moe_decode, moe_route_decode
     from dspark.models.deepseek_v4 import side_stream, static_step as v4_step
     from dspark.models.deepseek_v4.compressor import Compressor
 
@@ -195,6 +197,8 @@ def captured_with(variant: dict):
     grouped_wo_a.GEMV_ROWS = variant.get("WO_A_GEMV_ROWS", saved_wo_a)
     saved_release, saved_early = moe_route_decode.RELEASE_FIRST, side_stream.HEAD_WEIGHTS_EARLY
     side_stream.HEAD_WEIGHTS_EARLY = variant.get("HEAD_WEIGHTS_EARLY", saved_early)
+    saved_fold = attention.Q_NORM_FOLD
+    attention.Q_NORM_FOLD = variant.get("Q_NORM_FOLD", saved_fold)
     if variant.get("MOE_LATE"):
         moe_decode.decode_experts = lambda *args, x_ready=False, **kwargs: saved_experts(*args, **kwargs)
         moe_route_decode.RELEASE_FIRST = False
@@ -223,6 +227,7 @@ def captured_with(variant: dict):
         grouped_wo_a.GEMV_ROWS, v4_step.update_compressor, Compressor.pool_rows = saved_wo_a, saved_update, saved_pool
         moe_decode.UP_TMA, moe_decode.DOWN_TMA, moe_decode.decode_experts = saved_up, saved_down, saved_experts
         moe_route_decode.RELEASE_FIRST, side_stream.HEAD_WEIGHTS_EARLY = saved_release, saved_early
+        attention.Q_NORM_FOLD = saved_fold
 
 
 # --gemv-ab: label -> `captured_with`'s variant. The thirty-eighth session's first run (gemv-ab-*-s38.json) was
@@ -237,6 +242,7 @@ def captured_with(variant: dict):
 GEMV_VARIANTS = {"cublas": dict(SHORT_K=-1), "gemv_n8": dict(tiles=(8, 4)), "wo_a_split": dict(WO_A_GEMV_ROWS=0),
                  "gemv_one_row": dict(GEMV_MAX_ROWS=1), "k_tile_2048": dict(GEMV_K_TILE=2048),
                  "head_weights_early": dict(HEAD_WEIGHTS_EARLY=True), "rope_epilogue": dict(ROPE_EPILOGUE=True),
+                 "q_norm_fold": dict(Q_NORM_FOLD=True),
                  "moe_up_gemv": dict(UP_TMA=None), "moe_down_gemv": dict(DOWN_TMA={}), "moe_late": dict(MOE_LATE=True)}
 # --bounds (V4 only): label -> `captured_with`'s variant that leaves work out (the logits are then wrong)
 BOUND_VARIANTS = {"no_pool": dict(NO_POOL=True), "no_compress": dict(NO_COMPRESS=True)}

@@ -5,6 +5,11 @@ Op (`<op>` is Triton, `<op>_ref` is torch, same signature):
 * ``sparse_attention(q, pool, index, sink, scale) -> out``: query s attends to the rows
   ``pool[index[s, j]]`` (−1 = no key), each row both key and value (shared-KV MQA), with a per-head
   sink logit that joins the softmax denominator only.
+* ``sparse_attention_qnorm(q, cos, sin, pool, index, sink, scale, *, eps) -> out``: the same attention of
+  V4's raw q heads (wq_b's output), each head first RMS-normalised (unweighted) and rotated (cos / sin
+  [S, rd/2]) as ``norm_rope`` does. With Q_NORM_FOLD (a candidate, off) `_partial_kernel` normalises and
+  rotates the q tile it loads (one launch fewer before the attention); otherwise ``norm_rope``, then
+  ``sparse_attention``.
 
 The model builds `index` per request: the sliding window (W = 128 rows, p−W+1 .. p), then the
 compressed entries (all visible ones for HCA, the indexer's top-k for CSA). Decode, verify and
@@ -31,25 +36,54 @@ from dataclasses import dataclass, replace
 import torch
 
 from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # noqa: F401 (the op's ref)
+from dspark.kernels.attention_ref import _check_qnorm_args, sparse_attention_qnorm_ref  # noqa: F401 (the op's ref)
 from dspark.kernels import attention_wide
+from dspark.kernels.norm_rope import norm_rope
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
 from dspark.kernels.triton_compat import pdl_launch, pdl_prologue
 
 
+# Whether `sparse_attention_qnorm` normalises and rotates V4's q heads inside `_partial_kernel` (below 64 query
+# rows, where that kernel runs): the `norm_rope` launch between wq_b and the attention leaves the main lane's
+# chain (12 a v4-mini step). A candidate, not yet timed (`bench/graph_decode.py --gemv-ab q_norm_fold`). Not bit
+# for bit `norm_rope`: Σq² reduces in this kernel's tile (about 1 ulp of the rsqrt, as `mhc_norm`'s norm).
+Q_NORM_FOLD = False
+
 # --------------------------------------------------------------------------------- Triton kernels
+
+
+@_jit
+def _norm_rope_heads(q, cos_row, sin_row, head_dim, half, eps, D_PAD: tl.constexpr):
+    """q [BH, D_PAD] (a query's raw heads, storage dtype; padding 0) -> each head RMS-normalised over head_dim
+    (unweighted), rounded to q's dtype, its trailing 2·half dims rotated pairwise by the row's cos / sin
+    (`cos_row`, `sin_row`: [half] fp32) and rounded again: `norm_rope`'s arithmetic, which runs without FMA
+    contraction, so squares and products are fma(a, b, +0) here (each rounds as the product; only Σq²'s
+    order is this tile's)."""
+    x = q.to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(tl.fma(x, x, 0.0), axis=1) / head_dim + eps)  # [BH]
+    x = tl.fma(x, r[:, None], 0.0).to(q.dtype).to(tl.float32)
+    e, o = tl.split(tl.reshape(x, (x.shape[0], D_PAD // 2, 2)))  # [BH, D_PAD / 2] each
+    j = 2 * tl.arange(0, D_PAD // 2) - (head_dim - 2 * half)  # the pair's index in the rotary dims, < 0: none
+    rot = (j >= 0) & (j < 2 * half)
+    c = tl.load(cos_row + tl.maximum(j, 0) // 2, mask=rot, other=1.0)[None, :]
+    s = tl.load(sin_row + tl.maximum(j, 0) // 2, mask=rot, other=0.0)[None, :]
+    e_rot = tl.where(rot[None, :], tl.fma(e, c, 0.0) - tl.fma(o, s, 0.0), e)
+    o_rot = tl.where(rot[None, :], tl.fma(e, s, 0.0) + tl.fma(o, c, 0.0), o)
+    return tl.reshape(tl.join(e_rot, o_rot), (x.shape[0], D_PAD)).to(q.dtype)
 
 
 @_jit
 def _partial_kernel(
     q_ptr, pool_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr,
-    n_q, n_heads, head_dim, n_keys, keys_per_chunk, scale, n_hblocks,
+    n_q, n_heads, head_dim, n_keys, keys_per_chunk, scale, n_hblocks, cos_ptr, sin_ptr, half, eps,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, PREFETCH: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Online softmax of query s, heads of block hb, over keys [c·keys_per_chunk, (c+1)·...):
-    writes m, l [C, S, H] and acc [C, S, H, d] (fp32, un-normalised).
+    writes m, l [C, S, H] and acc [C, S, H, d] (fp32, un-normalised). QNORM: q holds raw heads, normalised
+    and rotated as loaded (`_norm_rope_heads`; cos / sin [S, half] fp32, eps).
 
     Program (s, hb) is program_id(0) = s·n_hblocks + hb with HEADS_FASTEST (the head blocks of a
     query, which gather the same key rows, run back to back and share them through L2), else
@@ -70,6 +104,8 @@ def _partial_kernel(
     d_mask = offs_d < head_dim
     hd_mask = h_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + (s * n_heads + offs_h)[:, None] * head_dim + offs_d[None, :], mask=hd_mask, other=0.0)
+    if QNORM:
+        q = _norm_rope_heads(q, cos_ptr + s * half, sin_ptr + s * half, head_dim, half, eps, D_PAD)
     if DOT_FP32:
         q = q.to(tl.float32)
     m = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)  # finite: no inf − inf
@@ -252,26 +288,57 @@ def wide_tiles(n_heads: int) -> Tiles:
     return Tiles(max(16, triton.next_power_of_2(n_heads)), 32, 8, num_stages=4, waves=1, wide=True)
 
 
-def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Fused `sparse_attention_ref` (same signature, shapes and dtypes)."""
-    n_q, n_heads, head_dim = q.shape
+def op_tiles(n_q: int, n_heads: int, head_dim: int) -> Tiles:
+    """The launch shape `sparse_attention` takes for n_q query rows."""
     if n_q >= WIDE_MIN_QUERIES and n_heads <= 64 and triton.next_power_of_2(head_dim) == 512:  # as measured
-        return launch_sparse_attention(q, pool, index, sink, scale, wide_tiles(n_heads))
+        return wide_tiles(n_heads)
     tiles = default_tiles(n_heads, head_dim)
     if n_q == 1:
         # One query (batch-1 decode): 2-tile chunks, more programs for its few keys. On one H200
         # (bench/attn_decode_chunks.py, v4-mini, graph replays) 16.9 vs 18.9 µs (CSA, 4K), 12.4 vs
         # 14.2 (HCA, 4K), 14.4 vs 17.9 (HCA, 32K); from 8 queries on, 4-tile chunks were as fast or faster.
         tiles = replace(tiles, min_chunk_tiles=2)
-    return launch_sparse_attention(q, pool, index, sink, scale, tiles)
+    return tiles
+
+
+def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Fused `sparse_attention_ref` (same signature, shapes and dtypes)."""
+    return launch_sparse_attention(q, pool, index, sink, scale, op_tiles(*q.shape))
+
+
+def sparse_attention_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
+                           index: torch.Tensor, sink: torch.Tensor, scale: float, *, eps: float) -> torch.Tensor:
+    """Fused `sparse_attention_qnorm_ref` (same signature): with Q_NORM_FOLD and `_partial_kernel`'s tiles, one
+    attention whose programs normalise and rotate the q tiles they load; otherwise `norm_rope`, then
+    `sparse_attention`."""
+    _check_qnorm_args(q, cos, sin, eps)
+    if q_norm_folds(*q.shape):
+        return launch_sparse_attention(q, pool, index, sink, scale, op_tiles(*q.shape), qnorm=(cos, sin, eps))
+    return sparse_attention(norm_rope(q, None, cos.unsqueeze(-2), sin.unsqueeze(-2), eps=eps), pool, index, sink, scale)
+
+
+def q_norm_folds(n_q: int, n_heads: int, head_dim: int) -> bool:
+    """Whether `sparse_attention_qnorm` folds the q norm for q [n_q, n_heads, head_dim]: Q_NORM_FOLD and
+    `_partial_kernel`'s tiles. Where it does not, V4's static step normalises q itself, where it always has
+    (before the side lanes' joins), and calls `sparse_attention`: the op's unfolded path would move that
+    launch after the joins (`sparse_attention_qnorm.folds`)."""
+    return Q_NORM_FOLD and not op_tiles(n_q, n_heads, head_dim).wide
+
+
+sparse_attention_qnorm.folds = q_norm_folds  # the static step asks the op it holds (`LatentAttention.attend_qnorm_op`)
 
 
 def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, sink: torch.Tensor,
-                            scale: float, tiles: Tiles) -> torch.Tensor:
-    """`sparse_attention` with explicit `tiles` (the bench sweeps them; the model uses the default)."""
+                            scale: float, tiles: Tiles, *, qnorm: tuple | None = None) -> torch.Tensor:
+    """`sparse_attention` with explicit `tiles` (the bench sweeps them; the model uses the default). With
+    `qnorm` = (cos, sin, eps): `sparse_attention_qnorm`'s fold (q raw; `_partial_kernel`'s tiles only)."""
     require_triton()
     _check_args(q, pool, index, sink)
+    if qnorm is not None:
+        _check_qnorm_args(q, *qnorm)
+        if tiles.wide:
+            raise ValueError("the q norm fold runs in _partial_kernel only, not with wide tiles")
     n_q, n_heads, head_dim = q.shape
     n_keys = index.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -301,11 +368,13 @@ def launch_sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Te
         dot_fp32 = q.dtype == torch.float32 or pool.dtype == torch.float32
         grid = (n_q * n_hblocks, n_chunks)
         pdl = pdl_launch(q.device, math.prod(grid))
+        cos, sin, eps = (m, m, 1.0) if qnorm is None else (qnorm[0].float().contiguous(), qnorm[1].float().contiguous(),
+                                                           float(qnorm[2]))  # unread without QNORM
         _partial_kernel[grid](
             q, pool, index, m, l, acc,
-            n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale), n_hblocks,
+            n_q, n_heads, head_dim, n_keys, keys_per_chunk, float(scale), n_hblocks, cos, sin, cos.shape[-1], eps,
             BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DOT_FP32=dot_fp32, HEADS_FASTEST=tiles.heads_fastest,
-            PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl,
+            PREFETCH=tiles.prefetch, QNORM=qnorm is not None, PDL=pdl, launch_pdl=pdl,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     block_c, block_d = combine_blocks(n_chunks, block_h, d_pad, tiles.combine_chunks)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from dspark.kernels.norm_rope_ref import norm_rope_ref
+
 # The reference processes queries in chunks so that the gathered keys [S_chunk, K, d] (fp32) stay
 # below this many elements: a long prefill would otherwise gather S·(W + top-k)·d values at once.
 _REF_CHUNK_ELEMENTS = 1 << 26
@@ -47,3 +49,22 @@ def _ref_chunk(q, pool, index, sink, scale):
     sink = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
     probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass, gives no value
     return torch.einsum("shk,skd->shd", probs, keys)
+
+
+def _check_qnorm_args(q, cos, sin, eps) -> None:
+    if q.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != q.shape[0] \
+            or not 0 < 2 * cos.shape[1] <= q.shape[2]:
+        raise ValueError(f"q [S, H, d] needs cos / sin [S, rd/2] with 0 < rd <= d, got q {tuple(q.shape)}, "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+
+
+def sparse_attention_qnorm_ref(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
+                               index: torch.Tensor, sink: torch.Tensor, scale: float, *, eps: float) -> torch.Tensor:
+    """`sparse_attention_ref` of V4's raw q heads: each head RMS-normalised (unweighted, `eps`) and its trailing
+    rd = 2·cos.shape[-1] dims rotated by its row's cos / sin [S, rd/2] first (`norm_rope_ref`, the model's
+    former code), then attended. q [S, H, d] (wq_b's output) -> [S, H, d] in q's dtype."""
+    _check_qnorm_args(q, cos, sin, eps)
+    q = norm_rope_ref(q, None, cos.unsqueeze(-2), sin.unsqueeze(-2), eps=eps)
+    return sparse_attention_ref(q, pool, index, sink, scale)

@@ -71,6 +71,7 @@ _OP_MODULES: dict[str, str] = {
     "engram_gate": "engram_gate",
     "engram_rows": "engram_rows",
     "sparse_attention": "attention",
+    "sparse_attention_qnorm": "attention",
     "lightning_indexer": "indexer",
     "select_topk": "indexer",
     "index_scores": "indexer",
@@ -160,6 +161,7 @@ class KernelConfig:
     engram_gate: Impl = "ref"
     engram_rows: Impl = "ref"
     sparse_attention: Impl = "ref"
+    sparse_attention_qnorm: Impl = "ref"
     lightning_indexer: Impl = "ref"
     select_topk: Impl = "ref"
     index_scores: Impl = "ref"

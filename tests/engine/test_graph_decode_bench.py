@@ -98,6 +98,15 @@ def test_rope_epilogue_is_on_only_while_captured():
     assert linear.ROPE_EPILOGUE is False
 
 
+def test_q_norm_fold_is_on_only_while_captured():
+    import graph_decode
+    from dspark.kernels import attention
+
+    with graph_decode.captured_with(graph_decode.GEMV_VARIANTS["q_norm_fold"]):
+        assert attention.Q_NORM_FOLD is True
+    assert attention.Q_NORM_FOLD is False
+
+
 def test_head_weights_early_is_on_only_while_captured():
     import graph_decode
     from dspark.models.deepseek_v4 import side_stream

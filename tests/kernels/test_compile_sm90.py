@@ -275,6 +275,11 @@ def run_every_tile_class():
         pool = torch.randn(40, 512, generator=g).bfloat16().to(DEVICE)
         index = torch.randint(-1, 40, (2, 70), generator=g).to(DEVICE)
         attention.sparse_attention(q, pool, index, torch.zeros(n_heads, device=DEVICE), 512 ** -0.5)
+        for n_q in (1, 2):  # the q norm fold (`sparse_attention_qnorm`): v4-mini's decode and a verify pair, rd 64
+            angles = torch.rand(n_q, 32, generator=g).to(DEVICE)
+            attention.launch_sparse_attention(q[:n_q], pool, index[:n_q], torch.zeros(n_heads, device=DEVICE),
+                                              512 ** -0.5, attention.op_tiles(n_q, n_heads, 512),
+                                              qnorm=(angles.cos(), angles.sin(), 1e-6))
     # From 64 query rows the op runs `attention_wide` at `wide_tiles(n_heads)`. With the H200's 132 SMs, 64
     # rows of 64 keys fit one key chunk (the kernel writes `out`); 256 keys split into chunks (partials and
     # the merge), here on 16 rows (the same tiles and hints in a quarter of the interpreter's time). Keys

@@ -239,6 +239,8 @@ def _every_op(device: str) -> None:
     index = torch.randint(-1, 40, (2, 70), generator=g).to(device)
     attention.sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125)
     attention.launch_sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125,
+                                      attention.op_tiles(2, 4, 64), qnorm=(rand(2, 8), rand(2, 8), 1e-6))  # q norm fold
+    attention.launch_sparse_attention(rand(2, 4, 64), rand(40, 64), index, torch.zeros(4, device=device), 0.125,
                                       attention.Tiles(16, 16, 4, wide=True, value_split=2))
     keys, visible = rand(100, 32), torch.tensor([99, 100], device=device)
     indexer.lightning_indexer(rand(2, 4, 32), rand(2, 4), keys, visible, None, topk=8)

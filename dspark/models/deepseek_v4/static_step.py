@@ -231,7 +231,11 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
     if attn.indexer is not None:  # the indexer's queries beside the heads' (the lane waits for c_q)
         with side.fork(KV):
             q_index, weights = index_queries(attn.indexer, x, q_lora, cos, sin, weights)
-    q = attn.project_q_heads(q_lora, cos, sin)
+    fold = attn.attend_qnorm_op is not None and attn.attend_qnorm_op.folds(x.shape[0], attn.n_heads, attn.head_dim)
+    if fold:  # raw heads: the attention op normalises and rotates them (`LatentAttention.attend_qnorm_op`)
+        q = attn.wq_b(q_lora).unflatten(-1, (attn.n_heads, attn.head_dim))
+    else:
+        q = attn.project_q_heads(q_lora, cos, sin)
     if attn.compressor is None:  # SWA: the window alone
         keys = index.window_keys(attn.window, state.window)  # [N, W]
     else:
@@ -246,7 +250,10 @@ def static_attention(attn, x: torch.Tensor, index: StepIndex, state: StaticLayer
             side.join(COMPRESS)
             keys = index.hca_keys(attn.window, state.window, attn.rate, n_entries, first)
     side.join(KV)
-    out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
+    if fold:
+        out = attn.attend_qnorm_op(q, cos, sin, state.pool, keys, attn.attn_sink, attn.scale, eps=attn.eps)
+    else:
+        out = attn.attend_op(q, state.pool, keys, attn.attn_sink, attn.scale)  # [N, H, d]
     return attn.project_out(out, cos, sin)
 
 
