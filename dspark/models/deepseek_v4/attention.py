@@ -86,8 +86,8 @@ class LatentAttention(nn.Module):
         # V4's raw q heads [S, H, d], cos/sin [S, rd/2], then attend_op's arguments, eps -> [S, H, d]: the per-head
         # norm and RoPE with the attention (`sparse_attention_qnorm`; the static step asks its `folds`), where it
         # and the ops it joins are Triton
-        self.attend_qnorm_op = (get_op(kernels, "sparse_attention_qnorm") if q_head_norm and kernels.sparse_attention_qnorm
-                                == kernels.sparse_attention == kernels.norm_rope == "triton" else None)
+        fused = kernels.sparse_attention_qnorm == kernels.sparse_attention == kernels.norm_rope == "triton"
+        self.attend_qnorm_op = get_op(kernels, "sparse_attention_qnorm") if q_head_norm and fused else None
         # out [N, H, d], cos/sin [N, rd/2], wo_a weight [G·R, H·d/G] -> [N, G·R] token-major
         self.wo_a_op = get_op(kernels, "grouped_wo_a")
         # x [..., d], cos/sin broadcastable to [..., rd/2] -> x rotated (a new tensor, x's dtype)
