@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU steps of the forty-sixth session (every JSON names its card):
 #
-#   run(command="bash bench/gpu_session50.sh a", carry=[".whl"])   # ≈ 7 min on an H200, ≈ 6 on an H100 (the
+#   run(command="bash bench/gpu_session50.sh a", carry=[".whl"])   # ≈ 7 min on an H200, ≈ 8 on an H100 (the
 #                                               # drafter's weights moved out of the tree for the carry limit)
-#   run(command="bash bench/gpu_session50.sh b")   # ≈ 6 min
+#   run(command="bash bench/gpu_session50.sh b")   # ≈ 8 min (four variants)
 #   run(command="bash bench/gpu_session50.sh c")   # ≈ 7 min, an H200 only (else it does nothing)
 #
 # a: on an H200, issue 6's deciding figures (`gpu_lib.issue6_h200_or`: the MoE rows after the read and the write
