@@ -39,6 +39,7 @@ from dspark.kernels.attention_ref import _check_args, sparse_attention_ref  # no
 from dspark.kernels.attention_ref import _check_qnorm_args, sparse_attention_qnorm_ref  # noqa: F401 (the op's ref)
 from dspark.kernels import attention_wide
 from dspark.kernels.norm_rope import norm_rope
+from dspark.kernels.rope import rotate_pairs
 from dspark.kernels.registry import require_triton
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
@@ -59,19 +60,16 @@ def _norm_rope_heads(q, cos_row, sin_row, head_dim, half, eps, D_PAD: tl.constex
     """q [BH, D_PAD] (a query's raw heads, storage dtype; padding 0) -> each head RMS-normalised over head_dim
     (unweighted), rounded to q's dtype, its trailing 2·half dims rotated pairwise by the row's cos / sin
     (`cos_row`, `sin_row`: [half] fp32) and rounded again: `norm_rope`'s arithmetic, which runs without FMA
-    contraction, so squares and products are fma(a, b, +0) here (each rounds as the product; only Σq²'s
-    order is this tile's)."""
+    contraction, so squares and products are fma(a, b, +0) here (`rope.rotate_pairs`; each rounds as the
+    product; only Σq²'s order is this tile's)."""
     x = q.to(tl.float32)
     r = tl.math.rsqrt(tl.sum(tl.fma(x, x, 0.0), axis=1) / head_dim + eps)  # [BH]
     x = tl.fma(x, r[:, None], 0.0).to(q.dtype).to(tl.float32)
-    e, o = tl.split(tl.reshape(x, (x.shape[0], D_PAD // 2, 2)))  # [BH, D_PAD / 2] each
     j = 2 * tl.arange(0, D_PAD // 2) - (head_dim - 2 * half)  # the pair's index in the rotary dims, < 0: none
     rot = (j >= 0) & (j < 2 * half)
     c = tl.load(cos_row + tl.maximum(j, 0) // 2, mask=rot, other=1.0)[None, :]
     s = tl.load(sin_row + tl.maximum(j, 0) // 2, mask=rot, other=0.0)[None, :]
-    e_rot = tl.where(rot[None, :], tl.fma(e, c, 0.0) - tl.fma(o, s, 0.0), e)
-    o_rot = tl.where(rot[None, :], tl.fma(e, s, 0.0) + tl.fma(o, c, 0.0), o)
-    return tl.reshape(tl.join(e_rot, o_rot), (x.shape[0], D_PAD)).to(q.dtype)
+    return rotate_pairs(x, c, s, rot).to(q.dtype)
 
 
 @_jit
@@ -313,8 +311,9 @@ def sparse_attention_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     attention whose programs normalise and rotate the q tiles they load; otherwise `norm_rope`, then
     `sparse_attention`."""
     _check_qnorm_args(q, cos, sin, eps)
-    if q_norm_folds(*q.shape):
-        return launch_sparse_attention(q, pool, index, sink, scale, op_tiles(*q.shape), qnorm=(cos, sin, eps))
+    tiles = op_tiles(*q.shape)
+    if _folds(tiles):
+        return launch_sparse_attention(q, pool, index, sink, scale, tiles, qnorm=(cos, sin, eps))
     return sparse_attention(norm_rope(q, None, cos.unsqueeze(-2), sin.unsqueeze(-2), eps=eps), pool, index, sink, scale)
 
 
@@ -323,7 +322,12 @@ def q_norm_folds(n_q: int, n_heads: int, head_dim: int) -> bool:
     `_partial_kernel`'s tiles. Where it does not, V4's static step normalises q itself, where it always has
     (before the side lanes' joins), and calls `sparse_attention`: the op's unfolded path would move that
     launch after the joins (`sparse_attention_qnorm.folds`)."""
-    return Q_NORM_FOLD and not op_tiles(n_q, n_heads, head_dim).wide
+    return _folds(op_tiles(n_q, n_heads, head_dim))
+
+
+def _folds(tiles: Tiles) -> bool:
+    """Q_NORM_FOLD where the op's launch shape is `_partial_kernel`'s (not `attention_wide`'s)."""
+    return Q_NORM_FOLD and not tiles.wide
 
 
 sparse_attention_qnorm.folds = q_norm_folds  # the static step asks the op it holds (`LatentAttention.attend_qnorm_op`)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from dspark.kernels.autograd import records_grad
 from dspark.kernels.registry import require_triton
-from dspark.kernels.rope import launch_rope
+from dspark.kernels.rope import launch_rope, rotate_pairs
 from dspark.kernels.rope_ref import rope_ref
 
 from dspark.kernels.triton_compat import jit as _jit, tl, triton  # noqa: F401 (stand-ins without triton)
@@ -232,24 +232,16 @@ def _x_tile(x_ptr, offs_m, m_mask, n_in, offs_k, k_mask):
 @_jit
 def _rope_pairs(y, cos_ptr, sin_ptr, offs_m, m_mask, head_dim, half, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """y [ROWS, BLOCK_N] (program n's columns, rounded to the output dtype, fp32) with each head's trailing
-    2·half columns rotated pairwise by row m's cos / sin [M, half] (fp32, contiguous) as the `rope` op does.
-
-    BLOCK_N is even and a program's first column is too, so a pair (even, odd column) never straddles
-    programs; the pairs are split in registers. The `rope` kernel runs without FMA contraction, this one
-    with it (the GEMV's sums): each product is therefore an fma(a, b, +0), which rounds as the product
-    (the sign of a zero aside: a pair whose two products are both zero may give +0 where `rope` gives -0)
-    and cannot be contracted into the difference or the sum after it."""
-    e, o = tl.split(tl.reshape(y, (ROWS, BLOCK_N // 2, 2)))  # [ROWS, BLOCK_N / 2] each
+    2·half columns rotated pairwise by row m's cos / sin [M, half] (fp32, contiguous) as the `rope` op does
+    (`rope.rotate_pairs`). BLOCK_N is even and a program's first column is too, so a pair (even, odd column)
+    never straddles programs."""
     col = tl.program_id(0) * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # each pair's even column
     j = col % head_dim - (head_dim - 2 * half)  # index inside the head's rotary dims, < 0 for "nope" columns
     rot = j >= 0
     cs = offs_m.to(tl.int64)[:, None] * half + (tl.maximum(j, 0) // 2)[None, :]
     mask = m_mask[:, None] & rot[None, :]
-    c = tl.load(cos_ptr + cs, mask=mask, other=1.0)
-    s = tl.load(sin_ptr + cs, mask=mask, other=0.0)
-    e_rot = tl.fma(e, c, 0.0) - tl.fma(o, s, 0.0)
-    o_rot = tl.fma(e, s, 0.0) + tl.fma(o, c, 0.0)
-    return tl.reshape(tl.join(tl.where(rot[None, :], e_rot, e), tl.where(rot[None, :], o_rot, o)), (ROWS, BLOCK_N))
+    return rotate_pairs(y, tl.load(cos_ptr + cs, mask=mask, other=1.0), tl.load(sin_ptr + cs, mask=mask, other=0.0),
+                        rot)
 
 
 @_jit
@@ -447,9 +439,9 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     if records_grad(x, weight, cos, sin):
         return linear_rope_ref(x, weight, cos, sin, head_dim=head_dim)
     rows = x.shape[0]
-    if ROPE_EPILOGUE and gemv_pays(rows, n_out, n_in) and \
-            rope_tiles(gemv_tiles(n_out, n_in, _num_sms(x.device), rows)[0], head_dim):
-        return launch_gemv(x, weight, rope=(cos, sin, head_dim)).unflatten(-1, (-1, head_dim))
+    tiles = gemv_tiles(n_out, n_in, _num_sms(x.device), rows)
+    if ROPE_EPILOGUE and gemv_pays(rows, n_out, n_in) and rope_tiles(tiles[0], head_dim):
+        return launch_gemv(x, weight, tiles, rope=(cos, sin, head_dim)).unflatten(-1, (-1, head_dim))
     return launch_rope(linear(x, weight).unflatten(-1, (-1, head_dim)), cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 

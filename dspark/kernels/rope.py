@@ -79,6 +79,19 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, dim, half, cos_inner, c
     tl.store(y_rows + even_cols + 1, (e * s + o * c).to(out_ty), mask=mask)
 
 
+@_jit
+def rotate_pairs(x, c, s, rot):
+    """x [R, 2P] fp32 with its pairs (2i, 2i+1) rotated by c / s (broadcastable to [R, P]) where rot [P], as
+    `_rope_kernel` rotates them, for kernels compiled with FMA contraction on (the fused GEMV's and attention's
+    epilogues): each product is an fma(a, b, +0), which rounds as the product (the sign of a zero aside: a pair
+    whose two products are both zero may give +0 where `rope` gives -0) and cannot be contracted into the
+    difference or the sum after it. The pairs are split in registers."""
+    e, o = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))  # [R, P] each
+    e_rot = tl.where(rot[None, :], tl.fma(e, c, 0.0) - tl.fma(o, s, 0.0), e)
+    o_rot = tl.where(rot[None, :], tl.fma(e, s, 0.0) + tl.fma(o, c, 0.0), o)
+    return tl.reshape(tl.join(e_rot, o_rot), (x.shape[0], x.shape[1]))
+
+
 def _table_strides(table: torch.Tensor, lead: torch.Size) -> tuple[torch.Tensor, int, int, int]:
     """(table, inner, outer_stride, inner_stride) with table row (r // inner)·outer_stride +
     (r % inner)·inner_stride serving x's row r, for a table [..., rd/2] broadcast over x's leading
